@@ -1,0 +1,8 @@
+"""qtensor: low-precision arithmetic emulation for PyTorch."""
+from .formats import (BlockFormat, FixedFormat, FloatFormat, Format, FormatError, PRESETS,
+                      format)
+from . import reference
+
+globals().update(PRESETS)
+
+from .ops import quantize  # noqa: E402

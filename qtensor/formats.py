@@ -1,0 +1,537 @@
+"""Number formats: immutable descriptions, presets and parsing.
+
+A format says which values exist and how a real number is rounded to one of them. Three kinds:
+
+- ``FloatFormat(exp, man, ...)``: sign/exponent/mantissa floats (IEEE-like, OCP "fn", or with no
+  special codes at all), plus exponent-only scale formats such as E8M0 (``signed=False``).
+- ``FixedFormat(wl, fl, ...)``: integers k times 2^-fl.
+- ``BlockFormat(elem, block_size, axis, ...)``: runs of elements sharing one scale (MX, NVFP4,
+  block floating point).
+
+Every format is a frozen dataclass: hashable, comparable with ``==``, ``f.replace(...)`` gives a
+modified copy, and ``qt.format(str(f)) == f``. Construction refuses formats that make no sense or
+that the float32 carrier used by the kernels cannot hold exactly, with a message that says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+__all__ = [
+    "ROUNDING_MODES", "SPECIALS", "SCALE_RULES", "Format", "FloatFormat", "FixedFormat",
+    "BlockFormat", "format", "PRESETS",
+]
+
+ROUNDING_MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")
+SPECIALS = ("ieee", "fn", "none")
+# floor/ceil: power-of-two scales (OCP MX floor, RCEIL); amax: scale = Q_scale(amax / max_elem)
+SCALE_RULES = ("floor", "ceil", "amax")
+
+# The float32 carrier: every value of every format must be a float32 exactly.
+_F32_MAN = 23
+_F32_EMAX = 127
+_F32_MIN_QUANTUM_EXP = -149  # exponent of the smallest float32 subnormal
+
+
+class FormatError(ValueError):
+    """An impossible or unknown number format."""
+
+
+def _check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDING_MODES:
+        raise FormatError(
+            f"unknown rounding mode {rounding!r}; expected one of {', '.join(ROUNDING_MODES)}")
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(f"{name} must be an int, got {value!r}")
+
+
+class Format:
+    """Common behaviour of all formats."""
+
+    def replace(self, **changes) -> "Format":
+        """A copy with some fields changed, validated like a new format."""
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        return _to_string(self)
+
+
+@dataclass(frozen=True, repr=False)
+class FloatFormat(Format):
+    """A float with ``exp`` exponent bits and ``man`` mantissa bits (the implicit bit not counted).
+
+    specials: ``"ieee"`` (top exponent code is Inf/NaN), ``"fn"`` (only the all-ones code is NaN,
+    as OCP E4M3), ``"none"`` (every code is a number; requires ``saturate=True``).
+    saturate: overflow gives +-max (True) or +-Inf/NaN (False). Defaults to True for "none".
+    signed=False describes exponent-only scale formats such as E8M0: no sign bit and no zero,
+    exponent code 0 is 2^-bias, the all-ones code is NaN; zero, negative and NaN inputs give NaN.
+    """
+
+    exp: int
+    man: int
+    bias: Optional[int] = None
+    subnormals: bool = True
+    specials: str = "ieee"
+    saturate: Optional[bool] = None
+    rounding: str = "nearest"
+    signed: bool = True
+
+    def __post_init__(self):
+        _check_int("exp", self.exp)
+        _check_int("man", self.man)
+        if self.exp < 1:
+            raise FormatError(f"exp must be >= 1, got exp={self.exp}")
+        if self.man < 0:
+            raise FormatError(f"man must be >= 0, got man={self.man}")
+        if self.man > _F32_MAN:
+            raise FormatError(
+                f"man={self.man} does not fit the float32 carrier (at most {_F32_MAN} mantissa bits)")
+        if self.bias is None:
+            object.__setattr__(self, "bias", 2 ** (self.exp - 1) - 1)
+        _check_int("bias", self.bias)
+        if self.specials not in SPECIALS:
+            raise FormatError(
+                f"unknown specials {self.specials!r}; expected one of {', '.join(SPECIALS)}")
+        if self.saturate is None:
+            object.__setattr__(self, "saturate", self.specials == "none")
+        if self.specials == "none" and not self.saturate:
+            raise FormatError(
+                f"e{self.exp}m{self.man} with specials='none' has neither Inf nor NaN, so overflow "
+                "cannot be represented: it requires saturate=True")
+        _check_rounding(self.rounding)
+        if not self.signed:
+            if self.man != 0 or self.subnormals or self.specials != "fn":
+                raise FormatError(
+                    "signed=False describes exponent-only scale formats (as E8M0): it requires "
+                    "man=0, subnormals=False, specials='fn'")
+        if self.emax < self.emin:
+            raise FormatError(f"e{self.exp}m{self.man} with bias={self.bias} has no normal numbers")
+        if self.emax > _F32_EMAX:
+            raise FormatError(
+                f"e{self.exp}m{self.man} with bias={self.bias} has emax={self.emax}: its largest "
+                f"values do not fit the float32 carrier (emax <= {_F32_EMAX})")
+        if self.min_quantum_exp < _F32_MIN_QUANTUM_EXP:
+            raise FormatError(
+                f"e{self.exp}m{self.man} with bias={self.bias} has values down to "
+                f"2^{self.min_quantum_exp}, below float32's smallest subnormal 2^-149")
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal number."""
+        return -self.bias if not self.signed else 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite number."""
+        top = 2 ** self.exp - 1 - self.bias  # exponent of the all-ones exponent code
+        if self.specials == "ieee" or (self.specials == "fn" and self.man == 0):
+            return top - 1
+        return top
+
+    @property
+    def max(self) -> float:
+        """The largest finite value."""
+        if self.specials == "fn" and self.man > 0:
+            return (2.0 - 2.0 ** (1 - self.man)) * 2.0 ** self.emax
+        return (2.0 - 2.0 ** -self.man) * 2.0 ** self.emax
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0 ** self.emin
+
+    @property
+    def min_subnormal(self) -> float:
+        """The smallest positive value (the smallest normal when there are no subnormals)."""
+        return 2.0 ** self.min_quantum_exp if self.subnormals else self.min_normal
+
+    @property
+    def min_quantum_exp(self) -> int:
+        """Exponent of the finest spacing between neighbouring values."""
+        return self.emin - self.man
+
+    @property
+    def eps(self) -> float:
+        """Distance from 1 to the next larger value (the relative spacing)."""
+        return 2.0 ** -self.man
+
+    @property
+    def bits(self) -> int:
+        return int(self.signed) + self.exp + self.man
+
+    @property
+    def has_inf(self) -> bool:
+        return self.specials == "ieee"
+
+    @property
+    def has_nan(self) -> bool:
+        return self.specials != "none"
+
+    def __repr__(self) -> str:
+        return f"FloatFormat({_to_string(self)})"
+
+
+@dataclass(frozen=True, repr=False)
+class FixedFormat(Format):
+    """Fixed point: values k * 2^-fl with k a ``wl``-bit integer.
+
+    signed: k in [-2^(wl-1), 2^(wl-1)-1] (``symmetric`` drops the most negative), else [0, 2^wl-1].
+    Out of range: clamp when ``saturate``, two's-complement wrap otherwise. NaN stays NaN, +-Inf
+    clamps.
+    """
+
+    wl: int
+    fl: int
+    signed: bool = True
+    symmetric: bool = False
+    saturate: bool = True
+    rounding: str = "nearest"
+
+    def __post_init__(self):
+        _check_int("wl", self.wl)
+        _check_int("fl", self.fl)
+        if not 1 <= self.wl <= 24:
+            raise FormatError(
+                f"wl={self.wl}: fixed-point word length must be 1..24 (the float32 carrier holds "
+                "integers of at most 24 bits exactly)")
+        if self.signed and self.symmetric and self.wl < 2:
+            raise FormatError("a symmetric signed fixed-point format needs wl >= 2")
+        if self.symmetric and not self.signed:
+            raise FormatError("symmetric=True only applies to signed fixed-point formats")
+        if -self.fl < _F32_MIN_QUANTUM_EXP or self.wl - self.fl > _F32_EMAX:
+            raise FormatError(
+                f"fixed{self.wl}.{self.fl}: values k*2^-{self.fl} do not fit the float32 carrier")
+        _check_rounding(self.rounding)
+
+    @property
+    def kmax(self) -> int:
+        return 2 ** (self.wl - 1) - 1 if self.signed else 2 ** self.wl - 1
+
+    @property
+    def kmin(self) -> int:
+        if not self.signed:
+            return 0
+        return -(2 ** (self.wl - 1)) + (1 if self.symmetric else 0)
+
+    @property
+    def max(self) -> float:
+        return self.kmax * 2.0 ** -self.fl
+
+    @property
+    def min(self) -> float:
+        """The most negative value (0 for unsigned formats)."""
+        return self.kmin * 2.0 ** -self.fl
+
+    @property
+    def eps(self) -> float:
+        """The spacing 2^-fl."""
+        return 2.0 ** -self.fl
+
+    min_normal = eps
+    min_subnormal = eps
+
+    @property
+    def emin(self) -> int:
+        return -self.fl
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest value: floor(log2(max))."""
+        return math.frexp(self.max)[1] - 1 if self.kmax > 0 else -self.fl
+
+    @property
+    def bits(self) -> int:
+        return self.wl
+
+    def __repr__(self) -> str:
+        return f"FixedFormat({_to_string(self)})"
+
+
+@dataclass(frozen=True, repr=False)
+class BlockFormat(Format):
+    """Blocks of ``block_size`` consecutive elements along ``axis`` share one scale.
+
+    ``block_size=None``: the whole axis is one block; ``axis=None``: the whole tensor is one block.
+    scale: the scale's format (``e8m0`` for MX, ``fp8_e4m3`` for NVFP4).
+    scale_rule: ``floor`` (OCP MX: 2^(floor(log2 amax) - emax_elem)), ``ceil`` (the smallest power
+    of two with amax/X <= max_elem), ``amax`` (X = scale-format rounding of amax / max_elem).
+    tensor_scale: an extra per-tensor float32 scale amax_tensor / (max_elem * max_scale)
+    (NVFP4's two-level scaling; needs a second pass over the tensor).
+    The element format always saturates; its rounding is the block's rounding.
+    """
+
+    elem: Union[FloatFormat, FixedFormat]
+    block_size: Optional[int] = 32
+    axis: Optional[int] = -1
+    scale: Union[FloatFormat, str] = "e8m0"
+    scale_rule: str = "floor"
+    rounding: Optional[str] = None
+    tensor_scale: bool = False
+
+    def __post_init__(self):
+        elem = self.elem
+        if isinstance(elem, str):
+            elem = format(elem)
+        if isinstance(elem, BlockFormat):
+            raise FormatError("a block format's element format cannot itself be a block format")
+        if not isinstance(elem, (FloatFormat, FixedFormat)):
+            raise FormatError(f"elem must be a FloatFormat or FixedFormat, got {elem!r}")
+        if isinstance(elem, FloatFormat) and not elem.signed:
+            raise FormatError("a block's element format must be signed")
+        rounding = elem.rounding if self.rounding is None else self.rounding
+        _check_rounding(rounding)
+        # normalise the element: saturating, rounding carried by the block
+        elem = elem.replace(saturate=True, rounding=rounding)
+        object.__setattr__(self, "elem", elem)
+        object.__setattr__(self, "rounding", rounding)
+        scale = format(self.scale) if isinstance(self.scale, str) else self.scale
+        if not isinstance(scale, FloatFormat):
+            raise FormatError(f"scale must be a FloatFormat (e.g. e8m0 or fp8_e4m3), got {scale!r}")
+        object.__setattr__(self, "scale", scale)
+        if self.block_size is not None:
+            _check_int("block_size", self.block_size)
+            if self.block_size < 1:
+                raise FormatError(f"block_size must be >= 1 (or None), got {self.block_size}")
+        if self.axis is not None:
+            _check_int("axis", self.axis)
+        if self.scale_rule not in SCALE_RULES:
+            raise FormatError(
+                f"unknown scale_rule {self.scale_rule!r}; expected one of {', '.join(SCALE_RULES)}")
+        if self.scale_rule in ("floor", "ceil") and scale.man != 0:
+            raise FormatError(
+                f"scale_rule={self.scale_rule!r} gives power-of-two scales: it needs an "
+                f"exponent-only scale format such as e8m0, got {scale}")
+        if self.tensor_scale and self.scale_rule != "amax":
+            raise FormatError("tensor_scale=True needs scale_rule='amax' (NVFP4-style scales)")
+        if self.min_quantum_exp < _F32_MIN_QUANTUM_EXP:
+            raise FormatError(
+                f"{self}: the smallest element times the smallest scale is below float32's "
+                "smallest subnormal 2^-149")
+
+    @property
+    def scale_emin(self) -> int:
+        return self.scale.emin if not self.scale.subnormals else self.scale.min_quantum_exp
+
+    @property
+    def min_quantum_exp(self) -> int:
+        elem_q = (self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat)
+                  else -self.elem.fl)
+        return elem_q + self.scale_emin
+
+    @property
+    def bits(self) -> float:
+        """Bits per value, the shared scale included (e.g. 8.25 for MXFP8)."""
+        if self.block_size is None:
+            return float(self.elem.bits)
+        return self.elem.bits + self.scale.bits / self.block_size
+
+    @property
+    def max(self) -> float:
+        return self.elem.max * self.scale.max
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** self.min_quantum_exp
+
+    @property
+    def min_normal(self) -> float:
+        return self.elem.min_normal * self.scale.min_subnormal
+
+    @property
+    def emax(self) -> int:
+        return self.elem.emax + self.scale.emax
+
+    @property
+    def emin(self) -> int:
+        return self.elem.emin + self.scale_emin
+
+    @property
+    def eps(self) -> float:
+        return self.elem.eps
+
+    def __repr__(self) -> str:
+        return f"BlockFormat({_to_string(self)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+
+def _presets() -> dict:
+    fp8_e4m3 = FloatFormat(4, 3, specials="fn", saturate=True)
+    fp6_e3m2 = FloatFormat(3, 2, specials="none")
+    fp6_e2m3 = FloatFormat(2, 3, specials="none")
+    fp4_e2m1 = FloatFormat(2, 1, specials="none")
+    e8m0 = FloatFormat(8, 0, bias=127, subnormals=False, specials="fn", saturate=False,
+                       signed=False)
+    fp8_e5m2 = FloatFormat(5, 2)
+    int8_mx = FixedFormat(8, 6, symmetric=True)  # MXINT8 elements: k/64, |k| <= 127
+    return {
+        "fp32": FloatFormat(8, 23),
+        "tf32": FloatFormat(8, 10),
+        "bf16": FloatFormat(8, 7),
+        "fp16": FloatFormat(5, 10),
+        "fp8_e4m3": fp8_e4m3,
+        "fp8_e5m2": fp8_e5m2,
+        "fp6_e3m2": fp6_e3m2,
+        "fp6_e2m3": fp6_e2m3,
+        "fp4_e2m1": fp4_e2m1,
+        "e8m0": e8m0,
+        "mxfp8_e4m3": BlockFormat(fp8_e4m3, 32, scale=e8m0),
+        "mxfp8_e5m2": BlockFormat(fp8_e5m2, 32, scale=e8m0),
+        "mxfp6_e3m2": BlockFormat(fp6_e3m2, 32, scale=e8m0),
+        "mxfp6_e2m3": BlockFormat(fp6_e2m3, 32, scale=e8m0),
+        "mxfp4_e2m1": BlockFormat(fp4_e2m1, 32, scale=e8m0),
+        "mxint8": BlockFormat(int8_mx, 32, scale=e8m0),
+        "nvfp4": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax"),
+    }
+
+
+PRESETS = _presets()
+_PRESET_NAMES = {f: name for name, f in PRESETS.items()}
+ALIASES = {
+    "float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+    "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "float8_e8m0fnu": "e8m0",
+    "mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e3m2", "mxfp4": "mxfp4_e2m1",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# String form and parsing
+
+_FIELD_DEFAULTS = {
+    cls: {f.name: f.default for f in dataclasses.fields(cls)}
+    for cls in (FloatFormat, FixedFormat, BlockFormat)
+}
+
+
+def _value_str(v) -> str:
+    if isinstance(v, Format):
+        return _to_string(v)
+    return str(v)
+
+
+def _to_string(f: Format) -> str:
+    if f in _PRESET_NAMES:
+        return _PRESET_NAMES[f]
+    # a preset with a different rounding mode: "fp8_e4m3(rounding=stochastic)"
+    for name, p in PRESETS.items():
+        if type(p) is type(f) and p.replace(rounding=f.rounding) == f:
+            return f"{name}(rounding={f.rounding})"
+    if isinstance(f, FloatFormat):
+        base = f"e{f.exp}m{f.man}"
+        canonical = FloatFormat(f.exp, f.man)
+        skip = ("exp", "man")
+    elif isinstance(f, FixedFormat):
+        base = f"fixed{f.wl}.{f.fl}"
+        canonical = FixedFormat(f.wl, f.fl)
+        skip = ("wl", "fl")
+    else:
+        base = "block"
+        canonical = None
+        skip = ()
+    args = []
+    for field in dataclasses.fields(f):
+        if field.name in skip:
+            continue
+        value = getattr(f, field.name)
+        if canonical is not None and getattr(canonical, field.name) == value:
+            continue
+        if canonical is None and field.name != "elem" and value == _block_default(field.name):
+            continue
+        args.append(f"{field.name}={_value_str(value)}")
+    return base + (f"({', '.join(args)})" if args else "")
+
+
+def _block_default(name):
+    if name == "scale":
+        return PRESETS["e8m0"]
+    if name == "rounding":
+        return "nearest"
+    return _FIELD_DEFAULTS[BlockFormat][name]
+
+
+def _split_args(text: str) -> list:
+    """Split 'a=1, b=block(x=1, y=2)' on top-level commas."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise FormatError(f"unbalanced parentheses in {text!r}")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise FormatError(f"unbalanced parentheses in {text!r}")
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_value(key: str, text: str):
+    if key in ("elem", "scale"):
+        return format(text)
+    if text in ("True", "true"):
+        return True
+    if text in ("False", "false"):
+        return False
+    if text in ("None", "none") and key != "specials":
+        return None
+    if re.fullmatch(r"[+-]?\d+", text):
+        return int(text)
+    return text
+
+
+def _known_names() -> str:
+    return ", ".join(list(PRESETS) + ["eXmY (e.g. e4m3)", "fixedWL.FL (e.g. fixed8.4)",
+                                      "block(elem=..., block_size=...)"])
+
+
+def format(spec) -> Format:
+    """A format from a preset name, an alias, a string form (``str(f)``) or a format itself.
+
+    Examples: ``"fp8_e4m3"``, ``"mxfp4_e2m1"``, ``"e3m4(bias=3)"``, ``"fixed8.4"``,
+    ``"fp8_e4m3(rounding=stochastic)"``, ``"block(elem=fixed8.6(symmetric=True), block_size=16)"``.
+    """
+    if isinstance(spec, Format):
+        return spec
+    if not isinstance(spec, str):
+        raise FormatError(f"a format must be a format object or a string, got {type(spec).__name__}")
+    text = spec.strip()
+    m = re.fullmatch(r"([A-Za-z0-9_.]+)\s*(?:\((.*)\))?", text, flags=re.S)
+    if not m:
+        raise FormatError(f"cannot parse format {spec!r}; known formats: {_known_names()}")
+    base, argtext = m.group(1), m.group(2)
+    kwargs = {}
+    for arg in _split_args(argtext or ""):
+        if "=" not in arg:
+            raise FormatError(f"in format {spec!r}: expected key=value, got {arg!r}")
+        key, value = (s.strip() for s in arg.split("=", 1))
+        kwargs[key] = _parse_value(key, value)
+    lower = base.lower()
+    lower = ALIASES.get(lower, lower)
+    try:
+        if lower in PRESETS:
+            return PRESETS[lower].replace(**kwargs) if kwargs else PRESETS[lower]
+        mm = re.fullmatch(r"e(\d+)m(\d+)", lower)
+        if mm:
+            return FloatFormat(int(mm.group(1)), int(mm.group(2)), **kwargs)
+        mm = re.fullmatch(r"fixed(\d+)\.(\d+)", lower)
+        if mm:
+            return FixedFormat(int(mm.group(1)), int(mm.group(2)), **kwargs)
+        if lower == "block":
+            if "elem" not in kwargs:
+                raise FormatError(f"block format {spec!r} needs elem=...")
+            return BlockFormat(**kwargs)
+    except TypeError as e:  # unknown keyword
+        raise FormatError(f"in format {spec!r}: {e}") from None
+    close = [n for n in PRESETS if n.startswith(lower[:3])] or list(PRESETS)
+    raise FormatError(
+        f"unknown format {spec!r}; did you mean one of {', '.join(close)}? "
+        f"known formats: {_known_names()}")

@@ -1,0 +1,287 @@
+"""Pure-PyTorch reference quantizers: the readable specification of every format.
+
+``quantize(x, fmt)`` returns x rounded to ``fmt`` as a plain tensor of x's shape, dtype and device.
+The compiled kernels (qtensor.ops) must agree with this module bit for bit, stochastic rounding
+included; where no compiler is available this module is the fallback.
+
+How values are computed (all exact):
+- float32 and float64 inputs are processed in float64, where dividing by a power of two and
+  splitting into integer and fraction parts are exact; float16/bfloat16 inputs go through
+  float32 (exact) and the result is cast back, which is exact because a rounded value of an
+  input on the dtype's grid is on the dtype's grid too, except beyond the dtype's range, where
+  the cast gives +-Inf as torch casts do.
+- Rounding works on magnitudes: y = |x| / quantum, where quantum is the spacing of the target
+  grid in x's binade; lo = floor(y), frac = y - lo; the result is (lo or lo + 1) * quantum with
+  the sign of x (so -0.0 is kept and symmetric modes satisfy q(-x) = -q(x)).
+
+The random-bits contract of stochastic rounding (kernels implement exactly this):
+- One 64-bit seed per call, drawn from ``generator`` (default: torch's default CPU generator) by
+  ``draw_seed``; so ``torch.manual_seed`` makes results reproducible, and CPU and CUDA agree.
+- Element i (its index in x's logical row-major order) gets the 32-bit word
+  ``r_i = lowbias32(lo32(i) ^ key ^ lowbias32(hi32(i)))`` with
+  ``key = lowbias32(lo32(seed) ^ lowbias32(hi32(seed) ^ 0x9E3779B9))``, where lowbias32 is
+  ``v ^= v >> 16; v *= 0x7feb352d; v ^= v >> 15; v *= 0x846ca68b; v ^= v >> 16`` on uint32.
+- The magnitude rounds up iff ``r_i < floor(frac * 2^32)``: probability frac exactly when frac
+  has at most 32 fractional bits (always, for float32 inputs to formats of 8+ bits of range),
+  within 2^-32 otherwise. Unbiased: E[q] = x.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _parse_format
+
+__all__ = ["quantize", "quantize_with_seed", "draw_seed", "random_bits"]
+
+_MASK32 = 0xFFFFFFFF
+_SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random bits
+
+def _lowbias32_int(v: int) -> int:
+    v &= _MASK32
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & _MASK32
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & _MASK32
+    v ^= v >> 16
+    return v
+
+
+def _lowbias32(v: torch.Tensor) -> torch.Tensor:
+    # int64 arithmetic wraps on overflow; masking keeps the exact low 32 bits.
+    v = v ^ (v >> 16)
+    v = (v * 0x7FEB352D) & _MASK32
+    v = v ^ (v >> 15)
+    v = (v * 0x846CA68B) & _MASK32
+    return v ^ (v >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key of a 64-bit seed (the kernels receive the seed and derive the same key)."""
+    seed &= (1 << 64) - 1
+    return _lowbias32_int((seed & _MASK32) ^ _lowbias32_int((seed >> 32) ^ 0x9E3779B9))
+
+
+def random_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """The 32-bit random word (as int64) of each element index in ``index`` (int64)."""
+    key = seed_key(seed)
+    hi = _lowbias32(index >> 32)
+    return _lowbias32((index & _MASK32) ^ key ^ hi)
+
+
+def draw_seed(generator: Optional[torch.Generator] = None) -> int:
+    """One 63-bit seed from ``generator`` (torch's default CPU generator when None)."""
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as float64, exactly, for integer exponents in float64's normal range."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _round_magnitude(y: torch.Tensor, rounding: str, index: Optional[torch.Tensor],
+                     seed: Optional[int]) -> torch.Tensor:
+    """Round non-negative float64 y to an integer by the rounding mode."""
+    if rounding == "nearest":
+        return torch.round(y)  # ties to even
+    lo = torch.floor(y)
+    frac = y - lo
+    if rounding == "nearest_away":
+        return lo + (frac >= 0.5).to(y.dtype)
+    if rounding == "toward_zero":
+        return lo
+    if rounding == "stochastic":
+        threshold = torch.floor(frac * 2.0 ** 32)
+        bits = random_bits(seed, index).to(torch.float64)
+        return lo + (bits < threshold).to(y.dtype)
+    raise ValueError(f"unknown rounding mode {rounding!r}")
+
+
+def _round_float(x: torch.Tensor, fmt: FloatFormat, rounding: str,
+                 index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
+    """x (float64) rounded to a FloatFormat, as float64."""
+    a = x.abs()
+    finite = torch.isfinite(a)
+    a_f = torch.where(finite, a, torch.zeros_like(a))
+    _, e = torch.frexp(a_f)
+    binade = e.to(torch.int64) - 1
+    if fmt.subnormals:
+        qexp = torch.clamp(binade, min=fmt.emin) - fmt.man
+    else:  # below the smallest normal the grid is {0, min_normal}
+        qexp = torch.where(binade >= fmt.emin, binade - fmt.man,
+                           torch.full_like(binade, fmt.emin))
+    quantum = _pow2(qexp)
+    r = _round_magnitude(a_f / quantum, rounding, index, seed)
+    q = r * quantum
+    overflow_value = fmt.max if fmt.saturate else (float("inf") if fmt.has_inf else float("nan"))
+    q = torch.where(q > fmt.max, torch.full_like(q, overflow_value), q)
+    q = torch.where(finite, q, torch.full_like(q, overflow_value))
+    q = torch.where(torch.isnan(x), x, q)
+    if not fmt.signed:  # exponent-only scale: no zero, no sign
+        q = torch.where(q == 0, torch.full_like(q, fmt.min_normal), q)
+        return torch.where(x > 0, q, torch.full_like(q, float("nan")))
+    return torch.copysign(q, x)
+
+
+def _round_fixed(x: torch.Tensor, fmt: FixedFormat, rounding: str,
+                 index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
+    """x (float64) rounded to a FixedFormat, as float64."""
+    y = x * 2.0 ** fmt.fl
+    a = y.abs()
+    finite = torch.isfinite(a)
+    a_f = torch.where(finite, a, torch.zeros_like(a))
+    k = torch.copysign(_round_magnitude(a_f, rounding, index, seed), y)
+    k = torch.where(finite, k, y)  # +-Inf always clamps below
+    kmin, kmax = float(fmt.kmin), float(fmt.kmax)
+    out_of_range = (k > kmax) | (k < kmin)
+    if fmt.saturate:
+        k = torch.where(out_of_range, torch.clamp(k, kmin, kmax), k)
+    else:
+        span = 2.0 ** fmt.wl
+        low = -(2.0 ** (fmt.wl - 1)) if fmt.signed else 0.0
+        wrapped = torch.remainder(k - low, span) + low
+        wrapped = torch.clamp(wrapped, kmin, kmax)  # symmetric: the dropped code clamps
+        wrapped = torch.where(torch.isfinite(k), wrapped, torch.clamp(k, kmin, kmax))
+        k = torch.where(out_of_range, wrapped, k)
+    return k * 2.0 ** -fmt.fl
+
+
+def _round_scalar(x64: torch.Tensor, fmt, rounding, index, seed) -> torch.Tensor:
+    if isinstance(fmt, FloatFormat):
+        return _round_float(x64, fmt, rounding, index, seed)
+    return _round_fixed(x64, fmt, rounding, index, seed)
+
+
+def _elem_max(elem) -> float:
+    return elem.max
+
+
+def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
+                     index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
+    """x (float64) rounded to a BlockFormat, as float64 (float32-exact values)."""
+    shape = x64.shape
+    if fmt.axis is None or x64.dim() == 0:
+        moved = x64.reshape(1, -1)
+        idx = index.reshape(1, -1) if index is not None else None
+        axis = None
+    else:
+        axis = fmt.axis
+        if not -x64.dim() <= axis < x64.dim():
+            raise IndexError(
+                f"{fmt}: axis {axis} is out of range for a tensor of shape {tuple(shape)}")
+        moved = x64.movedim(axis, -1)
+        idx = index.movedim(axis, -1) if index is not None else None
+    n = moved.shape[-1]
+    bs = fmt.block_size if (fmt.block_size is not None and fmt.axis is not None) else n
+    bs = max(bs, 1)
+    pad = (-n) % bs
+    if pad:
+        moved = torch.nn.functional.pad(moved, (0, pad))
+        if idx is not None:
+            idx = torch.nn.functional.pad(idx, (0, pad))
+    blocks = moved.reshape(*moved.shape[:-1], -1, bs)
+    if idx is not None:
+        idx = idx.reshape(blocks.shape)
+    amax = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.sum(-1, True)
+    bad = ~torch.isfinite(amax)
+    amax_f = torch.where(bad, torch.zeros_like(amax), amax)
+    elem = fmt.elem
+    emax_elem, max_elem = elem.emax, _elem_max(elem)
+
+    tensor_scale = None
+    if fmt.scale_rule in ("floor", "ceil"):
+        _, e = torch.frexp(amax_f)
+        k = e.to(torch.int64) - 1 - emax_elem
+        if fmt.scale_rule == "ceil":
+            k = k + (amax_f / _pow2(k) > max_elem).to(torch.int64)
+        k = torch.clamp(k, fmt.scale.emin, fmt.scale.emax)
+        scale = _pow2(k)
+    else:  # amax: the scale is the scale format's nearest value to amax / max_elem
+        if fmt.tensor_scale:
+            finite_all = x64[torch.isfinite(x64)].abs()
+            amax_t = finite_all.max() if finite_all.numel() else x64.new_zeros(())
+            tensor_scale = (amax_t / (max_elem * fmt.scale.max)).to(torch.float32).to(torch.float64)
+            denom = max_elem * tensor_scale
+            ratio = torch.where(denom > 0, amax_f / denom, torch.zeros_like(amax_f))
+        else:
+            ratio = amax_f / max_elem
+        scale = _round_float(ratio, fmt.scale.replace(rounding="nearest"), "nearest", None, None)
+        if tensor_scale is not None:
+            scale = scale * tensor_scale
+
+    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    z = blocks / safe_scale
+    qz = _round_scalar(z, elem, rounding, idx, seed)
+    q = qz * safe_scale
+    if tensor_scale is not None:  # s * X * Q is rounded once to float32
+        q = q.to(torch.float32).to(torch.float64)
+    q = torch.where(scale > 0, q, torch.copysign(torch.zeros_like(q), blocks))
+    q = torch.where(bad, torch.full_like(q, float("nan")), q)
+    q = q.reshape(*moved.shape[:-1], -1)[..., :n]
+    if axis is None:
+        return q.reshape(shape)
+    return q.movedim(-1, axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+def check_input(x: torch.Tensor, fmt) -> Format:
+    """Validate (x, fmt) and return the parsed format; shared by the reference and the kernels."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    fmt = _parse_format(fmt)
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"quantize to {fmt}: unsupported dtype {x.dtype}; expected one of float32, float64, "
+            "float16, bfloat16 (integer and complex tensors have no format to round to)")
+    return fmt
+
+
+def resolve_rounding(fmt: Format, rounding: Optional[str]) -> str:
+    if rounding is None:
+        return fmt.rounding
+    from .formats import _check_rounding
+    _check_rounding(rounding)
+    return rounding
+
+
+def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
+                       seed: int = 0) -> torch.Tensor:
+    """``quantize`` with an explicit stochastic-rounding seed (what the kernels receive)."""
+    fmt = check_input(x, fmt)
+    rounding = resolve_rounding(fmt, rounding)
+    if x.numel() == 0:
+        return x.detach().clone()
+    index = None
+    if rounding == "stochastic":
+        index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
+    x64 = x.detach().to(torch.float64)
+    if isinstance(fmt, BlockFormat):
+        q = _quantize_blocks(x64, fmt, rounding, index, seed)
+    else:
+        q = _round_scalar(x64, fmt, rounding, index, seed)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return q.to(torch.float32).to(x.dtype)
+    return q.to(x.dtype)
+
+
+def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
+             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """x rounded to ``fmt`` (a format or its name), as a new plain tensor like x.
+
+    rounding overrides the format's own mode; generator feeds stochastic rounding.
+    """
+    fmt = check_input(x, fmt)
+    rounding = resolve_rounding(fmt, rounding)
+    seed = draw_seed(generator) if rounding == "stochastic" else 0
+    return quantize_with_seed(x, fmt, rounding, seed)
