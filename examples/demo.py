@@ -1,0 +1,167 @@
+"""Train the same small CNN on real handwritten digits in eight number formats, side by side.
+
+    python examples/demo.py            # all formats, ~2-3 minutes on 2 CPU cores
+    python examples/demo.py --quick    # a few steps per format (CI smoke test)
+
+Data: scikit-learn's ``load_digits`` (1,797 real 8x8 handwritten digits; a fixed stratified split
+of 1,438 train / 359 test images). Same initial weights, same batches, same optimizer
+(SGD, momentum 0.9) for every format; only the arithmetic changes.
+
+What "trained in format F" means here (one ``qt.convert`` line per format, see ``recipe_for``):
+- scalar formats (bf16, fp8_e4m3, fixed point): weights, biases, activations and gradients are
+  all values of F; every op's result is rounded to F. The optimizer updates an FP32 master copy
+  of the weights (as mixed-precision training does) and the model computes with F-rounded
+  weights. Narrow-range formats (fp8_e4m3, fixed point) use a static loss scale, because
+  unscaled gradients (~1e-4) fall below their smallest value.
+- MX formats: the MX paper's training recipe (Rouhani et al., 2023): every matrix multiply and
+  convolution rounds its weight, activation and gradient operands to F, blocked along the
+  reduction dimension, and accumulates in FP32; values between ops (vector ops) are BF16;
+  FP32 master weights.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402  (also makes a source checkout importable without installing)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import qtensor as qt  # noqa: E402
+
+FORMATS = ["fp32", "bf16", "fp8_e4m3", "fixed16.8",
+           "mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1", "mxint8"]
+# Static loss scales (powers of two, so scaling itself is exact) for narrow-range formats.
+LOSS_SCALE = {"fp8_e4m3": 2.0 ** 10, "fixed16.8": 2.0 ** 8}
+LR, MOMENTUM, BATCH = 0.05, 0.9, 64
+
+
+def recipe_for(name: str):
+    """The one-line conversion spec for format ``name`` (None: plain FP32)."""
+    if name == "fp32":
+        return None
+    fmt = qt.format(name)
+    if isinstance(fmt, qt.BlockFormat):
+        # MX paper: FP32 weights / BF16 vector values, F for every matmul operand.
+        return qt.Recipe(weight=(qt.fp32, fmt), bias=qt.bf16, activation=(qt.bf16, fmt),
+                         grad=(qt.bf16, fmt), master_weights=True)
+    return qt.Recipe(weight=fmt, bias=fmt, activation=fmt, grad=fmt, master_weights=True)
+
+
+def describe_recipe(name: str) -> str:
+    if name == "fp32":
+        return "plain PyTorch FP32"
+    fmt = qt.format(name)
+    ls = LOSS_SCALE.get(name)
+    if isinstance(fmt, qt.BlockFormat):
+        return "matmul operands (W, A, G) in F, BF16 values, FP32 master"
+    return ("every value in F, FP32 master" + (f", loss scale 2^{int(ls).bit_length() - 1}"
+                                                if ls else ""))
+
+
+def run_format(name, data, steps, seed):
+    x_train, y_train, x_test, y_test = data
+    torch.manual_seed(seed)
+    model = common.DigitsCNN()          # identical initial weights for every format
+    spec = recipe_for(name)
+    if spec is not None:
+        qt.convert(model, spec)
+    scale = LOSS_SCALE.get(name, 1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR / scale, momentum=MOMENTUM)
+    with common.Timer() as t:
+        losses = common.train_classifier(model, opt, x_train, y_train, steps=steps, batch=BATCH,
+                                         seed=seed, desc=f"{name:>10}", loss_scale=scale)
+    acc = common.accuracy(model, x_test, y_test)
+    return {"format": name, "losses": losses, "acc": acc, "seconds": t.seconds,
+            "bits": 32.0 if name == "fp32" else common.bits_of(qt.format(name))}
+
+
+def make_table(results, steps) -> str:
+    base = next((r["seconds"] for r in results if r["format"] == "fp32"), None)
+    window = max(1, min(20, steps // 5))
+    rows = []
+    for r in results:
+        final = sum(r["losses"][-window:]) / len(r["losses"][-window:])
+        slow = f"{r['seconds'] / base:.1f}x" if base else "-"
+        rows.append([r["format"], common.fmt_bits(r["bits"]), f"{100 * r['acc']:.1f}%",
+                     f"{final:.4f}", f"{r['seconds']:.1f}", slow, describe_recipe(r["format"])])
+    header = ["format F", "bits/value", "test acc", f"final loss (mean of last {window})",
+              "train time (s)", "vs fp32", "what is in F"]
+    return common.markdown_table(header, rows, align="lrrrrrl")
+
+
+def plot(results, path, steps):
+    plt = common.plt_module()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    colors = plt.get_cmap("tab10").colors
+    window = max(1, steps // 30)
+    for i, r in enumerate(results):
+        style = "-" if i < 4 else "--"
+        ax1.plot(common.smooth(r["losses"], window), style, color=colors[i % 10],
+                 label=f"{r['format']} ({r['bits']:g} bits)", lw=1.6)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("training step (batch of 64)")
+    ax1.set_ylabel(f"training loss (moving average of {window} steps)")
+    ax1.set_title("Digits CNN: training loss per format")
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=9)
+    names = [r["format"] for r in results]
+    accs = [100 * r["acc"] for r in results]
+    bars = ax2.barh(range(len(names)), accs, color=[colors[i % 10] for i in range(len(names))])
+    ax2.set_yticks(range(len(names)), names)
+    ax2.invert_yaxis()
+    lo = max(0.0, min(accs) - 5)
+    ax2.set_xlim(lo, 100)
+    for b, a in zip(bars, accs):
+        ax2.text(b.get_width() - 0.2, b.get_y() + b.get_height() / 2, f"{a:.1f}%",
+                 va="center", ha="right", color="white", fontsize=9, fontweight="bold")
+    ax2.set_xlabel("test accuracy (%), 359 held-out digits")
+    ax2.set_title("Test accuracy after training")
+    ax2.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few steps per format (smoke test)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per format")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated format names")
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="output folder for demo.md / demo.png (default examples/results; "
+                        "with --quick nothing is written unless given)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    steps = args.steps or (6 if args.quick else 300)
+    out = args.out if args.out is not None else (None if args.quick else common.RESULTS_DIR)
+
+    common.setup(args.threads, args.seed)
+    data = common.load_digits_split(seed=args.seed)
+    names = [n.strip() for n in args.formats.split(",") if n.strip()]
+    results = []
+    for name in common.progress(names, desc="formats", leave=True):
+        results.append(run_format(name, data, steps, args.seed))
+
+    table = make_table(results, steps)
+    header = (f"Digits CNN (38k parameters), {steps} SGD steps of 64 images "
+              f"(~{steps * BATCH / len(data[0]):.0f} epochs), same initialisation and batches "
+              f"for every format. {common.env_line()}.")
+    print()
+    print(header)
+    print()
+    print(table)
+    if out is not None:
+        common.save_text(out / "demo.md", header + "\n\n" + table)
+        plot(results, out / "demo.png", steps)
+        print(f"\nwrote {out / 'demo.md'} and {out / 'demo.png'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
