@@ -6,3 +6,4 @@ from . import reference
 globals().update(PRESETS)
 
 from .ops import quantize  # noqa: E402
+from .tensor import QTensor, as_qtensor, quantize_grad  # noqa: E402

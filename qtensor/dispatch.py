@@ -1,0 +1,539 @@
+"""The op rules of QTensor: which ops move data, which compute, which contract.
+
+``QTensor.__torch_dispatch__`` calls :func:`dispatch`. Every aten op that reaches it is classified
+once (the rule is cached per op overload) and then handled by one of four paths:
+
+1. Non-floating outputs (comparisons, argmax, indices, shapes, ``item()``) are returned plain.
+2. Data-movement ops (``MOVE``: views, reshapes, transposes, slicing, indexing, cat/stack,
+   clone, copy_, sort/max values, padding with zeros, ...) run on the payloads and keep the
+   values and the format: they never round. They do round when the values they move are not
+   all in the output's format already (a plain float tensor, or a QTensor of another format,
+   among the inputs: e.g. ``q.copy_(plain)`` or ``cat([bf16_q, fp32_q])``).
+3. Every other floating op computes on the payloads in high precision and each floating output
+   is rounded to the output format with one ``qt.quantize`` call, then re-wrapped. An op that
+   nobody listed is computed and rounded: there is no NotImplementedError for ordinary ops.
+4. Contractions (``CONTRACT``: mm, bmm, addmm, baddbmm, addbmm, mv, addmv, dot, linear,
+   convolution and convolution_backward; matmul, einsum, tensordot, F.linear, conv1d/2d/3d
+   decompose into these before they reach the subclass) round each operand that has an
+   ``mm_fmt`` to it along that op's reduction dimension, from the value payload, per use;
+   the product accumulates in the payload precision; the output is rounded to its ``fmt``.
+
+Output format (mixed formats): the format (fmt and mm_fmt) of the first QTensor operand in
+argument order, except that contractions with an added term (addmm, addmv, baddbmm, addbmm)
+look at the multiplied operands first, so ``addmm(bias, x, w.t())`` takes x's format (the
+activation's), not the bias's. ``_foreach_*`` ops take, for output i, the format of the first
+QTensor among the i-th elements. In-place ops and ``out=`` round into the destination's format
+(a plain destination stays plain and unrounded: a leak that ``qt.leak_check`` reports). Plain
+floating tensors that meet a QTensor are treated as high-precision values: the result is still a
+QTensor (rounded to the QTensor's format); Python scalars are ordinary constants.
+
+Block formats (``fmt`` a BlockFormat): ``axis`` names the dimension the values are blocked along.
+transpose/t/permute move it with the data (``x.t()`` of a matrix blocked along -1 is blocked along
+0); other views keep it unchanged. Where an output lacks that dimension (e.g. a reduction to a
+vector), its last dimension is used. An in-place op on a view of a block-formatted tensor
+re-rounds the view's elements as blocks of their own (not the whole blocks of the base).
+
+Contraction blockings (a BlockFormat ``mm_fmt`` has its ``axis`` replaced by the reduction axis
+of each use; ``axis=None``, one block per tensor, is kept):
+- ``mm(a, b)``: a along dim 1, b along dim 0; ``bmm``/``baddbmm``/``addbmm``: a along 2, b
+  along 1; ``mv``: matrix along 1, vector along 0; ``dot``: both along 0; ``linear(x, w)``: x
+  along -1, w along 1 (in_features).
+- ``convolution``: input along its channel dim (1) and the weight along its input-channel dim
+  (1; dim 0 for transposed convolutions). Blocks run along channels only, not across the kernel
+  window (as hardware that maps a conv to a GEMM with channels innermost).
+- ``convolution_backward``: grad_input reduces over output channels (grad_output along 1, weight
+  along 0; along 1 when transposed); grad_weight reduces over the batch (grad_output and input
+  along 0); grad_bias is a plain sum of the grad_output values.
+
+The MX linear layer, y = x @ W.T + b with x, W carrying an MX ``mm_fmt``:
+forward ``addmm(b, x, W.t())``: x blocked along in_features (dim 1), W.t() along its dim 0, i.e.
+W along in_features. Backward: grad_x = ``mm(grad_y, W)``: grad_y along out_features (dim 1), W
+along out_features (dim 0); grad_W = ``mm(grad_y.t(), x)`` (autograd computes ``x.t() @ grad_y``
+for W.t() and transposes it back): grad_y and x both along the batch. Every operand rounding is
+from the value payload, per use, never from an already MX-rounded copy.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from . import ops as _ops
+from .formats import BlockFormat, Format
+
+aten = torch.ops.aten
+
+__all__ = ["dispatch", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
+
+# The payload dtypes a QTensor can hold (what qt.quantize rounds).
+FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+
+# Op kinds.
+COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH = 0, 1, 2, 3
+
+# Data-movement ops, by overload packet name: their floating outputs are values of their floating
+# inputs (or zeros), rearranged. All overloads, except those listed in _COMPUTE_OVERLOADS.
+MOVE = frozenset("""
+view _unsafe_view _reshape_alias reshape view_as t t_ transpose transpose_ permute expand
+expand_as slice select narrow narrow_copy squeeze squeeze_ unsqueeze unsqueeze_ unfold diagonal
+as_strided as_strided_ alias detach detach_ clone contiguous copy_ copy cat concat concatenate
+stack hstack vstack dstack column_stack split split_with_sizes chunk tensor_split unbind flip
+fliplr flipud roll rot90 index _unsafe_index index_select gather take take_along_dim
+masked_select where repeat tile repeat_interleave movedim moveaxis swapaxes swapdims flatten
+unflatten ravel lift_fresh lift_fresh_copy _to_copy to index_put index_put_ _index_put_impl_
+index_copy index_copy_ slice_scatter select_scatter diagonal_scatter as_strided_scatter
+masked_scatter masked_scatter_ masked_fill masked_fill_ index_fill index_fill_ fill_ scatter
+scatter_ max min amax amin maximum minimum fmax fmin sort msort topk kthvalue median nanmedian
+mode cummax cummin tril triu tril_ triu_ positive conj_physical resolve_conj resolve_neg _conj
+pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle im2col
+reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d
+replication_pad3d constant_pad_nd block_diag diag diag_embed diagflat broadcast_to
+max_pool1d max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices
+adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d upsample_nearest1d
+upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d _upsample_nearest_exact2d
+_upsample_nearest_exact3d _unsafe_masked_index
+view_copy _reshape_copy t_copy transpose_copy permute_copy expand_copy slice_copy select_copy
+squeeze_copy unsqueeze_copy unfold_copy diagonal_copy as_strided_copy alias_copy detach_copy
+split_copy split_with_sizes_copy unbind_copy _foreach_copy_
+""".split())
+
+# Overloads of MOVE ops that write a Python scalar into the data: they compute (round the value).
+_COMPUTE_OVERLOADS = frozenset("""
+masked_fill.Scalar masked_fill_.Scalar index_fill.int_Scalar index_fill_.int_Scalar
+fill_.Scalar scatter.value scatter_.value scatter.value_reduce scatter_.value_reduce
+scatter.reduce scatter_.reduce where.ScalarOther where.ScalarSelf where.Scalar
+""".split())
+
+# Contractions: packet name -> ((operand arg index, reduction axis), ...) for the operands that
+# are rounded to their mm_fmt. Positions are the same for the .out overloads.
+CONTRACT = {
+    "mm": ((0, 1), (1, 0)),
+    "bmm": ((0, 2), (1, 1)),
+    "addmm": ((1, 1), (2, 0)),
+    "_addmm_activation": ((1, 1), (2, 0)),
+    "baddbmm": ((1, 2), (2, 1)),
+    "addbmm": ((1, 2), (2, 1)),
+    "mv": ((0, 1), (1, 0)),
+    "addmv": ((1, 1), (2, 0)),
+    "dot": ((0, 0), (1, 0)),
+    "vdot": ((0, 0), (1, 0)),
+    "linear": ((0, -1), (1, 1)),
+    "convolution": None,  # depends on `transposed`: see _conv_operands
+    "_convolution": None,
+    "convolution_backward": None,  # handled by _convolution_backward
+}
+
+# Ops that move data only under a condition on their arguments (else they compute).
+def _same_dtype(args, kwargs, src):  # _to_copy: a dtype change is a cast, which may round
+    dt = kwargs.get("dtype")
+    return dt is None or dt == src.dtype
+
+
+def _no_accumulate(args, kwargs, src):  # index_put(self, indices, values, accumulate)
+    return not (args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+
+
+def _zero_pad(args, kwargs, src):  # constant_pad_nd(self, pad, value)
+    return (args[2] if len(args) > 2 else kwargs.get("value", 0)) == 0
+
+
+_MOVE_IF = {"_to_copy": _same_dtype, "index_put": _no_accumulate, "index_put_": _no_accumulate,
+            "_index_put_impl_": _no_accumulate, "constant_pad_nd": _zero_pad}
+
+# Ops whose output format comes from other arguments first (the multiplied operands).
+_FORMAT_ORDER = {
+    "addmm": (1, 2, 0), "_addmm_activation": (1, 2, 0), "baddbmm": (1, 2, 0),
+    "addbmm": (1, 2, 0), "addmv": (1, 2, 0), "addr": (1, 2, 0),
+}
+
+# Ops whose block-format axis moves with the data.
+_TRANSPOSES = frozenset(("t", "t_copy", "transpose", "transpose_copy", "permute", "permute_copy"))
+
+QTensor = None  # bound by qtensor.tensor
+
+
+class Rule:
+    """What dispatch needs to know about one op overload (computed once, cached)."""
+
+    __slots__ = ("kind", "name", "mutated", "out_alias", "is_view", "inplace_view", "order",
+                 "transpose", "returns_void")
+
+    def __init__(self, func):
+        packet = func._opname
+        name = f"{packet}.{func._overloadname}"
+        self.name = name
+        schema = func._schema
+        if packet.startswith("_foreach_"):
+            self.kind = FOREACH
+        elif packet in CONTRACT:
+            self.kind = CONTRACT_KIND
+        elif packet in MOVE and name not in _COMPUTE_OVERLOADS:
+            self.kind = MOVE_KIND
+        else:
+            self.kind = COMPUTE
+        # mutated arguments: (position, name); outputs that alias them
+        self.mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                             if a.alias_info is not None and a.alias_info.is_write)
+        out_alias = []
+        for r in schema.returns:
+            idx = None
+            if r.alias_info is not None and r.alias_info.is_write:
+                for i, a in enumerate(schema.arguments):
+                    if (a.alias_info is not None and a.alias_info.is_write
+                            and set(a.alias_info.before_set) & set(r.alias_info.before_set)):
+                        idx = (i, a.name)
+                        break
+            out_alias.append(idx)
+        self.out_alias = tuple(out_alias) if any(x is not None for x in out_alias) else None
+        self.returns_void = len(schema.returns) == 0
+        self.is_view = bool(func.is_view)
+        self.inplace_view = torch.Tag.inplace_view in func.tags
+        self.order = _FORMAT_ORDER.get(packet)
+        self.transpose = packet in _TRANSPOSES
+
+
+_RULES: dict = {}
+
+
+def rule_of(func) -> Rule:
+    r = _RULES.get(func)
+    if r is None:
+        r = _RULES[func] = Rule(func)
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats of outputs
+
+_FIT_CACHE: dict = {}
+
+
+def fit_format(fmt: Format, ndim: int) -> Format:
+    """fmt usable on a tensor of ``ndim`` dims: a block axis it lacks becomes the last one."""
+    if type(fmt) is not BlockFormat or fmt.axis is None:
+        return fmt
+    if -ndim <= fmt.axis < ndim or ndim == 0:
+        return fmt
+    key = (fmt, ndim)
+    f = _FIT_CACHE.get(key)
+    if f is None:
+        f = _FIT_CACHE[key] = fmt.replace(axis=-1)
+    return f
+
+
+_AXIS_CACHE: dict = {}
+
+
+def with_axis(fmt: Format, axis: int) -> Format:
+    """A BlockFormat blocked along ``axis`` (axis=None formats, per-tensor, are kept)."""
+    if type(fmt) is not BlockFormat or fmt.axis is None or fmt.axis == axis:
+        return fmt
+    key = (fmt, axis)
+    f = _AXIS_CACHE.get(key)
+    if f is None:
+        f = _AXIS_CACHE[key] = fmt.replace(axis=axis)
+    return f
+
+
+def _transposed_fmt(fmt, func, args, in_ndim):
+    """The block axis after transpose/t/permute (the values keep their blocks)."""
+    if type(fmt) is not BlockFormat or fmt.axis is None or in_ndim < 2:
+        return fmt
+    ax = fmt.axis % in_ndim
+    packet = func._opname
+    if packet.startswith("permute"):
+        perm = [d % in_ndim for d in args[1]]
+        new = perm.index(ax)
+    elif packet.startswith("transpose"):
+        d0, d1 = args[1] % in_ndim, args[2] % in_ndim
+        new = d1 if ax == d0 else d0 if ax == d1 else ax
+    else:  # t
+        new = 1 - ax
+    new_axis = -1 if new == in_ndim - 1 and fmt.axis < 0 else new
+    return with_axis(fmt, new_axis)
+
+
+def quantize(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """One rounding of a plain payload tensor to fmt (the fused kernel when available)."""
+    return _ops.quantize(x, fit_format(fmt, x.dim()))
+
+
+def _round_inplace(q) -> None:
+    """Round a QTensor's payload in place to its own format (after an in-place op)."""
+    data = q._data
+    data.copy_(quantize(data, q.fmt))
+
+
+# ---------------------------------------------------------------------------------------------
+# Unwrapping
+
+def _unwrap_list(seq, qs, state):
+    out = []
+    for a in seq:
+        if isinstance(a, QTensor):
+            qs.append(a)
+            out.append(a._data)
+        else:
+            if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
+                state[0] = True
+            out.append(a)
+    return out
+
+
+def _unwrap(args, kwargs, qs, state):
+    """Payloads in place of QTensors (one list level deep, as aten arguments are)."""
+    uargs = []
+    for a in args:
+        if isinstance(a, QTensor):
+            qs.append(a)
+            uargs.append(a._data)
+        elif isinstance(a, (list, tuple)):
+            uargs.append(_unwrap_list(a, qs, state))
+        else:
+            if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
+                state[0] = True  # a plain high-precision tensor meets QTensors
+            uargs.append(a)
+    ukwargs = {}
+    if kwargs:
+        for k, a in kwargs.items():
+            if isinstance(a, QTensor):
+                qs.append(a)
+                ukwargs[k] = a._data
+            elif isinstance(a, (list, tuple)):
+                ukwargs[k] = _unwrap_list(a, qs, state)
+            else:
+                if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
+                    state[0] = True
+                ukwargs[k] = a
+    return uargs, ukwargs
+
+
+def _arg(args, kwargs, pos, name):
+    if pos < len(args):
+        return args[pos]
+    return kwargs.get(name) if kwargs else None
+
+
+def _first_q(rule, args, qs):
+    if rule.order is not None:
+        for i in rule.order:
+            if i < len(args) and isinstance(args[i], QTensor):
+                return args[i]
+    return qs[0]
+
+
+def _device_error(func, args, kwargs, err):
+    """Re-raise a device mismatch naming the QTensors' devices and formats."""
+    seen = []
+    for a in list(args) + list((kwargs or {}).values()):
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                seen.append(t)
+    devices = {t.device for t in seen}
+    if len(devices) > 1:
+        desc = ", ".join(
+            f"QTensor(fmt={t.fmt}, mm_fmt={t.mm_fmt}) on {t.device}" if isinstance(t, QTensor)
+            else f"plain {t.dtype} tensor on {t.device}" for t in seen)
+        raise RuntimeError(f"{func}: tensors on different devices: {desc}") from err
+    raise err
+
+
+# ---------------------------------------------------------------------------------------------
+# Contractions
+
+def _round_operand(args, uargs, pos, axis):
+    a = args[pos] if pos < len(args) else None
+    if isinstance(a, QTensor) and a.mm_fmt is not None:
+        uargs[pos] = _ops.quantize(uargs[pos], with_axis(a.mm_fmt, axis))
+
+
+def _conv_operands(args):
+    transposed = bool(args[6]) if len(args) > 6 else False
+    return ((0, 1), (1, 0 if transposed else 1))
+
+
+def _contract(func, rule, args, kwargs, uargs, ukwargs):
+    packet = func._opname
+    if packet == "convolution_backward":
+        return _convolution_backward(func, args, uargs, ukwargs)
+    operands = CONTRACT[packet] or _conv_operands(args)
+    for pos, axis in operands:
+        _round_operand(args, uargs, pos, axis)
+    return func(*uargs, **ukwargs)
+
+
+def _convolution_backward(func, args, uargs, ukwargs):
+    # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
+    #                      transposed, output_padding, groups, output_mask)
+    go, inp, w = args[0], args[1], args[2]
+    has = [isinstance(t, QTensor) and t.mm_fmt is not None for t in (go, inp, w)]
+    if not any(has):
+        return func(*uargs, **ukwargs)
+    uargs = list(uargs)
+    mask = list(uargs[10])
+    transposed = bool(uargs[7])
+
+    def rounded(i, axis):
+        return _ops.quantize(uargs[i], with_axis(args[i].mm_fmt, axis)) if has[i] else uargs[i]
+
+    gi = gw = gb = None
+    if mask[0]:  # grad_input: reduction over output channels
+        a = list(uargs)
+        a[0], a[2], a[10] = rounded(0, 1), rounded(2, 1 if transposed else 0), [True, False, False]
+        gi = func(*a, **ukwargs)[0]
+    if mask[1]:  # grad_weight: reduction over the batch
+        a = list(uargs)
+        a[0], a[1], a[10] = rounded(0, 0), rounded(1, 0), [False, True, False]
+        gw = func(*a, **ukwargs)[1]
+    if mask[2]:  # grad_bias: a sum of the grad_output values
+        a = list(uargs)
+        a[10] = [False, False, True]
+        gb = func(*a, **ukwargs)[2]
+    return (gi, gw, gb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output wrapping
+
+def _wrap_out(out, fmt, mm_fmt, rnd):
+    """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd."""
+    if isinstance(out, torch.Tensor):
+        if out.dtype in FLOAT_DTYPES:
+            if rnd:
+                out = quantize(out, fmt)
+            return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
+        return out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd) for o in out)
+    return out
+
+
+def dispatch(func, args, kwargs):
+    """QTensor.__torch_dispatch__: run func on payloads by its rule, round, re-wrap."""
+    rule = _RULES.get(func)
+    if rule is None:
+        rule = rule_of(func)
+    if rule.kind == FOREACH:
+        return _dispatch_foreach(func, rule, args, kwargs)
+    qs = []
+    state = [False]  # a plain floating tensor is among the inputs
+    uargs, ukwargs = _unwrap(args, kwargs, qs, state)
+    try:
+        if rule.kind == CONTRACT_KIND:
+            out = _contract(func, rule, args, kwargs, uargs, ukwargs)
+        else:
+            out = func(*uargs, **ukwargs)
+    except RuntimeError as err:
+        if "device" in str(err):
+            _device_error(func, args, kwargs, err)
+        raise
+
+    src = _first_q(rule, args, qs)
+    fmt, mm_fmt = src.fmt, src.mm_fmt
+    if rule.kind == MOVE_KIND:
+        # values are moved, not computed: round only if they were not all in fmt already
+        rnd = state[0]
+        if not rnd:
+            for q in qs:
+                if q.fmt != fmt:
+                    rnd = True
+                    break
+        if rule.transpose and not rnd:
+            fmt = _transposed_fmt(fmt, func, uargs, src.dim())
+        cond = _MOVE_IF.get(func._opname)
+        if cond is not None and not rnd:
+            rnd = not cond(uargs, ukwargs, src)
+    else:
+        rnd = True
+
+    if rule.mutated:
+        return _finish_mutation(func, rule, args, kwargs, out, rnd)
+    out = _wrap_out(out, fmt, mm_fmt, rnd)
+    if rule.is_view:
+        return return_and_correct_aliasing(func, args, kwargs, out)
+    return out
+
+
+def _finish_mutation(func, rule, args, kwargs, out, rnd):
+    """In-place and out= ops: round each QTensor destination into its own format."""
+    for pos, name in rule.mutated:
+        dst = _arg(args, kwargs, pos, name)
+        targets = dst if isinstance(dst, (list, tuple)) else (dst,)
+        for d in targets:
+            if isinstance(d, QTensor):
+                if tuple(d._data.shape) != tuple(d.shape) and not rule.inplace_view:
+                    raise RuntimeError(
+                        f"{func}: out= QTensor of shape {tuple(d.shape)} would have to be resized "
+                        f"to {tuple(d._data.shape)}; pass an out tensor of the result's shape")
+                if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs)):
+                    _round_inplace(d)
+    if rule.inplace_view:
+        return return_and_correct_aliasing(func, args, kwargs, out)
+    if rule.returns_void:
+        return None
+    if rule.out_alias is None:
+        return out
+    res = []
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    for o, alias in zip(outs, rule.out_alias):
+        res.append(_arg(args, kwargs, alias[0], alias[1]) if alias is not None else o)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def _needs_round_into(dst, args, kwargs) -> bool:
+    """A data-movement op writing into dst: do the moved values have dst's format already?"""
+    for a in list(args) + list((kwargs or {}).values()):
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        for t in items:
+            if t is dst:
+                continue
+            if isinstance(t, QTensor):
+                if t.fmt != dst.fmt:
+                    return True
+            elif isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES:
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# _foreach_* ops: element i of every list belongs together (per-parameter formats)
+
+def _dispatch_foreach(func, rule, args, kwargs):
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    singles = [a for a in args if isinstance(a, QTensor)]
+    n = len(lists[0]) if lists else 0
+    qs = []
+    state = [False]
+    uargs, ukwargs = _unwrap(args, kwargs, qs, state)
+    out = func(*uargs, **ukwargs)
+    move = rule.kind == MOVE_KIND or func._opname == "_foreach_copy_"
+
+    def source(i):
+        for lst in lists:
+            if i < len(lst) and isinstance(lst[i], QTensor):
+                return lst[i]
+        return singles[0] if singles else None
+
+    if rule.mutated:
+        dst_list = _arg(args, kwargs, rule.mutated[0][0], rule.mutated[0][1])
+        for i, d in enumerate(dst_list):
+            if isinstance(d, QTensor):
+                if not move:
+                    _round_inplace(d)
+                else:
+                    others = [lst[i] for lst in lists if lst is not dst_list and i < len(lst)]
+                    if _needs_round_into(d, others, None):
+                        _round_inplace(d)
+        if rule.returns_void:
+            return None
+        return dst_list
+    res = []
+    for i, o in enumerate(out):
+        s = source(i) if i < n else None
+        if s is None or not isinstance(o, torch.Tensor):
+            res.append(o)
+        else:
+            res.append(_wrap_out(o, s.fmt, s.mm_fmt, True))
+    return type(out)(res) if isinstance(out, tuple) else res

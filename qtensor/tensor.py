@@ -1,0 +1,264 @@
+"""QTensor: a tensor whose values live in a number format, and stay there through every op.
+
+A QTensor wraps a plain high-precision *payload* (float32; float64 when built from float64) whose
+values are all exactly representable in its value format ``fmt``. It may also carry ``mm_fmt``,
+the format its values take when they enter a matrix multiply or convolution (rounded per use
+along that contraction's reduction dimension; see :mod:`qtensor.dispatch`).
+
+Build QTensors with :func:`as_qtensor` (rounds, differentiable) rather than the constructor (which
+trusts that the payload is already in format). ``t.dequantize()`` gives the values as a plain
+tensor. Every aten op on QTensors is handled by :func:`qtensor.dispatch.dispatch`; autograd sits
+above, so gradients are QTensors too, and :func:`quantize_grad` gives a gradient its own format.
+
+Conversions:
+- ``t.to(device)`` / ``.cuda()`` / ``.cpu()``: moves the payload, same formats.
+- ``t.to(dtype)`` with a floating dtype (float64, float16, bfloat16, float32): a QTensor with a
+  payload of that dtype and the same formats, its values rounded again to ``fmt`` (the cast is a
+  computation). Any other dtype (integers, float8 dtypes) gives a plain tensor.
+- ``torch.save``/``torch.load(weights_only=True)``, ``pickle``, ``copy.deepcopy``: payload and
+  formats round-trip exactly (formats travel as their string form).
+- ``nn.Parameter(t)`` is a QTensor marked as a parameter (PyTorch's rule for subclasses).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+
+from . import dispatch as _dispatch
+from . import ops as _ops
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _parse_format
+
+__all__ = ["QTensor", "as_qtensor", "quantize_grad"]
+
+_PAYLOAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _parse(fmt, what: str = "fmt") -> Optional[Format]:
+    if fmt is None:
+        return None
+    if isinstance(fmt, Format):
+        return fmt
+    return _parse_format(fmt)  # raises the formats module's FormatError for unknown names
+
+
+def _check_floating(x: torch.Tensor, fmt) -> None:
+    if x.dtype not in _PAYLOAD_DTYPES:
+        raise TypeError(
+            f"cannot give format {fmt} to a tensor of dtype {x.dtype} (shape {tuple(x.shape)}): "
+            "only float32, float64, float16 and bfloat16 tensors can carry a number format")
+
+
+class QTensor(torch.Tensor):
+    """A tensor whose values are in ``fmt``; contractions see them in ``mm_fmt`` (optional).
+
+    ``QTensor(data, fmt, mm_fmt=None, *, requires_grad=False)`` wraps ``data`` as is: its values
+    must already be representable in fmt (use :func:`as_qtensor` to round). ``data`` must be a
+    plain float32/float64/float16/bfloat16 tensor; it becomes the payload (not copied).
+    """
+
+    _data: torch.Tensor
+    fmt: Format
+    mm_fmt: Optional[Format]
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data, fmt, mm_fmt=None, outer_size=None, outer_stride=None, *,
+                requires_grad=False):
+        if isinstance(data, QTensor):
+            raise TypeError("QTensor(data, ...): data is already a QTensor; use as_qtensor to "
+                            "change its format")
+        fmt = _parse(fmt)
+        mm_fmt = _parse(mm_fmt, "mm_fmt")
+        if fmt is None:
+            raise TypeError("QTensor needs a format (fmt)")
+        _check_floating(data, fmt)
+        return cls._wrap(data, fmt, mm_fmt, outer_size, outer_stride, requires_grad)
+
+    @staticmethod
+    def _wrap(data, fmt, mm_fmt=None, outer_size=None, outer_stride=None, requires_grad=False):
+        """The fast internal constructor: no checks, no parsing."""
+        t = torch.Tensor._make_wrapper_subclass(
+            QTensor, data.shape if outer_size is None else outer_size,
+            strides=data.stride() if outer_stride is None else outer_stride,
+            storage_offset=data.storage_offset(), dtype=data.dtype, device=data.device,
+            layout=data.layout, requires_grad=requires_grad)
+        t._data = data
+        t.fmt = fmt
+        t.mm_fmt = mm_fmt
+        return t
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    # -- traceable subclass protocol (torch.compile) ------------------------------------------
+    def __tensor_flatten__(self):
+        return ["_data"], (self.fmt, self.mm_fmt)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        fmt, mm_fmt = meta
+        return QTensor._wrap(inner_tensors["_data"], fmt, mm_fmt, outer_size, outer_stride)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch.dispatch(func, args, kwargs)
+
+    # -- values --------------------------------------------------------------------------------
+    def dequantize(self) -> torch.Tensor:
+        """The values as a plain tensor.
+
+        Without autograd (or when self does not require grad) this is the payload itself, not a
+        copy: do not modify it in place (that would bypass the format). With autograd it is a
+        differentiable alias whose gradient flows back unchanged (straight through).
+        """
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Dequantize.apply(self)
+        return self._data
+
+    def __repr__(self, *, tensor_contents=None):
+        try:
+            from torch._tensor_str import _tensor_str
+            body = _tensor_str(self._data, len("QTensor("))
+        except Exception:  # noqa: BLE001 (printing must never fail)
+            body = repr(self._data)
+        parts = [body, f"fmt={self.fmt}"]
+        if self.mm_fmt is not None:
+            parts.append(f"mm_fmt={self.mm_fmt}")
+        if self.dtype != torch.float32:
+            parts.append(f"dtype={self.dtype}")
+        if self.device.type != "cpu":
+            parts.append(f"device='{self.device}'")
+        if self.grad_fn is not None:
+            parts.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
+        elif self.requires_grad:
+            parts.append("requires_grad=True")
+        return "QTensor(" + ", ".join(parts) + ")"
+
+    # -- serialization -------------------------------------------------------------------------
+    def __reduce_ex__(self, protocol):
+        return (_rebuild_qtensor,
+                (self._data, str(self.fmt), None if self.mm_fmt is None else str(self.mm_fmt),
+                 self.requires_grad, bool(getattr(self, "_is_param", False))))
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                "protocol at the moment")
+        with torch.no_grad():
+            data = copy.deepcopy(self._data, memo)
+        new = QTensor._wrap(data, self.fmt, self.mm_fmt, requires_grad=self.requires_grad)
+        if getattr(self, "_is_param", False):
+            new._is_param = True
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        return new
+
+
+def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False):
+    t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad)
+    if is_param:
+        t._is_param = True
+    return t
+
+
+_dispatch.QTensor = QTensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiable construction
+
+def _payload_of(x: torch.Tensor) -> torch.Tensor:
+    """x's values as a plain float32 (or float64) tensor."""
+    if isinstance(x, QTensor):
+        x = x._data
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.to(torch.float32)
+    return x
+
+
+class _AsQTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmt, mm_fmt, rounding):
+        ctx.plain = not isinstance(x, QTensor)
+        ctx.dtype = x.dtype
+        q = _ops.quantize(_payload_of(x).detach(), fmt, rounding=rounding)
+        return QTensor._wrap(q, fmt, mm_fmt)
+
+    @staticmethod
+    def backward(ctx, g):
+        # straight through; a plain input gets a plain gradient of its own dtype
+        if ctx.plain and isinstance(g, QTensor):
+            g = g._data
+        if g.dtype != ctx.dtype and not isinstance(g, QTensor):
+            g = g.to(ctx.dtype)
+        return g, None, None, None
+
+
+class _QuantizeGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmt, mm_fmt, rounding):
+        ctx.fmt, ctx.mm_fmt, ctx.rounding = fmt, mm_fmt, rounding
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        q = _ops.quantize(_payload_of(g), ctx.fmt, rounding=ctx.rounding)
+        return QTensor._wrap(q, ctx.fmt, ctx.mm_fmt), None, None, None
+
+
+class _Dequantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x._data.view_as(x._data)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = None) -> QTensor:
+    """x rounded to ``fmt`` (a format or its name) and wrapped as a QTensor.
+
+    Differentiable with a straight-through gradient (the gradient passes unchanged; a plain
+    input gets a plain gradient). A QTensor input is re-rounded from its values to the new fmt.
+    ``mm_fmt``: the operand format for contractions (see :mod:`qtensor.dispatch`).
+    ``rounding`` overrides fmt's rounding mode for this rounding only; later ops round with
+    fmt's own mode (put it in the format, e.g. ``"bf16(rounding=stochastic)"``, to change it).
+    bfloat16/float16 inputs get a float32 payload; float64 inputs keep float64.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"as_qtensor expects a torch.Tensor, got {type(x).__name__}")
+    fmt = _parse(fmt)
+    if fmt is None:
+        raise TypeError("as_qtensor needs a format")
+    mm_fmt = _parse(mm_fmt, "mm_fmt")
+    _check_floating(x, fmt)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AsQTensor.apply(x, fmt, mm_fmt, rounding)
+    q = _ops.quantize(_payload_of(x).detach(), fmt, rounding=rounding)
+    return QTensor._wrap(q, fmt, mm_fmt)
+
+
+def quantize_grad(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = None):
+    """Identity in forward; in backward the incoming gradient is rounded to ``fmt`` and becomes
+    a QTensor(fmt, mm_fmt). Works on plain tensors and QTensors."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_grad expects a torch.Tensor, got {type(x).__name__}")
+    fmt = _parse(fmt)
+    mm_fmt = _parse(mm_fmt, "mm_fmt")
+    _check_floating(x, fmt)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return _QuantizeGrad.apply(x, fmt, mm_fmt, rounding)
+
+
+# torch.load(weights_only=True) may rebuild QTensors.
+torch.serialization.add_safe_globals(
+    [QTensor, _rebuild_qtensor, FloatFormat, FixedFormat, BlockFormat])
