@@ -7,3 +7,6 @@ globals().update(PRESETS)
 
 from .ops import quantize  # noqa: E402
 from .tensor import QTensor, as_qtensor, quantize_grad  # noqa: E402
+from .convert import Recipe, Role, convert, describe, unconvert  # noqa: E402
+from . import recipes  # noqa: E402
+from .training import LossScaler, master_weight  # noqa: E402

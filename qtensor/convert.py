@@ -1,0 +1,705 @@
+"""Model conversion: ``qt.convert(model, spec)``, recipes and per-parameter rules.
+
+``qt.convert(model, spec)`` turns a model into a low-precision emulation of itself, in place, and
+returns it. ``spec`` is a format (``qt.bf16``), a format string (``"mxfp6"``) or a
+:class:`Recipe`. A bare format means "every value in this format": weights, biases, buffers,
+activations, gradients and optimizer state.
+
+A :class:`Recipe` gives each *role* a format. A role is ``None`` (full precision: left a plain
+tensor), a format / format string, or a pair ``(value_fmt, mm_fmt)``: the format the values live
+in, and the format they take as an operand of a contraction (DESIGN.md "Two formats per tensor";
+e.g. ``(qt.bf16, qt.mxfp6_e3m2)``). A pair ``(None, mm_fmt)`` means FP32 values with that
+operand format. Roles:
+
+- ``weight``: every parameter that is not a bias (Linear/Conv weights, LayerNorm/BatchNorm scales,
+  Embedding tables, LSTM ``weight_ih_l0``...).
+- ``bias``: parameters whose last name component starts or ends with ``bias`` (``bias``,
+  ``in_proj_bias``, ``bias_ih_l0``).
+- floating buffers (BatchNorm running statistics): the *value* format of the weight role (no
+  operand format: buffers never enter contractions); a rule can give them their own.
+  Integer buffers (``num_batches_tracked``) are always left alone (a warning says so once).
+- ``activation``: the model's floating inputs (a forward pre-hook on the model) and every
+  module's floating outputs (forward hooks) are rounded to it, as QTensors with its operand
+  format.
+- ``grad``: the gradient of every hooked activation (``qt.quantize_grad`` in the same hooks) and of
+  every converted parameter (a tensor hook on the parameter, so each contribution is rounded
+  before it is accumulated, and accumulation rounds into the gradient's format).
+- ``optimizer_state``: after every ``optimizer.step()`` of any torch.optim optimizer, each floating
+  state tensor of a converted parameter with the parameter's shape (momentum buffers, Adam
+  moments; not the scalar ``step``) is rounded into this format; from then on the optimizer's
+  in-place updates round into it. The state is created by the optimizer itself at its first step
+  (``zeros_like(param)`` or a clone of the gradient), so only that first step sees the state in
+  the parameter's (or gradient's) format. ``None`` leaves the state as the optimizer made it.
+  (A process-wide ``torch.optim`` step hook does this; it only touches converted parameters.)
+- ``master_weights=True``: the optimizer updates an FP32 copy of every converted parameter and the
+  model sees the copy rounded into the weight format after each step (see qtensor.training).
+  The optimizer then runs entirely in FP32, so ``optimizer_state`` must be ``None``.
+- ``loss_scale``: ``None``, a number (static) or ``"dynamic"``; a recommendation read by
+  ``qt.LossScaler.from_recipe(recipe)`` (loss scaling lives in the training loop, not the model).
+
+Rules: ``rules={pattern: spec}`` overrides roles by qualified name. A pattern is a glob
+(``fnmatch``, where ``*`` also matches dots: ``"layer1.*"``, ``"*.bias"``) or a regular
+expression with the prefix ``re:`` (``re.fullmatch``). ``spec`` is:
+
+- a format, a pair or ``None``: for a parameter or buffer, its value role; for a module, its
+  output activation role (``None``: the module's outputs and their gradients are left alone).
+  A module rule also covers the parameters and buffers it owns and all its submodules.
+- a dict of roles (keys among weight, bias, activation, grad, optimizer_state) or a Recipe: the
+  given roles replace the recipe's for the matched tensors and modules; missing ones keep the
+  recipe's defaults.
+
+Precedence, for a tensor named ``a.b.weight`` (scopes: ``a.b.weight``, then its modules
+``a.b``, ``a``, innermost first) or a module named ``a.b`` (scopes ``a.b``, ``a``):
+
+1. a rule whose key equals a scope, the innermost scope first (exact names win over patterns);
+2. the first pattern in the rules' order that matches the tensor's (or module's) own name;
+3. the first pattern in the rules' order that matches an enclosing module, innermost first;
+4. the kind default (weight, bias, buffer, activation as above).
+
+A rule that matches no parameter, buffer or module is an error that lists the nearest names.
+``None`` for a parameter means: left a plain tensor, its gradient plain too (a QTensor gradient
+that reaches it is dequantized), its optimizer state untouched.
+
+Details:
+- Parameters are replaced with ``torch.utils.swap_tensors``: the Python object stays the same, so
+  references held elsewhere (an optimizer created before conversion, tied weights, LSTM's
+  ``_flat_weights``) see the QTensor. Buffers are reassigned in their modules.
+- Converting a model twice with the same spec does nothing; with a different spec it is an error
+  (call ``qt.unconvert(model)`` first). A model that contains an already converted submodule is
+  an error too.
+- Block formats on tiny tensors: a block that does not fit (a bias of 3 values in MXFP4 with 32-value
+  blocks) is a short last block, which the format allows (as if padded with zeros): it just
+  works. A block format whose ``axis`` does not exist in a tensor (``axis=1`` for a bias) is an
+  error naming the tensor; give it its own rule.
+- ``model.to(fmt)`` is not supported: ``nn.Module.to`` parses its arguments in C++ and accepts
+  only devices, dtypes and tensors; supporting formats would mean patching ``nn.Module.to`` for
+  every user of the process. ``qt.convert(model, fmt)`` is that one line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
+from .formats import format as _parse_format
+
+__all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
+           "is_converted", "plan_of", "ROLE_NAMES"]
+
+ROLE_NAMES = ("weight", "bias", "activation", "grad", "optimizer_state")
+_FP32 = FloatFormat(8, 23)
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles and recipes
+
+@dataclass(frozen=True)
+class Role:
+    """The formats of one role: ``fmt`` for the values, ``mm_fmt`` inside contractions.
+
+    ``Role()`` (both None) is full precision: the tensor is left a plain tensor.
+    """
+
+    fmt: Optional[Format] = None
+    mm_fmt: Optional[Format] = None
+
+    def __post_init__(self):
+        for name in ("fmt", "mm_fmt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Format):
+                object.__setattr__(self, name, _parse_format(value))
+        if self.fmt is None and self.mm_fmt is not None:
+            # FP32 values with an operand format: the values must still be a QTensor
+            object.__setattr__(self, "fmt", _FP32)
+
+    @classmethod
+    def of(cls, spec, what: str = "role") -> "Role":
+        """A Role from None, a format, a format string, a Role or a pair (value_fmt, mm_fmt)."""
+        if isinstance(spec, Role):
+            return spec
+        if spec is None:
+            return cls()
+        if isinstance(spec, (Format, str)):
+            return cls(_format_or_error(spec, what))
+        if isinstance(spec, (tuple, list)):
+            if len(spec) != 2:
+                raise ValueError(
+                    f"{what}: a pair must be (value_fmt, mm_fmt), got {len(spec)} items: {spec!r}")
+            value, mm = spec
+            return cls(None if value is None else _format_or_error(value, what),
+                       None if mm is None else _format_or_error(mm, f"{what} (mm_fmt)"))
+        raise TypeError(
+            f"{what}: expected None, a format, a format string or a pair (value_fmt, mm_fmt), "
+            f"got {type(spec).__name__}: {spec!r}")
+
+    @property
+    def full_precision(self) -> bool:
+        return self.fmt is None
+
+    def __str__(self) -> str:
+        if self.fmt is None:
+            return "full precision"
+        return str(self.fmt) if self.mm_fmt is None else f"{self.fmt} (mm {self.mm_fmt})"
+
+
+def _format_or_error(spec, what: str) -> Format:
+    try:
+        return _parse_format(spec)
+    except FormatError as e:
+        raise FormatError(f"{what}: {e}") from None
+
+
+def _normalise_rule(pattern, spec):
+    """A rule's spec as a Role (value/activation role) or a dict {role name: Role}."""
+    if not isinstance(pattern, str) or not pattern:
+        raise TypeError(f"rule patterns must be non-empty strings, got {pattern!r}")
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as e:
+            raise ValueError(f"rule {pattern!r}: bad regular expression: {e}") from None
+    if isinstance(spec, Recipe):
+        return {name: getattr(spec, name) for name in ROLE_NAMES}
+    if isinstance(spec, dict):
+        unknown = [k for k in spec if k not in ROLE_NAMES]
+        if unknown:
+            raise ValueError(
+                f"rule {pattern!r}: unknown role(s) {', '.join(map(repr, unknown))}; roles are "
+                f"{', '.join(ROLE_NAMES)}")
+        return {k: Role.of(v, f"rule {pattern!r}, role {k}") for k, v in spec.items()}
+    return Role.of(spec, f"rule {pattern!r}")
+
+
+@dataclass(frozen=True, eq=True)
+class Recipe:
+    """Formats for every role of a model (see the module docstring for the meaning of each).
+
+    Each role takes None (full precision), a format, a format string, or a pair
+    ``(value_fmt, mm_fmt)``; they are normalised into :class:`Role` values.
+    ``rules``: ``{pattern: format | pair | None | dict of roles}``, matched against qualified
+    parameter, buffer and module names (glob, or ``re:`` regex).
+    """
+
+    weight: Any = None
+    bias: Any = None
+    activation: Any = None
+    grad: Any = None
+    optimizer_state: Any = None
+    rules: Any = None
+    master_weights: bool = False
+    loss_scale: Any = None
+    name: Optional[str] = field(default=None, compare=False)
+    source: Optional[str] = field(default=None, compare=False)
+
+    def __post_init__(self):
+        for role in ROLE_NAMES:
+            object.__setattr__(self, role, Role.of(getattr(self, role), f"Recipe.{role}"))
+        rules = self.rules or {}
+        if not isinstance(rules, dict):
+            raise TypeError(f"Recipe.rules must be a dict {{pattern: spec}}, got {type(rules).__name__}")
+        object.__setattr__(self, "rules", {p: _normalise_rule(p, s) for p, s in rules.items()})
+        if not isinstance(self.master_weights, bool):
+            raise TypeError(f"Recipe.master_weights must be a bool, got {self.master_weights!r}")
+        if self.master_weights and not self.optimizer_state.full_precision:
+            raise ValueError(
+                "master_weights=True runs the optimizer on FP32 copies, so its state is FP32: "
+                f"optimizer_state must be None, got {self.optimizer_state}")
+        ls = self.loss_scale
+        if ls is not None and ls != "dynamic" and (
+                isinstance(ls, bool) or not isinstance(ls, (int, float)) or not ls > 0):
+            raise ValueError(
+                f"Recipe.loss_scale must be None, a positive number or 'dynamic', got {ls!r}")
+
+    __hash__ = None  # rules is a dict
+
+    @classmethod
+    def uniform(cls, spec, **kwargs) -> "Recipe":
+        """Every role (weights, biases, activations, gradients, optimizer state) in ``spec``."""
+        role = Role.of(spec, "format")
+        return cls(weight=role, bias=role, activation=role, grad=role, optimizer_state=role,
+                   **kwargs)
+
+    def replace(self, **changes) -> "Recipe":
+        """A copy with some fields changed (``recipes.mxfp6.replace(rules={...})``)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """A readable summary of the recipe: one line per role and rule."""
+        head = self.name or "Recipe"
+        lines = [head + (f"  ({self.source})" if self.source else "")]
+        for role in ROLE_NAMES:
+            lines.append(f"  {role:<16} {getattr(self, role)}")
+        lines.append(f"  {'buffers':<16} {Role(self.weight.fmt)}")
+        lines.append(f"  {'master_weights':<16} {self.master_weights}")
+        lines.append(f"  {'loss_scale':<16} {self.loss_scale}")
+        for pattern, spec in self.rules.items():
+            if isinstance(spec, Role):
+                lines.append(f"  rule {pattern!r}: {spec}")
+            else:
+                inner = ", ".join(f"{k}={v}" for k, v in spec.items())
+                lines.append(f"  rule {pattern!r}: {{{inner}}}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def as_recipe(spec) -> Recipe:
+    """A Recipe from a Recipe, a format, a format string or a pair (value_fmt, mm_fmt)."""
+    if isinstance(spec, Recipe):
+        return spec
+    if isinstance(spec, dict):
+        return Recipe(**spec)
+    if spec is None:
+        raise TypeError("qt.convert needs a format, a format string or a qt.Recipe, got None")
+    if isinstance(spec, (Format, str, tuple, list, Role)):
+        return Recipe.uniform(spec)
+    raise TypeError(
+        f"qt.convert needs a format, a format string or a qt.Recipe, got {type(spec).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans: what each tensor and module gets
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """The formats chosen for one parameter or buffer, and the rule that chose them."""
+
+    name: str
+    kind: str                    # "weight", "bias" or "buffer"
+    value: Role
+    grad: Role
+    optimizer_state: Role
+    master: bool
+    rule: Optional[str] = None   # the rule pattern that decided, None for the kind default
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    name: str
+    activation: Role
+    grad: Role
+    rule: Optional[str] = None
+
+
+def _kind(name: str) -> str:
+    last = name.rsplit(".", 1)[-1]
+    return "bias" if last.startswith("bias") or last.endswith("bias") else "weight"
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _is_pattern(pattern: str) -> bool:
+    return pattern.startswith("re:") or any(c in pattern for c in "*?[")
+
+
+def _enclosing(name: str) -> List[str]:
+    """Enclosing module names of a qualified name, innermost first ('a.b.c' -> ['a.b', 'a'])."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
+def _find_rule(rules: dict, name: str) -> Optional[Tuple[str, Any, bool]]:
+    """(pattern, spec, matched_name_itself) of the rule deciding ``name``, per the precedence."""
+    if not rules:
+        return None
+    scopes = [name] + _enclosing(name)
+    for scope in scopes:  # 1. exact names, innermost first
+        if scope in rules and not scope.startswith("re:"):
+            return scope, rules[scope], scope == name
+    for pattern, spec in rules.items():  # 2. patterns on the name itself, in order
+        if _is_pattern(pattern) and _matches(pattern, name):
+            return pattern, spec, True
+    for scope in scopes[1:]:  # 3. patterns on enclosing modules, innermost first
+        for pattern, spec in rules.items():
+            if _is_pattern(pattern) and _matches(pattern, scope):
+                return pattern, spec, False
+    return None
+
+
+def _tensor_plan(recipe: Recipe, name: str, kind: str, is_buffer: bool) -> TensorPlan:
+    default_value = Role(recipe.weight.fmt) if is_buffer else getattr(recipe, kind)
+    value, grad, state = default_value, recipe.grad, recipe.optimizer_state
+    found = _find_rule(recipe.rules, name)
+    pattern = None
+    if found is not None:
+        pattern, spec, _own = found
+        if isinstance(spec, Role):
+            value = spec
+            if spec.full_precision:
+                grad, state = Role(), Role()
+        else:
+            key = "weight" if is_buffer else kind
+            if key in spec:
+                value = Role(spec[key].fmt) if is_buffer else spec[key]
+            grad = spec.get("grad", grad)
+            state = spec.get("optimizer_state", state)
+    if value.full_precision:
+        grad, state = Role(), Role()
+    if is_buffer:
+        grad, state = Role(), Role()
+    master = recipe.master_weights and not value.full_precision and not is_buffer
+    if master and not state.full_precision:
+        raise ValueError(
+            f"{name}: master_weights=True runs the optimizer in FP32, but a rule ({pattern!r}) "
+            f"gives it optimizer_state {state}")
+    return TensorPlan(name, "buffer" if is_buffer else kind, value, grad, state, master, pattern)
+
+
+def _module_plan(recipe: Recipe, name: str) -> ModulePlan:
+    act, grad = recipe.activation, recipe.grad
+    found = _find_rule(recipe.rules, name) if name else None
+    pattern = None
+    if found is not None:
+        pattern, spec, _own = found
+        if isinstance(spec, Role):
+            act = spec
+            if spec.full_precision:
+                grad = Role()
+        else:
+            act = spec.get("activation", act)
+            grad = spec.get("grad", grad)
+    return ModulePlan(name, act, grad, pattern)
+
+
+def _check_rules_match(recipe: Recipe, names: List[str]) -> None:
+    for pattern in recipe.rules:
+        if any(_matches(pattern, n) if _is_pattern(pattern) else pattern == n for n in names):
+            continue
+        probe = pattern[3:] if pattern.startswith("re:") else pattern
+        near = difflib.get_close_matches(probe, names, n=6, cutoff=0.3)
+        if not near:
+            near = names[:6]
+        raise ValueError(
+            f"qt.convert: rule {pattern!r} matches no parameter, buffer or module of the model; "
+            f"nearest names: {', '.join(near) if near else '(the model has no names)'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# QTensor access (tensor.py is imported lazily: convert.py must import without it)
+
+def _api():
+    import qtensor
+    return qtensor
+
+
+def _is_q(x) -> bool:
+    QTensor = getattr(_api(), "QTensor", None)
+    return QTensor is not None and isinstance(x, QTensor)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.dequantize() if _is_q(x) else x
+
+
+def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tensor:
+    """x as a QTensor in ``role`` (returned as is when it already has exactly those formats)."""
+    if role.full_precision:
+        return _plain(x)
+    if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
+        return x
+    try:
+        return _api().as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)
+    except (FormatError, ValueError, RuntimeError, IndexError) as e:
+        raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks
+
+_ACT_TAG = "_qt_act"
+
+
+def _round_activation(x, plan: ModulePlan):
+    """Round one floating tensor of a module's inputs/outputs to the activation and grad roles."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return x
+    key = (plan.activation, plan.grad)
+    tag = getattr(x, _ACT_TAG, None)
+    if tag is not None and tag[0] == key and tag[1] == x._version:
+        return x  # already done (e.g. a container returning its last child's output)
+    y = x
+    if not plan.activation.full_precision:
+        y = round_to(y, plan.activation, name=f"output of {plan.name or 'the model'}")
+    if not plan.grad.full_precision and torch.is_grad_enabled() and y.requires_grad:
+        y = _api().quantize_grad(y, plan.grad.fmt, mm_fmt=plan.grad.mm_fmt)
+    if y is not x or not plan.activation.full_precision:
+        try:
+            setattr(y, _ACT_TAG, (key, y._version))
+        except (AttributeError, RuntimeError):
+            pass
+    return y
+
+
+def _output_hook(plan: ModulePlan):
+    def hook(module, args, output):
+        return tree_map(lambda t: _round_activation(t, plan), output)
+    return hook
+
+
+def _input_hook(plan: ModulePlan):
+    def hook(module, args, kwargs):
+        f = lambda t: _round_activation(t, plan)  # noqa: E731
+        return tree_map(f, args), tree_map(f, kwargs)
+    return hook
+
+
+def _grad_hook(plan: TensorPlan):
+    role = plan.grad  # Role() (full precision: a plain gradient) for parameters left plain
+    return lambda g: round_to(g, role, name=f"gradient of {plan.name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# convert / unconvert
+
+@dataclass
+class _Conversion:
+    """What convert() did to a model (kept on the root module as ``_qt_conversion``)."""
+
+    recipe: Recipe
+    tensor_plans: Dict[str, TensorPlan]
+    module_plans: Dict[str, ModulePlan]
+    handles: list = field(default_factory=list)
+    converted_params: list = field(default_factory=list)   # (module, name)
+    converted_buffers: list = field(default_factory=list)  # (module, name)
+    skipped: List[str] = field(default_factory=list)       # non-floating tensors left alone
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def is_converted(model: nn.Module) -> bool:
+    """Whether ``model`` was converted by qt.convert (and not unconverted since)."""
+    return getattr(model, "_qt_conversion", None) is not None
+
+
+def plan_of(tensor: torch.Tensor) -> Optional[TensorPlan]:
+    """The TensorPlan of a converted parameter (None for anything else)."""
+    return getattr(tensor, "_qt_plan", None)
+
+
+def _swap_param(module: nn.Module, pname: str, new_value: torch.Tensor, new_grad) -> None:
+    param = module._parameters[pname]
+    requires_grad = param.requires_grad
+    if param.grad is not None:
+        param.grad = None  # holding .grad blocks the swap (use count)
+    new_param = nn.Parameter(new_value, requires_grad=requires_grad)
+    torch.utils.swap_tensors(param, new_param)
+    if new_grad is not None:
+        param.grad = new_grad
+
+
+def _owners(model: nn.Module, attr: str) -> Dict[int, List[Tuple[nn.Module, str, str]]]:
+    """id(tensor) -> [(module, local name, qualified name)], every owner of shared tensors."""
+    out: Dict[int, List[Tuple[nn.Module, str, str]]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for local, t in getattr(mod, attr).items():
+            if t is None:
+                continue
+            qual = f"{mname}.{local}" if mname else local
+            out.setdefault(id(t), []).append((mod, local, qual))
+    return out
+
+
+def convert(model: nn.Module, spec) -> nn.Module:
+    """Convert ``model`` in place to the formats of ``spec`` (a format, a string or a Recipe).
+
+    Returns the model. See the module docstring for roles, rules, precedence and hooks.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"qt.convert expects an nn.Module, got {type(model).__name__}")
+    recipe = as_recipe(spec)
+    existing = getattr(model, "_qt_conversion", None)
+    if existing is not None:
+        if existing.recipe == recipe:
+            return model  # idempotent
+        raise RuntimeError(
+            "qt.convert: this model is already converted with a different recipe; call "
+            "qt.unconvert(model) first, then convert it again")
+    for mname, mod in model.named_modules():
+        if mname and getattr(mod, "_qt_conversion", None) is not None:
+            raise RuntimeError(
+                f"qt.convert: submodule {mname!r} is already converted; call "
+                f"qt.unconvert(model.{mname}) first")
+
+    params = _owners(model, "_parameters")
+    buffers = _owners(model, "_buffers")
+    module_names = [n for n, _ in model.named_modules() if n]
+    tensor_names = [owners[0][2] for owners in params.values()] + \
+                   [owners[0][2] for owners in buffers.values()]
+    _check_rules_match(recipe, tensor_names + module_names)
+
+    # Plan everything first, then touch the model (a bad rule leaves the model unchanged).
+    conv = _Conversion(recipe, {}, {})
+    todo_params, todo_buffers = [], []
+    for owners in params.values():
+        mod, local, qual = owners[0]
+        p = mod._parameters[local]
+        if not p.is_floating_point():
+            conv.skipped.append(qual)
+            continue
+        plan = _tensor_plan(recipe, qual, _kind(qual), is_buffer=False)
+        conv.tensor_plans[qual] = plan
+        if not plan.value.full_precision:
+            todo_params.append((owners, plan))
+    for owners in buffers.values():
+        mod, local, qual = owners[0]
+        b = mod._buffers[local]
+        if not b.is_floating_point():
+            conv.skipped.append(qual)
+            continue
+        plan = _tensor_plan(recipe, qual, "buffer", is_buffer=True)
+        conv.tensor_plans[qual] = plan
+        if not plan.value.full_precision:
+            todo_buffers.append((owners, plan))
+    for mname, mod in model.named_modules():
+        conv.module_plans[mname] = _module_plan(recipe, mname)
+
+    # Round every value first (errors name the tensor and leave the model untouched) ...
+    new_params = []
+    for owners, plan in todo_params:
+        mod, local, qual = owners[0]
+        p = mod._parameters[local]
+        with torch.no_grad():
+            value = round_to(_plain(p.detach()), plan.value, name=qual)
+            grad = None if p.grad is None else round_to(_plain(p.grad), plan.grad,
+                                                        name=f"{qual}.grad")
+        new_params.append((mod, local, plan, value, grad))
+    new_buffers = []
+    for owners, plan in todo_buffers:
+        mod, local, qual = owners[0]
+        with torch.no_grad():
+            value = round_to(_plain(mod._buffers[local]), plan.value, name=qual)
+        new_buffers.append((owners, plan, value))
+
+    # ... then swap them in.
+    for mod, local, plan, value, grad in new_params:
+        p = mod._parameters[local]
+        _swap_param(mod, local, value, grad)
+        p._qt_plan = plan
+        conv.converted_params.append((mod, local))
+    for owners, plan, value in new_buffers:
+        for mod, local, _qual in owners:
+            mod._buffers[local] = value
+            conv.converted_buffers.append((mod, local))
+    if conv.skipped:
+        _warn_once("qt.convert: non-floating tensors are left alone: " + ", ".join(conv.skipped))
+
+    # Gradient hooks: converted parameters get gradients in their grad role; parameters left
+    # in full precision get plain gradients (so their optimizer update stays plain too).
+    for owners in params.values():
+        mod, local, qual = owners[0]
+        p = mod._parameters[local]
+        plan = conv.tensor_plans.get(qual)
+        if plan is not None and p.requires_grad:
+            conv.handles.append(p.register_hook(_grad_hook(plan)))
+
+    # Activation hooks.
+    root_plan = conv.module_plans[""]
+    if not (root_plan.activation.full_precision and root_plan.grad.full_precision):
+        conv.handles.append(model.register_forward_pre_hook(_input_hook(root_plan),
+                                                            with_kwargs=True))
+    for mname, mod in model.named_modules():
+        mplan = conv.module_plans[mname]
+        if mplan.activation.full_precision and mplan.grad.full_precision:
+            continue
+        conv.handles.append(mod.register_forward_hook(_output_hook(mplan)))
+
+    model._qt_conversion = conv
+    from . import training
+    training.install_optimizer_hooks()
+    return model
+
+
+def unconvert(model: nn.Module) -> nn.Module:
+    """Undo qt.convert: plain float parameters (same objects), buffers and gradients; no hooks."""
+    conv = getattr(model, "_qt_conversion", None)
+    if conv is None:
+        raise RuntimeError("qt.unconvert: this model was not converted by qt.convert")
+    for handle in conv.handles:
+        handle.remove()
+    for mod, local in conv.converted_params:
+        p = mod._parameters.get(local)
+        if p is None or not _is_q(p):
+            continue
+        with torch.no_grad():
+            value = p.dequantize().detach().clone()
+            grad = None if p.grad is None else _plain(p.grad).detach().clone()
+        _swap_param(mod, local, value, grad)
+        p.__dict__.pop("_qt_plan", None)
+    for mod, local in conv.converted_buffers:
+        b = mod._buffers.get(local)
+        if b is not None and _is_q(b):
+            mod._buffers[local] = b.dequantize().detach().clone()
+    del model._qt_conversion
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# describe
+
+def _bits(t: torch.Tensor) -> float:
+    if _is_q(t):
+        return float(t.fmt.bits)
+    return float(torch.finfo(t.dtype).bits if t.is_floating_point() else torch.iinfo(t.dtype).bits
+                 if t.dtype != torch.bool else 8)
+
+
+def describe(model: nn.Module, *, file=None, print_table: bool = True) -> str:
+    """Print (and return) a table of every parameter and buffer: name, shape, value format,
+    operand (mm) format, bits per value, and the model's total size in bits against FP32."""
+    rows = [("name", "shape", "format", "mm format", "bits")]
+    total = fp32_total = 0.0
+    seen = set()
+    entries = [(n, t, "param") for n, t in model.named_parameters()] + \
+              [(n, t, "buffer") for n, t in model.named_buffers()]
+    for name, t, _what in entries:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        bits = _bits(t)
+        if _is_q(t):
+            fmt, mm = str(t.fmt), str(t.mm_fmt) if getattr(t, "mm_fmt", None) is not None else "-"
+        else:
+            fmt, mm = f"plain {str(t.dtype).replace('torch.', '')}", "-"
+        n = t.numel()
+        total += n * bits
+        fp32_total += n * (32 if t.is_floating_point() else bits)
+        rows.append((name, "x".join(map(str, t.shape)) or "scalar", fmt, mm,
+                     f"{bits:g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    ratio = total / fp32_total if fp32_total else 1.0
+    lines.append(f"total: {total:,.0f} bits ({total / 8 / 2**20:.3f} MiB) vs FP32 "
+                 f"{fp32_total:,.0f} bits ({fp32_total / 8 / 2**20:.3f} MiB): {ratio:.3f}x")
+    conv = getattr(model, "_qt_conversion", None)
+    if conv is not None:
+        root = conv.module_plans.get("")
+        if root is not None:
+            lines.append(f"activations: {root.activation}; gradients: {conv.recipe.grad}; "
+                         f"optimizer state: {conv.recipe.optimizer_state}; "
+                         f"master weights: {conv.recipe.master_weights}")
+    text = "\n".join(lines)
+    if print_table:
+        print(text, file=file)
+    return text

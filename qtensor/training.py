@@ -1,0 +1,286 @@
+"""Training support for converted models: optimizer state formats, FP32 master weights, loss scaling.
+
+Ordinary ``torch.optim`` optimizers work unchanged on a converted model, because every in-place
+update of a QTensor parameter rounds into the parameter's format with the format's rounding mode
+(``p.add_(g, alpha=-lr)``). What this module adds, and when to use it:
+
+Rounding on update (nothing to do)
+    The parameter's format decides. For narrow weight formats (8 bits or less of fixed point or
+    block floating point) give the format stochastic rounding
+    (``qt.format("fixed8.6(rounding=stochastic)")``, as SWALP and WAGE do): with nearest rounding
+    an update smaller than half a quantum is lost every step, and training stalls; stochastic
+    rounding keeps it in expectation.
+
+Optimizer state in its own format (``Recipe.optimizer_state``)
+    ``qt.convert`` installs process-wide ``torch.optim`` step hooks (the official
+    ``register_optimizer_step_pre_hook`` / ``..._post_hook``; they touch only parameters
+    converted by qt.convert). After each step, every floating state tensor of a converted
+    parameter with the parameter's shape (momentum, Adam's moments) is rounded into the
+    optimizer_state role, and the optimizer's in-place updates keep it there. The first step
+    creates the state in the parameter's (or gradient's) format; it is rounded after that step.
+
+FP32 master weights (``Recipe(master_weights=True)``)
+    Use when the weight *value* format is narrow (BF16, FP8, fixed point) and updates are much
+    smaller than the weights: the optimizer updates an FP32 copy of each converted parameter and
+    the model sees that copy rounded into its format after every step. Around each
+    ``optimizer.step()`` the hooks put the FP32 copies (plain tensors) in the optimizer's
+    parameter list, give them the dequantized gradients, run the step, put the model's
+    parameters back and copy the masters into them (``p.copy_(master)``: rounded with the
+    format's rounding mode). The optimizer state is keyed by the model's parameters as usual and
+    holds the master under ``"qt_master"``, so ``optimizer.state_dict()`` saves and restores it.
+    The optimizer then runs in FP32 (state included). Not needed when weights have FP32 values
+    with a narrow operand format (the MX recipes): the model's copy is then already FP32.
+
+Loss scaling (``qt.LossScaler``)
+    Use when gradients live in a format with little range below 1 (FP16, FP8 E4M3, MXFP6/4
+    operands of the backward pass, fixed point): small activation gradients flush to zero.
+    ``scaler.scale(loss).backward()`` multiplies the loss (so every gradient) by a power of two;
+    ``scaler.step(optimizer)`` divides the parameters' gradients back (exact for float and block
+    formats: a power of two), and skips the step when a gradient is Inf or NaN;
+    ``scaler.update()`` halves the scale after an overflow and doubles it after
+    ``growth_interval`` clean steps (dynamic), or keeps it (static, ``dynamic=False``).
+    Saturating formats (E4M3, FP6, FP4, fixed point) never overflow to Inf: pass
+    ``detect_saturation=True`` to treat gradients at the format's largest magnitude as overflow.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+
+__all__ = ["install_optimizer_hooks", "master_weight", "LossScaler"]
+
+_MASTER_KEY = "qt_master"
+_installed = False
+
+
+def _conv():
+    from . import convert
+    return convert
+
+
+def install_optimizer_hooks() -> None:
+    """Register the process-wide optimizer step hooks once (qt.convert calls this)."""
+    global _installed
+    if not _installed:
+        register_optimizer_step_pre_hook(_pre_step)
+        register_optimizer_step_post_hook(_post_step)
+        _installed = True
+
+
+def _plan(p):
+    return getattr(p, "_qt_plan", None)
+
+
+def _pre_step(optimizer, args, kwargs):
+    # Swap the FP32 masters of converted parameters with master_weights into the optimizer.
+    swapped = []
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            plan = _plan(p)
+            if plan is None or not plan.master:
+                continue
+            state = optimizer.state.pop(p, None) or {}
+            master = state.pop(_MASTER_KEY, None)
+            if master is None:
+                master = _conv()._plain(p.detach()).to(torch.float32, copy=True)
+            if state:
+                optimizer.state[master] = state
+            master.grad = None if p.grad is None else \
+                _conv()._plain(p.grad.detach()).to(master.dtype, copy=True)
+            params[i] = master
+            swapped.append((params, i, p, master))
+    optimizer._qt_swapped = swapped
+
+
+def _post_step(optimizer, args, kwargs):
+    conv = _conv()
+    for params, i, p, master in getattr(optimizer, "_qt_swapped", ()):
+        params[i] = p
+        state = optimizer.state.pop(master, None) or {}
+        master.grad = None
+        state[_MASTER_KEY] = master
+        optimizer.state[p] = state
+        with torch.no_grad():
+            p.copy_(master)  # rounds into p's format with its rounding mode
+    optimizer._qt_swapped = []
+    # Optimizer state into the optimizer_state role.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            plan = _plan(p)
+            if plan is None or plan.master or plan.optimizer_state.full_precision:
+                continue
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in list(state.items()):
+                if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                        and value.shape == p.shape and key != "step"):
+                    with torch.no_grad():
+                        state[key] = conv.round_to(value.detach(), plan.optimizer_state,
+                                                   name=f"optimizer state {key!r} of {plan.name}")
+
+
+def master_weight(optimizer, param) -> Optional[torch.Tensor]:
+    """The FP32 master copy the optimizer keeps for ``param`` (None before the first step)."""
+    return optimizer.state.get(param, {}).get(_MASTER_KEY)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss scaling
+
+def _dequantized(t: torch.Tensor) -> torch.Tensor:
+    return _conv()._plain(t)
+
+
+def _overflowed(g: torch.Tensor, detect_saturation: bool) -> bool:
+    values = _dequantized(g)
+    if not bool(torch.isfinite(values).all()):
+        return True
+    if detect_saturation and _conv()._is_q(g):
+        fmt = g.fmt
+        limit = getattr(fmt, "max", None)
+        if limit is not None and math.isfinite(limit) and bool((values.abs() >= limit).any()):
+            return True
+    return False
+
+
+class LossScaler:
+    """Static or dynamic loss scaling, used like ``torch.amp.GradScaler``::
+
+        scaler = qt.LossScaler(init_scale=2**16, dynamic=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)      # unscales the gradients; skips the step on Inf/NaN
+        scaler.update()
+
+    ``unscale_(optimizer)`` may be called before ``step`` (e.g. to clip gradients). Scales are
+    powers of two so that scaling and unscaling are exact in float and block formats. Both
+    static and dynamic scalers skip steps whose gradients hold Inf or NaN; only the dynamic one
+    changes its scale (``backoff_factor`` after an overflow, ``growth_factor`` after
+    ``growth_interval`` clean steps, never below ``min_scale``).
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, *, dynamic: bool = True,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, min_scale: float = 2.0 ** -24,
+                 detect_saturation: bool = False):
+        if not (isinstance(init_scale, (int, float)) and init_scale > 0 and math.isfinite(init_scale)):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        self._scale = float(init_scale)
+        self.dynamic = bool(dynamic)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.min_scale = float(min_scale)
+        self.detect_saturation = bool(detect_saturation)
+        self._growth_tracker = 0
+        self._per_optimizer = {}  # id(optimizer) -> {"unscaled": bool, "found_inf": bool}
+        self.skipped_steps = 0
+
+    @classmethod
+    def from_recipe(cls, recipe, **kwargs) -> "LossScaler":
+        """The scaler a recipe asks for: its ``loss_scale`` (None: scale 1, static; a number:
+        static; "dynamic": dynamic from 2^16). Steps with Inf/NaN gradients are skipped always."""
+        conv = _conv()
+        recipe = conv.as_recipe(recipe)
+        ls = recipe.loss_scale
+        if ls is None:
+            return cls(1.0, dynamic=False, **kwargs)
+        if ls == "dynamic":
+            return cls(dynamic=True, **kwargs)
+        return cls(float(ls), dynamic=False, **kwargs)
+
+    def get_scale(self) -> float:
+        return self._scale
+
+    def scale(self, loss):
+        """``loss`` times the current scale (a tensor or a structure of tensors)."""
+        if isinstance(loss, torch.Tensor):
+            return loss * self._scale
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale(x) for x in loss)
+        raise TypeError(f"LossScaler.scale expects a tensor, got {type(loss).__name__}")
+
+    def _record(self, optimizer):
+        return self._per_optimizer.setdefault(id(optimizer), {"unscaled": False, "found_inf": False})
+
+    def unscale_(self, optimizer) -> None:
+        """Divide the gradients of ``optimizer``'s parameters by the scale, in place (rounding
+        into each gradient's format), and note whether any was Inf/NaN (or saturated)."""
+        rec = self._record(optimizer)
+        if rec["unscaled"]:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last update()")
+        inv = 1.0 / self._scale
+        found = False
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    g = p.grad
+                    if g is None:
+                        continue
+                    if _overflowed(g, self.detect_saturation):
+                        found = True
+                    if inv != 1.0:
+                        g.mul_(inv)
+        rec["unscaled"] = True
+        rec["found_inf"] = found
+
+    def step(self, optimizer, *args, **kwargs):
+        """Unscale (if not done yet) and run ``optimizer.step()`` unless a gradient overflowed.
+        Returns the step's return value, or None when the step was skipped."""
+        rec = self._record(optimizer)
+        if not rec["unscaled"]:
+            self.unscale_(optimizer)
+        if rec["found_inf"]:
+            self.skipped_steps += 1
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: Optional[float] = None) -> None:
+        """Adjust the scale (dynamic only) and reset the per-step records."""
+        found = any(r["found_inf"] for r in self._per_optimizer.values())
+        self._per_optimizer.clear()
+        if new_scale is not None:
+            self._scale = float(new_scale)
+            self._growth_tracker = 0
+            return
+        if not self.dynamic:
+            return
+        if found:
+            self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
+                self._scale *= self.growth_factor
+                self._growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker,
+                "dynamic": self.dynamic, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale = float(state["scale"])
+        self._growth_tracker = int(state.get("growth_tracker", 0))
+        self.dynamic = bool(state.get("dynamic", self.dynamic))
+        self.growth_factor = float(state.get("growth_factor", self.growth_factor))
+        self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
+        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return f"LossScaler(scale={self._scale:g}, {kind})"
