@@ -1,0 +1,289 @@
+"""Slow, exact, independent oracles for the number formats of DESIGN.md.
+
+Written from DESIGN.md's text with Python integers and ``fractions.Fraction``; they read only a
+format's *fields* (exp, man, bias, specials, ... / wl, fl, ...), never its computed properties or
+anything in qtensor.reference, so a bug there cannot hide here.
+
+Conventions (DESIGN.md "Formats: the numerical contract"):
+- Rounding picks one of the two neighbours lo <= |x| <= hi on the grid extended past max with the
+  spacing of max's binade; it works on magnitudes and the sign of x is put back (so -0.0 results).
+- "Ties to even": the neighbour that is an even multiple of the spacing hi - lo. For man >= 1 this
+  is the code whose mantissa ends in 0. It also fixes the two cases where codes do not decide:
+  man = 0 (1.5 * 2^e goes up to 2^(e+1), as ml_dtypes and torch do for E8M0), and formats without
+  subnormals, where min_normal / 2 goes to 0.
+- Overflow = the rounded magnitude exceeds max, whatever the mode (DESIGN.md's literal rule; note
+  that IEEE 754 and gfloat give max for toward_zero instead of Inf).
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import List, Optional, Tuple
+
+INF = float("inf")
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# Float formats, from their fields
+
+def float_fields(fmt):
+    """(exp, man, bias, subnormals, specials, saturate, signed) with DESIGN.md's default bias."""
+    bias = fmt.bias if fmt.bias is not None else 2 ** (fmt.exp - 1) - 1
+    return fmt.exp, fmt.man, bias, fmt.subnormals, fmt.specials, fmt.saturate, fmt.signed
+
+
+def decode_float(code: int, fmt) -> Optional[float]:
+    """The value of a bit pattern (sign | exponent | mantissa), as a Python float.
+
+    NaN/Inf for special codes, None for codes that are not values (subnormal codes of a format
+    without subnormals). Unsigned (E8M0-like) formats: value 2^(E - bias), all-ones code NaN.
+    """
+    exp, man, bias, subnormals, specials, _, signed = float_fields(fmt)
+    top_e = 2 ** exp - 1
+    if not signed:
+        return NAN if code == top_e else math.ldexp(1.0, code - bias)
+    sign = -1.0 if code >> (exp + man) & 1 else 1.0
+    e_field = (code >> man) & top_e
+    m_field = code & (2 ** man - 1)
+    if specials == "ieee" and e_field == top_e:
+        return sign * INF if m_field == 0 else NAN
+    if specials == "fn" and e_field == top_e and m_field == 2 ** man - 1:
+        return NAN
+    if e_field == 0:
+        if m_field and not subnormals:
+            return None
+        return sign * float(Fraction(m_field, 2 ** man) * Fraction(2) ** (1 - bias))
+    return sign * float((1 + Fraction(m_field, 2 ** man)) * Fraction(2) ** (e_field - bias))
+
+
+def float_codes(fmt) -> List[Tuple[int, float]]:
+    """Every code of a format and its value (None-valued codes dropped)."""
+    nbits = int(fmt.signed) + fmt.exp + fmt.man
+    out = []
+    for code in range(2 ** nbits):
+        v = decode_float(code, fmt)
+        if v is not None:
+            out.append((code, v))
+    return out
+
+
+def float_limits(fmt) -> Tuple[int, int, Fraction, Fraction]:
+    """(emin, emax, max, min_positive) straight from DESIGN.md's definitions."""
+    exp, man, bias, subnormals, specials, _, signed = float_fields(fmt)
+    if not signed:  # exponent-only: 2^-bias .. 2^(2^exp - 2 - bias)
+        return -bias, 2 ** exp - 2 - bias, Fraction(2) ** (2 ** exp - 2 - bias), Fraction(2) ** -bias
+    emin = 1 - bias
+    if specials == "ieee" or (specials == "fn" and man == 0):
+        emax = 2 ** exp - 2 - bias
+        top_m = 2 ** man - 1
+    elif specials == "fn":
+        emax, top_m = 2 ** exp - 1 - bias, 2 ** man - 2
+    else:
+        emax, top_m = 2 ** exp - 1 - bias, 2 ** man - 1
+    mx = (1 + Fraction(top_m, 2 ** man)) * Fraction(2) ** emax
+    mn = Fraction(2) ** (emin - man) if subnormals else Fraction(2) ** emin
+    return emin, emax, mx, mn
+
+
+def floor_log2(a: Fraction) -> int:
+    """floor(log2(a)) for a > 0, exactly."""
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    return e - 1 if Fraction(2) ** e > a else e
+
+
+def _pick(a: Fraction, lo: Fraction, q: Fraction, mode: str):
+    """Round a in [lo, lo + q] (q the spacing) by mode; stochastic gives both candidates."""
+    hi = lo + q
+    if a == lo:
+        return lo
+    if mode == "toward_zero":
+        return lo
+    if mode == "stochastic":
+        return (lo, hi)
+    d_lo, d_hi = a - lo, hi - a
+    if d_lo != d_hi:
+        return lo if d_lo < d_hi else hi
+    if mode == "nearest_away":
+        return hi
+    return lo if (lo / q) % 2 == 0 else hi  # ties to even
+
+
+def _with_sign(v, negative: bool) -> float:
+    v = float(v)
+    return -v if negative else v  # -0.0 for negative inputs that round to zero
+
+
+def _split(x):
+    """(negative, |x| as Fraction) of a float or a Fraction; None for NaN."""
+    if isinstance(x, Fraction):
+        return x < 0, abs(x)
+    return math.copysign(1.0, x) < 0, Fraction(abs(x))
+
+
+def round_float(x, fmt, mode: Optional[str] = None):
+    """x (a float or an exact Fraction) rounded to a FloatFormat, as a float.
+
+    Stochastic rounding gives the tuple of the two possible results.
+    """
+    mode = mode or fmt.rounding
+    exp, man, bias, subnormals, specials, saturate, signed = float_fields(fmt)
+    emin, emax, mx, mn = float_limits(fmt)
+    overflow = float(mx) if saturate else (INF if specials == "ieee" else NAN)
+    if isinstance(x, float) and math.isnan(x):
+        return NAN
+    if not signed:
+        if not x > 0:  # no zero, no negatives
+            return NAN
+        if x == INF:
+            return overflow
+    elif isinstance(x, float) and math.isinf(x):
+        return math.copysign(overflow, x) if not math.isnan(overflow) else NAN
+    neg, a = _split(x)
+    if a == 0:
+        return _with_sign(0, neg)
+    e = floor_log2(a)
+    if e > emax:
+        q = Fraction(2) ** (emax - man)
+    elif e >= emin:
+        q = Fraction(2) ** (e - man)
+    else:
+        q = Fraction(2) ** (emin - man) if subnormals else Fraction(2) ** emin
+    lo = (a // q) * q
+    r = _pick(a, lo, q, mode)
+
+    def finish(v):
+        if v > mx:
+            return overflow if (math.isnan(overflow) or not signed) else _with_sign(overflow, neg)
+        if not signed and v < mn:  # nothing below the smallest scale
+            return float(mn)
+        return _with_sign(v, neg)
+    return tuple(finish(v) for v in r) if isinstance(r, tuple) else finish(r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed point
+
+def fixed_range(fmt) -> Tuple[int, int]:
+    """(kmin, kmax) from DESIGN.md."""
+    if not fmt.signed:
+        return 0, 2 ** fmt.wl - 1
+    return -(2 ** (fmt.wl - 1)) + int(fmt.symmetric), 2 ** (fmt.wl - 1) - 1
+
+
+def round_fixed(x: float, fmt, mode: Optional[str] = None):
+    """x rounded to a FixedFormat k * 2^-fl, as a float (stochastic: the two candidates)."""
+    mode = mode or fmt.rounding
+    kmin, kmax = fixed_range(fmt)
+    scale = Fraction(2) ** -fmt.fl
+    if isinstance(x, float) and math.isnan(x):
+        return NAN
+    if isinstance(x, float) and math.isinf(x):
+        return float((kmax if x > 0 else kmin) * scale)
+    neg, a = _split(x)
+    y = a / scale
+    r = _pick(y, Fraction(math.floor(y)), Fraction(1), mode)
+
+    def finish(k):
+        k = -k if neg else k
+        if k > kmax or k < kmin:
+            if fmt.saturate:
+                k = min(max(k, kmin), kmax)
+            else:  # two's-complement wrap into the word
+                low = -(2 ** (fmt.wl - 1)) if fmt.signed else 0
+                k = (k - low) % (2 ** fmt.wl) + low
+        return _with_sign(abs(k) * scale, k < 0 or (k == 0 and neg))
+    return tuple(finish(k) for k in r) if isinstance(r, tuple) else finish(r)
+
+
+def round_scalar(x: float, fmt, mode: Optional[str] = None):
+    if hasattr(fmt, "wl"):
+        return round_fixed(x, fmt, mode)
+    return round_float(x, fmt, mode)
+
+
+def elem_limits(elem) -> Tuple[int, Fraction]:
+    """(emax, max) of a block's element format: the exponent of its largest value, and it."""
+    if hasattr(elem, "wl"):
+        mx = fixed_range(elem)[1] * Fraction(2) ** -elem.fl
+        return floor_log2(mx), mx
+    _, emax, mx, _ = float_limits(elem)
+    return emax, mx
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+
+def block_scale(amax: Fraction, fmt) -> Fraction:
+    """The shared scale X of a block with finite amax > 0 (DESIGN.md "Blocks")."""
+    emax_elem, max_elem = elem_limits(fmt.elem)
+    if fmt.scale_rule == "amax":  # the scale format's nearest value to the exact amax / max_elem
+        return Fraction(round_float(amax / max_elem, fmt.scale, "nearest"))
+    k = floor_log2(amax) - emax_elem
+    if fmt.scale_rule == "ceil":  # the smallest power of two with amax / X <= max_elem
+        while amax / Fraction(2) ** k > max_elem:
+            k += 1
+        while amax / Fraction(2) ** (k - 1) <= max_elem:
+            k -= 1
+    s_emin, s_emax, _, _ = float_limits(fmt.scale)
+    return Fraction(2) ** min(max(k, s_emin), s_emax)
+
+
+def quantize_block(values: List[float], fmt, mode: Optional[str] = None) -> list:
+    """One block (a list of floats) quantized; stochastic entries are (lo, hi) tuples."""
+    mode = mode or fmt.rounding
+    if any(math.isnan(v) or math.isinf(v) for v in values):
+        return [NAN] * len(values)  # the E8M0 NaN scale
+    amax = max((Fraction(abs(v)) for v in values), default=Fraction(0))
+    if amax == 0:
+        return [float(v) for v in values]  # zeros, signs kept
+    X = block_scale(amax, fmt)
+    elem = fmt.elem.replace(saturate=True)
+
+    def back(r, v):
+        if r == 0:
+            return _with_sign(0, math.copysign(1.0, v) < 0)
+        return float(Fraction(r) * X)
+    out = []
+    for v in values:
+        if v == 0 or X == 0:  # a zero scale (NVFP4 underflow) leaves signed zeros
+            out.append(_with_sign(0, math.copysign(1.0, v) < 0))
+            continue
+        r = round_scalar(Fraction(v) / X, elem, mode)  # x / X exactly
+        out.append(tuple(back(c, v) for c in r) if isinstance(r, tuple) else back(r, v))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Test inputs
+
+def sample_float32(n: int, emin: int, emax: int, man: int, seed: int = 0):
+    """n float32 values that exercise a format with exponents emin..emax and man mantissa bits.
+
+    A quarter are random bit patterns (every binade of float32, its subnormals, +-Inf, NaNs), half
+    have random exponents from the format's smallest quantum to past its max (every binade of the
+    target, its subnormals, overflow) with random 23-bit mantissas, and a quarter have only man + 2
+    random mantissa bits, so they hit the target's ties and quarter points exactly. Plus +-0,
+    +-Inf, NaN and float32's extremes.
+    """
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    n1, n2 = n // 4, n // 2
+    n3 = n - n1 - n2
+    raw = torch.randint(-2 ** 31, 2 ** 31, (n1,), generator=g, dtype=torch.int64)
+    part1 = raw.to(torch.int32).view(torch.float32)
+    lo_e, hi_e = max(emin - man - 3, -160), min(emax + 3, 128)
+
+    def with_exponents(k, mant_bits):
+        e = torch.randint(lo_e, hi_e, (k,), generator=g, dtype=torch.int64)
+        m = torch.randint(0, 2 ** mant_bits, (k,), generator=g, dtype=torch.int64)
+        sig = 1.0 + m.to(torch.float64) / 2.0 ** mant_bits
+        sign = torch.randint(0, 2, (k,), generator=g).to(torch.float64) * 2 - 1
+        return (sign * torch.ldexp(sig, e.to(torch.float64))).to(torch.float32)
+    part2 = with_exponents(n2, 23)
+    part3 = with_exponents(n3, min(man + 2, 23))
+    fmax = torch.finfo(torch.float32).max
+    tiny = torch.finfo(torch.float32).smallest_normal
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), fmax, -fmax,
+                            tiny, -tiny, 2.0 ** -149, -(2.0 ** -149)], dtype=torch.float32)
+    return torch.cat([special, part1, part2, part3])
