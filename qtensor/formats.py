@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -424,7 +425,11 @@ def _to_string(f: Format) -> str:
             return f"{name}(rounding={f.rounding})"
     if isinstance(f, FloatFormat):
         base = f"e{f.exp}m{f.man}"
-        canonical = FloatFormat(f.exp, f.man)
+        # the defaults of FloatFormat(exp, man), without validating them: e1mY is only valid
+        # with specials="none", so constructing the default could fail
+        canonical = types.SimpleNamespace(
+            bias=2 ** (f.exp - 1) - 1, subnormals=True, specials="ieee", saturate=False,
+            rounding="nearest", signed=True)
         skip = ("exp", "man")
     elif isinstance(f, FixedFormat):
         base = f"fixed{f.wl}.{f.fl}"
