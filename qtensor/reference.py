@@ -148,7 +148,8 @@ def _round_fixed(x: torch.Tensor, fmt: FixedFormat, rounding: str,
     else:
         span = 2.0 ** fmt.wl
         low = -(2.0 ** (fmt.wl - 1)) if fmt.signed else 0.0
-        wrapped = torch.remainder(k - low, span) + low
+        # remainder by a power of two is exact in float64; k - low is not once |k| >= 2^53
+        wrapped = torch.remainder(torch.remainder(k, span) - low, span) + low
         wrapped = torch.clamp(wrapped, kmin, kmax)  # symmetric: the dropped code clamps
         wrapped = torch.where(torch.isfinite(k), wrapped, torch.clamp(k, kmin, kmax))
         k = torch.where(out_of_range, wrapped, k)
