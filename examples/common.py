@@ -196,19 +196,21 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 51
 
 def train_classifier(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                      y: torch.Tensor, *, steps: int, batch: int = 64, seed: int = 0,
-                     desc: str = "", loss_scale: float = 1.0) -> List[float]:
+                     desc: str = "", loss_scale: float = 1.0,
+                     callback: Optional[Callable[[int], None]] = None) -> List[float]:
     """Minibatch training for ``steps`` steps with a fixed shuffling order; per-step losses.
 
     loss_scale multiplies the loss before backward (static loss scaling, for gradient formats
     whose smallest value is far above typical gradients); SGD/Adam see scaled gradients, so the
     caller divides the learning rate (SGD) or relies on Adam's scale invariance.
+    callback(step) runs after each optimizer step (e.g. weight averaging).
     """
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(x), generator=g)
     pos = 0
     losses = []
     model.train()
-    for _ in progress(range(steps), desc=desc):
+    for step in progress(range(steps), desc=desc):
         if pos + batch > len(x):
             order, pos = torch.randperm(len(x), generator=g), 0
         idx = order[pos:pos + batch]
@@ -218,7 +220,21 @@ def train_classifier(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
         (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         opt.step()
         losses.append(as_float(loss))
+        if callback is not None:
+            callback(step)
     return losses
+
+
+def plain_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's parameters as plain float tensors (a QTensor's values, dequantized)."""
+    out = {}
+    for name, p in model.named_parameters():
+        p = p.detach()
+        if type(p) is not torch.Tensor and hasattr(p, "dequantize"):
+            p = p.dequantize()
+        # torch.nn.utils.parametrize keeps the raw tensor under "<name>.parametrizations.X.original"
+        out[name.replace(".parametrizations.", ".").replace(".original", "")] = p.clone()
+    return out
 
 
 def smooth(values: Sequence[float], window: int) -> List[float]:

@@ -1,0 +1,167 @@
+"""QPyTorch's low-precision training recipes on the digits CNN, against FP32.
+
+    python examples/qpytorch_recipes.py           # ~1-2 minutes on 2 CPU cores
+    python examples/qpytorch_recipes.py --quick   # a few steps (CI)
+
+QPyTorch (Zhang et al., 2019) ships four training recipes and reports that its simulations
+reproduce the accuracy the original papers published (within about 0.1% error). Here each recipe
+is one ``qt.convert`` line with the preset in ``qt.recipes`` (see their docstrings for the exact
+formats of weights, activations, gradients and optimizer state):
+
+- ``fp16``: IEEE half precision everywhere (Micikevicius et al., 2018, without the FP32 tricks
+  the preset does not include).
+- ``block8``: 8-bit block floating point for weights, activations, gradients and momentum
+  (QPyTorch's "Block-8" example).
+- ``wage``: WAGE (Wu et al., 2018): 2-bit weights, 8-bit activations, gradients and errors,
+  fixed point.
+- ``swalp``: SWALP (Yang et al., 2019): 8-bit block floating point with stochastic rounding for
+  everything, plus stochastic weight averaging of the low-precision iterates in high precision;
+  the table shows both the last low-precision iterate and the FP32 average.
+
+Same model, initial weights, batches and optimizer (SGD, momentum 0.9) as the FP32 baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+
+import qtensor as qt  # noqa: E402
+
+RECIPES = ["fp32", "fp16", "block8", "wage", "swalp"]
+LR, MOMENTUM, BATCH = 0.05, 0.9, 64
+SWA_START = 0.5   # SWALP: average the iterates of the second half of training
+SWA_EVERY = 5     # ... every 5 steps
+
+
+def run_recipe(name, data, steps, seed):
+    x_train, y_train, x_test, y_test = data
+    torch.manual_seed(seed)
+    model = common.DigitsCNN()
+    if name != "fp32":
+        qt.convert(model, getattr(qt.recipes, name))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    swa = {"sum": None, "n": 0}
+    start = int(steps * SWA_START)
+
+    def average(step):  # SWALP: the running average is kept in FP32
+        if name != "swalp" or step < start or (step - start) % SWA_EVERY:
+            return
+        w = common.plain_state(model)
+        if swa["sum"] is None:
+            swa["sum"] = {k: v.clone() for k, v in w.items()}
+        else:
+            for k, v in w.items():
+                swa["sum"][k] += v
+        swa["n"] += 1
+
+    with common.Timer() as t:
+        losses = common.train_classifier(model, opt, x_train, y_train, steps=steps, batch=BATCH,
+                                         seed=seed, desc=f"{name:>8}", callback=average)
+    result = {"name": name, "losses": losses, "seconds": t.seconds,
+              "acc": common.accuracy(model, x_test, y_test)}
+    if swa["n"]:
+        avg = common.DigitsCNN()
+        avg.load_state_dict({k: v / swa["n"] for k, v in swa["sum"].items()})
+        result["swa_acc"] = common.accuracy(avg, x_test, y_test)
+        result["swa_n"] = swa["n"]
+    return result
+
+
+SUMMARY = {
+    "fp32": "plain PyTorch FP32",
+    "fp16": "IEEE FP16 everywhere",
+    "block8": "8-bit block floating point, nearest",
+    "wage": "2-bit weights, 8-bit fixed point A/G/E",
+    "swalp": "8-bit block floating point, stochastic",
+}
+
+
+def recipe_formats(name: str) -> str:
+    """Every role the preset sets, with its format, for the list under the table."""
+    recipe = getattr(qt.recipes, name)
+    parts = []
+    for role in ("weight", "bias", "activation", "grad", "optimizer_state", "master_weights"):
+        f = getattr(recipe, role, None)
+        if f is not None and f is not False:
+            parts.append(f"{role}={f}")
+    return f"- `qt.recipes.{name}`: " + ", ".join(parts)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few steps per recipe (smoke test)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="output folder (default examples/results; nothing written with --quick)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    steps = args.steps or (6 if args.quick else 300)
+    out = args.out if args.out is not None else (None if args.quick else common.RESULTS_DIR)
+
+    common.setup(args.threads, args.seed)
+    data = common.load_digits_split(seed=args.seed)
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    results = [run_recipe(n, data, steps, args.seed)
+               for n in common.progress(names, desc="recipes", leave=True)]
+
+    base = next((r for r in results if r["name"] == "fp32"), None)
+    window = max(1, min(20, steps // 5))
+    rows = []
+    for r in results:
+        final = sum(r["losses"][-window:]) / len(r["losses"][-window:])
+        gap = f"{100 * (r['acc'] - base['acc']):+.1f}" if base else "-"
+        rows.append([r["name"], f"{100 * r['acc']:.1f}%", gap, f"{final:.4f}",
+                     f"{r['seconds']:.1f}", SUMMARY.get(r["name"], r["name"])])
+        if "swa_acc" in r:
+            gap = f"{100 * (r['swa_acc'] - base['acc']):+.1f}" if base else "-"
+            rows.append([f"{r['name']} + SWA (FP32 average of {r['swa_n']} iterates)",
+                         f"{100 * r['swa_acc']:.1f}%", gap, "", "", "the SWALP result"])
+    header = ["recipe", "test acc", "vs fp32 (points)", f"final loss (last {window})",
+              "train time (s)", "recipe in short"]
+    table = common.markdown_table(header, rows, align="lrrrrl")
+    title = (f"QPyTorch's recipes on the digits CNN: {steps} SGD steps (momentum 0.9, lr {LR}, "
+             f"batch {BATCH}), 359 test digits. {common.env_line()}.")
+    formats = "\n".join(recipe_formats(n) for n in names if n != "fp32")
+    print()
+    print(title)
+    print()
+    print(table)
+    print()
+    print(formats)
+    if out is not None:
+        common.save_text(out / "qpytorch_recipes.md", title + "\n\n" + table + "\n\n" + formats)
+        plot(results, out / "qpytorch_recipes.png", steps)
+        print(f"\nwrote {out / 'qpytorch_recipes.md'} and {out / 'qpytorch_recipes.png'}")
+    return results
+
+
+def plot(results, path, steps):
+    plt = common.plt_module()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    window = max(1, steps // 30)
+    for r in results:
+        label = f"{r['name']} (test acc {100 * r['acc']:.1f}%)"
+        ax.plot(common.smooth(r["losses"], window), label=label, lw=1.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step (batch of 64)")
+    ax.set_ylabel(f"training loss (moving average of {window})")
+    ax.set_title("Digits CNN under QPyTorch's recipes")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Each example runs end to end in --quick mode, as a user would run it (a subprocess from the
+repository root), and prints its table; the demo also writes its PNG.
+
+Needs scikit-learn (the digits), tqdm and matplotlib: the ``examples`` extra.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+pytest.importorskip("sklearn", reason="the examples' digits come from scikit-learn")
+pytest.importorskip("matplotlib", reason="the examples plot with matplotlib")
+
+
+def run_example(script, *args, timeout=120):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def table_rows(text):
+    """Markdown table rows (first cell -> remaining cells), header and separator excluded."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|:") and not line.startswith("|-"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def percent(cell):
+    m = re.fullmatch(r"([0-9.]+)%", cell)
+    assert m, f"not a percentage: {cell!r}"
+    return float(m.group(1))
+
+
+def test_demo_quick_writes_table_and_png(tmp_path):
+    out = run_example("demo.py", "--quick", "--out", str(tmp_path))
+    rows = table_rows(out)
+    for name in ["fp32", "bf16", "fp8_e4m3", "mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1",
+                 "mxint8"]:
+        assert name in rows, f"no row for {name} in:\n{out}"
+        assert 0.0 <= percent(rows[name][1]) <= 100.0
+    assert any(n.startswith("fixed") for n in rows)
+    assert rows["mxfp4_e2m1"][0] == "4.25"  # bits per value, the shared scale included
+    png = tmp_path / "demo.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "demo.md").read_text().count("\n|") >= 9
+
+
+def test_direct_cast_quick():
+    rows = table_rows(run_example("direct_cast.py", "--quick"))
+    for name in ["mxint8", "mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1", "nvfp4"]:
+        assert name in rows
+    # Casting to MXINT8 is nearly lossless: its predictions agree with FP32 on most digits
+    # even after a short training.
+    assert percent(rows["mxint8"][3]) >= 90.0
+
+
+def test_qpytorch_recipes_quick():
+    rows = table_rows(run_example("qpytorch_recipes.py", "--quick"))
+    for name in ["fp32", "fp16", "block8", "wage", "swalp"]:
+        assert name in rows
+    assert any(n.startswith("swalp + SWA") for n in rows)
+
+
+def test_mx_training_quick():
+    rows = table_rows(run_example("mx_training.py", "--quick"))
+    assert {"FP32", "MXFP6_E3M2 (W, A, G)", "MXFP4 weights + MXFP6_E3M2 (A, G)"} <= set(rows)
+    for cells in rows.values():
+        if cells[0] != "train loss":
+            assert 0.0 < float(cells[0]) < 10.0  # a finite cross-entropy
