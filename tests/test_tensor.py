@@ -1,0 +1,400 @@
+"""QTensor: construction, dispatch rules, aliasing, two formats per tensor, autograd, optimizers,
+serialization and torch.compile.
+
+References are computed independently: plain torch ops on dequantized values, rounded with
+``qt.quantize`` (whose own correctness is tested against oracles in test_reference.py).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qtensor as qt
+from conftest import assert_bits_equal
+from qtensor.formats import FormatError
+
+MX6 = qt.mxfp6_e3m2
+
+
+def q(x, fmt="bf16", mm_fmt=None):
+    return qt.as_qtensor(x, fmt, mm_fmt=mm_fmt)
+
+
+def mx(fmt, axis):
+    return fmt.replace(axis=axis)
+
+
+def vals(t):
+    return t.dequantize() if isinstance(t, qt.QTensor) else t
+
+
+def assert_q(t, expected_vals, fmt, mm_fmt=None, msg=""):
+    assert isinstance(t, qt.QTensor), f"{msg}: got {type(t).__name__}"
+    assert t.fmt == fmt, f"{msg}: fmt {t.fmt} != {fmt}"
+    assert t.mm_fmt == mm_fmt, f"{msg}: mm_fmt {t.mm_fmt} != {mm_fmt}"
+    assert_bits_equal(t.dequantize(), expected_vals, msg)
+
+
+def in_format(t):
+    return torch.equal(t.dequantize(), qt.quantize(t.dequantize(), t.fmt))
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction and repr
+
+class TestRepr(expecttest.TestCase):
+    def test_repr(self):
+        x = q(torch.tensor([[1.0, 2.0009, -3.3], [0.1, 448.0, 1e-3]]), "fp8_e4m3")
+        self.assertExpectedInline(repr(x), """\
+QTensor([[ 1.0000e+00,  2.0000e+00, -3.2500e+00],
+         [ 1.0156e-01,  4.4800e+02,  1.9531e-03]], fmt=fp8_e4m3)""")
+        y = q(torch.tensor([1.5, -0.25]), "bf16", mm_fmt="mxfp6_e3m2").requires_grad_()
+        self.assertExpectedInline(
+            repr(y), """QTensor([ 1.5000, -0.2500], fmt=bf16, mm_fmt=mxfp6_e3m2, requires_grad=True)""")
+        self.assertExpectedInline(repr(y * 2), """QTensor([ 3.0000, -0.5000], fmt=bf16, mm_fmt=mxfp6_e3m2, grad_fn=<MulBackward0>)""")
+
+
+def test_as_qtensor_rounds_and_keeps_payload_dtype():
+    x = torch.randn(64)
+    t = q(x, "fp8_e4m3")
+    assert t.dtype == torch.float32 and t.fmt == qt.fp8_e4m3 and t.mm_fmt is None
+    assert_bits_equal(t.dequantize(), qt.quantize(x, qt.fp8_e4m3))
+    assert q(x.double(), "bf16").dtype == torch.float64
+    assert q(x.bfloat16(), "bf16").dtype == torch.float32
+    # a QTensor is re-rounded from its values
+    t2 = qt.as_qtensor(q(x, "bf16"), "fp8_e5m2", mm_fmt=MX6)
+    assert_q(t2, qt.quantize(qt.quantize(x, "bf16"), "fp8_e5m2"), qt.fp8_e5m2, MX6)
+    # a rounding override applies to this rounding only
+    t3 = qt.as_qtensor(torch.full((4,), 1.0 + 2 ** -8 + 2 ** -12), "bf16", rounding="toward_zero")
+    assert torch.all(t3.dequantize() == 1.0) and t3.fmt.rounding == "nearest"
+
+
+def test_as_qtensor_straight_through_gradient():
+    x = torch.randn(8, requires_grad=True)
+    t = q(x, "fp8_e4m3")
+    (t * 3).sum().backward()
+    assert type(x.grad) is torch.Tensor
+    assert_bits_equal(x.grad, torch.full((8,), 3.0))
+
+
+def test_bad_input_errors():
+    with pytest.raises(TypeError, match="int64.*format fp8_e4m3|format fp8_e4m3.*int64"):
+        q(torch.arange(4), "fp8_e4m3")
+    with pytest.raises(FormatError, match="unknown format 'fp9'"):
+        q(torch.randn(4), "fp9")
+    a = q(torch.randn(4), "bf16")
+    b = qt.QTensor(torch.zeros(4, device="meta"), "fp8_e4m3")
+    with pytest.raises(RuntimeError, match=r"(?s)bf16.*cpu.*fp8_e4m3.*meta|fp8_e4m3.*meta.*bf16.*cpu"):
+        torch.add(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch rules
+
+def test_non_floating_outputs_are_plain():
+    x = q(torch.randn(5, 6))
+    for r in (x > 0, x.argmax(), torch.isnan(x), x.max(dim=1).indices):
+        assert type(r) is torch.Tensor and not r.is_floating_point()
+    assert isinstance(x.sum().item(), float)
+
+
+def test_computing_ops_round_each_output():
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    x, y = q(a, "fp8_e4m3"), q(b, "fp8_e4m3")
+    va, vb = vals(x), vals(y)
+    f8 = qt.fp8_e4m3
+    assert_q(x + y, qt.quantize(va + vb, f8), f8)
+    assert_q(torch.exp(x), qt.quantize(torch.exp(va), f8), f8)
+    assert_q(x.sum(1), qt.quantize(va.sum(1), f8), f8)
+    # an op nobody listed is computed and rounded too
+    assert_q(torch.special.erfcx(x), qt.quantize(torch.special.erfcx(va), f8), f8)
+    # each floating output of a multi-output op
+    m, s = torch.std_mean(x, dim=0)
+    assert_q(m, qt.quantize(torch.std_mean(va, dim=0)[0], f8), f8)
+    assert_q(s, qt.quantize(torch.std_mean(va, dim=0)[1], f8), f8)
+    # factory-like ops produce QTensors in the same format
+    for r in (torch.zeros_like(x), torch.ones_like(x), torch.full_like(x, 1000.0), x.new_zeros(3)):
+        assert isinstance(r, qt.QTensor) and r.fmt == f8 and in_format(r)
+    assert torch.all(torch.full_like(x, 1000.0).dequantize() == 448.0)
+
+
+def test_data_movement_keeps_values_and_format():
+    torch.manual_seed(0)
+    a = torch.randn(4, 64) * torch.logspace(-3, 3, 64)
+    x = q(a, "mxfp8_e4m3")  # block format: re-rounding moved values would change them
+    v = vals(x)
+    mxf = qt.mxfp8_e4m3
+    assert_q(x.reshape(8, 32), v.reshape(8, 32), mxf)
+    assert_q(x[1:3, ::2], v[1:3, ::2], mxf)
+    assert_q(x[torch.tensor([2, 0])], v[torch.tensor([2, 0])], mxf)
+    assert_q(torch.cat([x, x]), torch.cat([v, v]), mxf)
+    assert_q(torch.stack([x, x]), torch.stack([v, v]), mxf)
+    assert_q(x.clone(), v.clone(), mxf)
+    assert_q(torch.gather(x, 1, torch.tensor([[3, 1]] * 4)),
+             torch.gather(v, 1, torch.tensor([[3, 1]] * 4)), mxf)
+    assert_q(x.max(dim=0).values, v.max(dim=0).values, mxf)
+    assert_q(torch.flip(x, [1]), torch.flip(v, [1]), mxf)
+    # transposes move the block axis with the data
+    assert_q(x.t(), v.t(), mxf.replace(axis=0))
+    assert in_format(x.t()) and in_format(x.permute(1, 0).contiguous())
+
+
+def test_dtype_and_device_conversions():
+    x = q(torch.randn(3, 4), "bf16", mm_fmt=MX6)
+    d = x.to(torch.float64)
+    assert_q(d, vals(x).double(), qt.bf16, MX6)
+    h = q(torch.tensor([70000.0, 1.0]), "bf16").to(torch.float16)  # the cast computes: rounds
+    assert_q(h, qt.quantize(torch.tensor([70000.0, 1.0]).half(), qt.bf16), qt.bf16)
+    assert type(x.to(torch.int32)) is torch.Tensor
+    assert_q(x.to("cpu"), vals(x), qt.bf16, MX6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Views, in-place ops, out=
+
+def test_inplace_on_view_changes_base_and_rounds():
+    x = q(torch.zeros(2, 3), "fp8_e4m3")
+    base_payload = x.dequantize()
+    x.view(-1)[0].add_(1.1)
+    assert x.dequantize()[0, 0].item() == 1.125  # rounded to E4M3, through the view
+    assert x.dequantize() is base_payload or torch.equal(x.dequantize(), base_payload)
+    x[1].mul_(0).add_(500)  # saturates to 448 in the destination's format
+    assert torch.all(x.dequantize()[1] == 448.0)
+    assert isinstance(x, qt.QTensor) and x.fmt == qt.fp8_e4m3
+
+
+def test_inplace_rounds_into_destination_format():
+    p = q(torch.randn(10), "bf16")
+    g = q(torch.randn(10) * 1e-3, "fp32")
+    expected = qt.quantize(vals(p) + vals(g) * -0.1, qt.bf16)
+    r = p.add_(g, alpha=-0.1)
+    assert r is p
+    assert_q(p, expected, qt.bf16)
+    # a data-movement op writing other values into p rounds them into p's format
+    src = torch.randn(10)
+    p.copy_(src)
+    assert_q(p, qt.quantize(src, qt.bf16), qt.bf16)
+
+
+def test_out_argument():
+    a, b = q(torch.randn(5)), q(torch.randn(5))
+    out = q(torch.zeros(5), "fp8_e5m2")
+    r = torch.mul(a, b, out=out)
+    assert r is out
+    assert_q(out, qt.quantize(vals(a) * vals(b), qt.fp8_e5m2), qt.fp8_e5m2)
+
+
+def test_mixed_formats_and_plain_tensors():
+    a = torch.randn(6)
+    x8, x16 = q(a, "fp8_e4m3"), q(a * 3, "bf16")
+    assert_q(x8 + x16, qt.quantize(vals(x8) + vals(x16), qt.fp8_e4m3), qt.fp8_e4m3)
+    assert_q(x16 + x8, qt.quantize(vals(x16) + vals(x8), qt.bf16), qt.bf16)
+    plain = torch.randn(6)
+    assert_q(plain * x16, qt.quantize(plain * vals(x16), qt.bf16), qt.bf16)  # stays a QTensor
+    assert_q(x16 * 0.1, qt.quantize(vals(x16) * 0.1, qt.bf16), qt.bf16)  # scalars are constants
+    # cat of different formats: moved values that are not in the first format get rounded
+    c = torch.cat([x8, x16])
+    assert_q(c, qt.quantize(torch.cat([vals(x8), vals(x16)]), qt.fp8_e4m3), qt.fp8_e4m3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two formats per tensor
+
+def test_mm_blocks_operands_along_the_reduction_dim():
+    torch.manual_seed(0)
+    a = torch.randn(8, 40, dtype=torch.float64)
+    b = torch.randn(40, 24, dtype=torch.float64) * torch.logspace(-2, 2, 24, dtype=torch.float64)
+    x, y = q(a, "bf16", MX6), q(b, "fp32", MX6)
+    expected = qt.quantize(qt.quantize(vals(x), mx(MX6, 1)) @ qt.quantize(vals(y), mx(MX6, 0)), qt.bf16)
+    assert_q(x @ y, expected, qt.bf16, MX6)
+    assert_q(torch.mm(x, y), expected, qt.bf16, MX6)
+    # einsum's contraction reaches bmm: operands blocked along the contracted index
+    e = torch.einsum("ik,kj->ij", x, y)
+    assert_q(e, expected, qt.bf16, MX6)
+    # the values of x are unchanged by their use in a contraction
+    assert_bits_equal(vals(x), qt.quantize(a, qt.bf16))
+    # bmm
+    xb = q(torch.randn(3, 5, 33, dtype=torch.float64), "bf16", MX6)
+    yb = q(torch.randn(3, 33, 7, dtype=torch.float64), "bf16", qt.fp8_e4m3)  # scalar mm_fmt
+    eb = qt.quantize(torch.bmm(qt.quantize(vals(xb), mx(MX6, 2)), qt.quantize(vals(yb), qt.fp8_e4m3)), qt.bf16)
+    assert_q(torch.bmm(xb, yb), eb, qt.bf16, MX6)
+    # a QTensor whose fmt is a block format enters as it is
+    w = q(torch.randn(40, 6, dtype=torch.float64), qt.mxfp4_e2m1.replace(axis=0))
+    assert_q(x @ w, qt.quantize(qt.quantize(vals(x), mx(MX6, 1)) @ vals(w), qt.bf16), qt.bf16, MX6)
+
+
+def test_mx_linear_forward_and_backward_blockings():
+    """The MX linear layer (DESIGN.md): exact blockings forward and backward.
+
+    float64 payloads make every product and sum exact, so the result does not depend on the
+    GEMM's summation order and the comparison is bit for bit.
+    """
+    torch.manual_seed(0)
+    B, IN, OUT = 8, 72, 40
+    x = q(torch.randn(B, IN, dtype=torch.float64), "bf16", MX6).requires_grad_()
+    w = nn.Parameter(q(torch.randn(OUT, IN, dtype=torch.float64) / 8, "fp32", MX6))
+    b = nn.Parameter(q(torch.randn(OUT, dtype=torch.float64), "fp32"))
+    y = F.linear(x, w, b)
+    X, W, G = vals(x).detach(), vals(w).detach(), None
+    ref_y = qt.quantize(qt.quantize(X, mx(MX6, 1)) @ qt.quantize(W, mx(MX6, 1)).t() + vals(b).detach(), qt.bf16)
+    assert_q(y.detach(), ref_y, qt.bf16, MX6, "forward")
+    gy = q(torch.randn(B, OUT, dtype=torch.float64), "bf16", MX6)
+    y.backward(gy)
+    G = vals(gy)
+    # grad_x = grad_y @ W: grad_y along out_features (dim 1), W along out_features (dim 0)
+    ref_gx = qt.quantize(qt.quantize(G, mx(MX6, 1)) @ qt.quantize(W, mx(MX6, 0)), qt.bf16)
+    assert_q(x.grad, ref_gx, qt.bf16, MX6, "grad_x")
+    # grad_W = grad_y.T @ x: both along the batch
+    ref_gw = qt.quantize(qt.quantize(G, mx(MX6, 0)).t() @ qt.quantize(X, mx(MX6, 0)), qt.bf16)
+    assert_q(w.grad, ref_gw, qt.bf16, MX6, "grad_W")
+    assert_q(b.grad, qt.quantize(G.sum(0), qt.bf16), qt.bf16, MX6, "grad_b")
+
+
+def test_conv2d_blocks_along_channels_forward_and_backward():
+    torch.manual_seed(0)
+    x = q(torch.randn(2, 40, 5, 5, dtype=torch.float64), "bf16", MX6).requires_grad_()
+    w = nn.Parameter(q(torch.randn(36, 40, 3, 3, dtype=torch.float64) / 16, "fp32", MX6))
+    y = F.conv2d(x, w, padding=1)
+    X, W = vals(x).detach(), vals(w).detach()
+    ref = qt.quantize(F.conv2d(qt.quantize(X, mx(MX6, 1)), qt.quantize(W, mx(MX6, 1)), padding=1), qt.bf16)
+    assert_q(y.detach(), ref, qt.bf16, MX6, "forward")
+    gy = q(torch.randn(2, 36, 5, 5, dtype=torch.float64), "bf16", MX6)
+    y.backward(gy)
+    G = vals(gy)
+    ref_gx = torch.nn.grad.conv2d_input(X.shape, qt.quantize(W, mx(MX6, 0)), qt.quantize(G, mx(MX6, 1)), padding=1)
+    ref_gw = torch.nn.grad.conv2d_weight(qt.quantize(X, mx(MX6, 0)), W.shape, qt.quantize(G, mx(MX6, 0)), padding=1)
+    assert_q(x.grad, qt.quantize(ref_gx, qt.bf16), qt.bf16, MX6, "grad_input")
+    assert_q(w.grad, qt.quantize(ref_gw, qt.bf16), qt.bf16, MX6, "grad_weight")
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+
+def test_backward_gives_qtensor_grads_and_quantize_grad():
+    torch.manual_seed(0)
+    w = nn.Parameter(q(torch.randn(4, 4), "bf16"))
+    x = q(torch.randn(3, 4), "bf16")
+    h = qt.quantize_grad(x @ w, "fp8_e5m2", mm_fmt=MX6)
+    captured = {}
+    h.register_hook(lambda g: captured.setdefault("g", g))
+    loss = (h * h).sum()
+    loss.backward()
+    assert isinstance(w.grad, qt.QTensor)
+    # the gradient reaching h is 2h rounded to bf16 (h's format, mul's first operand)...
+    assert_q(captured["g"], qt.quantize(2 * vals(h).detach(), qt.bf16), qt.bf16)
+    # ...and quantize_grad rounds it to fp8_e5m2 with mm_fmt before it flows on
+    g = qt.quantize(2 * vals(h).detach(), qt.bf16)
+    gq = qt.quantize(g, qt.fp8_e5m2)
+    ref = qt.quantize(vals(x).t() @ gq, qt.bf16)
+    assert_q(w.grad, ref, qt.bf16)
+    # on a plain tensor: the gradient becomes a QTensor
+    p = torch.randn(5, requires_grad=True)
+    (qt.quantize_grad(p, "fp8_e4m3") * 0.3).sum().backward()
+    assert_q(p.grad, qt.quantize(torch.full((5,), 0.3), qt.fp8_e4m3), qt.fp8_e4m3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizers
+
+def _qmodel(fmt="bf16", mm_fmt=MX6):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    for mod in m.modules():
+        for n, p in list(mod._parameters.items()):
+            mod._parameters[n] = nn.Parameter(q(p.detach(), fmt, mm_fmt))
+    return m
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("opt", ["SGD", "Adam", "AdamW"])
+def test_optimizers_keep_everything_in_format(opt, foreach):
+    m = _qmodel()
+    # mixed formats (one whose range holds Adam's eps: in fp8 the denominator would round to 0)
+    m[2].weight = nn.Parameter(q(m[2].weight.dequantize().clone(), "tf32"))
+    kw = dict(lr=0.1, momentum=0.9) if opt == "SGD" else dict(lr=1e-2)
+    o = getattr(torch.optim, opt)(m.parameters(), foreach=foreach, **kw)
+    x = q(torch.randn(8, 16), "bf16", MX6)
+    before = [p.dequantize().clone() for p in m.parameters()]
+    for _ in range(2):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+    for p, p0 in zip(m.parameters(), before):
+        assert isinstance(p, qt.QTensor) and isinstance(p, nn.Parameter) and in_format(p)
+        assert isinstance(p.grad, qt.QTensor) and in_format(p.grad)
+        assert not torch.equal(p.dequantize(), p0)
+        for k, s in o.state[p].items():
+            if k != "step":
+                assert isinstance(s, qt.QTensor) and in_format(s), k
+                assert s.fmt == (p.grad.fmt if k == "momentum_buffer" else p.fmt), k
+    assert m[2].weight.fmt == qt.tf32
+
+
+def test_sgd_step_matches_manual_rounding():
+    p = nn.Parameter(q(torch.randn(6), "bf16"))
+    g = q(torch.randn(6), "fp8_e4m3")
+    p.grad = g
+    expected = qt.quantize(vals(p).detach() + vals(g) * -0.5, qt.bf16)
+    torch.optim.SGD([p], lr=0.5).step()
+    assert_q(p.detach(), expected, qt.bf16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serialization and conversions
+
+def test_save_load_pickle_deepcopy():
+    m = _qmodel()
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    for k, v in m.state_dict().items():
+        assert_q(sd[k], vals(v), v.fmt, v.mm_fmt, k)
+    m2 = _qmodel("fp8_e4m3", None)
+    m2.load_state_dict(sd)  # copies into fp8 parameters: rounded into their format
+    assert_q(m2[0].weight.detach(), qt.quantize(vals(m[0].weight).detach(), qt.fp8_e4m3), qt.fp8_e4m3)
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        w = clone[0].weight
+        assert isinstance(w, nn.Parameter) and isinstance(w, qt.QTensor) and w.requires_grad
+        assert_q(w.detach(), vals(m[0].weight).detach(), qt.bf16, MX6)
+        assert w.dequantize().data_ptr() != m[0].weight.dequantize().data_ptr()
+
+
+def test_module_to_dtype_keeps_qtensor_params():
+    m = _qmodel()
+    m.to(torch.float64)
+    assert isinstance(m[0].weight, qt.QTensor) and m[0].weight.dtype == torch.float64
+    assert m[0].weight.fmt == qt.bf16 and in_format(m[0].weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+def _compile_backend():
+    """inductor where the quantize op is opaque to it (the custom op); otherwise aot_eager, since
+    inductor cannot yet generate C++ for the reference quantizer's int64 bit manipulations."""
+    import qtensor.ops as ops
+    return "inductor" if getattr(ops, "HAS_CUSTOM_OPS", False) else "aot_eager"
+
+
+def test_compiled_mlp_is_bit_identical_to_eager():
+    torch._dynamo.reset()
+    m = _qmodel("bf16", MX6)
+    mc = copy.deepcopy(m)
+    x = q(torch.randn(16, 16), "bf16", MX6)
+    y = m(x)
+    y.square().mean().backward()
+    cm = torch.compile(mc, backend=_compile_backend())
+    yc = cm(x)
+    yc.square().mean().backward()
+    assert_q(yc.detach(), vals(y).detach(), qt.bf16, MX6, "forward")
+    for (n, p), pc in zip(m.named_parameters(), mc.parameters()):
+        assert_q(pc.grad, vals(p.grad), p.grad.fmt, p.grad.mm_fmt, n)
