@@ -42,8 +42,10 @@ Rules: ``rules={pattern: spec}`` overrides roles by qualified name. A pattern is
 expression with the prefix ``re:`` (``re.fullmatch``). ``spec`` is:
 
 - a format, a pair or ``None``: for a parameter or buffer, its value role; for a module, its
-  output activation role (``None``: the module's outputs and their gradients are left alone).
-  A module rule also covers the parameters and buffers it owns and all its submodules.
+  output activation role. ``None`` for a module computes it in full precision: its floating
+  inputs and outputs become plain tensors (QTensor inputs are dequantized, differentiably) and
+  its output gradients are not rounded. A module rule also covers the parameters and buffers it
+  owns and all its submodules.
 - a dict of roles (keys among weight, bias, activation, grad, optimizer_state) or a Recipe: the
   given roles replace the recipe's for the matched tensors and modules; missing ones keep the
   recipe's defaults.
@@ -71,6 +73,9 @@ Details:
   blocks) is a short last block, which the format allows (as if padded with zeros): it just
   works. A block format whose ``axis`` does not exist in a tensor (``axis=1`` for a bias) is an
   error naming the tensor; give it its own rule.
+- Buffers that an op updates in place (BatchNorm's running statistics, written by
+  ``aten.native_batch_norm``, whose schema does not declare the write) are re-rounded into their
+  format by a forward hook after each training-mode forward, so they stay in format.
 - ``model.to(fmt)`` is not supported: ``nn.Module.to`` parses its arguments in C++ and accepts
   only devices, dtypes and tensors; supporting formats would mean patching ``nn.Module.to`` for
   every user of the process. ``qt.convert(model, fmt)`` is that one line.
@@ -290,6 +295,11 @@ class ModulePlan:
     grad: Role
     rule: Optional[str] = None
 
+    @property
+    def plain(self) -> bool:
+        """A rule made this module full precision: its inputs and outputs become plain tensors."""
+        return self.rule is not None and self.activation.full_precision
+
 
 def _kind(name: str) -> str:
     last = name.rsplit(".", 1)[-1]
@@ -432,11 +442,11 @@ def _round_activation(x, plan: ModulePlan):
     if tag is not None and tag[0] == key and tag[1] == x._version:
         return x  # already done (e.g. a container returning its last child's output)
     y = x
-    if not plan.activation.full_precision:
-        y = round_to(y, plan.activation, name=f"output of {plan.name or 'the model'}")
-    if not plan.grad.full_precision and torch.is_grad_enabled() and y.requires_grad:
-        y = _api().quantize_grad(y, plan.grad.fmt, mm_fmt=plan.grad.mm_fmt)
-    if y is not x or not plan.activation.full_precision:
+    if not plan.grad.full_precision and torch.is_grad_enabled() and x.requires_grad:
+        y = _RoundActivation.apply(x, plan.activation, plan.grad)
+    elif not plan.activation.full_precision:
+        y = round_to(x, plan.activation, name=f"output of {plan.name or 'the model'}")
+    if y is not x:
         try:
             setattr(y, _ACT_TAG, (key, y._version))
         except (AttributeError, RuntimeError):
@@ -444,16 +454,65 @@ def _round_activation(x, plan: ModulePlan):
     return y
 
 
+class _RoundActivation(torch.autograd.Function):
+    """Forward: round to the activation role (a new tensor, never a view, so that in-place ops
+    such as ReLU(inplace=True) may follow). Backward: round the gradient to the grad role.
+    One autograd node instead of as_qtensor + quantize_grad."""
+
+    @staticmethod
+    def forward(ctx, x, act: Role, grad: Role):
+        ctx.grad_role, ctx.plain_input = grad, not _is_q(x)
+        if act.full_precision:
+            return _plain(x).clone()
+        return round_to(x.detach(), act)
+
+    @staticmethod
+    def backward(ctx, g):
+        q = round_to(g, ctx.grad_role)
+        # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
+        return (q.dequantize() if ctx.plain_input else q), None, None
+
+
+def _to_plain(x):
+    # differentiable: QTensor.dequantize is straight-through under autograd
+    return x.dequantize() if _is_q(x) else x
+
+
 def _output_hook(plan: ModulePlan):
+    if plan.plain:
+        return lambda module, args, output: tree_map(_to_plain, output)
+
     def hook(module, args, output):
         return tree_map(lambda t: _round_activation(t, plan), output)
     return hook
 
 
 def _input_hook(plan: ModulePlan):
+    f = _to_plain if plan.plain else (lambda t: _round_activation(t, plan))
+
     def hook(module, args, kwargs):
-        f = lambda t: _round_activation(t, plan)  # noqa: E731
         return tree_map(f, args), tree_map(f, kwargs)
+    return hook
+
+
+def _buffer_hook(names: List[str]):
+    """Re-round buffers an op updated in place without saying so: aten.native_batch_norm writes
+    running_mean/running_var, but its schema does not mark them as mutated, so QTensor dispatch
+    cannot round them. Runs after forward in training mode only; idempotent when the values are
+    already in format."""
+    def hook(module, args, output):
+        if not module.training:
+            return None
+        quantize = _api().quantize
+        with torch.no_grad():
+            for name in names:
+                b = module._buffers.get(name)
+                if _is_q(b):
+                    # round the payload itself: bumping the QTensor's version counter would
+                    # break backward (native_batch_norm saves the running stats)
+                    payload = b.dequantize()
+                    payload.copy_(quantize(payload, b.fmt))
+        return None
     return hook
 
 
@@ -474,6 +533,9 @@ class _Conversion:
     module_plans: Dict[str, ModulePlan]
     handles: list = field(default_factory=list)
     converted_params: list = field(default_factory=list)   # (module, name)
+    hooked_params: list = field(default_factory=list)      # (module, name, plan): grad hooks
+    param_handles: list = field(default_factory=list)      # their handles
+    owner: int = 0                                         # id() of the converted root
     converted_buffers: list = field(default_factory=list)  # (module, name)
     skipped: List[str] = field(default_factory=list)       # non-floating tensors left alone
 
@@ -497,15 +559,54 @@ def plan_of(tensor: torch.Tensor) -> Optional[TensorPlan]:
     return getattr(tensor, "_qt_plan", None)
 
 
-def _swap_param(module: nn.Module, pname: str, new_value: torch.Tensor, new_grad) -> None:
+def _swap_param(owners, new_value: torch.Tensor, new_grad, qual: str) -> torch.Tensor:
+    """Make every owner's parameter hold ``new_value``; returns the parameter object.
+
+    swap_tensors keeps the Python object (so optimizers and other references follow). It is
+    refused while something else holds the tensor (an autograd graph still alive from a forward
+    before conversion, a weak reference); then the owners get a new Parameter object instead,
+    with a warning, since references taken before conversion no longer see the model's.
+    """
+    module, pname = owners[0][0], owners[0][1]
     param = module._parameters[pname]
     requires_grad = param.requires_grad
-    if param.grad is not None:
+    old_grad = param.grad
+    if old_grad is not None:
         param.grad = None  # holding .grad blocks the swap (use count)
     new_param = nn.Parameter(new_value, requires_grad=requires_grad)
-    torch.utils.swap_tensors(param, new_param)
+    try:
+        torch.utils.swap_tensors(param, new_param)
+    except RuntimeError as e:
+        if old_grad is not None:
+            param.grad = old_grad
+        warnings.warn(
+            f"qt.convert: {qual} could not be converted in place ({e}); it was replaced by a new "
+            "Parameter, so references taken before conversion (an optimizer created earlier) do "
+            "not see it. Convert before creating optimizers and drop outputs computed before "
+            "conversion (or call qt.convert under torch.no_grad()).", stacklevel=4)
+        param = new_param
+        for mod, local, _q in owners:
+            mod._parameters[local] = param
     if new_grad is not None:
         param.grad = new_grad
+    return param
+
+
+class _FlatWeights:
+    """RNN modules keep weak references to their parameters (which block swap_tensors): drop
+    them around the swap and rebuild them after, as nn.RNNBase._apply does."""
+
+    def __init__(self, model: nn.Module):
+        self.mods = [m for m in model.modules() if hasattr(m, "_flat_weight_refs")]
+
+    def __enter__(self):
+        for m in self.mods:
+            m._flat_weight_refs = []
+
+    def __exit__(self, *exc):
+        for m in self.mods:
+            if hasattr(m, "_init_flat_weights"):
+                m._init_flat_weights()
 
 
 def _owners(model: nn.Module, attr: str) -> Dict[int, List[Tuple[nn.Module, str, str]]]:
@@ -520,6 +621,26 @@ def _owners(model: nn.Module, attr: str) -> Dict[int, List[Tuple[nn.Module, str,
     return out
 
 
+def _attach(conv: _Conversion) -> None:
+    """Put the plans and gradient hooks on the parameters (tensor attributes and tensor hooks)."""
+    for mod, local, plan in conv.hooked_params:
+        p = mod._parameters[local]
+        if not plan.value.full_precision:
+            p._qt_plan = plan
+        conv.param_handles.append(p.register_hook(_grad_hook(plan)))
+
+
+def _reattach_hook(model, args):
+    # A deep copy of a converted model copies its modules, hooks and _qt_conversion, but a copied
+    # tensor keeps neither its attributes nor its hooks: attach them again on first use.
+    conv = getattr(model, "_qt_conversion", None)
+    if conv is not None and conv.owner != id(model):
+        conv.param_handles = []
+        _attach(conv)
+        conv.owner = id(model)
+    return None
+
+
 def convert(model: nn.Module, spec) -> nn.Module:
     """Convert ``model`` in place to the formats of ``spec`` (a format, a string or a Recipe).
 
@@ -531,6 +652,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
     existing = getattr(model, "_qt_conversion", None)
     if existing is not None:
         if existing.recipe == recipe:
+            _reattach_hook(model, ())  # (a deep copy: re-attach its parameters' hooks)
             return model  # idempotent
         raise RuntimeError(
             "qt.convert: this model is already converted with a different recipe; call "
@@ -583,7 +705,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
             value = round_to(_plain(p.detach()), plan.value, name=qual)
             grad = None if p.grad is None else round_to(_plain(p.grad), plan.grad,
                                                         name=f"{qual}.grad")
-        new_params.append((mod, local, plan, value, grad))
+        new_params.append((owners, plan, value, grad))
     new_buffers = []
     for owners, plan in todo_buffers:
         mod, local, qual = owners[0]
@@ -592,15 +714,20 @@ def convert(model: nn.Module, spec) -> nn.Module:
         new_buffers.append((owners, plan, value))
 
     # ... then swap them in.
-    for mod, local, plan, value, grad in new_params:
-        p = mod._parameters[local]
-        _swap_param(mod, local, value, grad)
-        p._qt_plan = plan
-        conv.converted_params.append((mod, local))
+    with _FlatWeights(model):
+        for owners, plan, value, grad in new_params:
+            p = _swap_param(owners, value, grad, plan.name)
+            p._qt_plan = plan
+            conv.converted_params.extend((mod, local) for mod, local, _q in owners)
     for owners, plan, value in new_buffers:
         for mod, local, _qual in owners:
             mod._buffers[local] = value
             conv.converted_buffers.append((mod, local))
+    by_module: Dict[int, Tuple[nn.Module, List[str]]] = {}
+    for mod, local in conv.converted_buffers:
+        by_module.setdefault(id(mod), (mod, []))[1].append(local)
+    for mod, names in by_module.values():
+        conv.handles.append(mod.register_forward_hook(_buffer_hook(names)))
     if conv.skipped:
         _warn_once("qt.convert: non-floating tensors are left alone: " + ", ".join(conv.skipped))
 
@@ -608,10 +735,12 @@ def convert(model: nn.Module, spec) -> nn.Module:
     # in full precision get plain gradients (so their optimizer update stays plain too).
     for owners in params.values():
         mod, local, qual = owners[0]
-        p = mod._parameters[local]
         plan = conv.tensor_plans.get(qual)
-        if plan is not None and p.requires_grad:
-            conv.handles.append(p.register_hook(_grad_hook(plan)))
+        if plan is not None and mod._parameters[local].requires_grad:
+            conv.hooked_params.append((mod, local, plan))
+    _attach(conv)
+    conv.owner = id(model)
+    conv.handles.append(model.register_forward_pre_hook(_reattach_hook))
 
     # Activation hooks.
     root_plan = conv.module_plans[""]
@@ -620,7 +749,11 @@ def convert(model: nn.Module, spec) -> nn.Module:
                                                             with_kwargs=True))
     for mname, mod in model.named_modules():
         mplan = conv.module_plans[mname]
-        if mplan.activation.full_precision and mplan.grad.full_precision:
+        if mplan.plain:  # a rule keeps this module in full precision: plain inputs and outputs
+            if mname:
+                conv.handles.append(mod.register_forward_pre_hook(_input_hook(mplan),
+                                                                  with_kwargs=True))
+        elif mplan.activation.full_precision and mplan.grad.full_precision:
             continue
         conv.handles.append(mod.register_forward_hook(_output_hook(mplan)))
 
@@ -635,17 +768,19 @@ def unconvert(model: nn.Module) -> nn.Module:
     conv = getattr(model, "_qt_conversion", None)
     if conv is None:
         raise RuntimeError("qt.unconvert: this model was not converted by qt.convert")
-    for handle in conv.handles:
+    for handle in conv.handles + conv.param_handles:
         handle.remove()
-    for mod, local in conv.converted_params:
-        p = mod._parameters.get(local)
-        if p is None or not _is_q(p):
-            continue
-        with torch.no_grad():
-            value = p.dequantize().detach().clone()
-            grad = None if p.grad is None else _plain(p.grad).detach().clone()
-        _swap_param(mod, local, value, grad)
-        p.__dict__.pop("_qt_plan", None)
+    with _FlatWeights(model):
+        for mod, local in conv.converted_params:
+            p = mod._parameters.get(local)
+            if p is None or not _is_q(p):
+                continue
+            with torch.no_grad():
+                value = p.dequantize().detach().clone()
+                grad = None if p.grad is None else _plain(p.grad).detach().clone()
+            owners = [(m, n, n) for m, n in conv.converted_params if m._parameters.get(n) is p]
+            p.__dict__.pop("_qt_plan", None)
+            _swap_param(owners, value, grad, local)
     for mod, local in conv.converted_buffers:
         b = mod._buffers.get(local)
         if b is not None and _is_q(b):
@@ -657,16 +792,36 @@ def unconvert(model: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 # describe
 
-def _bits(t: torch.Tensor) -> float:
-    if _is_q(t):
-        return float(t.fmt.bits)
-    return float(torch.finfo(t.dtype).bits if t.is_floating_point() else torch.iinfo(t.dtype).bits
-                 if t.dtype != torch.bool else 8)
+def _total_bits(t: torch.Tensor) -> float:
+    """Storage of ``t`` in bits: its format's bits per value, block scales counted per block
+    actually present (a short last block still has a whole scale)."""
+    n = t.numel()
+    if not _is_q(t):
+        if t.dtype == torch.bool:
+            return 8.0 * n
+        info = torch.finfo(t.dtype) if t.is_floating_point() else torch.iinfo(t.dtype)
+        return float(info.bits * n)
+    fmt = t.fmt
+    if not isinstance(fmt, BlockFormat):
+        return float(fmt.bits * n)
+    if n == 0:
+        return 0.0
+    if fmt.axis is None or t.dim() == 0:
+        blocks = 1
+    else:
+        length = t.shape[fmt.axis]
+        per_row = 1 if fmt.block_size is None else -(-length // fmt.block_size)
+        blocks = (n // length) * per_row
+    return float(n * fmt.elem.bits + blocks * fmt.scale.bits + (32 if fmt.tensor_scale else 0))
 
 
 def describe(model: nn.Module, *, file=None, print_table: bool = True) -> str:
     """Print (and return) a table of every parameter and buffer: name, shape, value format,
-    operand (mm) format, bits per value, and the model's total size in bits against FP32."""
+    operand (mm) format, bits per value, and the model's total size in bits against FP32.
+
+    Bits per value are the value format's (the operand format costs no storage), with block
+    scales counted per block present; non-floating buffers count at their dtype's width in both
+    totals."""
     rows = [("name", "shape", "format", "mm format", "bits")]
     total = fp32_total = 0.0
     seen = set()
@@ -676,16 +831,16 @@ def describe(model: nn.Module, *, file=None, print_table: bool = True) -> str:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        bits = _bits(t)
+        n = t.numel()
+        size = _total_bits(t)
+        bits = size / n if n else 0.0
         if _is_q(t):
             fmt, mm = str(t.fmt), str(t.mm_fmt) if getattr(t, "mm_fmt", None) is not None else "-"
         else:
             fmt, mm = f"plain {str(t.dtype).replace('torch.', '')}", "-"
-        n = t.numel()
-        total += n * bits
-        fp32_total += n * (32 if t.is_floating_point() else bits)
-        rows.append((name, "x".join(map(str, t.shape)) or "scalar", fmt, mm,
-                     f"{bits:g}"))
+        total += size
+        fp32_total += 32 * n if t.is_floating_point() else size
+        rows.append((name, "x".join(map(str, t.shape)) or "scalar", fmt, mm, f"{bits:.4g}"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -58,8 +58,10 @@ _installed = False
 
 
 def _conv():
-    from . import convert
-    return convert
+    # qtensor.convert the module (the package attribute of that name is the function)
+    import sys
+    from . import convert as _unused  # noqa: F401  (makes sure the module is loaded)
+    return sys.modules[__package__ + ".convert"]
 
 
 def install_optimizer_hooks() -> None:

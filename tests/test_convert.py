@@ -1,0 +1,728 @@
+"""qt.convert, recipes, per-parameter rules and training support (issue 5).
+
+Every training test asserts the format of EVERY parameter, gradient and optimizer state tensor
+after forward, backward and step, and that each value is representable in its format
+(re-quantizing the values gives the same bits).
+"""
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qtensor as qt
+from qtensor.convert import plan_of
+
+torch.set_num_threads(1)
+
+BF16, FP32 = qt.bf16, qt.fp32
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+def bits(t):
+    return t.detach().contiguous().view(torch.int32)
+
+
+def assert_in_format(t, fmt, mm_fmt=None, what="tensor"):
+    assert isinstance(t, qt.QTensor), f"{what}: expected a QTensor in {fmt}, got {type(t).__name__}"
+    assert t.fmt == fmt, f"{what}: fmt {t.fmt} != {fmt}"
+    assert t.mm_fmt == mm_fmt, f"{what}: mm_fmt {t.mm_fmt} != {mm_fmt}"
+    v = t.dequantize().detach().float()
+    again = qt.quantize(v, fmt)
+    assert torch.equal(bits(again), bits(v)), f"{what}: values not representable in {fmt}"
+
+
+def assert_plain(t, what="tensor"):
+    assert type(t) in (torch.Tensor, nn.Parameter), f"{what}: expected plain, got {type(t)}"
+
+
+def check_all(model, opt, recipe_roles):
+    """Every parameter/grad/state has the format its plan says (plans checked against
+    ``recipe_roles``: {name: (value Role, grad Role, state Role)} computed independently)."""
+    for name, p in model.named_parameters():
+        value, grad, state = recipe_roles[name]
+        if value.fmt is None:
+            assert_plain(p, name)
+            if p.grad is not None:
+                assert_plain(p.grad, name + ".grad")
+            continue
+        assert_in_format(p, value.fmt, value.mm_fmt, name)
+        if p.requires_grad:
+            assert p.grad is not None, f"{name} has no gradient"
+            if grad.fmt is None:
+                assert_plain(p.grad, name + ".grad")
+            else:
+                assert_in_format(p.grad, grad.fmt, grad.mm_fmt, name + ".grad")
+        if opt is not None and state.fmt is not None:
+            st = opt.state[p]
+            tensors = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == p.shape}
+            assert tensors, f"{name}: optimizer has no state"
+            for k, v in tensors.items():
+                assert_in_format(v, state.fmt, state.mm_fmt, f"{name} state {k}")
+
+
+def roles_for(model, recipe, overrides=None):
+    """The expected roles of each parameter: the recipe's kind default, or ``overrides``."""
+    R = qt.Role.of
+    out = {}
+    for name, _ in model.named_parameters():
+        last = name.rsplit(".", 1)[-1]
+        kind = "bias" if "bias" in last else "weight"
+        out[name] = (getattr(recipe, kind), recipe.grad, recipe.optimizer_state)
+        if overrides and name in overrides:
+            v = R(overrides[name])
+            out[name] = (v, recipe.grad if v.fmt is not None else R(None),
+                         recipe.optimizer_state if v.fmt is not None else R(None))
+    return out
+
+
+def train(model, opt, batches, loss_fn, steps):
+    losses = []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        out = model(x)
+        loss = loss_fn(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach().dequantize() if isinstance(loss, qt.QTensor) else loss))
+    return losses
+
+
+def eval_loss(model, batch, loss_fn):
+    """The loss in FP32 from the model's (dequantized) outputs: a loss computed in a narrow
+    format is too coarse to see a few steps of progress."""
+    with torch.no_grad():
+        out = model(batch[0])
+        loss = loss_fn(out.dequantize() if isinstance(out, qt.QTensor) else out, batch[1])
+    return float(loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+class MLP(nn.Module):
+    def __init__(self, d=8, h=16, k=3):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, h)
+        self.head = nn.Linear(h, k)
+
+    def forward(self, x):
+        return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(x.flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + x)
+
+
+class ResNet(nn.Module):
+    def __init__(self, c=4, k=3):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
+                                  nn.ReLU(inplace=True))
+        self.layer1 = nn.Sequential(Block(c), Block(c))
+        self.fc = nn.Linear(c, k)
+
+    def forward(self, x):
+        x = self.layer1(self.stem(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class TextModel(nn.Module):
+    """Embedding + LayerNorm + TransformerEncoderLayer (nn.MultiheadAttention) + LSTM."""
+
+    def __init__(self, vocab=11, d=8, k=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        self.enc = nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=16, dropout=0.0,
+                                              batch_first=True)
+        self.lstm = nn.LSTM(d, d, batch_first=True)
+        self.head = nn.Linear(d, k)
+
+    def forward(self, idx):
+        x = self.enc(self.norm(self.emb(idx)))
+        out, (h, c) = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+def data_vec(n=32, d=8, k=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(d, k, generator=g)
+    return [(x, (x @ w).argmax(1))]
+
+
+def data_img(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    y = (x.mean((1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 0).long()
+    return [(x, y)]
+
+
+def data_text(n=16, t=5, vocab=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (n, t), generator=g)
+    return [(idx, idx[:, 0] % 3)]
+
+
+MX_LIKE = qt.Recipe(weight=(FP32, qt.mxfp6_e3m2), bias=FP32, activation=(BF16, qt.mxfp6_e3m2),
+                    grad=(BF16, qt.mxfp6_e3m2), optimizer_state=BF16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipe and Role
+
+def test_roles_normalise():
+    r = qt.Recipe(weight="mxfp4", bias=None, activation=("bf16", "mxfp6"), grad=(None, qt.mxfp8_e4m3),
+                  optimizer_state=qt.bf16)
+    assert r.weight == qt.Role(qt.mxfp4_e2m1) and r.weight.mm_fmt is None
+    assert r.bias.full_precision
+    assert r.activation == qt.Role(qt.bf16, qt.mxfp6_e3m2)
+    assert r.grad == qt.Role(qt.fp32, qt.mxfp8_e4m3)  # FP32 values with an operand format
+    assert r.optimizer_state.fmt == qt.bf16
+    assert "mxfp6_e3m2" in r.describe()
+    assert qt.Recipe(weight="bf16") == qt.Recipe(weight=qt.bf16)
+    u = qt.Recipe.uniform("fp8_e4m3")
+    assert all(getattr(u, k).fmt == qt.fp8_e4m3 for k in
+               ("weight", "bias", "activation", "grad", "optimizer_state"))
+
+
+@pytest.mark.parametrize("kwargs, err, text", [
+    (dict(weight="fp9"), ValueError, "Recipe.weight"),
+    (dict(weight=("bf16", "mxfp6", "fp8")), ValueError, "pair"),
+    (dict(weight=3.5), TypeError, "Recipe.weight"),
+    (dict(rules={"fc1": {"wieght": "bf16"}}), ValueError, "unknown role"),
+    (dict(rules={"re:(": "bf16"}), ValueError, "regular expression"),
+    (dict(rules=["fc1"]), TypeError, "dict"),
+    (dict(weight="bf16", optimizer_state="bf16", master_weights=True), ValueError, "master"),
+    (dict(loss_scale=-1), ValueError, "loss_scale"),
+])
+def test_recipe_bad_input(kwargs, err, text):
+    with pytest.raises(err, match=text):
+        qt.Recipe(**kwargs)
+
+
+def test_convert_bad_spec():
+    with pytest.raises(TypeError, match="nn.Module"):
+        qt.convert(torch.zeros(3), "bf16")
+    with pytest.raises(TypeError, match="Recipe"):
+        qt.convert(MLP(), 3)
+    with pytest.raises(ValueError):
+        qt.convert(MLP(), "not_a_format")
+
+
+# ---------------------------------------------------------------------------------------------
+# rules and precedence
+
+def test_rule_precedence():
+    torch.manual_seed(0)
+    m = nn.Sequential()
+    m.add_module("enc", nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    m.add_module("head", nn.Linear(4, 2))
+    rules = {
+        "*.weight": "fp8_e5m2",        # pattern on the tensor name
+        "enc.1.weight": "fp8_e4m3",    # exact name beats the earlier pattern
+        "re:enc\\.\\d\\.bias": "fp6_e3m2",
+        "*bias": "fp4_e2m1",           # later pattern: loses to the regex above for enc.*.bias
+        "head": None,                  # exact module name: covers head.weight and head.bias
+    }
+    r = qt.Recipe(weight="bf16", bias="bf16", activation="bf16", rules=rules)
+    qt.convert(m, r)
+    assert m.enc[0].weight.fmt == qt.fp8_e5m2
+    assert m.enc[1].weight.fmt == qt.fp8_e4m3
+    assert m.enc[0].bias.fmt == qt.fp6_e3m2 and m.enc[1].bias.fmt == qt.fp6_e3m2
+    # "head" is exact (step 1) and beats the patterns "*.weight" / "*bias" (step 2)
+    assert_plain(m.head.weight) and assert_plain(m.head.bias)
+    assert plan_of(m.enc[1].weight).rule == "enc.1.weight"
+    # module rule None: head computes in full precision (plain inputs and outputs); the model's
+    # own output is still rounded (the rule names head, not the model)
+    seen = {}
+    m.head.register_forward_hook(lambda mod, a, out: seen.update(x=a[0], y=out))
+    out = m(torch.randn(3, 4))
+    assert_plain(seen["x"], "head input") and assert_plain(seen["y"], "head output")
+    assert_in_format(out, qt.bf16, None, "model output")
+    y = m.enc(torch.randn(3, 4))
+    assert_in_format(y, qt.bf16, None, "enc output")
+
+
+def test_rule_dict_and_enclosing_module_patterns():
+    m = MLP()
+    r = qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16", optimizer_state="bf16",
+                  rules={"fc*": {"weight": ("fp32", "mxfp4"), "grad": "fp8_e5m2"},
+                         "re:he.d": {"activation": "fp8_e4m3"}})
+    qt.convert(m, r)
+    assert m.fc1.weight.fmt == qt.fp32 and m.fc1.weight.mm_fmt == qt.mxfp4_e2m1
+    assert m.fc1.bias.fmt == qt.bf16  # the dict gives no bias role: recipe default
+    assert plan_of(m.fc1.bias).grad.fmt == qt.fp8_e5m2
+    assert plan_of(m.head.weight).grad.fmt == qt.bf16
+    seen = {}
+    m.head.register_forward_hook(lambda mod, a, out: seen.update(y=out))
+    out = m(torch.randn(4, 8))
+    assert_in_format(seen["y"], qt.fp8_e4m3, None, "head output")
+    assert_in_format(out, qt.bf16, None, "model output")
+    out.sum().backward()
+    assert_in_format(m.fc1.weight.grad, qt.fp8_e5m2, None, "fc1.weight.grad")
+    assert_in_format(m.head.weight.grad, qt.bf16, None, "head.weight.grad")
+
+
+def test_rule_matching_nothing_lists_near_names():
+    m = MLP()
+    with pytest.raises(ValueError, match=r"fc3\.weight.*nearest names.*fc1\.weight"):
+        qt.convert(m, qt.Recipe(weight="bf16", rules={"fc3.weight": "fp8_e4m3"}))
+    with pytest.raises(ValueError, match="re:conv"):
+        qt.convert(m, qt.Recipe(weight="bf16", rules={"re:conv.*": None}))
+    # the model is untouched by a failed conversion
+    assert all(type(p) is nn.Parameter for p in m.parameters())
+    assert not qt.convert.__module__ or not hasattr(m, "_qt_conversion")
+
+
+def test_convert_twice():
+    m = MLP()
+    qt.convert(m, "bf16")
+    n_hooks = len(m.fc1._forward_hooks)
+    w = m.fc1.weight
+    assert qt.convert(m, "bf16") is m  # same spec: nothing happens
+    assert m.fc1.weight is w and len(m.fc1._forward_hooks) == n_hooks
+    with pytest.raises(RuntimeError, match="unconvert"):
+        qt.convert(m, "fp8_e4m3")
+    outer = nn.Sequential(m, nn.Linear(3, 3))
+    with pytest.raises(RuntimeError, match="submodule '0' is already converted"):
+        qt.convert(outer, "bf16")
+    qt.unconvert(m)
+    qt.convert(m, "fp8_e4m3")
+    assert m.fc1.weight.fmt == qt.fp8_e4m3
+
+
+def test_integer_buffers_left_alone_said_once():
+    m = CNN()
+    with pytest.warns(UserWarning, match="num_batches_tracked"):
+        qt.convert(m, qt.Recipe(weight="bf16", rules={"bn.num_batches_tracked": "bf16"}))
+    assert m.bn.num_batches_tracked.dtype == torch.int64
+    assert_plain(m.bn.num_batches_tracked)
+    m2 = CNN()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qt.convert(m2, qt.Recipe(weight="bf16", rules={"bn.num_batches_tracked": "bf16"}))
+
+
+def test_tiny_parameters_and_block_formats():
+    m = nn.Linear(40, 3)  # bias of 3 values: a short last MXFP4 block
+    qt.convert(m, qt.Recipe(weight="mxfp4", bias="mxfp4", activation="bf16", grad="bf16"))
+    assert_in_format(m.bias, qt.mxfp4_e2m1, None, "bias")
+    assert_in_format(m.weight, qt.mxfp4_e2m1, None, "weight")
+    out = m(torch.randn(2, 40))
+    out.sum().backward()
+    assert_in_format(m.bias.grad, qt.bf16, None, "bias.grad")
+    # a block axis that a tensor does not have: an error that names the tensor
+    bad = qt.BlockFormat(qt.fp4_e2m1, 32, axis=1)
+    m2 = nn.Linear(4, 3)
+    with pytest.raises(Exception, match="bias"):
+        qt.convert(m2, qt.Recipe(weight=bad, bias=bad))
+    assert type(m2.weight) is nn.Parameter  # untouched
+
+
+# ---------------------------------------------------------------------------------------------
+# conversion mechanics
+
+def test_existing_references_and_optimizer_created_before():
+    torch.manual_seed(0)
+    m = MLP()
+    w = m.fc1.weight
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(2, 8)).sum().backward()  # a gradient exists before conversion
+    qt.convert(m, qt.Recipe(weight="bf16", bias="bf16", grad="bf16"))
+    assert m.fc1.weight is w and isinstance(w, qt.QTensor) and isinstance(w, nn.Parameter)
+    assert_in_format(w.grad, qt.bf16, None, "existing grad")
+    assert opt.param_groups[0]["params"][0] is w
+    before = w.dequantize().clone()
+    opt.step()
+    assert not torch.equal(before, w.dequantize())
+    assert_in_format(w, qt.bf16, None, "updated weight")
+
+
+def test_activations_and_their_gradients():
+    m = MLP()
+    qt.convert(m, MX_LIKE)
+    seen = {}
+    m.fc1.register_forward_hook(lambda mod, a, out: seen.setdefault("fc1", out))
+    x = torch.randn(4, 8)
+    out = m(x)
+    assert_in_format(out, BF16, qt.mxfp6_e3m2, "model output")
+    h = seen["fc1"]
+    assert_in_format(h, BF16, qt.mxfp6_e3m2, "fc1 output")
+    h.register_hook(lambda g: seen.setdefault("grad", g))
+    out = m(x)
+    out.sum().backward()
+    assert_in_format(seen["grad"], BF16, qt.mxfp6_e3m2, "gradient of fc1 output")
+
+
+def test_inputs_rounded():
+    m = nn.Linear(4, 2, bias=False)
+    qt.convert(m, qt.Recipe(activation="fp8_e4m3"))
+    got = {}
+    m.register_forward_pre_hook(lambda mod, args: got.setdefault("x", args[0]))
+    x = torch.tensor([[0.3, 1.1, -2.7, 100.0]])
+    m(x)
+    assert_in_format(got["x"], qt.fp8_e4m3, None, "input")
+    assert torch.equal(got["x"].dequantize(), qt.quantize(x, qt.fp8_e4m3))
+
+
+def test_unconvert_restores():
+    torch.manual_seed(0)
+    m = CNN()
+    ref = copy.deepcopy(m)
+    w = m.conv.weight
+    qt.convert(m, qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16"))
+    m(torch.randn(2, 1, 8, 8)).sum().backward()
+    qt.unconvert(m)
+    assert m.conv.weight is w
+    for (n, p), (_, p0) in zip(m.named_parameters(), ref.named_parameters()):
+        assert type(p) is nn.Parameter, n
+        assert torch.equal(p.data, qt.quantize(p0.data, qt.bf16)), n
+        assert type(p.grad) is torch.Tensor, n
+    for n, b in m.named_buffers():
+        assert type(b) is torch.Tensor, n
+    assert not m.conv._forward_hooks and not m._forward_pre_hooks
+    out = m(torch.randn(2, 1, 8, 8))
+    assert type(out) is torch.Tensor
+    with pytest.raises(RuntimeError, match="not converted"):
+        qt.unconvert(m)
+
+
+def test_state_dict_roundtrip():
+    torch.manual_seed(0)
+    r = qt.Recipe(weight="fp8_e4m3", bias="bf16", activation="bf16", grad="bf16",
+                  rules={"bn.*": "bf16"})
+    m = qt.convert(CNN(), r)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    train(m, opt, data_img(), F.cross_entropy, 2)
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    fresh = qt.convert(CNN(), r)
+    fresh.load_state_dict(sd)
+    for (n, a), (_, b) in zip(m.state_dict().items(), fresh.state_dict().items()):
+        assert type(a) is type(b), n
+        if isinstance(a, qt.QTensor):
+            assert a.fmt == b.fmt and torch.equal(bits(a.dequantize()), bits(b.dequantize())), n
+        else:
+            assert torch.equal(a, b), n
+    # a plain FP32 checkpoint loads into a converted model, rounded into each format
+    plain = CNN().state_dict()
+    fresh.load_state_dict(plain)
+    assert_in_format(fresh.conv.weight, qt.fp8_e4m3, None, "loaded weight")
+    assert torch.equal(fresh.conv.weight.dequantize(), qt.quantize(plain["conv.weight"], qt.fp8_e4m3))
+
+
+def test_describe():
+    m = qt.convert(CNN(), qt.Recipe(weight=(FP32, "mxfp6"), bias="bf16", activation="bf16",
+                                    rules={"fc.weight": "mxfp4"}))
+    text = qt.describe(m, print_table=False)
+    assert "conv.weight" in text and "4x1x3x3" in text and "mxfp6_e3m2" in text
+    assert "fc.weight" in text and "4.25" in text  # MXFP4 bits per value with its scale
+    assert "bn.num_batches_tracked" in text and "int64" in text
+    assert "vs FP32" in text
+    # conv.weight, conv.bias, bn.weight, bn.bias, fc.weight (3 rows x 2 blocks), fc.bias,
+    # running stats (the weight's value format, fp32), num_batches_tracked (int64)
+    got = 36 * 32 + 4 * 16 + 4 * 32 + 4 * 16 + (192 * 4 + 6 * 8) + 3 * 16 + 8 * 32 + 64
+    fp32 = (36 + 4 + 4 + 4 + 192 + 3 + 8) * 32 + 64
+    assert f"total: {got:,} bits" in text and f"vs FP32 {fp32:,} bits" in text
+    # a short block pays a whole scale: a bias of 3 values in MXFP4 is (3*4 + 8)/3 bits a value
+    b = qt.convert(nn.Linear(2, 3), qt.Recipe(weight="bf16", bias="mxfp4"))
+    assert "6.667" in qt.describe(b, print_table=False)
+    plain_text = qt.describe(CNN(), print_table=False)
+    assert "plain float32" in plain_text and "1.000x" in plain_text
+
+
+def test_model_to_format_is_not_supported():
+    # documented: nn.Module.to parses its arguments in C++; qt.convert is the one line
+    with pytest.raises(TypeError):
+        MLP().to(qt.bf16)
+
+
+# ---------------------------------------------------------------------------------------------
+# training: every tensor's format after forward, backward and step
+
+CASES = [
+    ("mlp", MLP, data_vec, "sgd"),
+    ("cnn_bn", CNN, data_img, "adam"),
+    ("resnet", ResNet, data_img, "sgd"),
+    ("text", TextModel, data_text, "adamw"),
+]
+
+
+def make_opt(kind, params, lr):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+@pytest.mark.parametrize("name, make, data, optname", CASES, ids=[c[0] for c in CASES])
+def test_train_every_tensor_in_format(name, make, data, optname):
+    torch.manual_seed(0)
+    model = make()
+    rules = {"*.bias": ("fp32", None)}
+    if name == "text":
+        rules = {"emb.weight": "bf16", "lstm.*": ("bf16", "mxfp8_e4m3"),
+                 "re:enc\\..*bias": "bf16"}
+    r = MX_LIKE.replace(rules=rules)
+    batches = data()
+    opt = make_opt(optname, model.parameters(), 0.05 if optname == "sgd" else 0.01)
+    qt.convert(model, r)
+    l0 = eval_loss(model, batches[0], F.cross_entropy)
+    losses = train(model, opt, batches, F.cross_entropy, 4)
+    overrides = {n: ("fp32", None) for n, _ in model.named_parameters() if n.endswith(".bias")}
+    if name == "text":
+        overrides = {n: (("bf16", "mxfp8_e4m3") if n.startswith("lstm.") else "bf16")
+                     for n, _ in model.named_parameters()
+                     if n == "emb.weight" or n.startswith("lstm.")
+                     or (n.startswith("enc.") and "bias" in n.rsplit(".", 1)[-1])}
+    check_all(model, opt, roles_for(model, r, overrides))
+    # floating buffers (BatchNorm running stats) stay QTensors in the weight's value format
+    for bname, b in model.named_buffers():
+        if b.is_floating_point():
+            assert_in_format(b, r.weight.fmt, None, bname)
+        else:
+            assert_plain(b, bname)
+    assert eval_loss(model, batches[0], F.cross_entropy) < l0, (name, l0, losses)
+
+
+def test_batchnorm_running_stats_stay_in_narrow_format():
+    torch.manual_seed(0)
+    m = CNN()
+    qt.convert(m, qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16",
+                            rules={"bn.running_*": "fp8_e4m3"}))
+    before = m.bn.running_mean.dequantize().clone()
+    m.train()
+    for _ in range(2):
+        m(data_img()[0][0])
+    assert_in_format(m.bn.running_mean, qt.fp8_e4m3, None, "running_mean")
+    assert_in_format(m.bn.running_var, qt.fp8_e4m3, None, "running_var")
+    assert not torch.equal(before, m.bn.running_mean.dequantize())
+    assert int(m.bn.num_batches_tracked) == 2
+
+
+def test_mixed_formats_per_parameter():
+    torch.manual_seed(0)
+    m = MLP()
+    r = qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16", optimizer_state="bf16",
+                  rules={"fc1.weight": "fp8_e4m3", "fc2.*": ("fp32", "mxfp4"), "head.bias": None})
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    qt.convert(m, r)
+    train(m, opt, data_vec(), F.cross_entropy, 2)
+    check_all(m, opt, roles_for(m, r, {"fc1.weight": "fp8_e4m3", "fc2.weight": ("fp32", "mxfp4"),
+                                       "fc2.bias": ("fp32", "mxfp4"), "head.bias": None}))
+    assert "head.bias" not in {n for n, p in m.named_parameters() if isinstance(p, qt.QTensor)}
+    assert not opt.state[m.head.bias] or all(
+        not isinstance(v, qt.QTensor) for v in opt.state[m.head.bias].values())
+
+
+# ---------------------------------------------------------------------------------------------
+# training support
+
+def test_stochastic_rounding_on_update():
+    # updates of a quarter quantum: lost with nearest, kept in expectation with stochastic
+    q = 2.0 ** -6
+    for rounding, expect_change in (("nearest", False), ("stochastic", True)):
+        torch.manual_seed(0)
+        p = nn.Linear(1, 4096, bias=False)
+        fmt = qt.FixedFormat(8, 6, rounding=rounding)
+        with torch.no_grad():
+            p.weight.fill_(0.5)
+        qt.convert(p, qt.Recipe(weight=fmt))
+        opt = torch.optim.SGD(p.parameters(), lr=1.0)
+        for _ in range(8):
+            p.weight.grad = torch.full_like(p.weight.dequantize(), -q / 4)
+            opt.step()
+        w = p.weight.dequantize()
+        assert_in_format(p.weight, fmt, None, "weight")
+        if expect_change:
+            assert abs(float(w.mean().detach()) - (0.5 + 2 * q)) < 0.1 * q  # unbiased: 8 * q/4
+        else:
+            assert torch.all(w == 0.5)
+
+
+def test_master_weights():
+    torch.manual_seed(0)
+    m = MLP()
+    r = qt.Recipe(weight="fp8_e4m3", bias="bf16", activation="bf16", grad="bf16",
+                  master_weights=True)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    qt.convert(m, r)
+    w0 = m.fc1.weight.dequantize().clone()
+    l0 = eval_loss(m, data_vec()[0], F.cross_entropy)
+    train(m, opt, data_vec(), F.cross_entropy, 4)
+    l1 = eval_loss(m, data_vec()[0], F.cross_entropy)
+    master = qt.master_weight(opt, m.fc1.weight)
+    assert type(master) is torch.Tensor and master.dtype == torch.float32
+    # the model sees the master rounded; the master holds updates smaller than fp8's spacing
+    assert torch.equal(m.fc1.weight.dequantize(), qt.quantize(master, qt.fp8_e4m3))
+    assert not torch.equal(master, m.fc1.weight.dequantize())
+    assert not torch.equal(master, w0)
+    assert opt.param_groups[0]["params"][0] is m.fc1.weight
+    assert_in_format(m.fc1.weight, qt.fp8_e4m3, None, "weight")
+    assert_in_format(m.fc1.weight.grad, qt.bf16, None, "grad")
+    assert set(opt.state[m.fc1.weight]) == {"step", "exp_avg", "exp_avg_sq", "qt_master"}
+    assert type(opt.state[m.fc1.weight]["exp_avg"]) is torch.Tensor  # FP32 optimizer
+    # the optimizer's state_dict carries the masters; reloading resumes identically
+    sd = copy.deepcopy(opt.state_dict())
+    m2 = qt.convert(copy.deepcopy(m), r)
+    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    opt2.load_state_dict(sd)
+    train(m, opt, data_vec(), F.cross_entropy, 1)
+    train(m2, opt2, data_vec(), F.cross_entropy, 1)
+    assert torch.equal(qt.master_weight(opt, m.fc1.weight), qt.master_weight(opt2, m2.fc1.weight))
+    assert l1 < l0
+
+
+def test_loss_scaler_dynamic_skips_overflow_and_unscales():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1, bias=False)
+    qt.convert(m, qt.Recipe(weight="bf16", grad="bf16", activation="bf16"))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    scaler = qt.LossScaler(init_scale=2.0 ** 8, dynamic=True, growth_interval=2)
+    # reference gradient without scaling
+    m(x).sum().backward()
+    g_ref = m.weight.grad.dequantize().clone()
+    opt.zero_grad()
+    w0 = m.weight.dequantize().clone()
+    scaler.scale(m(x).sum()).backward()
+    scaler.unscale_(opt)
+    assert torch.equal(m.weight.grad.dequantize(), g_ref)  # power-of-two scale: exact
+    assert_in_format(m.weight.grad, qt.bf16, None, "unscaled grad")
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(m.weight.dequantize(), w0)
+    # an Inf gradient: step skipped, scale halved
+    opt.zero_grad()
+    scaler.scale(m(x).sum() * float("inf")).backward()
+    w1 = m.weight.dequantize().clone()
+    assert scaler.step(opt) is None
+    scaler.update()
+    assert torch.equal(m.weight.dequantize(), w1) and scaler.get_scale() == 2.0 ** 7
+    assert scaler.skipped_steps == 1
+    for _ in range(2):  # growth after growth_interval clean steps
+        opt.zero_grad()
+        scaler.scale(m(x).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0 ** 8
+
+
+def test_loss_scaler_static_and_saturation():
+    s = qt.LossScaler(1024.0, dynamic=False)
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.tensor([float("nan"), 1.0])
+    assert s.step(opt) is None
+    s.update()
+    assert s.get_scale() == 1024.0 and torch.equal(p.data, torch.zeros(2))
+    # a saturating gradient format never overflows to Inf: detect_saturation treats max as overflow
+    q = nn.Linear(2, 1, bias=False)
+    qt.convert(q, qt.Recipe(weight="bf16", grad="fp8_e4m3"))
+    opt = torch.optim.SGD(q.parameters(), lr=1.0)
+    s2 = qt.LossScaler(2.0 ** 20, detect_saturation=True)
+    s2.scale(q(torch.ones(1, 2)).sum()).backward()
+    assert float(q.weight.grad.dequantize().abs().max()) == 448.0
+    assert s2.step(opt) is None
+    s2.update()
+    assert s2.get_scale() == 2.0 ** 19
+    assert qt.LossScaler.from_recipe(qt.Recipe(loss_scale="dynamic")).dynamic
+    assert qt.LossScaler.from_recipe(qt.Recipe(loss_scale=128)).get_scale() == 128.0
+    with pytest.raises(ValueError):
+        qt.LossScaler(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# published recipes
+
+def test_recipes_documented():
+    text = qt.recipes.describe(print_table=False)
+    for name in ("mxfp6", "mxfp4_weights", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
+                 "mxint8_inference", "fp16", "block8", "swalp", "wage"):
+        r = getattr(qt.recipes, name)
+        assert isinstance(r, qt.Recipe) and r.source, name
+        assert name in text
+    m = qt.recipes
+    assert m.mxfp6.weight == qt.Role(FP32, qt.mxfp6_e3m2) and m.mxfp6.master_weights
+    assert m.mxfp6.activation == qt.Role(BF16, qt.mxfp6_e3m2) == m.mxfp6.grad
+    assert m.mxfp4_weights.weight.mm_fmt == qt.mxfp4_e2m1
+    assert m.mxfp4_weights.activation.mm_fmt == qt.mxfp6_e3m2
+    assert m.mx_all(qt.mxint8).weight.fmt == qt.mxint8
+    # QPyTorch's block floating point grid: block max 100 with wl=4 rounds to 96 (ANCHORS.md);
+    # with wl=8 (block8): step 2^(6+2-8) = 1, magnitudes up to 127
+    b8 = m.block8.weight.fmt
+    x = torch.tensor([100.0, 0.3, -37.4, 1000.0])
+    assert qt.quantize(x, b8).tolist() == [96.0, 0.0, -40.0, 1000.0]
+    b4 = b8.replace(elem=qt.FixedFormat(4, 2, symmetric=True))
+    assert qt.quantize(torch.tensor([100.0, 3.0]), b4).tolist() == [96.0, 0.0]
+    assert m.fp16.weight.fmt.max == 131008.0
+    assert m.wage.weight == qt.Role(qt.FixedFormat(8, 7, symmetric=True),
+                                    qt.FixedFormat(2, 1, symmetric=True))
+    assert m.swalp.weight.fmt.rounding == "stochastic"
+
+
+@pytest.mark.parametrize("name", ["mxfp6", "mxfp4_weights", "mx_all_mxfp6", "fp16", "block8",
+                                  "swalp", "wage"])
+def test_recipe_trains(name):
+    torch.manual_seed(0)
+    r = getattr(qt.recipes, name)
+    model = CNN() if name in ("block8", "swalp") else MLP()
+    batches = data_img() if isinstance(model, CNN) else data_vec()
+    # narrow weight formats with nearest rounding lose small updates: larger steps there
+    lr = 0.5 if name in ("wage", "mx_all_mxfp6") else 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    qt.convert(model, r)
+    l0 = eval_loss(model, batches[0], F.cross_entropy)
+    train(model, opt, batches, F.cross_entropy, 4)
+    check_all(model, opt if not r.master_weights else None, roles_for(model, r))
+    if r.master_weights:
+        for p in model.parameters():
+            assert type(qt.master_weight(opt, p)) is torch.Tensor
+    assert eval_loss(model, batches[0], F.cross_entropy) < l0 or name == "wage"
+
+
+def test_mxint8_inference():
+    torch.manual_seed(0)
+    m = MLP()
+    x = torch.randn(4, 8)
+    ref = m(x)  # a live graph holds the weights: they cannot be swapped in place
+    with pytest.warns(UserWarning, match="replaced by a new Parameter"):
+        qt.convert(m, qt.recipes.mxint8_inference)
+    assert all(isinstance(p, qt.QTensor) for p in m.parameters())
+    with torch.no_grad():
+        out = m(x)
+    assert_in_format(out, FP32, qt.mxint8, "output")
+    assert (out.dequantize() - ref).abs().max() < 0.05
