@@ -14,10 +14,13 @@ Rounding on update (nothing to do)
 Optimizer state in its own format (``Recipe.optimizer_state``)
     ``qt.convert`` installs process-wide ``torch.optim`` step hooks (the official
     ``register_optimizer_step_pre_hook`` / ``..._post_hook``; they touch only parameters
-    converted by qt.convert). After each step, every floating state tensor of a converted
-    parameter with the parameter's shape (momentum, Adam's moments) is rounded into the
-    optimizer_state role, and the optimizer's in-place updates keep it there. The first step
-    creates the state in the parameter's (or gradient's) format; it is rounded after that step.
+    converted by qt.convert). After each step, every floating, non-scalar state tensor of a
+    converted parameter (momentum, Adam's moments) is rounded into the optimizer_state role,
+    and the optimizer's in-place updates keep it there; ``None`` makes them plain FP32 tensors.
+    Adam and AdamW state is created in that role before their first step (zeros, as their lazy
+    init does), so every step is computed in it; other optimizers create their state themselves
+    in their first step (SGD's momentum is a copy of the gradient), in the parameter's or the
+    gradient's format, and it is rounded into the role right after that step.
 
 FP32 master weights (``Recipe(master_weights=True)``)
     Use when the weight *value* format is narrow (BF16, FP8, fixed point) and updates are much
@@ -97,6 +100,32 @@ def _pre_step(optimizer, args, kwargs):
             params[i] = master
             swapped.append((params, i, p, master))
     optimizer._qt_swapped = swapped
+    if isinstance(optimizer, torch.optim.Adam):
+        _init_adam_state(optimizer)
+
+
+def _state_zeros(p, plan):
+    conv = _conv()
+    zeros = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+    return conv.round_to(zeros, plan.optimizer_state, name=f"optimizer state of {plan.name}")
+
+
+def _init_adam_state(optimizer) -> None:
+    # Create Adam/AdamW state directly in the optimizer_state role (exactly what Adam's lazy
+    # init does, zeros, but in the right format), so that the first step is computed in it too.
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("capturable"):
+            continue
+        for p in group["params"]:
+            plan = _plan(p)
+            if plan is None or plan.master or p.grad is None or optimizer.state.get(p):
+                continue
+            dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            state = {"step": torch.tensor(0.0, dtype=dtype, device="cpu"),
+                     "exp_avg": _state_zeros(p, plan), "exp_avg_sq": _state_zeros(p, plan)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = _state_zeros(p, plan)
+            optimizer.state[p] = state
 
 
 def _post_step(optimizer, args, kwargs):
@@ -110,20 +139,24 @@ def _post_step(optimizer, args, kwargs):
         with torch.no_grad():
             p.copy_(master)  # rounds into p's format with its rounding mode
     optimizer._qt_swapped = []
-    # Optimizer state into the optimizer_state role.
+    # Optimizer state into the optimizer_state role (None: plain FP32 tensors). Scalars such as
+    # Adam's "step" counter are left alone.
     for group in optimizer.param_groups:
         for p in group["params"]:
             plan = _plan(p)
-            if plan is None or plan.master or plan.optimizer_state.full_precision:
+            if plan is None or plan.master:
                 continue
             state = optimizer.state.get(p)
             if not state:
                 continue
+            role = plan.optimizer_state
             for key, value in list(state.items()):
                 if (isinstance(value, torch.Tensor) and value.is_floating_point()
-                        and value.shape == p.shape and key != "step"):
+                        and value.dim() > 0 and key != "step"):
+                    if role.full_precision and not conv._is_q(value):
+                        continue
                     with torch.no_grad():
-                        state[key] = conv.round_to(value.detach(), plan.optimizer_state,
+                        state[key] = conv.round_to(value.detach(), role,
                                                    name=f"optimizer state {key!r} of {plan.name}")
 
 

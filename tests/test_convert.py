@@ -58,12 +58,16 @@ def check_all(model, opt, recipe_roles):
                 assert_plain(p.grad, name + ".grad")
             else:
                 assert_in_format(p.grad, grad.fmt, grad.mm_fmt, name + ".grad")
-        if opt is not None and state.fmt is not None:
+        if opt is not None:
             st = opt.state[p]
-            tensors = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == p.shape}
+            tensors = {k: v for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
             assert tensors, f"{name}: optimizer has no state"
             for k, v in tensors.items():
-                assert_in_format(v, state.fmt, state.mm_fmt, f"{name} state {k}")
+                if state.fmt is None:  # full precision: plain FP32
+                    assert_plain(v, f"{name} state {k}")
+                    assert v.dtype == torch.float32
+                else:
+                    assert_in_format(v, state.fmt, state.mm_fmt, f"{name} state {k}")
 
 
 def roles_for(model, recipe, overrides=None):
@@ -726,3 +730,30 @@ def test_mxint8_inference():
         out = m(x)
     assert_in_format(out, FP32, qt.mxint8, "output")
     assert (out.dequantize() - ref).abs().max() < 0.05
+
+
+def test_adam_state_created_in_its_format():
+    # Adam's moments live in the optimizer_state format from the first step on: with fp8
+    # weights and bf16 state, exp_avg after one step is bf16((1-beta1) * g), not a bf16 copy of
+    # an fp8 rounding of it
+    torch.manual_seed(0)
+    m = nn.Linear(16, 8, bias=False)
+    qt.convert(m, qt.Recipe(weight="fp8_e4m3", grad="bf16", optimizer_state="bf16"))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3, betas=(0.9, 0.999))
+    m(torch.randn(4, 16)).sum().backward()
+    g = m.weight.grad.dequantize().clone()
+    opt.step()
+    st = opt.state[m.weight]
+    assert_in_format(st["exp_avg"], qt.bf16, None, "exp_avg")
+    want = qt.quantize(torch.lerp(torch.zeros_like(g), g, 0.1), qt.bf16)
+    assert torch.equal(bits(st["exp_avg"].dequantize()), bits(want))
+    assert type(st["step"]) is torch.Tensor and float(st["step"]) == 1.0
+    # None: plain FP32 state
+    m2 = nn.Linear(4, 2)
+    qt.convert(m2, qt.Recipe(weight="bf16", bias="bf16", grad="bf16"))
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        m2(torch.randn(3, 4)).sum().backward()
+        opt2.step()
+    assert type(opt2.state[m2.weight]["momentum_buffer"]) is torch.Tensor
+    assert_in_format(m2.weight, qt.bf16, None, "weight")
