@@ -173,14 +173,11 @@ class CharGPT(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Training and evaluation
 
-def as_float(x) -> float:
-    """A Python float from a (possibly emulated) 0-d tensor."""
-    if not isinstance(x, torch.Tensor):
-        return float(x)
-    x = x.detach()
-    if type(x) is not torch.Tensor and hasattr(x, "dequantize"):  # a QTensor: its plain values
-        x = x.dequantize()
-    return float(x.reshape(()).item())
+def plain(x: torch.Tensor) -> torch.Tensor:
+    """x's values as a plain tensor (a QTensor dequantized; anything else unchanged)."""
+    if type(x) is not torch.Tensor and hasattr(x, "dequantize"):
+        return x.dequantize()
+    return x
 
 
 @torch.no_grad()
@@ -215,11 +212,15 @@ def train_classifier(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
             order, pos = torch.randperm(len(x), generator=g), 0
         idx = order[pos:pos + batch]
         pos += batch
-        loss = F.cross_entropy(model(x[idx]), y[idx])
+        logits = model(x[idx])
+        loss = F.cross_entropy(logits, y[idx])  # in the model's format: this one is trained
         opt.zero_grad(set_to_none=True)
         (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         opt.step()
-        losses.append(as_float(loss))
+        # Recorded: the loss of the emulated logits computed in FP32 (the loss above is itself
+        # rounded to the format, e.g. to 3 mantissa bits in FP8, too coarse to plot).
+        with torch.no_grad():
+            losses.append(float(F.cross_entropy(plain(logits.detach()), y[idx])))
         if callback is not None:
             callback(step)
     return losses

@@ -17,6 +17,12 @@ What "trained in format F" means here (one ``qt.convert`` line per format, see `
   convolution rounds its weight, activation and gradient operands to F, blocked along the
   reduction dimension, and accumulates in FP32; values between ops (vector ops) are BF16;
   FP32 master weights.
+- ``mxfp4_weights`` (last row): not a format but the MX paper's recipe for 4 bits,
+  ``qt.recipes.mxfp4_weights``: MXFP4 weight operands with MXFP6_E3M2 activation and gradient
+  operands. (The paper trains MXFP4 only this way; MXFP4 gradients do not train well, and the
+  mxfp4_e2m1 row, where gradients are MXFP4 too, shows it.)
+"bits/value" is the bits per value of F (for MX, of the weight operands), the shared scale
+included.
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ import torch.nn.functional as F  # noqa: E402
 import qtensor as qt  # noqa: E402
 
 FORMATS = ["fp32", "bf16", "fp8_e4m3", "fixed16.8",
-           "mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1", "mxint8"]
+           "mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1", "mxint8", "mxfp4_weights"]
+# Not a format but the MX paper's fix for MXFP4: MXFP4 weights, MXFP6 activations and gradients.
+EXTRA = {"mxfp4_weights": "qt.recipes.mxfp4_weights: MXFP4 W, MXFP6_E3M2 A and G operands"}
 # Static loss scales (powers of two, so scaling itself is exact) for narrow-range formats.
 LOSS_SCALE = {"fp8_e4m3": 2.0 ** 10, "fixed16.8": 2.0 ** 8}
 LR, MOMENTUM, BATCH = 0.05, 0.9, 64
@@ -43,6 +51,8 @@ def recipe_for(name: str):
     """The one-line conversion spec for format ``name`` (None: plain FP32)."""
     if name == "fp32":
         return None
+    if name in EXTRA:
+        return getattr(qt.recipes, name)
     fmt = qt.format(name)
     if isinstance(fmt, qt.BlockFormat):
         # MX paper: FP32 weights / BF16 vector values, F for every matmul operand.
@@ -54,6 +64,8 @@ def recipe_for(name: str):
 def describe_recipe(name: str) -> str:
     if name == "fp32":
         return "plain PyTorch FP32"
+    if name in EXTRA:
+        return EXTRA[name]
     fmt = qt.format(name)
     ls = LOSS_SCALE.get(name)
     if isinstance(fmt, qt.BlockFormat):
@@ -76,7 +88,16 @@ def run_format(name, data, steps, seed):
                                          seed=seed, desc=f"{name:>10}", loss_scale=scale)
     acc = common.accuracy(model, x_test, y_test)
     return {"format": name, "losses": losses, "acc": acc, "seconds": t.seconds,
-            "bits": 32.0 if name == "fp32" else common.bits_of(qt.format(name))}
+            "bits": bits_of(name)}
+
+
+def bits_of(name: str) -> float:
+    """Bits per value of the format the weights take inside matrix multiplies."""
+    if name == "fp32":
+        return 32.0
+    if name in EXTRA:
+        return common.bits_of(recipe_for(name).weight.mm_fmt)
+    return common.bits_of(qt.format(name))
 
 
 def make_table(results, steps) -> str:
@@ -99,7 +120,7 @@ def plot(results, path, steps):
     colors = plt.get_cmap("tab10").colors
     window = max(1, steps // 30)
     for i, r in enumerate(results):
-        style = "-" if i < 4 else "--"
+        style = "-" if i < 4 else ("--" if i < 8 else ":")
         ax1.plot(common.smooth(r["losses"], window), style, color=colors[i % 10],
                  label=f"{r['format']} ({r['bits']:g} bits)", lw=1.6)
     ax1.set_yscale("log")

@@ -68,9 +68,9 @@ def mean_loss(model, data, starts, context, batch):
     total = 0.0
     for i in range(0, len(starts), batch):
         x, y = Corpus.batch(data, starts[i:i + batch], context)
-        logits = model(x)
-        total += common.as_float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 y.reshape(-1))) * len(x)
+        logits = common.plain(model(x))  # the loss of the emulated logits, computed in FP32
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       y.reshape(-1))) * len(x)
     model.train()
     return total / len(starts)
 
@@ -114,7 +114,9 @@ def train(name, corpus, args):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            losses.append(common.as_float(loss))
+            with torch.no_grad():  # recorded in FP32 from the emulated logits (see common.py)
+                flat = common.plain(logits.detach()).reshape(-1, logits.shape[-1])
+                losses.append(float(F.cross_entropy(flat, y.reshape(-1))))
             if (step + 1) % eval_every == 0 and step + 1 < args.steps:
                 val_curve.append((step + 1, mean_loss(model, corpus.val, val_eval[:args.batch * 2],
                                                       args.context, args.batch)))
