@@ -4,3 +4,4 @@
 - ``qtensor.compat.mx``: microxcaling's MxSpecs vocabulary mapped onto a ``qt.Recipe``.
 """
 from . import qtorch  # noqa: F401
+from . import mx  # noqa: F401

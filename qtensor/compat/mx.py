@@ -1,0 +1,339 @@
+"""microxcaling's MxSpecs vocabulary on qtensor: ``qt.convert(model, qt.compat.mx.recipe(specs))``.
+
+microxcaling (github.com/microsoft/microxcaling, package ``mx``) configures MX emulation with a dict
+of "MX specs". ``recipe(specs)`` maps one onto a :class:`qtensor.Recipe`; ``quantize_mx`` /
+``quantize_mx_op`` and ``quantize_elemwise_op`` are its two rounding primitives. ``specs`` may be
+an ``mx.MxSpecs``, a plain dict, or any object with those attributes (an argparse Namespace);
+missing keys take microxcaling's defaults and the ``_bp`` / ``round_*`` keys are derived as its
+``finalize_mx_specs`` does (``w_elem_format_bp`` <- ``w_elem_format``; ``a_elem_format_bp``,
+``_bp_ex``, ``_bp_os`` <- ``a_elem_format``; ``round_*`` <- ``round``; ``round_mx_*_grad_*`` <-
+``round_grad_input``). Unknown keys are an error, as there.
+
+Names:
+
+- element formats: ``fp8_e5m2``, ``fp8_e4m3`` (max 448), ``fp6_e3m2``, ``fp6_e2m3``, ``fp4_e2m1``
+  (= ``fp4``), ``int8`` (k/64, |k| <= 127, as MXINT8), ``int4`` (k/4, |k| <= 7), ``int2`` (k, |k| <= 1);
+  case-insensitive, or an ``mx.ElemFormat`` member. Elements always saturate inside a block.
+- rounding: ``"nearest"`` = ties AWAY from zero (qtensor ``nearest_away``; microxcaling computes
+  floor(|x| + 0.5)), ``"even"`` = ties to even (``nearest``), ``"floor"`` = toward zero
+  (``toward_zero``; it floors the magnitude), ``"dither"`` = stochastic (``stochastic``).
+- ``bfloat=X`` (X > 9): vector-op values in FloatFormat(8, X-9) (bfloat16 for 16); ``fp=X`` (X > 6):
+  FloatFormat(5, X-6) (fp16 for 16); IEEE specials, overflow to Inf, as microxcaling; 0 (or
+  bfloat=32): FP32. ``bfloat_subnorms=False``: formats without subnormals.
+- ``block_size``: elements per shared scale along the reduction axis; 0 = the whole axis.
+- ``scale_bits``: the shared exponent's bits (0 means 8): exponents -(2^(b-1)-1)..2^(b-1)-1, i.e.
+  E8M0 for 8. ``shared_exp_method``: ``"max"`` (block amax) or ``"none"`` (one scale per element).
+
+How ``recipe`` maps microxcaling's MX Linear/matmul (see ``_ROLE_KEYS``):
+
+- ``weight``: values in the bfloat/fp format (``round_weight``), FP32 master weights when that is
+  lower than FP32 (microxcaling keeps FP32 parameters and rounds a bfloat copy per forward);
+  contraction operand MX(``w_elem_format``, ``round_mx_output``).
+- ``bias``: values in the bfloat/fp format (``round_weight``).
+- ``activation``: values in the bfloat/fp format (``round_output``); operand MX(``a_elem_format``,
+  ``round_mx_output``).
+- ``grad``: values in the bfloat/fp format (``round_grad_input``); operand MX(``a_elem_format_bp_os``,
+  ``round_mx_grad_output_grad_input``): the gradient entering the input-gradient product.
+- ``optimizer_state``: None (microxcaling does not round torch optimizers' state).
+
+As DESIGN.md (and microxcaling's Linear) prescribe, the MX rounding happens per use, from the
+bfloat values, along each contraction's reduction axis, in every linear/matmul/conv.
+
+What one tensor-carried operand format cannot express, and how it is approximated (a warning names
+the key when a spec relies on it):
+
+- a tensor taking different MX formats in different backward contractions: ``w_elem_format_bp``
+  (weight in the input gradient) != ``w_elem_format``: the weight keeps ``w_elem_format``;
+  ``a_elem_format_bp`` (stashed activation in the weight gradient) != ``a_elem_format``: the
+  activation keeps ``a_elem_format``; ``a_elem_format_bp_ex`` (gradient in the weight gradient) !=
+  ``a_elem_format_bp_os``: the gradient keeps ``a_elem_format_bp_os``.
+- per-contraction MX roundings (``round_mx_input_grad_weight``, ``round_mx_weight_grad_input``,
+  ``round_mx_grad_output_grad_weight``, ``round_mx_input_grad_input``) differing from the tensor's
+  own (forward ``round_mx_output`` for weights and activations, ``round_mx_grad_output_grad_input``
+  for gradients); ``round_grad_weight`` != ``round_grad_input`` (one gradient value format).
+- ``quantize_backprop=False``: gradients are left in FP32 (grad=None), but weights and activations
+  still enter backward contractions with their MX operand format (microxcaling uses the unrounded
+  FP32 tensors there).
+- microxcaling rounds a Linear's output to bfloat, then adds the bias and rounds again; a fused
+  ``addmm`` rounds once.
+- ignored, with a warning when set: ``mx_flush_fp32_subnorms``, ``softmax_exp2``,
+  ``vec_use_exp2``, ``vec_use_recip``, ``round_m`` (microxcaling's own optimizers);
+  ``custom_cuda`` is an execution detail and ignored silently.
+
+Where microxcaling's numerics are wrong, qtensor follows DESIGN.md:
+
+- shared exponent: microxcaling computes floor(log2(amax)) with float32 ``torch.log2``, which
+  returns the next integer for amax just below a power of two (e.g. block [1048575.94, 4.0] in
+  fp8_e4m3: it gives [1048576, 8]; the correct scale gives [917504, 4]). qtensor reads the
+  exponent from amax's bits. Its per-element exponent has the same defect, which changes
+  results only for "floor" and "dither" rounding of values within a float32 rounding of a power
+  of two.
+- a shared exponent above the scale range becomes NaN in microxcaling; qtensor clamps the scale to
+  the range (only reachable with scale_bits < 8).
+- ``bfloat_subnorms=False`` flushes values below the smallest normal to zero there; the qtensor
+  format without subnormals rounds them to 0 or the smallest normal.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
+from ..ops import quantize as _qt_quantize
+
+__all__ = ["DEFAULTS", "ELEM_FORMATS", "ROUNDING", "finalize_mx_specs", "elem_format",
+           "rounding", "scale_format", "mx_format", "vector_format", "recipe", "quantize_mx",
+           "quantize_mx_op", "quantize_elemwise_op"]
+
+# microxcaling's MxSpecs keys and defaults (mx/specs.py)
+DEFAULTS: Dict[str, Any] = {
+    "scale_bits": 0,
+    "w_elem_format": None, "a_elem_format": None, "w_elem_format_bp": None,
+    "a_elem_format_bp": None, "a_elem_format_bp_ex": None, "a_elem_format_bp_os": None,
+    "mx_flush_fp32_subnorms": False,
+    "shared_exp_method": "max", "block_size": 0,
+    "bfloat": 0, "fp": 0, "bfloat_subnorms": True,
+    "quantize_backprop": True,
+    "round": "nearest", "round_m": "nearest", "round_weight": "nearest", "round_output": "nearest",
+    "round_grad_weight": "nearest", "round_grad_input": "nearest", "round_mx_output": "nearest",
+    "round_mx_input_grad_input": "nearest", "round_mx_weight_grad_input": "nearest",
+    "round_mx_grad_output_grad_input": "nearest", "round_mx_input_grad_weight": "nearest",
+    "round_mx_grad_output_grad_weight": "nearest",
+    "softmax_exp2": False, "vec_use_exp2": False, "vec_use_recip": False,
+    "custom_cuda": False,
+}
+
+ROUNDING = {"nearest": "nearest_away", "even": "nearest", "floor": "toward_zero",
+            "dither": "stochastic"}
+
+_P = PRESETS
+ELEM_FORMATS = {
+    "fp8_e5m2": _P["fp8_e5m2"], "fp8_e4m3": _P["fp8_e4m3"], "fp6_e3m2": _P["fp6_e3m2"],
+    "fp6_e2m3": _P["fp6_e2m3"], "fp4_e2m1": _P["fp4_e2m1"], "fp4": _P["fp4_e2m1"],
+    "int8": FixedFormat(8, 6, symmetric=True), "int4": FixedFormat(4, 2, symmetric=True),
+    "int2": FixedFormat(2, 0, symmetric=True),
+    "float16": _P["fp16"], "fp16": _P["fp16"], "bfloat16": _P["bf16"], "bf16": _P["bf16"],
+}
+
+# keys microxcaling derives from others when unset (finalize_mx_specs), in its order
+_DERIVED = [
+    ("w_elem_format_bp", "w_elem_format"), ("a_elem_format_bp", "a_elem_format"),
+    ("a_elem_format_bp_os", "a_elem_format"), ("a_elem_format_bp_ex", "a_elem_format"),
+    ("round_m", "round"), ("round_output", "round"), ("round_grad_weight", "round"),
+    ("round_grad_input", "round"), ("round_weight", "round"), ("round_mx_output", "round"),
+    ("round_mx_input_grad_input", "round_grad_input"),
+    ("round_mx_weight_grad_input", "round_grad_input"),
+    ("round_mx_grad_output_grad_input", "round_grad_input"),
+    ("round_mx_input_grad_weight", "round_grad_input"),
+    ("round_mx_grad_output_grad_weight", "round_grad_input"),
+]
+_IGNORED = ("mx_flush_fp32_subnorms", "softmax_exp2", "vec_use_exp2", "vec_use_recip")
+
+
+def _as_dict(specs) -> Dict[str, Any]:
+    if specs is None:
+        return {}
+    if isinstance(specs, dict):
+        return dict(specs)
+    if hasattr(specs, "keys") and hasattr(specs, "__getitem__"):  # MxSpecs (a UserDict)
+        return {k: specs[k] for k in specs.keys()}
+    if hasattr(specs, "__dict__"):  # argparse.Namespace and similar
+        return {k: v for k, v in vars(specs).items() if k in DEFAULTS}
+    raise TypeError(f"MX specs must be a dict, an MxSpecs or an object with attributes, "
+                    f"got {type(specs).__name__}")
+
+
+def finalize_mx_specs(specs) -> Dict[str, Any]:
+    """A complete spec dict: derived keys filled as microxcaling's finalize_mx_specs, then defaults."""
+    given = _as_dict(specs)
+    unknown = sorted(k for k in given if k not in DEFAULTS)
+    if unknown:
+        raise KeyError(f"unknown MX spec key(s) {', '.join(map(repr, unknown))}; "
+                       f"known keys: {', '.join(DEFAULTS)}")
+    for key, source in _DERIVED:
+        if given.get(key) is None and given.get(source) is not None:
+            given[key] = given[source]
+    out = dict(DEFAULTS)
+    out.update({k: v for k, v in given.items() if v is not None})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Names to formats
+
+def elem_format(name):
+    """The qtensor element format of a microxcaling element format name (None stays None)."""
+    if name is None:
+        return None
+    key = getattr(name, "name", name)  # an mx.ElemFormat member
+    if not isinstance(key, str) or key.lower() not in ELEM_FORMATS:
+        raise ValueError(f"unknown microxcaling element format {name!r}; expected one of "
+                         f"{', '.join(ELEM_FORMATS)}")
+    return ELEM_FORMATS[key.lower()]
+
+
+def rounding(name: str) -> str:
+    """The qtensor rounding mode of a microxcaling rounding name."""
+    if name not in ROUNDING:
+        raise ValueError(f"unknown microxcaling rounding {name!r}; expected one of "
+                         f"{', '.join(ROUNDING)} (its 'dither' is stochastic rounding)")
+    return ROUNDING[name]
+
+
+def scale_format(scale_bits: int = 8) -> FloatFormat:
+    """The shared-exponent format: exponents -(2^(b-1)-1)..2^(b-1)-1 (E8M0 for b = 8; 0 means 8)."""
+    bits = 8 if scale_bits in (0, None) else scale_bits
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"scale_bits must be 0 (= 8) or 2..8, got {scale_bits!r}")
+    return FloatFormat(bits, 0, bias=2 ** (bits - 1) - 1, subnormals=False, specials="fn",
+                       saturate=False, signed=False)
+
+
+def mx_format(elem, block_size: int = 32, round: str = "nearest", *, axis: int = -1,
+              scale_bits: int = 8, shared_exp_method: str = "max") -> Optional[BlockFormat]:
+    """The BlockFormat of microxcaling's MX quantization (None when elem is None)."""
+    efmt = elem_format(elem)
+    if efmt is None:
+        return None
+    if shared_exp_method == "none":
+        block_size = 1  # one exponent per element
+    elif shared_exp_method != "max":
+        raise ValueError(f"shared_exp_method must be 'max' or 'none', got {shared_exp_method!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+        raise ValueError(f"block_size must be an int >= 0 (0: the whole axis), got {block_size!r}")
+    try:
+        return BlockFormat(efmt, block_size or None, axis, scale=scale_format(scale_bits),
+                           scale_rule="floor", rounding=rounding(round))
+    except ValueError as e:  # e.g. bfloat16 elements: values below float32's subnormals
+        raise ValueError(f"MX with {elem!r} elements cannot be emulated in float32: {e}") from None
+
+
+def vector_format(specs, round: Optional[str] = None) -> Optional[FloatFormat]:
+    """The bfloat/fp value format of a spec (None for FP32), with the given rounding name."""
+    s = finalize_mx_specs(specs)
+    bfloat, fp = s["bfloat"], s["fp"]
+    mode = rounding(s["round"] if round is None else round)
+    sub = bool(s["bfloat_subnorms"])
+    if bfloat > 0 and fp > 0:
+        raise ValueError("Cannot set both [bfloat] and [fp] in mx_specs.")
+    if bfloat in (0, 32) and fp == 0:
+        return None
+    if bfloat:
+        if bfloat <= 9:
+            raise ValueError(f"bfloat must be > 9 (1 sign, 8 exponent, >= 1 mantissa bits), got {bfloat}")
+        return FloatFormat(8, bfloat - 9, subnormals=sub, rounding=mode)
+    if fp <= 6:
+        raise ValueError(f"fp must be > 6 (1 sign, 5 exponent, >= 1 mantissa bits), got {fp}")
+    return FloatFormat(5, fp - 6, subnormals=sub, rounding=mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe
+
+# recipe role -> (its MX elem key, the keys of other uses it approximates)
+_ROLE_KEYS = {
+    "weight": ("w_elem_format", ["w_elem_format_bp"]),
+    "activation": ("a_elem_format", ["a_elem_format_bp"]),
+    "grad": ("a_elem_format_bp_os", ["a_elem_format_bp_ex"]),
+}
+
+
+def _approximation_warnings(s: Dict[str, Any]) -> list:
+    notes = []
+    for role, (key, others) in _ROLE_KEYS.items():
+        for other in others:
+            if s[other] != s[key] and s["quantize_backprop"]:
+                notes.append(f"{other}={s[other]!r} differs from {key}={s[key]!r}: the {role} keeps "
+                             f"{s[key]!r} in every contraction")
+    pairs = [("round_mx_input_grad_weight", "round_mx_output"),
+             ("round_mx_weight_grad_input", "round_mx_output"),
+             ("round_mx_input_grad_input", "round_mx_output"),
+             ("round_mx_grad_output_grad_weight", "round_mx_grad_output_grad_input"),
+             ("round_grad_weight", "round_grad_input")]
+    for other, key in pairs:
+        if s[other] != s[key] and s["quantize_backprop"]:
+            notes.append(f"{other}={s[other]!r} differs from {key}={s[key]!r}: {key} is used")
+    if not s["quantize_backprop"]:
+        notes.append("quantize_backprop=False: gradients stay FP32, but weights and activations "
+                     "keep their MX operand formats in backward contractions")
+    for key in _IGNORED:
+        if s[key] != DEFAULTS[key]:
+            notes.append(f"{key}={s[key]!r} is not emulated (ignored)")
+    if s["round_m"] != s["round"]:
+        notes.append("round_m (microxcaling's own optimizers) is ignored")
+    return notes
+
+
+def recipe(specs, *, warn: bool = True):
+    """A ``qt.Recipe`` reproducing an MxSpecs setup (see the module docstring for the mapping).
+
+    ``warn``: emit one warning listing the spec keys that the recipe can only approximate.
+    """
+    from ..convert import Recipe  # late: qtensor's package init imports compat
+
+    s = finalize_mx_specs(specs)
+    mx = lambda key, rnd: mx_format(s[key], s["block_size"], s[rnd], scale_bits=s["scale_bits"],
+                                    shared_exp_method=s["shared_exp_method"])
+    v_weight = vector_format(s, s["round_weight"])
+    v_act = vector_format(s, s["round_output"])
+    v_grad = vector_format(s, s["round_grad_input"])
+    w_mm = mx("w_elem_format", "round_mx_output")
+    a_mm = mx("a_elem_format", "round_mx_output")
+    g_mm = mx("a_elem_format_bp_os", "round_mx_grad_output_grad_input")
+
+    def role(value, mm):
+        if value is None and mm is None:
+            return None
+        return (value or _P["fp32"], mm)
+
+    grad = role(v_grad, g_mm) if s["quantize_backprop"] else None
+    if warn:
+        notes = _approximation_warnings(s)
+        if notes:
+            warnings.warn("qtensor.compat.mx.recipe approximates: " + "; ".join(notes),
+                          stacklevel=2)
+    name = ", ".join(f"{k}={s[k]}" for k in ("w_elem_format", "a_elem_format", "block_size",
+                                              "bfloat", "fp") if s[k])
+    return Recipe(weight=role(v_weight, w_mm), bias=v_weight, activation=role(v_act, a_mm),
+                  grad=grad, optimizer_state=None, master_weights=v_weight is not None,
+                  name=f"mx({name})", source="microxcaling MxSpecs via qtensor.compat.mx")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rounding primitives
+
+def quantize_mx(x: torch.Tensor, elem_format, block_size: int = 32, axis: int = -1,
+                round: str = "nearest", scale_bits: int = 8,
+                shared_exp_method: str = "max") -> torch.Tensor:
+    """x in MX(elem_format) with blocks of ``block_size`` along ``axis`` (0: the whole axis).
+
+    microxcaling's ``_quantize_mx`` with DESIGN.md's exact shared exponent.
+    """
+    fmt = mx_format(elem_format, block_size, round, axis=axis, scale_bits=scale_bits,
+                    shared_exp_method=shared_exp_method)
+    return x if fmt is None else _qt_quantize(x, fmt)
+
+
+def quantize_mx_op(A: torch.Tensor, mx_specs, elem_format=None, block_size=None, axes=None,
+                   round: str = "nearest", expand_and_reshape: bool = False) -> torch.Tensor:
+    """microxcaling's ``quantize_mx_op`` signature; ``axes``: one axis (an int or a 1-list)."""
+    if elem_format is None:
+        return A
+    s = finalize_mx_specs(mx_specs)
+    if axes is None:
+        raise ValueError("quantize_mx_op needs axes (the axis the blocks run along)")
+    axes = [axes] if isinstance(axes, int) else list(axes)
+    if len(axes) != 1:
+        raise ValueError(f"blocks along several axes at once are not supported, got axes={axes}")
+    return quantize_mx(A, elem_format, s["block_size"] if block_size is None else block_size,
+                       axes[0], round, s["scale_bits"], s["shared_exp_method"])
+
+
+def quantize_elemwise_op(A: torch.Tensor, mx_specs, round: Optional[str] = None) -> torch.Tensor:
+    """microxcaling's bfloat/fp rounding of vector-op values (a no-op without bfloat/fp)."""
+    if mx_specs is None:
+        return A
+    fmt = vector_format(mx_specs, round)
+    return A if fmt is None else _qt_quantize(A, fmt)
