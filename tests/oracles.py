@@ -186,13 +186,15 @@ def round_fixed(x: float, fmt, mode: Optional[str] = None):
 
     def finish(k):
         k = -k if neg else k
-        if k > kmax or k < kmin:
-            if fmt.saturate:
-                k = min(max(k, kmin), kmax)
-            else:  # two's-complement wrap into the word
-                low = -(2 ** (fmt.wl - 1)) if fmt.signed else 0
-                k = (k - low) % (2 ** fmt.wl) + low
-        return _with_sign(abs(k) * scale, k < 0 or (k == 0 and neg))
+        if kmin <= k <= kmax:  # a negative x that rounds to 0 gives -0.0
+            return _with_sign(abs(k) * scale, k < 0 or (k == 0 and neg))
+        if fmt.saturate:
+            k = min(max(k, kmin), kmax)
+        else:  # two's-complement wrap into the word
+            low = -(2 ** (fmt.wl - 1)) if fmt.signed else 0
+            k = (k - low) % (2 ** fmt.wl) + low
+            k = min(max(k, kmin), kmax)  # symmetric: the dropped code -2^(wl-1) clamps
+        return float(k * scale)  # a clamped or wrapped 0 is +0.0
     return tuple(finish(k) for k in r) if isinstance(r, tuple) else finish(r)
 
 

@@ -7,6 +7,7 @@ ml_dtypes and gfloat, never qtensor.reference itself.
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from fractions import Fraction
@@ -15,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import qtensor as qt
@@ -220,10 +221,11 @@ def test_beyond_max(quantize, name):
 N_BIG = 1_000_000
 
 
-def _sample_for(fmt_name, seed):
+@functools.lru_cache(maxsize=None)
+def _sample_for(fmt_name, seed, n=N_BIG):
     f = qt.format(fmt_name)
     emin, emax, _, _ = oracles.float_limits(f)
-    return oracles.sample_float32(N_BIG, emin, emax, f.man, seed=seed)
+    return oracles.sample_float32(n, emin, emax, f.man, seed=seed)
 
 
 def _torch_cast(dtype):
@@ -250,16 +252,19 @@ CAST_ORACLES = {
     "ml_dtypes.float6_e3m2fn": ("fp6_e3m2", _ml_cast(ml_dtypes.float6_e3m2fn), "not_nan"),
     "ml_dtypes.float6_e2m3fn": ("fp6_e2m3", _ml_cast(ml_dtypes.float6_e2m3fn), "not_nan"),
     "ml_dtypes.float4_e2m1fn": ("fp4_e2m1", _ml_cast(ml_dtypes.float4_e2m1fn), "not_nan"),
-    # e8m0fnu: compare positive finite values from 2^-127 to 2^127 (ml_dtypes gives NaN for
-    # zero and negatives as DESIGN.md's e8m0 does, but we keep to its documented range).
+    # e8m0fnu: compare positive values from 2^-126 to 2^127. ml_dtypes (and torch's
+    # float8_e8m0fnu) round float32 subnormal inputs in (2^-127, 2^-126) up to 2^-126 even when
+    # 2^-127 is nearer (e.g. 1.1 * 2^-127); DESIGN.md rounds to nearest: checked in
+    # test_cast_out_of_range.
     "ml_dtypes.float8_e8m0fnu": ("e8m0", _ml_cast(ml_dtypes.float8_e8m0fnu), "e8m0_range"),
 }
 
 
-@pytest.mark.parametrize("oracle", list(CAST_ORACLES))
-def test_bit_exact_vs_casts(quantize, oracle):
+@functools.lru_cache(maxsize=None)
+def _cast_case(oracle):
+    """(inputs, the oracle's answers), computed once for both quantizers."""
     fmt_name, cast, which = CAST_ORACLES[oracle]
-    x = _sample_for(fmt_name, seed=hash(oracle) % 1000)
+    x = _sample_for(fmt_name, seed=len(oracle))
     mx = qt.format(fmt_name).max
     if which == "in_range":
         # |x| < max + half a spacing rounds to at most max (the tie max + 16 rounds to 448 too)
@@ -267,14 +272,19 @@ def test_bit_exact_vs_casts(quantize, oracle):
     elif which == "not_nan":
         keep = ~torch.isnan(x)
     elif which == "e8m0_range":
-        keep = (x >= 2.0 ** -127) & (x <= 2.0 ** 127)
+        keep = (x >= 2.0 ** -126) & (x <= 2.0 ** 127)
     else:
         keep = torch.ones_like(x, dtype=torch.bool)
     x = x[keep]
     assert x.numel() > N_BIG * 0.4, "too few values left to compare"
     with np.errstate(all="ignore"):
-        expected = cast(x)
-    assert_bits_equal(quantize(x, fmt_name), expected, oracle, inputs=x)
+        return x, cast(x)
+
+
+@pytest.mark.parametrize("oracle", list(CAST_ORACLES))
+def test_bit_exact_vs_casts(quantize, oracle):
+    x, expected = _cast_case(oracle)
+    assert_bits_equal(quantize(x, CAST_ORACLES[oracle][0]), expected, oracle, inputs=x)
 
 
 def test_cast_out_of_range(quantize):
@@ -285,9 +295,11 @@ def test_cast_out_of_range(quantize):
     for name, mx in [("fp6_e3m2", 28.0), ("fp6_e2m3", 7.5), ("fp4_e2m1", 6.0)]:
         assert_bits_equal(quantize(x, name),
                           t32([mx, mx, mx, mx, -mx, -mx, -mx, float("nan")]), name)
-    z = t32([0.0, -0.0, -1.0, float("-inf"), float("nan"), 2.0 ** 128 * 0.99, 2.0 ** -140])
+    z = t32([0.0, -0.0, -1.0, float("-inf"), float("nan"), 2.0 ** 128 * 0.99, 2.0 ** -140,
+             1.1 * 2.0 ** -127, 1.6 * 2.0 ** -127, 1.5 * 2.0 ** -127])
     assert_bits_equal(quantize(z, "e8m0"),
-                      t32([float("nan")] * 5 + [float("nan"), 2.0 ** -127]), "e8m0 edges")
+                      t32([float("nan")] * 5 + [float("nan"), 2.0 ** -127, 2.0 ** -127,
+                                                2.0 ** -126, 2.0 ** -126]), "e8m0 edges")
 
 
 @pytest.mark.parametrize("fmt_name,dtype", [
@@ -297,7 +309,7 @@ def test_cast_out_of_range(quantize):
 def test_half_inputs_vs_casts(quantize, fmt_name, dtype, in_dtype):
     """float16/bfloat16 inputs: the result is in the input's dtype and equals one rounding of the
     input (the direct cast of the exact float32 value), then the exact cast back."""
-    x = _sample_for(fmt_name, seed=7)[:200_000].to(in_dtype)  # float32 -> half: a valid input
+    x = _sample_for(fmt_name, 7, 200_000).to(in_dtype)  # float32 -> half: a valid input
     q = quantize(x, fmt_name)
     assert q.dtype == in_dtype
     expected = x.float().to(dtype).float().to(in_dtype)
@@ -332,11 +344,22 @@ def _custom_inputs(fmt, n, seed):
     return oracles.sample_float32(n, emin, emax, man, seed=seed)
 
 
+@functools.lru_cache(maxsize=None)
+def _oracle_case(fmt, x_key, mode):
+    return oracle_tensor(_CASE_INPUTS[x_key], fmt, mode)
+
+
+_CASE_INPUTS = {}
+
+
 @pytest.mark.parametrize("fmt", CUSTOM_FLOATS + CUSTOM_FIXED, ids=str)
 def test_fraction_oracle(quantize, fmt):
-    x = _custom_inputs(fmt, 1500, seed=len(str(fmt)))
+    key = ("custom", fmt)
+    if key not in _CASE_INPUTS:
+        _CASE_INPUTS[key] = _custom_inputs(fmt, 1500, seed=len(str(fmt)))
+    x = _CASE_INPUTS[key]
     for mode in DETERMINISTIC:
-        assert_bits_equal(quantize(x, fmt, rounding=mode), oracle_tensor(x, fmt, mode),
+        assert_bits_equal(quantize(x, fmt, rounding=mode), _oracle_case(fmt, key, mode),
                           f"{fmt} {mode}", inputs=x)
     assert_in_candidates(quantize(x, fmt, rounding="stochastic"), x, fmt)
 
@@ -357,11 +380,14 @@ def test_float64_inputs_exact(quantize, fmt_name):
         hair = tie * 2.0 ** -rng.randint(30, 52) * rng.choice([-1, 1])
         xs.append(rng.choice([1, -1]) * (tie + hair if rng.random() < 0.8 else tie))
         xs.append(rng.choice([1, -1]) * rng.random() * 2.0 ** e)
-    x = torch.tensor(xs, dtype=torch.float64)
+    key = ("float64", fmt_name)
+    _CASE_INPUTS.setdefault(key, torch.tensor(xs, dtype=torch.float64))
+    x = _CASE_INPUTS[key]
     for mode in DETERMINISTIC:
         q = quantize(x, fmt, rounding=mode)
         assert q.dtype == torch.float64
-        assert_bits_equal(q, oracle_tensor(x, fmt, mode), f"float64 {fmt_name} {mode}", inputs=x)
+        assert_bits_equal(q, _oracle_case(fmt, key, mode), f"float64 {fmt_name} {mode}",
+                          inputs=x)
     assert_in_candidates(quantize(x, fmt, rounding="stochastic"), x, fmt, "float64")
 
 
@@ -483,9 +509,10 @@ def _block_inputs(rows, cols, seed):
     offset = torch.randint(-120, 110, (rows, 1), generator=g).double()
     x = (base * torch.exp2(offset + spread * torch.rand(rows, cols, generator=g,
                                                         dtype=torch.float64) / 4)).to(F32)
-    x[0, :5] = 0.0
-    x[1, :] = 0.0
-    x[2, :] = -0.0
+    if rows >= 3:
+        x[0, :5] = 0.0
+        x[1, :] = 0.0
+        x[2, :] = -0.0
     return x
 
 
@@ -493,10 +520,14 @@ def _block_inputs(rows, cols, seed):
 def test_block_presets_vs_oracle(quantize, name):
     fmt = qt.format(name)
     x = _block_inputs(40, 70, seed=len(name))  # 70 = partial last block for 32 and 16
-    assert_bits_equal(quantize(x, fmt), block_oracle(x, fmt), name, inputs=x)
-    for mode in ["nearest_away", "toward_zero"]:
-        assert_bits_equal(quantize(x, fmt, rounding=mode), block_oracle(x, fmt, mode),
+    for mode in DETERMINISTIC:
+        assert_bits_equal(quantize(x, fmt, rounding=mode), _block_case(name, mode),
                           f"{name} {mode}", inputs=x)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_case(name, mode):
+    return block_oracle(_block_inputs(40, 70, seed=len(name)), qt.format(name), mode)
 
 
 @pytest.mark.parametrize("name", BLOCK_PRESETS)
@@ -578,16 +609,26 @@ def test_block_tiny_and_huge(quantize):
     assert_bits_equal(quantize(x, "mxfp8_e4m3"), block_oracle(x, qt.mxfp8_e4m3), "tiny vs oracle")
     # huge: an element format with max < 1 needs X = 2^131 for float32's largest values: the
     # scale clamps at 2^127 and the elements saturate
-    fmt = BlockFormat(FixedFormat(8, 10), 4)  # max 127/1024, emax -4
+    fmt = BlockFormat(FixedFormat(8, 10), 4)  # values k/1024, k in -128..127: emax -4
     x = t32([3e38, 1e38, -2e38, 1.0])
     q = quantize(x, fmt)
-    cap = 127 / 1024 * 2.0 ** 127
-    assert_bits_equal(q, t32([cap, cap, -cap, 0.0]), "huge block", x)
+    assert_bits_equal(q, t32([127 * 2.0 ** 117, 127 * 2.0 ** 117, -(2.0 ** 124), 0.0]),
+                      "huge block", x)
     assert_bits_equal(q, block_oracle(x, fmt), "huge vs oracle", x)
     # float64 inputs beyond float32's range: the scale clamps at 2^127, elements saturate at 448
     x64 = torch.tensor([1e300, 1.0], dtype=torch.float64)
     assert_bits_equal(quantize(x64, "mxfp8_e4m3"),
                       torch.tensor([448 * 2.0 ** 127, 0.0], dtype=torch.float64), "float64 huge")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known issue (reported): with the ceil rule, amax near float32's max gives X = 2^126 for "
+    "fp4 and the element 4, so X * 4 = 2^128 is Inf in the float32 carrier; DESIGN.md does not "
+    "say what a saturating block format should give there"))
+def test_block_ceil_top_of_float32(quantize):
+    x = t32([torch.finfo(F32).max, 1.0])
+    q = quantize(x, BlockFormat(qt.fp4_e2m1, 32, scale_rule="ceil"))
+    assert bool(torch.isfinite(q).all()), q
 
 
 def test_block_layouts(quantize):
@@ -627,7 +668,7 @@ def test_block_ceil_rule(quantize):
     floor = BlockFormat(qt.fp4_e2m1, 4)
     ceil = BlockFormat(qt.fp4_e2m1, 4, scale_rule="ceil")
     assert_bits_equal(quantize(x, floor), t32([6.0, 1.0, -0.5, 3.0]), "floor")
-    assert_bits_equal(quantize(x, ceil), t32([8.0, 1.0, -0.0, 4.0]), "ceil")
+    assert_bits_equal(quantize(x, ceil), t32([8.0, 1.0, -0.0, 3.0]), "ceil")
     # amax exactly max_elem * 2^k: ceil keeps X = 2^k (amax / X == max_elem is allowed)
     y = t32([6.0 * 2 ** 5, 1.0])
     assert_bits_equal(quantize(y, ceil), t32([192.0, 0.0]), "ceil exact")
@@ -653,35 +694,33 @@ def test_nvfp4(quantize):
     assert_bits_equal(quantize(x, "nvfp4"), block_oracle(x, qt.nvfp4), "saturated scale", x)
 
 
-def test_nvfp4_division_tie():
-    """A float32 x / X can land exactly on an fp4 tie that the exact quotient is above.
+def test_nvfp4_division_tie(quantize):
+    """x / X must be exact: a float32 computation of it can land on an fp4 tie that the exact
+    quotient is just below.
 
-    Found by search: with amax = 7 (X = RNE_e4m3(7/6) = 1.125) the exact quotient x / X of the
-    chosen x is just above a tie of fp4's grid, but its float32 rounding is the tie itself, which
-    ties-to-even would then send down. DESIGN.md requires the exact quotient.
+    amax = 11.25 gives X = RNE_e4m3(11.25 / 6) = 1.875. For x = 1.4062498807907104 the exact
+    x / X is 0.75 - 6.4e-8, which rounds to 0.5 (result 0.9375), but x * float32(1 / X) is
+    exactly the tie 0.75, which ties-to-even sends to 1.0 (result 1.875). Likewise
+    3.281249761581421 / X is just below the tie 1.75 (result 1.5 X = 2.8125, not 2 X = 3.75).
+    (A single correctly rounded float32 division cannot land on a tie when X has few bits, as
+    here: neighbouring quotients are more than half an ulp apart; the reciprocal product can.)
     """
-    X = Fraction(9, 8)
-    found = None
-    for tie in (Fraction(5, 4), Fraction(7, 4), Fraction(5, 2), Fraction(7, 2), Fraction(5)):
-        t32x = np.float32(float(tie * X))
-        for k in range(-3, 4):
-            xv = float(np.nextafter(t32x, np.float32(np.inf) if k > 0 else np.float32(0))
-                       if k else t32x)
-            if k not in (-1, 0, 1):
-                continue
-            z_exact = Fraction(xv) / X
-            z_f32 = np.float32(np.float32(xv) / np.float32(1.125))
-            if z_exact != tie and Fraction(float(z_f32)) == tie:
-                found = (xv, tie, z_exact)
-                break
-        if found:
-            break
-    assert found, "no float32 division tie found for this scale"
-    xv, tie, z_exact = found
-    x = t32([7.0, xv] + [0.0] * 14)
-    expected = block_oracle(x, qt.nvfp4)
-    for qfn in (qt.quantize, reference.quantize):
-        assert_bits_equal(qfn(x, "nvfp4"), expected, "division tie", x)
+    X = Fraction(15, 8)
+    xs = [1.4062498807907104, 3.281249761581421, -1.4062498807907104]
+    ties = [Fraction(3, 4), Fraction(7, 4), Fraction(-3, 4)]
+    recip = np.float32(1) / np.float32(1.875)
+    for xv, tie in zip(xs, ties):
+        assert np.float32(xv) == xv
+        assert Fraction(float(np.float32(xv) * recip)) == tie  # the float32 shortcut lands on the tie
+        assert abs(Fraction(xv) / X) < abs(tie)         # the exact quotient is below it
+    x = t32([11.25] + xs + [0.0] * 12)
+    expected = t32([11.25, 0.9375, 2.8125, -0.9375] + [0.0] * 12)
+    assert_bits_equal(quantize(x, "nvfp4"), expected, "division tie", x)
+    assert_bits_equal(expected, block_oracle(x, qt.nvfp4), "oracle agrees")
+    # and the mirror case: just above a tie, a float32 shortcut that lands on it would go down
+    for mode in ("nearest_away", "toward_zero"):
+        assert_bits_equal(quantize(x, "nvfp4", rounding=mode), block_oracle(x, qt.nvfp4, mode),
+                          f"division tie {mode}", x)
 
 
 def test_mxint8():
@@ -689,7 +728,8 @@ def test_mxint8():
     # amax 2: X = 2^(1 - 0) = 2; elements k/64 with |k| <= 127, x / 2 exactly
     for qfn in (qt.quantize, reference.quantize):
         assert_bits_equal(qfn(x, "mxint8"), block_oracle(x, qt.mxint8), "mxint8", x)
-        assert qfn(t32([100.0, 1.3]), "mxint8").tolist() == [100.0, 1.25]
+        # amax 100: X = 2^6, so the grid is k * 2^6 / 64 = k: 1.3 -> 1, 100 -> 100
+        assert qfn(t32([100.0, 1.3, -1.5, 2.5]), "mxint8").tolist() == [100.0, 1.0, -2.0, 2.0]
 
 
 def test_qpytorch_block_floating_point(quantize):
@@ -787,6 +827,9 @@ impls = st.sampled_from([qt.quantize, reference.quantize])
 def test_prop_idempotent(fmt, xs, mode, q):
     x = t32(xs)
     once = q(x, fmt, rounding=mode)
+    # known issue, see test_block_ceil_top_of_float32: a block can round past float32's max
+    assume(not bool((torch.isinf(once) & torch.isfinite(x)).any()) or
+           not isinstance(fmt, BlockFormat))
     assert_bits_equal(q(once, fmt, rounding=mode), once, f"{fmt} {mode} q(q(x))")
     # stochastic rounding of representable values is exact too
     assert_bits_equal(q(once, fmt, rounding="stochastic"), once, f"{fmt} stochastic q(q(x))")
@@ -852,7 +895,7 @@ def test_prop_stochastic_unbiased(fmt, x, q):
     if not isinstance(c, tuple) or not all(math.isfinite(v) for v in c):
         return
     lo, hi = sorted(c)
-    if isinstance(fmt, FixedFormat) and not (fmt.min <= lo and hi <= fmt.max):
+    if isinstance(fmt, FixedFormat) and not (fmt.min <= x <= fmt.max):
         return
     if isinstance(fmt, FloatFormat) and max(abs(lo), abs(hi)) > fmt.max:
         return
