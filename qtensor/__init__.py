@@ -10,4 +10,5 @@ from .tensor import QTensor, as_qtensor, quantize_grad  # noqa: E402
 from .convert import Recipe, Role, convert, describe, unconvert  # noqa: E402
 from . import recipes  # noqa: E402
 from .training import LossScaler, master_weight  # noqa: E402
+from .leaks import Finding, LeakError, LeakReport, LeakWarning, leak_check  # noqa: E402
 from . import compat  # noqa: E402,F401  (qt.compat.qtorch, qt.compat.mx)
