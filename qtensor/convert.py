@@ -478,34 +478,40 @@ def _to_plain(x):
     return x.dequantize() if _is_q(x) else x
 
 
-def _output_hook(plan: ModulePlan):
-    if plan.plain:
-        return lambda module, args, output: tree_map(_to_plain, output)
+# The hooks are small callable objects rather than closures so that a converted model pickles
+# (torch.save(model)) and deep-copies.
 
-    def hook(module, args, output):
-        return tree_map(lambda t: _round_activation(t, plan), output)
-    return hook
+class _OutputHook:
+    def __init__(self, plan: ModulePlan):
+        self.plan = plan
 
+    def _one(self, t):
+        return _to_plain(t) if self.plan.plain else _round_activation(t, self.plan)
 
-def _input_hook(plan: ModulePlan):
-    f = _to_plain if plan.plain else (lambda t: _round_activation(t, plan))
-
-    def hook(module, args, kwargs):
-        return tree_map(f, args), tree_map(f, kwargs)
-    return hook
+    def __call__(self, module, args, output):
+        return tree_map(self._one, output)
 
 
-def _buffer_hook(names: List[str]):
+class _InputHook(_OutputHook):
+    def __call__(self, module, args, kwargs):
+        return tree_map(self._one, args), tree_map(self._one, kwargs)
+
+
+class _BufferHook:
     """Re-round buffers an op updated in place without saying so: aten.native_batch_norm writes
     running_mean/running_var, but its schema does not mark them as mutated, so QTensor dispatch
     cannot round them. Runs after forward in training mode only; idempotent when the values are
     already in format."""
-    def hook(module, args, output):
+
+    def __init__(self, names: List[str]):
+        self.names = list(names)
+
+    def __call__(self, module, args, output):
         if not module.training:
             return None
         quantize = _api().quantize
         with torch.no_grad():
-            for name in names:
+            for name in self.names:
                 b = module._buffers.get(name)
                 if _is_q(b):
                     # round the payload itself: bumping the QTensor's version counter would
@@ -513,12 +519,14 @@ def _buffer_hook(names: List[str]):
                     payload = b.dequantize()
                     payload.copy_(quantize(payload, b.fmt))
         return None
-    return hook
 
 
-def _grad_hook(plan: TensorPlan):
-    role = plan.grad  # Role() (full precision: a plain gradient) for parameters left plain
-    return lambda g: round_to(g, role, name=f"gradient of {plan.name}")
+class _GradHook:
+    def __init__(self, plan: TensorPlan):
+        self.plan = plan  # plan.grad is Role() (a plain gradient) for parameters left plain
+
+    def __call__(self, g):
+        return round_to(g, self.plan.grad, name=f"gradient of {self.plan.name}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -627,7 +635,7 @@ def _attach(conv: _Conversion) -> None:
         p = mod._parameters[local]
         if not plan.value.full_precision:
             p._qt_plan = plan
-        conv.param_handles.append(p.register_hook(_grad_hook(plan)))
+        conv.param_handles.append(p.register_hook(_GradHook(plan)))
 
 
 def _reattach_hook(model, args):
@@ -727,7 +735,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
     for mod, local in conv.converted_buffers:
         by_module.setdefault(id(mod), (mod, []))[1].append(local)
     for mod, names in by_module.values():
-        conv.handles.append(mod.register_forward_hook(_buffer_hook(names)))
+        conv.handles.append(mod.register_forward_hook(_BufferHook(names)))
     if conv.skipped:
         _warn_once("qt.convert: non-floating tensors are left alone: " + ", ".join(conv.skipped))
 
@@ -745,17 +753,17 @@ def convert(model: nn.Module, spec) -> nn.Module:
     # Activation hooks.
     root_plan = conv.module_plans[""]
     if not (root_plan.activation.full_precision and root_plan.grad.full_precision):
-        conv.handles.append(model.register_forward_pre_hook(_input_hook(root_plan),
+        conv.handles.append(model.register_forward_pre_hook(_InputHook(root_plan),
                                                             with_kwargs=True))
     for mname, mod in model.named_modules():
         mplan = conv.module_plans[mname]
         if mplan.plain:  # a rule keeps this module in full precision: plain inputs and outputs
             if mname:
-                conv.handles.append(mod.register_forward_pre_hook(_input_hook(mplan),
+                conv.handles.append(mod.register_forward_pre_hook(_InputHook(mplan),
                                                                   with_kwargs=True))
         elif mplan.activation.full_precision and mplan.grad.full_precision:
             continue
-        conv.handles.append(mod.register_forward_hook(_output_hook(mplan)))
+        conv.handles.append(mod.register_forward_hook(_OutputHook(mplan)))
 
     model._qt_conversion = conv
     from . import training

@@ -39,9 +39,9 @@ papers it reproduces:
   The weight averaging itself (SWA) is a training-loop choice, not a format.
 - ``wage``: WAGE (Wu et al., "Training and Inference with Integers in Deep Neural Networks", 2018;
   QPyTorch examples/WAGE): 2-bit weights, 8-bit activations, gradients and errors, fixed point.
-  Weights: 8-bit values FixedFormat(8, 7, symmetric) (WAGE's weight accumulator: updates are
-  multiples of 2^-7) entering every matrix multiply as 2-bit ternary FixedFormat(2, 1,
-  symmetric) = {-0.5, 0, 0.5}; activations FixedFormat(8, 7, symmetric); errors and gradients:
+  Weights: 8-bit values FixedFormat(8, 7, symmetric) updated with stochastic rounding (WAGE's
+  weight accumulator: its updates are stochastically rounded multiples of 2^-7) entering every
+  matrix multiply as 2-bit ternary FixedFormat(2, 1, symmetric) = {-0.5, 0, 0.5}; activations FixedFormat(8, 7, symmetric); errors and gradients:
   WAGE divides each by a power of two from its largest magnitude before 8-bit fixed-point
   rounding, i.e. 8-bit fixed point sharing one power-of-two scale per tensor (block floating
   point with FixedFormat(8, 7, symmetric) elements, ceil scale rule), stochastic rounding for
@@ -113,7 +113,7 @@ swalp = Recipe.uniform(BlockFormat(_bfp8_elem, block_size=None, axis=-1, roundin
                        source="SWALP (Yang et al. 2019): 8-bit block floating point, stochastic "
                        "rounding, one exponent per row")
 
-_wage_w8 = FixedFormat(8, 7, symmetric=True)
+_wage_w8 = FixedFormat(8, 7, symmetric=True, rounding="stochastic")
 _wage_w2 = FixedFormat(2, 1, symmetric=True)
 _wage_err = BlockFormat(FixedFormat(8, 7, symmetric=True), block_size=None, axis=None,
                         scale_rule="ceil", rounding="stochastic")

@@ -693,8 +693,10 @@ def test_recipes_documented():
     b4 = b8.replace(elem=qt.FixedFormat(4, 2, symmetric=True))
     assert qt.quantize(torch.tensor([100.0, 3.0]), b4).tolist() == [96.0, 0.0]
     assert m.fp16.weight.fmt.max == 131008.0
-    assert m.wage.weight == qt.Role(qt.FixedFormat(8, 7, symmetric=True),
+    assert m.wage.weight == qt.Role(qt.FixedFormat(8, 7, symmetric=True, rounding="stochastic"),
                                     qt.FixedFormat(2, 1, symmetric=True))
+    assert qt.quantize(torch.tensor([0.3, -0.2, 0.1, 0.9]), m.wage.weight.mm_fmt).tolist() == \
+        [0.5, 0.0, 0.0, 0.5]  # ternary {-0.5, 0, 0.5}
     assert m.swalp.weight.fmt.rounding == "stochastic"
 
 
@@ -757,3 +759,20 @@ def test_adam_state_created_in_its_format():
         opt2.step()
     assert type(opt2.state[m2.weight]["momentum_buffer"]) is torch.Tensor
     assert_in_format(m2.weight, qt.bf16, None, "weight")
+
+
+def test_whole_model_pickle_and_deepcopy_keep_conversion():
+    torch.manual_seed(0)
+    r = qt.Recipe(weight="fp8_e4m3", bias="bf16", activation="bf16", grad="bf16",
+                  optimizer_state="bf16")
+    m = qt.convert(CNN(), r)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    for copy_ in (torch.load(buf, weights_only=False), copy.deepcopy(m)):
+        opt = torch.optim.SGD(copy_.parameters(), lr=0.05, momentum=0.9)
+        train(copy_, opt, data_img(), F.cross_entropy, 2)
+        check_all(copy_, opt, roles_for(copy_, r))
+        assert_in_format(copy_.bn.running_mean, qt.fp8_e4m3, None, "running_mean")
+        qt.unconvert(copy_)
+        assert all(type(p) is nn.Parameter for p in copy_.parameters())
