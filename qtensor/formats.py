@@ -430,6 +430,8 @@ def _to_string(f: Format) -> str:
         canonical = types.SimpleNamespace(
             bias=2 ** (f.exp - 1) - 1, subnormals=True, specials="ieee", saturate=False,
             rounding="nearest", signed=True)
+        if base in PRESETS:  # "e8m0" names the scale preset: spell out the differences from it
+            canonical = PRESETS[base]
         skip = ("exp", "man")
     elif isinstance(f, FixedFormat):
         base = f"fixed{f.wl}.{f.fl}"
@@ -509,7 +511,7 @@ def format(spec) -> Format:
     if not isinstance(spec, str):
         raise FormatError(f"a format must be a format object or a string, got {type(spec).__name__}")
     text = spec.strip()
-    m = re.fullmatch(r"([A-Za-z0-9_.]+)\s*(?:\((.*)\))?", text, flags=re.S)
+    m = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*(?:\((.*)\))?", text, flags=re.S)
     if not m:
         raise FormatError(f"cannot parse format {spec!r}; known formats: {_known_names()}")
     base, argtext = m.group(1), m.group(2)
@@ -527,7 +529,7 @@ def format(spec) -> Format:
         mm = re.fullmatch(r"e(\d+)m(\d+)", lower)
         if mm:
             return FloatFormat(int(mm.group(1)), int(mm.group(2)), **kwargs)
-        mm = re.fullmatch(r"fixed(\d+)\.(\d+)", lower)
+        mm = re.fullmatch(r"fixed(\d+)\.(-?\d+)", lower)  # fl may be negative
         if mm:
             return FixedFormat(int(mm.group(1)), int(mm.group(2)), **kwargs)
         if lower == "block":
