@@ -1,0 +1,360 @@
+"""Format descriptions: known values of every preset, parsing, immutability and validation.
+
+Expected values are written out by hand from the standards (IEEE 754, OCP FP8 and MX v1.0,
+NVIDIA NVFP4) or decoded from the bit patterns (tests/oracles.py), never computed by formats.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qtensor as qt
+from qtensor.formats import BlockFormat, FixedFormat, FloatFormat, FormatError
+
+import oracles
+
+# name: (bits, max, min_normal, min_subnormal, emax, emin, eps)
+FLOAT_PRESETS = {
+    "fp32": (32, (2 - 2 ** -23) * 2.0 ** 127, 2.0 ** -126, 2.0 ** -149, 127, -126, 2.0 ** -23),
+    "tf32": (19, (2 - 2 ** -10) * 2.0 ** 127, 2.0 ** -126, 2.0 ** -136, 127, -126, 2.0 ** -10),
+    "bf16": (16, 3.3895313892515355e38, 2.0 ** -126, 2.0 ** -133, 127, -126, 2.0 ** -7),
+    "fp16": (16, 65504.0, 2.0 ** -14, 2.0 ** -24, 15, -14, 2.0 ** -10),
+    "fp8_e4m3": (8, 448.0, 2.0 ** -6, 2.0 ** -9, 8, -6, 0.125),
+    "fp8_e5m2": (8, 57344.0, 2.0 ** -14, 2.0 ** -16, 15, -14, 0.25),
+    "fp6_e3m2": (6, 28.0, 0.25, 0.0625, 4, -2, 0.25),
+    "fp6_e2m3": (6, 7.5, 1.0, 0.125, 2, 0, 0.125),
+    "fp4_e2m1": (4, 6.0, 1.0, 0.5, 2, 0, 0.5),
+    "e8m0": (8, 2.0 ** 127, 2.0 ** -127, 2.0 ** -127, 127, -127, 1.0),
+}
+# name: (elem preset, block size, scale preset, scale rule, bits per value, max, min_subnormal)
+BLOCK_PRESETS = {
+    "mxfp8_e4m3": ("fp8_e4m3", 32, "e8m0", "floor", 8.25, 448 * 2.0 ** 127, 2.0 ** -136),
+    "mxfp8_e5m2": ("fp8_e5m2", 32, "e8m0", "floor", 8.25, 57344 * 2.0 ** 127, 2.0 ** -143),
+    "mxfp6_e3m2": ("fp6_e3m2", 32, "e8m0", "floor", 6.25, 28 * 2.0 ** 127, 2.0 ** -131),
+    "mxfp6_e2m3": ("fp6_e2m3", 32, "e8m0", "floor", 6.25, 7.5 * 2.0 ** 127, 2.0 ** -130),
+    "mxfp4_e2m1": ("fp4_e2m1", 32, "e8m0", "floor", 4.25, 6 * 2.0 ** 127, 2.0 ** -128),
+    "mxint8": (None, 32, "e8m0", "floor", 8.25, 127 / 64 * 2.0 ** 127, 2.0 ** -133),
+    "nvfp4": ("fp4_e2m1", 16, "fp8_e4m3", "amax", 4.5, 6 * 448.0, 2.0 ** -10),
+}
+ALL_PRESETS = list(FLOAT_PRESETS) + list(BLOCK_PRESETS)
+
+
+@pytest.mark.parametrize("name", list(FLOAT_PRESETS))
+def test_float_preset_values(name):
+    f = getattr(qt, name)
+    assert f is qt.PRESETS[name] and f == qt.format(name)
+    got = (f.bits, f.max, f.min_normal, f.min_subnormal, f.emax, f.emin, f.eps)
+    assert got == FLOAT_PRESETS[name]
+
+
+@pytest.mark.parametrize("name", list(FLOAT_PRESETS))
+def test_float_preset_specials(name):
+    f = getattr(qt, name)
+    # DESIGN.md: ieee non-saturating for fp32/tf32/bf16/fp16/fp8_e5m2; fn saturating for
+    # fp8_e4m3; none (saturating) for fp6/fp4; e8m0 has a NaN code and no Inf
+    expected = {"fp8_e4m3": ("fn", True), "fp6_e3m2": ("none", True),
+                "fp6_e2m3": ("none", True), "fp4_e2m1": ("none", True),
+                "e8m0": ("fn", False)}.get(name, ("ieee", False))
+    assert (f.specials, f.saturate) == expected
+    assert f.rounding == "nearest"
+    assert f.has_inf == (expected[0] == "ieee")
+    assert f.has_nan == (expected[0] != "none")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1",
+                                  "e8m0"])
+def test_small_presets_match_their_codes(name):
+    """max / min_normal / min_subnormal equal the extremes of the decoded bit patterns."""
+    f = getattr(qt, name)
+    values = [v for _, v in oracles.float_codes(f) if math.isfinite(v)]
+    positive = sorted(v for v in values if v > 0)
+    assert f.max == max(values)
+    assert f.min_subnormal == positive[0]
+    assert f.min_normal == 2.0 ** f.emin
+
+
+@pytest.mark.parametrize("name", list(BLOCK_PRESETS))
+def test_block_preset_values(name):
+    b = getattr(qt, name)
+    elem, size, scale, rule, bits, mx, min_sub = BLOCK_PRESETS[name]
+    assert isinstance(b, BlockFormat)
+    if elem is None:  # MXINT8: k/64 with |k| <= 127
+        assert b.elem == FixedFormat(8, 6, symmetric=True)
+        assert (b.elem.max, b.elem.min, b.elem.eps) == (127 / 64, -127 / 64, 1 / 64)
+    else:  # the element always saturates inside a block (fp8_e5m2 alone does not)
+        assert b.elem == getattr(qt, elem).replace(saturate=True)
+    assert (b.block_size, b.axis, b.scale, b.scale_rule) == (size, -1, getattr(qt, scale), rule)
+    assert (b.bits, b.max, b.min_subnormal) == (bits, mx, min_sub)
+    assert b.eps == b.elem.eps
+    assert b.rounding == "nearest" and b.tensor_scale is False
+
+
+def test_mx_element_emax():
+    """DESIGN.md: element emax 8, 15, 4, 2, 2 and 0 for INT8."""
+    got = [getattr(qt, n).elem.emax for n in ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2",
+                                             "mxfp6_e2m3", "mxfp4_e2m1", "mxint8"]]
+    assert got == [8, 15, 4, 2, 2, 0]
+
+
+def test_fixed_values():
+    f = FixedFormat(8, 4)
+    assert (f.bits, f.max, f.min, f.eps, f.kmin, f.kmax) == (8, 127 / 16, -8.0, 1 / 16, -128, 127)
+    u = FixedFormat(4, 1, signed=False)
+    assert (u.max, u.min, u.kmin, u.kmax) == (7.5, 0.0, 0, 15)
+    s = FixedFormat(6, 2, symmetric=True)
+    assert (s.min, s.max) == (-31 / 4, 31 / 4)
+    assert FixedFormat(4, -2).eps == 4.0 and FixedFormat(4, -2).max == 28.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Strings and parsing
+
+def _custom_formats():
+    floats = [FloatFormat(3, 4), FloatFormat(4, 3, bias=3), FloatFormat(5, 2, subnormals=False),
+              FloatFormat(2, 1, specials="none"), FloatFormat(4, 3, specials="fn"),
+              FloatFormat(5, 10, saturate=True), FloatFormat(8, 7, rounding="stochastic"),
+              FloatFormat(1, 3, specials="none"), FloatFormat(1, 0, specials="none"),
+              FloatFormat(6, 0, specials="fn", saturate=True, rounding="toward_zero"),
+              FloatFormat(4, 3, bias=-2, specials="none"), FloatFormat(8, 22, bias=128, subnormals=False)]
+    fixed = [FixedFormat(8, 4), FixedFormat(4, 1, signed=False), FixedFormat(6, 2, symmetric=True),
+             FixedFormat(16, -3, saturate=False), FixedFormat(24, 30, rounding="nearest_away"),
+             FixedFormat(1, 0, signed=False)]
+    blocks = [BlockFormat(qt.fp8_e4m3, 16, axis=0), BlockFormat(qt.fp4_e2m1, None),
+              BlockFormat(FixedFormat(4, 2, symmetric=True), None, axis=None),
+              BlockFormat(qt.fp6_e2m3, 32, scale_rule="ceil", rounding="stochastic"),
+              BlockFormat(FloatFormat(3, 4), 8, scale=FloatFormat(5, 0, specials="none")),
+              BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="amax",
+                          tensor_scale=True),
+              BlockFormat(qt.fp8_e5m2.replace(rounding="toward_zero"), 4, axis=1)]
+    return floats + fixed + blocks
+
+
+@pytest.mark.parametrize("f", [getattr(qt, n) for n in ALL_PRESETS] + _custom_formats(), ids=str)
+def test_str_round_trip(f):
+    s = str(f)
+    assert qt.format(s) == f, s
+    assert hash(qt.format(s)) == hash(f)
+    assert s in repr(f)
+
+
+@pytest.mark.parametrize("name", ALL_PRESETS)
+@pytest.mark.parametrize("mode", ["nearest_away", "toward_zero", "stochastic"])
+def test_preset_with_rounding_round_trip(name, mode):
+    f = getattr(qt, name).replace(rounding=mode)
+    assert f.rounding == mode and f != getattr(qt, name)
+    assert qt.format(str(f)) == f
+    assert str(f) == f"{name}(rounding={mode})"
+    assert qt.format(f"{name}(rounding={mode})") == f
+
+
+def test_preset_names_and_aliases():
+    assert str(qt.fp8_e4m3) == "fp8_e4m3" and str(qt.mxfp4_e2m1) == "mxfp4_e2m1"
+    assert qt.format("FP8_E4M3") is qt.fp8_e4m3
+    assert qt.format(" bf16 ") is qt.bf16
+    for alias, name in [("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16"),
+                        ("half", "fp16"), ("float8_e4m3fn", "fp8_e4m3"),
+                        ("float8_e5m2", "fp8_e5m2"), ("float8_e8m0fnu", "e8m0"),
+                        ("mxfp8", "mxfp8_e4m3"), ("mxfp6", "mxfp6_e3m2"), ("mxfp4", "mxfp4_e2m1")]:
+        assert qt.format(alias) is getattr(qt, name)
+    # a format spelled out equals the preset
+    assert qt.format("e4m3(specials=fn, saturate=True)") == qt.fp8_e4m3
+    assert qt.format("e5m2") == qt.fp8_e5m2 and qt.format("e8m7") == qt.bf16
+    assert qt.format("fixed8.4") == FixedFormat(8, 4)
+    assert qt.format("block(elem=fp8_e4m3)") == qt.mxfp8_e4m3
+    assert qt.format("block(elem=e2m1(specials=none), block_size=16, scale=fp8_e4m3, "
+                     "scale_rule=amax)") == qt.nvfp4
+    assert qt.format(qt.fp16) is qt.fp16
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(exp=st.integers(1, 8), man=st.integers(0, 23), bias_shift=st.integers(-3, 3),
+       sub=st.booleans(), specials=st.sampled_from(["ieee", "fn", "none"]), sat=st.booleans(),
+       mode=st.sampled_from(["nearest", "nearest_away", "toward_zero", "stochastic"]))
+def test_float_round_trip_sweep(exp, man, bias_shift, sub, specials, sat, mode):
+    try:
+        f = FloatFormat(exp, man, bias=2 ** (exp - 1) - 1 + bias_shift, subnormals=sub,
+                        specials=specials, saturate=sat or specials == "none", rounding=mode)
+    except FormatError:
+        return
+    assert qt.format(str(f)) == f, str(f)
+    try:
+        b = BlockFormat(f, 8)
+    except FormatError:  # element x scale below float32's smallest subnormal
+        return
+    assert qt.format(str(b)) == b, str(b)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(wl=st.integers(1, 24), fl=st.integers(-20, 40), signed=st.booleans(), sym=st.booleans(),
+       sat=st.booleans(), mode=st.sampled_from(["nearest", "toward_zero", "stochastic"]),
+       axis=st.sampled_from([-1, 0, 2, None]), size=st.sampled_from([1, 7, 32, None]))
+def test_fixed_and_block_round_trip_sweep(wl, fl, signed, sym, sat, mode, axis, size):
+    try:
+        f = FixedFormat(wl, fl, signed=signed, symmetric=sym and signed, saturate=sat,
+                        rounding=mode)
+    except FormatError:
+        return
+    assert qt.format(str(f)) == f, str(f)
+    try:
+        b = BlockFormat(f, size, axis=axis, scale_rule="ceil")
+    except FormatError:
+        return
+    assert qt.format(str(b)) == b, str(b)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(exp=st.integers(1, 6), man=st.integers(0, 5), bias_shift=st.integers(-2, 2),
+       sub=st.booleans(), specials=st.sampled_from(["ieee", "fn", "none"]))
+def test_float_properties_match_codes(exp, man, bias_shift, sub, specials):
+    """For random small formats, max / min_subnormal / bits / eps agree with the decoded codes."""
+    try:
+        f = FloatFormat(exp, man, bias=2 ** (exp - 1) - 1 + bias_shift, subnormals=sub,
+                        specials=specials, saturate=True)
+    except FormatError:
+        return
+    values = [v for _, v in oracles.float_codes(f) if math.isfinite(v)]
+    positive = sorted(v for v in values if v > 0)
+    assert f.bits == 1 + exp + man
+    assert f.max == max(values) == -min(values)
+    assert f.min_subnormal == positive[0]
+    normals = [v for code, v in oracles.float_codes(f)
+               if math.isfinite(v) and v > 0 and (code >> man) & (2 ** exp - 1)]
+    assert f.min_normal == min(normals) == 2.0 ** f.emin
+    assert f.max < 2.0 ** (f.emax + 1) and f.max >= 2.0 ** f.emax
+    assert f.eps == 2.0 ** -man
+
+
+# ---------------------------------------------------------------------------------------------
+# Immutability, hashing, equality, replace
+
+def test_frozen_hashable_equal():
+    f = qt.fp8_e4m3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f.man = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        qt.mxfp8_e4m3.block_size = 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        FixedFormat(8, 4).fl = 3
+    assert FloatFormat(4, 3, specials="fn", saturate=True) == f
+    assert FloatFormat(4, 3) == FloatFormat(4, 3, bias=7)  # the default bias is filled in
+    assert FloatFormat(4, 3) != f and FixedFormat(8, 4) != FixedFormat(8, 4, signed=False)
+    assert len({FloatFormat(5, 2), qt.fp8_e5m2, qt.format("fp8_e5m2"), qt.fp8_e4m3}) == 2
+    d = {qt.nvfp4: 1, qt.format(str(qt.nvfp4)): 2}
+    assert d == {qt.nvfp4: 2}
+    assert BlockFormat(qt.fp8_e4m3) == qt.mxfp8_e4m3 and hash(BlockFormat(qt.fp8_e4m3)) == hash(
+        qt.mxfp8_e4m3)
+    assert qt.fp8_e4m3 != "fp8_e4m3" and FixedFormat(8, 0) != FloatFormat(4, 3)
+
+
+def test_replace():
+    f = qt.fp8_e4m3
+    g = f.replace(rounding="stochastic")
+    assert g.rounding == "stochastic" and f.rounding == "nearest"
+    assert (g.exp, g.man, g.bias, g.specials, g.saturate) == (4, 3, 7, "fn", True)
+    assert f.replace(man=2, specials="ieee", saturate=False) == qt.fp8_e5m2.replace(exp=4, bias=7)
+    b = qt.mxfp4_e2m1.replace(block_size=16, axis=0)
+    assert (b.block_size, b.axis, b.elem) == (16, 0, qt.fp4_e2m1)
+    assert FixedFormat(8, 4).replace(fl=6, symmetric=True) == qt.mxint8.elem
+    with pytest.raises(FormatError, match="does not fit the float32 carrier"):
+        f.replace(man=24)
+    with pytest.raises(FormatError, match="unknown rounding mode"):
+        f.replace(rounding="round_up")
+    with pytest.raises(FormatError, match="block_size must be >= 1"):
+        qt.mxfp8_e4m3.replace(block_size=0)
+
+
+def test_block_normalises_its_element():
+    """The element format always saturates and carries the block's rounding."""
+    b = BlockFormat(qt.fp8_e5m2, 32)  # fp8_e5m2 itself does not saturate
+    assert b.elem.saturate is True and b.elem == qt.fp8_e5m2.replace(saturate=True)
+    assert BlockFormat(qt.fp4_e2m1, rounding="stochastic").elem.rounding == "stochastic"
+    assert BlockFormat(qt.fp4_e2m1.replace(rounding="toward_zero")).rounding == "toward_zero"
+    assert BlockFormat("fp8_e4m3") == qt.mxfp8_e4m3  # elem given by name
+    assert BlockFormat(qt.fp4_e2m1, 16, scale="fp8_e4m3", scale_rule="amax") == qt.nvfp4
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: impossible formats are refused with a message that says why
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: FloatFormat(0, 3), r"exp must be >= 1, got exp=0"),
+    (lambda: FloatFormat(4, -1), r"man must be >= 0, got man=-1"),
+    (lambda: FloatFormat(8, 24), r"man=24 does not fit the float32 carrier"),
+    (lambda: FloatFormat(9, 2), r"emax=255.*do not fit the float32 carrier \(emax <= 127\)"),
+    (lambda: FloatFormat(8, 3, bias=100), r"emax=154"),
+    (lambda: FloatFormat(8, 23, bias=150), r"below float32's smallest subnormal 2\^-149"),
+    (lambda: FloatFormat(3, 2, specials="none", saturate=False),
+     r"neither Inf nor NaN.*requires saturate=True"),
+    (lambda: FloatFormat(4, 3, specials="inf"), r"unknown specials 'inf'; expected one of ieee, "
+                                                r"fn, none"),
+    (lambda: FloatFormat(4, 3, rounding="up"),
+     r"unknown rounding mode 'up'; expected one of nearest, nearest_away, toward_zero, "
+     r"stochastic"),
+    (lambda: FloatFormat(4.0, 3), r"exp must be an int, got 4\.0"),
+    (lambda: FloatFormat(4, True), r"man must be an int, got True"),
+    (lambda: FloatFormat(1, 2), r"e1m2 with bias=0 has no normal numbers"),
+    (lambda: FloatFormat(4, 3, signed=False), r"signed=False describes exponent-only"),
+    (lambda: FixedFormat(0, 0), r"wl=0: fixed-point word length must be 1\.\.24"),
+    (lambda: FixedFormat(25, 0), r"wl=25"),
+    (lambda: FixedFormat(8, 4, rounding="ceil"), r"unknown rounding mode 'ceil'"),
+    (lambda: FixedFormat(8, 4, signed=False, symmetric=True),
+     r"symmetric=True only applies to signed"),
+    (lambda: FixedFormat(8, 200), r"fixed8\.200: values k\*2\^-200 do not fit the float32"),
+    (lambda: BlockFormat(qt.fp8_e4m3, 0), r"block_size must be >= 1 \(or None\), got 0"),
+    (lambda: BlockFormat(qt.fp8_e4m3, -3), r"block_size must be >= 1"),
+    (lambda: BlockFormat(qt.mxfp8_e4m3), r"element format cannot itself be a block format"),
+    (lambda: BlockFormat(qt.fp8_e4m3, rounding="up"), r"unknown rounding mode 'up'"),
+    (lambda: BlockFormat(qt.fp8_e4m3, scale_rule="round"),
+     r"unknown scale_rule 'round'; expected one of floor, ceil, amax"),
+    (lambda: BlockFormat(qt.fp8_e4m3, scale=qt.fp8_e4m3),
+     r"scale_rule='floor' gives power-of-two scales: it needs an exponent-only scale"),
+    (lambda: BlockFormat(qt.fp8_e4m3, scale=qt.mxfp8_e4m3), r"scale must be a FloatFormat"),
+    (lambda: BlockFormat(qt.e8m0), r"element format must be signed"),
+    (lambda: BlockFormat(qt.fp8_e4m3, 16.0), r"block_size must be an int"),
+    (lambda: BlockFormat(qt.fp8_e4m3, tensor_scale=True), r"tensor_scale=True needs "
+                                                           r"scale_rule='amax'"),
+])
+def test_invalid_formats(make, match):
+    with pytest.raises(FormatError, match=match):
+        make()
+
+
+def test_format_error_is_value_error():
+    assert issubclass(FormatError, ValueError)
+    assert qt.FormatError is FormatError
+
+
+def test_unknown_name_lists_known_ones():
+    with pytest.raises(FormatError) as info:
+        qt.format("fp7_e3m3")
+    msg = str(info.value)
+    assert "unknown format 'fp7_e3m3'" in msg
+    for name in ALL_PRESETS:  # every preset is named in the message
+        assert name in msg, name
+    assert "e4m3" in msg and "fixed8.4" in msg and "block(" in msg
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("e4m3(bias)", r"expected key=value, got 'bias'"),
+    ("e4m3(colour=red)", r"in format 'e4m3\(colour=red\)'.*colour"),
+    ("e4m3(bias=3", r"cannot parse format|unbalanced"),
+    ("e4m3(bias=3))", r"unbalanced parentheses|cannot parse"),
+    ("block(block_size=16)", r"needs elem="),
+    ("", r"cannot parse format ''"),
+    ("e4m3 e5m2", r"cannot parse format"),
+    ("fp8_e4m3(rounding=up)", r"unknown rounding mode 'up'"),
+    ("e40m3", r"emax|do not fit"),
+])
+def test_parse_errors(spec, match):
+    with pytest.raises(FormatError, match=match):
+        qt.format(spec)
+
+
+@pytest.mark.parametrize("bad", [3, None, 4.5, ["fp8_e4m3"]])
+def test_format_of_non_string(bad):
+    with pytest.raises(FormatError, match=r"a format must be a format object or a string, got"):
+        qt.format(bad)
