@@ -24,13 +24,14 @@ operand format. Roles:
 - ``grad``: the gradient of every hooked activation (``qt.quantize_grad`` in the same hooks) and of
   every converted parameter (a tensor hook on the parameter, so each contribution is rounded
   before it is accumulated, and accumulation rounds into the gradient's format).
-- ``optimizer_state``: after every ``optimizer.step()`` of any torch.optim optimizer, each floating
-  state tensor of a converted parameter with the parameter's shape (momentum buffers, Adam
-  moments; not the scalar ``step``) is rounded into this format; from then on the optimizer's
-  in-place updates round into it. The state is created by the optimizer itself at its first step
-  (``zeros_like(param)`` or a clone of the gradient), so only that first step sees the state in
-  the parameter's (or gradient's) format. ``None`` leaves the state as the optimizer made it.
-  (A process-wide ``torch.optim`` step hook does this; it only touches converted parameters.)
+- ``optimizer_state``: the optimizer's floating state tensors of each converted parameter
+  (momentum buffers, Adam moments; not the scalar ``step``) are kept in this format by
+  process-wide ``torch.optim`` step hooks that only touch converted parameters (details, and
+  the first step, in qtensor.training).
+- ``None`` means full precision. For a parameter or buffer: left a plain tensor, outside the
+  emulation. For the gradient and optimizer state of a converted parameter: FP32 values, as
+  QTensors in ``qt.fp32`` (so the optimizer's arithmetic never mixes plain tensors with
+  QTensors, which ``qt.leak_check`` would report). For activations: no rounding hooks.
 - ``master_weights=True``: the optimizer updates an FP32 copy of every converted parameter and the
   model sees the copy rounded into the weight format after each step (see qtensor.training).
   The optimizer then runs entirely in FP32, so ``optimizer_state`` must be ``None``.
@@ -366,6 +367,13 @@ def _tensor_plan(recipe: Recipe, name: str, kind: str, is_buffer: bool) -> Tenso
         raise ValueError(
             f"{name}: master_weights=True runs the optimizer in FP32, but a rule ({pattern!r}) "
             f"gives it optimizer_state {state}")
+    if not value.full_precision and not is_buffer:
+        # Full precision for the gradient or optimizer state of a QTensor parameter: FP32
+        # QTensors, so that the optimizer's arithmetic meets no plain tensors (no leaks)
+        if grad.full_precision:
+            grad = Role(_FP32)
+        if state.full_precision and not master:
+            state = Role(_FP32)
     return TensorPlan(name, "buffer" if is_buffer else kind, value, grad, state, master, pattern)
 
 

@@ -16,7 +16,7 @@ Optimizer state in its own format (``Recipe.optimizer_state``)
     ``register_optimizer_step_pre_hook`` / ``..._post_hook``; they touch only parameters
     converted by qt.convert). After each step, every floating, non-scalar state tensor of a
     converted parameter (momentum, Adam's moments) is rounded into the optimizer_state role,
-    and the optimizer's in-place updates keep it there; ``None`` makes them plain FP32 tensors.
+    and the optimizer's in-place updates keep it there (``None``: FP32 QTensors).
     Adam and AdamW state is created in that role before their first step (zeros, as their lazy
     init does), so every step is computed in it; other optimizers create their state themselves
     in their first step (SGD's momentum is a copy of the gradient), in the parameter's or the
@@ -139,8 +139,8 @@ def _post_step(optimizer, args, kwargs):
         with torch.no_grad():
             p.copy_(master)  # rounds into p's format with its rounding mode
     optimizer._qt_swapped = []
-    # Optimizer state into the optimizer_state role (None: plain FP32 tensors). Scalars such as
-    # Adam's "step" counter are left alone.
+    # Optimizer state into the optimizer_state role. Scalars such as Adam's "step" counter are
+    # left alone.
     for group in optimizer.param_groups:
         for p in group["params"]:
             plan = _plan(p)
@@ -153,8 +153,6 @@ def _post_step(optimizer, args, kwargs):
             for key, value in list(state.items()):
                 if (isinstance(value, torch.Tensor) and value.is_floating_point()
                         and value.dim() > 0 and key != "step"):
-                    if role.full_precision and not conv._is_q(value):
-                        continue
                     with torch.no_grad():
                         state[key] = conv.round_to(value.detach(), role,
                                                    name=f"optimizer state {key!r} of {plan.name}")

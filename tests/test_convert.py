@@ -54,8 +54,8 @@ def check_all(model, opt, recipe_roles):
         assert_in_format(p, value.fmt, value.mm_fmt, name)
         if p.requires_grad:
             assert p.grad is not None, f"{name} has no gradient"
-            if grad.fmt is None:
-                assert_plain(p.grad, name + ".grad")
+            if grad.fmt is None:  # full precision: FP32 values
+                assert_in_format(p.grad, FP32, None, name + ".grad")
             else:
                 assert_in_format(p.grad, grad.fmt, grad.mm_fmt, name + ".grad")
         if opt is not None:
@@ -63,9 +63,8 @@ def check_all(model, opt, recipe_roles):
             tensors = {k: v for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
             assert tensors, f"{name}: optimizer has no state"
             for k, v in tensors.items():
-                if state.fmt is None:  # full precision: plain FP32
-                    assert_plain(v, f"{name} state {k}")
-                    assert v.dtype == torch.float32
+                if state.fmt is None:  # full precision: FP32 values
+                    assert_in_format(v, FP32, None, f"{name} state {k}")
                 else:
                     assert_in_format(v, state.fmt, state.mm_fmt, f"{name} state {k}")
 
@@ -505,7 +504,8 @@ def test_train_every_tensor_in_format(name, make, data, optname):
     opt = make_opt(optname, model.parameters(), 0.05 if optname == "sgd" else 0.01)
     qt.convert(model, r)
     l0 = eval_loss(model, batches[0], F.cross_entropy)
-    losses = train(model, opt, batches, F.cross_entropy, 4)
+    with qt.leak_check(check_values=True):  # no plain value enters or leaves the emulation
+        losses = train(model, opt, batches, F.cross_entropy, 4)
     overrides = {n: ("fp32", None) for n, _ in model.named_parameters() if n.endswith(".bias")}
     if name == "text":
         overrides = {n: (("bf16", "mxfp8_e4m3") if n.startswith("lstm.") else "bf16")
@@ -750,14 +750,15 @@ def test_adam_state_created_in_its_format():
     want = qt.quantize(torch.lerp(torch.zeros_like(g), g, 0.1), qt.bf16)
     assert torch.equal(bits(st["exp_avg"].dequantize()), bits(want))
     assert type(st["step"]) is torch.Tensor and float(st["step"]) == 1.0
-    # None: plain FP32 state
+    # None: full precision state, FP32 QTensors, and no leak reported
     m2 = nn.Linear(4, 2)
-    qt.convert(m2, qt.Recipe(weight="bf16", bias="bf16", grad="bf16"))
+    qt.convert(m2, qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16"))
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
     for _ in range(2):
-        m2(torch.randn(3, 4)).sum().backward()
-        opt2.step()
-    assert type(opt2.state[m2.weight]["momentum_buffer"]) is torch.Tensor
+        with qt.leak_check():
+            m2(torch.randn(3, 4)).sum().backward()
+            opt2.step()
+    assert_in_format(opt2.state[m2.weight]["momentum_buffer"], FP32, None, "momentum")
     assert_in_format(m2.weight, qt.bf16, None, "weight")
 
 
