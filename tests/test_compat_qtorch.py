@@ -84,9 +84,10 @@ def test_fixed_point_quantize_nearest_bit_exact(Q, wl, fl, clamp, symmetric):
     assert_same(ours, theirs, x, f"fixed wl={wl} fl={fl} clamp={clamp} symmetric={symmetric}")
 
 
-@pytest.mark.parametrize("wl", [2, 4, 8, 16])
-@pytest.mark.parametrize("shape,dim", [((1024, 1024), -1), ((1024, 1024), 0), ((1024, 1024), 1),
-                                       ((16, 256, 256), 1), ((N,), 0)])
+@pytest.mark.parametrize("wl,shape,dim", [
+    (2, (1024, 1024), -1), (8, (1024, 1024), -1), (16, (1024, 1024), -1), (4, (1024, 1024), 0),
+    (22, (1024, 1024), 0), (4, (1024, 1024), 1), (12, (1024, 1024), 1), (4, (1024, 1024), -2),
+    (3, (16, 256, 256), 1), (8, (16, 256, 256), 1), (8, (256, 64, 64), 2), (16, (N,), 0)])
 def test_block_quantize_nearest_bit_exact(Q, wl, shape, dim):
     gen = torch.Generator().manual_seed(wl)
     x = _floats(N, -20, 20, gen)
@@ -270,3 +271,11 @@ def test_sequential_lower_and_state_dict():
     opt.step()
     sd = opt.state_dict()
     assert len(sd["state"]) == 4 and "momentum_buffer" in sd["state"][0]
+
+
+def test_block_ties_at_the_top(Q):
+    # block max 15.5 (e=3), wl=4: step 2, max 14; 15 is the tie between 14 and 16 (clamped)
+    x = torch.tensor([15.5, 15.0, -15.0, -13.0, 13.0, -1.0, 1.0, 3.0, -3.0])
+    for dim, xx in ((-1, x), (0, x.reshape(1, -1)), (1, x.reshape(1, -1))):
+        theirs = Q.block_quantize(xx, 4, dim, "nearest")
+        assert_same(C.block_quantize(xx, 4, dim, "nearest"), theirs, xx, f"dim={dim}")

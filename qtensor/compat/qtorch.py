@@ -63,6 +63,7 @@ Deliberate differences from QPyTorch (where it is wrong or undefined):
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import types
 from typing import Callable, Iterable, Optional
@@ -290,12 +291,18 @@ def fixed_point_quantize(x, wl, fl, clamp=True, symmetric=False, rounding="stoch
 
 def _block_ties_up(x1, q, wl, amax_dims):
     """QPyTorch rounds ties toward +inf: move negative ties (rounded away) one step up."""
-    amax = x1.abs().amax(dim=amax_dims, keepdim=True) if x1.dim() else x1.abs()
-    e = torch.frexp(amax)[1].to(torch.int32) - 1
-    e = torch.clamp(e, -127, 127)  # the E8M0 scale range used by the block format
-    step = torch.ldexp(torch.ones_like(amax), e + 2 - wl)
-    tie = (x1 < 0) & ((x1 - q) == step * 0.5)
-    return torch.where(tie, q + step, q)
+    if x1.dim() == 0:
+        amax = x1.abs()
+    else:  # max |x| in one reduction, without an abs() temporary
+        amax = torch.linalg.vector_norm(x1, ord=float("inf"), dim=amax_dims, keepdim=True)
+    e = torch.clamp(torch.frexp(amax)[1] - 1, -127, 127)  # the E8M0 scale range of the format
+    half_step = torch.ldexp(torch.full_like(amax, 0.5), e + 2 - wl)
+    # x1 - q is +half_step exactly at negative ties (rounded away, i.e. down), and at the one
+    # positive tie above the largest value (rounded up, then clamped): it stays
+    tie = (x1 - q) == half_step
+    if not bool(tie.any()):
+        return q
+    return torch.where(tie & (x1 < 0), x1 + half_step, q)
 
 
 def block_quantize(x, wl, dim=-1, rounding="stochastic"):
@@ -304,35 +311,38 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic"):
     rounding = _check_rounding(rounding)
     _check(_is_int(dim), f"block_quantize: dim must be an int, got {dim!r}")
     mode = "stochastic" if rounding == "stochastic" else "nearest_away"
-    fmt = block_format(wl, None if dim == -1 else -1, mode)
+    block_format(wl)  # validates wl
     if x.numel() == 0:
         return x.clone()
+    # Lay x out as 2-D (or leave it) so that each block is one whole axis run, copying only if
+    # the elements sharing an index of dim are neither rows nor columns of a view.
     if dim == -1 or x.dim() == 0:
-        x2 = x
-        amax_dims = None
+        x2, axis, restore = x, None, None
     else:
         _check(-x.dim() <= dim < x.dim(),
                f"block_quantize: dim {dim} out of range for a tensor of shape {tuple(x.shape)}")
         d = dim % x.dim()
-        moved = x.movedim(d, 0)
-        x2 = moved.reshape(moved.shape[0], -1)
-        amax_dims = 1
+        n = x.shape[d]
+        if math.prod(x.shape[d + 1:]) == 1:  # blocks are the columns of (everything before, n)
+            x2, axis, restore = x.reshape(-1, n), 0, lambda q: q.reshape(x.shape)
+        else:  # blocks are the rows of (n, everything else)
+            moved = x.movedim(d, 0)
+            x2, axis = moved.reshape(n, -1), 1
+            restore = lambda q: q.reshape(moved.shape).movedim(0, d)
+    fmt = block_format(wl, axis, mode)
     if rounding == "nearest" and wl <= 22:
         dtype = x2.dtype
         x1 = x2.float() if dtype in (torch.float16, torch.bfloat16) else x2
         if dtype == torch.float32:  # QPyTorch's float32 sum x + 1.5*2^(e+2) rounds x to 2^(e-21)
-            pre = BlockFormat(FixedFormat(23, 21, symmetric=True), block_size=None,
-                              axis=fmt.axis, rounding="nearest")
+            pre = BlockFormat(FixedFormat(23, 21, symmetric=True), block_size=None, axis=axis,
+                              rounding="nearest")
             x1 = _qt_quantize(x1, pre)
         q = _qt_quantize(x1, fmt)
-        q = _block_ties_up(x1, q, wl, amax_dims if amax_dims is not None else
-                           tuple(range(x1.dim())))
+        q = _block_ties_up(x1, q, wl, tuple(range(x1.dim())) if axis is None else axis)
         q = q.to(dtype)
     else:
         q = _qt_quantize(x2, fmt)
-    if x2 is x:
-        return q
-    return q.reshape(moved.shape).movedim(0, d)
+    return q if restore is None else restore(q)
 
 
 def _quant_function(number, rounding) -> Optional[Callable]:
