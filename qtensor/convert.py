@@ -470,8 +470,8 @@ class _RoundActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, act: Role, grad: Role):
         ctx.grad_role, ctx.plain_input = grad, not _is_q(x)
-        if act.full_precision:
-            return _plain(x).clone()
+        if act.full_precision:  # values left as they are (a copy: never a view)
+            return x.clone()
         return round_to(x.detach(), act)
 
     @staticmethod

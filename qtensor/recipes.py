@@ -12,8 +12,11 @@ MX paper (Rouhani et al., "Microscaling Data Formats for Deep Learning", 2023; m
   rounded to MXFP6 per use, from FP32); FP32 master weights and optimizer.
 - ``mxfp4_weights``: the same with MXFP4_E2M1 weight operands (activations and gradients MXFP6).
 - ``mx_all(fmt)``, ``mx_all_mxfp8``, ``mx_all_mxfp6``, ``mx_all_mxfp4``: every value is MX, weights,
-  biases, buffers, activations, gradients and optimizer state, blocks along the last axis, no
-  master copy; stricter than the paper, for comparison.
+  biases, buffers, activations, gradients and optimizer state, no master copy; stricter than the
+  paper, for comparison. Values are stored blocked along their last axis (the reduction axis of
+  Linear weights and of (..., features) activations; for conv weights that is the kernel width)
+  and enter contractions as they are. Updates use the format's nearest rounding: small updates
+  are lost (use larger learning rates, or ``mx_all(fmt.replace(rounding="stochastic"))``).
 - ``mxint8_inference``: direct-cast inference: weights and activations enter every matrix multiply
   as MXINT8, other values FP32. No gradients (inference).
 

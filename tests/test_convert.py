@@ -777,3 +777,16 @@ def test_whole_model_pickle_and_deepcopy_keep_conversion():
         assert_in_format(copy_.bn.running_mean, qt.fp8_e4m3, None, "running_mean")
         qt.unconvert(copy_)
         assert all(type(p) is nn.Parameter for p in copy_.parameters())
+
+
+def test_grad_rounding_without_activation_format():
+    # activation None, grad set: values pass unchanged (QTensor or plain), gradients are rounded
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    qt.convert(m, qt.Recipe(weight="bf16", bias="bf16", grad="fp8_e5m2"))
+    seen = {}
+    m[0].register_forward_hook(lambda mod, a, out: seen.update(h=out))
+    x = torch.randn(2, 4)
+    m(x).sum().backward()
+    h = seen["h"]
+    assert isinstance(h, qt.QTensor) and h.fmt == qt.bf16  # dispatch's format, not rounded again
+    assert_in_format(m[0].weight.grad, qt.fp8_e5m2, None, "weight grad")
