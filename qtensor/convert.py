@@ -295,11 +295,7 @@ class ModulePlan:
     activation: Role
     grad: Role
     rule: Optional[str] = None
-
-    @property
-    def plain(self) -> bool:
-        """A rule made this module full precision: its inputs and outputs become plain tensors."""
-        return self.rule is not None and self.activation.full_precision
+    plain: bool = False  # a rule set its activation to None: plain inputs and outputs
 
 
 def _kind(name: str) -> str:
@@ -390,7 +386,9 @@ def _module_plan(recipe: Recipe, name: str) -> ModulePlan:
         else:
             act = spec.get("activation", act)
             grad = spec.get("grad", grad)
-    return ModulePlan(name, act, grad, pattern)
+    plain = found is not None and act.full_precision and (
+        isinstance(found[1], Role) or "activation" in found[1])
+    return ModulePlan(name, act, grad, pattern, plain)
 
 
 def _check_rules_match(recipe: Recipe, names: List[str]) -> None:
@@ -549,7 +547,7 @@ class _Conversion:
     module_plans: Dict[str, ModulePlan]
     handles: list = field(default_factory=list)
     converted_params: list = field(default_factory=list)   # (module, name)
-    hooked_params: list = field(default_factory=list)      # (module, name, plan): grad hooks
+    hooked_params: list = field(default_factory=list)      # (module, name, plan): floating params
     param_handles: list = field(default_factory=list)      # their handles
     owner: int = 0                                         # id() of the converted root
     converted_buffers: list = field(default_factory=list)  # (module, name)
@@ -643,7 +641,8 @@ def _attach(conv: _Conversion) -> None:
         p = mod._parameters[local]
         if not plan.value.full_precision:
             p._qt_plan = plan
-        conv.param_handles.append(p.register_hook(_GradHook(plan)))
+        if p.requires_grad:
+            conv.param_handles.append(p.register_hook(_GradHook(plan)))
 
 
 def _reattach_hook(model, args):
@@ -732,8 +731,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
     # ... then swap them in.
     with _FlatWeights(model):
         for owners, plan, value, grad in new_params:
-            p = _swap_param(owners, value, grad, plan.name)
-            p._qt_plan = plan
+            _swap_param(owners, value, grad, plan.name)
             conv.converted_params.extend((mod, local) for mod, local, _q in owners)
     for owners, plan, value in new_buffers:
         for mod, local, _qual in owners:
@@ -752,7 +750,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
     for owners in params.values():
         mod, local, qual = owners[0]
         plan = conv.tensor_plans.get(qual)
-        if plan is not None and mod._parameters[local].requires_grad:
+        if plan is not None:
             conv.hooked_params.append((mod, local, plan))
     _attach(conv)
     conv.owner = id(model)

@@ -286,6 +286,10 @@ def test_rule_dict_and_enclosing_module_patterns():
     assert m.fc1.bias.fmt == qt.bf16  # the dict gives no bias role: recipe default
     assert plan_of(m.fc1.bias).grad.fmt == qt.fp8_e5m2
     assert plan_of(m.head.weight).grad.fmt == qt.bf16
+    # a dict rule without an activation role does not change a module's activations
+    m2 = qt.convert(MLP(), qt.Recipe(weight="bf16", rules={"fc1*": {"weight": "fp8_e4m3"}}))
+    assert not m2._qt_conversion.module_plans["fc1"].plain
+    assert m2._qt_conversion.module_plans["fc1"].activation.full_precision
     seen = {}
     m.head.register_forward_hook(lambda mod, a, out: seen.update(y=out))
     out = m(torch.randn(4, 8))
