@@ -80,7 +80,23 @@ def _plan(p):
     return getattr(p, "_qt_plan", None)
 
 
+def _restore(optimizer, copy_back: bool) -> None:
+    """Put the model's parameters back into the optimizer (and the masters into its state)."""
+    for params, i, p, master in getattr(optimizer, "_qt_swapped", ()):
+        params[i] = p
+        state = optimizer.state.pop(master, None) or {}
+        master.grad = None
+        state[_MASTER_KEY] = master
+        optimizer.state[p] = state
+        if copy_back:
+            with torch.no_grad():
+                p.copy_(master)  # rounds into p's format with its rounding mode
+    optimizer._qt_swapped = []
+
+
 def _pre_step(optimizer, args, kwargs):
+    # A step that raised left the masters in place: put the parameters back first.
+    _restore(optimizer, copy_back=False)
     # Swap the FP32 masters of converted parameters with master_weights into the optimizer.
     swapped = []
     for group in optimizer.param_groups:
@@ -130,15 +146,7 @@ def _init_adam_state(optimizer) -> None:
 
 def _post_step(optimizer, args, kwargs):
     conv = _conv()
-    for params, i, p, master in getattr(optimizer, "_qt_swapped", ()):
-        params[i] = p
-        state = optimizer.state.pop(master, None) or {}
-        master.grad = None
-        state[_MASTER_KEY] = master
-        optimizer.state[p] = state
-        with torch.no_grad():
-            p.copy_(master)  # rounds into p's format with its rounding mode
-    optimizer._qt_swapped = []
+    _restore(optimizer, copy_back=True)
     # Optimizer state into the optimizer_state role. Scalars such as Adam's "step" counter are
     # left alone.
     for group in optimizer.param_groups:
