@@ -95,7 +95,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
+from .formats import BlockFormat, FloatFormat, Format, FormatError
 from .formats import format as _parse_format
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",

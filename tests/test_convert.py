@@ -308,7 +308,7 @@ def test_rule_matching_nothing_lists_near_names():
         qt.convert(m, qt.Recipe(weight="bf16", rules={"re:conv.*": None}))
     # the model is untouched by a failed conversion
     assert all(type(p) is nn.Parameter for p in m.parameters())
-    assert not qt.convert.__module__ or not hasattr(m, "_qt_conversion")
+    assert not hasattr(m, "_qt_conversion")
 
 
 def test_convert_twice():
@@ -794,3 +794,21 @@ def test_grad_rounding_without_activation_format():
     h = seen["h"]
     assert isinstance(h, qt.QTensor) and h.fmt == qt.bf16  # dispatch's format, not rounded again
     assert_in_format(m[0].weight.grad, qt.fp8_e5m2, None, "weight grad")
+
+
+def test_tied_and_frozen_parameters():
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied
+    m = nn.Sequential(emb, nn.LayerNorm(4), head)
+    m[1].weight.requires_grad_(False)  # frozen
+    qt.convert(m, qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16"))
+    assert m[0].weight is m[2].weight and isinstance(m[0].weight, qt.QTensor)
+    assert_in_format(m[1].weight, qt.bf16, None, "frozen weight")
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    m(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    assert_in_format(m[0].weight.grad, qt.bf16, None, "tied grad")
+    assert m[1].weight.grad is None
+    qt.unconvert(m)
+    assert m[0].weight is m[2].weight and type(m[0].weight) is nn.Parameter
