@@ -637,6 +637,8 @@ def _owners(model: nn.Module, attr: str) -> Dict[int, List[Tuple[nn.Module, str,
 
 def _attach(conv: _Conversion) -> None:
     """Put the plans and gradient hooks on the parameters (tensor attributes and tensor hooks)."""
+    from .training import bump_epoch
+    bump_epoch()
     for mod, local, plan in conv.hooked_params:
         p = mod._parameters[local]
         if not plan.value.full_precision:
@@ -800,6 +802,8 @@ def unconvert(model: nn.Module) -> nn.Module:
         if b is not None and _is_q(b):
             mod._buffers[local] = b.dequantize().detach().clone()
     del model._qt_conversion
+    from .training import bump_epoch
+    bump_epoch()
     return model
 
 

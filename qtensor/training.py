@@ -80,6 +80,25 @@ def _plan(p):
     return getattr(p, "_qt_plan", None)
 
 
+_epoch = [0]  # bumped whenever parameters gain or lose plans (convert, unconvert, re-attach)
+
+
+def bump_epoch() -> None:
+    _epoch[0] += 1
+
+
+def _involved(optimizer) -> bool:
+    """Whether any parameter of ``optimizer`` is converted (cached until the next conversion)."""
+    n = sum(len(g["params"]) for g in optimizer.param_groups)
+    key = (_epoch[0], n)
+    cached = getattr(optimizer, "_qt_involved", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    any_plan = any(_plan(p) is not None for g in optimizer.param_groups for p in g["params"])
+    optimizer._qt_involved = (key, any_plan)
+    return any_plan
+
+
 def _restore(optimizer, copy_back: bool) -> None:
     """Put the model's parameters back into the optimizer (and the masters into its state)."""
     for params, i, p, master in getattr(optimizer, "_qt_swapped", ()):
@@ -97,6 +116,8 @@ def _restore(optimizer, copy_back: bool) -> None:
 def _pre_step(optimizer, args, kwargs):
     # A step that raised left the masters in place: put the parameters back first.
     _restore(optimizer, copy_back=False)
+    if not _involved(optimizer):
+        return
     # Swap the FP32 masters of converted parameters with master_weights into the optimizer.
     swapped = []
     for group in optimizer.param_groups:
@@ -147,6 +168,8 @@ def _init_adam_state(optimizer) -> None:
 def _post_step(optimizer, args, kwargs):
     conv = _conv()
     _restore(optimizer, copy_back=True)
+    if not _involved(optimizer):
+        return
     # Optimizer state into the optimizer_state role. Scalars such as Adam's "step" counter are
     # left alone.
     for group in optimizer.param_groups:
