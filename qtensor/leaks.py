@@ -15,36 +15,48 @@ a gradient or optimizer state left plain) makes the emulation wrong without any 
 
 Kinds of finding (``Finding.kind``):
 
-- ``"mixed"`` (a): a plain floating tensor and QTensors in one op. Python scalars are fine, and so
-  are 0-dim plain tensors that are not a module's parameter or buffer (they are scalars that torch
-  or the user wrapped), tensors named in ``allow``, the ``target`` argument of loss ops (data,
-  like the model's inputs), plain values written into a QTensor by a data-movement op (``copy_``,
-  indexing assignment: the QTensor rounds them, which is quantization, not a leak), and plain
-  constants that torch's own module code makes inside a converted model (the zero initial state
-  of ``nn.LSTM``, the float mask ``nn.MultiheadAttention`` builds from a boolean mask).
+- ``"mixed"`` (a): a plain floating tensor and QTensors in one op. Not reported: Python scalars;
+  0-dim plain tensors (scalars torch wraps, e.g. in backward formulas) unless they are a module's
+  parameter, buffer or tensor attribute, or were made by user code inside a converted model
+  (``torch.tensor(0.5)`` in ``forward``); tensors named in ``allow``; tensors a recipe keeps in
+  full precision on purpose (a rule ``None``, activations of a module whose activation role is
+  ``None``); the target of a loss (an argument named ``target``, in forward and in the loss's
+  backward: data, like the model's inputs); plain values written into a QTensor by a
+  data-movement op (``copy_``, indexing assignment: the QTensor rounds them, which is
+  quantization); and plain constants that torch's own module code makes inside a converted
+  model (the zero initial state of ``nn.LSTM``, the float mask ``nn.MultiheadAttention`` builds
+  from a boolean mask) and what torch computes from them.
 - ``"plain_result"`` (b): an op whose inputs are QTensors returned a plain floating tensor.
 - ``"plain_op"`` (c): a computing op on plain floating tensors only, inside the forward of a
-  converted model (any module under a root module that holds a QTensor parameter or buffer, or
-  that convert marked with ``_qtensor_converted``) or inside the backward of such an op.
-  Data-movement ops (views, copies) and factories (``torch.ones``) are not reported by
-  themselves: the constant is reported where it meets or is computed with.
+  converted model (any module under an outermost module that ``qt.convert`` converted, or that
+  holds a QTensor parameter or buffer) or inside the backward of such an op. Data-movement ops
+  (views, copies) and factories (``torch.ones``) are not reported by themselves: the constant is
+  reported where it meets QTensors or is computed with. A module whose activation role a recipe
+  sets to ``None`` is not checked for plain ops.
 - ``"unrepresentable"`` (d, ``check_values=True``): a QTensor, input or output of an op, whose
   payload is not exactly representable in its ``fmt``: rounded again with ``qt.quantize``
   (nearest) and compared bit for bit. A block-formatted tensor whose blocks no longer line up
   (a slice or reshape across blocks) is judged element by element instead: each value must be an
   element of the format times a scale (significant bits and quantum).
-- ``"optimizer"`` (e): after ``optimizer.step()`` of an optimizer given as ``optimizer=`` or to
-  ``report.watch(opt)``: a parameter, gradient, or per-element state tensor (``exp_avg``,
-  ``momentum_buffer``: state shaped like the parameter; the scalar ``step`` is not a value) that
-  is plain, or a QTensor in another format than expected. Expected: the formats ``qt.convert``
-  recorded for the parameter (``_qtensor_formats``), else the parameter's own ``fmt`` for its
-  optimizer state and any format for its gradient (by the dispatch rule a weight gradient takes
-  the format of the incoming gradient, not of the weight). A plain parameter is reported when
-  the same optimizer holds QTensor parameters (or convert recorded a format for it), unless it
-  is a master weight (``_qtensor_master``).
+- ``"optimizer"`` (e): right after ``optimizer.step()`` of an optimizer given as ``optimizer=``
+  or to ``report.watch(opt)`` (before qt.convert's own hook rounds the state): a parameter,
+  gradient, or per-element state tensor (``exp_avg``, ``momentum_buffer``: state shaped like the
+  parameter; the scalar ``step`` is not a value) that is plain, or a QTensor in another format
+  than expected. Expected: the plan ``qt.convert`` recorded for the parameter (value, grad and
+  optimizer_state roles; the state may also still be in the parameter's or the gradient's
+  format, from which the optimizer made it); for a QTensor parameter without a plan, state in
+  its own or its gradient's format and a QTensor gradient of any format (by the dispatch rule a
+  weight gradient takes the format of the incoming gradient). FP32 master weights (the recipe's
+  ``master_weights``) are by design plain, and so is their state. A plain parameter is reported
+  when convert planned a format for it or the same optimizer holds QTensor parameters.
 
 Ops issued by qtensor's own code (``as_qtensor``, ``dequantize``, convert's hooks, the quantizer)
 are never reported: only ops issued from user code or from torch on its behalf.
+
+Backward findings need the forward to run inside the ``with`` block too: the module path and
+source line of a backward op come from tags the forward leaves on autograd nodes. Module paths
+are relative to the outermost module called (call the model, not a submodule, to get full
+names).
 
 Each finding names the op, the module path (qualified name from ``named_modules()`` of the
 outermost module being called, ``"<backward of 'layer1.0.conv'>"`` in backward), the tensors
@@ -68,6 +80,8 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook as _register_post_step
+from torch.optim.optimizer import register_optimizer_step_pre_hook as _register_pre_step
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -96,7 +110,9 @@ _HEADLINES = {
 
 _FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
 _TAG = "qtensor.leak_check"  # key of our entry in autograd nodes' metadata
+_TARGET_TAG = "qtensor.leak_check.targets"  # storage keys of a loss node's targets
 _COPY_OPS = frozenset(("copy_", "_foreach_copy_"))
+_LIFTS = frozenset(("lift_fresh", "lift_fresh_copy"))  # torch.tensor(...): a factory
 
 
 class LeakError(RuntimeError):
@@ -265,6 +281,7 @@ class LeakReport:
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _QT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_THIS_FILE = os.path.abspath(__file__)
 _USER, _TORCH, _QT, _ENGINE, _PLUMBING = range(5)
 # frames between an op call and a dispatch mode: not the op's issuer
 _PLUMBING_FILES = tuple(os.path.join(_TORCH_DIR, p) for p in (
@@ -280,7 +297,8 @@ def _code_kind(code) -> int:
         if not os.path.isabs(fn):
             fn = os.path.abspath(fn)
         if fn.startswith(_QT_DIR):
-            k = _QT
+            # an op that a (nested) leak_check passes on is still its caller's op
+            k = _PLUMBING if fn == _THIS_FILE and code.co_name == "__torch_dispatch__" else _QT
         elif fn.startswith(_TORCH_DIR):
             if code.co_name == "_engine_run_backward":
                 k = _ENGINE  # the autograd engine runs the graph: ops below are torch's own
@@ -385,6 +403,8 @@ def _unrepresentable(payload: torch.Tensor, fmt: Format):
     p = payload.detach()
     f = _dispatch.fit_format(fmt, p.dim())
     q = quantize(p, f, rounding="nearest")
+    if torch.equal(p, q):  # the common case, one pass (NaN needs the bit comparison below)
+        return None
     ok = _same_bits(p, q)
     if bool(ok.all()):
         return None
@@ -396,6 +416,23 @@ def _unrepresentable(payload: torch.Tensor, fmt: Format):
     bad = (~ok).reshape(-1)
     i = int(bad.nonzero()[0, 0])
     return int(bad.sum()), i, p.reshape(-1)[i].item(), q.reshape(-1)[i].item()
+
+
+def _moves_checked_values(func, args, kwargs, outs, checked) -> bool:
+    """A data-movement op whose inputs are all checked QTensors of the outputs' format (no
+    plain floating input): its outputs hold those values, they need no second check."""
+    rule = _dispatch.rule_of(func)
+    if rule.kind != _dispatch.MOVE_KIND or rule.mutated or func._opname in _dispatch._MOVE_IF:
+        return False  # (ops that move only under a condition may round: check them)
+    fmt = outs[0][1].fmt
+    for _, t in _tensors(args, kwargs, None):
+        if isinstance(t, QTensor):
+            if not _same_format(t.fmt, fmt) or t.is_inference() or \
+                    checked.get(t) != (t._version, t._data._version):
+                return False
+        elif _is_float(t):
+            return False
+    return all(_same_format(t.fmt, fmt) for _, t in outs)
 
 
 def _same_format(a: Format, b: Format) -> bool:
@@ -434,6 +471,10 @@ def _scan_root(root: torch.nn.Module, state_names, deliberate):
         state_names[t] = name
         if isinstance(t, QTensor):
             converted = True
+    for mname, m in root.named_modules():
+        for k, v in vars(m).items():  # tensors kept as plain attributes: unregistered state
+            if isinstance(v, torch.Tensor):
+                state_names[v] = f"{mname}.{k}" if mname else k
     for m in root.modules():
         conv = _conversion(m)
         if conv is None:
@@ -462,6 +503,22 @@ class _Frame:
 
     def __init__(self, module, path, root, seq):
         self.module, self.path, self.root, self.seq = module, path, root, seq
+
+
+_TARGET_POS: dict = {}
+
+
+def _target_position(func):
+    """Position of an argument named ``target`` in func's schema (loss ops), else None."""
+    pos = _TARGET_POS.get(func, -1)
+    if pos == -1:
+        pos = None
+        for i, a in enumerate(func._schema.arguments):
+            if a.name == "target":
+                pos = i
+                break
+        _TARGET_POS[func] = pos
+    return pos
 
 
 _get_sequence_nr = torch._C._autograd._get_sequence_nr
@@ -588,6 +645,9 @@ class leak_check:
         self._pending = []
         self._seen = set()
         self._plain_act = False  # the current op runs in a module with full-precision activations
+        self._targets = None     # in a loss's backward: its targets' storage keys
+        self._user_made = WeakIdKeyDictionary()  # constants made by user code in a converted model
+        self._in_step = 0        # inside optimizer.step()
         self._state_names = WeakIdKeyDictionary()  # param/buffer -> qualified name
         self._blessed = WeakIdKeyDictionary()      # torch-made constants in a converted model
         self._deliberate = WeakIdKeyDictionary()   # tensors a recipe leaves in full precision
@@ -602,6 +662,8 @@ class leak_check:
         mm = torch.nn.modules.module
         self._handles.append(mm.register_module_forward_pre_hook(self._pre_hook))
         self._handles.append(mm.register_module_forward_hook(self._post_hook, always_call=True))
+        self._handles.append(_register_pre_step(self._pre_step))
+        self._handles.append(_register_post_step(self._post_step))
         for o in self._optimizers:
             self._watch(o)
         self._mode = _Mode(self)
@@ -616,6 +678,8 @@ class leak_check:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            self._in_step = 0
+            self._tls = threading.local()
         return False
 
     def _watch(self, optimizer) -> None:
@@ -669,12 +733,14 @@ class leak_check:
         """Tag the autograd nodes of the last op's outputs with its module and source line
         (outputs get their grad_fn only after the dispatch mode returned)."""
         pending, self._pending = self._pending, []
-        for t, tag in pending:
+        for t, tag, target in pending:
             gf = t.grad_fn
             if gf is not None:
                 md = gf.metadata
-                if _TAG not in md:
+                if tag is not None and _TAG not in md:
                     md[_TAG] = tag
+                if target is not None:
+                    md[_TARGET_TAG] = md.get(_TARGET_TAG, frozenset()) | {target}
 
     # -- exemptions -----------------------------------------------------------------------------
     def _allowed(self, t) -> bool:
@@ -696,10 +762,12 @@ class leak_check:
 
     def _exempt_plain(self, t, role) -> bool:
         """A plain floating tensor that may meet QTensors (see the module docstring)."""
-        if t.dim() == 0 and t not in self._state_names:
-            return True  # a scalar (wrapped Python number, 0-dim constant)
+        if t.dim() == 0 and t not in self._state_names and t not in self._user_made:
+            return True  # a scalar (a wrapped Python number, a 0-dim constant torch made)
         if role == "target":
             return True  # the data a loss compares with, like the model's inputs
+        if self._targets is not None and _storage_key(t) in self._targets:
+            return True  # the same, in the loss's backward
         if t in self._blessed or t in self._deliberate:
             return True
         if self._plain_act and t not in self._state_names:
@@ -710,12 +778,16 @@ class leak_check:
     def _context(self):
         """(module path, phase, converted, forward location tag or None) of the current op."""
         self._plain_act = False
+        self._targets = None
         node = torch._C._current_autograd_node()
         if node is not None:
-            tag = node.metadata.get(_TAG)
+            md = node.metadata
+            tag = md.get(_TAG)
+            self._targets = md.get(_TARGET_TAG)
             if tag is None:
                 return "<backward>", "backward", False, None
             # tag: (module path, forward location, converted: checked for plain ops)
+            self._plain_act = not tag[2]
             return f"<backward of '{tag[0] or '<root>'}'>", "backward", tag[2], tag
         stack = self._stack()
         if not stack:
@@ -736,8 +808,13 @@ class leak_check:
                 plain = True
         outs = _outputs(out)
         module, phase, converted, tag = self._context()
-        if not has_q and not converted:
-            return
+        if plain and phase == "forward" and torch.is_grad_enabled():
+            self._record_targets(func, args, kwargs, outs)
+        if not has_q:
+            if plain and (converted or self._in_step):
+                self._propagate_deliberate(ins, outs)
+            if not converted:
+                return
         if converted and phase == "forward" and torch.is_grad_enabled():
             self._record_tags(outs, module, frame)
         if has_q:
@@ -757,15 +834,40 @@ class leak_check:
                               flag_out=bad)
             return
         # plain tensors only, inside a converted model
-        if plain:
+        if plain and func._opname not in _LIFTS:
             self._check_plain_op(func, args, kwargs, ins, outs, module, phase, tag, frame)
         elif outs and any(_is_float(t) for _, t in outs):
-            # a factory (or a cast from integers): a constant; bless it when torch made it
+            # a factory (or a cast from integers): a constant; bless it when torch made it,
+            # remember it when the user did (a 0-dim one is then not taken for a scalar)
             direct, _, _ = _walk(frame)
-            if direct in (_TORCH, _ENGINE):
-                for _, t in outs:
-                    if _is_float(t) and not isinstance(t, QTensor):
-                        self._blessed[t] = True
+            made = self._blessed if direct in (_TORCH, _ENGINE) else self._user_made
+            for _, t in outs:
+                if _is_float(t) and not isinstance(t, QTensor):
+                    made[t] = True
+
+    def _propagate_deliberate(self, ins, outs):
+        """Plain values computed only from tensors a recipe keeps plain are deliberate too
+        (an optimizer's FP32 state made from an FP32 gradient)."""
+        if not self._deliberate:
+            return
+        for _, t in ins:
+            if _is_float(t) and t not in self._deliberate:
+                return
+        for _, t in outs:
+            if _is_float(t) and not isinstance(t, QTensor):
+                self._deliberate[t] = True
+
+    def _record_targets(self, func, args, kwargs, outs):
+        """A loss's target is data: remember it on the loss's autograd node so that its
+        backward formula (``sigmoid(x) - target``) may use it too."""
+        pos = _target_position(func)
+        if pos is None:
+            return
+        t = args[pos] if pos < len(args) else kwargs.get("target")
+        if isinstance(t, torch.Tensor) and not isinstance(t, QTensor):
+            key = _storage_key(t)
+            for _, o in outs:
+                self._pending.append((o, None, key))
 
     def _record_tags(self, outs, module, frame):
         if not outs:
@@ -775,7 +877,8 @@ class leak_check:
             if _is_float(t):
                 if loc is None:
                     loc = _user_location(frame)
-                self._pending.append((t, (module if module != "<root>" else "", loc, True)))
+                self._pending.append((t, (module if module != "<root>" else "", loc, True),
+                                      None))
 
     def _check_mixed(self, func, args, kwargs, outs, module, phase, tag, frame):
         rule = _dispatch.rule_of(func)
@@ -841,6 +944,9 @@ class leak_check:
                    if _is_float(t) and not self._exempt_plain(t, role)]
         if not flagged:
             return
+        for _, t in outs:  # a leaked scalar stays a leak downstream
+            if _is_float(t) and t.dim() == 0:
+                self._user_made[t] = True
         self._finding(PLAIN_OP, func, args, kwargs, outs, module, phase, tag, frame,
                       named=named, flag_in=flagged, issuer=issuer)
 
@@ -857,11 +963,19 @@ class leak_check:
             return  # uninitialised memory
         else:
             cands = [(r, t) for r, t in outs if isinstance(t, QTensor)]
+            if cands and _moves_checked_values(func, args, kwargs, cands, self._checked):
+                for _, t in cands:  # values moved from checked QTensors of the same format
+                    if not t.is_inference():
+                        self._checked[t] = (t._version, t._data._version)
+                return
         for role, t in cands:
-            ver = (t._version, t._data._version)
-            if self._checked.get(t) == ver:
-                continue
-            self._checked[t] = ver
+            if t.is_inference():  # no version counter: check every time
+                ver = None
+            else:
+                ver = (t._version, t._data._version)
+                if self._checked.get(t) == ver:
+                    continue
+                self._checked[t] = ver
             bad = _unrepresentable(t._data, t.fmt)
             if bad is not None:
                 count, i, v, q = bad
@@ -872,6 +986,26 @@ class leak_check:
                               frame, named=[(role, t)], flag_in=[0], detail=detail)
 
     # -- the optimizer -------------------------------------------------------------------------
+    def _pre_step(self, optimizer, args, kwargs):
+        """Every optimizer: the gradients and state a recipe keeps in full precision are
+        deliberate (the FP32 state the optimizer computes from them too)."""
+        self._in_step += 1
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                plan = getattr(p, "_qt_plan", None)
+                if plan is None:
+                    continue
+                g = p.grad
+                if plan.grad.full_precision and g is not None and not isinstance(g, QTensor):
+                    self._deliberate[g] = True
+                if plan.optimizer_state.full_precision or plan.master:
+                    for v in optimizer.state.get(p, {}).values():
+                        if isinstance(v, torch.Tensor) and not isinstance(v, QTensor):
+                            self._deliberate[v] = True
+
+    def _post_step(self, optimizer, args, kwargs):
+        self._in_step = max(0, self._in_step - 1)
+
     def _step_hook(self, optimizer, args, kwargs):
         if self._pending:
             self._flush()

@@ -131,6 +131,58 @@ def test_clean_recipes_report_nothing(spec):
     assert_clean(report)
 
 
+class Masked(nn.Module):
+    """An encoder with a causal float mask and a boolean padding mask, and an attention layer
+    with a boolean mask: torch turns the masks into float tensors inside a converted model."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        t = x.shape[1]
+        causal = nn.Transformer.generate_square_subsequent_mask(t)
+        pad = torch.zeros(x.shape[0], t, dtype=torch.bool)
+        pad[0, -1] = True
+        h = self.enc(x, mask=causal, src_key_padding_mask=pad, is_causal=True)
+        a, _ = self.mha(h, h, h, attn_mask=torch.ones(t, t, dtype=torch.bool).triu(1))
+        return self.out(a[:, 0])
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched")
+def test_clean_masks_and_inference():
+    torch.manual_seed(0)
+    model = _quiet_convert(Masked(), qt.bf16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 5, 16)
+    with qt.leak_check(action="raise", optimizer=opt, check_values=True) as report:
+        step(model, opt, x, torch.tensor([0, 2]), steps=1)
+        model.eval()
+        with torch.inference_mode():
+            model(x)
+    assert_clean(report)
+
+
+def test_clean_weight_only_recipe_and_logits_loss():
+    """Activations left in full precision by the recipe are deliberate; a loss's float target
+    is data, in forward and in the loss's backward formula (sigmoid(x) - target)."""
+    torch.manual_seed(0)
+    model = qt.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)),
+                       qt.Recipe(weight=qt.fp8_e4m3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with qt.leak_check(action="raise", optimizer=opt) as report:
+        step(model, opt, torch.randn(5, 4), torch.rand(5, 1), F.binary_cross_entropy_with_logits)
+    assert_clean(report)
+    model = qt.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), qt.bf16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with qt.leak_check(action="raise", optimizer=opt) as report:
+        step(model, opt, torch.randn(5, 4), torch.rand(5, 1), F.binary_cross_entropy_with_logits)
+    assert_clean(report)
+
+
 def test_scalars_are_not_leaks():
     q = qt.as_qtensor(torch.randn(4, 3), qt.bf16)
     with qt.leak_check(action="raise") as report:
@@ -240,6 +292,29 @@ def test_loss_target_and_writes_into_qtensor_are_not_leaks():
             q.copy_(torch.randn(4, 3))  # rounded into q's format: quantization, not a leak
             q[0] = torch.randn(3)
     assert_clean(report)
+
+
+class ScalarLeaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.temperature = torch.tensor(0.7)  # a tensor attribute, not a registered buffer
+
+    def forward(self, x):
+        h = self.fc(x) / self.temperature  # LEAK: 0-dim attribute
+        return h * torch.tensor(0.3)  # LEAK: 0-dim constant made in forward
+
+
+def test_mixed_zero_dim_state_and_user_constants():
+    """0-dim tensors count as scalars only when torch made them (wrapped numbers)."""
+    model = qt.convert(nn.Sequential(nn.Linear(4, 4), ScalarLeaks()), qt.bf16)
+    with qt.leak_check(action="record") as report:
+        model(torch.randn(2, 4))
+    assert [(f.kind, f.module, f.op) for f in report] == [
+        ("mixed", "1", "aten.div.Tensor"), ("mixed", "1", "aten.mul.Tensor")]
+    assert at(report[0], ScalarLeaks.forward, "LEAK: 0-dim attribute")
+    assert [t.name for t in report[0].tensors if t.flagged] == ["1.temperature"]
+    assert at(report[1], ScalarLeaks.forward, "LEAK: 0-dim constant")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,6 +630,18 @@ mixed     2       aten.add.Tensor       2  test_leaks.py:CONST in forward""")
     with qt.leak_check(action="record") as empty:
         pass
     assert empty.summary() == "leak_check: no leaks"
+
+
+def test_nested_checks_both_report():
+    torch.manual_seed(0)
+    model = qt.convert(BufferNet(), qt.bf16)
+    model.block.register_buffer("scale", torch.rand(8))
+    with qt.leak_check(action="record", check_values=True) as outer:
+        with qt.leak_check(action="record", check_values=True) as inner:
+            model(torch.randn(3, 4))
+    assert [(f.kind, f.module) for f in inner] == [("mixed", "block")]
+    assert [(f.kind, f.module) for f in outer] == [("mixed", "block")]
+    assert outer[0].location == inner[0].location
 
 
 def test_bad_arguments():
