@@ -23,8 +23,8 @@ What QPyTorch computes, and the format that reproduces it (its CPU kernels, read
   reproduced (an extra ``FloatFormat(exp, 23)`` pass) so that results match bit for bit.
 - ``fixed_point_quantize(x, wl, fl, clamp, symmetric)``: ``FixedFormat(wl, fl,
   symmetric=symmetric)``, which rounds, then clamps to [-2^(wl-fl-1) (+2^-fl if symmetric),
-  2^(wl-fl-1) - 2^-fl]. Nearest is ties to EVEN here: QPyTorch's CPU kernel uses nearbyint (its
-  CUDA kernel rounds ties away; the two disagree at exact ties). ``clamp=False`` rounds to the grid
+  2^(wl-fl-1) - 2^-fl]. Nearest is ties to EVEN here, on every device: QPyTorch's CPU kernel uses
+  nearbyint (its CUDA kernel rounds ties away; the two disagree at exact ties). ``clamp=False`` rounds to the grid
   k*2^-fl without any range, and word lengths above 24 (beyond what float32 holds exactly) round
   on that grid and then clamp to QPyTorch's float32 bounds.
 - ``block_quantize(x, wl, dim)``: ``BlockFormat(FixedFormat(wl, wl-2, symmetric=True),
@@ -41,12 +41,14 @@ What QPyTorch computes, and the format that reproduces it (its CPU kernels, read
 Deliberate differences from QPyTorch (where it is wrong or undefined):
 
 - NaN stays NaN (QPyTorch's float_quantize turns it into +-max or +-0).
-- -0.0 is kept, and a negative value that rounds to zero gives -0.0 (QPyTorch gives +0.0).
+- -0.0 is kept, and a negative value that rounds to zero gives -0.0 (QPyTorch gives +0.0), except
+  on the unclamped and wider-than-24-bit fixed-point paths, which compute QPyTorch's expression.
 - man=23 does not flip the sign (QPyTorch's nearest shifts by -1 bits there, issue #48); block
   word lengths of 23 and 24 are rounded correctly (QPyTorch's shifts are undefined there).
-- Stochastic rounding is reproducible under ``torch.manual_seed`` (QPyTorch's CPU kernels draw
-  from an unseeded std::mt19937); it is unbiased and follows the same distribution, but the
-  random stream differs, so stochastic results agree statistically, not bit for bit.
+- Stochastic rounding is reproducible under ``torch.manual_seed`` (QPyTorch's CPU float and block
+  kernels draw from an unseeded std::mt19937; its fixed point uses torch.rand_like). It is
+  unbiased with the same distribution, but the random stream differs, so stochastic results
+  agree with QPyTorch's statistically, not bit for bit.
 - ``backward_hooks`` are applied before backward quantization as documented, also when
   ``clamping_grad_zero=False`` (QPyTorch 0.3.0 silently ignores them in that case).
 - Inputs may be float32, float64, float16 or bfloat16 (QPyTorch accepts float32 only); the
