@@ -13,7 +13,14 @@ formats of weights, activations, gradients and optimizer state):
 - ``block8``: 8-bit block floating point for weights, activations, gradients and momentum
   (QPyTorch's "Block-8" example).
 - ``wage``: WAGE (Wu et al., 2018): 2-bit weights, 8-bit activations, gradients and errors,
-  fixed point.
+  fixed point. Formats alone do not make WAGE: with PyTorch's default initialisation every
+  2-bit weight of the linear layers rounds to 0 and nothing trains. So this row also does what
+  WAGE's training script does (``wage_setup``): its weight initialisation (uniform in +-0.75 for
+  2-bit weights) and its constant per-layer scale alpha (a power of two dividing each layer's
+  output). WAGE divides the full-precision accumulator by alpha *before* the 8-bit activation
+  rounding, so the activations here keep FP32 values between layers and enter every matrix
+  multiply as 8-bit fixed point (``activation=(fp32, <the preset's 8-bit format>)``); with the
+  preset's 8-bit activation values, each layer's output would saturate at 1 before alpha.
 - ``swalp``: SWALP (Yang et al., 2019): 8-bit block floating point with stochastic rounding for
   everything, plus stochastic weight averaging of the low-precision iterates in high precision;
   the table shows both the last low-precision iterate and the FP32 average.
@@ -23,6 +30,7 @@ Same model, initial weights, batches and optimizer (SGD, momentum 0.9) as the FP
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 
@@ -30,6 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 import qtensor as qt  # noqa: E402
 
@@ -39,11 +48,28 @@ SWA_START = 0.5   # SWALP: average the iterates of the second half of training
 SWA_EVERY = 5     # ... every 5 steps
 
 
+def wage_setup(model, weight_bits=2, beta=1.5):
+    """WAGE's initialisation and layer scales (Wu et al. 2018, sec. 3.2); returns the recipe."""
+    w_max = beta / 2 ** (weight_bits - 1)  # 0.75 for 2-bit weights
+    for module in model.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            limit = math.sqrt(6 / module.weight[0].numel())       # He-uniform limit of the layer
+            alpha = max(2.0 ** round(math.log2(w_max / limit)), 1.0)
+            nn.init.uniform_(module.weight, -max(w_max, limit), max(w_max, limit))
+            nn.init.zeros_(module.bias)
+            # Registered before qt.convert's hooks, so it divides the FP32 output before rounding.
+            module.register_forward_hook(lambda m, args, out, alpha=alpha: out / alpha)
+    recipe = qt.recipes.wage
+    return recipe.replace(activation=(qt.fp32, recipe.activation.fmt))
+
+
 def run_recipe(name, data, steps, seed):
     x_train, y_train, x_test, y_test = data
     torch.manual_seed(seed)
     model = common.DigitsCNN()
-    if name != "fp32":
+    if name == "wage":
+        qt.convert(model, wage_setup(model))
+    elif name != "fp32":
         qt.convert(model, getattr(qt.recipes, name))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
@@ -76,9 +102,9 @@ def run_recipe(name, data, steps, seed):
 
 SUMMARY = {
     "fp32": "plain PyTorch FP32",
-    "fp16": "IEEE FP16 everywhere",
+    "fp16": "FP16 everywhere (QPyTorch's: no Inf, ties away)",
     "block8": "8-bit block floating point, nearest",
-    "wage": "2-bit weights, 8-bit fixed point A/G/E",
+    "wage": "2-bit W, 8-bit fixed A/G/E; WAGE init + scales",
     "swalp": "8-bit block floating point, stochastic",
 }
 
@@ -91,7 +117,11 @@ def recipe_formats(name: str) -> str:
         f = getattr(recipe, role, None)
         if f is not None and f is not False:
             parts.append(f"{role}={f}")
-    return f"- `qt.recipes.{name}`: " + ", ".join(parts)
+    line = f"- `qt.recipes.{name}`: " + ", ".join(parts)
+    if name == "wage":
+        line += ("; run here with activation=(fp32, the 8-bit format above) and WAGE's "
+                 "initialisation and layer scales (see wage_setup)")
+    return line
 
 
 def main(argv=None):
