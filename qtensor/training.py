@@ -17,10 +17,10 @@ Optimizer state in its own format (``Recipe.optimizer_state``)
     converted by qt.convert). After each step, every floating, non-scalar state tensor of a
     converted parameter (momentum, Adam's moments) is rounded into the optimizer_state role,
     and the optimizer's in-place updates keep it there (``None``: FP32 QTensors).
-    Adam and AdamW state is created in that role before their first step (zeros, as their lazy
-    init does), so every step is computed in it; other optimizers create their state themselves
-    in their first step (SGD's momentum is a copy of the gradient), in the parameter's or the
-    gradient's format, and it is rounded into the role right after that step.
+    Adam and AdamW state, and SGD's momentum buffer (when dampening is 0), are created in that
+    role before their first step (zeros, equivalent to their own lazy init), so every step is
+    computed in it; other optimizers create their state themselves in their first step, in the
+    parameter's or the gradient's format, and it is rounded into the role right after that step.
 
 FP32 master weights (``Recipe(master_weights=True)``)
     Use when the weight *value* format is narrow (BF16, FP8, fixed point) and updates are much
@@ -139,12 +139,29 @@ def _pre_step(optimizer, args, kwargs):
     optimizer._qt_swapped = swapped
     if isinstance(optimizer, torch.optim.Adam):
         _init_adam_state(optimizer)
+    elif isinstance(optimizer, torch.optim.SGD):
+        _init_sgd_state(optimizer)
 
 
 def _state_zeros(p, plan):
     conv = _conv()
     zeros = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
     return conv.round_to(zeros, plan.optimizer_state, name=f"optimizer state of {plan.name}")
+
+
+def _init_sgd_state(optimizer) -> None:
+    # SGD's first step copies the gradient into the momentum buffer; with dampening 0 a zero
+    # buffer in the state format gives the same values, rounded into the format from the start.
+    for group in optimizer.param_groups:
+        if not group.get("momentum") or group.get("dampening") or group.get("fused"):
+            continue
+        for p in group["params"]:
+            plan = _plan(p)
+            if plan is None or plan.master or p.grad is None:
+                continue
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = _state_zeros(p, plan)
 
 
 def _init_adam_state(optimizer) -> None:

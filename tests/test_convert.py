@@ -702,6 +702,10 @@ def test_recipes_documented():
     assert qt.quantize(torch.tensor([0.3, -0.2, 0.1, 0.9]), m.wage.weight.mm_fmt).tolist() == \
         [0.5, 0.0, 0.0, 0.5]  # ternary {-0.5, 0, 0.5}
     assert m.swalp.weight.fmt.rounding == "stochastic"
+    for r in m.PRESETS_BY_NAME.values():  # formats survive str() (QTensor serialization)
+        for role in ("weight", "bias", "activation", "grad", "optimizer_state"):
+            for f in (getattr(r, role).fmt, getattr(r, role).mm_fmt):
+                assert f is None or qt.format(str(f)) == f, (r.name, role)
 
 
 @pytest.mark.parametrize("name", ["mxfp6", "mxfp4_weights", "mx_all_mxfp6", "fp16", "block8",
@@ -763,6 +767,19 @@ def test_adam_state_created_in_its_format():
             m2(torch.randn(3, 4)).sum().backward()
             opt2.step()
     assert_in_format(opt2.state[m2.weight]["momentum_buffer"], FP32, None, "momentum")
+    # SGD momentum is created in its format too: after one step it is fp8(grad), not the grad
+    m3 = nn.Linear(4, 2, bias=False)
+    qt.convert(m3, qt.Recipe(weight="bf16", activation="bf16", grad="bf16",
+                             optimizer_state="fp8_e4m3"))
+    opt3 = torch.optim.SGD(m3.parameters(), lr=0.1, momentum=0.9)
+    m3(torch.randn(3, 4)).sum().backward()
+    w0, g = m3.weight.dequantize().clone(), m3.weight.grad.dequantize().clone()
+    opt3.step()
+    buf = opt3.state[m3.weight]["momentum_buffer"]
+    assert_in_format(buf, qt.fp8_e4m3, None, "momentum")
+    assert torch.equal(buf.dequantize(), qt.quantize(g, qt.fp8_e4m3))
+    assert torch.equal(m3.weight.dequantize(),
+                       qt.quantize(w0 - 0.1 * qt.quantize(g, qt.fp8_e4m3), qt.bf16))
     assert_in_format(m2.weight, qt.bf16, None, "weight")
 
 
