@@ -184,6 +184,9 @@ def test_recipe_roles():
     r32 = mx.recipe({"w_elem_format": "int8", "a_elem_format": "int8", "block_size": 32})
     assert r32.weight.fmt == qt.fp32 and r32.weight.mm_fmt == qt.mxint8.replace(
         rounding="nearest_away") and not r32.master_weights
+    dither = mx.recipe({"a_elem_format": "fp8_e4m3", "block_size": 32, "round": "dither"})
+    assert dither.activation.mm_fmt == qt.mxfp8_e4m3.replace(rounding="stochastic")
+    assert dither.grad.mm_fmt.rounding == "stochastic" and dither.weight.full_precision
     with pytest.warns(UserWarning, match="w_elem_format_bp"):
         mx.recipe(dict(_specs(), w_elem_format_bp="fp8_e4m3"))
     with pytest.warns(UserWarning, match="round_mx_weight_grad_input='even'"):
