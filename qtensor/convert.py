@@ -88,6 +88,7 @@ import difflib
 import fnmatch
 import re
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -549,7 +550,6 @@ class _Conversion:
     converted_params: list = field(default_factory=list)   # (module, name)
     hooked_params: list = field(default_factory=list)      # (module, name, plan): floating params
     param_handles: list = field(default_factory=list)      # their handles
-    owner: int = 0                                         # id() of the converted root
     converted_buffers: list = field(default_factory=list)  # (module, name)
     skipped: List[str] = field(default_factory=list)       # non-floating tensors left alone
 
@@ -647,14 +647,19 @@ def _attach(conv: _Conversion) -> None:
             conv.param_handles.append(p.register_hook(_GradHook(plan)))
 
 
+# Models whose parameters carry their plans and hooks. A deep copy or an unpickled copy of a
+# converted model is not in it (weak: a freed model's id cannot be mistaken for a live one's).
+_attached = weakref.WeakSet()
+
+
 def _reattach_hook(model, args):
     # A deep copy of a converted model copies its modules, hooks and _qt_conversion, but a copied
     # tensor keeps neither its attributes nor its hooks: attach them again on first use.
     conv = getattr(model, "_qt_conversion", None)
-    if conv is not None and conv.owner != id(model):
+    if conv is not None and model not in _attached:
         conv.param_handles = []
         _attach(conv)
-        conv.owner = id(model)
+        _attached.add(model)
     return None
 
 
@@ -755,7 +760,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
         if plan is not None:
             conv.hooked_params.append((mod, local, plan))
     _attach(conv)
-    conv.owner = id(model)
+    _attached.add(model)
     conv.handles.append(model.register_forward_pre_hook(_reattach_hook))
 
     # Activation hooks.
@@ -802,6 +807,7 @@ def unconvert(model: nn.Module) -> nn.Module:
         if b is not None and _is_q(b):
             mod._buffers[local] = b.dequantize().detach().clone()
     del model._qt_conversion
+    _attached.discard(model)
     from .training import bump_epoch
     bump_epoch()
     return model

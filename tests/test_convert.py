@@ -798,6 +798,7 @@ def test_whole_model_pickle_and_deepcopy_keep_conversion():
         assert_in_format(copy_.bn.running_mean, qt.fp8_e4m3, None, "running_mean")
         qt.unconvert(copy_)
         assert all(type(p) is nn.Parameter for p in copy_.parameters())
+        assert type(copy_(data_img()[0][0])) is torch.Tensor  # no hooks left
 
 
 def test_grad_rounding_without_activation_format():
