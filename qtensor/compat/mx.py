@@ -243,8 +243,8 @@ _ROLE_KEYS = {
 def _approximation_warnings(s: Dict[str, Any]) -> list:
     notes = []
     for role, (key, others) in _ROLE_KEYS.items():
-        for other in others:
-            if s[other] != s[key] and s["quantize_backprop"]:
+        for other in others:  # compared as formats: "fp4" and "fp4_e2m1" (or an enum) agree
+            if elem_format(s[other]) != elem_format(s[key]) and s["quantize_backprop"]:
                 notes.append(f"{other}={s[other]!r} differs from {key}={s[key]!r}: the {role} keeps "
                              f"{s[key]!r} in every contraction")
     pairs = [("round_mx_input_grad_weight", "round_mx_output"),
