@@ -77,7 +77,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_post_step
@@ -87,7 +87,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import dispatch as _dispatch
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format
+from .formats import BlockFormat, FloatFormat, Format
 from .tensor import QTensor
 
 __all__ = ["leak_check", "LeakReport", "Finding", "TensorInfo", "Location", "LeakError",
@@ -595,8 +595,8 @@ class _Mode(TorchDispatchMode):
         check = self.check
         if check._pending:
             check._flush()
-        if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten":
-            return func(*args, **kwargs)  # qtensor's own kernels, other libraries' ops
+        if not isinstance(func, torch._ops.OpOverload) or func.namespace == "qtensor":
+            return func(*args, **kwargs)  # qtensor's own kernels; higher-order operators
         frame = sys._getframe(1)
         if check.check_values:
             check._check_qvalues(func, args, kwargs, None, frame)  # inputs, before they change
