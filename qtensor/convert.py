@@ -552,6 +552,7 @@ class _Conversion:
     param_handles: list = field(default_factory=list)      # their handles
     converted_buffers: list = field(default_factory=list)  # (module, name)
     skipped: List[str] = field(default_factory=list)       # non-floating tensors left alone
+    dtypes: Dict[str, torch.dtype] = field(default_factory=dict)  # original dtypes, by name
 
 
 _warned: set = set()
@@ -703,6 +704,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
             continue
         plan = _tensor_plan(recipe, qual, _kind(qual), is_buffer=False)
         conv.tensor_plans[qual] = plan
+        conv.dtypes[qual] = p.dtype
         if not plan.value.full_precision:
             todo_params.append((owners, plan))
     for owners in buffers.values():
@@ -713,6 +715,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
             continue
         plan = _tensor_plan(recipe, qual, "buffer", is_buffer=True)
         conv.tensor_plans[qual] = plan
+        conv.dtypes[qual] = b.dtype
         if not plan.value.full_precision:
             todo_buffers.append((owners, plan))
     for mname, mod in model.named_modules():
@@ -739,13 +742,13 @@ def convert(model: nn.Module, spec) -> nn.Module:
     with _FlatWeights(model):
         for owners, plan, value, grad in new_params:
             _swap_param(owners, value, grad, plan.name)
-            conv.converted_params.extend((mod, local) for mod, local, _q in owners)
+            conv.converted_params.extend((mod, local, plan.name) for mod, local, _q in owners)
     for owners, plan, value in new_buffers:
         for mod, local, _qual in owners:
             mod._buffers[local] = value
-            conv.converted_buffers.append((mod, local))
+            conv.converted_buffers.append((mod, local, plan.name))
     by_module: Dict[int, Tuple[nn.Module, List[str]]] = {}
-    for mod, local in conv.converted_buffers:
+    for mod, local, _qual in conv.converted_buffers:
         by_module.setdefault(id(mod), (mod, []))[1].append(local)
     for mod, names in by_module.values():
         conv.handles.append(mod.register_forward_hook(_BufferHook(names)))
@@ -785,27 +788,30 @@ def convert(model: nn.Module, spec) -> nn.Module:
 
 
 def unconvert(model: nn.Module) -> nn.Module:
-    """Undo qt.convert: plain float parameters (same objects), buffers and gradients; no hooks."""
+    """Undo qt.convert: plain parameters (the same objects), buffers and gradients, in their
+    original dtypes, with the values they have now; no hooks."""
     conv = getattr(model, "_qt_conversion", None)
     if conv is None:
         raise RuntimeError("qt.unconvert: this model was not converted by qt.convert")
     for handle in conv.handles + conv.param_handles:
         handle.remove()
     with _FlatWeights(model):
-        for mod, local in conv.converted_params:
+        for mod, local, qual in conv.converted_params:
             p = mod._parameters.get(local)
             if p is None or not _is_q(p):
                 continue
+            dtype = conv.dtypes.get(qual, p.dtype)
             with torch.no_grad():
-                value = p.dequantize().detach().clone()
-                grad = None if p.grad is None else _plain(p.grad).detach().clone()
-            owners = [(m, n, n) for m, n in conv.converted_params if m._parameters.get(n) is p]
+                value = p.dequantize().detach().to(dtype, copy=True)
+                grad = None if p.grad is None else _plain(p.grad).detach().to(dtype, copy=True)
+            owners = [(m, n, q) for m, n, q in conv.converted_params if m._parameters.get(n) is p]
             p.__dict__.pop("_qt_plan", None)
-            _swap_param(owners, value, grad, local)
-    for mod, local in conv.converted_buffers:
+            _swap_param(owners, value, grad, qual)
+    for mod, local, qual in conv.converted_buffers:
         b = mod._buffers.get(local)
         if b is not None and _is_q(b):
-            mod._buffers[local] = b.dequantize().detach().clone()
+            mod._buffers[local] = b.dequantize().detach().to(conv.dtypes.get(qual, b.dtype),
+                                                             copy=True)
     del model._qt_conversion
     _attached.discard(model)
     from .training import bump_epoch

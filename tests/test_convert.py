@@ -830,3 +830,12 @@ def test_tied_and_frozen_parameters():
     assert m[1].weight.grad is None
     qt.unconvert(m)
     assert m[0].weight is m[2].weight and type(m[0].weight) is nn.Parameter
+
+
+def test_unconvert_restores_dtype():
+    m = nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)).to(torch.bfloat16)
+    qt.convert(m, "fp8_e4m3")
+    assert m[0].weight.fmt == qt.fp8_e4m3
+    qt.unconvert(m)
+    assert all(type(t) in (nn.Parameter, torch.Tensor) and t.dtype == torch.bfloat16
+               for t in list(m.parameters()) + [m[1].running_mean])
