@@ -17,6 +17,7 @@ import qtensor as qt
 from qtensor.convert import plan_of
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors")
 
 BF16, FP32 = qt.bf16, qt.fp32
 
