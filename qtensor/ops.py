@@ -1,2 +1,191 @@
-"""Custom ops (placeholder until the kernels land): qt.quantize uses the reference."""
-from .reference import quantize  # noqa: F401
+"""The quantization custom ops and their Python entry points ``quantize`` and ``quantize_``.
+
+The ops live in the compiled extension ``qtensor._C`` (schemas in csrc/quantize.cpp, one per
+family: ``qtensor::quantize_float``, ``quantize_fixed``, ``quantize_block``, each with ``.out`` and
+in-place ``_`` variants; CPU and CUDA kernels). This module registers their fake (meta)
+implementations so that torch.compile and FakeTensor work, and routes ``quantize`` to them when
+they can take the input (float32/float16/bfloat16 on a device with kernels); everything else
+(float64, no compiled extension) goes through :mod:`qtensor.reference`, which the kernels match
+bit for bit, stochastic rounding included.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from . import reference
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format
+
+__all__ = ["quantize", "quantize_", "kernels_available", "op_args"]
+
+_ROUNDING_CODE = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "stochastic": 3}
+_SCALE_RULE_CODE = {"floor": 0, "ceil": 1, "amax": 2}
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+try:
+    from . import _C  # noqa: F401  (loading it registers the ops)
+    _LOAD_ERROR: Optional[BaseException] = None
+except ImportError as e:  # not built, or built against another torch
+    _C = None
+    _LOAD_ERROR = e
+    warnings.warn(
+        f"qtensor: the compiled kernels (qtensor._C) could not be loaded ({e}); quantization "
+        "falls back to the pure-PyTorch reference, which is exact but slow. Build them with "
+        "`pip install --no-build-isolation -e .` in the qtensor checkout (torch must already be "
+        "installed).", RuntimeWarning, stacklevel=2)
+
+
+def kernels_available(device: str | torch.device = "cpu") -> bool:
+    """Whether the compiled kernels can run on ``device`` (a device type or device)."""
+    if _C is None:
+        return False
+    dev = torch.device(device).type
+    if dev == "cpu":
+        return True
+    key = {"cuda": "CUDA"}.get(dev)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "qtensor::quantize_float", key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Format -> op arguments (the one place that knows the op signatures)
+
+def _float_args(f: FloatFormat) -> tuple:
+    if f.saturate:
+        overflow = 0
+    else:
+        overflow = 1 if f.has_inf else 2
+    return (f.man, f.emin, f.subnormals, float(f.max), overflow, not f.signed)
+
+
+def op_args(fmt: Format) -> tuple:
+    """``(op name, arguments after x)`` of the custom op that rounds to ``fmt``."""
+    if isinstance(fmt, FloatFormat):
+        return "quantize_float", _float_args(fmt)
+    if isinstance(fmt, FixedFormat):
+        return "quantize_fixed", (fmt.wl, fmt.fl, fmt.signed, fmt.symmetric, fmt.saturate)
+    if isinstance(fmt, BlockFormat):
+        e = fmt.elem
+        if isinstance(e, FloatFormat):
+            elem = [0, e.man, e.emin, int(e.subnormals), e.emax]
+        else:
+            elem = [1, e.wl, e.fl, int(e.signed), int(e.symmetric)]
+        s = fmt.scale
+        man, emin, subnormals, smax, overflow, unsigned = _float_args(s)
+        scale = [man, emin, s.emax, int(subnormals), overflow, int(unsigned)]
+        block_size = 0 if fmt.block_size is None else fmt.block_size
+        return "quantize_block", (elem, float(e.max), block_size, fmt.axis,
+                                  _SCALE_RULE_CODE[fmt.scale_rule], scale, smax, fmt.tensor_scale)
+    raise TypeError(f"cannot quantize to {fmt!r}: not a format")
+
+
+def _seed_arg(seed: int) -> int:
+    """The 64-bit seed as the op's signed int64 (the kernels read it back as unsigned)."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake (meta) implementations: shapes and dtypes only
+
+if _C is not None:
+    def _register_fakes():
+        for family in ("quantize_float", "quantize_fixed", "quantize_block"):
+            def functional(x, *args):
+                return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+            def out_variant(x, *args, out):
+                return None
+
+            def inplace(x, *args):
+                return None
+
+            torch.library.register_fake(f"qtensor::{family}", functional)
+            torch.library.register_fake(f"qtensor::{family}.out", out_variant)
+            torch.library.register_fake(f"qtensor::{family}_", inplace)
+
+    _register_fakes()
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    if _C is None or x.dtype not in _KERNEL_DTYPES:
+        return False
+    if x.device.type == "meta":
+        return True
+    return kernels_available(x.device)
+
+
+def _check_out(x: torch.Tensor, out: torch.Tensor, fmt) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"quantize to {fmt}: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.device != x.device:
+        raise ValueError(f"quantize to {fmt}: out is on {out.device} but x is on {x.device}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"quantize to {fmt}: out has dtype {out.dtype} but x has dtype {x.dtype}")
+    if out.shape != x.shape:
+        raise ValueError(
+            f"quantize to {fmt}: out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
+
+
+def _check_axis(x: torch.Tensor, fmt) -> None:
+    if isinstance(fmt, BlockFormat) and fmt.axis is not None and x.dim() > 0:
+        if not -x.dim() <= fmt.axis < x.dim():
+            raise IndexError(
+                f"{fmt}: axis {fmt.axis} is out of range for a tensor of shape {tuple(x.shape)}")
+
+
+def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None, seed: int = 0, *,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``quantize`` with an explicit stochastic-rounding seed (as reference.quantize_with_seed)."""
+    fmt = reference.check_input(x, fmt)
+    rounding = reference.resolve_rounding(fmt, rounding)
+    if out is not None:
+        _check_out(x, out, fmt)
+    _check_axis(x, fmt)
+    if not _use_kernel(x):
+        q = reference.quantize_with_seed(x, fmt, rounding, seed)
+        return q if out is None else out.copy_(q)
+    name, args = op_args(fmt)
+    args = (*args, _ROUNDING_CODE[rounding], _seed_arg(seed))
+    x = x.detach()
+    if out is None:
+        return getattr(torch.ops.qtensor, name)(x, *args)
+    getattr(torch.ops.qtensor, name).out(x, *args, out=out)
+    return out
+
+
+def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
+             generator: Optional[torch.Generator] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x rounded to ``fmt`` (a format or its name), as a new plain tensor like x (or into ``out``).
+
+    rounding overrides the format's own mode; generator feeds stochastic rounding (default:
+    torch's default CPU generator, so ``torch.manual_seed`` makes it reproducible, and CPU and
+    CUDA give the same result). Uses the compiled kernels where they apply, else the reference;
+    both give the same bits.
+    """
+    fmt = reference.check_input(x, fmt)
+    rounding = reference.resolve_rounding(fmt, rounding)
+    seed = reference.draw_seed(generator) if rounding == "stochastic" else 0
+    return quantize_with_seed(x, fmt, rounding, seed, out=out)
+
+
+def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
+              generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Round x to ``fmt`` in place and return x."""
+    fmt = reference.check_input(x, fmt)
+    rounding = reference.resolve_rounding(fmt, rounding)
+    _check_axis(x, fmt)
+    seed = reference.draw_seed(generator) if rounding == "stochastic" else 0
+    if not _use_kernel(x):
+        with torch.no_grad():
+            return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))
+    name, args = op_args(fmt)
+    getattr(torch.ops.qtensor, name + "_")(x.detach(), *args, _ROUNDING_CODE[rounding],
+                                           _seed_arg(seed))
+    return x

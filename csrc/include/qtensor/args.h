@@ -1,0 +1,42 @@
+// Plain-data arguments of the kernels, shared by the CPU loops and the CUDA kernels (torch-free).
+#pragma once
+
+#include <stdint.h>
+
+#include "qtensor/round.h"
+
+namespace qtensor {
+
+constexpr int kMaxDims = 16;
+enum ScaleRule : int { kRuleFloor = 0, kRuleCeil = 1, kRuleAmax = 2 };
+
+// A tensor's logical shape with the strides (in elements) of the input x, of the output y and of
+// the logical row-major order (ls, which numbers elements for stochastic rounding).
+struct Layout {
+  int ndim;
+  int64_t numel;
+  bool contiguous;  // x and y both contiguous
+  int64_t sizes[kMaxDims], xs[kMaxDims], ys[kMaxDims], ls[kMaxDims];
+};
+
+// Everything a block kernel needs, with the element and scale formats unpacked.
+struct BlockArgs {
+  bool whole_tensor;   // axis=None: one block
+  int axis;            // normalized, when !whole_tensor
+  int64_t block_size;  // >= 1 (the whole axis for block_size=None)
+  int scale_rule;
+  // element: float (man, emin, qlow) or fixed (wl, fl, signed, symmetric)
+  bool elem_fixed;
+  int man, emin, qlow, elem_emax;
+  int wl, fl;
+  bool is_signed, symmetric;
+  double elem_max;
+  // power-of-two scales: exponent range
+  int scale_emin, scale_emax;
+  // scale_rule == amax
+  AmaxBlockSpec amax_spec;
+  bool tensor_scale;
+  double ts;  // the per-tensor scale (when tensor_scale)
+};
+
+}  // namespace qtensor

@@ -1,0 +1,352 @@
+// Scalar rounding math shared by the CPU and CUDA kernels: one source of truth, torch-free.
+//
+// Every function works on the bit pattern of a float32 (U = uint32_t) or float64 (U = uint64_t)
+// carrier with integer operations, so the result is exact and identical on host and device, and
+// the CPU loops that call it are branch-free (selects only) and vectorize.
+//
+// The numerical contract is qtensor/reference.py; the names below follow it:
+//   rounding a magnitude a to a grid of spacing 2^qexp: y = a / 2^qexp, lo = floor(y),
+//   frac = y - lo, and the result is (lo + up) * 2^qexp where, with thr = floor(frac * 2^32),
+//   up = (w < thr) for a 32-bit word w chosen by the rounding mode:
+//     nearest (ties to even)   w = 2^31 - (lo & 1)
+//     nearest_away             w = 2^31 - 1
+//     toward_zero              w = 2^32 - 1           (never up)
+//     stochastic               w = the element's random word (the reference's contract)
+//   This is exact for the deterministic modes because frac has at most 32 fractional bits
+//   whenever it can be >= 1/2.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define QT_HD __host__ __device__ __forceinline__
+#else
+#include <string.h>
+#define QT_HD inline __attribute__((always_inline))
+#endif
+
+namespace qtensor {
+
+enum Rounding : int { kNearest = 0, kNearestAway = 1, kTowardZero = 2, kStochastic = 3 };
+// What a float format gives on overflow: its max, Inf, or NaN.
+enum Overflow : int { kSaturate = 0, kInf = 1, kNaN = 2 };
+
+// ---- bit casts ---------------------------------------------------------------------------------
+QT_HD uint32_t f2u(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u; memcpy(&u, &f, 4); return u;
+#endif
+}
+QT_HD float u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+QT_HD uint64_t d2u(double f) {
+#if defined(__CUDA_ARCH__)
+  return (uint64_t)__double_as_longlong(f);
+#else
+  uint64_t u; memcpy(&u, &f, 8); return u;
+#endif
+}
+QT_HD double u2d(uint64_t u) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double((long long)u);
+#else
+  double f; memcpy(&f, &u, 8); return f;
+#endif
+}
+
+// ---- the random-bits contract (reference.py docstring) -----------------------------------------
+QT_HD uint32_t lowbias32(uint32_t v) {
+  v ^= v >> 16; v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
+  return v;
+}
+QT_HD uint32_t seed_key(uint64_t seed) {
+  return lowbias32((uint32_t)seed ^ lowbias32((uint32_t)(seed >> 32) ^ 0x9E3779B9u));
+}
+// key ^ lowbias32(hi32(i)): constant over each run of 2^32 indices.
+QT_HD uint32_t index_key(uint32_t key, uint64_t index) {
+  return key ^ lowbias32((uint32_t)(index >> 32));
+}
+QT_HD uint32_t random_word(uint32_t ikey, uint32_t index_lo) { return lowbias32(index_lo ^ ikey); }
+
+// ---- carrier traits ----------------------------------------------------------------------------
+template <typename U> struct Carrier;
+template <> struct Carrier<uint32_t> {
+  using Float = float;
+  static constexpr int BITS = 32, MAN = 23, BIAS = 127;
+  static constexpr uint32_t SIGN = 0x80000000u, ABS = 0x7FFFFFFFu, INF = 0x7F800000u,
+                            QNAN = 0x7FC00000u, MANMASK = 0x007FFFFFu;
+  static QT_HD float to_float(uint32_t u) { return u2f(u); }
+  static QT_HD uint32_t to_bits(float f) { return f2u(f); }
+};
+template <> struct Carrier<uint64_t> {
+  using Float = double;
+  static constexpr int BITS = 64, MAN = 52, BIAS = 1023;
+  static constexpr uint64_t SIGN = 0x8000000000000000ull, ABS = 0x7FFFFFFFFFFFFFFFull,
+                            INF = 0x7FF0000000000000ull, QNAN = 0x7FF8000000000000ull,
+                            MANMASK = 0x000FFFFFFFFFFFFFull;
+  static QT_HD double to_float(uint64_t u) { return u2d(u); }
+  static QT_HD uint64_t to_bits(double f) { return d2u(f); }
+};
+
+// 2^e as carrier bits; e must lie in the carrier's range (subnormals included).
+template <typename U> QT_HD U pow2_bits(int e) {
+  using C = Carrier<U>;
+  int sh = e + C::BIAS + C::MAN - 1;                 // bit position of a subnormal 2^e
+  sh = sh < 0 ? 0 : (sh > C::BITS - 1 ? C::BITS - 1 : sh);
+  U normal = (U)(U)(e + C::BIAS) << C::MAN;
+  return e >= 1 - C::BIAS ? normal : ((U)1 << sh);
+}
+
+// Binade (floor(log2 a)) of a positive finite magnitude given by its bits; a subnormal's binade
+// is found by converting its integer significand to float, which is exact.
+template <typename U> QT_HD int binade_of(U A) {
+  using C = Carrier<U>;
+  int E = (int)(A >> C::MAN);
+  int sub;
+  if (C::BITS == 32) {
+    sub = (int)(f2u((float)(int32_t)A) >> 23) - 127 - (C::BIAS + C::MAN - 1);
+  } else {
+    sub = (int)(d2u((double)(int64_t)A) >> 52) - 1023 - (C::BIAS + C::MAN - 1);
+  }
+  return E != 0 ? E - C::BIAS : sub;
+}
+
+template <int MODE> QT_HD uint32_t mode_word(uint32_t lo_odd, uint32_t rbits) {
+  return MODE == kNearest ? 0x80000000u - lo_odd
+       : MODE == kNearestAway ? 0x7FFFFFFFu
+       : MODE == kTowardZero ? 0xFFFFFFFFu : rbits;
+}
+
+// Round a finite magnitude (bits A, sign clear) to the grid whose spacing is 2^(binade - man)
+// when binade >= emin and 2^qlow below (qlow = emin - man with subnormals, emin without; a fixed
+// point grid is emin = +large, qlow = -fl). Returns the magnitude bits, possibly one quantum past
+// the format's range (the caller handles overflow).
+template <int MODE, typename U>
+QT_HD U round_magnitude(U A, int emin, int man, int qlow, uint32_t rbits) {
+  using C = Carrier<U>;
+  const int E = (int)(A >> C::MAN);
+  const int binade = binade_of<U>(A);
+  const int qexp = binade >= emin ? binade - man : qlow;
+  const int ulp = (E > 1 ? E : 1) - (C::BIAS + C::MAN);   // exponent of A's last bit
+  const int d = qexp - ulp;                               // bits to round away
+  const bool tiny = d > C::MAN;                           // a < 2^qexp: result 0 or 2^qexp
+  const int dn = d < 0 ? 0 : (tiny ? C::MAN : d);
+  const U mask = ((U)1 << dn) - 1;
+  const U fb = A & mask;
+  // thr = floor(frac * 2^32) with frac = fb / 2^dn
+  uint32_t thr_n;
+  if (C::MAN > 31) {
+    int sl = dn < 31 ? 31 - dn : 0, sr = dn > 32 ? dn - 32 : 0;
+    thr_n = (uint32_t)(dn <= 31 ? ((fb << sl) << 1) : (fb >> sr));
+  } else {
+    thr_n = (uint32_t)((fb << (31 - dn)) << 1);
+  }
+  // tiny: frac = M / 2^d with M the integer significand
+  const U M = E != 0 ? ((A & C::MANMASK) | ((U)1 << C::MAN)) : A;
+  int ls = 32 - d, rs = d - 32;
+  ls = ls < 0 ? 0 : (ls > 31 ? 31 : ls);
+  rs = rs < 0 ? 0 : (rs > C::BITS - 1 ? C::BITS - 1 : rs);
+  const uint32_t thr_t = (uint32_t)(d <= 32 ? (M << ls) : (M >> rs));
+  const uint32_t thr = tiny ? thr_t : thr_n;
+  // parity of lo = M >> dn (from M, not A: at dn = MAN the bit is the implicit one)
+  const uint32_t lo_odd = tiny ? 0u : (uint32_t)((M >> dn) & 1);
+  const bool up = mode_word<MODE>(lo_odd, rbits) < thr;
+  const U res_n = (A & ~mask) + ((U)up << dn);   // a carry into the exponent is the next binade
+  const U res_t = up ? pow2_bits<U>(qexp) : (U)0;
+  return tiny ? res_t : res_n;
+}
+
+// ---- float formats -----------------------------------------------------------------------------
+template <typename U> struct FloatSpec {
+  int man, emin, qlow;
+  U max_bits;        // the largest finite value
+  U ovf_bits;        // what overflow gives: max, Inf or NaN
+  U min_normal_bits; // unsigned (E8M0-like) formats: what zero becomes
+  bool is_unsigned;
+};
+
+template <typename U>
+QT_HD FloatSpec<U> make_float_spec(int man, int emin, bool subnormals, double maxval,
+                                   int overflow, bool is_unsigned) {
+  using C = Carrier<U>;
+  FloatSpec<U> s;
+  s.man = man; s.emin = emin; s.qlow = subnormals ? emin - man : emin;
+  s.max_bits = C::to_bits((typename C::Float)maxval);
+  s.ovf_bits = overflow == kSaturate ? s.max_bits : (overflow == kInf ? C::INF : C::QNAN);
+  s.min_normal_bits = pow2_bits<U>(emin);
+  s.is_unsigned = is_unsigned;
+  return s;
+}
+
+template <int MODE, typename U>
+QT_HD U round_float(U u, const FloatSpec<U>& s, uint32_t rbits) {
+  using C = Carrier<U>;
+  const U sign = u & C::SIGN, A = u & C::ABS;
+  const bool nonfinite = A >= C::INF, nan = A > C::INF;
+  U r = round_magnitude<MODE, U>(nonfinite ? (U)0 : A, s.emin, s.man, s.qlow, rbits);
+  r = (r > s.max_bits || nonfinite) ? s.ovf_bits : r;
+  if (s.is_unsigned) {  // no zero and no sign: zero becomes the smallest value, <= 0 is NaN
+    r = r == 0 ? s.min_normal_bits : r;
+    return (sign == 0 && A != 0 && !nan) ? r : C::QNAN;
+  }
+  return nan ? u : (r | sign);
+}
+
+// ---- fixed point -------------------------------------------------------------------------------
+template <typename U> struct FixedSpec {
+  int wl, fl, qexp;  // grid spacing 2^qexp (= 2^-fl, times the block scale inside blocks)
+  U pos_bits;        // kmax * 2^qexp
+  U neg_bits;        // |kmin| * 2^qexp (0 for unsigned formats)
+  int64_t kmin, kmax;
+  bool is_signed;
+};
+
+template <typename U>
+QT_HD FixedSpec<U> make_fixed_spec(int wl, int fl, bool is_signed, bool symmetric, int shift) {
+  using C = Carrier<U>;
+  FixedSpec<U> s;
+  s.wl = wl; s.fl = fl; s.qexp = shift - fl; s.is_signed = is_signed;
+  s.kmax = is_signed ? ((int64_t)1 << (wl - 1)) - 1 : ((int64_t)1 << wl) - 1;
+  s.kmin = is_signed ? -((int64_t)1 << (wl - 1)) + (symmetric ? 1 : 0) : 0;
+  typedef typename C::Float F;
+  const F q = C::to_float(pow2_bits<U>(s.qexp));
+  s.pos_bits = C::to_bits((F)s.kmax * q);  // exact: at most 24 bits times a power of two
+  s.neg_bits = C::to_bits((F)(-s.kmin) * q);
+  return s;
+}
+
+// Two's-complement wrap of an out-of-range rounded value (magnitude bits r, sign) into the
+// format's range; the dropped code of a symmetric format clamps.
+template <typename U>
+QT_HD U wrap_fixed(U r, bool negative, const FixedSpec<U>& s) {
+  using C = Carrier<U>;
+  const int E = (int)(r >> C::MAN);
+  const uint64_t M = (uint64_t)(E != 0 ? ((r & C::MANMASK) | ((U)1 << C::MAN)) : r);
+  const int t = (E > 1 ? E : 1) - (C::BIAS + C::MAN) - s.qexp;  // k = M * 2^t, an integer
+  const uint64_t span_mask = ((uint64_t)1 << s.wl) - 1;
+  uint64_t kmod = t >= s.wl ? 0 : (t >= 0 ? (M << t) : (M >> (-t > 63 ? 63 : -t)));
+  kmod &= span_mask;
+  if (negative) kmod = ((uint64_t)0 - kmod) & span_mask;
+  int64_t k = (int64_t)kmod;
+  if (s.is_signed && k >= ((int64_t)1 << (s.wl - 1))) k -= (int64_t)1 << s.wl;
+  k = k < s.kmin ? s.kmin : (k > s.kmax ? s.kmax : k);
+  typedef typename C::Float F;
+  return C::to_bits((F)k * C::to_float(pow2_bits<U>(s.qexp)));
+}
+
+template <int MODE, bool WRAP, typename U>
+QT_HD U round_fixed(U u, const FixedSpec<U>& s, uint32_t rbits) {
+  using C = Carrier<U>;
+  const U sign = u & C::SIGN, A = u & C::ABS;
+  const bool nonfinite = A >= C::INF, nan = A > C::INF;
+  const U r = round_magnitude<MODE, U>(nonfinite ? (U)0 : A, 100000, 0, s.qexp, rbits);
+  const U lim = sign ? s.neg_bits : s.pos_bits;
+  const bool over = nonfinite || r > lim;
+  // clamping: -|kmin| keeps the sign; an unsigned format clamps negatives to +0
+  const U sat = sign ? (s.neg_bits != 0 ? (s.neg_bits | C::SIGN) : (U)0) : s.pos_bits;
+  U out = over ? sat : (r | sign);
+  if (WRAP && over && !nonfinite) out = wrap_fixed<U>(r, sign != 0, s);
+  return nan ? u : out;
+}
+
+// ---- blocks ------------------------------------------------------------------------------------
+// Power-of-two scale 2^k of a block from its amax (float32 bits, finite): floor or ceil rule,
+// clamped to the scale format's exponent range.
+QT_HD int block_scale_exp(uint32_t amax_bits, int rule_ceil, int elem_emax, double elem_max,
+                          int scale_emin, int scale_emax) {
+  // binade of amax; frexp(0) gives exponent 0, i.e. binade -1 (as the reference)
+  int b = amax_bits == 0 ? -1 : binade_of<uint32_t>(amax_bits);
+  int k = b - elem_emax;
+  if (rule_ceil) {
+    // amax / 2^k > max_elem, exactly (2^k*max_elem is a double product without rounding)
+    double p = u2d(pow2_bits<uint64_t>(k)) * elem_max;
+    k += (double)u2f(amax_bits) > p ? 1 : 0;
+  }
+  return k < scale_emin ? scale_emin : (k > scale_emax ? scale_emax : k);
+}
+
+// Element of a block with a power-of-two scale 2^k: the element format shifted by k, so no
+// division is needed and the result is X * Q(x / X) exactly.
+struct BlockElemSpec {
+  bool is_fixed;
+  FloatSpec<uint32_t> f;   // float element, shifted
+  FixedSpec<uint32_t> x;   // fixed element, shifted
+};
+
+QT_HD BlockElemSpec shift_elem(bool is_fixed, int man, int emin, int qlow, double elem_max, int wl,
+                               int fl, bool is_signed, bool symmetric, int k) {
+  BlockElemSpec s;
+  s.is_fixed = is_fixed;
+  if (is_fixed) {
+    s.x = make_fixed_spec<uint32_t>(wl, fl, is_signed, symmetric, k);
+    s.f = make_float_spec<uint32_t>(0, 0, true, 0.0, kSaturate, false);
+  } else {
+    s.f.man = man; s.f.emin = emin + k; s.f.qlow = qlow + k;
+    // max * 2^k in double, then to float32 (Inf when beyond float32: then nothing saturates,
+    // as in the reference where the product overflows only when cast to float32)
+    double m = elem_max * u2d(pow2_bits<uint64_t>(k));
+    s.f.max_bits = f2u((float)m);
+    s.f.ovf_bits = s.f.max_bits; s.f.min_normal_bits = 0; s.f.is_unsigned = false;
+    s.x = make_fixed_spec<uint32_t>(8, 0, true, false, 0);
+  }
+  return s;
+}
+
+template <int MODE>
+QT_HD uint32_t round_block_elem(uint32_t u, const BlockElemSpec& s, uint32_t rbits) {
+  if (s.is_fixed) return round_fixed<MODE, false, uint32_t>(u, s.x, rbits);
+  const uint32_t sign = u & 0x80000000u, A = u & 0x7FFFFFFFu;
+  uint32_t r = round_magnitude<MODE, uint32_t>(A, s.f.emin, s.f.man, s.f.qlow, rbits);
+  r = r > s.f.max_bits ? s.f.max_bits : r;
+  return r | sign;
+}
+
+// Blocks whose scale is not a power of two (scale_rule "amax", NVFP4): everything in double as
+// the reference: z = x / X, q = X * Q(z) (rounded once to float32 when a tensor scale is used).
+struct AmaxBlockSpec {
+  FloatSpec<uint64_t> scale;   // the scale format, nearest
+  bool elem_fixed;
+  FloatSpec<uint64_t> ef;      // elements as doubles (saturating)
+  FixedSpec<uint64_t> ex;
+  double elem_max;
+};
+
+// The block scale (0 or negative/NaN means "no scale": the block becomes signed zeros).
+QT_HD double amax_block_scale(uint32_t amax_bits, const AmaxBlockSpec& s, bool use_tensor_scale,
+                              double tensor_scale) {
+  double amax = (double)u2f(amax_bits);
+  double ratio;
+  if (use_tensor_scale) {
+    double denom = s.elem_max * tensor_scale;
+    ratio = denom > 0 ? amax / denom : 0.0;
+  } else {
+    ratio = amax / s.elem_max;
+  }
+  double sc = u2d(round_float<kNearest, uint64_t>(d2u(ratio), s.scale, 0));
+  if (use_tensor_scale) sc = sc * tensor_scale;
+  return sc;
+}
+
+template <int MODE>
+QT_HD float round_amax_elem(float x, double scale, const AmaxBlockSpec& s, bool use_tensor_scale,
+                            uint32_t rbits) {
+  const bool ok = scale > 0;
+  const double safe = ok ? scale : 1.0;
+  const double z = (double)x / safe;
+  const uint64_t zb = d2u(z);
+  const uint64_t qzb = s.elem_fixed ? round_fixed<MODE, false, uint64_t>(zb, s.ex, rbits)
+                                    : round_float<MODE, uint64_t>(zb, s.ef, rbits);
+  double q = u2d(qzb) * safe;
+  if (use_tensor_scale) q = (double)(float)q;
+  const float zero = u2f(f2u(x) & 0x80000000u);
+  return ok ? (float)q : zero;
+}
+
+}  // namespace qtensor

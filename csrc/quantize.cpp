@@ -1,0 +1,256 @@
+// qtensor custom ops: schemas (defined once, here) and the CPU implementations.
+//
+// Three families, each with a functional, an out= and an in-place variant:
+//   quantize_float  FloatFormat      quantize_fixed  FixedFormat      quantize_block  BlockFormat
+// qtensor/ops.py turns a format into these arguments (one helper) and registers the fake
+// (meta) implementations. The rounding math is in include/qtensor/round.h, shared with CUDA.
+#include <Python.h>  // first, as Python asks
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "op_common.h"
+
+namespace {
+
+using qtensor::BlockArgs;
+using qtensor::Layout;
+using qtensor::kMaxDims;
+using qtensor::f2u;
+using qtensor::u2f;
+using qtensor::kNearest;
+using qtensor::kNearestAway;
+using qtensor::kTowardZero;
+using qtensor::kStochastic;
+using qtensor::kRuleAmax;
+using qtensor::kRuleCeil;
+
+constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk
+
+// The loops, compiled twice: baseline x86-64 (or whatever the target is) and AVX2.
+namespace isa_base {
+#include "quantize_cpu.h"
+}  // namespace isa_base
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QT_HAVE_AVX2_CLONE 1
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace isa_avx2 {
+#include "quantize_cpu.h"
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
+bool use_avx2() {
+#ifdef QT_HAVE_AVX2_CLONE
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+#ifdef QT_HAVE_AVX2_CLONE
+#define QT_ISA_CALL(fn, ...) \
+  (use_avx2() ? isa_avx2::fn(__VA_ARGS__) : isa_base::fn(__VA_ARGS__))
+#else
+#define QT_ISA_CALL(fn, ...) isa_base::fn(__VA_ARGS__)
+#endif
+
+#define QT_DTYPE_SWITCH(t, ...)                                                      \
+  switch (t) {                                                                       \
+    case at::kFloat: { using T = float; __VA_ARGS__; break; }                         \
+    case at::kHalf: { using T = c10::Half; __VA_ARGS__; break; }                      \
+    case at::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; }              \
+    default: TORCH_CHECK(false, "qtensor: unsupported dtype ", t);                    \
+  }
+
+uint32_t key_of(int64_t seed) { return qtensor::seed_key((uint64_t)seed); }
+
+// ---- float -------------------------------------------------------------------------------------
+at::Tensor& quantize_float_out(const at::Tensor& x, int64_t man, int64_t emin, bool subnormals,
+                               double maxval, int64_t overflow, bool is_unsigned, int64_t rounding,
+                               int64_t seed, at::Tensor& out) {
+  using namespace qtensor_glue;
+  check_input(x, "quantize_float");
+  check_out(x, out, "quantize_float");
+  check_rounding(rounding, "quantize_float");
+  const auto spec = float_spec(man, emin, subnormals, maxval, overflow, is_unsigned);
+  const Layout L = make_layout(x, out);
+  const uint32_t key = key_of(seed);
+  QT_DTYPE_SWITCH(x.scalar_type(),
+                  QT_ISA_CALL(float_kernel<T>, x.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
+                              L, spec, (int)rounding, key));
+  return out;
+}
+
+at::Tensor quantize_float(const at::Tensor& x, int64_t man, int64_t emin, bool subnormals,
+                          double maxval, int64_t overflow, bool is_unsigned, int64_t rounding,
+                          int64_t seed) {
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  return quantize_float_out(x, man, emin, subnormals, maxval, overflow, is_unsigned, rounding,
+                            seed, out);
+}
+
+at::Tensor& quantize_float_(at::Tensor& x, int64_t man, int64_t emin, bool subnormals,
+                            double maxval, int64_t overflow, bool is_unsigned, int64_t rounding,
+                            int64_t seed) {
+  return quantize_float_out(x, man, emin, subnormals, maxval, overflow, is_unsigned, rounding,
+                            seed, x);
+}
+
+// ---- fixed -------------------------------------------------------------------------------------
+at::Tensor& quantize_fixed_out(const at::Tensor& x, int64_t wl, int64_t fl, bool is_signed,
+                               bool symmetric, bool saturate, int64_t rounding, int64_t seed,
+                               at::Tensor& out) {
+  using namespace qtensor_glue;
+  check_input(x, "quantize_fixed");
+  check_out(x, out, "quantize_fixed");
+  check_rounding(rounding, "quantize_fixed");
+  const auto spec = fixed_spec(wl, fl, is_signed, symmetric);
+  const Layout L = make_layout(x, out);
+  const uint32_t key = key_of(seed);
+  QT_DTYPE_SWITCH(x.scalar_type(),
+                  QT_ISA_CALL(fixed_kernel<T>, x.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
+                              L, spec, !saturate, (int)rounding, key));
+  return out;
+}
+
+at::Tensor quantize_fixed(const at::Tensor& x, int64_t wl, int64_t fl, bool is_signed,
+                          bool symmetric, bool saturate, int64_t rounding, int64_t seed) {
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  return quantize_fixed_out(x, wl, fl, is_signed, symmetric, saturate, rounding, seed, out);
+}
+
+at::Tensor& quantize_fixed_(at::Tensor& x, int64_t wl, int64_t fl, bool is_signed, bool symmetric,
+                            bool saturate, int64_t rounding, int64_t seed) {
+  return quantize_fixed_out(x, wl, fl, is_signed, symmetric, saturate, rounding, seed, x);
+}
+
+// ---- block -------------------------------------------------------------------------------------
+at::Tensor& quantize_block_out(const at::Tensor& x, at::IntArrayRef elem, double elem_max,
+                               int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
+                               at::IntArrayRef scale, double scale_max, bool tensor_scale,
+                               int64_t rounding, int64_t seed, at::Tensor& out) {
+  using namespace qtensor_glue;
+  check_input(x, "quantize_block");
+  check_out(x, out, "quantize_block");
+  check_rounding(rounding, "quantize_block");
+  BlockArgs a = block_args(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
+                           tensor_scale);
+  Layout L = make_layout(x, out);
+  if (a.whole_tensor && L.contiguous) L = flat_layout(x.numel());
+  if (a.whole_tensor && L.contiguous) { a.whole_tensor = false; a.axis = 0; }
+  const uint32_t key = key_of(seed);
+  QT_DTYPE_SWITCH(x.scalar_type(), {
+    const T* xp = x.const_data_ptr<T>();
+    T* yp = out.mutable_data_ptr<T>();
+    if (tensor_scale) {
+      const uint32_t amax = QT_ISA_CALL(finite_amax<T>, xp, make_layout(x, out));
+      a.ts = tensor_scale_from_amax(amax, elem_max, scale_max);
+    }
+    QT_ISA_CALL(block_kernel<T>, xp, yp, L, a, (int)rounding, key);
+  });
+  return out;
+}
+
+at::Tensor quantize_block(const at::Tensor& x, at::IntArrayRef elem, double elem_max,
+                          int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
+                          at::IntArrayRef scale, double scale_max, bool tensor_scale,
+                          int64_t rounding, int64_t seed) {
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  return quantize_block_out(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
+                            tensor_scale, rounding, seed, out);
+}
+
+at::Tensor& quantize_block_(at::Tensor& x, at::IntArrayRef elem, double elem_max,
+                            int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
+                            at::IntArrayRef scale, double scale_max, bool tensor_scale,
+                            int64_t rounding, int64_t seed) {
+  return quantize_block_out(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
+                            tensor_scale, rounding, seed, x);
+}
+
+// The out= and in-place schemas return nothing (so that functionalization, and with it
+// torch.compile, can handle them); these wrappers adapt the implementations above.
+void quantize_float_out_void(const at::Tensor& x, int64_t man, int64_t emin, bool subnormals,
+                             double maxval, int64_t overflow, bool is_unsigned, int64_t rounding,
+                             int64_t seed, at::Tensor& out) {
+  quantize_float_out(x, man, emin, subnormals, maxval, overflow, is_unsigned, rounding, seed, out);
+}
+void quantize_float_inplace(at::Tensor& x, int64_t man, int64_t emin, bool subnormals,
+                            double maxval, int64_t overflow, bool is_unsigned, int64_t rounding,
+                            int64_t seed) {
+  quantize_float_(x, man, emin, subnormals, maxval, overflow, is_unsigned, rounding, seed);
+}
+void quantize_fixed_out_void(const at::Tensor& x, int64_t wl, int64_t fl, bool is_signed,
+                             bool symmetric, bool saturate, int64_t rounding, int64_t seed,
+                             at::Tensor& out) {
+  quantize_fixed_out(x, wl, fl, is_signed, symmetric, saturate, rounding, seed, out);
+}
+void quantize_fixed_inplace(at::Tensor& x, int64_t wl, int64_t fl, bool is_signed, bool symmetric,
+                            bool saturate, int64_t rounding, int64_t seed) {
+  quantize_fixed_(x, wl, fl, is_signed, symmetric, saturate, rounding, seed);
+}
+void quantize_block_out_void(const at::Tensor& x, at::IntArrayRef elem, double elem_max,
+                             int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
+                             at::IntArrayRef scale, double scale_max, bool tensor_scale,
+                             int64_t rounding, int64_t seed, at::Tensor& out) {
+  quantize_block_out(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
+                     tensor_scale, rounding, seed, out);
+}
+void quantize_block_inplace(at::Tensor& x, at::IntArrayRef elem, double elem_max,
+                            int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
+                            at::IntArrayRef scale, double scale_max, bool tensor_scale,
+                            int64_t rounding, int64_t seed) {
+  quantize_block_(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max, tensor_scale,
+                  rounding, seed);
+}
+
+}  // namespace
+
+#define QT_FLOAT_ARGS \
+  "int man, int emin, bool subnormals, float max, int overflow, bool is_unsigned, " \
+  "int rounding, int seed"
+#define QT_FIXED_ARGS \
+  "int wl, int fl, bool is_signed, bool symmetric, bool saturate, int rounding, int seed"
+#define QT_BLOCK_ARGS                                                                     \
+  "int[] elem, float elem_max, int block_size, int? axis, int scale_rule, int[] scale, " \
+  "float scale_max, bool tensor_scale, int rounding, int seed"
+
+TORCH_LIBRARY(qtensor, m) {
+  m.def("quantize_float(Tensor x, " QT_FLOAT_ARGS ") -> Tensor");
+  m.def("quantize_float.out(Tensor x, " QT_FLOAT_ARGS ", *, Tensor(a!) out) -> ()");
+  m.def("quantize_float_(Tensor(a!) x, " QT_FLOAT_ARGS ") -> ()");
+  m.def("quantize_fixed(Tensor x, " QT_FIXED_ARGS ") -> Tensor");
+  m.def("quantize_fixed.out(Tensor x, " QT_FIXED_ARGS ", *, Tensor(a!) out) -> ()");
+  m.def("quantize_fixed_(Tensor(a!) x, " QT_FIXED_ARGS ") -> ()");
+  m.def("quantize_block(Tensor x, " QT_BLOCK_ARGS ") -> Tensor");
+  m.def("quantize_block.out(Tensor x, " QT_BLOCK_ARGS ", *, Tensor(a!) out) -> ()");
+  m.def("quantize_block_(Tensor(a!) x, " QT_BLOCK_ARGS ") -> ()");
+}
+
+TORCH_LIBRARY_IMPL(qtensor, CPU, m) {
+  m.impl("quantize_float", &quantize_float);
+  m.impl("quantize_float.out", &quantize_float_out_void);
+  m.impl("quantize_float_", &quantize_float_inplace);
+  m.impl("quantize_fixed", &quantize_fixed);
+  m.impl("quantize_fixed.out", &quantize_fixed_out_void);
+  m.impl("quantize_fixed_", &quantize_fixed_inplace);
+  m.impl("quantize_block", &quantize_block);
+  m.impl("quantize_block.out", &quantize_block_out_void);
+  m.impl("quantize_block_", &quantize_block_inplace);
+}
+
+// A Python module named qtensor._C, so that `import qtensor._C` loads the library (and with it
+// the registrations above). It has no functions of its own: everything goes through torch.ops.
+extern "C" {
+static struct PyModuleDef qt_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&qt_module); }
+}

@@ -1,0 +1,314 @@
+// CPU loops of the quantization kernels. This file is included twice by quantize.cpp: once for
+// the baseline ISA and once under `#pragma GCC target("avx2")`, inside different namespaces, and
+// the faster one is picked at run time (no -march flag: the wheel must run on any x86-64).
+// The per-element math comes from qtensor/round.h; the loops below only move data.
+// (no include guard on purpose)
+
+using qtensor::index_key;
+using qtensor::random_word;
+
+template <typename T> inline uint32_t load_bits(const T* p) { return f2u((float)*p); }
+template <> inline uint32_t load_bits<float>(const float* p) {
+  uint32_t u; memcpy(&u, p, 4); return u;
+}
+template <typename T> inline void store_bits(T* p, uint32_t b) { *p = T(u2f(b)); }
+template <> inline void store_bits<float>(float* p, uint32_t b) { memcpy(p, &b, 4); }
+
+// A multi-index over some dims of a strided tensor that tracks the offsets of x, of the output
+// and of the logical (row-major) position while it is incremented.
+struct Counter {
+  int nd = 0;
+  int64_t size[kMaxDims], sx[kMaxDims], sy[kMaxDims], sl[kMaxDims], idx[kMaxDims];
+  int64_t ox = 0, oy = 0, ol = 0;
+  void set(int64_t linear) {
+    ox = oy = ol = 0;
+    for (int d = nd - 1; d >= 0; --d) {
+      idx[d] = linear % size[d];
+      linear /= size[d];
+      ox += idx[d] * sx[d]; oy += idx[d] * sy[d]; ol += idx[d] * sl[d];
+    }
+  }
+  void next() {
+    for (int d = nd - 1; d >= 0; --d) {
+      ++idx[d]; ox += sx[d]; oy += sy[d]; ol += sl[d];
+      if (idx[d] < size[d]) return;
+      ox -= sx[d] * size[d]; oy -= sy[d] * size[d]; ol -= sl[d] * size[d];
+      idx[d] = 0;
+    }
+  }
+};
+
+// One run of elements: x[j*xs] -> y[j*ys], logical indices idx0 + j. UNIT lets the compiler
+// vectorize the common contiguous case.
+template <bool STOCH, bool UNIT, typename T, typename Fn>
+inline void run_segment(const T* __restrict__ xp, int64_t xs, T* __restrict__ yp, int64_t ys,
+                        int64_t cnt, uint64_t idx0, uint32_t key, const Fn& fn) {
+  while (cnt > 0) {
+    // the random word's high half is constant over runs of 2^32 indices
+    const uint64_t room = ((uint64_t)1 << 32) - (idx0 & 0xFFFFFFFFu);
+    const int64_t c = (uint64_t)cnt < room ? cnt : (int64_t)room;
+    const uint32_t ikey = index_key(key, idx0);
+    const uint32_t lo = (uint32_t)idx0;
+    if (UNIT) {
+      for (int64_t j = 0; j < c; ++j) {
+        const uint32_t r = STOCH ? random_word(ikey, lo + (uint32_t)j) : 0u;
+        store_bits<T>(yp + j, fn(load_bits<T>(xp + j), r));
+      }
+    } else {
+      for (int64_t j = 0; j < c; ++j) {
+        const uint32_t r = STOCH ? random_word(ikey, lo + (uint32_t)j) : 0u;
+        store_bits<T>(yp + j * ys, fn(load_bits<T>(xp + j * xs), r));
+      }
+    }
+    xp += c * xs; yp += c * ys; idx0 += c; cnt -= c;
+  }
+}
+
+// Elementwise map over a strided tensor (any layout) in logical order chunks.
+template <bool STOCH, typename T, typename Fn>
+void elementwise(const T* x, T* y, const Layout& L, uint32_t key, const Fn& fn) {
+  const int64_t n = L.numel;
+  if (n == 0) return;
+  if (L.contiguous) {
+    at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      run_segment<STOCH, true, T>(x + b, 1, y + b, 1, e - b, (uint64_t)b, key, fn);
+    });
+    return;
+  }
+  const int last = L.ndim - 1;
+  const int64_t w = L.sizes[last], xs = L.xs[last], ys = L.ys[last];
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    Counter rows;  // the dims before the last
+    rows.nd = last;
+    for (int d = 0; d < last; ++d) {
+      rows.size[d] = L.sizes[d]; rows.sx[d] = L.xs[d]; rows.sy[d] = L.ys[d]; rows.sl[d] = 0;
+    }
+    int64_t pos = b;
+    rows.set(b / w);
+    int64_t col = b % w;
+    while (pos < e) {
+      const int64_t cnt = std::min(w - col, e - pos);
+      const T* xp = x + rows.ox + col * xs;
+      T* yp = y + rows.oy + col * ys;
+      if (xs == 1 && ys == 1)
+        run_segment<STOCH, true, T>(xp, 1, yp, 1, cnt, (uint64_t)pos, key, fn);
+      else
+        run_segment<STOCH, false, T>(xp, xs, yp, ys, cnt, (uint64_t)pos, key, fn);
+      pos += cnt; col = 0;
+      rows.next();
+    }
+  });
+}
+
+// max |x| as float32 bits over the finite elements (FINITE, for NVFP4's tensor scale) or over all
+// elements (NaN and Inf sort above every finite value)
+template <bool FINITE, typename T>
+uint32_t amax_bits(const T* x, const Layout& L) {
+  const int64_t n = L.numel;
+  const uint32_t r = at::parallel_reduce(
+      0, n, kGrain, (uint32_t)0,
+      [&](int64_t b, int64_t e, uint32_t acc) {
+        Counter c; c.nd = L.ndim;
+        for (int d = 0; d < L.ndim; ++d) {
+          c.size[d] = L.sizes[d]; c.sx[d] = L.xs[d]; c.sy[d] = 0; c.sl[d] = 0;
+        }
+        if (L.contiguous) {
+          for (int64_t i = b; i < e; ++i) {
+            uint32_t a = load_bits<T>(x + i) & 0x7FFFFFFFu;
+            acc = ((!FINITE || a < 0x7F800000u) && a > acc) ? a : acc;
+          }
+          return acc;
+        }
+        c.set(b);
+        for (int64_t i = b; i < e; ++i) {
+          uint32_t a = load_bits<T>(x + c.ox) & 0x7FFFFFFFu;
+          acc = ((!FINITE || a < 0x7F800000u) && a > acc) ? a : acc;
+          c.next();
+        }
+        return acc;
+      },
+      [](uint32_t a, uint32_t b) { return a > b ? a : b; });
+  return r;
+}
+
+// Blocks: units (outer index, block, inner index), inner fastest so that neighbouring units touch
+// neighbouring memory when the axis is not the last dim. Each unit reads its block once into
+// cache (amax), then rounds it.
+template <int MODE, typename T>
+void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
+  const int64_t n = L.numel;
+  if (n == 0) return;
+  const int ax = a.axis;  // normalized; the layout was reshaped to 1-D for axis=None
+  const int64_t len = L.sizes[ax];
+  const int64_t bs = a.block_size;
+  const int64_t nb = (len + bs - 1) / bs;
+  const int64_t sax = L.xs[ax], say = L.ys[ax], sal = L.ls[ax];
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < ax; ++d) outer *= L.sizes[d];
+  for (int d = ax + 1; d < L.ndim; ++d) inner *= L.sizes[d];
+  const int64_t units = outer * nb * inner;
+  const int64_t grain = std::max<int64_t>(1, kGrain / bs);
+  const bool unit_stride = sax == 1 && say == 1;
+  at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
+    Counter oc, ic;
+    oc.nd = ax; ic.nd = L.ndim - ax - 1;
+    for (int d = 0; d < ax; ++d) {
+      oc.size[d] = L.sizes[d]; oc.sx[d] = L.xs[d]; oc.sy[d] = L.ys[d]; oc.sl[d] = L.ls[d];
+    }
+    for (int d = ax + 1; d < L.ndim; ++d) {
+      int k = d - ax - 1;
+      ic.size[k] = L.sizes[d]; ic.sx[k] = L.xs[d]; ic.sy[k] = L.ys[d]; ic.sl[k] = L.ls[d];
+    }
+    int64_t i = ub % inner, rest = ub / inner;
+    int64_t bidx = rest % nb, o = rest / nb;
+    oc.set(o); ic.set(i);
+    for (int64_t u = ub; u < ue; ++u) {
+      const int64_t j0 = bidx * bs;
+      const int64_t m = std::min(bs, len - j0);
+      const T* xp = x + oc.ox + ic.ox + j0 * sax;
+      T* yp = y + oc.oy + ic.oy + j0 * say;
+      const uint64_t l0 = (uint64_t)(oc.ol + ic.ol + j0 * sal);
+      // amax of the block from the bits: |x| as integers orders like the values, NaN on top
+      uint32_t amax = 0;
+      if (unit_stride) {
+        for (int64_t j = 0; j < m; ++j) {
+          uint32_t v = load_bits<T>(xp + j) & 0x7FFFFFFFu; amax = v > amax ? v : amax;
+        }
+      } else {
+        for (int64_t j = 0; j < m; ++j) {
+          uint32_t v = load_bits<T>(xp + j * sax) & 0x7FFFFFFFu; amax = v > amax ? v : amax;
+        }
+      }
+      const bool stoch = MODE == kStochastic;
+      const uint64_t llast = l0 + (uint64_t)((m - 1) * sal);
+      const bool one_key = (l0 >> 32) == (llast >> 32);
+      const uint32_t ikey0 = index_key(key, l0);
+      auto word = [&](int64_t j) -> uint32_t {
+        if (!stoch) return 0u;
+        const uint64_t li = l0 + (uint64_t)(j * sal);
+        return random_word(one_key ? ikey0 : index_key(key, li), (uint32_t)li);
+      };
+      if (amax >= 0x7F800000u) {  // NaN or Inf in the block: all NaN
+        for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j * say, 0x7FC00000u);
+      } else if (a.scale_rule == kRuleAmax) {
+        const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
+        for (int64_t j = 0; j < m; ++j) {
+          float xv = u2f(load_bits<T>(xp + j * sax));
+          float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale, word(j));
+          store_bits<T>(yp + j * say, f2u(q));
+        }
+      } else {
+        const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
+                                               a.elem_max, a.scale_emin, a.scale_emax);
+        const qtensor::BlockElemSpec s = qtensor::shift_elem(
+            a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed,
+            a.symmetric, k);
+        if (unit_stride && (!stoch || (sal == 1 && one_key))) {
+          const uint32_t lo = (uint32_t)l0;
+          if (s.is_fixed) {
+            for (int64_t j = 0; j < m; ++j) {
+              uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+              store_bits<T>(yp + j, qtensor::round_fixed<MODE, false, uint32_t>(
+                                        load_bits<T>(xp + j), s.x, r));
+            }
+          } else {
+            const int emin = s.f.emin, man = s.f.man, qlow = s.f.qlow;
+            const uint32_t mx = s.f.max_bits;
+            for (int64_t j = 0; j < m; ++j) {
+              uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+              uint32_t u = load_bits<T>(xp + j);
+              uint32_t rr = qtensor::round_magnitude<MODE, uint32_t>(u & 0x7FFFFFFFu, emin, man,
+                                                                      qlow, r);
+              rr = rr > mx ? mx : rr;
+              store_bits<T>(yp + j, rr | (u & 0x80000000u));
+            }
+          }
+        } else {
+          for (int64_t j = 0; j < m; ++j) {
+            store_bits<T>(yp + j * say,
+                          qtensor::round_block_elem<MODE>(load_bits<T>(xp + j * sax), s, word(j)));
+          }
+        }
+      }
+      // next unit
+      if (++i == inner) {
+        i = 0; ic.set(0);
+        if (++bidx == nb) { bidx = 0; oc.next(); }
+      } else {
+        ic.next();
+      }
+    }
+  });
+}
+
+// axis=None: the whole tensor is one block (two passes: the amax, then the rounding).
+template <int MODE, typename T>
+void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
+  if (L.numel == 0) return;
+  constexpr bool STOCH = MODE == kStochastic;
+  const uint32_t amax = amax_bits<false, T>(x, L);
+  if (amax >= 0x7F800000u) {
+    elementwise<false, T>(x, y, L, key, [](uint32_t, uint32_t) { return 0x7FC00000u; });
+  } else if (a.scale_rule == kRuleAmax) {
+    const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
+    const qtensor::AmaxBlockSpec spec = a.amax_spec;
+    const bool use_ts = a.tensor_scale;
+    elementwise<STOCH, T>(x, y, L, key, [=](uint32_t u, uint32_t r) {
+      return f2u(qtensor::round_amax_elem<MODE>(u2f(u), sc, spec, use_ts, r));
+    });
+  } else {
+    const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
+                                           a.elem_max, a.scale_emin, a.scale_emax);
+    const qtensor::BlockElemSpec s = qtensor::shift_elem(
+        a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed, a.symmetric, k);
+    elementwise<STOCH, T>(x, y, L, key, [=](uint32_t u, uint32_t r) {
+      return qtensor::round_block_elem<MODE>(u, s, r);
+    });
+  }
+}
+
+// ---- entry points, one per family, dispatching the rounding mode to a template argument ------
+#define QT_MODE_SWITCH(mode, ...)                                               \
+  switch (mode) {                                                               \
+    case kNearest: { constexpr int M = kNearest; __VA_ARGS__; break; }          \
+    case kNearestAway: { constexpr int M = kNearestAway; __VA_ARGS__; break; }  \
+    case kTowardZero: { constexpr int M = kTowardZero; __VA_ARGS__; break; }    \
+    default: { constexpr int M = kStochastic; __VA_ARGS__; break; }             \
+  }
+
+template <typename T>
+void float_kernel(const T* x, T* y, const Layout& L, const qtensor::FloatSpec<uint32_t>& s,
+                  int mode, uint32_t key) {
+  const qtensor::FloatSpec<uint32_t> sp = s;
+  QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [sp](uint32_t u, uint32_t r) {
+    return qtensor::round_float<M, uint32_t>(u, sp, r);
+  }));
+}
+
+template <typename T>
+void fixed_kernel(const T* x, T* y, const Layout& L, const qtensor::FixedSpec<uint32_t>& s,
+                  bool wrap, int mode, uint32_t key) {
+  const qtensor::FixedSpec<uint32_t> sp = s;
+  if (wrap) {
+    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [sp](uint32_t u, uint32_t r) {
+      return qtensor::round_fixed<M, true, uint32_t>(u, sp, r);
+    }));
+  } else {
+    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [sp](uint32_t u, uint32_t r) {
+      return qtensor::round_fixed<M, false, uint32_t>(u, sp, r);
+    }));
+  }
+}
+
+template <typename T>
+void block_kernel(const T* x, T* y, const Layout& L, const BlockArgs& a, int mode, uint32_t key) {
+  if (a.whole_tensor) {
+    QT_MODE_SWITCH(mode, whole_tensor_block<M, T>(x, y, L, a, key));
+  } else {
+    QT_MODE_SWITCH(mode, blocks<M, T>(x, y, L, a, key));
+  }
+}
+
+template <typename T>
+uint32_t finite_amax(const T* x, const Layout& L) { return amax_bits<true, T>(x, L); }
+#undef QT_MODE_SWITCH

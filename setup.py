@@ -1,0 +1,60 @@
+"""Build qtensor and its compiled kernels (the `qtensor._C` extension).
+
+    pip install torch==2.13.0 && pip install --no-build-isolation -e ".[test]"
+
+The extension is a CppExtension (CPU kernels), or a CUDAExtension adding csrc/cuda/*.cu when
+torch was built with CUDA and a CUDA toolkit is found. Without a compiler qtensor still imports
+and falls back to the pure-PyTorch reference (with a warning).
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja"]
+EXAMPLES = ["tqdm", "matplotlib", "scikit-learn"]
+
+
+def extensions():
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:  # no torch yet: metadata-only (pip install torch first)
+        return [], {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    include = [os.path.join(here, "csrc"), os.path.join(here, "csrc", "include")]
+    # -O3 but no -march: the build must run on any x86-64 (AVX2 loops are picked at run time).
+    # -ffp-contract=off: no fused multiply-adds, every double operation is rounded as written.
+    cxx = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    sources = ["csrc/quantize.cpp"]
+    use_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+                and os.environ.get("QTENSOR_NO_CUDA", "0") != "1")
+    if use_cuda:
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        ext = cpp_extension.CUDAExtension(
+            "qtensor._C", sources, include_dirs=include,
+            define_macros=[("QTENSOR_WITH_TORCH", "1")],
+            extra_compile_args={"cxx": cxx,
+                                "nvcc": ["-O3", "--fmad=false", "-std=c++17",
+                                         "-DQTENSOR_WITH_TORCH=1"]},
+            extra_link_args=["-fopenmp"])
+    else:
+        ext = cpp_extension.CppExtension(
+            "qtensor._C", sources, include_dirs=include, extra_compile_args=cxx,
+            extra_link_args=["-fopenmp"])
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = extensions()
+
+setup(
+    name="qtensor",
+    version="0.1.0",
+    description="Low-precision arithmetic emulation for PyTorch: formats, fused kernels, QTensor",
+    packages=find_packages(include=["qtensor*"]),
+    python_requires=">=3.9",
+    install_requires=["torch"],
+    extras_require={"test": TEST + EXAMPLES, "examples": EXAMPLES},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

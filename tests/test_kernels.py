@@ -1,0 +1,392 @@
+"""The compiled kernels (qtensor._C custom ops) against the reference, bit for bit.
+
+The reference (qtensor.reference) is the specification; it is itself checked against independent
+oracles in test_reference.py. Here every preset, a sweep of custom formats, every rounding mode
+(stochastic with a fixed seed through quantize_with_seed), three input dtypes, strided inputs and
+outputs, odd sizes and empty tensors go through both and must give the same bits.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qtensor as qt
+from qtensor import ops, reference
+from qtensor.formats import BlockFormat, FixedFormat, FloatFormat
+
+from conftest import assert_bits_equal
+
+pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
+                                reason="qtensor._C not built (pip install --no-build-isolation -e .)")
+
+MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")
+SEED = 0x1234_5678_9ABC_DEF0
+P = qt.PRESETS
+
+SCALAR_PRESETS = [n for n, f in P.items() if not isinstance(f, BlockFormat)]
+BLOCK_PRESETS = [n for n, f in P.items() if isinstance(f, BlockFormat)]
+
+CUSTOM_FLOATS = [
+    FloatFormat(3, 4, bias=3),
+    FloatFormat(5, 2, subnormals=False),
+    FloatFormat(4, 3),                                  # ieee, overflow to Inf
+    FloatFormat(4, 3, specials="fn", saturate=False),   # overflow to NaN
+    FloatFormat(4, 3, specials="ieee", saturate=True),
+    FloatFormat(2, 1, specials="none", subnormals=False),
+    FloatFormat(8, 0, bias=140),                        # normals inside float32's subnormals
+    FloatFormat(8, 3, bias=130, subnormals=False),
+    FloatFormat(8, 23, saturate=True),
+    FloatFormat(1, 0, specials="none"),
+    FloatFormat(6, 9),
+]
+CUSTOM_FIXED = [
+    FixedFormat(8, 4), FixedFormat(8, 4, signed=False), FixedFormat(8, 4, symmetric=True),
+    FixedFormat(8, 4, saturate=False), FixedFormat(8, 4, signed=False, saturate=False),
+    FixedFormat(8, 4, symmetric=True, saturate=False), FixedFormat(24, 0), FixedFormat(1, 0),
+    FixedFormat(1, 0, signed=False), FixedFormat(16, 14), FixedFormat(8, -2),
+    FixedFormat(8, 140), FixedFormat(12, 3, saturate=False),
+]
+CUSTOM_BLOCKS = [
+    BlockFormat(P["fp8_e4m3"], 16, axis=0),
+    BlockFormat(P["fp6_e2m3"], None, axis=-1),
+    BlockFormat(P["fp4_e2m1"], 32, axis=None),
+    BlockFormat(P["fp8_e4m3"], 32, scale_rule="ceil"),
+    BlockFormat(P["fp8_e5m2"], 7, axis=1, scale_rule="ceil"),
+    BlockFormat(FixedFormat(8, 6), 32),
+    BlockFormat(FixedFormat(6, 4, signed=False), 5),
+    BlockFormat(FixedFormat(4, 2), None, axis=0),
+    BlockFormat(P["fp4_e2m1"], 16, scale=P["fp8_e4m3"], scale_rule="amax", tensor_scale=True),
+    BlockFormat(P["fp4_e2m1"], 16, axis=0, scale=P["fp8_e4m3"], scale_rule="amax"),
+    BlockFormat(P["fp6_e3m2"], 3, scale=P["fp8_e5m2"], scale_rule="amax"),
+    BlockFormat(FixedFormat(8, 6, symmetric=True), 8, scale=P["fp8_e4m3"], scale_rule="amax"),
+    BlockFormat(FloatFormat(3, 4, bias=3), 32, axis=None, scale_rule="ceil"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs that exercise every branch: all bit patterns, ties and their neighbours at many scales,
+# subnormals, specials, values around the formats' maxima.
+
+def _nudge(t):
+    return torch.cat([t, torch.nextafter(t, torch.full_like(t, math.inf)),
+                      torch.nextafter(t, torch.full_like(t, -math.inf))])
+
+
+def scalar_inputs(n=1536, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    any_bits = torch.randint(-2 ** 31, 2 ** 31, (n,), generator=g, dtype=torch.int64)
+    any_bits = any_bits.to(torch.int32).view(torch.float32)
+    spread = torch.randn(n, generator=g) * torch.exp2(
+        torch.randint(-40, 40, (n,), generator=g).float())
+    k = torch.randint(-2 ** 11, 2 ** 11, (n // 4,), generator=g).float()
+    e = torch.randint(-150, 20, (n // 4,), generator=g).float()
+    ties = _nudge((k + 0.5) * torch.exp2(e))
+    # small-integer ties at every scale: the last bit kept is the implicit one
+    small = (torch.arange(8.0) + 0.5)[:, None] * torch.exp2(torch.arange(-150.0, 25.0))[None]
+    small = torch.cat([small.reshape(-1), -small.reshape(-1)])
+    sub = torch.randint(0, 2 ** 23, (n // 4,), generator=g, dtype=torch.int32).view(torch.float32)
+    special = torch.tensor([
+        0.0, -0.0, math.inf, -math.inf, math.nan, 3.4028234663852886e38, 1.1754943508222875e-38,
+        1e-45, 448.0, 464.0, 480.0, 57344.0, 61440.0, 6.0, 7.0, 5.0, 1.0, 0.5, 0.25, 2.0 ** -127,
+        2.0 ** -126, 2.0 ** 127, 240.0, 248.0, 15.9375, 15.96875, 7.96875, 8.0, 127.0, 128.0,
+        255.5, 256.0, -128.5, -129.0, 1048575.94, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11,
+    ])
+    specials = _nudge(torch.cat([special, -special]))
+    return torch.cat([any_bits, spread, ties, small, sub, -sub, specials])
+
+
+def block_inputs(rows=48, cols=96, seed=1) -> torch.Tensor:
+    """Rows with very different ranges; some blocks with NaN/Inf, zeros, amax just below 2^k."""
+    g = torch.Generator().manual_seed(seed)
+    row_scale = torch.exp2(torch.randint(-140, 120, (rows, 1), generator=g).float())
+    elem_spread = torch.exp2(-torch.randint(0, 24, (rows, cols), generator=g).float())
+    x = torch.randn(rows, cols, generator=g) * elem_spread * row_scale
+    x[0, 5] = math.nan
+    x[1, cols // 2] = math.inf
+    x[2, cols - 3] = -math.inf
+    x[3] = 0.0
+    x[4, :32] = -0.0
+    x[5, :2] = torch.tensor([1048575.94, 4.0])
+    x[6, ::3] = torch.nextafter(torch.tensor(2.0 ** 10), torch.tensor(0.0))
+    x[7] = (torch.randint(-64, 64, (cols,), generator=g).float() + 0.5) * 2.0 ** -3
+    x[9, :16] = torch.tensor([2.0 ** -149] * 16)
+    x[10] = torch.finfo(torch.float32).max * torch.sign(torch.randn(cols, generator=g))
+    return x
+
+
+def check(x, fmt, rounding, seed=SEED, msg=""):
+    got = ops.quantize_with_seed(x, fmt, rounding, seed)
+    want = reference.quantize_with_seed(x, fmt, rounding, seed)
+    assert_bits_equal(got, want, f"{fmt} {rounding} {x.dtype} {msg}", inputs=x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit-exactness
+
+@pytest.mark.parametrize("rounding", MODES)
+@pytest.mark.parametrize("name", SCALAR_PRESETS)
+def test_scalar_presets(name, rounding):
+    check(scalar_inputs(), P[name], rounding)
+
+
+@pytest.mark.parametrize("fmt", CUSTOM_FLOATS + CUSTOM_FIXED, ids=str)
+def test_custom_scalar_formats(fmt):
+    x = scalar_inputs(768, seed=3)
+    for rounding in MODES:
+        check(x, fmt, rounding)
+
+
+@pytest.mark.parametrize("rounding", MODES)
+@pytest.mark.parametrize("name", BLOCK_PRESETS)
+def test_block_presets(name, rounding):
+    check(block_inputs(), P[name], rounding)
+
+
+@pytest.mark.parametrize("fmt", CUSTOM_BLOCKS, ids=str)
+def test_custom_blocks(fmt):
+    x = block_inputs(24, 50, seed=2)
+    for rounding in MODES:
+        check(x, fmt, rounding)
+    if fmt.axis is not None:  # 3-D, blocks along the middle and the first axis
+        x3 = block_inputs(12, 40, seed=4).reshape(6, 8, 10)
+        for axis in (0, 1, -1):
+            check(x3, fmt.replace(axis=axis), "nearest")
+            check(x3, fmt.replace(axis=axis), "stochastic")
+
+
+def test_block_axis_out_of_range():
+    with pytest.raises(IndexError, match="out of range"):
+        qt.quantize(torch.ones(4, 4), BlockFormat(P["fp8_e4m3"], 2, axis=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes(dtype):
+    xs = scalar_inputs(1024, seed=5).to(dtype)
+    xb = block_inputs(16, 64, seed=6).clamp(-6e4, 6e4).to(dtype)
+    for name in ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "fp4_e2m1", "e8m0"):
+        for rounding in MODES:
+            check(xs, P[name], rounding)
+    for fmt in (FixedFormat(8, 4), FixedFormat(8, 4, saturate=False)):
+        for rounding in MODES:
+            check(xs, fmt, rounding)
+    for name in ("mxfp8_e4m3", "mxfp4_e2m1", "mxint8", "nvfp4"):
+        for rounding in ("nearest", "stochastic"):
+            check(xb, P[name], rounding)
+
+
+def test_float64_uses_reference():
+    x = scalar_inputs(256).double()
+    for fmt in (P["fp8_e4m3"], FixedFormat(8, 4), P["mxfp4_e2m1"]):
+        check(x, fmt, "stochastic")
+
+
+def test_strided_inputs_and_outputs():
+    x = block_inputs(32, 64, seed=7)
+    views = {"transposed": x.t(), "sliced": x[1::3, ::2], "expanded_row": x[:1].expand(4, 64),
+             "0-d": x[3, 7] + 1.5, "4-d": x.reshape(4, 8, 8, 8).permute(2, 0, 3, 1)}
+    fmts = [P["fp8_e4m3"], FixedFormat(8, 4, saturate=False), P["mxfp8_e4m3"], P["nvfp4"],
+            BlockFormat(P["fp4_e2m1"], 8, axis=0), BlockFormat(P["fp4_e2m1"], 8, axis=None)]
+    for label, v in views.items():
+        for fmt in fmts:
+            for rounding in ("nearest", "stochastic"):
+                check(v, fmt, rounding, msg=label)
+                want = reference.quantize_with_seed(v, fmt, rounding, 7)
+                # a transposed (non-contiguous) output
+                out = torch.full(v.shape[::-1], 9.0)
+                if v.dim() > 0:
+                    out = out.permute(*reversed(range(v.dim())))
+                res = ops.quantize_with_seed(v, fmt, rounding, 7, out=out)
+                assert res is out
+                assert_bits_equal(out, want, f"{label} {fmt} out= (strided)")
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 31, 33, 65, 100, 1023])
+def test_odd_sizes(n):
+    x = scalar_inputs(n, seed=n)[:n]
+    for fmt in (P["fp8_e5m2"], FixedFormat(8, 4), P["mxfp6_e3m2"], P["nvfp4"]):
+        check(x, fmt, "nearest")
+        check(x, fmt, "stochastic")
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 5)])
+def test_empty(shape):
+    x = torch.empty(shape)
+    for fmt in (P["bf16"], FixedFormat(8, 4), P["mxfp8_e4m3"], BlockFormat(P["fp4_e2m1"], None, axis=None)):
+        assert ops.quantize_with_seed(x, fmt, "stochastic", 1).shape == x.shape
+        assert qt.quantize(x, fmt).shape == x.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# API: out=, in place, errors, seeds
+
+def test_out_and_inplace():
+    x = scalar_inputs(512)
+    want = reference.quantize(x, "fp8_e4m3")
+    out = torch.empty_like(x)
+    assert qt.quantize(x, "fp8_e4m3", out=out) is out
+    assert_bits_equal(out, want, "out=")
+    y = x.clone()
+    assert qt.quantize_(y, "fp8_e4m3") is y
+    assert_bits_equal(y, want, "quantize_")
+    y = block_inputs()
+    want = reference.quantize(y, "mxfp4_e2m1")
+    qt.quantize_(y, "mxfp4_e2m1")
+    assert_bits_equal(y, want, "quantize_ blocks")
+
+
+def test_errors():
+    x = torch.ones(4)
+    with pytest.raises(TypeError, match="dtype"):
+        qt.quantize(x, "fp8_e4m3", out=torch.empty(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="shape"):
+        qt.quantize(x, "fp8_e4m3", out=torch.empty(5))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        qt.quantize(torch.ones(4, dtype=torch.int32), "fp8_e4m3")
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        torch.ops.qtensor.quantize_float(x.double(), *ops.op_args(P["bf16"])[1], 0, 0)
+    with pytest.raises(RuntimeError, match="memory location|overlap"):
+        qt.quantize(torch.ones(4, 4), "bf16", out=torch.empty(4).expand(4, 4))
+
+
+def test_reproducible_stochastic():
+    x = torch.randn(4096)
+    torch.manual_seed(5)
+    a = qt.quantize(x, "fp4_e2m1", rounding="stochastic")
+    torch.manual_seed(5)
+    b = qt.quantize(x, "fp4_e2m1", rounding="stochastic")
+    assert_bits_equal(a, b, "manual_seed")
+    c = qt.quantize(x, "fp4_e2m1", rounding="stochastic")
+    assert not torch.equal(a, c)
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    d = qt.quantize(x, "mxfp4_e2m1", rounding="stochastic", generator=g1)
+    e = qt.quantize(x, "mxfp4_e2m1", rounding="stochastic", generator=g2)
+    assert_bits_equal(d, e, "generator")
+    # and the same seed drawn by the reference gives the same bits
+    f = reference.quantize(x, "mxfp4_e2m1", rounding="stochastic",
+                           generator=torch.Generator().manual_seed(9))
+    assert_bits_equal(d, f, "kernel vs reference, same generator")
+
+
+@pytest.mark.parametrize("fmt", ["fp4_e2m1", "fixed8.4", "mxfp4_e2m1", "nvfp4", "bf16"])
+def test_stochastic_unbiased(fmt):
+    """E[q(x)] = x: the mean of many roundings of the same values is x within 5 sigma.
+
+    Each value fills whole blocks, so for block formats it is chosen where its block does not
+    saturate (x / X <= max_elem); a saturated or flushed block is biased by design."""
+    n = 1 << 16
+    if isinstance(qt.format(fmt), BlockFormat):
+        vals = torch.tensor([0.3, 2.2, -0.01, 1.1])
+    else:
+        vals = torch.tensor([0.3, -1.7, 2.2, 0.01, -0.0051, 1.2345678])
+    x = vals.repeat_interleave(n)
+    q = qt.quantize(x, fmt, rounding="stochastic", generator=torch.Generator().manual_seed(1))
+    q = q.reshape(len(vals), n).double()
+    mean, std = q.mean(1), q.std(1)
+    sigma = (std / math.sqrt(n)).clamp(min=1e-12)
+    z = (mean - vals.double()).abs() / sigma
+    assert bool((z < 5).all()), f"{fmt}: means {mean.tolist()} vs {vals.tolist()} (z={z.tolist()})"
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library integration
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fixed8.4", "mxfp8_e4m3", "nvfp4"])
+def test_opcheck(name):
+    fmt = qt.format(name)
+    op, args = ops.op_args(fmt)
+    x = torch.randn(4, 64)
+    for rounding in (0, 3):
+        full = (*args, rounding, 7)
+        torch.library.opcheck(getattr(torch.ops.qtensor, op).default, (x, *full))
+        torch.library.opcheck(getattr(torch.ops.qtensor, op).out, (x, *full),
+                              {"out": torch.empty_like(x)})
+        torch.library.opcheck(getattr(torch.ops.qtensor, op + "_").default, (x.clone(), *full))
+
+
+def test_fake_tensor_and_meta():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(8, 32)
+        y = qt.quantize(x, "mxfp4_e2m1")
+        assert y.shape == (8, 32) and y.dtype == torch.float32
+    m = qt.quantize(torch.empty(3, 5, device="meta"), "fp8_e4m3")
+    assert m.device.type == "meta" and m.shape == (3, 5)
+
+
+def test_compile():
+    f = torch.compile(lambda t: qt.quantize(t * 2, "fp8_e4m3") + 1, backend="eager", fullgraph=True)
+    x = torch.randn(64)
+    assert_bits_equal(f(x), reference.quantize(x * 2, "fp8_e4m3") + 1, "compiled")
+
+
+def test_warns_once_without_extension():
+    """Without qtensor._C, import works, warns once naming the cause and the build command."""
+    code = ("import sys, warnings; sys.modules['qtensor._C'] = None\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import qtensor as qt, torch\n"
+            "    qt.quantize(torch.ones(3), 'fp8_e4m3'); qt.quantize(torch.ones(3), 'bf16')\n"
+            "msgs = [str(m.message) for m in w if 'qtensor._C' in str(m.message)]\n"
+            "assert len(msgs) == 1, msgs\n"
+            "assert 'pip install --no-build-isolation -e .' in msgs[0], msgs[0]\n"
+            "print(qt.quantize(torch.tensor([1.1]), 'fp4_e2m1').item())\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "1.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the same bits as the CPU kernels (and so as the reference)
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and ops.kernels_available("cuda")),
+                          reason="needs a CUDA device and the CUDA kernels")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_matches_cpu(dtype):
+    xs = scalar_inputs(4096, seed=11)
+    xb = block_inputs(64, 96, seed=12)
+    if dtype != torch.float32:
+        xs, xb = xs.to(dtype), xb.clamp(-6e4, 6e4).to(dtype)
+    fmts = [P[n] for n in SCALAR_PRESETS] + CUSTOM_FLOATS + CUSTOM_FIXED
+    bfmts = [P[n] for n in BLOCK_PRESETS] + CUSTOM_BLOCKS
+    for fmts_, x in ((fmts, xs), (bfmts, xb)):
+        for fmt in fmts_:
+            for rounding in MODES:
+                want = ops.quantize_with_seed(x, fmt, rounding, SEED)
+                got = ops.quantize_with_seed(x.cuda(), fmt, rounding, SEED)
+                assert_bits_equal(got.cpu(), want, f"cuda {fmt} {rounding} {dtype}")
+    # strided and big (many blocks and grid-stride iterations)
+    big = torch.randn(1000, 4099, device="cuda")
+    for fmt in (P["fp8_e4m3"], P["mxfp8_e4m3"], P["nvfp4"], FixedFormat(8, 4)):
+        for v in (big, big.t(), big[:, 1:]):
+            for rounding in ("nearest", "stochastic"):
+                assert_bits_equal(ops.quantize_with_seed(v, fmt, rounding, 3).cpu(),
+                                  ops.quantize_with_seed(v.cpu(), fmt, rounding, 3),
+                                  f"cuda big {fmt} {rounding}")
+
+
+@cuda
+def test_cuda_out_inplace_and_errors():
+    x = torch.randn(257, 33, device="cuda")
+    out = torch.empty_like(x)
+    qt.quantize(x, "mxfp4_e2m1", out=out)
+    assert_bits_equal(out.cpu(), qt.quantize(x.cpu(), "mxfp4_e2m1"), "cuda out=")
+    y = x.clone()
+    qt.quantize_(y, "fp8_e5m2")
+    assert_bits_equal(y.cpu(), qt.quantize(x.cpu(), "fp8_e5m2"), "cuda in place")
+    with pytest.raises(ValueError, match="device|cuda"):
+        qt.quantize(x, "bf16", out=torch.empty(257, 33))
+    torch.manual_seed(3)
+    a = qt.quantize(x, "fp4_e2m1", rounding="stochastic")
+    torch.manual_seed(3)
+    b = qt.quantize(x.cpu(), "fp4_e2m1", rounding="stochastic")
+    assert_bits_equal(a.cpu(), b, "cuda vs cpu stochastic under manual_seed")
