@@ -5,7 +5,7 @@ from . import reference
 
 globals().update(PRESETS)
 
-from .ops import quantize  # noqa: E402
+from .ops import quantize, quantize_  # noqa: E402
 from .tensor import QTensor, as_qtensor, quantize_grad  # noqa: E402
 from .convert import Recipe, Role, convert, describe, unconvert  # noqa: E402
 from . import recipes  # noqa: E402
