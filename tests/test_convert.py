@@ -6,6 +6,7 @@ after forward, backward and step, and that each value is representable in its fo
 """
 import copy
 import io
+import sys
 import warnings
 
 import pytest
@@ -330,6 +331,7 @@ def test_convert_twice():
 
 
 def test_integer_buffers_left_alone_said_once():
+    sys.modules["qtensor.convert"]._warned.clear()  # "once" per process: start afresh
     m = CNN()
     with pytest.warns(UserWarning, match="num_batches_tracked"):
         qt.convert(m, qt.Recipe(weight="bf16", rules={"bn.num_batches_tracked": "bf16"}))
