@@ -330,7 +330,7 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic"):
         else:  # blocks are the rows of (n, everything else)
             moved = x.movedim(d, 0)
             x2, axis = moved.reshape(n, -1), 1
-            restore = lambda q: q.reshape(moved.shape).movedim(0, d)
+            restore = lambda q: q.reshape(moved.shape).movedim(0, d).contiguous()  # as QPyTorch
     fmt = block_format(wl, axis, mode)
     if rounding == "nearest" and wl <= 22:
         dtype = x2.dtype
