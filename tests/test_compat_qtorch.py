@@ -222,6 +222,9 @@ def test_quantizer_forward_backward(Q):
                 grads.append(x.grad)
             assert_same(outs[0], outs[1], x0, f"forward {ours_n[i]} {kw}")
             assert_same(grads[0], grads[1], w, f"backward {ours_n[j]} {kw}")
+    # QPyTorch's own number objects are accepted too (a script that kept `from qtorch import ...`)
+    assert_same(C.quantizer(qtorch.BlockFloatingPoint(5, 0), None, "nearest")(x0),
+                Q.block_quantize(x0, 5, 0, "nearest"), x0, "qtorch numbers")
     m = C.Quantizer(C.FloatingPoint(4, 3), C.FloatingPoint(5, 2), "nearest", "nearest")
     assert_same(m(x0), Q.Quantizer(qtorch.FloatingPoint(4, 3), None, "nearest")(x0), x0, "Quantizer")
 
@@ -279,3 +282,18 @@ def test_block_ties_at_the_top(Q):
     for dim, xx in ((-1, x), (0, x.reshape(1, -1)), (1, x.reshape(1, -1))):
         theirs = Q.block_quantize(xx, 4, dim, "nearest")
         assert_same(C.block_quantize(xx, 4, dim, "nearest"), theirs, xx, f"dim={dim}")
+
+
+def test_optimlp_other_optimizers_round_their_state():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    q = C.quantizer(C.FloatingPoint(3, 2), None, "nearest")
+    opt = C.OptimLP(torch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.5),
+                    momentum_quant=q)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).pow(2).sum().backward()
+        opt.step()
+    state = opt.optim.state[model.weight]
+    for key in ("square_avg", "momentum_buffer"):
+        assert torch.equal(state[key], C.float_quantize(state[key], 3, 2, "nearest")), key
