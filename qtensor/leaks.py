@@ -84,6 +84,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook as _register
 from torch.optim.optimizer import register_optimizer_step_pre_hook as _register_pre_step
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.nn.modules.loss import _Loss
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import dispatch as _dispatch
@@ -113,6 +114,7 @@ _TAG = "qtensor.leak_check"  # key of our entry in autograd nodes' metadata
 _TARGET_TAG = "qtensor.leak_check.targets"  # storage keys of a loss node's targets
 _COPY_OPS = frozenset(("copy_", "_foreach_copy_"))
 _LIFTS = frozenset(("lift_fresh", "lift_fresh_copy"))  # torch.tensor(...): a factory
+_LOSS_DATA = frozenset(("target", "weight", "pos_weight"))  # in ops with a target
 
 
 class LeakError(RuntimeError):
@@ -463,8 +465,9 @@ def _conversion(m):
 
 
 def _scan_root(root: torch.nn.Module, state_names, deliberate):
-    """(converted, plain_act) of a root module; records parameter/buffer names and the tensors
-    a recipe deliberately leaves in full precision (rule None)."""
+    """(converted, plain_act) of a root module; records parameter/buffer names, and the
+    storages of plain tensors kept in full precision on purpose: by a recipe (rule None), or
+    as a loss module's configuration (class weights)."""
     converted = False
     plain_act = set()
     for name, t in _named_state(root):
@@ -488,8 +491,13 @@ def _scan_root(root: torch.nn.Module, state_names, deliberate):
                 plain_act.add(id(sub))
         for name, t in _named_state(m):
             plan = conv.tensor_plans.get(name)
-            if plan is not None and plan.value.full_precision:
-                deliberate[t] = True
+            if plan is not None and plan.value.full_precision and not isinstance(t, QTensor):
+                deliberate.add(_storage_key(t))
+    for m in root.modules():
+        if isinstance(m, _Loss):
+            for t in m.buffers(recurse=False):
+                if not isinstance(t, QTensor):
+                    deliberate.add(_storage_key(t))
     return converted, plain_act
 
 
@@ -648,9 +656,11 @@ class leak_check:
         self._targets = None     # in a loss's backward: its targets' storage keys
         self._user_made = WeakIdKeyDictionary()  # constants made by user code in a converted model
         self._in_step = 0        # inside optimizer.step()
+        self._func = None        # the op being inspected
         self._state_names = WeakIdKeyDictionary()  # param/buffer -> qualified name
         self._blessed = WeakIdKeyDictionary()      # torch-made constants in a converted model
-        self._deliberate = WeakIdKeyDictionary()   # tensors a recipe leaves in full precision
+        self._deliberate = WeakIdKeyDictionary()   # values a recipe leaves in full precision
+        self._deliberate_storage = set()           # the same for state tensors (and views)
         self._watched = weakref.WeakSet()
         self._checked = WeakIdKeyDictionary()      # QTensor -> version whose values were checked
         self._allow_storages = set()
@@ -711,7 +721,8 @@ class leak_check:
                     f"<{type(module).__name__}>"
         else:
             names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-            root = _Root(names, *_scan_root(module, self._state_names, self._deliberate))
+            root = _Root(names, *_scan_root(module, self._state_names,
+                                            self._deliberate_storage))
             path = ""
         stack.append(_Frame(module, path, root, _get_sequence_nr()))
 
@@ -764,11 +775,11 @@ class leak_check:
         """A plain floating tensor that may meet QTensors (see the module docstring)."""
         if t.dim() == 0 and t not in self._state_names and t not in self._user_made:
             return True  # a scalar (a wrapped Python number, a 0-dim constant torch made)
-        if role == "target":
-            return True  # the data a loss compares with, like the model's inputs
+        if role in _LOSS_DATA and _target_position(self._func) is not None:
+            return True  # a loss's target (data, like the model's inputs) and class weights
         if self._targets is not None and _storage_key(t) in self._targets:
             return True  # the same, in the loss's backward
-        if t in self._blessed or t in self._deliberate:
+        if t in self._blessed or self._is_deliberate(t):
             return True
         if self._plain_act and t not in self._state_names:
             return True  # a recipe leaves this module's activations in full precision
@@ -798,6 +809,7 @@ class leak_check:
         return top.path or "<root>", "forward", converted, None
 
     def _inspect(self, func, args, kwargs, out, frame):
+        self._func = func
         ins = _tensors(args, kwargs, None)  # cheap first pass without names
         has_q = False
         plain = False
@@ -840,18 +852,25 @@ class leak_check:
             # a factory (or a cast from integers): a constant; bless it when torch made it,
             # remember it when the user did (a 0-dim one is then not taken for a scalar)
             direct, _, _ = _walk(frame)
-            made = self._blessed if direct in (_TORCH, _ENGINE) else self._user_made
+            # scalar_tensor: how torch's C++ code makes a tensor of a number (an SDPA mask)
+            torch_made = direct in (_TORCH, _ENGINE) or func._opname == "scalar_tensor"
+            made = self._blessed if torch_made else self._user_made
             for _, t in outs:
                 if _is_float(t) and not isinstance(t, QTensor):
                     made[t] = True
 
+    def _is_deliberate(self, t) -> bool:
+        if t in self._deliberate:
+            return True
+        return bool(self._deliberate_storage) and _storage_key(t) in self._deliberate_storage
+
     def _propagate_deliberate(self, ins, outs):
         """Plain values computed only from tensors a recipe keeps plain are deliberate too
         (an optimizer's FP32 state made from an FP32 gradient)."""
-        if not self._deliberate:
+        if not self._deliberate and not self._deliberate_storage:
             return
         for _, t in ins:
-            if _is_float(t) and t not in self._deliberate:
+            if _is_float(t) and not self._is_deliberate(t):
                 return
         for _, t in outs:
             if _is_float(t) and not isinstance(t, QTensor):
@@ -930,9 +949,8 @@ class leak_check:
             return
         rule = _dispatch.rule_of(func)
         plain_ins = [(r, t) for r, t in ins if _is_float(t)]
-        blessed = all(t in self._blessed for _, t in plain_ins)
-        if blessed and direct in (_TORCH, _ENGINE):
-            # torch's module code working on its own constants (a mask, a zero state)
+        if all(t in self._blessed for _, t in plain_ins):
+            # computing with torch's own constants (a mask from a boolean one, a zero state)
             for _, t in outs:
                 if _is_float(t):
                     self._blessed[t] = True
@@ -1024,7 +1042,7 @@ class leak_check:
                 self._check_param(optimizer, p, name, any_q, op, loc, master)
 
     def _check_param(self, optimizer, p, name, any_q, op, loc, master=False):
-        if p in self._deliberate or self._allowed(p) or self._matches_name(name):
+        if self._is_deliberate(p) or self._allowed(p) or self._matches_name(name):
             return
         plan = getattr(p, "_qt_plan", None)  # what qt.convert chose for this parameter
         owner = name.rsplit(".", 1)[0] if "." in name else ""

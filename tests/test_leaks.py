@@ -166,6 +166,43 @@ def test_clean_masks_and_inference():
     assert_clean(report)
 
 
+class Functional(nn.Module):
+    """Functional calls whose C++ code makes its own constants (SDPA's causal mask with
+    dropout), interpolation, einsum, a max_norm embedding, a positional-encoding buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 16, max_norm=1.0, padding_idx=0)
+        self.qkv = nn.Linear(16, 48)
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.out = nn.Linear(16, 4)
+        pos = torch.arange(7.0)[:, None] / (10 ** (torch.arange(16.0) / 16))
+        self.register_buffer("pe", torch.sin(pos))
+
+    def forward(self, t):
+        h = self.emb(t) + self.pe
+        q, k, v = self.qkv(h).view(h.shape[0], h.shape[1], 3, 2, 8).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True, dropout_p=0.1)
+        a = a.transpose(1, 2).reshape(h.shape)
+        img = F.interpolate(self.conv(a.unsqueeze(1)), scale_factor=2, mode="bilinear")
+        img = F.avg_pool2d(img, 2).mean(1)
+        z = torch.einsum("btd,bsd->bts", img, img).softmax(-1) @ img
+        z = F.layer_norm(z, (16,)) + torch.randn_like(z) * 0.01
+        return self.out(z.cumsum(1)[:, -1])
+
+
+def test_clean_functional_model_and_weighted_loss():
+    """Also a loss module's class weights and label smoothing (loss configuration, not a leak)."""
+    torch.manual_seed(0)
+    model = qt.convert(Functional(), qt.bf16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 1.0, 1.0]), label_smoothing=0.1)
+    with qt.leak_check(action="raise", optimizer=opt, check_values=True) as report:
+        step(model, opt, torch.randint(0, 10, (3, 7)), torch.tensor([0, 1, 3]), crit)
+    assert_clean(report)
+
+
 def test_clean_weight_only_recipe_and_logits_loss():
     """Activations left in full precision by the recipe are deliberate; a loss's float target
     is data, in forward and in the loss's backward formula (sigmoid(x) - target)."""
