@@ -176,7 +176,9 @@ def test_between_neighbours_stochastic(quantize, name):
     xs, _, pairs, p_up = _code_cases(fmt)
     draws = 1000
     x = t32(xs).unsqueeze(1).expand(-1, draws).contiguous()
-    q = quantize(x, fmt, rounding="stochastic").double()
+    # a fixed seed: thousands of rows at 5 standard errors would otherwise fail ~1% of runs
+    q = quantize(x, fmt, rounding="stochastic",
+                 generator=torch.Generator().manual_seed(len(name))).double()
     small = torch.tensor([p[0] for p in pairs], dtype=torch.float64).unsqueeze(1)
     big = torch.tensor([p[1] for p in pairs], dtype=torch.float64).unsqueeze(1)
     assert bool(((q == small) | (q == big)).all()), f"{name}: a result is not a neighbour"
@@ -213,6 +215,19 @@ def test_beyond_max(quantize, name):
         away = t32([s * over if not math.isnan(over) else over] * 4)
         assert_bits_equal(quantize(x[1:], fmt, rounding="nearest_away"), away,
                           f"{name} nearest_away", inputs=x[1:])
+
+
+def test_toward_zero_overflow_follows_design(quantize):
+    """DESIGN.md: overflow is "the rounded magnitude exceeds max", on the grid extended past max,
+    in every mode; so toward_zero gives Inf for 70000 in fp16 (70000 -> 69984 > 65504) and NaN
+    in a non-saturating "fn" format. IEEE 754 (and gfloat) give max here instead: if DESIGN.md
+    adopts that, change this test and oracles.round_float together."""
+    x = t32([70000.0, -1e30, 65519.0, float("inf")])
+    assert_bits_equal(quantize(x, "fp16", rounding="toward_zero"),
+                      t32([float("inf"), float("-inf"), 65504.0, float("inf")]), "fp16")
+    fn = FloatFormat(4, 3, specials="fn")  # not saturating: overflow is NaN
+    assert_bits_equal(quantize(t32([470.0, 1000.0, 450.0]), fn, rounding="toward_zero"),
+                      t32([448.0, float("nan"), 448.0]), "e4m3 fn")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -904,7 +919,8 @@ def test_prop_stochastic_unbiased(fmt, x, q):
     if isinstance(fmt, FloatFormat) and max(abs(lo), abs(hi)) > fmt.max:
         return
     n = 4000
-    draws = q(torch.full((n,), x), fmt, rounding="stochastic").double()
+    draws = q(torch.full((n,), x), fmt, rounding="stochastic",
+              generator=torch.Generator().manual_seed(1)).double()
     p = (Fraction(x) - Fraction(lo)) / (Fraction(hi) - Fraction(lo))
     sd = (hi - lo) * math.sqrt(float(p * (1 - p)) / n)
     assert abs(draws.mean().item() - x) <= 5 * sd + 1e-300, (fmt, x, draws.mean().item())
