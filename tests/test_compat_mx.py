@@ -196,8 +196,8 @@ def test_recipe_roles():
 
 
 def test_recipe_on_a_model():
-    """qt.convert with the recipe reproduces microxcaling's MX Linear forward:
-    bfloat(MX_a(bfloat(x)) @ MX_w(bfloat(W)).T), MX blocks along the input features."""
+    """qt.convert with the recipe reproduces microxcaling's MX Linear, forward and both gradients:
+    y = bfloat(MX_a(bfloat(x)) @ MX_w(bfloat(W)).T), MX blocks along each product's reduction."""
     if not hasattr(qt, "convert"):
         pytest.skip("qt.convert is not available yet (issue 5)")
     torch.manual_seed(0)
@@ -222,3 +222,13 @@ def test_recipe_on_a_model():
     ones = torch.ones(8, 32)
     xb = mx.quantize_mx(bf(x), "fp6_e3m2", 32, axis=0, round="nearest")
     assert_bits_equal(g, bf(ones.T @ xb), "MX Linear weight gradient")
+    # grad_x = bfloat(MX_bp_os(grad_y along out features) @ MX_w_bp(bfloat(W) along dim 0))
+    gx = _x_grad(model, x)
+    wb = mx.quantize_mx(bf(w), "fp4_e2m1", 32, axis=0, round="nearest")
+    assert_bits_equal(gx, bf(ones @ wb), "MX Linear input gradient")
+
+
+def _x_grad(model, x):
+    x = x.clone().requires_grad_(True)
+    model(x).sum().backward()
+    return x.grad.dequantize() if isinstance(x.grad, qt.QTensor) else x.grad
