@@ -5,8 +5,8 @@ returns it. ``spec`` is a format (``qt.bf16``), a format string (``"mxfp6"``) or
 :class:`Recipe`. A bare format means "every value in this format": weights, biases, buffers,
 activations, gradients and optimizer state.
 
-A :class:`Recipe` gives each *role* a format. A role is ``None`` (full precision: left a plain
-tensor), a format / format string, or a pair ``(value_fmt, mm_fmt)``: the format the values live
+A :class:`Recipe` gives each *role* a format. A role is ``None`` (full precision, below), a
+format / format string, or a pair ``(value_fmt, mm_fmt)``: the format the values live
 in, and the format they take as an operand of a contraction (DESIGN.md "Two formats per tensor";
 e.g. ``(qt.bf16, qt.mxfp6_e3m2)``). A pair ``(None, mm_fmt)`` means FP32 values with that
 operand format. Roles:
@@ -21,9 +21,11 @@ operand format. Roles:
 - ``activation``: the model's floating inputs (a forward pre-hook on the model) and every
   module's floating outputs (forward hooks) are rounded to it, as QTensors with its operand
   format.
-- ``grad``: the gradient of every hooked activation (``qt.quantize_grad`` in the same hooks) and of
-  every converted parameter (a tensor hook on the parameter, so each contribution is rounded
-  before it is accumulated, and accumulation rounds into the gradient's format).
+- ``grad``: the gradient of every hooked activation (the same hooks: one autograd node rounds
+  the value forward and its gradient backward, as ``qt.as_qtensor`` + ``qt.quantize_grad``
+  would, but never returns a view, so in-place ops such as ``ReLU(inplace=True)`` may follow)
+  and of every converted parameter (a tensor hook on the parameter, so each contribution is
+  rounded before it is accumulated, and accumulation rounds into the gradient's format).
 - ``optimizer_state``: the optimizer's floating state tensors of each converted parameter
   (momentum buffers, Adam moments; not the scalar ``step``) are kept in this format by
   process-wide ``torch.optim`` step hooks that only touch converted parameters (details, and
@@ -69,7 +71,10 @@ Details:
   ``_flat_weights``) see the QTensor. Buffers are reassigned in their modules.
 - Converting a model twice with the same spec does nothing; with a different spec it is an error
   (call ``qt.unconvert(model)`` first). A model that contains an already converted submodule is
-  an error too.
+  an error too. ``qt.unconvert`` restores plain tensors in their original dtypes (with their
+  current values) and removes every hook.
+- ``copy.deepcopy(model)`` and ``torch.save(model)``/``torch.load`` keep the conversion: the
+  copy's parameters get their plans and gradient hooks back at its first forward.
 - Block formats on tiny tensors: a block that does not fit (a bias of 3 values in MXFP4 with 32-value
   blocks) is a short last block, which the format allows (as if padded with zeros): it just
   works. A block format whose ``axis`` does not exist in a tensor (``axis=1`` for a bias) is an
