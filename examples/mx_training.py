@@ -7,7 +7,7 @@ Rouhani et al. (2023), "Microscaling Data Formats for Deep Learning", train GPT 
 same hyperparameters in FP32, in MXFP6_E3M2 (weights, activations and gradients of every matrix
 multiply) and with MXFP4 weights plus MXFP6_E3M2 activations and gradients; at 20M parameters
 their final training losses are 3.98 / 4.01 / 4.04. Here the same three settings train a small
-character-level GPT (2 layers, d=128, context 64, ~0.4M parameters) on Python's own
+character-level GPT (2 layers, d=64, context 64, ~0.1M parameters) on Python's own
 standard-library source (the top-level ``*.py`` files of ``sysconfig.get_paths()["stdlib"]``,
 sorted, as bytes; the last 10% is the validation text). Every run uses the same initial weights,
 batches, optimizer (AdamW, cosine schedule) and steps; only the arithmetic differs:
@@ -130,23 +130,34 @@ def train(name, corpus, args):
 
 def plot(results, path, args):
     plt = common.plt_module()
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 2]})
     colors = {"fp32": "tab:blue", "mxfp6": "tab:orange", "mxfp4_weights": "tab:red"}
     window = max(1, args.steps // 25)
+    base = next((r for r in results if r["name"] == "fp32"), None)
     for r in results:
         c = colors.get(r["name"])
+        label = LABELS.get(r["name"], r["name"])
         ax.plot(common.smooth(r["losses"], window), color=c, lw=1.4, alpha=0.85,
-                label=f"{LABELS.get(r['name'], r['name'])}: train (moving avg {window})")
+                label=f"{label}: train (moving avg {window})")
         xs, ys = zip(*r["val_curve"])
-        ax.plot(xs, ys, "o--", color=c, ms=4, lw=1,
-                label=f"{LABELS.get(r['name'], r['name'])}: validation")
-    ax.set_xlabel("training step (batch of %d x %d characters)" % (args.batch, args.context))
+        ax.plot(xs, ys, "o--", color=c, ms=4, lw=1, label=f"{label}: validation")
+        if base is not None and r is not base:
+            # Same batches in every run, so the per-step difference is a paired comparison.
+            diff = [a - b for a, b in zip(r["losses"], base["losses"])]
+            ax2.plot(common.smooth(diff, 4 * window), color=c, lw=1.6, label=label)
     ax.set_ylabel("cross-entropy (nats per character)")
     lo = min(min(r["val_loss"], r["train_loss"]) for r in results)
     ax.set_ylim(lo - 0.15, min(4.5, max(r["losses"][0] for r in results)))
     ax.set_title("Character-level GPT on Python stdlib source: FP32 vs MX training")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    ax2.axhline(0.0, color="tab:blue", lw=1)
+    ax2.set_ylabel(f"train loss minus FP32's\n(same batches; moving avg {4 * window})")
+    ax2.set_xlabel("training step (batch of %d x %d characters)" % (args.batch, args.context))
+    ax2.grid(True, alpha=0.3)
+    if base is not None and len(results) > 1:
+        ax2.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -158,12 +169,12 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 600)")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated: " + ",".join(RUNS))
-    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--d", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--evals", type=int, default=8, help="validation points on the curve")
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--out", type=pathlib.Path, default=None,
