@@ -842,3 +842,17 @@ def test_unconvert_restores_dtype():
     qt.unconvert(m)
     assert all(type(t) in (nn.Parameter, torch.Tensor) and t.dtype == torch.bfloat16
                for t in list(m.parameters()) + [m[1].running_mean])
+
+
+def test_recipe_as_rule():
+    m = MLP()
+    inner = qt.Recipe(weight="fp8_e4m3", bias="bf16", activation="fp8_e5m2", grad="fp8_e5m2")
+    qt.convert(m, qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16",
+                            rules={"head": inner}))
+    assert m.head.weight.fmt == qt.fp8_e4m3 and m.fc1.weight.fmt == qt.bf16
+    seen = {}
+    m.head.register_forward_hook(lambda mod, a, out: seen.update(y=out))
+    m(torch.randn(2, 8)).sum().backward()
+    assert_in_format(seen["y"], qt.fp8_e5m2, None, "head output")
+    assert_in_format(m.head.weight.grad, qt.fp8_e5m2, None, "head grad")
+    assert_in_format(m.fc1.weight.grad, qt.bf16, None, "fc1 grad")
