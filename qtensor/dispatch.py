@@ -151,6 +151,7 @@ _FORMAT_ORDER = {
 _TRANSPOSES = frozenset(("t", "t_copy", "transpose", "transpose_copy", "permute", "permute_copy"))
 
 QTensor = None  # bound by qtensor.tensor
+_CPU_KERNELS = _ops.kernels_available("cpu")
 
 
 class Rule:
@@ -254,15 +255,40 @@ def _transposed_fmt(fmt, func, args, in_ndim):
     return with_axis(fmt, new_axis)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KERNEL_CALLS: dict = {}
+
+
+def _kernel_call(fmt):
+    """(op overload, trailing args) of the fused kernel for a deterministic format, cached:
+    building them in qtensor.ops costs more than rounding a small tensor."""
+    call = _KERNEL_CALLS.get(fmt)
+    if call is None:
+        name, args = _ops.op_args(fmt)
+        call = (getattr(torch.ops.qtensor, name).default,
+                (*args, _ops._ROUNDING_CODE[fmt.rounding], 0))
+        _KERNEL_CALLS[fmt] = call
+    return call
+
+
 def quantize(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """One rounding of a plain payload tensor to fmt (the fused kernel when available)."""
-    return _ops.quantize(x, fit_format(fmt, x.dim()))
+    fmt = fit_format(fmt, x.dim())
+    if (_CPU_KERNELS and fmt.rounding != "stochastic" and x.dtype in _KERNEL_DTYPES
+            and x.device.type == "cpu"):
+        op, args = _kernel_call(fmt)
+        return op(x, *args)
+    return _ops.quantize(x, fmt)
 
 
 def _round_inplace(q) -> None:
     """Round a QTensor's payload in place to its own format (after an in-place op)."""
     data = q._data
-    data.copy_(quantize(data, q.fmt))
+    fmt = fit_format(q.fmt, data.dim())
+    if data.is_contiguous():
+        _ops.quantize_(data, fmt)
+    else:
+        data.copy_(quantize(data, fmt))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +372,7 @@ def _device_error(func, args, kwargs, err):
 def _round_operand(args, uargs, pos, axis):
     a = args[pos] if pos < len(args) else None
     if isinstance(a, QTensor) and a.mm_fmt is not None:
-        uargs[pos] = _ops.quantize(uargs[pos], with_axis(a.mm_fmt, axis))
+        uargs[pos] = quantize(uargs[pos], with_axis(a.mm_fmt, axis))
 
 
 def _conv_operands(args):
@@ -376,7 +402,7 @@ def _convolution_backward(func, args, uargs, ukwargs):
     transposed = bool(uargs[7])
 
     def rounded(i, axis):
-        return _ops.quantize(uargs[i], with_axis(args[i].mm_fmt, axis)) if has[i] else uargs[i]
+        return quantize(uargs[i], with_axis(args[i].mm_fmt, axis)) if has[i] else uargs[i]
 
     gi = gw = gb = None
     if mask[0]:  # grad_input: reduction over output channels
@@ -449,14 +475,20 @@ def dispatch(func, args, kwargs):
         rnd = True
 
     if rule.mutated:
-        return _finish_mutation(func, rule, args, kwargs, out, rnd)
+        return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
     out = _wrap_out(out, fmt, mm_fmt, rnd)
-    if rule.is_view:
+    if rule.is_view and _has_q(out):
         return return_and_correct_aliasing(func, args, kwargs, out)
     return out
 
 
-def _finish_mutation(func, rule, args, kwargs, out, rnd):
+def _has_q(out):
+    if isinstance(out, (tuple, list)):
+        return any(isinstance(o, QTensor) for o in out)
+    return isinstance(out, QTensor)
+
+
+def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
     """In-place and out= ops: round each QTensor destination into its own format."""
     for pos, name in rule.mutated:
         dst = _arg(args, kwargs, pos, name)
@@ -473,12 +505,13 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd):
         return return_and_correct_aliasing(func, args, kwargs, out)
     if rule.returns_void:
         return None
-    if rule.out_alias is None:
-        return out
+    if rule.out_alias is None:  # fresh outputs besides the mutation (e.g. batch-norm stats)
+        return _wrap_out(out, fmt, mm_fmt, rnd)
     res = []
     outs = out if isinstance(out, (tuple, list)) else (out,)
     for o, alias in zip(outs, rule.out_alias):
-        res.append(_arg(args, kwargs, alias[0], alias[1]) if alias is not None else o)
+        res.append(_arg(args, kwargs, alias[0], alias[1]) if alias is not None
+                   else _wrap_out(o, fmt, mm_fmt, rnd))
     return res[0] if len(res) == 1 else tuple(res)
 
 

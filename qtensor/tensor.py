@@ -22,6 +22,7 @@ Conversions:
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Optional
 
 import torch
@@ -48,6 +49,9 @@ def _check_floating(x: torch.Tensor, fmt) -> None:
         raise TypeError(
             f"cannot give format {fmt} to a tensor of dtype {x.dtype} (shape {tuple(x.shape)}): "
             "only float32, float64, float16 and bfloat16 tensors can carry a number format")
+    if x.layout != torch.strided:
+        raise TypeError(f"cannot give format {fmt} to a {x.layout} tensor: only dense (strided) "
+                        "tensors can carry a number format")
 
 
 class QTensor(torch.Tensor):
@@ -101,6 +105,14 @@ class QTensor(torch.Tensor):
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
         fmt, mm_fmt = meta
         return QTensor._wrap(inner_tensors["_data"], fmt, mm_fmt, outer_size, outer_stride)
+
+    def _stable_hash_for_caching(self) -> str:
+        # AOTAutograd's cache key: metadata only (formats included), never the values
+        d = self._data
+        return hashlib.blake2b(
+            repr((tuple(self.shape), tuple(d.stride()), str(d.dtype), str(d.device),
+                  self.requires_grad, str(self.fmt), str(self.mm_fmt))).encode(),
+            digest_size=16).hexdigest()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

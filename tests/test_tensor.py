@@ -382,7 +382,7 @@ def _compile_backend():
     """inductor where the quantize op is opaque to it (the custom op); otherwise aot_eager, since
     inductor cannot yet generate C++ for the reference quantizer's int64 bit manipulations."""
     import qtensor.ops as ops
-    return "inductor" if getattr(ops, "HAS_CUSTOM_OPS", False) else "aot_eager"
+    return "inductor" if ops.kernels_available("cpu") else "aot_eager"
 
 
 def test_compiled_mlp_is_bit_identical_to_eager():
