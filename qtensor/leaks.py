@@ -193,6 +193,14 @@ class Finding:
         return self.module or "-"
 
     @property
+    def filename(self) -> Optional[str]:
+        return self.location.filename if self.location is not None else None
+
+    @property
+    def lineno(self) -> Optional[int]:
+        return self.location.lineno if self.location is not None else None
+
+    @property
     def message(self) -> str:
         loc = str(self.location) if self.location is not None else "<unknown>"
         lines = [f"leak ({self.kind}): {_HEADLINES[self.kind]}",
@@ -581,6 +589,23 @@ def _tensors(args, kwargs, schema):
     return out
 
 
+def _flat_tensors(args, kwargs):
+    """The tensor arguments, one list level deep, without names (the fast path)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
 def _outputs(out):
     if isinstance(out, torch.Tensor):
         return [("result", out)]
@@ -810,13 +835,13 @@ class leak_check:
 
     def _inspect(self, func, args, kwargs, out, frame):
         self._func = func
-        ins = _tensors(args, kwargs, None)  # cheap first pass without names
+        ins = _flat_tensors(args, kwargs)  # cheap first pass without names
         has_q = False
         plain = False
-        for _, t in ins:
+        for t in ins:
             if isinstance(t, QTensor):
                 has_q = True
-            elif _is_float(t):
+            elif t.dtype in _FLOAT_DTYPES:
                 plain = True
         outs = _outputs(out)
         module, phase, converted, tag = self._context()
@@ -869,7 +894,7 @@ class leak_check:
         (an optimizer's FP32 state made from an FP32 gradient)."""
         if not self._deliberate and not self._deliberate_storage:
             return
-        for _, t in ins:
+        for t in ins:
             if _is_float(t) and not self._is_deliberate(t):
                 return
         for _, t in outs:
@@ -948,8 +973,7 @@ class leak_check:
         if issuer == _QT:
             return
         rule = _dispatch.rule_of(func)
-        plain_ins = [(r, t) for r, t in ins if _is_float(t)]
-        if all(t in self._blessed for _, t in plain_ins):
+        if all(t in self._blessed for t in ins if _is_float(t)):
             # computing with torch's own constants (a mask from a boolean one, a zero state)
             for _, t in outs:
                 if _is_float(t):
