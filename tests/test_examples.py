@@ -80,3 +80,12 @@ def test_mx_training_quick():
     for cells in rows.values():
         if cells[0] != "train loss":
             assert 0.0 < float(cells[0]) < 10.0  # a finite cross-entropy
+
+
+def test_demo_learns_under_mxint8(tmp_path):
+    # A real (short) training run: the emulated model must learn, not only run.
+    rows = table_rows(run_example("demo.py", "--formats", "fp32,mxint8", "--steps", "120",
+                                  "--out", str(tmp_path)))
+    fp32, mxint8 = percent(rows["fp32"][1]), percent(rows["mxint8"][1])
+    assert fp32 >= 90.0, rows
+    assert mxint8 >= 90.0 and abs(mxint8 - fp32) <= 5.0, rows
