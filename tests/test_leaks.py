@@ -321,6 +321,20 @@ def test_mixed_outside_any_module_and_allow():
     assert_clean(report)
 
 
+def test_foreach_ops_pair_elements():
+    """_foreach_* ops: element i of each list together (a plain and a QTensor parameter may
+    share one foreach call without meeting)."""
+    q, p = qt.as_qtensor(torch.randn(3), qt.bf16), torch.randn(3)
+    with qt.leak_check(action="raise") as report:
+        torch._foreach_mul_([q, p], 0.5)
+        torch._foreach_add_([q, p], [q.clone(), p.clone()])
+    assert_clean(report)
+    with qt.leak_check(action="record") as report:
+        torch._foreach_add_([q, p], [p.clone(), p.clone()])
+    assert [(f.kind, f.op) for f in report] == [("mixed", "aten._foreach_add_.List")]
+    assert [t.role for t in report[0].tensors if t.flagged] == ["other[0]"]
+
+
 def test_loss_target_and_writes_into_qtensor_are_not_leaks():
     q = qt.as_qtensor(torch.randn(4, 3), qt.bf16).requires_grad_()
     with qt.leak_check(action="raise") as report:
@@ -495,6 +509,22 @@ def test_unrepresentable_payload():
     assert at(f, Trusting.forward, "LEAK: gain's payload")
     assert "8 of 8 values of other are not in bf16" in f.detail
     assert "1.000244140625" in f.detail and "(nearest in format: 1.0)" in f.detail
+
+
+def test_unrepresentable_after_writing_through_dequantize():
+    """.dequantize() aliases the payload: an in-place write through it leaves the format."""
+    model = qt.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), qt.bf16)
+    x = torch.randn(2, 4)
+    with qt.leak_check(action="raise", check_values=True):
+        model(x)
+    with torch.no_grad():
+        model[2].weight.dequantize().add_(2.0 ** -12)
+    with qt.leak_check(action="record", check_values=True) as report:
+        model(x)  # LEAK: weight no longer bf16
+    assert [(f.kind, f.module) for f in report] == [("unrepresentable", "2")]
+    assert report[0].tensors[0].name == "2.weight"
+    assert at(report[0], test_unrepresentable_after_writing_through_dequantize,
+              "LEAK: weight no longer bf16")
 
 
 def test_block_format_values():
