@@ -11,12 +11,15 @@ What "trained in format F" means here (one ``qt.convert`` line per format, see `
 - scalar formats (bf16, fp8_e4m3, fixed point): weights, biases, activations and gradients are
   all values of F; every op's result is rounded to F. The optimizer updates an FP32 master copy
   of the weights (as mixed-precision training does) and the model computes with F-rounded
-  weights. Narrow-range formats (fp8_e4m3, fixed point) use a static loss scale, because
-  unscaled gradients (~1e-4) fall below their smallest value.
-- MX formats: the MX paper's training recipe (Rouhani et al., 2023): every matrix multiply and
-  convolution rounds its weight, activation and gradient operands to F, blocked along the
-  reduction dimension, and accumulates in FP32; values between ops (vector ops) are BF16;
-  FP32 master weights.
+  weights. Narrow-range formats (fp8_e4m3, fixed point) use a static loss scale S, because
+  unscaled gradients (~1e-4) fall below their smallest value: the loss is multiplied by S
+  before backward and SGD's learning rate divided by S, which is exact because the FP32 master
+  update is where the two meet. (Dividing the gradients back in their own format, as
+  ``qt.LossScaler.unscale_`` does, would flush the small ones to zero again.)
+- MX formats: the MX paper's training recipe (Rouhani et al., 2023; ``qt.recipes.mxfp6`` with
+  F in place of MXFP6): every matrix multiply and convolution rounds its weight, activation and
+  gradient operands to F, blocked along the reduction dimension, and accumulates in FP32;
+  values between ops (vector ops) are BF16; weights and biases keep FP32 values.
 - ``mxfp4_weights`` (last row): not a format but the MX paper's recipe for 4 bits,
   ``qt.recipes.mxfp4_weights``: MXFP4 weight operands with MXFP6_E3M2 activation and gradient
   operands. (The paper trains MXFP4 only this way; MXFP4 gradients do not train well, and the
@@ -55,9 +58,9 @@ def recipe_for(name: str):
         return getattr(qt.recipes, name)
     fmt = qt.format(name)
     if isinstance(fmt, qt.BlockFormat):
-        # MX paper: FP32 weights / BF16 vector values, F for every matmul operand.
-        return qt.Recipe(weight=(qt.fp32, fmt), bias=qt.bf16, activation=(qt.bf16, fmt),
-                         grad=(qt.bf16, fmt), master_weights=True)
+        # The MX paper's recipe (qt.recipes.mxfp6) with F for every matmul operand.
+        return qt.recipes.mxfp6.replace(weight=(qt.fp32, fmt), activation=(qt.bf16, fmt),
+                                        grad=(qt.bf16, fmt))
     return qt.Recipe(weight=fmt, bias=fmt, activation=fmt, grad=fmt, master_weights=True)
 
 
@@ -69,7 +72,7 @@ def describe_recipe(name: str) -> str:
     fmt = qt.format(name)
     ls = LOSS_SCALE.get(name)
     if isinstance(fmt, qt.BlockFormat):
-        return "matmul operands (W, A, G) in F, BF16 values, FP32 master"
+        return "matmul operands (W, A, G) in F, BF16 vector ops"
     return ("every value in F, FP32 master" + (f", loss scale 2^{int(ls).bit_length() - 1}"
                                                 if ls else ""))
 
