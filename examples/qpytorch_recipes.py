@@ -124,42 +124,60 @@ def recipe_formats(name: str) -> str:
     return line
 
 
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few steps per recipe (smoke test)")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seeds", type=int, default=None,
+                   help="training seeds per recipe (initialisation, batch order, stochastic "
+                        "rounding); default 3, 1 with --quick")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="output folder (default examples/results; nothing written with --quick)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first training seed")
     args = p.parse_args(argv)
     steps = args.steps or (6 if args.quick else 300)
+    n_seeds = args.seeds or (1 if args.quick else 3)
+    seeds = [args.seed + k for k in range(n_seeds)]
     out = args.out if args.out is not None else (None if args.quick else common.RESULTS_DIR)
 
     common.setup(args.threads, args.seed)
-    data = common.load_digits_split(seed=args.seed)
+    data = common.load_digits_split()  # the same train/test split for every seed
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
-    results = [run_recipe(n, data, steps, args.seed)
-               for n in common.progress(names, desc="recipes", leave=True)]
+    runs = {n: [] for n in names}
+    for n, seed in common.progress([(n, s) for n in names for s in seeds], desc="runs",
+                                   leave=True):
+        runs[n].append(run_recipe(n, data, steps, seed))
 
-    base = next((r for r in results if r["name"] == "fp32"), None)
+    base = mean([r["acc"] for r in runs["fp32"]]) if "fp32" in runs else None
     window = max(1, min(20, steps // 5))
+
+    def acc_cells(accs):
+        per_seed = " / ".join(f"{100 * a:.1f}" for a in accs)
+        gap = f"{100 * (mean(accs) - base):+.1f}" if base is not None else "-"
+        return [f"{100 * mean(accs):.1f}%", per_seed, gap]
+
     rows = []
-    for r in results:
-        final = sum(r["losses"][-window:]) / len(r["losses"][-window:])
-        gap = f"{100 * (r['acc'] - base['acc']):+.1f}" if base else "-"
-        rows.append([r["name"], f"{100 * r['acc']:.1f}%", gap, f"{final:.4f}",
-                     f"{r['seconds']:.1f}", SUMMARY.get(r["name"], r["name"])])
-        if "swa_acc" in r:
-            gap = f"{100 * (r['swa_acc'] - base['acc']):+.1f}" if base else "-"
-            rows.append([f"{r['name']} + SWA (FP32 average of {r['swa_n']} iterates)",
-                         f"{100 * r['swa_acc']:.1f}%", gap, "", "", "the SWALP result"])
-    header = ["recipe", "test acc", "vs fp32 (points)", f"final loss (last {window})",
-              "train time (s)", "recipe in short"]
-    table = common.markdown_table(header, rows, align="lrrrrl")
+    for n in names:
+        rs = runs[n]
+        final = mean([mean(r["losses"][-window:]) for r in rs])
+        rows.append([n] + acc_cells([r["acc"] for r in rs]) +
+                    [f"{final:.4f}", f"{mean([r['seconds'] for r in rs]):.1f}",
+                     SUMMARY.get(n, n)])
+        if all("swa_acc" in r for r in rs):
+            rows.append([f"{n} + SWA (FP32 average of {rs[0]['swa_n']} iterates)"] +
+                        acc_cells([r["swa_acc"] for r in rs]) + ["", "", "the SWALP result"])
+    header = ["recipe", f"test acc (mean of {n_seeds})", "per seed (%)", "vs fp32 (points)",
+              f"final loss (last {window})", "train time (s)", "recipe in short"]
+    table = common.markdown_table(header, rows, align="lrrrrrl")
     title = (f"QPyTorch's recipes on the digits CNN: {steps} SGD steps (momentum 0.9, lr {LR}, "
-             f"batch {BATCH}), 359 test digits. {common.env_line()}.")
+             f"batch {BATCH}), 359 test digits, training seeds {', '.join(map(str, seeds))}. "
+             f"{common.env_line()}.")
     formats = "\n".join(recipe_formats(n) for n in names if n != "fp32")
     print()
     print(title)
@@ -169,9 +187,9 @@ def main(argv=None):
     print(formats)
     if out is not None:
         common.save_text(out / "qpytorch_recipes.md", title + "\n\n" + table + "\n\n" + formats)
-        plot(results, out / "qpytorch_recipes.png", steps)
+        plot([runs[n][0] for n in names], out / "qpytorch_recipes.png", steps)
         print(f"\nwrote {out / 'qpytorch_recipes.md'} and {out / 'qpytorch_recipes.png'}")
-    return results
+    return runs
 
 
 def plot(results, path, steps):
@@ -184,7 +202,7 @@ def plot(results, path, steps):
     ax.set_yscale("log")
     ax.set_xlabel("training step (batch of 64)")
     ax.set_ylabel(f"training loss (moving average of {window})")
-    ax.set_title("Digits CNN under QPyTorch's recipes")
+    ax.set_title("Digits CNN under QPyTorch's recipes (first seed)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
