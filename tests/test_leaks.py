@@ -15,8 +15,6 @@ import torch.nn.functional as F
 import qtensor as qt
 from qtensor import leaks
 
-torch.set_num_threads(1)
-
 
 def line_of(obj, text: str) -> int:
     """The line number of the (unique) source line of ``obj`` whose comment contains ``text``."""
