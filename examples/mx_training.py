@@ -36,9 +36,12 @@ import torch.nn.functional as F  # noqa: E402
 
 import qtensor as qt  # noqa: E402
 
-RUNS = ["fp32", "mxfp6", "mxfp4_weights"]
+# "fp32@1": FP32 again with another training seed (initialisation and batch order): the
+# seed-to-seed spread, against which the format gaps are to be read.
+RUNS = ["fp32", "mxfp6", "mxfp4_weights", "fp32@1"]
 LABELS = {"fp32": "FP32", "mxfp6": "MXFP6_E3M2 (W, A, G)",
-          "mxfp4_weights": "MXFP4 weights + MXFP6_E3M2 (A, G)"}
+          "mxfp4_weights": "MXFP4 weights + MXFP6_E3M2 (A, G)",
+          "fp32@1": "FP32, another seed (noise level)"}
 PAPER_20M = {"fp32": 3.98, "mxfp6": 4.01, "mxfp4_weights": 4.04}
 
 
@@ -76,11 +79,13 @@ def mean_loss(model, data, starts, context, batch):
 
 
 def train(name, corpus, args):
-    torch.manual_seed(args.seed)
+    recipe, _, offset = name.partition("@")
+    seed = args.seed + int(offset or 0)
+    torch.manual_seed(seed)
     model = common.CharGPT(corpus.vocab, d=args.d, layers=args.layers, heads=args.heads,
                            context=args.context)
-    if name != "fp32":
-        qt.convert(model, getattr(qt.recipes, name))
+    if recipe != "fp32":
+        qt.convert(model, getattr(qt.recipes, recipe))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -94,7 +99,7 @@ def train(name, corpus, args):
         t = (step - warmup) / max(1, args.steps - warmup)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
-    g = torch.Generator().manual_seed(args.seed)       # same batches for every run
+    g = torch.Generator().manual_seed(seed)  # the same batches for every run of one seed
     hi = len(corpus.train) - args.context - 1
     eval_g = torch.Generator().manual_seed(args.seed + 1)
     train_eval = torch.randint(0, hi, (args.eval_batches * args.batch,), generator=eval_g)
@@ -132,7 +137,8 @@ def plot(results, path, args):
     plt = common.plt_module()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True,
                                   gridspec_kw={"height_ratios": [3, 2]})
-    colors = {"fp32": "tab:blue", "mxfp6": "tab:orange", "mxfp4_weights": "tab:red"}
+    colors = {"fp32": "tab:blue", "mxfp6": "tab:orange", "mxfp4_weights": "tab:red",
+              "fp32@1": "tab:gray"}
     window = max(1, args.steps // 25)
     base = next((r for r in results if r["name"] == "fp32"), None)
     for r in results:
@@ -142,7 +148,7 @@ def plot(results, path, args):
                 label=f"{label}: train (moving avg {window})")
         xs, ys = zip(*r["val_curve"])
         ax.plot(xs, ys, "o--", color=c, ms=4, lw=1, label=f"{label}: validation")
-        if base is not None and r is not base:
+        if base is not None and r is not base and "@" not in r["name"]:
             # Same batches in every run, so the per-step difference is a paired comparison.
             diff = [a - b for a, b in zip(r["losses"], base["losses"])]
             ax2.plot(common.smooth(diff, 4 * window), color=c, lw=1.6, label=label)
