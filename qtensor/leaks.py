@@ -26,7 +26,10 @@ Kinds of finding (``Finding.kind``):
   quantization); and plain constants that torch's own module code makes inside a converted
   model (the zero initial state of ``nn.LSTM``, the float mask ``nn.MultiheadAttention`` builds
   from a boolean mask) and what torch computes from them.
-- ``"plain_result"`` (b): an op whose inputs are QTensors returned a plain floating tensor.
+- ``"plain_result"`` (b): an op on QTensors returned a plain floating tensor: a dispatch rule
+  that forgot to wrap, or QTensor values written into a plain destination that only receives
+  them (``out=``, ``copy_``; a plain tensor that is also an operand, as ``plain.add_(q)``, is
+  reported as mixed).
 - ``"plain_op"`` (c): a computing op on plain floating tensors only, inside the forward of a
   converted model (any module under an outermost module that ``qt.convert`` converted, or that
   holds a QTensor parameter or buffer) or inside the backward of such an op. Data-movement ops
@@ -524,6 +527,22 @@ class _Frame:
 _TARGET_POS: dict = {}
 
 
+_DESTS: dict = {}
+
+
+def _pure_destinations(func) -> frozenset:
+    """Names of the arguments an op only writes, never reads: ``out=`` tensors, and the
+    destination of ``copy_``."""
+    d = _DESTS.get(func)
+    if d is None:
+        names = {a.name for a in func._schema.arguments
+                 if a.alias_info is not None and a.alias_info.is_write and a.kwarg_only}
+        if func._opname in _COPY_OPS:
+            names.add(func._schema.arguments[0].name)
+        d = _DESTS[func] = frozenset(names)
+    return d
+
+
 def _target_position(func):
     """Position of an argument named ``target`` in func's schema (loss ops), else None."""
     pos = _TARGET_POS.get(func, -1)
@@ -936,9 +955,18 @@ class leak_check:
         named = _tensors(args, kwargs, func._schema)
         flagged = [i for i, (role, t) in enumerate(named)
                    if not isinstance(t, QTensor) and _is_float(t) and not self._exempt_plain(t, role)]
-        if flagged:
+        if not flagged:
+            return
+        dests = _pure_destinations(func)
+        operands = [i for i in flagged if named[i][0].split("[")[0] not in dests]
+        if operands:
             self._finding(MIXED, func, args, kwargs, outs, module, phase, tag, frame,
-                          named=named, flag_in=flagged)
+                          named=named, flag_in=operands)
+        else:  # only a plain destination (out=, copy_): QTensor values came back plain
+            plain_out = [i for i, (_, t) in enumerate(outs)
+                         if not isinstance(t, QTensor) and _is_float(t)]
+            self._finding(PLAIN_RESULT, func, args, kwargs, outs, module, phase, tag, frame,
+                          named=named, flag_in=flagged, flag_out=plain_out)
 
     def _check_foreach(self, func, args, kwargs, outs, module, phase, tag, frame):
         """_foreach_* ops: element i of every list belongs together (per-parameter formats)."""
@@ -963,7 +991,9 @@ class leak_check:
                        if not isinstance(t, QTensor) and _is_float(t)
                        and not self._exempt_plain(t, role)]
             if flagged:
-                self._finding(MIXED, func, args, kwargs, [], module, phase, tag, frame,
+                # copied into a plain tensor: QTensor values came back plain
+                kind = PLAIN_RESULT if mutated and flagged == [0] else MIXED
+                self._finding(kind, func, args, kwargs, [], module, phase, tag, frame,
                               named=group, flag_in=flagged)
 
     def _check_plain_op(self, func, args, kwargs, ins, outs, module, phase, tag, frame):

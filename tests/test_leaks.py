@@ -420,6 +420,23 @@ def test_plain_result(monkeypatch):
     assert f.tensors[1].flagged and f.tensors[1].role == "result"
 
 
+def test_plain_result_into_plain_destination():
+    """out= and copy_ into a plain tensor: the dispatch leaves the destination plain."""
+    q = qt.as_qtensor(torch.randn(4), qt.bf16)
+    buf = torch.empty(4)
+    with qt.leak_check(action="record") as report:
+        torch.mul(q, q, out=buf)  # LEAK: out= plain
+        buf.copy_(q)  # LEAK: copied out
+        buf.add_(q)  # LEAK: a plain operand
+    got = [(f.kind, f.op, [t.role for t in f.tensors if t.flagged]) for f in report]
+    assert got == [("plain_result", "aten.mul.out", ["out", "result"]),
+                   ("plain_result", "aten.copy_.default", ["self", "result"]),
+                   ("mixed", "aten.add_.Tensor", ["self"])]
+    fn = test_plain_result_into_plain_destination
+    assert [at(f, fn, m) for f, m in zip(report, ["out= plain", "copied out", "a plain"])] == \
+        [True] * 3
+
+
 # ---------------------------------------------------------------------------------------------
 # (c) plain ops inside a converted model: forward and backward
 
