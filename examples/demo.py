@@ -137,11 +137,18 @@ def plot(results, path, steps):
     bars = ax2.barh(range(len(names)), accs, color=[colors[i % 10] for i in range(len(names))])
     ax2.set_yticks(range(len(names)), names)
     ax2.invert_yaxis()
-    lo = max(0.0, min(accs) - 5)
+    # Zoom on the formats that trained; one that failed gets its number written at the left.
+    good = [a for a in accs if a >= 50.0] or accs
+    lo = max(0.0, min(good) - 3.0)
     ax2.set_xlim(lo, 100)
     for b, a in zip(bars, accs):
-        ax2.text(b.get_width() - 0.2, b.get_y() + b.get_height() / 2, f"{a:.1f}%",
-                 va="center", ha="right", color="white", fontsize=9, fontweight="bold")
+        y = b.get_y() + b.get_height() / 2
+        if a - lo > 1.5:
+            ax2.text(a - 0.1, y, f"{a:.1f}%", va="center", ha="right", color="white",
+                     fontsize=9, fontweight="bold")
+        else:
+            ax2.text(lo + 0.1, y, f"{a:.1f}% (did not train)", va="center", ha="left",
+                     color="black", fontsize=9)
     ax2.set_xlabel("test accuracy (%), 359 held-out digits")
     ax2.set_title("Test accuracy after training")
     ax2.grid(True, axis="x", alpha=0.3)
