@@ -78,6 +78,15 @@ def mean_loss(model, data, starts, context, batch):
     return total / len(starts)
 
 
+def eval_windows(corpus, args):
+    """Start offsets of the fixed train and validation windows every run is evaluated on."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    n = args.eval_batches * args.batch
+    train_eval = torch.randint(0, len(corpus.train) - args.context - 1, (n,), generator=g)
+    val_eval = torch.randint(0, len(corpus.val) - args.context - 1, (n,), generator=g)
+    return train_eval, val_eval
+
+
 def train(name, corpus, args):
     recipe, _, offset = name.partition("@")
     seed = args.seed + int(offset or 0)
@@ -101,10 +110,7 @@ def train(name, corpus, args):
 
     g = torch.Generator().manual_seed(seed)  # the same batches for every run of one seed
     hi = len(corpus.train) - args.context - 1
-    eval_g = torch.Generator().manual_seed(args.seed + 1)
-    train_eval = torch.randint(0, hi, (args.eval_batches * args.batch,), generator=eval_g)
-    val_eval = torch.randint(0, len(corpus.val) - args.context - 1,
-                             (args.eval_batches * args.batch,), generator=eval_g)
+    train_eval, val_eval = eval_windows(corpus, args)
     losses, val_curve = [], []
     eval_every = max(1, args.steps // args.evals)
     with common.Timer() as t:
@@ -130,7 +136,7 @@ def train(name, corpus, args):
     val_curve.append((args.steps, val_loss))
     n_params = sum(p.numel() for p in model.parameters())
     return {"name": name, "losses": losses, "val_curve": val_curve, "train_loss": train_loss,
-            "val_loss": val_loss, "seconds": t.seconds, "params": n_params}
+            "val_loss": val_loss, "seconds": t.seconds, "params": n_params, "model": model}
 
 
 def plot(results, path, args):
