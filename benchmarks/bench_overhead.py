@@ -115,8 +115,8 @@ def bench_model(name, build, x, y, configs, repeat, number, compile_too):
     print(f"\n== {name}: one training step (fwd + bwd + SGD momentum), ms")
     torch.manual_seed(0)
     base = build()
-    results = {}
     variants = [("fp32", None, None)] + [(c, f, m) for c, (f, m) in configs.items()]
+    steps = {}
     for label, fmt, mm in variants:
         for compiled in ([False, True] if compile_too else [False]):
             model = copy.deepcopy(base)
@@ -125,12 +125,17 @@ def bench_model(name, build, x, y, configs, repeat, number, compile_too):
                 model = to_q(model, fmt, mm)
                 xi = qt.as_qtensor(x, fmt, mm_fmt=mm)
             if compiled:
-                torch._dynamo.reset()
                 model = torch.compile(model)
             step = make_step(model, xi, y)
             step()  # warm up (and compile)
-            t = timeit(step, repeat, number)
-            results[(label, compiled)] = t
+            step()
+            steps[(label, compiled)] = step
+    # interleaved: each round times every configuration once; the best round counts (the
+    # machine is shared, so load changes during the run)
+    results = {k: float("inf") for k in steps}
+    for _ in range(repeat):
+        for k, step in steps.items():
+            results[k] = min(results[k], timeit(step, 1, number))
     print(f"{'config':22s} {'eager':>9s} {'ratio':>7s}" + (f" {'compiled':>9s} {'ratio':>7s}"
                                                         if compile_too else ""))
     for label, _, _ in variants:
@@ -147,7 +152,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats, no torch.compile")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: steadier on a shared machine)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"compiled kernels: {qt.ops.kernels_available('cpu')}")
     repeat, number = (3, 200) if args.quick else (5, 1000)

@@ -45,6 +45,11 @@ of each use; ``axis=None``, one block per tensor, is kept):
   along 0; along 1 when transposed); grad_weight reduces over the batch (grad_output and input
   along 0); grad_bias is a plain sum of the grad_output values.
 
+Fused kernels that contain contractions (PyTorch's flash/efficient attention) are computed and
+rounded as one op, so operand formats do not apply inside them; under
+``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` attention decomposes into bmm and softmax and
+every step is emulated, forward and backward.
+
 The MX linear layer, y = x @ W.T + b with x, W carrying an MX ``mm_fmt``:
 forward ``addmm(b, x, W.t())``: x blocked along in_features (dim 1), W.t() along its dim 0, i.e.
 W along in_features. Backward: grad_x = ``mm(grad_y, W)``: grad_y along out_features (dim 1), W
@@ -198,9 +203,14 @@ _RULES: dict = {}
 
 
 def rule_of(func) -> Rule:
-    r = _RULES.get(func)
+    """The cached rule of an op overload (kept on the overload object: its hash is slow)."""
+    r = getattr(func, "_qtensor_rule", None)
     if r is None:
         r = _RULES[func] = Rule(func)
+        try:
+            func._qtensor_rule = r
+        except AttributeError:
+            pass
     return r
 
 
@@ -260,15 +270,16 @@ _KERNEL_CALLS: dict = {}
 
 
 def _kernel_call(fmt):
-    """(op overload, trailing args) of the fused kernel for a deterministic format, cached:
-    building them in qtensor.ops costs more than rounding a small tensor."""
-    call = _KERNEL_CALLS.get(fmt)
-    if call is None:
+    """(op overload, trailing args) of the fused kernel for a deterministic format, cached by
+    id (a format's own hash walks all its fields): building them in qtensor.ops costs more than
+    rounding a small tensor."""
+    entry = _KERNEL_CALLS.get(id(fmt))
+    if entry is None:
         name, args = _ops.op_args(fmt)
         call = (getattr(torch.ops.qtensor, name).default,
                 (*args, _ops._ROUNDING_CODE[fmt.rounding], 0))
-        _KERNEL_CALLS[fmt] = call
-    return call
+        entry = _KERNEL_CALLS[id(fmt)] = (call, fmt)  # keeps fmt alive: its id stays unique
+    return entry[0]
 
 
 def quantize(x: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -438,7 +449,7 @@ def _wrap_out(out, fmt, mm_fmt, rnd):
 
 def dispatch(func, args, kwargs):
     """QTensor.__torch_dispatch__: run func on payloads by its rule, round, re-wrap."""
-    rule = _RULES.get(func)
+    rule = getattr(func, "_qtensor_rule", None)
     if rule is None:
         rule = rule_of(func)
     if rule.kind == FOREACH:
@@ -463,7 +474,7 @@ def dispatch(func, args, kwargs):
         rnd = state[0]
         if not rnd:
             for q in qs:
-                if q.fmt != fmt:
+                if q.fmt is not fmt and q.fmt != fmt:
                     rnd = True
                     break
         if rule.transpose and not rnd:

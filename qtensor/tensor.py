@@ -130,6 +130,17 @@ class QTensor(torch.Tensor):
             return _Dequantize.apply(self)
         return self._data
 
+    def tolist(self):
+        """The values as (nested) Python floats."""
+        return self._data.tolist()
+
+    def numpy(self, *, force: bool = False):
+        """The values as a NumPy array (sharing the payload's memory, as Tensor.numpy does)."""
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on a QTensor that requires grad. Use "
+                               "t.detach().numpy() instead.")
+        return self._data.numpy(force=force)
+
     def __repr__(self, *, tensor_contents=None):
         try:
             from torch._tensor_str import _tensor_str

@@ -132,8 +132,8 @@ def _round_operands(func, args, mm_fmt):
         raise _Unsupported("convolution_backward reference")
     operands = qd.CONTRACT[packet] or qd._conv_operands(args)
     for pos, axis in operands:
-        if pos < len(args) and isinstance(args[pos], torch.Tensor):
-            args[pos] = qt.quantize(args[pos], qd.with_axis(mm_fmt, axis))
+        if pos < len(args) and getattr(args[pos], "_from_float", False):  # QTensor values
+            args[pos] = _tag(qt.quantize(args[pos], qd.with_axis(mm_fmt, axis)))
     return args
 
 

@@ -398,3 +398,28 @@ def test_compiled_mlp_is_bit_identical_to_eager():
     assert_q(yc.detach(), vals(y).detach(), qt.bf16, MX6, "forward")
     for (n, p), pc in zip(m.named_parameters(), mc.parameters()):
         assert_q(pc.grad, vals(p.grad), p.grad.fmt, p.grad.mm_fmt, n)
+
+
+def test_python_conversions_and_setitem():
+    x = q(torch.tensor([0.3, -1.7, 100.0]), "fp8_e4m3")
+    assert x.tolist() == vals(x).tolist() == [0.3125, -1.75, 96.0]
+    assert x.numpy().tolist() == [0.3125, -1.75, 96.0]
+    assert x[1].item() == -1.75 and float(x[2]) == 96.0
+    x[0] = 1.3  # a Python value written into a QTensor is rounded into its format
+    assert x.tolist() == [1.25, -1.75, 96.0] and isinstance(x, qt.QTensor)
+
+
+def test_attention_math_backend_emulates_its_contractions():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    a = torch.randn(1, 2, 4, 40, dtype=torch.float64)
+    x = q(a, "bf16", MX6)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(x, x, x)
+    v = vals(x)
+    sf = (1 / 40 ** 0.5) ** 0.5  # the math backend scales q and k by sqrt(scale) each
+    qs, kt = qt.quantize(v * sf, qt.bf16), qt.quantize(v.transpose(-2, -1) * sf, qt.bf16)
+    s = qt.quantize(qt.quantize(qs, mx(MX6, -1)) @ qt.quantize(kt, mx(MX6, -2)), qt.bf16)
+    p = qt.quantize(torch.softmax(s, -1), qt.bf16)
+    ref = qt.quantize(qt.quantize(p, mx(MX6, -1)) @ qt.quantize(v, mx(MX6, -2)), qt.bf16)
+    assert_q(out, ref, qt.bf16, MX6)
