@@ -65,7 +65,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import ops as _ops
-from .formats import BlockFormat, Format
+from .formats import PRESETS as _PRESETS, BlockFormat, Format
 
 aten = torch.ops.aten
 
@@ -100,7 +100,7 @@ upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d _upsample_neares
 _upsample_nearest_exact3d _unsafe_masked_index
 view_copy _reshape_copy t_copy transpose_copy permute_copy expand_copy slice_copy select_copy
 squeeze_copy unsqueeze_copy unfold_copy diagonal_copy as_strided_copy alias_copy detach_copy
-split_copy split_with_sizes_copy unbind_copy _foreach_copy_
+split_copy split_with_sizes_copy unbind_copy _foreach_copy_ embedding
 """.split())
 
 # Overloads of MOVE ops that write a Python scalar into the data: they compute (round the value).
@@ -282,9 +282,22 @@ def _kernel_call(fmt):
     return entry[0]
 
 
+# Formats that are exactly a torch dtype: rounding a float32 tensor to them is a cast down and
+# back (one rounding, round-to-nearest-even, the same bits as qt.quantize, NaN by position: tested
+# in test_tensor.py), which runs at memory speed. Keyed by the preset objects' ids (qt.format and
+# the presets hand out these very objects); an equal format built otherwise takes the kernel.
+_CAST_DTYPES = {id(_PRESETS[name]): dt for name, dt in (
+    ("bf16", torch.bfloat16), ("fp16", torch.float16),
+    ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
+
+
 def quantize(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """One rounding of a plain payload tensor to fmt (the fused kernel when available)."""
     fmt = fit_format(fmt, x.dim())
+    if x.dtype is torch.float32:
+        dt = _CAST_DTYPES.get(id(fmt))
+        if dt is not None:
+            return x.to(dt).to(torch.float32)
     if (_CPU_KERNELS and fmt.rounding != "stochastic" and x.dtype in _KERNEL_DTYPES
             and x.device.type == "cpu"):
         op, args = _kernel_call(fmt)
@@ -296,7 +309,10 @@ def _round_inplace(q) -> None:
     """Round a QTensor's payload in place to its own format (after an in-place op)."""
     data = q._data
     fmt = fit_format(q.fmt, data.dim())
-    if data.is_contiguous():
+    dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
+    if dt is not None:
+        data.copy_(data.to(dt))
+    elif data.is_contiguous():
         _ops.quantize_(data, fmt)
     else:
         data.copy_(quantize(data, fmt))

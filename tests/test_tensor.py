@@ -423,3 +423,20 @@ def test_attention_math_backend_emulates_its_contractions():
     p = qt.quantize(torch.softmax(s, -1), qt.bf16)
     ref = qt.quantize(qt.quantize(p, mx(MX6, -1)) @ qt.quantize(v, mx(MX6, -2)), qt.bf16)
     assert_q(out, ref, qt.bf16, MX6)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
+def test_cast_fast_path_matches_quantize(name):
+    """dispatch rounds to dtype-shaped formats by a cast down and back: the same bits."""
+    from qtensor import dispatch
+    torch.manual_seed(0)
+    x = torch.cat([
+        torch.randn(20000) * torch.logspace(-45, 38, 20000).clamp(max=3e38),
+        torch.randint(-2 ** 31, 2 ** 31 - 1, (20000,), dtype=torch.int32).view(torch.float32),
+        torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 65504.0, 65520.0,
+                      448.0, 464.0, 57344.0, 61440.0, 1e-40, -1e-45])])
+    fmt = qt.format(name)
+    assert_bits_equal(dispatch.quantize(x, fmt), qt.quantize(x, fmt), name)
+    y = qt.QTensor(x.clone(), fmt)
+    dispatch._round_inplace(y)
+    assert_bits_equal(y.dequantize(), qt.quantize(x, fmt), name + " in place")
