@@ -21,6 +21,8 @@ formats of weights, activations, gradients and optimizer state):
   rounding, so the activations here keep FP32 values between layers and enter every matrix
   multiply as 8-bit fixed point (``activation=(fp32, <the preset's 8-bit format>)``); with the
   preset's 8-bit activation values, each layer's output would saturate at 1 before alpha.
+  The row ``wage_wide`` is a control: the same, with activation operands of the same step
+  2^-7 but a 16-bit range, which shows how much WAGE's [-1, 1) activation range costs here.
 - ``swalp``: SWALP (Yang et al., 2019): 8-bit block floating point with stochastic rounding for
   everything, plus stochastic weight averaging of the low-precision iterates in high precision;
   the table shows both the last low-precision iterate and the FP32 average.
@@ -42,13 +44,15 @@ import torch.nn as nn  # noqa: E402
 
 import qtensor as qt  # noqa: E402
 
-RECIPES = ["fp32", "fp16", "block8", "wage", "swalp"]
+RECIPES = ["fp32", "fp16", "block8", "wage", "wage_wide", "swalp"]
+# "wage_wide": a control, not a recipe: WAGE with activation operands of the same 2^-7 step
+# but 16 bits (range +-256) instead of WAGE's 8 bits ([-1, 1)), to show what saturation costs.
 LR, MOMENTUM, BATCH = 0.05, 0.9, 64
 SWA_START = 0.5   # SWALP: average the iterates of the second half of training
 SWA_EVERY = 5     # ... every 5 steps
 
 
-def wage_setup(model, weight_bits=2, beta=1.5):
+def wage_setup(model, activation=None, weight_bits=2, beta=1.5):
     """WAGE's initialisation and layer scales (Wu et al. 2018, sec. 3.2); returns the recipe."""
     w_max = beta / 2 ** (weight_bits - 1)  # 0.75 for 2-bit weights
     for module in model.modules():
@@ -60,7 +64,7 @@ def wage_setup(model, weight_bits=2, beta=1.5):
             # Registered before qt.convert's hooks, so it divides the FP32 output before rounding.
             module.register_forward_hook(lambda m, args, out, alpha=alpha: out / alpha)
     recipe = qt.recipes.wage
-    return recipe.replace(activation=(qt.fp32, recipe.activation.fmt))
+    return recipe.replace(activation=(qt.fp32, activation or recipe.activation.fmt))
 
 
 def run_recipe(name, data, steps, seed):
@@ -69,6 +73,8 @@ def run_recipe(name, data, steps, seed):
     model = common.DigitsCNN()
     if name == "wage":
         qt.convert(model, wage_setup(model))
+    elif name == "wage_wide":
+        qt.convert(model, wage_setup(model, qt.recipes.wage.activation.fmt.replace(wl=16)))
     elif name != "fp32":
         qt.convert(model, getattr(qt.recipes, name))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -105,6 +111,7 @@ SUMMARY = {
     "fp16": "FP16 everywhere (QPyTorch's: no Inf, ties away)",
     "block8": "8-bit block floating point, nearest",
     "wage": "2-bit W, 8-bit fixed A/G/E; WAGE init + scales",
+    "wage_wide": "control: wage with 16-bit activation operands",
     "swalp": "8-bit block floating point, stochastic",
 }
 
@@ -178,7 +185,8 @@ def main(argv=None):
     title = (f"QPyTorch's recipes on the digits CNN: {steps} SGD steps (momentum 0.9, lr {LR}, "
              f"batch {BATCH}), 359 test digits, training seeds {', '.join(map(str, seeds))}. "
              f"{common.env_line()}.")
-    formats = "\n".join(recipe_formats(n) for n in names if n != "fp32")
+    formats = "\n".join(recipe_formats(n) for n in names if n in SUMMARY and n != "fp32"
+                         and "_" not in n)
     print()
     print(title)
     print()
