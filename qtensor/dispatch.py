@@ -291,13 +291,28 @@ _CAST_DTYPES = {id(_PRESETS[name]): dt for name, dt in (
     ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
 
 
+@torch.library.custom_op("qtensor_dispatch::round_to_dtype", mutates_args=())
+def _round_to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cast down and back as one opaque op, for traced graphs: inductor must not fuse the
+    casts into the producing op (it would, e.g., split addmm into mm + a fused bias add, and
+    the float32 bits would differ from eager)."""
+    return x.to(dtype).to(x.dtype)
+
+
+@_round_to_dtype.register_fake
+def _(x, dtype):
+    return torch.empty_like(x)
+
+
 def quantize(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """One rounding of a plain payload tensor to fmt (the fused kernel when available)."""
     fmt = fit_format(fmt, x.dim())
     if x.dtype is torch.float32:
         dt = _CAST_DTYPES.get(id(fmt))
         if dt is not None:
-            return x.to(dt).to(torch.float32)
+            if type(x) is torch.Tensor:  # eager
+                return x.to(dt).to(torch.float32)
+            return _round_to_dtype(x, dt)  # traced (fake/functional payloads)
     if (_CPU_KERNELS and fmt.rounding != "stochastic" and x.dtype in _KERNEL_DTYPES
             and x.device.type == "cpu"):
         op, args = _kernel_call(fmt)
@@ -311,7 +326,7 @@ def _round_inplace(q) -> None:
     fmt = fit_format(q.fmt, data.dim())
     dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
     if dt is not None:
-        data.copy_(data.to(dt))
+        data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
     elif data.is_contiguous():
         _ops.quantize_(data, fmt)
     else:

@@ -36,6 +36,23 @@ __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 _PAYLOAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def _code_version() -> str:
+    """A hash of the modules whose code decides what a traced QTensor graph contains."""
+    h = hashlib.blake2b(digest_size=8)
+    for mod in (_dispatch, _ops):
+        try:
+            with open(mod.__file__, "rb") as f:
+                h.update(f.read())
+        except OSError:
+            h.update(mod.__name__.encode())
+    with open(__file__, "rb") as f:
+        h.update(f.read())
+    return h.hexdigest()
+
+
+_CODE_VERSION = _code_version()
+
+
 def _parse(fmt, what: str = "fmt") -> Optional[Format]:
     if fmt is None:
         return None
@@ -107,11 +124,12 @@ class QTensor(torch.Tensor):
         return QTensor._wrap(inner_tensors["_data"], fmt, mm_fmt, outer_size, outer_stride)
 
     def _stable_hash_for_caching(self) -> str:
-        # AOTAutograd's cache key: metadata only (formats included), never the values
+        # AOTAutograd's cache key: metadata only (formats included), never the values, plus the
+        # version of the dispatch code (a graph traced through older rules must not be reused)
         d = self._data
         return hashlib.blake2b(
-            repr((tuple(self.shape), tuple(d.stride()), str(d.dtype), str(d.device),
-                  self.requires_grad, str(self.fmt), str(self.mm_fmt))).encode(),
+            repr((_CODE_VERSION, tuple(self.shape), tuple(d.stride()), str(d.dtype),
+                  str(d.device), self.requires_grad, str(self.fmt), str(self.mm_fmt))).encode(),
             digest_size=16).hexdigest()
 
     @classmethod
