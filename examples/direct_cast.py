@@ -1,10 +1,10 @@
 """Direct-cast inference: FP32-trained models evaluated in MX/NVFP4 formats without retraining.
 
-    python examples/direct_cast.py           # ~1-2 minutes on 2 CPU cores
+    python examples/direct_cast.py           # ~2 minutes on 2 CPU cores
     python examples/direct_cast.py --quick   # short FP32 trainings, for CI
 
 Two models, each trained in FP32 here first: the digits CNN of examples/demo.py (~1 s) and the
-character-level GPT of examples/mx_training.py (600 steps, ~30 s), whose validation loss shows
+character-level GPT of examples/mx_training.py (500 steps, ~1 min), whose validation loss shows
 differences that the 359 test digits are too few and too easy to show.
 
 The MX paper (Rouhani et al., 2023, "direct-cast inference") reports that a pretrained FP32
@@ -97,9 +97,9 @@ def digits_study(args):
 
 def gpt_study(args):
     import mx_training as mt  # the same model, corpus and evaluation windows
-    targs = argparse.Namespace(d=64, layers=2, heads=4, context=64, batch=16, lr=1e-2,
-                               steps=args.gpt_steps or (4 if args.quick else 600), evals=1,
-                               eval_batches=1 if args.quick else 16, seed=args.seed)
+    targs = argparse.Namespace(**{**mt.DEFAULTS, "evals": 1, "seed": args.seed,
+                                  "eval_batches": 1 if args.quick else 16})
+    targs.steps = args.gpt_steps or (4 if args.quick else targs.steps)
     if args.quick:
         targs.d, targs.context, targs.batch = 32, 16, 8
     corpus = mt.Corpus(max_bytes=200_000 if args.quick else None)
