@@ -25,7 +25,9 @@ What "trained in format F" means here (one ``qt.convert`` line per format, see `
   operands. (The paper trains MXFP4 only this way; MXFP4 gradients do not train well, and the
   mxfp4_e2m1 row, where gradients are MXFP4 too, shows it.)
 "bits/value" is the bits per value of F (for MX, of the weight operands), the shared scale
-included.
+included. "leaks": findings of ``qt.leak_check`` (values that escaped the emulated formats, or
+were not representable in their format) over one more training step, forward, backward and
+optimizer step, after the evaluation.
 """
 from __future__ import annotations
 
@@ -90,8 +92,19 @@ def run_format(name, data, steps, seed):
         losses = common.train_classifier(model, opt, x_train, y_train, steps=steps, batch=BATCH,
                                          seed=seed, desc=f"{name:>10}", loss_scale=scale)
     acc = common.accuracy(model, x_test, y_test)
+    leaks = None
+    if spec is not None:
+        # One more training step under qt.leak_check: does any value escape the format?
+        with qt.leak_check(action="record", optimizer=opt, check_values=True) as report:
+            loss = F.cross_entropy(model(x_train[:BATCH]), y_train[:BATCH])
+            opt.zero_grad(set_to_none=True)
+            (loss * scale).backward()
+            opt.step()
+        leaks = len(report)
+        if leaks:
+            print(report.summary(), file=sys.stderr)
     return {"format": name, "losses": losses, "acc": acc, "seconds": t.seconds,
-            "bits": bits_of(name)}
+            "bits": bits_of(name), "leaks": leaks}
 
 
 def bits_of(name: str) -> float:
@@ -111,10 +124,11 @@ def make_table(results, steps) -> str:
         final = sum(r["losses"][-window:]) / len(r["losses"][-window:])
         slow = f"{r['seconds'] / base:.1f}x" if base else "-"
         rows.append([r["format"], common.fmt_bits(r["bits"]), f"{100 * r['acc']:.1f}%",
-                     f"{final:.4f}", f"{r['seconds']:.1f}", slow, describe_recipe(r["format"])])
+                     f"{final:.4f}", f"{r['seconds']:.1f}", slow,
+                     "-" if r["leaks"] is None else str(r["leaks"]), describe_recipe(r["format"])])
     header = ["format F", "bits/value", "test acc", f"final loss (mean of last {window})",
-              "train time (s)", "vs fp32", "what is in F"]
-    return common.markdown_table(header, rows, align="lrrrrrl")
+              "train time (s)", "vs fp32", "leaks", "what is in F"]
+    return common.markdown_table(header, rows, align="lrrrrrrl")
 
 
 def plot(results, path, steps):

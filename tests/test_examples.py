@@ -51,6 +51,8 @@ def test_demo_quick_writes_table_and_png(tmp_path):
                  "mxint8"]:
         assert name in rows, f"no row for {name} in:\n{out}"
         assert 0.0 <= percent(rows[name][1]) <= 100.0
+        if name != "fp32":
+            assert rows[name][5] == "0", f"qt.leak_check found leaks under {name}:\n{out}"
     assert any(n.startswith("fixed") for n in rows)
     assert rows["mxfp4_e2m1"][0] == "4.25"  # bits per value, the shared scale included
     png = tmp_path / "demo.png"
