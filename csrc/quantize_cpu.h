@@ -149,6 +149,9 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
   const int64_t units = outer * nb * inner;
   const int64_t grain = std::max<int64_t>(1, kGrain / bs);
   const bool unit_stride = sax == 1 && say == 1;
+  // see the amax-rule fast path below
+  const bool amax_fast32 = a.scale_rule == kRuleAmax && !a.tensor_scale && MODE != kStochastic &&
+                           !a.elem_fixed && a.man + a.amax_spec.scale.man <= 21;
   at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
     Counter oc, ic;
     oc.nd = ax; ic.nd = L.ndim - ax - 1;
@@ -192,10 +195,44 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
         for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j * say, 0x7FC00000u);
       } else if (a.scale_rule == kRuleAmax) {
         const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
-        for (int64_t j = 0; j < m; ++j) {
-          float xv = u2f(load_bits<T>(xp + j * sax));
-          float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale, word(j));
-          store_bits<T>(yp + j * say, f2u(q));
+        qtensor::FastGrid eg;
+        if (amax_fast32 && unit_stride &&
+            qtensor::make_fast_grid(eg, a.man, a.emin, a.qlow,
+                                    a.emin == -126 && a.qlow == a.emin - a.man, false, false)) {
+          // Deterministic rounding with a scale of few significant bits (NVFP4): the float32
+          // quotient z = x / X rounds to the same grid point as the exact one (and so as the
+          // reference's double quotient): a grid point or midpoint m times X has at most 24
+          // significant bits, so |x - m X| >= ulp(x) and |z - m| > 2^-24 |z|, more than the
+          // float32 division's error. Q(z) * X is exact in float32.
+          const float X = (float)sc;
+          const bool ok = sc > 0;
+          const float Xs = ok ? X : 1.0f;
+          const uint32_t mx = f2u((float)a.elem_max);
+          for (int64_t j = 0; j < m; ++j) {
+            const uint32_t u = load_bits<T>(xp + j);
+            const uint32_t zb = f2u(u2f(u) / Xs);
+            uint32_t rr = qtensor::round_magnitude_fast<MODE>(zb & 0x7FFFFFFFu, eg, 0u);
+            rr = rr > mx ? mx : rr;
+            const float q = u2f(rr | (u & 0x80000000u)) * Xs;
+            store_bits<T>(yp + j, ok ? f2u(q) : (u & 0x80000000u));
+          }
+        } else if (unit_stride && !a.amax_spec.elem_fixed && (!stoch || (sal == 1 && one_key))) {
+          // the common case (NVFP4), as a branch-free loop
+          const qtensor::AmaxBlockSpec sp = a.amax_spec;
+          const bool ts = a.tensor_scale;
+          const uint32_t lo = (uint32_t)l0;
+          for (int64_t j = 0; j < m; ++j) {
+            const uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+            const float q = qtensor::round_amax_elem_t<MODE, false>(u2f(load_bits<T>(xp + j)), sc,
+                                                                    sp, ts, r);
+            store_bits<T>(yp + j, f2u(q));
+          }
+        } else {
+          for (int64_t j = 0; j < m; ++j) {
+            float xv = u2f(load_bits<T>(xp + j * sax));
+            float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale, word(j));
+            store_bits<T>(yp + j * say, f2u(q));
+          }
         }
       } else {
         const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
@@ -203,7 +240,32 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
         const qtensor::BlockElemSpec s = qtensor::shift_elem(
             a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed,
             a.symmetric, k);
-        if (unit_stride && (!stoch || (sal == 1 && one_key))) {
+        qtensor::FastGrid g;
+        const bool fast = s.is_fixed
+            ? qtensor::make_fast_grid(g, 0, 0, s.x.qexp, false, true, stoch)
+            : qtensor::make_fast_grid(g, s.f.man, s.f.emin, s.f.qlow,
+                                      s.f.emin == -126 && s.f.qlow == s.f.emin - s.f.man, false,
+                                      stoch);
+        if (fast && unit_stride && (!stoch || (sal == 1 && one_key))) {
+          const uint32_t lo = (uint32_t)l0;
+          const uint32_t mx = s.f.max_bits;
+          if (s.is_fixed) {
+            const uint32_t pos = s.x.pos_bits, neg = s.x.neg_bits, neg_sat = s.x.neg_sat_bits;
+            for (int64_t j = 0; j < m; ++j) {
+              uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+              store_bits<T>(yp + j, qtensor::round_fixed_fast<MODE>(load_bits<T>(xp + j), g, pos,
+                                                                    neg, neg_sat, r));
+            }
+          } else {
+            for (int64_t j = 0; j < m; ++j) {
+              uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+              uint32_t u = load_bits<T>(xp + j);
+              uint32_t rr = qtensor::round_magnitude_fast<MODE>(u & 0x7FFFFFFFu, g, r);
+              rr = rr > mx ? mx : rr;
+              store_bits<T>(yp + j, rr | (u & 0x80000000u));
+            }
+          }
+        } else if (unit_stride && (!stoch || (sal == 1 && one_key))) {
           const uint32_t lo = (uint32_t)l0;
           if (s.is_fixed) {
             for (int64_t j = 0; j < m; ++j) {
@@ -280,6 +342,16 @@ template <typename T>
 void float_kernel(const T* x, T* y, const Layout& L, const qtensor::FloatSpec<uint32_t>& s,
                   int mode, uint32_t key) {
   const qtensor::FloatSpec<uint32_t> sp = s;
+  qtensor::FastGrid g;
+  const bool all_normal = s.emin == -126 && s.qlow == s.emin - s.man;
+  if (!s.is_unsigned &&
+      qtensor::make_fast_grid(g, s.man, s.emin, s.qlow, all_normal, false, mode == kStochastic)) {
+    const uint32_t mx = s.max_bits, ovf = s.ovf_bits;
+    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [g, mx, ovf](uint32_t u, uint32_t r) {
+      return qtensor::round_float_fast<M>(u, g, mx, ovf, r);
+    }));
+    return;
+  }
   QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [sp](uint32_t u, uint32_t r) {
     return qtensor::round_float<M, uint32_t>(u, sp, r);
   }));
@@ -289,6 +361,15 @@ template <typename T>
 void fixed_kernel(const T* x, T* y, const Layout& L, const qtensor::FixedSpec<uint32_t>& s,
                   bool wrap, int mode, uint32_t key) {
   const qtensor::FixedSpec<uint32_t> sp = s;
+  qtensor::FastGrid g;
+  if (!wrap && qtensor::make_fast_grid(g, 0, 0, s.qexp, false, true, mode == kStochastic)) {
+    const uint32_t pos = s.pos_bits, neg = s.neg_bits, neg_sat = s.neg_sat_bits;
+    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
+                                                         [g, pos, neg, neg_sat](uint32_t u, uint32_t r) {
+      return qtensor::round_fixed_fast<M>(u, g, pos, neg, neg_sat, r);
+    }));
+    return;
+  }
   if (wrap) {
     QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [sp](uint32_t u, uint32_t r) {
       return qtensor::round_fixed<M, true, uint32_t>(u, sp, r);

@@ -18,10 +18,11 @@
 
 #include <stdint.h>
 
+#include <string.h>
+
 #if defined(__CUDACC__)
 #define QT_HD __host__ __device__ __forceinline__
 #else
-#include <string.h>
 #define QT_HD inline __attribute__((always_inline))
 #endif
 
@@ -113,7 +114,11 @@ template <typename U> QT_HD int binade_of(U A) {
   if (C::BITS == 32) {
     sub = (int)(f2u((float)(int32_t)A) >> 23) - 127 - (C::BIAS + C::MAN - 1);
   } else {
-    sub = (int)(d2u((double)(int64_t)A) >> 52) - 1023 - (C::BIAS + C::MAN - 1);
+    // A < 2^52 here: convert its two halves from int32 (vectorizable), the sum is exact
+    const int32_t hi = (int32_t)(uint32_t)((uint64_t)A >> 32);
+    const uint32_t lo = (uint32_t)A;
+    const double v = (double)hi * 4294967296.0 + ((double)(int32_t)(lo ^ 0x80000000u) + 2147483648.0);
+    sub = (int)(d2u(v) >> 52) - 1023 - (C::BIAS + C::MAN - 1);
   }
   return E != 0 ? E - C::BIAS : sub;
 }
@@ -163,6 +168,79 @@ QT_HD U round_magnitude(U A, int emin, int man, int qlow, uint32_t rbits) {
   return tiny ? res_t : res_n;
 }
 
+// ---- the fast path (float32 carrier) -------------------------------------------------------
+// The same rounding as round_magnitude, cheaper: above the format's smallest normal (A >= normal_min)
+// the grid is relative, so the bits to drop are a constant d = 23 - man; below it the grid is the
+// fixed spacing q = 2^qlow, and float arithmetic does it exactly: (a + C) - C with C = 2^(qlow+23)
+// is a rounded to nearest-even multiple of q (a < C), lo and frac = a - lo are exact, and
+// frac * 2^(32-qlow) < 2^32 is exact too. Usable when the format's normals lie in float32's
+// normal range (emin >= -126) and, for stochastic rounding below the normals, qlow >= -95.
+struct FastGrid {
+  int d;
+  uint32_t mask, normal_min;
+  float C, q, h, sto;
+};
+
+QT_HD float pow2f(int e) { return u2f(pow2_bits<uint32_t>(e)); }
+
+// all_normal: float32 subnormals lie on the relative grid too (emin = -126 with subnormals).
+QT_HD bool make_fast_grid(FastGrid& g, int man, int emin, int qlow, bool all_normal,
+                          bool fixed_point, bool stochastic) {
+  if (!fixed_point && emin < -126) return false;
+  if (qlow + 23 > 127) return false;
+  const bool uses_low = fixed_point || !all_normal;
+  if (stochastic && uses_low && qlow < -95) return false;
+  if (uses_low && qlow < -149) return false;
+  g.d = fixed_point ? 0 : 23 - man;
+  g.mask = ((uint32_t)1 << g.d) - 1;
+  g.normal_min = fixed_point ? 0xFFFFFFFFu : (all_normal ? 0u : (uint32_t)(emin + 127) << 23);
+  g.C = pow2f(qlow + 23);
+  g.q = pow2f(qlow);
+  g.h = pow2f(qlow - 1 < -149 ? -149 : qlow - 1);
+  g.sto = (stochastic && uses_low) ? pow2f(32 - qlow) : 0.0f;
+  return true;
+}
+
+template <int MODE>
+QT_HD uint32_t round_magnitude_fast(uint32_t A, const FastGrid& g, uint32_t rbits) {
+  // relative grid: drop d bits of A (a carry into the exponent is the next binade)
+  const uint32_t fb = A & g.mask;
+  const uint32_t lo_odd = (A >> g.d) & 1u;
+  const uint32_t thr = (fb << (31 - g.d)) << 1;
+  const bool up = mode_word<MODE>(lo_odd, rbits) < thr;
+  const uint32_t rn = (A & ~g.mask) + ((uint32_t)up << g.d);
+  // fixed grid q below the normals
+  const float a = u2f(A);
+  const float t = (a + g.C) - g.C;
+  const float lo = t > a ? t - g.q : t;
+  float low;
+  if (MODE == kNearest) {
+    low = t;
+  } else if (MODE == kNearestAway) {
+    low = (a - lo) >= g.h ? lo + g.q : lo;
+  } else if (MODE == kTowardZero) {
+    low = lo;
+  } else {
+    const float F = (a - lo) * g.sto;  // floor(F) = floor(frac / q * 2^32) < 2^32
+    const bool big = F >= 2147483648.0f;
+    const uint32_t thr2 = big ? ((uint32_t)(int32_t)(F - 2147483648.0f) | 0x80000000u)
+                              : (uint32_t)(int32_t)F;
+    low = rbits < thr2 ? lo + g.q : lo;
+  }
+  const uint32_t rl = a >= g.C ? A : f2u(low);  // a >= C: already on the grid
+  return A >= g.normal_min ? rn : rl;
+}
+
+template <int MODE>
+QT_HD uint32_t round_float_fast(uint32_t u, const FastGrid& g, uint32_t max_bits, uint32_t ovf_bits,
+                                uint32_t rbits) {
+  const uint32_t sign = u & 0x80000000u, A = u & 0x7FFFFFFFu;
+  const bool nonfinite = A >= 0x7F800000u, nan = A > 0x7F800000u;
+  uint32_t r = round_magnitude_fast<MODE>(nonfinite ? 0u : A, g, rbits);
+  r = (r > max_bits) | nonfinite ? ovf_bits : r;
+  return nan ? u : (r | sign);
+}
+
 // ---- float formats -----------------------------------------------------------------------------
 template <typename U> struct FloatSpec {
   int man, emin, qlow;
@@ -185,14 +263,16 @@ QT_HD FloatSpec<U> make_float_spec(int man, int emin, bool subnormals, double ma
   return s;
 }
 
-template <int MODE, typename U>
+// MAYBE_UNSIGNED=false drops the (loop-invariant) branch for exponent-only formats, so that
+// element loops stay branch-free.
+template <int MODE, typename U, bool MAYBE_UNSIGNED = true>
 QT_HD U round_float(U u, const FloatSpec<U>& s, uint32_t rbits) {
   using C = Carrier<U>;
   const U sign = u & C::SIGN, A = u & C::ABS;
   const bool nonfinite = A >= C::INF, nan = A > C::INF;
   U r = round_magnitude<MODE, U>(nonfinite ? (U)0 : A, s.emin, s.man, s.qlow, rbits);
   r = (r > s.max_bits || nonfinite) ? s.ovf_bits : r;
-  if (s.is_unsigned) {  // no zero and no sign: zero becomes the smallest value, <= 0 is NaN
+  if (MAYBE_UNSIGNED && s.is_unsigned) {  // no zero and no sign: zero becomes the smallest value, <= 0 is NaN
     r = r == 0 ? s.min_normal_bits : r;
     return (sign == 0 && A != 0 && !nan) ? r : C::QNAN;
   }
@@ -204,6 +284,7 @@ template <typename U> struct FixedSpec {
   int wl, fl, qexp;  // grid spacing 2^qexp (= 2^-fl, times the block scale inside blocks)
   U pos_bits;        // kmax * 2^qexp
   U neg_bits;        // |kmin| * 2^qexp (0 for unsigned formats)
+  U neg_sat_bits;    // what negative overflow clamps to: -|kmin| * 2^qexp, or +0 when unsigned
   int64_t kmin, kmax;
   bool is_signed;
 };
@@ -219,6 +300,7 @@ QT_HD FixedSpec<U> make_fixed_spec(int wl, int fl, bool is_signed, bool symmetri
   const F q = C::to_float(pow2_bits<U>(s.qexp));
   s.pos_bits = C::to_bits((F)s.kmax * q);  // exact: at most 24 bits times a power of two
   s.neg_bits = C::to_bits((F)(-s.kmin) * q);
+  s.neg_sat_bits = s.neg_bits != 0 ? (s.neg_bits | C::SIGN) : (U)0;
   return s;
 }
 
@@ -250,9 +332,25 @@ QT_HD U round_fixed(U u, const FixedSpec<U>& s, uint32_t rbits) {
   const U lim = sign ? s.neg_bits : s.pos_bits;
   const bool over = nonfinite || r > lim;
   // clamping: -|kmin| keeps the sign; an unsigned format clamps negatives to +0
-  const U sat = sign ? (s.neg_bits != 0 ? (s.neg_bits | C::SIGN) : (U)0) : s.pos_bits;
+  const U sat = sign ? s.neg_sat_bits : s.pos_bits;
   U out = over ? sat : (r | sign);
   if (WRAP && over && !nonfinite) out = wrap_fixed<U>(r, sign != 0, s);
+  return nan ? u : out;
+}
+
+// (the limits are passed as scalars: gcc vectorizes the loops better than with the struct)
+template <int MODE>
+QT_HD uint32_t round_fixed_fast(uint32_t u, const FastGrid& g, uint32_t pos_bits, uint32_t neg_bits,
+                                uint32_t neg_sat_bits, uint32_t rbits) {
+  const uint32_t sign = u & 0x80000000u, A = u & 0x7FFFFFFFu;
+  const bool nonfinite = A >= 0x7F800000u, nan = A > 0x7F800000u;
+  const uint32_t r = round_magnitude_fast<MODE>(nonfinite ? 0u : A, g, rbits);
+  // selects written as masks: two ternaries on one condition stop gcc's vectorizer
+  const uint32_t neg = (uint32_t)((int32_t)u >> 31);
+  const uint32_t lim = (neg_bits & neg) | (pos_bits & ~neg);
+  const uint32_t sat = (neg_sat_bits & neg) | (pos_bits & ~neg);
+  const bool over = nonfinite | (r > lim);
+  const uint32_t out = over ? sat : (r | sign);
   return nan ? u : out;
 }
 
@@ -334,19 +432,27 @@ QT_HD double amax_block_scale(uint32_t amax_bits, const AmaxBlockSpec& s, bool u
   return sc;
 }
 
-template <int MODE>
-QT_HD float round_amax_elem(float x, double scale, const AmaxBlockSpec& s, bool use_tensor_scale,
-                            uint32_t rbits) {
+template <int MODE, bool ELEM_FIXED>
+QT_HD float round_amax_elem_t(float x, double scale, const AmaxBlockSpec& s, bool use_tensor_scale,
+                              uint32_t rbits) {
   const bool ok = scale > 0;
   const double safe = ok ? scale : 1.0;
   const double z = (double)x / safe;
   const uint64_t zb = d2u(z);
-  const uint64_t qzb = s.elem_fixed ? round_fixed<MODE, false, uint64_t>(zb, s.ex, rbits)
-                                    : round_float<MODE, uint64_t>(zb, s.ef, rbits);
+  uint64_t qzb;
+  if (ELEM_FIXED) qzb = round_fixed<MODE, false, uint64_t>(zb, s.ex, rbits);
+  else qzb = round_float<MODE, uint64_t, false>(zb, s.ef, rbits);
   double q = u2d(qzb) * safe;
   if (use_tensor_scale) q = (double)(float)q;
   const float zero = u2f(f2u(x) & 0x80000000u);
   return ok ? (float)q : zero;
+}
+
+template <int MODE>
+QT_HD float round_amax_elem(float x, double scale, const AmaxBlockSpec& s, bool use_tensor_scale,
+                            uint32_t rbits) {
+  return s.elem_fixed ? round_amax_elem_t<MODE, true>(x, scale, s, use_tensor_scale, rbits)
+                      : round_amax_elem_t<MODE, false>(x, scale, s, use_tensor_scale, rbits);
 }
 
 }  // namespace qtensor

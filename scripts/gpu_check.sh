@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU check of the fused quantization kernels (issue 3), on a machine with a CUDA build of torch,
+# nvcc and one GPU. In under 8 minutes: builds the extension with CUDA, runs the CUDA tests (CUDA
+# against the CPU kernels, bit for bit) and the kernel benchmark, and writes everything under
+# benchmarks/results/:
+#   gpu_check.log          the whole run
+#   kernels_cuda.txt/json  the benchmark table (ratios to copy_ on the device)
+#   test_kernels_cuda.txt  the CUDA test run
+# Usage: scripts/gpu_check.sh [python]   (default: python3 on PATH)
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+py=${1:-python3}
+out=benchmarks/results
+mkdir -p "$out"
+exec > >(tee "$out/gpu_check.log") 2>&1
+status=0
+step() { echo; echo "== $* ($(date -u +%H:%M:%S))"; }
+
+step "environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+nvcc --version | tail -1 || true
+"$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())"
+
+step "nvcc compile check of the torch-free kernels"
+for cu in csrc/cuda/*.cu; do
+  timeout 120 nvcc -std=c++17 -c -I csrc/include "$cu" -o /dev/null || { echo "FAILED: $cu"; status=1; }
+done
+
+step "build (CUDAExtension)"
+# only this GPU's architecture: a much shorter build
+arch=$("$py" -c "import torch; c=torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}')" 2>/dev/null || echo "")
+[ -n "$arch" ] && export TORCH_CUDA_ARCH_LIST="$arch"
+export MAX_JOBS=${MAX_JOBS:-8}
+timeout 330 "$py" setup.py build_ext --inplace > "$out/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$out/build.log"; exit 1; }
+"$py" -c "import qtensor.ops as o; assert o.kernels_available('cuda'), 'no CUDA kernels registered'; print('CUDA kernels: registered')" || exit 1
+
+step "CUDA tests (CUDA vs CPU kernels, bit for bit)"
+timeout 150 "$py" -m pytest tests/test_kernels.py -q -k "cuda" -p no:cacheprovider 2>&1 | tee "$out/test_kernels_cuda.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "benchmark"
+timeout 120 "$py" benchmarks/bench_kernels.py --device cuda --threads 16 --repeat 21 --no-others \
+  --json "$out/kernels_cuda.json" 2>&1 | tee "$out/kernels_cuda.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "done: status $status"
+exit $status
