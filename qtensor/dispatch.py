@@ -468,7 +468,7 @@ def _convolution_backward(func, args, uargs, ukwargs):
 def _wrap_out(out, fmt, mm_fmt, rnd):
     """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd."""
     if isinstance(out, torch.Tensor):
-        if out.dtype in FLOAT_DTYPES:
+        if out.dtype in FLOAT_DTYPES and out.layout == torch.strided:  # sparse stays plain
             if rnd:
                 out = quantize(out, fmt)
             return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
