@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "op_common.h"
@@ -32,7 +33,8 @@ using qtensor::kRuleCeil;
 
 constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk
 
-// The loops, compiled twice: baseline x86-64 (or whatever the target is) and AVX2.
+// The loops, compiled three times: baseline x86-64 (or whatever the target is), AVX2 and
+// AVX-512, the best one picked at run time.
 namespace isa_base {
 #include "quantize_cpu.h"
 }  // namespace isa_base
@@ -45,20 +47,39 @@ namespace isa_avx2 {
 #include "quantize_cpu.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
+// AVX-512: twice the lanes, for the compute-bound paths (stochastic rounding's hash, NVFP4)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace isa_avx512 {
+#include "quantize_cpu.h"
+}  // namespace isa_avx512
+#pragma GCC pop_options
 #endif
 
-bool use_avx2() {
+// 0: baseline, 1: AVX2, 2: AVX-512 (QTENSOR_CPU_ISA=base|avx2 caps it, for tests and timing)
+int cpu_isa() {
 #ifdef QT_HAVE_AVX2_CLONE
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
+  static const int isa = [] {
+    int best = 0;
+    if (__builtin_cpu_supports("avx2")) best = 1;
+    if (best == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      best = 2;
+    const char* cap = std::getenv("QTENSOR_CPU_ISA");
+    if (cap != nullptr && std::strcmp(cap, "base") == 0) best = 0;
+    if (cap != nullptr && std::strcmp(cap, "avx2") == 0 && best > 1) best = 1;
+    return best;
+  }();
+  return isa;
 #else
-  return false;
+  return 0;
 #endif
 }
 
 #ifdef QT_HAVE_AVX2_CLONE
-#define QT_ISA_CALL(fn, ...) \
-  (use_avx2() ? isa_avx2::fn(__VA_ARGS__) : isa_base::fn(__VA_ARGS__))
+#define QT_ISA_CALL(fn, ...)                                               \
+  (cpu_isa() == 2 ? isa_avx512::fn(__VA_ARGS__)                            \
+                  : (cpu_isa() == 1 ? isa_avx2::fn(__VA_ARGS__) : isa_base::fn(__VA_ARGS__)))
 #else
 #define QT_ISA_CALL(fn, ...) isa_base::fn(__VA_ARGS__)
 #endif

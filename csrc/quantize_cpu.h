@@ -150,8 +150,20 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
   const int64_t grain = std::max<int64_t>(1, kGrain / bs);
   const bool unit_stride = sax == 1 && say == 1;
   // see the amax-rule fast path below
-  const bool amax_fast32 = a.scale_rule == kRuleAmax && !a.tensor_scale && MODE != kStochastic &&
-                           !a.elem_fixed && a.man + a.amax_spec.scale.man <= 21;
+  const auto& ssp = a.amax_spec.scale;
+  qtensor::FastGrid sg;
+  const bool amax_fast32 =
+      a.scale_rule == kRuleAmax && !a.tensor_scale && MODE != kStochastic && !a.elem_fixed &&
+      a.man + ssp.man <= 21 && !ssp.is_unsigned &&
+      qtensor::make_fast_grid(sg, ssp.man, ssp.emin, ssp.qlow,
+                              ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
+  const uint32_t smax = f2u((float)qtensor::u2d(ssp.max_bits));
+  const uint32_t sovf = ssp.ovf_bits == ssp.max_bits ? smax
+                      : (ssp.ovf_bits == 0x7FF0000000000000ull ? 0x7F800000u : 0x7FC00000u);
+  const float elem_max_f = (float)a.elem_max;
+  // fixed-point elements: the limits' integers (times 2^(k - fl) per block)
+  const float kmax_f = a.is_signed ? (float)((1 << (a.wl - 1)) - 1) : (float)((1 << a.wl) - 1);
+  const float kmin_abs_f = a.is_signed ? (float)((1 << (a.wl - 1)) - (a.symmetric ? 1 : 0)) : 0.0f;
   at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
     Counter oc, ic;
     oc.nd = ax; ic.nd = L.ndim - ax - 1;
@@ -194,11 +206,15 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
       if (amax >= 0x7F800000u) {  // NaN or Inf in the block: all NaN
         for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j * say, 0x7FC00000u);
       } else if (a.scale_rule == kRuleAmax) {
-        const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
         qtensor::FastGrid eg;
         if (amax_fast32 && unit_stride &&
             qtensor::make_fast_grid(eg, a.man, a.emin, a.qlow,
                                     a.emin == -126 && a.qlow == a.emin - a.man, false, false)) {
+          // the scale: float32 amax / max_elem rounds (nearest) to the same scale value as the
+          // reference's double quotient, by the argument below (a midpoint of the scale format
+          // times max_elem has at most 24 significant bits)
+          const double sc = (double)u2f(qtensor::round_float_fast<kNearest>(
+              f2u(u2f(amax) / elem_max_f), sg, smax, sovf, 0u));
           // Deterministic rounding with a scale of few significant bits (NVFP4): the float32
           // quotient z = x / X rounds to the same grid point as the exact one (and so as the
           // reference's double quotient): a grid point or midpoint m times X has at most 24
@@ -217,6 +233,7 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
             store_bits<T>(yp + j, ok ? f2u(q) : (u & 0x80000000u));
           }
         } else if (unit_stride && !a.amax_spec.elem_fixed && (!stoch || (sal == 1 && one_key))) {
+          const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
           // the common case (NVFP4), as a branch-free loop
           const qtensor::AmaxBlockSpec sp = a.amax_spec;
           const bool ts = a.tensor_scale;
@@ -228,6 +245,7 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
             store_bits<T>(yp + j, f2u(q));
           }
         } else {
+          const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
           for (int64_t j = 0; j < m; ++j) {
             float xv = u2f(load_bits<T>(xp + j * sax));
             float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale, word(j));
@@ -237,20 +255,22 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
       } else {
         const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
                                                a.elem_max, a.scale_emin, a.scale_emax);
-        const qtensor::BlockElemSpec s = qtensor::shift_elem(
-            a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed,
-            a.symmetric, k);
+        // the element grid shifted by the scale 2^k (built directly: this runs once per block)
         qtensor::FastGrid g;
-        const bool fast = s.is_fixed
-            ? qtensor::make_fast_grid(g, 0, 0, s.x.qexp, false, true, stoch)
-            : qtensor::make_fast_grid(g, s.f.man, s.f.emin, s.f.qlow,
-                                      s.f.emin == -126 && s.f.qlow == s.f.emin - s.f.man, false,
-                                      stoch);
-        if (fast && unit_stride && (!stoch || (sal == 1 && one_key))) {
+        const int ek = a.emin + k, qk = a.elem_fixed ? k - a.fl : a.qlow + k;
+        const bool fast =
+            unit_stride && (!stoch || (sal == 1 && one_key)) &&
+            (a.elem_fixed ? qtensor::make_fast_grid(g, 0, 0, qk, false, true, stoch)
+                          : qtensor::make_fast_grid(g, a.man, ek, qk,
+                                                    ek == -126 && a.qlow == a.emin - a.man, false,
+                                                    stoch));
+        if (fast) {
           const uint32_t lo = (uint32_t)l0;
-          const uint32_t mx = s.f.max_bits;
-          if (s.is_fixed) {
-            const uint32_t pos = s.x.pos_bits, neg = s.x.neg_bits, neg_sat = s.x.neg_sat_bits;
+          const uint32_t mx = a.elem_fixed ? 0u : f2u(elem_max_f * qtensor::pow2f(k));
+          if (a.elem_fixed) {
+            const float qf = qtensor::pow2f(qk);
+            const uint32_t pos = f2u(kmax_f * qf), neg = f2u(kmin_abs_f * qf);
+            const uint32_t neg_sat = neg != 0 ? (neg | 0x80000000u) : 0u;
             for (int64_t j = 0; j < m; ++j) {
               uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
               store_bits<T>(yp + j, qtensor::round_fixed_fast<MODE>(load_bits<T>(xp + j), g, pos,
@@ -266,6 +286,9 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
             }
           }
         } else if (unit_stride && (!stoch || (sal == 1 && one_key))) {
+          const qtensor::BlockElemSpec s = qtensor::shift_elem(
+              a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed,
+              a.symmetric, k);
           const uint32_t lo = (uint32_t)l0;
           if (s.is_fixed) {
             for (int64_t j = 0; j < m; ++j) {
@@ -286,6 +309,9 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
             }
           }
         } else {
+          const qtensor::BlockElemSpec s = qtensor::shift_elem(
+              a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed,
+              a.symmetric, k);
           for (int64_t j = 0; j < m; ++j) {
             store_bits<T>(yp + j * say,
                           qtensor::round_block_elem<MODE>(load_bits<T>(xp + j * sax), s, word(j)));
