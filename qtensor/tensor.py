@@ -133,7 +133,9 @@ class QTensor(torch.Tensor):
             digest_size=16).hexdigest()
 
     @classmethod
+    @torch._disable_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # dynamo never traces the rules themselves (AOTAutograd runs them on fake payloads)
         return _dispatch.dispatch(func, args, kwargs)
 
     # -- values --------------------------------------------------------------------------------
