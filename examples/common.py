@@ -175,9 +175,8 @@ class CharGPT(nn.Module):
 
 def plain(x: torch.Tensor) -> torch.Tensor:
     """x's values as a plain tensor (a QTensor dequantized; anything else unchanged)."""
-    if type(x) is not torch.Tensor and hasattr(x, "dequantize"):
-        return x.dequantize()
-    return x
+    import qtensor as qt
+    return x.dequantize() if isinstance(x, qt.QTensor) else x
 
 
 @torch.no_grad()
@@ -230,9 +229,7 @@ def plain_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The model's parameters as plain float tensors (a QTensor's values, dequantized)."""
     out = {}
     for name, p in model.named_parameters():
-        p = p.detach()
-        if type(p) is not torch.Tensor and hasattr(p, "dequantize"):
-            p = p.dequantize()
+        p = plain(p.detach())
         # torch.nn.utils.parametrize keeps the raw tensor under "<name>.parametrizations.X.original"
         out[name.replace(".parametrizations.", ".").replace(".original", "")] = p.clone()
     return out
