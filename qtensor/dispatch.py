@@ -304,9 +304,27 @@ def _(x, dtype):
     return torch.empty_like(x)
 
 
-def quantize(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """One rounding of a plain payload tensor to fmt (the fused kernel when available)."""
+def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Tensor:
+    """One rounding of a plain payload tensor to fmt (the fused kernel when available).
+
+    Block formats along an axis other than the innermost contiguous one are rounded on a view
+    that makes the block axis innermost (the kernels are several times faster there; the blocks,
+    hence the bits, are the same). keep_layout=False (contraction operands, consumed at once)
+    returns that layout as it is; otherwise the result gets x's layout back when x was
+    contiguous. Not for stochastic rounding, whose random bits follow the element order.
+    """
     fmt = fit_format(fmt, x.dim())
+    if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
+            and fmt.rounding != "stochastic"):
+        ax = fmt.axis % x.dim()
+        if ax != x.dim() - 1 or not x.is_contiguous():
+            xm = x.movedim(ax, -1)
+            q = _quantize_flat(xm.contiguous(), with_axis(fmt, -1)).movedim(-1, ax)
+            return q.contiguous() if keep_layout and x.is_contiguous() else q
+    return _quantize_flat(x, fmt)
+
+
+def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     if x.dtype is torch.float32:
         dt = _CAST_DTYPES.get(id(fmt))
         if dt is not None:
@@ -419,7 +437,7 @@ def _device_error(func, args, kwargs, err):
 def _round_operand(args, uargs, pos, axis):
     a = args[pos] if pos < len(args) else None
     if isinstance(a, QTensor) and a.mm_fmt is not None:
-        uargs[pos] = quantize(uargs[pos], with_axis(a.mm_fmt, axis))
+        uargs[pos] = quantize(uargs[pos], with_axis(a.mm_fmt, axis), keep_layout=False)
 
 
 def _conv_operands(args):
@@ -449,7 +467,8 @@ def _convolution_backward(func, args, uargs, ukwargs):
     transposed = bool(uargs[7])
 
     def rounded(i, axis):
-        return quantize(uargs[i], with_axis(args[i].mm_fmt, axis)) if has[i] else uargs[i]
+        return (quantize(uargs[i], with_axis(args[i].mm_fmt, axis), keep_layout=False)
+                if has[i] else uargs[i])
 
     gi = gw = gb = None
     if mask[0]:  # grad_input: reduction over output channels

@@ -39,21 +39,19 @@ _PAYLOAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def _code_version() -> str:
     """A hash of the modules whose code decides what a traced QTensor graph contains."""
     h = hashlib.blake2b(digest_size=8)
-    for mod in (_dispatch, _ops):
+    for path in (_dispatch.__file__, _ops.__file__, __file__):
         try:
-            with open(mod.__file__, "rb") as f:
+            with open(path, "rb") as f:
                 h.update(f.read())
-        except OSError:
-            h.update(mod.__name__.encode())
-    with open(__file__, "rb") as f:
-        h.update(f.read())
+        except (OSError, TypeError):  # no source file (frozen/zipped): the name only
+            h.update(str(path).encode())
     return h.hexdigest()
 
 
 _CODE_VERSION = _code_version()
 
 
-def _parse(fmt, what: str = "fmt") -> Optional[Format]:
+def _parse(fmt) -> Optional[Format]:
     if fmt is None:
         return None
     if isinstance(fmt, Format):
@@ -92,7 +90,7 @@ class QTensor(torch.Tensor):
             raise TypeError("QTensor(data, ...): data is already a QTensor; use as_qtensor to "
                             "change its format")
         fmt = _parse(fmt)
-        mm_fmt = _parse(mm_fmt, "mm_fmt")
+        mm_fmt = _parse(mm_fmt)
         if fmt is None:
             raise TypeError("QTensor needs a format (fmt)")
         _check_floating(data, fmt)
@@ -281,7 +279,7 @@ def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = N
     fmt = _parse(fmt)
     if fmt is None:
         raise TypeError("as_qtensor needs a format")
-    mm_fmt = _parse(mm_fmt, "mm_fmt")
+    mm_fmt = _parse(mm_fmt)
     _check_floating(x, fmt)
     if torch.is_grad_enabled() and x.requires_grad:
         return _AsQTensor.apply(x, fmt, mm_fmt, rounding)
@@ -295,7 +293,7 @@ def quantize_grad(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] 
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize_grad expects a torch.Tensor, got {type(x).__name__}")
     fmt = _parse(fmt)
-    mm_fmt = _parse(mm_fmt, "mm_fmt")
+    mm_fmt = _parse(mm_fmt)
     _check_floating(x, fmt)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return x

@@ -440,3 +440,18 @@ def test_cast_fast_path_matches_quantize(name):
     y = qt.QTensor(x.clone(), fmt)
     dispatch._round_inplace(y)
     assert_bits_equal(y.dequantize(), qt.quantize(x, fmt), name + " in place")
+
+
+@pytest.mark.parametrize("fmt", [qt.mxfp8_e4m3, qt.mxfp4_e2m1, qt.nvfp4])
+def test_block_rounding_on_a_moved_view_matches_quantize(fmt):
+    """dispatch rounds blocks along a non-innermost axis on a view that makes it innermost."""
+    from qtensor import dispatch
+    torch.manual_seed(0)
+    w = torch.randn(40, 3, 70) * torch.logspace(-4, 4, 70)
+    w[0, 0, 5] = float("nan")
+    for x in (w, w.transpose(0, 2), w[:, 1]):
+        for axis in range(x.dim()):
+            f = fmt.replace(axis=axis)
+            expected = qt.quantize(x, f)
+            for keep in (True, False):
+                assert_bits_equal(dispatch.quantize(x, f, keep_layout=keep), expected, f"{f} {keep}")
