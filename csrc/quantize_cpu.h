@@ -8,11 +8,11 @@ using qtensor::index_key;
 using qtensor::random_word;
 
 template <typename T> inline uint32_t load_bits(const T* p) { return f2u((float)*p); }
-template <> inline uint32_t load_bits<float>(const float* p) {
-  uint32_t u; memcpy(&u, p, 4); return u;
-}
+// float data moves as float loads/stores (a memcpy into the output would be a may-alias-anything
+// store, which keeps gcc from hoisting the kernel parameters and vectorizing)
+template <> inline uint32_t load_bits<float>(const float* p) { return f2u(*p); }
 template <typename T> inline void store_bits(T* p, uint32_t b) { *p = T(u2f(b)); }
-template <> inline void store_bits<float>(float* p, uint32_t b) { memcpy(p, &b, 4); }
+template <> inline void store_bits<float>(float* p, uint32_t b) { *p = u2f(b); }
 
 // A multi-index over some dims of a strided tensor that tracks the offsets of x, of the output
 // and of the logical (row-major) position while it is incremented.
@@ -152,11 +152,15 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
   // see the amax-rule fast path below
   const auto& ssp = a.amax_spec.scale;
   qtensor::FastGrid sg;
-  const bool amax_fast32 =
+  const bool amax_fast32_scale =
       a.scale_rule == kRuleAmax && !a.tensor_scale && MODE != kStochastic && !a.elem_fixed &&
       a.man + ssp.man <= 21 && !ssp.is_unsigned &&
       qtensor::make_fast_grid(sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
+  qtensor::FastGrid eg;  // the elements' grid (amax rule: unshifted)
+  const bool amax_fast32 = amax_fast32_scale &&
+      qtensor::make_fast_grid(eg, a.man, a.emin, a.qlow,
+                              a.emin == -126 && a.qlow == a.emin - a.man, false, false);
   const uint32_t smax = f2u((float)qtensor::u2d(ssp.max_bits));
   const uint32_t sovf = ssp.ovf_bits == ssp.max_bits ? smax
                       : (ssp.ovf_bits == 0x7FF0000000000000ull ? 0x7F800000u : 0x7FC00000u);
@@ -206,10 +210,7 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
       if (amax >= 0x7F800000u) {  // NaN or Inf in the block: all NaN
         for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j * say, 0x7FC00000u);
       } else if (a.scale_rule == kRuleAmax) {
-        qtensor::FastGrid eg;
-        if (amax_fast32 && unit_stride &&
-            qtensor::make_fast_grid(eg, a.man, a.emin, a.qlow,
-                                    a.emin == -126 && a.qlow == a.emin - a.man, false, false)) {
+        if (amax_fast32 && unit_stride) {
           // the scale: float32 amax / max_elem rounds (nearest) to the same scale value as the
           // reference's double quotient, by the argument below (a midpoint of the scale format
           // times max_elem has at most 24 significant bits)
@@ -220,6 +221,7 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
           // reference's double quotient): a grid point or midpoint m times X has at most 24
           // significant bits, so |x - m X| >= ulp(x) and |z - m| > 2^-24 |z|, more than the
           // float32 division's error. Q(z) * X is exact in float32.
+          const qtensor::FastGrid g = eg;  // a local copy: the stores below cannot alias it
           const float X = (float)sc;
           const bool ok = sc > 0;
           const float Xs = ok ? X : 1.0f;
@@ -227,7 +229,7 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
           for (int64_t j = 0; j < m; ++j) {
             const uint32_t u = load_bits<T>(xp + j);
             const uint32_t zb = f2u(u2f(u) / Xs);
-            uint32_t rr = qtensor::round_magnitude_fast<MODE>(zb & 0x7FFFFFFFu, eg, 0u);
+            uint32_t rr = qtensor::round_magnitude_fast<MODE>(zb & 0x7FFFFFFFu, g, 0u);
             rr = rr > mx ? mx : rr;
             const float q = u2f(rr | (u & 0x80000000u)) * Xs;
             store_bits<T>(yp + j, ok ? f2u(q) : (u & 0x80000000u));

@@ -324,6 +324,32 @@ def test_compile():
     assert_bits_equal(f(x), reference.quantize(x * 2, "fp8_e4m3") + 1, "compiled")
 
 
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_isa_clones(isa):
+    """The CPU loops are compiled for several ISAs (the best is picked at run time); the others
+    must give the same bits: run a sweep with QTENSOR_CPU_ISA capping the choice."""
+    code = (
+        "import torch, qtensor as qt\n"
+        "from qtensor import ops, reference\n"
+        "from qtensor.formats import BlockFormat, FixedFormat\n"
+        "import test_kernels as tk\n"
+        "xs, xb = tk.scalar_inputs(512, seed=21), tk.block_inputs(16, 64, seed=22)\n"
+        "fmts = [(xs, qt.PRESETS[n]) for n in ('fp8_e4m3', 'bf16', 'fp4_e2m1', 'fp16')]\n"
+        "fmts += [(xs, FixedFormat(8, 4)), (xs, FixedFormat(8, 4, saturate=False))]\n"
+        "fmts += [(xb, qt.PRESETS[n]) for n in ('mxfp8_e4m3', 'mxint8', 'nvfp4')]\n"
+        "for x, f in fmts:\n"
+        "    for r in tk.MODES:\n"
+        "        tk.check(x, f, r)\n"
+        "        tk.check(x.to(torch.bfloat16), f, r)\n"
+        "print('ok')\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, QTENSOR_CPU_ISA=isa,
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=180)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_warns_once_without_extension():
     """Without qtensor._C, import works, warns once naming the cause and the build command."""
     code = ("import sys, warnings; sys.modules['qtensor._C'] = None\n"
