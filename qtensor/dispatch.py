@@ -153,7 +153,8 @@ _FORMAT_ORDER = {
 }
 
 # Ops whose block-format axis moves with the data.
-_TRANSPOSES = frozenset(("t", "t_copy", "transpose", "transpose_copy", "permute", "permute_copy"))
+_TRANSPOSES = frozenset(("t", "t_copy", "transpose", "transpose_copy", "permute", "permute_copy",
+                         "t_", "transpose_"))
 
 QTensor = None  # bound by qtensor.tensor
 _CPU_KERNELS = _ops.kernels_available("cpu")
@@ -568,6 +569,8 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
                 if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs)):
                     _round_inplace(d)
     if rule.inplace_view:
+        if rule.transpose and isinstance(args[0], QTensor):  # t_/transpose_: the block axis moves
+            args[0].fmt = fmt
         return return_and_correct_aliasing(func, args, kwargs, out)
     if rule.returns_void:
         return None

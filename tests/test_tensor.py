@@ -145,6 +145,9 @@ def test_data_movement_keeps_values_and_format():
     # transposes move the block axis with the data
     assert_q(x.t(), v.t(), mxf.replace(axis=0))
     assert in_format(x.t()) and in_format(x.permute(1, 0).contiguous())
+    x2 = x.clone()
+    x2.t_()  # in place too
+    assert_q(x2, v.t(), mxf.replace(axis=0))
 
 
 def test_dtype_and_device_conversions():
