@@ -45,6 +45,13 @@ of each use; ``axis=None``, one block per tensor, is kept):
   along 0; along 1 when transposed); grad_weight reduces over the batch (grad_output and input
   along 0); grad_bias is a plain sum of the grad_output values.
 
+How a rounding runs (same bits as ``qt.quantize`` in every case, tested): formats that are
+exactly a torch dtype (the bf16, fp16, fp8_e4m3, fp8_e5m2 presets) round a float32 payload by a
+cast down and back (an opaque custom op in traced graphs, so inductor keeps eager's bits); block
+formats along a non-innermost axis round on a view that makes that axis innermost; the rest call
+the fused kernels directly with cached arguments (``qt.quantize`` for stochastic rounding, which
+draws a seed per call: under torch.compile such ops fall back to eager).
+
 Fused kernels that contain contractions (PyTorch's flash/efficient attention) are computed and
 rounded as one op, so operand formats do not apply inside them; under
 ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` attention decomposes into bmm and softmax and
