@@ -52,3 +52,8 @@ QUANTIZERS = {"qt.quantize": qt.quantize, "reference.quantize": reference.quanti
 def quantize(request):
     """Each implementation of quantize(x, fmt, *, rounding=None, generator=None)."""
     return QUANTIZERS[request.param]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "opinfo_sweep: the OpInfo op sweep over QTensor inputs (slowest file)")
