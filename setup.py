@@ -23,11 +23,14 @@ def extensions():
         return [], {}
     here = os.path.dirname(os.path.abspath(__file__))
     include = [os.path.join(here, "csrc"), os.path.join(here, "csrc", "include")]
-    # -O3 but no -march: the build must run on any x86-64 (AVX2 loops are picked at run time).
+    # -O3 but no -march: the build must run on any x86-64 (AVX2/AVX-512 loops are picked at run
+    # time).
     # -ffp-contract=off: no fused multiply-adds, every double operation is rounded as written.
     # -fno-trapping-math: lets gcc if-convert (and so vectorize) the int-to-float conversions.
     cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
-    sources = ["csrc/quantize.cpp"]
+    # a few translation units, compiled in parallel: the schemas and glue, and the CPU loops once
+    # per instruction set (csrc/cpu/isa_*.cpp)
+    sources = ["csrc/quantize.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     use_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
                 and os.environ.get("QTENSOR_NO_CUDA", "0") != "1")
     if use_cuda:

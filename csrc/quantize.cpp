@@ -17,48 +17,24 @@
 
 #include "op_common.h"
 
+#include "cpu/kernels.h"
+
+QT_DECLARE_CPU_KERNELS(isa_base)
+#ifdef QT_HAVE_ISA_CLONES
+QT_DECLARE_CPU_KERNELS(isa_avx2)
+QT_DECLARE_CPU_KERNELS(isa_avx512)
+#endif
+
 namespace {
 
 using qtensor::BlockArgs;
 using qtensor::Layout;
-using qtensor::kMaxDims;
-using qtensor::f2u;
-using qtensor::u2f;
-using qtensor::kNearest;
-using qtensor::kNearestAway;
-using qtensor::kTowardZero;
-using qtensor::kStochastic;
-using qtensor::kRuleAmax;
-using qtensor::kRuleCeil;
 
-constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk
-
-// The loops, compiled three times: baseline x86-64 (or whatever the target is), AVX2 and
-// AVX-512, the best one picked at run time.
-namespace isa_base {
-#include "quantize_cpu.h"
-}  // namespace isa_base
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QT_HAVE_AVX2_CLONE 1
-#pragma GCC push_options
-#pragma GCC target("avx2")
-namespace isa_avx2 {
-#include "quantize_cpu.h"
-}  // namespace isa_avx2
-#pragma GCC pop_options
-// AVX-512: twice the lanes, for the compute-bound paths (stochastic rounding's hash, NVFP4)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-namespace isa_avx512 {
-#include "quantize_cpu.h"
-}  // namespace isa_avx512
-#pragma GCC pop_options
-#endif
-
+// The loops (csrc/quantize_cpu.h) are compiled three times, in csrc/cpu/isa_*.cpp: for the
+// baseline x86-64 of the build (no -march), AVX2 and AVX-512; the best one is picked at run time.
 // 0: baseline, 1: AVX2, 2: AVX-512 (QTENSOR_CPU_ISA=base|avx2 caps it, for tests and timing)
 int cpu_isa() {
-#ifdef QT_HAVE_AVX2_CLONE
+#ifdef QT_HAVE_ISA_CLONES
   static const int isa = [] {
     int best = 0;
     if (__builtin_cpu_supports("avx2")) best = 1;
@@ -76,12 +52,13 @@ int cpu_isa() {
 #endif
 }
 
-#ifdef QT_HAVE_AVX2_CLONE
-#define QT_ISA_CALL(fn, ...)                                               \
-  (cpu_isa() == 2 ? isa_avx512::fn(__VA_ARGS__)                            \
-                  : (cpu_isa() == 1 ? isa_avx2::fn(__VA_ARGS__) : isa_base::fn(__VA_ARGS__)))
+#ifdef QT_HAVE_ISA_CLONES
+#define QT_ISA_CALL(fn, ...)                                                             \
+  (cpu_isa() == 2 ? qtensor_cpu::isa_avx512::fn(__VA_ARGS__)                             \
+                  : (cpu_isa() == 1 ? qtensor_cpu::isa_avx2::fn(__VA_ARGS__)             \
+                                    : qtensor_cpu::isa_base::fn(__VA_ARGS__)))
 #else
-#define QT_ISA_CALL(fn, ...) isa_base::fn(__VA_ARGS__)
+#define QT_ISA_CALL(fn, ...) qtensor_cpu::isa_base::fn(__VA_ARGS__)
 #endif
 
 #define QT_DTYPE_SWITCH(t, ...)                                                      \

@@ -1,6 +1,6 @@
-// CPU loops of the quantization kernels. This file is included twice by quantize.cpp: once for
-// the baseline ISA and once under `#pragma GCC target("avx2")`, inside different namespaces, and
-// the faster one is picked at run time (no -march flag: the wheel must run on any x86-64).
+// CPU loops of the quantization kernels. Compiled once per instruction set by csrc/cpu/isa_*.cpp
+// (baseline, AVX2, AVX-512), each in its own namespace; quantize.cpp picks one at run time (no
+// -march flag: the build must run on any x86-64).
 // The per-element math comes from qtensor/round.h; the loops below only move data.
 // (no include guard on purpose)
 

@@ -1,0 +1,9 @@
+// Headers of the per-ISA translation units (included before any `#pragma GCC target`).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cpu/kernels.h"
