@@ -39,7 +39,7 @@ def extensions():
             "qtensor._C", sources, include_dirs=include,
             define_macros=[("QTENSOR_WITH_TORCH", "1")],
             extra_compile_args={"cxx": cxx,
-                                "nvcc": ["-O3", "--fmad=false", "-std=c++17",
+                                "nvcc": ["-O3", "--fmad=false",
                                          "-DQTENSOR_WITH_TORCH=1"]},
             extra_link_args=["-fopenmp"])
     else:
