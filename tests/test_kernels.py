@@ -43,6 +43,8 @@ CUSTOM_FLOATS = [
     FloatFormat(8, 23, saturate=True),
     FloatFormat(1, 0, specials="none"),
     FloatFormat(6, 9),
+    FloatFormat(4, 0, subnormals=False, saturate=True),  # man=0: the kept bit is the implicit one
+    FloatFormat(7, 0, saturate=True),
 ]
 CUSTOM_FIXED = [
     FixedFormat(8, 4), FixedFormat(8, 4, signed=False), FixedFormat(8, 4, symmetric=True),

@@ -205,7 +205,9 @@ template <int MODE>
 QT_HD uint32_t round_magnitude_fast(uint32_t A, const FastGrid& g, uint32_t rbits) {
   // relative grid: drop d bits of A (a carry into the exponent is the next binade)
   const uint32_t fb = A & g.mask;
-  const uint32_t lo_odd = (A >> g.d) & 1u;
+  // parity of the kept part from the significand (at d = 23 the kept bit is the implicit one)
+  const uint32_t M = (A & 0x007FFFFFu) | (A >= 0x00800000u ? 0x00800000u : 0u);
+  const uint32_t lo_odd = (M >> g.d) & 1u;
   const uint32_t thr = (fb << (31 - g.d)) << 1;
   const bool up = mode_word<MODE>(lo_odd, rbits) < thr;
   const uint32_t rn = (A & ~g.mask) + ((uint32_t)up << g.d);
