@@ -79,14 +79,14 @@ inline FixedSpec<uint32_t> fixed_spec(int64_t wl, int64_t fl, bool is_signed, bo
   return make_fixed_spec<uint32_t>((int)wl, (int)fl, is_signed, symmetric, 0);
 }
 
-// elem: float [0, man, emin, subnormals, emax] or fixed [1, wl, fl, signed, symmetric];
+// elem: float [0, man, emin, subnormals, 0, emax] or fixed [1, wl, fl, signed, symmetric, emax];
 // scale: [man, emin, emax, subnormals, overflow, unsigned].
 inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double elem_max,
                             int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
                             at::IntArrayRef scale, double scale_max, bool tensor_scale) {
-  TORCH_CHECK(elem.size() == 5 && (elem[0] == 0 || elem[0] == 1),
-              "qtensor::quantize_block: elem must be [0, man, emin, subnormals, emax] or "
-              "[1, wl, fl, signed, symmetric]");
+  TORCH_CHECK(elem.size() == 6 && (elem[0] == 0 || elem[0] == 1),
+              "qtensor::quantize_block: elem must be [0, man, emin, subnormals, 0, emax] or "
+              "[1, wl, fl, signed, symmetric, emax]");
   TORCH_CHECK(scale.size() == 6, "qtensor::quantize_block: scale must be [man, emin, emax, "
               "subnormals, overflow, unsigned]");
   TORCH_CHECK(scale_rule >= 0 && scale_rule <= 2, "qtensor::quantize_block: scale_rule must be "
@@ -122,11 +122,7 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
   a.scale_emax = (int)scale[2];
   a.tensor_scale = tensor_scale;
   a.ts = 1.0;
-  // element emax: floor(log2(max)), from the double's exponent
-  {
-    const uint64_t b = d2u(elem_max);
-    a.elem_emax = (int)((b >> 52) & 0x7FF) - 1023;
-  }
+  a.elem_emax = (int)elem[5];  // the format's emax (floor(log2(max)), or -fl when max is 0)
   // the amax rule works in double
   a.amax_spec.scale = make_float_spec<uint64_t>((int)scale[0], (int)scale[1], scale[3] != 0,
                                                 scale_max, (int)scale[4], scale[5] != 0);

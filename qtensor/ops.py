@@ -69,9 +69,9 @@ def op_args(fmt: Format) -> tuple:
     if isinstance(fmt, BlockFormat):
         e = fmt.elem
         if isinstance(e, FloatFormat):
-            elem = [0, e.man, e.emin, int(e.subnormals), e.emax]
+            elem = [0, e.man, e.emin, int(e.subnormals), 0, e.emax]
         else:
-            elem = [1, e.wl, e.fl, int(e.signed), int(e.symmetric)]
+            elem = [1, e.wl, e.fl, int(e.signed), int(e.symmetric), e.emax]
         s = fmt.scale
         man, emin, subnormals, smax, overflow, unsigned = _float_args(s)
         scale = [man, emin, s.emax, int(subnormals), overflow, int(unsigned)]
