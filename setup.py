@@ -11,7 +11,9 @@ import os
 
 from setuptools import find_packages, setup
 
-TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja"]
+# qtorch (QPyTorch 0.3.0) and gfloat are independent oracles for the compat and reference tests
+TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja", "qtorch==0.3.0",
+        "gfloat"]
 EXAMPLES = ["tqdm", "matplotlib", "scikit-learn"]
 
 
