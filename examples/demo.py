@@ -22,8 +22,8 @@ What "trained in format F" means here (one ``qt.convert`` line per format, see `
   values between ops (vector ops) are BF16; weights and biases keep FP32 values.
 - ``mxfp4_weights`` (last row): not a format but the MX paper's recipe for 4 bits,
   ``qt.recipes.mxfp4_weights``: MXFP4 weight operands with MXFP6_E3M2 activation and gradient
-  operands. (The paper trains MXFP4 only this way; MXFP4 gradients do not train well, and the
-  mxfp4_e2m1 row, where gradients are MXFP4 too, shows it.)
+  operands. (The paper trains MXFP4 only this way; in the mxfp4_e2m1 row the activation and
+  gradient operands are MXFP4 too.)
 "bits/value" is the bits per value of F (for MX, of the weight operands), the shared scale
 included. "leaks": findings of ``qt.leak_check`` (values that escaped the emulated formats, or
 were not representable in their format) over one more training step, forward, backward and
