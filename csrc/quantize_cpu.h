@@ -131,6 +131,58 @@ uint32_t amax_bits(const T* x, const Layout& L) {
   return r;
 }
 
+// NVFP4-like blocks (e2m1 elements, a scale of <= 4 significant bits, amax rule, deterministic
+// rounding) along a contiguous row: `nblk` consecutive blocks of bs elements starting at x, of
+// which the last may be cut short by the row's end (`avail` elements left in the row). Three
+// passes over the run, each a branch-free loop: the blocks' amaxes, their scales (vectorized
+// across blocks), then the elements by comparison with the scaled boundaries (qtensor/round.h,
+// fp4_round_scaled: no division). BS > 0 fixes the block size at compile time (one vector).
+constexpr int64_t kFp4Run = 64;  // blocks per run: the run's amaxes and scales stay in registers/L1
+
+template <int MODE, int BS, typename T>
+void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
+                   const qtensor::FastGrid& sg, uint32_t smax, uint32_t sovf, float elem_max) {
+  const int64_t bs = BS > 0 ? BS : bs_rt;
+  uint32_t amax[kFp4Run];
+  float X[kFp4Run];
+  const int64_t nfull = std::min(nblk, avail / bs);
+  // amax from the bits: |x| as integers orders like the values, NaN and Inf on top
+  auto block_amax = [&](const T* xp, int64_t m) {
+    uint32_t am = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const uint32_t v = load_bits<T>(xp + j) & 0x7FFFFFFFu;
+      am = v > am ? v : am;
+    }
+    return am;
+  };
+  for (int64_t b = 0; b < nfull; ++b) amax[b] = block_amax(x + b * bs, bs);
+  if (nfull < nblk) amax[nfull] = block_amax(x + nfull * bs, avail - nfull * bs);
+  // the scale: float32 amax / max_elem rounds (nearest) to the same scale as the reference's
+  // double quotient (see blocks() below); a NaN scale (a NaN-on-overflow scale format) means
+  // "no scale" (signed zeros), which X = 0 gives.
+  const qtensor::FastGrid g = sg;
+  for (int64_t b = 0; b < nblk; ++b) {
+    const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / elem_max), g, smax,
+                                                             sovf, 0u));
+    X[b] = s == s ? s : 0.0f;
+  }
+  auto block_elems = [&](const T* xp, T* yp, int64_t m, uint32_t am, float Xb) {
+    if (am >= 0x7F800000u) {  // NaN or Inf in the block: all NaN
+      for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, 0x7FC00000u);
+      return;
+    }
+    const qtensor::Fp4Bounds bd = qtensor::fp4_bounds<MODE>(Xb);
+    for (int64_t j = 0; j < m; ++j) {
+      const uint32_t u = load_bits<T>(xp + j);
+      const float q = qtensor::fp4_round_scaled<MODE>(u2f(u & 0x7FFFFFFFu), bd, Xb);
+      store_bits<T>(yp + j, f2u(q) | (u & 0x80000000u));
+    }
+  };
+  for (int64_t b = 0; b < nfull; ++b) block_elems(x + b * bs, y + b * bs, bs, amax[b], X[b]);
+  if (nfull < nblk)
+    block_elems(x + nfull * bs, y + nfull * bs, avail - nfull * bs, amax[nfull], X[nfull]);
+}
+
 // Blocks: units (outer index, block, inner index), inner fastest so that neighbouring units touch
 // neighbouring memory when the axis is not the last dim. Each unit reads its block once into
 // cache (amax), then rounds it.
@@ -162,6 +214,11 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
       qtensor::make_fast_grid(eg, a.man, a.emin, a.qlow,
                               a.emin == -126 && a.qlow == a.emin - a.man, false, false);
   const uint32_t smax = f2u((float)qtensor::u2d(ssp.max_bits));
+  // NVFP4 (e2m1 elements, scales of <= 4 significant bits whose products with the boundaries
+  // 2^-2..5 stay exact in float32), blocks along contiguous rows: fp4_block_run
+  const bool fp4_rows = amax_fast32 && inner == 1 && unit_stride && a.man == 1 && a.emin == 0 &&
+                        a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 && ssp.qlow >= -147 &&
+                        qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
   const uint32_t sovf = ssp.ovf_bits == ssp.max_bits ? smax
                       : (ssp.ovf_bits == 0x7FF0000000000000ull ? 0x7F800000u : 0x7FC00000u);
   const float elem_max_f = (float)a.elem_max;
@@ -182,6 +239,20 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
     int64_t bidx = rest % nb, o = rest / nb;
     oc.set(o); ic.set(i);
     for (int64_t u = ub; u < ue; ++u) {
+      if (fp4_rows) {  // the rest of this row's blocks (inner == 1), a run at a time
+        const int64_t run = std::min(std::min(ue - u, nb - bidx), kFp4Run);
+        const int64_t j0 = bidx * bs;
+        const T* xp = x + oc.ox + j0;
+        T* yp = y + oc.oy + j0;
+        if (bs == 16)
+          fp4_block_run<MODE, 16, T>(xp, yp, run, bs, len - j0, sg, smax, sovf, elem_max_f);
+        else
+          fp4_block_run<MODE, 0, T>(xp, yp, run, bs, len - j0, sg, smax, sovf, elem_max_f);
+        u += run - 1;  // and the loop's ++u
+        bidx += run;
+        if (bidx == nb) { bidx = 0; oc.next(); }
+        continue;
+      }
       const int64_t j0 = bidx * bs;
       const int64_t m = std::min(bs, len - j0);
       const T* xp = x + oc.ox + ic.ox + j0 * sax;

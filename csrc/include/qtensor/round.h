@@ -457,4 +457,34 @@ QT_HD float round_amax_elem(float x, double scale, const AmaxBlockSpec& s, bool 
                       : round_amax_elem_t<MODE, false>(x, scale, s, use_tensor_scale, rbits);
 }
 
+// ---- FP4 E2M1 elements of a block, by comparison (NVFP4's deterministic fast path) ----------
+// Q(|x| / X) * X on the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (saturating) without a division:
+// |x| is compared with the rounding boundaries times X. A boundary (a midpoint, or for toward_zero
+// a grid point) has at most 3 significant bits and X (an E4M3 scale) at most 4, so b * X is exact
+// in float32 (X >= 2^-9: no underflow), and each comparison decides as the exact quotient x / X
+// would (so as the reference's double one, which rounds to a boundary only when it is exact).
+struct Fp4Bounds {
+  float t[7];  // boundary k (between codes k and k+1) times X
+};
+
+template <int MODE> QT_HD Fp4Bounds fp4_bounds(float X) {
+  const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  const float grid[7] = {0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  Fp4Bounds b;
+  for (int k = 0; k < 7; ++k) b.t[k] = (MODE == kTowardZero ? grid[k] : mid[k]) * X;
+  return b;
+}
+
+// |x| (a, finite) -> Q(a / X) * X; the sum of the steps taken is a grid value v, and v * X is
+// exact. Nearest (ties to even): a tie at boundary k goes up when code k + 1 is even (k odd).
+template <int MODE> QT_HD float fp4_round_scaled(float a, const Fp4Bounds& b, float X) {
+  const float step[7] = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f};
+  float v = 0.0f;
+  for (int k = 0; k < 7; ++k) {
+    const bool up = (MODE == kNearest && (k & 1) == 0) ? a > b.t[k] : a >= b.t[k];
+    v += up ? step[k] : 0.0f;
+  }
+  return v * X;
+}
+
 }  // namespace qtensor
