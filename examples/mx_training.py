@@ -42,6 +42,20 @@ RUNS = ["fp32", "mxfp6", "mxfp4_weights", "fp32@1"]
 LABELS = {"fp32": "FP32", "mxfp6": "MXFP6_E3M2 (W, A, G)",
           "mxfp4_weights": "MXFP4 weights + MXFP6_E3M2 (A, G)",
           "fp32@1": "FP32, another seed (noise level)"}
+# Ablations (not run by default; see examples/RESULTS.md): which part of the MXFP6 recipe costs.
+ABLATIONS = {
+    "bf16_values": dict(weight=qt.fp32, bias=qt.fp32, activation=qt.bf16, grad=qt.bf16,
+                        master_weights=True),
+    "mxfp6_fp32_values": dict(weight=(qt.fp32, qt.mxfp6_e3m2), bias=qt.fp32,
+                              activation=(qt.fp32, qt.mxfp6_e3m2),
+                              grad=(qt.fp32, qt.mxfp6_e3m2), master_weights=True),
+    "mxfp6_forward_only": dict(weight=(qt.fp32, qt.mxfp6_e3m2), bias=qt.fp32,
+                               activation=(qt.fp32, qt.mxfp6_e3m2), grad=qt.fp32,
+                               master_weights=True),
+}
+LABELS.update({"bf16_values": "ablation: BF16 values, no MX",
+               "mxfp6_fp32_values": "ablation: MXFP6 operands, FP32 values",
+               "mxfp6_forward_only": "ablation: MXFP6 forward operands only"})
 # The recorded run: ~7 minutes for the four runs on 2 CPU cores.
 DEFAULTS = dict(d=128, layers=2, heads=4, context=64, batch=32, lr=1e-2, steps=500)
 PAPER_20M = {"fp32": 3.98, "mxfp6": 4.01, "mxfp4_weights": 4.04}
@@ -95,7 +109,9 @@ def train(name, corpus, args):
     torch.manual_seed(seed)
     model = common.CharGPT(corpus.vocab, d=args.d, layers=args.layers, heads=args.heads,
                            context=args.context)
-    if recipe != "fp32":
+    if recipe in ABLATIONS:
+        qt.convert(model, qt.Recipe(**ABLATIONS[recipe]))
+    elif recipe != "fp32":
         qt.convert(model, getattr(qt.recipes, recipe))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -183,7 +199,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps per run (default {DEFAULTS['steps']})")
-    p.add_argument("--runs", default=",".join(RUNS), help="comma-separated: " + ",".join(RUNS))
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help="comma-separated: " + ",".join(RUNS + list(ABLATIONS)))
     p.add_argument("--d", type=int, default=DEFAULTS["d"])
     p.add_argument("--layers", type=int, default=DEFAULTS["layers"])
     p.add_argument("--heads", type=int, default=DEFAULTS["heads"])
