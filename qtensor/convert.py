@@ -454,8 +454,14 @@ def _round_activation(x, plan: ModulePlan):
     if tag is not None and tag[0] == key and tag[1] == x._version:
         return x  # already done (e.g. a container returning its last child's output)
     y = x
-    if not plan.grad.full_precision and torch.is_grad_enabled() and x.requires_grad:
-        y = _RoundActivation.apply(x, plan.activation, plan.grad)
+    # grad role None with a rounded activation: the gradient is FP32 without an operand format
+    # (else it would inherit the activation's mm_fmt through the ops and be rounded to it in the
+    # backward contractions)
+    grad = plan.grad
+    if grad.full_precision and not plan.activation.full_precision:
+        grad = Role(_FP32)
+    if not grad.full_precision and torch.is_grad_enabled() and x.requires_grad:
+        y = _RoundActivation.apply(x, plan.activation, grad)
     elif not plan.activation.full_precision:
         y = round_to(x, plan.activation, name=f"output of {plan.name or 'the model'}")
     if y is not x:

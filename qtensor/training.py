@@ -297,7 +297,14 @@ class LossScaler:
 
     def unscale_(self, optimizer) -> None:
         """Divide the gradients of ``optimizer``'s parameters by the scale, in place (rounding
-        into each gradient's format), and note whether any was Inf/NaN (or saturated)."""
+        into each gradient's format), and note whether any was Inf/NaN (or saturated).
+
+        Limitation: the unscaled gradient is rounded into the gradient's *value* format again, so
+        loss scaling protects the backward pass (operand formats such as the MX recipes' MXFP6
+        gradients with BF16 values, and every intermediate gradient) but not a narrow gradient
+        value format itself: there the unscaled values underflow as before. For such formats
+        divide the learning rate by ``get_scale()`` instead of unscaling (exact with FP32 master
+        weights; examples/demo.py does this)."""
         rec = self._record(optimizer)
         if rec["unscaled"]:
             raise RuntimeError("unscale_() has already been called on this optimizer since the "

@@ -856,3 +856,17 @@ def test_recipe_as_rule():
     assert_in_format(seen["y"], qt.fp8_e5m2, None, "head output")
     assert_in_format(m.head.weight.grad, qt.fp8_e5m2, None, "head grad")
     assert_in_format(m.fc1.weight.grad, qt.bf16, None, "fc1 grad")
+
+
+def test_grad_role_none_gives_fp32_gradients_without_operand_format():
+    # A recipe that rounds activations for contractions but leaves gradients in full precision:
+    # the gradients must not inherit the activation's operand format (fixed8.7 would flush these
+    # 0.001-sized gradients to zero inside the backward matmul).
+    m = nn.Linear(8, 4)
+    qt.convert(m, qt.Recipe(weight=qt.fp32,
+                            activation=(qt.fp32, qt.format("fixed8.7(symmetric=True)"))))
+    x = torch.rand(4, 8) * 2
+    (m(x) * 0.001).sum().backward()
+    g = m.weight.grad
+    assert isinstance(g, qt.QTensor) and g.fmt == qt.fp32 and g.mm_fmt is None
+    assert g.dequantize().abs().sum() > 0
