@@ -44,7 +44,7 @@ papers it reproduces:
   QPyTorch examples/WAGE): 2-bit weights, 8-bit activations, gradients and errors, fixed point.
   Weights: 8-bit values FixedFormat(8, 7, symmetric) updated with stochastic rounding (WAGE's
   weight accumulator: its updates are stochastically rounded multiples of 2^-7) entering every
-  matrix multiply as 2-bit ternary FixedFormat(2, 1, symmetric) = {-0.5, 0, 0.5}; activations FixedFormat(8, 7, symmetric); errors and gradients:
+  matrix multiply as 2-bit ternary FixedFormat(2, 1, symmetric) = {-0.5, 0, 0.5}; activations FixedFormat(8, 7, symmetric), nearest rounding; errors and gradients:
   WAGE divides each by a power of two from its largest magnitude before 8-bit fixed-point
   rounding, i.e. 8-bit fixed point sharing one power-of-two scale per tensor (block floating
   point with FixedFormat(8, 7, symmetric) elements, ceil scale rule), stochastic rounding for
@@ -120,8 +120,9 @@ _wage_w8 = FixedFormat(8, 7, symmetric=True, rounding="stochastic")
 _wage_w2 = FixedFormat(2, 1, symmetric=True)
 _wage_err = BlockFormat(FixedFormat(8, 7, symmetric=True), block_size=None, axis=None,
                         scale_rule="ceil", rounding="stochastic")
+_wage_act = FixedFormat(8, 7, symmetric=True)  # WAGE rounds activations to nearest
 wage = Recipe(
-    weight=(_wage_w8, _wage_w2), bias=(_wage_w8, _wage_w2), activation=_wage_w8,
+    weight=(_wage_w8, _wage_w2), bias=(_wage_w8, _wage_w2), activation=_wage_act,
     grad=_wage_err, optimizer_state=None,
     name="wage", source="WAGE (Wu et al. 2018): 2-bit weights, 8-bit activations, gradients and "
     "errors, fixed point")
