@@ -286,6 +286,22 @@ def save_text(path: pathlib.Path, text: str) -> None:
     path.write_text(text if text.endswith("\n") else text + "\n")
 
 
+def publish(out, name: str, sections, plot=None) -> None:
+    """Print the sections (title, tables, ...) and, with an output folder, write them to
+    ``out/name.md`` and, given ``plot(path)``, the picture to ``out/name.png``."""
+    text = "\n\n".join(sections)
+    print()
+    print(text)
+    if out is None:
+        return
+    written = [out / f"{name}.md"]
+    save_text(written[0], text)
+    if plot is not None:
+        written.append(out / f"{name}.png")
+        plot(written[1])
+    print(f"\nwrote {' and '.join(str(w) for w in written)}")
+
+
 def plt_module():
     """matplotlib with a file-only backend (no display needed)."""
     import matplotlib

@@ -197,14 +197,7 @@ def main(argv=None):
     header = (f"Digits CNN (38k parameters), {steps} SGD steps of 64 images "
               f"(~{steps * BATCH / len(data[0]):.0f} epochs), same initialisation and batches "
               f"for every format. {common.env_line()}.")
-    print()
-    print(header)
-    print()
-    print(table)
-    if out is not None:
-        common.save_text(out / "demo.md", header + "\n\n" + table)
-        plot(results, out / "demo.png", steps)
-        print(f"\nwrote {out / 'demo.md'} and {out / 'demo.png'}")
+    common.publish(out, "demo", [header, table], lambda path: plot(results, path, steps))
     return results
 
 

@@ -157,11 +157,7 @@ def main(argv=None):
         sections.append(gpt_study(args))
     text = f"Direct-cast inference, no retraining. {common.env_line()}.\n\n" + "\n\n".join(
         f"{title}\n\n{table}" for title, table in sections)
-    print()
-    print(text)
-    if out is not None:
-        common.save_text(out / "direct_cast.md", text)
-        print(f"\nwrote {out / 'direct_cast.md'}")
+    common.publish(out, "direct_cast", [text])
     return sections
 
 

@@ -243,14 +243,7 @@ def main(argv=None):
              f"{corpus.n_bytes / 1e6:.1f} MB of stdlib source; {args.steps} AdamW steps of "
              f"{args.batch}x{args.context} characters; losses in nats/character, mean over "
              f"{args.eval_batches * args.batch} windows. {common.env_line()}.")
-    print()
-    print(title)
-    print()
-    print(table)
-    if out is not None:
-        common.save_text(out / "mx_training.md", title + "\n\n" + table)
-        plot(results, out / "mx_training.png", args)
-        print(f"\nwrote {out / 'mx_training.md'} and {out / 'mx_training.png'}")
+    common.publish(out, "mx_training", [title, table], lambda path: plot(results, path, args))
     return results
 
 

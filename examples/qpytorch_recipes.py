@@ -187,16 +187,8 @@ def main(argv=None):
              f"{common.env_line()}.")
     formats = "\n".join(recipe_formats(n) for n in names if n in SUMMARY and n != "fp32"
                          and "_" not in n)
-    print()
-    print(title)
-    print()
-    print(table)
-    print()
-    print(formats)
-    if out is not None:
-        common.save_text(out / "qpytorch_recipes.md", title + "\n\n" + table + "\n\n" + formats)
-        plot([runs[n][0] for n in names], out / "qpytorch_recipes.png", steps)
-        print(f"\nwrote {out / 'qpytorch_recipes.md'} and {out / 'qpytorch_recipes.png'}")
+    common.publish(out, "qpytorch_recipes", [title, table, formats],
+                   lambda path: plot([runs[n][0] for n in names], path, steps))
     return runs
 
 
