@@ -310,6 +310,14 @@ def plt_module():
     return plt
 
 
+def save_figure(fig, path: pathlib.Path) -> None:
+    """Lay out, write (110 dpi) and close a matplotlib figure."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt_module().close(fig)
+
+
 def env_line() -> str:
     import platform
     return (f"torch {torch.__version__}, Python {platform.python_version()}, "

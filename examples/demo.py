@@ -166,10 +166,7 @@ def plot(results, path, steps):
     ax2.set_xlabel("test accuracy (%), 359 held-out digits")
     ax2.set_title("Test accuracy after training")
     ax2.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main(argv=None):

@@ -188,10 +188,7 @@ def plot(results, path, args):
     ax2.grid(True, alpha=0.3)
     if base is not None and len(results) > 1:
         ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main(argv=None):

@@ -205,10 +205,7 @@ def plot(results, path, steps):
     ax.set_title("Digits CNN under QPyTorch's recipes (first seed)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 if __name__ == "__main__":
