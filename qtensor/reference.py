@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _parse_format
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, _check_rounding
+from .formats import format as _parse_format
 
 __all__ = ["quantize", "quantize_with_seed", "draw_seed", "random_bits"]
 
@@ -162,10 +163,6 @@ def _round_scalar(x64: torch.Tensor, fmt, rounding, index, seed) -> torch.Tensor
     return _round_fixed(x64, fmt, rounding, index, seed)
 
 
-def _elem_max(elem) -> float:
-    return elem.max
-
-
 def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
                      index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
     """x (float64) rounded to a BlockFormat, as float64 (float32-exact values)."""
@@ -196,7 +193,7 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
     bad = ~torch.isfinite(amax)
     amax_f = torch.where(bad, torch.zeros_like(amax), amax)
     elem = fmt.elem
-    emax_elem, max_elem = elem.emax, _elem_max(elem)
+    emax_elem, max_elem = elem.emax, elem.max
 
     tensor_scale = None
     if fmt.scale_rule in ("floor", "ceil"):
@@ -251,7 +248,6 @@ def check_input(x: torch.Tensor, fmt) -> Format:
 def resolve_rounding(fmt: Format, rounding: Optional[str]) -> str:
     if rounding is None:
         return fmt.rounding
-    from .formats import _check_rounding
     _check_rounding(rounding)
     return rounding
 
