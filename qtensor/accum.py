@@ -1,0 +1,342 @@
+"""Hardware-faithful accumulation: what a matrix-multiply unit does with the products.
+
+Elsewhere a contraction rounds its operands and then accumulates in float32. Tensor cores do not:
+one MMA instruction fuses the products of ``chunk`` K-elements (and the running accumulator) into
+one sum by aligning every term to the largest exponent, keeping ``frac_bits`` fractional bits of
+each and dropping the rest, and normalizes the result to an accumulator format (FP32, or FP32 with
+13 fractional bits on Hopper FP8). Libraries then add that partial result into an FP32 register
+accumulator every ``promote`` instructions. :class:`AccumFormat` describes such a datapath;
+:func:`accum_matmul` computes a matrix product with it (fused C++ kernel, or
+:func:`accum_matmul_reference`, the pure-PyTorch statement of the model, which the kernel matches
+bit for bit).
+
+The model, per output element (the same as MMA-Sim's ``fused_dot_add``, microsoft/MMA-Sim,
+mmasim/simulator/functions.py, arXiv 2511.10909), for each chunk of ``chunk`` K-elements:
+
+1. terms: the exact products a_k * b_k (or, with ``group`` > 1, the exact sums of ``group``
+   consecutive products, as Blackwell's block-scaled FP4 paths do), plus the partial result p of
+   the previous instructions when ``acc_in_alignment``;
+2. each term has an alignment exponent: for a product, e(a_k) + e(b_k) with e(x) = floor(log2|x|)
+   clamped below at -126 (the significand of a product is then in [1, 4), as in MMA-Sim); for p
+   and for a group sum, e of the value itself. emax is the largest over the nonzero terms;
+3. each term t is scaled to 2^(frac_bits - emax) and rounded to an integer by ``align_rounding``
+   (``toward_zero`` on NVIDIA: MMA-Sim's ``math.trunc``);
+4. the integers are summed exactly, and the sum times 2^(emax - frac_bits) is rounded to the
+   accumulator format: ``acc_man`` fractional bits, float32's exponent range (subnormals on the
+   2^-126 grid), ``acc_rounding``; magnitudes >= 2^128 become inf; a zero sum is +0;
+5. without ``acc_in_alignment`` the chunk's rounded sum is instead added to p by a float32 add
+   (round to nearest);
+6. every ``promote`` chunks p is added into an FP32 accumulator by a float32 add (round to
+   nearest, as the CUDA cores do) and restarts from zero; ``promote=None`` keeps the whole K in
+   p (no promotion: the output is p).
+
+A chunk with a non-finite input gives NaN if any product is NaN (inf * 0 included) or +inf and
+-inf meet, else the infinity. Every step is exact in float64: the scaled terms are integers below
+2^53 (``AccumFormat`` refuses widths for which that could fail).
+
+Known differences from the hardware models, stated rather than hidden:
+- operands are float32 carriers; e(x) clamps at float32's -126, whereas MMA-Sim clamps at the
+  minimum exponent of the input dtype (e.g. -6 for E4M3). The two agree for every operand that is
+  normal in its low-precision format; they can differ for its subnormals;
+- block-scaled presets (``blackwell_mxfp4``, ``blackwell_nvfp4``) see the dequantized values:
+  they align a group sum by its own exponent, MMA-Sim by the exponent of the product of the two
+  block scales, which the emulator no longer has. Group sums are exact when the group's products
+  span at most 53 bits (always true for FP4 elements sharing one scale), else rounded in float64.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["AccumFormat", "AccumFormatError", "accum_matmul", "accum_matmul_reference",
+           "PRESETS", "ALIGN_ROUNDINGS", "ACC_ROUNDINGS"]
+
+ALIGN_ROUNDINGS = ("toward_zero", "floor", "nearest")  # nearest: ties to even
+ACC_ROUNDINGS = ("toward_zero", "nearest")
+_ROUND_CODE = {"toward_zero": 0, "floor": 1, "nearest": 2}
+_EXP_MIN = -126          # float32's minimum normal exponent: the clamp of e(x)
+_ZERO_EXP = -100000      # the alignment exponent of a zero term: below every real one
+
+
+class AccumFormatError(ValueError):
+    """An impossible accumulator description."""
+
+
+def _check_int(name, value, lo, hi=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise AccumFormatError(f"AccumFormat.{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise AccumFormatError(f"AccumFormat.{name} must be {rng}, got {value}")
+
+
+@dataclass(frozen=True, repr=False)
+class AccumFormat:
+    """An MMA datapath: how the products of one contraction are summed (see the module doc).
+
+    chunk: K-elements fused by one instruction. frac_bits: fractional bits each aligned term
+    keeps. align_rounding: how the dropped bits go (``toward_zero``, ``floor``, ``nearest``).
+    acc_in_alignment: the running partial result is a term of the alignment (NVIDIA: yes).
+    acc_man / acc_rounding: the format each instruction's result is normalized to (float32's
+    exponent range, ``acc_man`` fractional bits). promote: instructions between additions into
+    an FP32 accumulator (None: never). group: products summed exactly before alignment.
+    """
+
+    chunk: int
+    frac_bits: int
+    align_rounding: str = "toward_zero"
+    acc_in_alignment: bool = True
+    acc_man: int = 23
+    acc_rounding: str = "toward_zero"
+    promote: Optional[int] = None
+    group: int = 1
+    name: Optional[str] = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        _check_int("chunk", self.chunk, 1, 1 << 16)
+        _check_int("group", self.group, 1)
+        if self.chunk % self.group:
+            raise AccumFormatError(
+                f"AccumFormat.chunk ({self.chunk}) must be a multiple of group ({self.group})")
+        _check_int("acc_man", self.acc_man, 0, 23)
+        if self.promote is not None:
+            _check_int("promote", self.promote, 1)
+        if self.align_rounding not in ALIGN_ROUNDINGS:
+            raise AccumFormatError(f"AccumFormat.align_rounding must be one of "
+                                   f"{ALIGN_ROUNDINGS}, got {self.align_rounding!r}")
+        if self.acc_rounding not in ACC_ROUNDINGS:
+            raise AccumFormatError(f"AccumFormat.acc_rounding must be one of {ACC_ROUNDINGS}, "
+                                   f"got {self.acc_rounding!r}")
+        if not isinstance(self.acc_in_alignment, bool):
+            raise AccumFormatError(
+                f"AccumFormat.acc_in_alignment must be a bool, got {self.acc_in_alignment!r}")
+        # every scaled term is below 2^(frac_bits + 2) (a product's significand is below 4); the
+        # sum of the chunk's terms (and p) must stay below 2^53 to be exact in float64
+        _check_int("frac_bits", self.frac_bits, 0)
+        terms = self.chunk // self.group + 1
+        limit = 51 - math.ceil(math.log2(terms))
+        if self.frac_bits > limit:
+            raise AccumFormatError(
+                f"AccumFormat.frac_bits={self.frac_bits} is too wide for chunk={self.chunk}, "
+                f"group={self.group}: the exact float64 sum allows at most {limit}")
+
+    def replace(self, **changes) -> "AccumFormat":
+        """A copy with some fields changed (validated; the preset name is dropped)."""
+        changes.setdefault("name", None)
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        parts = [f"chunk={self.chunk}", f"frac_bits={self.frac_bits}"]
+        if self.group != 1:
+            parts.append(f"group={self.group}")
+        if self.align_rounding != "toward_zero":
+            parts.append(f"align_rounding={self.align_rounding}")
+        if not self.acc_in_alignment:
+            parts.append("acc_in_alignment=False")
+        if self.acc_man != 23:
+            parts.append(f"acc_man={self.acc_man}")
+        if self.acc_rounding != "toward_zero":
+            parts.append(f"acc_rounding={self.acc_rounding}")
+        parts.append(f"promote={self.promote}")
+        body = f"AccumFormat({', '.join(parts)})"
+        return f"{self.name}: {body}" if self.name else body
+
+    __repr__ = __str__
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets. Sources: MMA-Sim (microsoft/MMA-Sim, mmasim/simulator/nv.py: arch_accum_fractional_bits
+# Volta 23, Turing/Ampere/Ada 24, Hopper/Blackwell 25; FP8 on Hopper (wgmma) and Ada: 13
+# fractional bits and an output truncated to e8m13; kind::mxf4: 35 bits, 16-product groups;
+# split-k halves of Ampere's m16n8k16; every normalization truncates), arXiv 2511.10909, and the
+# DeepSeek-V3 report, sec. 3.5.2 (Hopper FP8 keeps ~14 bits; promotion to FP32 every 128
+# elements = 4 WGMMAs, CUTLASS's default interval). Instruction K: PTX ISA (mma.m8n8k4 on Volta,
+# wgmma k16 for f16/bf16 and k32 for FP8, tcgen05 kind::mxf4 k64).
+def _preset(name, **kw):
+    return AccumFormat(name=name, **kw)
+
+
+PRESETS = {p.name: p for p in (
+    _preset("volta_fp16", chunk=4, frac_bits=23),                         # mma.m8n8k4
+    _preset("ampere_fp16", chunk=8, frac_bits=24),  # m16n8k16 runs as two k8 halves (MMA-Sim)
+    _preset("ampere_bf16", chunk=8, frac_bits=24),
+    _preset("hopper_fp16", chunk=16, frac_bits=25),                       # wgmma k16
+    _preset("hopper_bf16", chunk=16, frac_bits=25),
+    # wgmma k32 e4m3/e5m2, 13 fractional bits, result truncated to e8m13; CUTLASS promotes the
+    # partial into FP32 every 4 instructions (128 K-elements; DeepSeek-V3 sec. 3.5.2)
+    _preset("hopper_fp8", chunk=32, frac_bits=13, acc_man=13, promote=4),
+    # the same without promotion ("fast accumulation": the whole K in the tensor core)
+    _preset("hopper_fp8_fast", chunk=32, frac_bits=13, acc_man=13),
+    _preset("blackwell_fp16", chunk=16, frac_bits=25),                    # tcgen05 k16
+    _preset("blackwell_bf16", chunk=16, frac_bits=25),
+    # tcgen05 kind::mxf4 k64: groups of 16 FP4 products summed exactly, scaled, fused with 35
+    # bits. Approximate: see the module doc (alignment by the group sum's own exponent)
+    _preset("blackwell_mxfp4", chunk=64, frac_bits=35, group=16),
+    # NVFP4 (kind::mxf4nvf4, 16-element blocks, E4M3 scales): MMA-Sim uses the same 35-bit path;
+    # same approximation as above
+    _preset("blackwell_nvfp4", chunk=64, frac_bits=35, group=16),
+)}
+globals().update(PRESETS)
+
+
+def _check_accum(accum) -> AccumFormat:
+    if isinstance(accum, str):
+        if accum not in PRESETS:
+            raise AccumFormatError(
+                f"unknown accumulator preset {accum!r}; known: {', '.join(PRESETS)}")
+        return PRESETS[accum]
+    if not isinstance(accum, AccumFormat):
+        raise TypeError(f"accum must be an AccumFormat or a preset name, got {accum!r}")
+    return accum
+
+
+def _check_operands(a, b, op):
+    for n, x in (("a", a), ("b", b)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: {n} must be a tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"{op}: {n} has dtype {x.dtype}; the accumulator model takes "
+                            "float32, float16 or bfloat16 values (float32 carriers)")
+        if x.dim() < 2:
+            raise ValueError(f"{op}: {n} must have at least 2 dims (..., rows, cols), got shape "
+                             f"{tuple(x.shape)}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"{op}: a is {tuple(a.shape)} and b is {tuple(b.shape)}: the "
+                         "contraction sizes differ")
+    if a.device != b.device:
+        raise ValueError(f"{op}: a is on {a.device} but b is on {b.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: the model in PyTorch float64, vectorized over (batch, M, N), a loop over chunks.
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e exactly, as float64 (e an int64 tensor in the normal range of float64)."""
+    return ((e + 1023) << 52).view(torch.float64)
+
+
+def _exponent(x: torch.Tensor, clamp: bool) -> torch.Tensor:
+    """floor(log2|x|) (clamped below at -126 if clamp); _ZERO_EXP for zeros. x float64."""
+    e = torch.frexp(x).exponent.to(torch.int64) - 1
+    if clamp:
+        e = e.clamp(min=_EXP_MIN)
+    return torch.where(x == 0, _ZERO_EXP, e)
+
+
+def _round(x: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "toward_zero":
+        return torch.trunc(x)
+    if mode == "floor":
+        return torch.floor(x)
+    return torch.round(x)  # ties to even
+
+
+def _to_acc(v: torch.Tensor, f: AccumFormat) -> torch.Tensor:
+    """Step 4: the exact float64 value v rounded to the accumulator format (float64 out)."""
+    q = _pow2(_exponent(v, clamp=True).clamp(min=_EXP_MIN) - f.acc_man)
+    r = _round(v / q, f.acc_rounding) * q + 0.0  # + 0.0: a zero result is +0
+    return torch.where(r.abs() >= 2.0 ** 128, r.sign() * math.inf, r)
+
+
+def _nonfinite(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The IEEE result of a chunk with a non-finite term (t: terms along dim -2, p: partial)."""
+    nan = torch.isnan(t).any(-2) | torch.isnan(p)
+    pos = (t == math.inf).any(-2) | (p == math.inf)
+    neg = (t == -math.inf).any(-2) | (p == -math.inf)
+    out = torch.where(pos, math.inf, -math.inf)
+    return torch.where(nan | (pos & neg), math.nan, out).to(t.dtype)
+
+
+def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
+    """a @ b (batched over leading dims) with the accumulator ``accum``: float32 out.
+
+    The statement of the model (module doc); the compiled kernel gives the same bits.
+    """
+    f = _check_accum(accum)
+    _check_operands(a, b, "accum_matmul_reference")
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    a = a.float().expand(*batch, M, K).double()
+    b = b.float().expand(*batch, K, N).double()
+    ea = _exponent(a, clamp=True)
+    eb = _exponent(b, clamp=True)
+    shape = (*batch, M, N)
+    acc = torch.zeros(shape, dtype=torch.float32, device=a.device)   # the FP32 accumulator
+    p = torch.zeros(shape, dtype=torch.float64, device=a.device)     # the instruction partial
+    F = f.frac_bits
+    for c, k0 in enumerate(range(0, K, f.chunk)):
+        k1 = min(k0 + f.chunk, K)
+        # 1. the exact products, (..., M, k, N), and their alignment exponents e(a) + e(b)
+        t = a[..., :, k0:k1, None] * b[..., None, k0:k1, :]
+        et = ea[..., :, k0:k1, None] + eb[..., None, k0:k1, :]
+        if f.group > 1:  # exact group sums (sequential float64 adds, exact for FP4 operands)
+            k = k1 - k0
+            g = -(-k // f.group) * f.group
+            if g != k:
+                t = torch.nn.functional.pad(t, (0, 0, 0, g - k))
+            t = t.unflatten(-2, (g // f.group, f.group))
+            s = t[..., 0, :]
+            for j in range(1, f.group):
+                s = s + t[..., j, :]
+            t = s
+            et = _exponent(t, clamp=False)
+        finite = torch.isfinite(t).all(-2) & torch.isfinite(p)
+        t = torch.where(finite[..., None, :], t, 0.0)
+        # 2. emax over the nonzero terms (p included when it takes part in the alignment)
+        emax = et.amax(-2)
+        if f.acc_in_alignment:
+            emax = torch.maximum(emax, _exponent(torch.where(finite, p, 0.0), clamp=True))
+        emax = torch.where(emax < _ZERO_EXP // 2, 0, emax)  # all terms zero: any scale will do
+        # 3. each term to F fractional bits of 2^emax, rounded to an integer; 4. summed exactly
+        scale = _pow2(F - emax)
+        S = _round(t * scale[..., None, :], f.align_rounding).sum(-2)
+        if f.acc_in_alignment:
+            S = S + _round(torch.where(finite, p, 0.0) * scale, f.align_rounding)
+            new = _to_acc(S * _pow2(emax - F), f)
+        else:  # 5. the chunk's sum, normalized, then a float32 add into p
+            new = (p.float() + _to_acc(S * _pow2(emax - F), f).float()).double()
+        nonfinite = _nonfinite(
+            a[..., :, k0:k1, None] * b[..., None, k0:k1, :], p)
+        p = torch.where(finite, new, nonfinite)
+        # 6. promotion into the FP32 accumulator
+        if f.promote is not None and ((c + 1) % f.promote == 0 or k1 == K):
+            acc = acc + p.float()
+            p = torch.zeros_like(p)
+    out = p.float() if f.promote is None else acc
+    return torch.where(torch.isnan(out), math.nan, out)  # one NaN encoding
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point: the compiled kernel where it applies, else the reference
+
+def _kernel_ready(a: torch.Tensor) -> bool:
+    from . import ops
+    return (ops._C is not None and a.device.type == "cpu"
+            and hasattr(torch.ops.qtensor, "accum_matmul"))
+
+
+def op_args(f: AccumFormat) -> tuple:
+    """The arguments of ``qtensor::accum_matmul`` after a and b."""
+    return (f.chunk, f.frac_bits, f.group, _ROUND_CODE[f.align_rounding], f.acc_in_alignment,
+            f.acc_man, _ROUND_CODE[f.acc_rounding], 0 if f.promote is None else f.promote)
+
+
+def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
+    """a @ b (batched over broadcast leading dims) summed by the datapath ``accum``.
+
+    Float32 result; the fused C++ kernel on CPU, the reference elsewhere (same bits).
+    """
+    f = _check_accum(accum)
+    _check_operands(a, b, "accum_matmul")
+    if not _kernel_ready(a):
+        return accum_matmul_reference(a, b, f)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    a3 = a.float().expand(*batch, M, K).reshape(-1, M, K)
+    b3 = b.float().expand(*batch, K, N).reshape(-1, K, N)
+    out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f))
+    return out.reshape(*batch, M, N)
