@@ -1,9 +1,19 @@
 """Model conversion: ``qt.convert(model, spec)``, recipes and per-parameter rules.
 
 ``qt.convert(model, spec)`` turns a model into a low-precision emulation of itself, in place, and
-returns it. ``spec`` is a format (``qt.bf16``), a format string (``"mxfp6"``) or a
-:class:`Recipe`. A bare format means "every value in this format": weights, biases, buffers,
-activations, gradients and optimizer state.
+returns it. ``spec`` is a format (``qt.bf16``), a format string (``"fp8_e4m3"``), a pair
+``(value_fmt, mm_fmt)``, a :class:`Recipe`, or the name of a preset in ``qt.recipes``
+(``"swalp"``; a name that is also a format, ``"mxfp6"`` or ``"fp16"``, is refused: pass
+``qt.recipes.mxfp6`` or ``qt.mxfp6_e3m2``).
+
+A bare format means "every value in this format": weights, biases, buffers, activations and
+gradients, and, for formats with FP32's exponent range (BF16, TF32, FP32), optimizer state too,
+as ``model.to(torch.bfloat16)`` would. Other formats (FP16, FP8, FP6, FP4, MX and other block
+formats, fixed point) cannot train that way: Adam's ``eps`` and squared gradients underflow (NaN
+after one step) and updates smaller than half a spacing are lost (SGD stalls). For them a bare
+format trains as mixed-precision recipes do: FP32 master weights and FP32 optimizer state
+(``master_weights=True``, ``optimizer_state=None``). ``qt.Recipe.uniform(fmt)`` keeps every
+value in the format, optimizer state included, to study exactly that.
 
 A :class:`Recipe` gives each *role* a format. A role is ``None`` (full precision, below), a
 format / format string, or a pair ``(value_fmt, mm_fmt)``: the format the values live
@@ -72,7 +82,8 @@ Details:
 - Converting a model twice with the same spec does nothing; with a different spec it is an error
   (call ``qt.unconvert(model)`` first). A model that contains an already converted submodule is
   an error too. ``qt.unconvert`` restores plain tensors in their original dtypes (with their
-  current values) and removes every hook.
+  current values) and removes every hook. If a parameter cannot be swapped (a weak reference
+  to it), it is replaced by a new Parameter, and the optimizers that stepped it follow.
 - ``copy.deepcopy(model)`` and ``torch.save(model)``/``torch.load`` keep the conversion: the
   copy's parameters get their plans and gradient hooks back at its first forward.
 - Block formats on tiny tensors: a block that does not fit (a bias of 3 values in MXFP4 with 32-value
@@ -82,6 +93,15 @@ Details:
 - Buffers that an op updates in place (BatchNorm's running statistics, written by
   ``aten.native_batch_norm``, whose schema does not declare the write) are re-rounded into their
   format by a forward hook after each training-mode forward, so they stay in format.
+- ``model.half()``, ``.bfloat16()``, ``.double()``, ``.to(dtype)`` on a converted model are refused
+  at the call (a RuntimeError): the formats decide its precision, and payloads of another dtype
+  would not match its activations. Convert to ``qt.fp16``/``qt.bf16`` instead, or call
+  ``qt.unconvert`` first. Device moves (``.to("cuda")``) work.
+- ``qt.unconvert`` also gives the optimizers that stepped the model plain state again (in each
+  parameter's dtype) and drops their FP32 masters.
+- Warnings (parameters that could not be swapped in place, integer buffers left alone) come as
+  one warning per conversion naming every tensor concerned, at the line that called qt.convert
+  (the integer-buffer note only once per process).
 - ``model.to(fmt)`` is not supported: ``nn.Module.to`` parses its arguments in C++ and accepts
   only devices, dtypes and tensors; supporting formats would mean patching ``nn.Module.to`` for
   every user of the process. ``qt.convert(model, fmt)`` is that one line.
@@ -95,6 +115,8 @@ import re
 import warnings
 import weakref
 from dataclasses import dataclass, field
+import os
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -226,10 +248,9 @@ class Recipe:
                 "master_weights=True runs the optimizer on FP32 copies, so its state is FP32: "
                 f"optimizer_state must be None, got {self.optimizer_state}")
         ls = self.loss_scale
-        if ls is not None and ls != "dynamic" and (
-                isinstance(ls, bool) or not isinstance(ls, (int, float)) or not ls > 0):
-            raise ValueError(
-                f"Recipe.loss_scale must be None, a positive number or 'dynamic', got {ls!r}")
+        if ls is not None and ls != "dynamic":
+            from .training import check_scale
+            check_scale(ls, "Recipe.loss_scale (None, 'dynamic' or a power of two)")
 
     __hash__ = None  # rules is a dict
 
@@ -265,16 +286,55 @@ class Recipe:
         return self.describe()
 
 
+def _has_fp32_range(fmt: Format) -> bool:
+    """Whether ``fmt`` is a float format with FP32's exponent range (BF16, TF32, FP32)."""
+    return isinstance(fmt, FloatFormat) and fmt.exp >= 8
+
+
+def _bare_format_recipe(spec) -> Recipe:
+    """The recipe of a bare format (see the module docstring): every value in it, except that
+    the optimizer runs in FP32 on FP32 master weights when the format lacks FP32's range."""
+    role = Role.of(spec, "format")
+    name = str(role)
+    if _has_fp32_range(role.fmt):
+        return Recipe.uniform(role, name=name)
+    return Recipe(weight=role, bias=role, activation=role, grad=role, optimizer_state=None,
+                  master_weights=True, name=name,
+                  source="a bare format without FP32's range: values in it, FP32 master weights "
+                  "and optimizer")
+
+
+def _recipe_named(name: str) -> Optional[Recipe]:
+    """The preset recipe ``qt.recipes.<name>``; an error if ``name`` is also a format."""
+    from .recipes import PRESETS_BY_NAME
+    recipe = PRESETS_BY_NAME.get(name.strip().lower())
+    if recipe is None:
+        return None
+    try:
+        fmt = _parse_format(name)
+    except (FormatError, ValueError):
+        return recipe
+    raise ValueError(
+        f"qt.convert: {name!r} names both the recipe qt.recipes.{recipe.name} ({recipe.source}) "
+        f"and the format {fmt} (every value in it); pass the one you mean: "
+        f"qt.convert(model, qt.recipes.{recipe.name}) or qt.convert(model, qt.format({str(fmt)!r}))")
+
+
 def as_recipe(spec) -> Recipe:
-    """A Recipe from a Recipe, a format, a format string or a pair (value_fmt, mm_fmt)."""
+    """A Recipe from a Recipe, a preset recipe's name, a format, a format string or a pair
+    (value_fmt, mm_fmt): see the module docstring for what a bare format means."""
     if isinstance(spec, Recipe):
         return spec
     if isinstance(spec, dict):
         return Recipe(**spec)
     if spec is None:
         raise TypeError("qt.convert needs a format, a format string or a qt.Recipe, got None")
+    if isinstance(spec, str):
+        named = _recipe_named(spec)
+        if named is not None:
+            return named
     if isinstance(spec, (Format, str, tuple, list, Role)):
-        return Recipe.uniform(spec)
+        return _bare_format_recipe(spec)
     raise TypeError(
         f"qt.convert needs a format, a format string or a qt.Recipe, got {type(spec).__name__}")
 
@@ -567,12 +627,22 @@ class _Conversion:
 
 
 _warned: set = set()
+_PACKAGE_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules[__package__], torch))
+
+
+def _warn(message: str) -> None:
+    """Warn at the user's line: the first caller outside qtensor and torch (torch's optimizer
+    and module machinery may sit between the user and a hook)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, stacklevel=3)
+        _warn(message)
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -585,13 +655,14 @@ def plan_of(tensor: torch.Tensor) -> Optional[TensorPlan]:
     return getattr(tensor, "_qt_plan", None)
 
 
-def _swap_param(owners, new_value: torch.Tensor, new_grad, qual: str) -> torch.Tensor:
-    """Make every owner's parameter hold ``new_value``; returns the parameter object.
+def _swap_param(owners, new_value: torch.Tensor, new_grad) -> Tuple[torch.Tensor, Optional[str]]:
+    """Make every owner's parameter hold ``new_value``: (the parameter object, None), or
+    (a new Parameter object, why) when the object could not be kept.
 
     swap_tensors keeps the Python object (so optimizers and other references follow). It is
     refused while something else holds the tensor (an autograd graph still alive from a forward
-    before conversion, a weak reference); then the owners get a new Parameter object instead,
-    with a warning, since references taken before conversion no longer see the model's.
+    before conversion, a weak reference); then the owners get a new Parameter object instead
+    (the callers say so in one warning, and re-point the optimizers they know of).
     """
     module, pname = owners[0][0], owners[0][1]
     param = module._parameters[pname]
@@ -600,22 +671,27 @@ def _swap_param(owners, new_value: torch.Tensor, new_grad, qual: str) -> torch.T
     if old_grad is not None:
         param.grad = None  # holding .grad blocks the swap (use count)
     new_param = nn.Parameter(new_value, requires_grad=requires_grad)
+    why = None
     try:
         torch.utils.swap_tensors(param, new_param)
     except RuntimeError as e:
         if old_grad is not None:
             param.grad = old_grad
-        warnings.warn(
-            f"qt.convert: {qual} could not be converted in place ({e}); it was replaced by a new "
-            "Parameter, so references taken before conversion (an optimizer created earlier) do "
-            "not see it. Convert before creating optimizers and drop outputs computed before "
-            "conversion (or call qt.convert under torch.no_grad()).", stacklevel=4)
+        why = str(e)
         param = new_param
         for mod, local, _q in owners:
             mod._parameters[local] = param
     if new_grad is not None:
         param.grad = new_grad
-    return param
+    return param, why
+
+
+def _replaced_warning(who: str, replaced: List[Tuple[str, str]], consequence: str) -> None:
+    if replaced:
+        reasons = sorted({why for _name, why in replaced})
+        _warn(f"{who}: {', '.join(name for name, _why in replaced)} could not be changed in place "
+              f"({'; '.join(reasons)}); each was replaced by a new Parameter object, so "
+              f"{consequence}")
 
 
 class _FlatWeights:
@@ -750,10 +826,22 @@ def convert(model: nn.Module, spec) -> nn.Module:
         new_buffers.append((owners, plan, value))
 
     # ... then swap them in.
+    replaced, moved = [], {}
     with _FlatWeights(model):
         for owners, plan, value, grad in new_params:
-            _swap_param(owners, value, grad, plan.name)
+            old = owners[0][0]._parameters[owners[0][1]]
+            param, why = _swap_param(owners, value, grad)
+            if why is not None:
+                replaced.append((plan.name, why))
+                moved[id(old)] = (old, param)
             conv.converted_params.extend((mod, local, plan.name) for mod, local, _q in owners)
+    from . import training
+    training.follow_replaced(moved)
+    _replaced_warning(
+        "qt.convert", replaced,
+        "references taken before conversion (an optimizer created before it, a weak reference) "
+        "do not see it. Convert before creating optimizers, and drop outputs computed before "
+        "conversion (or call qt.convert under torch.no_grad()).")
     for owners, plan, value in new_buffers:
         for mod, local, _qual in owners:
             mod._buffers[local] = value
@@ -792,10 +880,36 @@ def convert(model: nn.Module, spec) -> nn.Module:
             continue
         conv.handles.append(mod.register_forward_hook(_OutputHook(mplan)))
 
+    for mod in model.modules():
+        mod._apply = _NoDtypeCast(mod)
     model._qt_conversion = conv
-    from . import training
     training.install_optimizer_hooks()
     return model
+
+
+class _NoDtypeCast:
+    """``module._apply`` of a converted module: ``model.half()``, ``.bfloat16()``, ``.double()``
+    and ``.to(dtype)`` change every payload's dtype but not the formats, and the next forward
+    mixes payload dtypes; they are refused at the call (device moves pass)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, fn, recurse=True):
+        probe = torch.zeros(())
+        try:
+            dtype = fn(probe).dtype
+        except Exception:  # not a cast (fn may only apply to parameters): let _apply decide
+            dtype = probe.dtype
+        if dtype != probe.dtype:
+            dtype = str(dtype).replace("torch.", "")
+            raise RuntimeError(
+                f"qt.convert: this model is converted, and casting it to {dtype} (model.half(), "
+                ".bfloat16(), .double(), .to(dtype)) is not supported: its formats decide its "
+                "precision. To emulate FP16 or BF16, convert to that format instead: "
+                "qt.unconvert(model), then qt.convert(model, qt.fp16) (or qt.bf16); to run in "
+                f"torch's own {dtype}, call qt.unconvert(model) first.")
+        return type(self.module)._apply(self.module, fn, recurse)
 
 
 def unconvert(model: nn.Module) -> nn.Module:
@@ -806,6 +920,10 @@ def unconvert(model: nn.Module) -> nn.Module:
         raise RuntimeError("qt.unconvert: this model was not converted by qt.convert")
     for handle in conv.handles + conv.param_handles:
         handle.remove()
+    for mod in model.modules():
+        if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
+            del mod.__dict__["_apply"]
+    replaced, moved = [], {}
     with _FlatWeights(model):
         for mod, local, qual in conv.converted_params:
             p = mod._parameters.get(local)
@@ -817,7 +935,10 @@ def unconvert(model: nn.Module) -> nn.Module:
                 grad = None if p.grad is None else _plain(p.grad).detach().to(dtype, copy=True)
             owners = [(m, n, q) for m, n, q in conv.converted_params if m._parameters.get(n) is p]
             p.__dict__.pop("_qt_plan", None)
-            _swap_param(owners, value, grad, qual)
+            param, why = _swap_param(owners, value, grad)
+            moved[id(p)] = (p, param)
+            if why is not None:
+                replaced.append((qual, why))
     for mod, local, qual in conv.converted_buffers:
         b = mod._buffers.get(local)
         if b is not None and _is_q(b):
@@ -825,8 +946,13 @@ def unconvert(model: nn.Module) -> nn.Module:
                                                              copy=True)
     del model._qt_conversion
     _attached.discard(model)
-    from .training import bump_epoch
-    bump_epoch()
+    from . import training
+    training.unconvert_optimizers(moved)
+    _replaced_warning(
+        "qt.unconvert", replaced,
+        "the optimizers that stepped the model hold the new one, but other references taken "
+        "before qt.unconvert (weak references, lists of parameters) still see the converted one.")
+    training.bump_epoch()
     return model
 
 
@@ -856,9 +982,11 @@ def _total_bits(t: torch.Tensor) -> float:
     return float(n * fmt.elem.bits + blocks * fmt.scale.bits + (32 if fmt.tensor_scale else 0))
 
 
-def describe(model: nn.Module, *, file=None, print_table: bool = True) -> str:
-    """Print (and return) a table of every parameter and buffer: name, shape, value format,
-    operand (mm) format, bits per value, and the model's total size in bits against FP32.
+def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Optional[str]:
+    """Print a table of every parameter and buffer (to ``file``, default stdout; returns None,
+    so the REPL shows it once), or return it as a string with ``print_table=False``: name,
+    shape, value format, operand (mm) format, bits per value, and the model's total size in
+    bits against FP32.
 
     Bits per value are the value format's (the operand format costs no storage), with block
     scales counted per block present; non-floating buffers count at their dtype's width in both
@@ -898,4 +1026,5 @@ def describe(model: nn.Module, *, file=None, print_table: bool = True) -> str:
     text = "\n".join(lines)
     if print_table:
         print(text, file=file)
+        return None
     return text

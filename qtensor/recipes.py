@@ -54,6 +54,8 @@ papers it reproduces:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from .convert import Recipe
 from .formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
 
@@ -131,9 +133,11 @@ PRESETS_BY_NAME = {r.name: r for r in (mxfp6, mxfp4_weights, mx_all_mxfp8, mx_al
                                        mx_all_mxfp4, mxint8_inference, fp16, block8, swalp, wage)}
 
 
-def describe(print_table: bool = True) -> str:
-    """Print (and return) every preset recipe with its source and formats."""
+def describe(print_table: bool = True) -> Optional[str]:
+    """Print every preset recipe with its source and formats (returns None, so the REPL shows
+    them once), or return that text with ``print_table=False``."""
     text = "\n\n".join(r.describe() for r in PRESETS_BY_NAME.values())
     if print_table:
         print(text)
+        return None
     return text

@@ -17,10 +17,14 @@ Optimizer state in its own format (``Recipe.optimizer_state``)
     converted by qt.convert). After each step, every floating, non-scalar state tensor of a
     converted parameter (momentum, Adam's moments) is rounded into the optimizer_state role,
     and the optimizer's in-place updates keep it there (``None``: FP32 QTensors).
-    Adam and AdamW state, and SGD's momentum buffer (when dampening is 0), are created in that
-    role before their first step (zeros, equivalent to their own lazy init), so every step is
-    computed in it; other optimizers create their state themselves in their first step, in the
-    parameter's or the gradient's format, and it is rounded into the role right after that step.
+    Adam and AdamW state, and SGD's momentum buffer when dampening is 0, are created in that
+    role before their first step (zeros, as their own lazy init; -0.0 for SGD, whose first step
+    then gives exactly torch's copy of the gradient, signs of zero included), so every step is
+    computed in it; other optimizers (and SGD with dampening, whose first step copies the
+    gradient undamped) create their state themselves in their first step, in the parameter's
+    or the gradient's format, and it is rounded into the role right after that step.
+    The optimizers that stepped converted parameters are remembered (weakly): ``qt.unconvert``
+    gives them plain state again, in each parameter's dtype, and drops the FP32 masters.
 
 FP32 master weights (``Recipe(master_weights=True)``)
     Use when the weight *value* format is narrow (BF16, FP8, fixed point) and updates are much
@@ -31,6 +35,11 @@ FP32 master weights (``Recipe(master_weights=True)``)
     parameters back and copy the masters into them (``p.copy_(master)``: rounded with the
     format's rounding mode). The optimizer state is keyed by the model's parameters as usual and
     holds the master under ``"qt_master"``, so ``optimizer.state_dict()`` saves and restores it.
+    A closure (``optimizer.step(closure)``, as LBFGS needs) evaluates the model: around each call
+    the model's parameters are put back, holding the masters' current values, and the masters
+    get the gradients it computed. If the step raises, the model's parameters are put back by
+    the next ``step()`` or ``zero_grad()`` (the optimizer's ``zero_grad`` is wrapped for this),
+    so ``zero_grad`` always clears the model's gradients.
     The optimizer then runs in FP32 (state included). Not needed when weights have FP32 values
     with a narrow operand format (the MX recipes): the model's copy is then already FP32.
 
@@ -48,13 +57,14 @@ Loss scaling (``qt.LossScaler``)
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-__all__ = ["install_optimizer_hooks", "master_weight", "LossScaler"]
+__all__ = ["install_optimizer_hooks", "master_weight", "LossScaler", "check_scale"]
 
 _MASTER_KEY = "qt_master"
 _installed = False
@@ -99,11 +109,16 @@ def _involved(optimizer) -> bool:
     return any_plan
 
 
+# Optimizers that stepped converted parameters: qt.unconvert gives them plain state again.
+_optimizers = weakref.WeakSet()
+
+
 def _restore(optimizer, copy_back: bool) -> None:
     """Put the model's parameters back into the optimizer (and the masters into its state)."""
     for params, i, p, master in getattr(optimizer, "_qt_swapped", ()):
         params[i] = p
-        state = optimizer.state.pop(master, None) or {}
+        state = optimizer.state.pop(master, None)
+        state = {} if state is None else state  # the same dict: LBFGS holds on to it
         master.grad = None
         state[_MASTER_KEY] = master
         optimizer.state[p] = state
@@ -113,12 +128,9 @@ def _restore(optimizer, copy_back: bool) -> None:
     optimizer._qt_swapped = []
 
 
-def _pre_step(optimizer, args, kwargs):
-    # A step that raised left the masters in place: put the parameters back first.
-    _restore(optimizer, copy_back=False)
-    if not _involved(optimizer):
-        return
-    # Swap the FP32 masters of converted parameters with master_weights into the optimizer.
+def _swap_in(optimizer) -> None:
+    """Put the FP32 masters of converted parameters with master_weights into the optimizer, in
+    their parameters' places, with their parameters' gradients and state."""
     swapped = []
     for group in optimizer.param_groups:
         params = group["params"]
@@ -126,32 +138,81 @@ def _pre_step(optimizer, args, kwargs):
             plan = _plan(p)
             if plan is None or not plan.master:
                 continue
-            state = optimizer.state.pop(p, None) or {}
+            state = optimizer.state.pop(p, None)
+            state = {} if state is None else state
             master = state.pop(_MASTER_KEY, None)
             if master is None:
                 master = _conv()._plain(p.detach()).to(torch.float32, copy=True)
-            if state:
-                optimizer.state[master] = state
+            optimizer.state[master] = state
             master.grad = None if p.grad is None else \
                 _conv()._plain(p.grad.detach()).to(master.dtype, copy=True)
             params[i] = master
             swapped.append((params, i, p, master))
     optimizer._qt_swapped = swapped
+
+
+class _MasterClosure:
+    """The closure given to a step with master weights: the closure evaluates the model, so the
+    model's parameters are put back (holding the masters' current values) around each call, and
+    the masters get the gradients it computed. If it raises, the model's parameters stay."""
+
+    def __init__(self, optimizer, closure):
+        self.optimizer, self.closure = optimizer, closure
+
+    def __call__(self):
+        _restore(self.optimizer, copy_back=True)
+        loss = self.closure()
+        _swap_in(self.optimizer)
+        return loss
+
+
+class _ZeroGradAfterFailedStep:
+    """``optimizer.zero_grad`` of an optimizer with master weights: a step that raised left the
+    masters in the optimizer (the post-step hook did not run); put the model's parameters back
+    first, so that zero_grad clears the model's gradients."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __call__(self, *args, **kwargs):
+        _restore(self.optimizer, copy_back=False)
+        return type(self.optimizer).zero_grad(self.optimizer, *args, **kwargs)
+
+
+def _pre_step(optimizer, args, kwargs):
+    # A step that raised left the masters in place: put the parameters back first.
+    _restore(optimizer, copy_back=False)
+    if not _involved(optimizer):
+        return None
+    _optimizers.add(optimizer)
+    _swap_in(optimizer)
     if isinstance(optimizer, torch.optim.Adam):
         _init_adam_state(optimizer)
     elif isinstance(optimizer, torch.optim.SGD):
         _init_sgd_state(optimizer)
+    if not optimizer._qt_swapped:
+        return None
+    if "zero_grad" not in optimizer.__dict__:
+        optimizer.zero_grad = _ZeroGradAfterFailedStep(optimizer)
+    # args is (optimizer, closure?)
+    if len(args) > 1 and args[1] is not None:
+        return (args[0], _MasterClosure(optimizer, args[1])) + tuple(args[2:]), kwargs
+    if kwargs.get("closure") is not None:
+        return args, dict(kwargs, closure=_MasterClosure(optimizer, kwargs["closure"]))
+    return None
 
 
-def _state_zeros(p, plan):
+def _state_zeros(p, plan, zero=0.0):
     conv = _conv()
-    zeros = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+    zeros = torch.full(p.shape, zero, dtype=p.dtype, device=p.device)
     return conv.round_to(zeros, plan.optimizer_state, name=f"optimizer state of {plan.name}")
 
 
 def _init_sgd_state(optimizer) -> None:
-    # SGD's first step copies the gradient into the momentum buffer; with dampening 0 a zero
-    # buffer in the state format gives the same values, rounded into the format from the start.
+    # SGD's first step clones the gradient into the momentum buffer. With dampening 0, a buffer
+    # of -0.0 in the state role gives the same values (-0.0 * momentum + g is g, signs of zero
+    # included), rounded into the role from the first step on. With dampening > 0 the first
+    # step (a clone, undamped) differs from the later ones: SGD creates the buffer itself.
     for group in optimizer.param_groups:
         if not group.get("momentum") or group.get("dampening") or group.get("fused"):
             continue
@@ -161,7 +222,7 @@ def _init_sgd_state(optimizer) -> None:
                 continue
             state = optimizer.state[p]
             if state.get("momentum_buffer") is None:
-                state["momentum_buffer"] = _state_zeros(p, plan)
+                state["momentum_buffer"] = _state_zeros(p, plan, -0.0)
 
 
 def _init_adam_state(optimizer) -> None:
@@ -206,6 +267,41 @@ def _post_step(optimizer, args, kwargs):
                                                    name=f"optimizer state {key!r} of {plan.name}")
 
 
+def follow_replaced(moved) -> None:
+    """Parameters that qt.convert or qt.unconvert replaced by new objects (``{id(old): (old,
+    new)}``): the optimizers known here hold the new ones, with the same state."""
+    for optimizer in list(_optimizers):
+        _restore(optimizer, copy_back=False)
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                old_new = moved.get(id(p))
+                if old_new is None or old_new[0] is not p or old_new[1] is p:
+                    continue
+                params[i] = old_new[1]
+                if p in optimizer.state:
+                    optimizer.state[old_new[1]] = optimizer.state.pop(p)
+
+
+def unconvert_optimizers(moved) -> None:
+    """qt.unconvert: the optimizers that stepped its parameters (``{id(old): (old, new)}``)
+    hold the new plain parameters, with plain state in their dtypes and no FP32 masters."""
+    follow_replaced(moved)
+    new_params = {id(new): new for _old, new in moved.values()}
+    for optimizer in list(_optimizers):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in new_params or p not in optimizer.state:
+                    continue
+                state = optimizer.state[p]
+                state.pop(_MASTER_KEY, None)
+                for key, value in list(state.items()):
+                    if _conv()._is_q(value):
+                        with torch.no_grad():
+                            value = value.dequantize().detach()
+                            state[key] = value.to(p.dtype, copy=True) if value.dim() else value.clone()
+
+
 def master_weight(optimizer, param) -> Optional[torch.Tensor]:
     """The FP32 master copy the optimizer keeps for ``param`` (None before the first step)."""
     return optimizer.state.get(param, {}).get(_MASTER_KEY)
@@ -230,6 +326,23 @@ def _overflowed(g: torch.Tensor, detect_saturation: bool) -> bool:
     return False
 
 
+def check_scale(value, what: str) -> float:
+    """``value`` as a float if it is a positive finite power of two, else a ValueError.
+
+    Loss scales are powers of two so that scaling and unscaling only change exponents: exact in
+    every float and block format (a scale of 1000 would round every gradient twice)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    mantissa, exponent = math.frexp(float(value))
+    if mantissa != 0.5:
+        nearest = 2.0 ** round(math.log2(value))
+        raise ValueError(
+            f"{what} must be a power of two so that scaling and unscaling are exact in low "
+            f"precision, got {value!r}; use {nearest:g} (2**{round(math.log2(value))})")
+    return float(value)
+
+
 class LossScaler:
     """Static or dynamic loss scaling, used like ``torch.amp.GradScaler``::
 
@@ -238,8 +351,9 @@ class LossScaler:
         scaler.step(optimizer)      # unscales the gradients; skips the step on Inf/NaN
         scaler.update()
 
-    ``unscale_(optimizer)`` may be called before ``step`` (e.g. to clip gradients). Scales are
-    powers of two so that scaling and unscaling are exact in float and block formats. Both
+    ``unscale_(optimizer)`` may be called before ``step`` (e.g. to clip gradients). Every scale
+    and factor must be a power of two (a ValueError says so otherwise), so that scaling and
+    unscaling are exact in float and block formats. Both
     static and dynamic scalers skip steps whose gradients hold Inf or NaN; only the dynamic one
     changes its scale (``backoff_factor`` after an overflow, ``growth_factor`` after
     ``growth_interval`` clean steps, never below ``min_scale``).
@@ -249,20 +363,25 @@ class LossScaler:
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, min_scale: float = 2.0 ** -24,
                  detect_saturation: bool = False):
-        if not (isinstance(init_scale, (int, float)) and init_scale > 0 and math.isfinite(init_scale)):
-            raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
+        init_scale = check_scale(init_scale, "LossScaler init_scale")
+        growth_factor = check_scale(growth_factor, "LossScaler growth_factor")
+        backoff_factor = check_scale(backoff_factor, "LossScaler backoff_factor")
+        min_scale = check_scale(min_scale, "LossScaler min_scale")
         if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
-        self._scale = float(init_scale)
+            raise ValueError(f"LossScaler growth_factor must be > 1 (2, 4, ...), got {growth_factor}")
+        if not backoff_factor < 1.0:
+            raise ValueError(
+                f"LossScaler backoff_factor must be < 1 (0.5, 0.25, ...), got {backoff_factor}")
+        if isinstance(growth_interval, bool) or not (
+                isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(
+                f"LossScaler growth_interval must be a positive int, got {growth_interval!r}")
+        self._scale = init_scale
         self.dynamic = bool(dynamic)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
-        self.min_scale = float(min_scale)
+        self.min_scale = min_scale
         self.detect_saturation = bool(detect_saturation)
         self._growth_tracker = 0
         self._per_optimizer = {}  # id(optimizer) -> {"unscaled": bool, "found_inf": bool}
@@ -340,7 +459,7 @@ class LossScaler:
         found = any(r["found_inf"] for r in self._per_optimizer.values())
         self._per_optimizer.clear()
         if new_scale is not None:
-            self._scale = float(new_scale)
+            self._scale = check_scale(new_scale, "LossScaler.update new_scale")
             self._growth_tracker = 0
             return
         if not self.dynamic:
@@ -361,7 +480,7 @@ class LossScaler:
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self._scale = float(state["scale"])
+        self._scale = check_scale(state["scale"], "LossScaler state 'scale'")
         self._growth_tracker = int(state.get("growth_tracker", 0))
         self.dynamic = bool(state.get("dynamic", self.dynamic))
         self.growth_factor = float(state.get("growth_factor", self.growth_factor))

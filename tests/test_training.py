@@ -1,0 +1,372 @@
+"""Training a converted model with real torch.optim optimizers (issue 11): bare formats that
+train, FP32 master weights with closures and exceptions, unconvert with optimizers, dtype casts of
+a converted model, SGD's first momentum step, LossScaler validation, describe and warnings."""
+import io
+import warnings
+import weakref
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qtensor as qt
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors")
+
+
+def bits(t):
+    t = t.dequantize() if isinstance(t, qt.QTensor) else t
+    t = t.detach().contiguous()
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def toy(seed=1, n=64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return x, x @ torch.randn(8, 3, generator=g)
+
+
+def fp32_loss(model, x, y):
+    with torch.no_grad():
+        out = model(x)
+        return float(F.mse_loss(out.dequantize() if isinstance(out, qt.QTensor) else out, y))
+
+
+def fit(model, opt, steps, x, y):
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. a bare format trains: FP32 optimizer state and master weights
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp4_e2m1", qt.fp8_e5m2])
+@pytest.mark.parametrize("optname", ["adamw", "sgd"])
+def test_bare_format_trains(fmt, optname):
+    x, y = toy()
+    model = qt.convert(mlp(), fmt)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optname == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
+    l0 = fp32_loss(model, x, y)
+    losses = []
+    for _ in range(5):
+        fit(model, opt, 6, x, y)
+        losses.append(fp32_loss(model, x, y))
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < 0.5 * l0, (l0, losses)
+    assert losses[-1] < losses[0], losses
+    # the parameters stay in the format; the optimizer works on FP32 masters
+    f = qt.format(fmt)
+    assert model[0].weight.fmt == f and model[0].weight.grad.fmt == f
+    master = qt.master_weight(opt, model[0].weight)
+    assert type(master) is torch.Tensor and master.dtype == torch.float32
+    assert all(type(v) is torch.Tensor for k, v in opt.state[model[0].weight].items())
+
+
+def test_bare_format_recipe_rule():
+    r = qt.convert(mlp(), "fp8_e4m3")._qt_conversion.recipe
+    assert r.weight == qt.Role(qt.fp8_e4m3) and r.activation == qt.Role(qt.fp8_e4m3)
+    assert r.grad == qt.Role(qt.fp8_e4m3) and r.master_weights
+    assert r.optimizer_state.full_precision
+    assert qt.convert(mlp(), qt.fp16)._qt_conversion.recipe.master_weights  # eps underflows
+    # formats with FP32's range keep every value in the format, as model.bfloat16() would
+    for fmt in (qt.fp32, qt.bf16):
+        r = qt.convert(mlp(), fmt)._qt_conversion.recipe
+        assert r == qt.Recipe.uniform(fmt) and not r.master_weights
+    # Recipe.uniform keeps every value in the format
+    u = qt.Recipe.uniform(qt.fp8_e4m3)
+    assert u.optimizer_state == qt.Role(qt.fp8_e4m3) and not u.master_weights
+
+
+def test_recipe_names_as_strings():
+    # "mxfp6" names both a format and a recipe: refused, pointing at both
+    for name in ("mxfp6", "fp16"):
+        with pytest.raises(ValueError, match=f"qt.recipes.{name}") as e:
+            qt.convert(mlp(), name)
+        assert "qt.convert(model, qt.recipes." in str(e.value)
+    # a recipe name that is not a format means that recipe
+    m = qt.convert(mlp(), "swalp")
+    assert m._qt_conversion.recipe == qt.recipes.swalp
+    m = qt.convert(mlp(), "mxfp4_weights")
+    assert m._qt_conversion.recipe == qt.recipes.mxfp4_weights
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. master weights: closures and exceptions
+
+def test_lbfgs_with_master_weights_makes_progress():
+    x, y = toy()
+
+    def run(model):
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        l0 = fp32_loss(model, x, y)
+        for _ in range(4):
+            opt.step(closure)
+        return l0, fp32_loss(model, x, y)
+
+    plain0, plain1 = run(mlp())
+    assert plain1 < 0.2 * plain0
+    l0, l1 = run(qt.convert(mlp(), qt.recipes.mxfp6))
+    assert l1 < 0.2 * l0, (l0, l1, plain1)
+
+
+def _grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def test_exception_in_closure_restores_parameters():
+    x, y = toy()
+    model = qt.convert(mlp(), qt.recipes.mxfp6)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit(model, opt, 1, x, y)
+
+    def closure():
+        F.mse_loss(model(x), y).backward()
+        raise KeyError("boom")
+    with pytest.raises(KeyError, match="boom"):
+        opt.step(closure)
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+    assert all(g is not None for g in _grads(model))
+    opt.zero_grad()
+    assert all(g is None for g in _grads(model))
+    fit(model, opt, 1, x, y)  # and training goes on from the masters
+    assert all(isinstance(p, qt.QTensor) for p in opt.param_groups[0]["params"])
+
+
+def test_exception_inside_step_then_zero_grad_clears_model_grads():
+    x, y = toy()
+    model = qt.convert(mlp(), qt.recipes.mxfp6)
+    params = list(model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fit(model, opt, 1, x, y)
+    before = [p.dequantize().clone() for p in params]
+
+    def fail(optimizer, args, kwargs):  # runs inside step(), after qtensor's own hook
+        raise RuntimeError("user hook failed")
+    handle = opt.register_step_pre_hook(fail)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="user hook failed"):
+        opt.step()
+    handle.remove()
+    opt.zero_grad()
+    assert all(g is None for g in _grads(model))
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+    assert all(torch.equal(p.dequantize(), b) for p, b in zip(params, before))
+    fit(model, opt, 1, x, y)
+    assert not all(torch.equal(p.dequantize(), b) for p, b in zip(params, before))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. unconvert with an optimizer, a live leak_check report, weak references
+
+STATEFUL = qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16",
+                     optimizer_state="bf16")
+
+
+def _assert_plain_optimizer(opt, model):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            assert type(p) is nn.Parameter
+            for k, v in opt.state[p].items():
+                assert not isinstance(v, qt.QTensor), k
+                if torch.is_tensor(v) and v.dim() > 0:
+                    assert v.dtype == p.dtype, k
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == \
+        {id(p) for p in model.parameters()}
+
+
+@pytest.mark.parametrize("recipe", [STATEFUL, qt.recipes.mxfp6], ids=["bf16_state", "mxfp6"])
+def test_unconvert_gives_plain_optimizer_state(recipe):
+    x, y = toy()
+    model = qt.convert(mlp(), recipe)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fit(model, opt, 2, x, y)
+    qt.unconvert(model)
+    _assert_plain_optimizer(opt, model)
+    assert all("qt_master" not in s for s in opt.state.values())
+    before = [p.detach().clone() for p in model.parameters()]
+    fit(model, opt, 1, x, y)  # plain training continues, with the same optimizer
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("hold", ["leak_report", "weakref"])
+def test_unconvert_with_references_keeps_optimizer_connected(hold):
+    x, y = toy()
+    model = qt.convert(mlp(), STATEFUL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    keep = []
+    if hold == "leak_report":
+        with qt.leak_check() as report:
+            fit(model, opt, 1, x, y)
+        keep.append(report)
+    else:
+        fit(model, opt, 1, x, y)
+        keep += [weakref.ref(p) for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        qt.unconvert(model)
+    for warning in w:  # a replaced parameter is said once, at the caller's line
+        assert "qt.unconvert" in str(warning.message) and "qt.convert:" not in str(warning.message)
+        assert warning.filename == __file__
+    assert len(w) <= 1
+    _assert_plain_optimizer(opt, model)
+    before = [p.detach().clone() for p in model.parameters()]
+    fit(model, opt, 1, x, y)
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. dtype casts of a converted model
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double", "to_bf16", "to_dev_fp16"])
+def test_dtype_cast_of_converted_model_is_refused_at_the_call(cast):
+    model = qt.convert(mlp(), qt.bf16)
+    w = model[0].weight
+    call = {"half": lambda: model.half(), "bfloat16": lambda: model.bfloat16(),
+            "double": lambda: model.double(), "to_bf16": lambda: model.to(torch.bfloat16),
+            "to_dev_fp16": lambda: model[0].to("cpu", torch.float16)}[cast]
+    with pytest.raises(RuntimeError, match="qt.unconvert") as e:
+        call()
+    assert "qt.convert(model, qt.fp16)" in str(e.value)
+    assert model[0].weight is w and w.dtype == torch.float32  # nothing changed
+    model.float().to("cpu").to(torch.float32)  # no dtype change: fine
+    assert isinstance(model(toy()[0]), qt.QTensor)
+    qt.unconvert(model)
+    assert model.half()[0].weight.dtype == torch.float16
+
+
+# ---------------------------------------------------------------------------------------------
+# 16. SGD's first momentum step is torch's: the buffer is a clone of the gradient
+
+def sgd_by_hand(p, g, buf, r, lr, momentum, dampening, nesterov, weight_decay):
+    """torch.optim.SGD's single-tensor step, each op computed in FP32 and rounded by ``r``
+    (the emulator's arithmetic); ``buf`` None on the first step."""
+    d_p = r(g.add(p, alpha=weight_decay))
+    if buf is None:
+        buf = d_p.clone()  # torch: clone(grad), no dampening
+    else:
+        buf = r(r(buf.mul(momentum)).add(d_p, alpha=1 - dampening))
+    d_p = r(d_p.add(buf, alpha=momentum)) if nesterov else buf
+    return r(p.add(d_p, alpha=-lr)), buf
+
+
+@pytest.mark.parametrize("fmt", [qt.fp32, qt.bf16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("dampening", [0.0, 0.5])
+def test_sgd_momentum_steps_match_torch_bit_for_bit(fmt, nesterov, dampening):
+    if nesterov and dampening:
+        pytest.skip("torch: Nesterov momentum requires zero dampening")
+    kw = dict(lr=0.1, momentum=0.9, dampening=dampening, nesterov=nesterov, weight_decay=0.01)
+    r = (lambda t: t) if fmt == qt.fp32 else (lambda t: qt.quantize(t, fmt))
+    torch.manual_seed(0)
+    model = qt.convert(nn.Linear(5, 4), qt.Recipe(weight=fmt, bias=fmt, grad=fmt,
+                                                  optimizer_state=fmt))
+    with torch.no_grad():
+        model.weight[0] = -0.0  # -0.0 weights and gradients: the buffer's sign of zero shows
+    opt = torch.optim.SGD(model.parameters(), **kw)
+    ref = [p.dequantize().detach().clone() for p in model.parameters()]
+    ref_bufs = [None, None]
+    plain = [p.clone().requires_grad_() for p in ref]  # torch's own SGD, for fp32
+    plain_opt = torch.optim.SGD(plain, **kw)
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        grads = [r(torch.randn(p.shape, generator=g)) for p in ref]
+        grads[0][0] = -0.0
+        for p, q, grad in zip(model.parameters(), plain, grads):
+            p.grad = qt.as_qtensor(grad.clone(), fmt)
+            q.grad = grad.clone()
+        opt.step()
+        plain_opt.step()
+        for i, (p, grad) in enumerate(zip(model.parameters(), grads)):
+            ref[i], ref_bufs[i] = sgd_by_hand(ref[i], grad, ref_bufs[i], r, **kw)
+            buf = opt.state[p]["momentum_buffer"]
+            assert torch.equal(bits(p), bits(ref[i])), step
+            assert torch.equal(bits(buf), bits(ref_bufs[i])), step
+            if fmt == qt.fp32:
+                assert torch.equal(bits(p), bits(plain[i])), step
+                assert torch.equal(bits(buf), bits(plain_opt.state[plain[i]]["momentum_buffer"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. LossScaler and Recipe.loss_scale: positive powers of two
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(init_scale=-4.0), "init_scale"),
+    (dict(init_scale=0), "init_scale"),
+    (dict(init_scale=float("nan")), "init_scale"),
+    (dict(init_scale=float("inf")), "init_scale"),
+    (dict(init_scale=1000.0), "power of two"),
+    (dict(init_scale=True), "init_scale"),
+    (dict(growth_factor=1.5), "growth_factor"),
+    (dict(growth_factor=0.5), "growth_factor"),
+    (dict(backoff_factor=0.3), "backoff_factor"),
+    (dict(backoff_factor=2.0), "backoff_factor"),
+    (dict(growth_interval=True), "growth_interval"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(min_scale=3.0), "min_scale"),
+    (dict(min_scale=-1.0), "min_scale"),
+])
+def test_loss_scaler_refuses_bad_scales(kwargs, text):
+    with pytest.raises(ValueError, match=text):
+        qt.LossScaler(**kwargs)
+
+
+def test_loss_scaler_power_of_two_scales_accepted_and_update_checked():
+    s = qt.LossScaler(init_scale=2 ** 10, growth_factor=4, backoff_factor=0.25, min_scale=1)
+    assert s.get_scale() == 1024.0
+    with pytest.raises(ValueError, match="power of two"):
+        s.update(new_scale=3.0)
+    s.update(new_scale=2.0 ** -3)
+    assert s.get_scale() == 0.125
+    with pytest.raises(ValueError, match="power of two"):
+        qt.Recipe(loss_scale=1000)
+    assert qt.LossScaler.from_recipe(qt.Recipe(loss_scale=512)).get_scale() == 512.0
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. describe prints once; warnings point at the caller, once per conversion
+
+def test_describe_prints_once_and_returns_none():
+    model = qt.convert(mlp(), qt.bf16)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert qt.describe(model) is None
+        assert qt.recipes.describe() is None
+    assert "0.weight" in out.getvalue() and "mxfp6" in out.getvalue()
+    text = qt.describe(model, print_table=False)
+    assert isinstance(text, str) and text in out.getvalue()
+    assert isinstance(qt.recipes.describe(print_table=False), str)
+
+
+def test_warnings_point_at_the_caller_once_per_conversion():
+    model = mlp()
+    refs = [weakref.ref(p) for p in model.parameters()]  # blocks swap_tensors
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        qt.convert(model, qt.bf16)
+    w = [x for x in w if "qt.convert" in str(x.message)]
+    assert len(w) == 1, [str(x.message) for x in w]
+    assert w[0].filename == __file__
+    assert all(name in str(w[0].message) for name in ("0.weight", "0.bias", "2.weight"))
+    assert refs
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        qt.convert(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), qt.bf16)
+    assert [x.filename for x in w if "non-floating" in str(x.message)] == [__file__]
