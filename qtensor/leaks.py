@@ -15,13 +15,18 @@ a gradient or optimizer state left plain) makes the emulation wrong without any 
 
 Kinds of finding (``Finding.kind``):
 
-- ``"mixed"`` (a): a plain floating tensor and QTensors in one op. Not reported: Python scalars;
-  0-dim plain tensors (scalars torch wraps, e.g. in backward formulas) unless they are a module's
-  parameter, buffer or tensor attribute, or were made by user code inside a converted model
-  (``torch.tensor(0.5)`` in ``forward``); tensors named in ``allow``; tensors a recipe keeps in
-  full precision on purpose (a rule ``None``, activations of a module whose activation role is
-  ``None``); the target of a loss (an argument named ``target``, in forward and in the loss's
-  backward: data, like the model's inputs); plain values written into a QTensor by a
+- ``"mixed"`` (a): a plain floating (or complex) tensor and QTensors in one op. Not reported:
+  Python scalars; 0-dim plain tensors (scalars torch wraps, e.g. in backward formulas) unless
+  they are a module's parameter, buffer or tensor attribute, or were made by user code inside a
+  converted model (``torch.tensor(0.5)`` in ``forward``); plain tensors with no elements (they
+  carry no value: a KV cache started as ``torch.empty(b, 0, d)`` and grown with ``torch.cat``;
+  a cache that starts with values, ``torch.zeros(b, 1, d)``, is reported); tensors named in
+  ``allow``; tensors a recipe keeps in full precision on purpose (a rule ``None``, activations
+  of a module whose activation role is ``None``); the target of a loss (an argument named
+  ``target``, in forward and in the loss's backward: data, like the model's inputs), and inside
+  a ``torch.nn.functional`` loss its target and class weights and what it computes from them
+  alone (``cross_entropy`` with ``label_smoothing`` or probability targets multiplies the
+  log-probabilities by them); plain values written into a QTensor by a
   data-movement op (``copy_``, indexing assignment: the QTensor rounds them, which is
   quantization); and plain constants that torch's own module code makes inside a converted
   model (the zero initial state of ``nn.LSTM``, the float mask ``nn.MultiheadAttention`` builds
@@ -29,7 +34,9 @@ Kinds of finding (``Finding.kind``):
 - ``"plain_result"`` (b): an op on QTensors returned a plain floating tensor: a dispatch rule
   that forgot to wrap, or QTensor values written into a plain destination that only receives
   them (``out=``, ``copy_``; a plain tensor that is also an operand, as ``plain.add_(q)``, is
-  reported as mixed).
+  reported as mixed). Also a complex result (``torch.fft.rfft``, ``torch.view_as_complex`` of
+  a QTensor: RoPE written with complex numbers): no format is complex, so it and what is
+  computed from it (reported as plain ops) run in full precision.
 - ``"plain_op"`` (c): a computing op on plain floating tensors only, inside the forward of a
   converted model (any module under an outermost module that ``qt.convert`` converted, or that
   holds a QTensor parameter or buffer) or inside the backward of such an op. Data-movement ops
@@ -52,6 +59,13 @@ Kinds of finding (``Finding.kind``):
   weight gradient takes the format of the incoming gradient). FP32 master weights (the recipe's
   ``master_weights``) are by design plain, and so is their state. A plain parameter is reported
   when convert planned a format for it or the same optimizer holds QTensor parameters.
+- ``"fused"`` (f): a fused kernel that multiplies inside one op (PyTorch's flash/efficient
+  attention, ``F.scaled_dot_product_attention``'s CPU kernel, and the inference fast path of
+  ``nn.MultiheadAttention``/``nn.TransformerEncoderLayer``) got QTensors with an operand format
+  (``mm_fmt``): it cannot be applied there. The finding says how to get the emulated
+  decomposition instead: ``with torch.nn.attention.sdpa_kernel(SDPBackend.MATH):`` (plus
+  ``torch.backends.mha.set_fastpath_enabled(False)`` for the fast path). Without an operand
+  format the fused op is computed and rounded as one op, like any other, and not reported.
 
 Ops issued by qtensor's own code (``as_qtensor``, ``dequantize``, convert's hooks, the quantizer)
 are never reported: only ops issued from user code or from torch on its behalf.
@@ -70,6 +84,10 @@ whose backward leaked). ``action="raise"`` raises :class:`LeakError` at the firs
 
 ``allow``: tensors (by identity or storage: their views too) that may be plain, and glob
 patterns matched against parameter/buffer names, module paths, op names and kinds.
+
+A ``leak_check`` runs one ``with`` block. After it, the report holds text only (names, shapes,
+formats): no reference to a tensor, so ``qt.unconvert`` (``torch.utils.swap_tensors``, which
+refuses tensors with weak references) works while the report is kept.
 """
 from __future__ import annotations
 
@@ -102,7 +120,8 @@ PLAIN_RESULT = "plain_result"
 PLAIN_OP = "plain_op"
 UNREPRESENTABLE = "unrepresentable"
 OPTIMIZER = "optimizer"
-KINDS = (MIXED, PLAIN_RESULT, PLAIN_OP, UNREPRESENTABLE, OPTIMIZER)
+FUSED = "fused"
+KINDS = (MIXED, PLAIN_RESULT, PLAIN_OP, UNREPRESENTABLE, OPTIMIZER, FUSED)
 
 _HEADLINES = {
     MIXED: "a plain floating tensor met QTensors",
@@ -110,14 +129,41 @@ _HEADLINES = {
     PLAIN_OP: "an op computed on plain floating tensors inside a converted model",
     UNREPRESENTABLE: "a QTensor holds values its format cannot represent",
     OPTIMIZER: "after optimizer.step(): a tensor is not in its expected format",
+    FUSED: "a fused kernel multiplied QTensors without their operand format (mm_fmt)",
 }
 
 _FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+# values a format could hold: complex ones too (no format is complex, so a complex tensor made
+# from QTensors is a value computed in full precision)
+_VALUE_DTYPES = _FLOAT_DTYPES | {torch.complex32, torch.complex64, torch.complex128}
 _TAG = "qtensor.leak_check"  # key of our entry in autograd nodes' metadata
 _TARGET_TAG = "qtensor.leak_check.targets"  # storage keys of a loss node's targets
 _COPY_OPS = frozenset(("copy_", "_foreach_copy_"))
 _LIFTS = frozenset(("lift_fresh", "lift_fresh_copy"))  # torch.tensor(...): a factory
 _LOSS_DATA = frozenset(("target", "weight", "pos_weight"))  # in ops with a target
+_MATH_SDPA = ("run it under `with torch.nn.attention.sdpa_kernel("
+              "torch.nn.attention.SDPBackend.MATH):`, where attention decomposes into bmm and "
+              "softmax, each emulated (forward and backward)")
+_FASTPATH = ("this is the inference fast path of nn.MultiheadAttention / "
+             "nn.TransformerEncoderLayer: call torch.backends.mha.set_fastpath_enabled(False) "
+             "and " + _MATH_SDPA)
+# Fused kernels that contain contractions, by op packet: how to get them emulated instead
+_FUSED_CONTRACTIONS = {
+    **{name: _MATH_SDPA for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_scaled_dot_product_fused_attention_overrideable_backward",
+        "_scaled_dot_product_attention_math_for_mps", "_flash_attention_forward",
+        "_flash_attention_backward", "_efficient_attention_forward",
+        "_efficient_attention_backward")},
+    "_native_multi_head_attention": _FASTPATH,
+    "_transformer_encoder_layer_fwd": _FASTPATH,
+}
 
 
 class LeakError(RuntimeError):
@@ -345,6 +391,39 @@ def _walk(frame):
                                                 f.f_code.co_name)
         f = f.f_back
     return direct, issuer if issuer is not None else _TORCH, None
+
+
+_FUNCTIONAL_FILE = os.path.join(_TORCH_DIR, "nn", "functional.py")
+_LOSS_CODE: dict = {}
+
+
+def _is_loss_code(code) -> bool:
+    """A function of torch.nn.functional with a ``target`` argument: a loss."""
+    k = _LOSS_CODE.get(code)
+    if k is None:
+        fn = code.co_filename if os.path.isabs(code.co_filename) else \
+            os.path.abspath(code.co_filename)
+        k = _LOSS_CODE[code] = fn == _FUNCTIONAL_FILE and "target" in code.co_varnames[
+            :code.co_argcount + code.co_kwonlyargcount]
+    return k
+
+
+def _loss_data(frame) -> Optional[frozenset]:
+    """Storage keys of the plain target and class weights of the torch.nn.functional loss that
+    issued an op (below the user's frame), None outside a loss. Composite losses compute with
+    them in ops that have no ``target`` argument (cross_entropy with label smoothing or
+    probability targets: ``log_probs * target``, ``* weight``)."""
+    f = frame
+    while f is not None:
+        k = _code_kind(f.f_code)
+        if k in (_USER, _QT):
+            break
+        if k == _TORCH and _is_loss_code(f.f_code):
+            local = f.f_locals
+            return frozenset(_storage_key(t) for t in (local.get(n) for n in _LOSS_DATA)
+                             if isinstance(t, torch.Tensor) and not isinstance(t, QTensor))
+        f = f.f_back
+    return None
 
 
 def _user_location(frame) -> Optional[Location]:
@@ -634,7 +713,8 @@ def _outputs(out):
 
 
 def _is_float(t) -> bool:
-    return t.dtype in _FLOAT_DTYPES
+    """A floating or complex tensor: one that holds values (not indices, masks)."""
+    return t.dtype in _VALUE_DTYPES
 
 
 class _Mode(TorchDispatchMode):
@@ -694,11 +774,13 @@ class leak_check:
         self._tls = threading.local()
         self._handles = []
         self._mode = None
+        self._ended = False      # the with-block has ended: the check holds no tensor any more
         self._pending = []
         self._seen = set()
         self._plain_act = False  # the current op runs in a module with full-precision activations
         self._targets = None     # in a loss's backward: its targets' storage keys
         self._user_made = WeakIdKeyDictionary()  # constants made by user code in a converted model
+        self._loss_made = WeakIdKeyDictionary()  # values a loss computed from its target only
         self._in_step = 0        # inside optimizer.step()
         self._func = None        # the op being inspected
         self._state_names = WeakIdKeyDictionary()  # param/buffer -> qualified name
@@ -713,6 +795,9 @@ class leak_check:
 
     # -- entering and leaving ------------------------------------------------------------------
     def __enter__(self) -> LeakReport:
+        if self._ended:
+            raise RuntimeError("leak_check: this check has run its block already; make a new "
+                               "qt.leak_check(...) for another block")
         mm = torch.nn.modules.module
         self._handles.append(mm.register_module_forward_pre_hook(self._pre_hook))
         self._handles.append(mm.register_module_forward_hook(self._post_hook, always_call=True))
@@ -734,12 +819,29 @@ class leak_check:
             self._handles.clear()
             self._in_step = 0
             self._tls = threading.local()
+            self._forget_tensors()
         return False
+
+    def _forget_tensors(self) -> None:
+        """Drop every reference to tensors once the block ends: the report keeps only text
+        (findings hold names, shapes, formats), and a weakref left on a parameter would make
+        torch.utils.swap_tensors (qt.unconvert, module.to with swapping) fail."""
+        self._pending = []
+        self._func = None
+        self._allow_tensors = []  # (their storages stay in _allow_storages: plain keys)
+        self._optimizers = []
+        self._ended = True
+        for name in ("_user_made", "_loss_made", "_state_names", "_blessed", "_deliberate",
+                     "_checked"):
+            setattr(self, name, WeakIdKeyDictionary())
 
     def _watch(self, optimizer) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"watch: expected a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        if self._ended:
+            raise RuntimeError("watch: the leak_check block has ended; watch the optimizer "
+                               "inside the with-block (or pass optimizer= to leak_check)")
         if optimizer in self._watched:
             return
         self._watched.add(optimizer)
@@ -817,6 +919,8 @@ class leak_check:
 
     def _exempt_plain(self, t, role) -> bool:
         """A plain floating tensor that may meet QTensors (see the module docstring)."""
+        if t.numel() == 0:
+            return True  # no values (a KV cache started as torch.empty(b, 0, d)): none leaks
         if t.dim() == 0 and t not in self._state_names and t not in self._user_made:
             return True  # a scalar (a wrapped Python number, a 0-dim constant torch made)
         if role in _LOSS_DATA and _target_position(self._func) is not None:
@@ -860,13 +964,15 @@ class leak_check:
         for t in ins:
             if isinstance(t, QTensor):
                 has_q = True
-            elif t.dtype in _FLOAT_DTYPES:
+            elif t.dtype in _VALUE_DTYPES:
                 plain = True
         outs = _outputs(out)
         module, phase, converted, tag = self._context()
         if plain and phase == "forward" and torch.is_grad_enabled():
             self._record_targets(func, args, kwargs, outs)
         if not has_q:
+            if plain and phase == "forward":
+                self._propagate_loss_data(ins, outs, frame)
             if plain and (converted or self._in_step):
                 self._propagate_deliberate(ins, outs)
             if not converted:
@@ -877,6 +983,8 @@ class leak_check:
             if self.check_values:
                 self._check_qvalues(func, args, kwargs, outs, frame)
             packet = func._opname
+            if packet in _FUSED_CONTRACTIONS:
+                self._check_fused(func, args, kwargs, outs, module, phase, tag, frame)
             if packet.startswith("_foreach_"):
                 self._check_foreach(func, args, kwargs, outs, module, phase, tag, frame)
                 return
@@ -886,8 +994,12 @@ class leak_check:
             bad = [i for i, (_, t) in enumerate(outs)
                    if not isinstance(t, QTensor) and _is_float(t)]
             if bad:
+                detail = ""
+                if any(outs[i][1].is_complex() for i in bad):
+                    detail = ("no format is complex: this complex result, and what is computed "
+                              "from it, is not emulated (full precision)")
                 self._finding(PLAIN_RESULT, func, args, kwargs, outs, module, phase, tag, frame,
-                              flag_out=bad)
+                              flag_out=bad, detail=detail)
             return
         # plain tensors only, inside a converted model
         if plain and func._opname not in _LIFTS:
@@ -919,6 +1031,26 @@ class leak_check:
         for _, t in outs:
             if _is_float(t) and not isinstance(t, QTensor):
                 self._deliberate[t] = True
+
+    def _propagate_loss_data(self, ins, outs, frame):
+        """Plain values a loss computes from its target and class weights only are its data
+        too (cross_entropy's smoothed target: ``target * (1 - ls) + ls / C``)."""
+        data = None
+        found = False
+        for t in ins:
+            if not _is_float(t) or t.dim() == 0:
+                continue  # scalars
+            if t not in self._loss_made:
+                if data is None:
+                    data = _loss_data(frame) or frozenset()
+                if _storage_key(t) not in data:
+                    return
+            found = True
+        if not found:
+            return
+        for _, t in outs:
+            if _is_float(t):
+                self._loss_made[t] = True
 
     def _record_targets(self, func, args, kwargs, outs):
         """A loss's target is data: remember it on the loss's autograd node so that its
@@ -955,6 +1087,16 @@ class leak_check:
         named = _tensors(args, kwargs, func._schema)
         flagged = [i for i, (role, t) in enumerate(named)
                    if not isinstance(t, QTensor) and _is_float(t) and not self._exempt_plain(t, role)]
+        if flagged and phase == "forward":
+            data = _loss_data(frame)
+            if data is not None:  # a loss's target and class weights: data, here and in the
+                # backward of this op (tagged on its node, as for ops with a target argument)
+                keys = {i: _storage_key(named[i][1]) for i in flagged}
+                data_in = [i for i in flagged
+                           if keys[i] in data or named[i][1] in self._loss_made]
+                if data_in and torch.is_grad_enabled():
+                    self._pending.extend((o, None, keys[i]) for _, o in outs for i in data_in)
+                flagged = [i for i in flagged if i not in data_in]
         if not flagged:
             return
         dests = _pure_destinations(func)
@@ -967,6 +1109,21 @@ class leak_check:
                          if not isinstance(t, QTensor) and _is_float(t)]
             self._finding(PLAIN_RESULT, func, args, kwargs, outs, module, phase, tag, frame,
                           named=named, flag_in=flagged, flag_out=plain_out)
+
+    def _check_fused(self, func, args, kwargs, outs, module, phase, tag, frame):
+        """(f): a fused kernel (flash attention, MHA's fast path) multiplies inside one op,
+        where no operand can be rounded to its mm_fmt."""
+        named = _tensors(args, kwargs, func._schema)
+        with_mm = [i for i, (_, t) in enumerate(named)
+                   if isinstance(t, QTensor) and t.mm_fmt is not None]
+        if not with_mm:
+            return  # value formats only: computed and rounded as one op, like any other
+        fmts = sorted({str(named[i][1].mm_fmt) for i in with_mm})
+        detail = (f"the operand format {' / '.join(fmts)} of "
+                  f"{', '.join(named[i][0] for i in with_mm)} is not applied inside this "
+                  f"kernel; to emulate it, {_FUSED_CONTRACTIONS[func._opname]}")
+        self._finding(FUSED, func, args, kwargs, outs, module, phase, tag, frame, named=named,
+                      flag_in=with_mm, detail=detail)
 
     def _check_foreach(self, func, args, kwargs, outs, module, phase, tag, frame):
         """_foreach_* ops: element i of every list belongs together (per-parameter formats)."""
@@ -1009,7 +1166,7 @@ class leak_check:
                 if _is_float(t):
                     self._blessed[t] = True
             return
-        if rule.kind == _dispatch.MOVE_KIND:
+        if rule.kind == _dispatch.MOVE_KIND or rule.is_view:  # (view_as_real: a view too)
             return  # moving plain values is not computing with them; their use is reported
         named = _tensors(args, kwargs, func._schema)
         flagged = [i for i, (role, t) in enumerate(named)

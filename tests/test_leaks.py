@@ -5,12 +5,14 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+import weakref
 
 import expecttest
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qtensor as qt
 from qtensor import leaks
@@ -368,6 +370,62 @@ def test_loss_target_and_writes_into_qtensor_are_not_leaks():
     assert_clean(report)
 
 
+def test_label_smoothing_and_probability_targets_are_not_leaks():
+    """cross_entropy with label_smoothing or probability targets multiplies the log-probabilities
+    by its target and class weights inside the composite op: data, like the target of nll_loss.
+    The same product written by the user outside the loss is still a leak."""
+    torch.manual_seed(0)
+    model = _quiet_convert(MLP(), qt.recipes.mxfp6)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    probs, weight = torch.softmax(torch.randn(8, 4), -1), torch.rand(4) + 0.5
+    with qt.leak_check(action="record", optimizer=opt) as report:
+        for target, w, smoothing in [(y, None, 0.1), (y, weight, 0.1), (probs, None, 0.0),
+                                     (probs, weight, 0.2)]:
+            opt.zero_grad()
+            F.cross_entropy(model(x), target, weight=w, label_smoothing=smoothing).backward()
+            nn.CrossEntropyLoss(weight=w, label_smoothing=smoothing)(model(x), target).backward()
+            opt.step()
+    assert_clean(report)
+    with qt.leak_check(action="record") as report:
+        (model(x).log_softmax(-1) * probs).sum()  # LEAK: the product outside the loss
+    assert [(f.kind, f.op) for f in report] == [("mixed", "aten.mul.Tensor")]
+    assert at(report[0], test_label_smoothing_and_probability_targets_are_not_leaks,
+              "LEAK: the product outside")
+
+
+class KVCache(nn.Module):
+    """Incremental decoding: each call appends this step's keys to the cache."""
+
+    def __init__(self, d=16, start=None):
+        super().__init__()
+        self.k = nn.Linear(d, d)
+        self.start = start  # "empty": torch.empty(b, 0, d); "zeros": one zero slot
+
+    def forward(self, x):
+        if not hasattr(self, "cache"):
+            b, _, d = x.shape
+            self.cache = torch.empty(b, 0, d) if self.start == "empty" else torch.zeros(b, 1, d)
+        self.cache = torch.cat([self.cache, self.k(x)], dim=1)  # LEAK: a non-empty plain cache
+        return self.cache.mean(1)
+
+
+def test_kv_cache_started_empty_is_not_a_leak():
+    """A zero-element plain tensor carries no values: cat with it is not a leak. A cache that
+    starts with plain values (zeros) is: those values enter the emulated attention."""
+    for start, expected in [("empty", []), ("zeros", [("mixed", "aten.cat.default")])]:
+        model = qt.convert(KVCache(start=start), qt.bf16)
+        with qt.leak_check(action="record") as report, torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(2, 1, 16))
+        assert [(f.kind, f.op) for f in report] == expected, start
+        assert isinstance(model.cache, qt.QTensor)
+        assert model.cache.shape == (2, 3 + len(expected), 16)
+        if expected:
+            assert at(report[0], KVCache.forward, "LEAK: a non-empty plain cache")
+            assert [t.shape for t in report[0].tensors if t.flagged] == [(2, 1, 16)]
+
+
 class ScalarLeaks(nn.Module):
     def __init__(self):
         super().__init__()
@@ -435,6 +493,140 @@ def test_plain_result_into_plain_destination():
     fn = test_plain_result_into_plain_destination
     assert [at(f, fn, m) for f, m in zip(report, ["out= plain", "copied out", "a plain"])] == \
         [True] * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# ops the emulation does not follow: complex intermediates, fused attention kernels
+
+class SpectralMixing(nn.Module):
+    """FNet-style mixing: a real FFT along the features, a learned gain, the inverse FFT."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.gain = nn.Parameter(torch.rand(d // 2 + 1) + 0.5)
+
+    def forward(self, x):
+        spectrum = torch.fft.rfft(self.proj(x), dim=-1)  # LEAK: complex spectrum
+        return torch.fft.irfft(spectrum * self.gain, n=x.shape[-1], dim=-1)  # LEAK: complex math
+
+
+def test_complex_intermediate_fft_is_reported():
+    """No format is complex: rfft of a QTensor comes back as a plain complex tensor, and what
+    is computed from it runs in full precision. Each step is reported."""
+    torch.manual_seed(0)
+    model = _quiet_convert(nn.Sequential(nn.Linear(16, 16), SpectralMixing()), qt.recipes.mxfp6)
+    with qt.leak_check(action="record") as report:
+        model(torch.randn(2, 5, 16)).sum().backward()
+    fwd = [(f.kind, f.module, f.op) for f in report if f.phase == "forward"]
+    assert fwd == [("plain_result", "1", "aten._fft_r2c.default"),
+                   ("mixed", "1", "aten.mul.Tensor"),
+                   ("plain_op", "1", "aten._fft_c2r.default")]
+    first = report[0]
+    assert at(first, SpectralMixing.forward, "LEAK: complex spectrum")
+    assert "complex" in first.detail and "complex64" in first.message
+    assert [t.dtype for t in first.tensors if t.flagged] == ["complex64"]
+    assert all(at(f, SpectralMixing.forward, "LEAK: complex math") for f in report[1:3])
+    assert [t.name for t in report[1].tensors if t.qtensor] == ["1.gain"]
+    assert {f.module for f in report if f.phase == "backward"} == {"<backward of '1'>"}
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding through complex numbers (as in LLaMA's reference code)."""
+
+    def __init__(self, d=16, seq=5):
+        super().__init__()
+        self.qk = nn.Linear(d, d)
+        angles = torch.outer(torch.arange(seq).float(),
+                             10000.0 ** (-torch.arange(0, d, 2).float() / d))
+        self.register_buffer("rot", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x):
+        h = self.qk(x)
+        hc = torch.view_as_complex(h.reshape(*h.shape[:-1], -1, 2))  # LEAK: complex view
+        return torch.view_as_real(hc * self.rot).flatten(-2)  # LEAK: complex rotation
+
+
+def test_complex_intermediate_rope_is_reported():
+    torch.manual_seed(0)
+    model = _quiet_convert(nn.Sequential(nn.Linear(16, 16), Rotary()), qt.bf16)
+    with qt.leak_check(action="record") as report:
+        model(torch.randn(2, 5, 16)).sum().backward()
+    fwd = [(f.kind, f.module, f.op) for f in report if f.phase == "forward"]
+    assert fwd == [("plain_result", "1", "aten.view_as_complex.default"),
+                   ("plain_op", "1", "aten.mul.Tensor")]
+    assert at(report[0], Rotary.forward, "LEAK: complex view")
+    assert at(report[1], Rotary.forward, "LEAK: complex rotation")
+    assert [t.name for t in report[1].tensors if t.flagged] == [None, "1.rot"]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # LEAK: fused attention
+        return self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
+def test_fused_attention_ignoring_operand_format_is_reported():
+    """PyTorch's fused CPU attention kernel computes Q K^T and P V inside one op: the operands'
+    mm_fmt (MXFP6 here) is not applied. Under the math backend every step is emulated."""
+    torch.manual_seed(0)
+    model = _quiet_convert(nn.Sequential(nn.Linear(16, 16), SelfAttention()), qt.recipes.mxfp6)
+    x = torch.randn(2, 5, 16)
+    with qt.leak_check(action="record") as report:
+        model(x).sum().backward()
+    got = [(f.kind, f.module, f.op, f.phase) for f in report]
+    assert got == [
+        ("fused", "1", "aten._scaled_dot_product_flash_attention_for_cpu.default", "forward"),
+        ("fused", "<backward of '1'>",
+         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default", "backward")]
+    assert all(at(f, SelfAttention.forward, "LEAK: fused attention") for f in report)
+    assert "mxfp6_e3m2" in report[0].detail and "SDPBackend.MATH" in report[0].detail
+    with qt.leak_check(action="record") as report, sdpa_kernel(SDPBackend.MATH):
+        model(x).sum().backward()
+    assert_clean(report)
+    # a value format only (no operand format): the fused op computes and rounds as one op
+    model = _quiet_convert(nn.Sequential(nn.Linear(16, 16), SelfAttention()), qt.bf16)
+    with qt.leak_check(action="record") as report:
+        model(x).sum().backward()
+    assert_clean(report)
+
+
+class Attend(nn.Module):
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(d, heads, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0]  # LEAK: fast path
+
+
+def test_fused_multihead_attention_fast_path_is_reported():
+    """nn.MultiheadAttention's inference fast path is one fused op, projections included."""
+    torch.manual_seed(0)
+    model = _quiet_convert(Attend(), qt.recipes.mxfp6).eval()
+    x = torch.randn(2, 5, 16)
+    with qt.leak_check(action="record") as report, torch.no_grad():
+        model(x)
+    assert [(f.kind, f.module, f.op) for f in report] == [
+        ("fused", "mha", "aten._native_multi_head_attention.default")]
+    assert at(report[0], Attend.forward, "LEAK: fast path")
+    assert "set_fastpath_enabled(False)" in report[0].detail
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with qt.leak_check(action="record") as report, torch.no_grad(), \
+                sdpa_kernel(SDPBackend.MATH):
+            model(x)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    assert_clean(report)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -753,6 +945,28 @@ def test_nested_checks_both_report():
     assert outer[0].location == inner[0].location
 
 
+def test_report_keeps_no_reference_to_tensors():
+    """After the block, neither the report nor the check holds the model's tensors (a weakref
+    on a parameter makes torch.utils.swap_tensors, hence qt.unconvert, fail)."""
+    torch.manual_seed(0)
+    model = _quiet_convert(MLP(), qt.bf16)
+    model.net[2].register_buffer("scale", torch.rand(32))  # a finding that names a buffer
+    model.net[2].register_forward_hook(lambda m, a, out: out * m.scale)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with qt.leak_check(action="record", optimizer=opt, check_values=True,
+                       allow=("nothing",)) as report:
+        step(model, opt, torch.randn(8, 16), torch.randint(0, 4, (8,)), steps=1)
+    assert report.of_kind("mixed")  # the report is alive and has findings
+    held = [t for p in model.parameters() for t in (p, p.grad, *opt.state[p].values())]
+    held += list(model.buffers())
+    assert [t.shape for t in held if weakref.getweakrefs(t)] == []
+    qt.unconvert(model)
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert opt.param_groups[0]["params"][0] is model.net[0].weight
+    with pytest.raises(RuntimeError, match="block has ended"):
+        report.watch(opt)  # would leave a hook (and the check) on the optimizer
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="action must be"):
         qt.leak_check(action="explode")
@@ -762,3 +976,9 @@ def test_bad_arguments():
         qt.leak_check(allow=(3,))
     with pytest.raises(ValueError, match="unknown finding kind"):
         qt.leak_check(action="record").report.of_kind("nope")
+    check = qt.leak_check(action="record")
+    with check:
+        pass
+    with pytest.raises(RuntimeError, match="has run its block already"):
+        with check:
+            pass
