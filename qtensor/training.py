@@ -296,9 +296,11 @@ def unconvert_optimizers(moved) -> None:
                 state = optimizer.state[p]
                 state.pop(_MASTER_KEY, None)
                 for key, value in list(state.items()):
-                    if _conv()._is_q(value):
-                        with torch.no_grad():
-                            value = value.dequantize().detach()
+                    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                        continue
+                    if _conv()._is_q(value) or (value.dim() and value.dtype != p.dtype):
+                        with torch.no_grad():  # (FP32 state of masters: the parameter's dtype)
+                            value = _conv()._plain(value).detach()
                             state[key] = value.to(p.dtype, copy=True) if value.dim() else value.clone()
 
 

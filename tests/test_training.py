@@ -192,10 +192,14 @@ def _assert_plain_optimizer(opt, model):
         {id(p) for p in model.parameters()}
 
 
-@pytest.mark.parametrize("recipe", [STATEFUL, qt.recipes.mxfp6], ids=["bf16_state", "mxfp6"])
-def test_unconvert_gives_plain_optimizer_state(recipe):
+@pytest.mark.parametrize("recipe, dtype", [(STATEFUL, torch.float32),
+                                           (qt.recipes.mxfp6, torch.float32),
+                                           (qt.recipes.mxfp6, torch.bfloat16)],
+                         ids=["bf16_state", "mxfp6", "mxfp6_bf16_model"])
+def test_unconvert_gives_plain_optimizer_state(recipe, dtype):
     x, y = toy()
-    model = qt.convert(mlp(), recipe)
+    x, y = x.to(dtype), y.to(dtype)
+    model = qt.convert(mlp().to(dtype), recipe)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     fit(model, opt, 2, x, y)
     qt.unconvert(model)
