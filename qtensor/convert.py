@@ -317,7 +317,8 @@ def _recipe_named(name: str) -> Optional[Recipe]:
     raise ValueError(
         f"qt.convert: {name!r} names both the recipe qt.recipes.{recipe.name} ({recipe.source}) "
         f"and the format {fmt} (every value in it); pass the one you mean: "
-        f"qt.convert(model, qt.recipes.{recipe.name}) or qt.convert(model, qt.format({str(fmt)!r}))")
+        f"qt.convert(model, qt.recipes.{recipe.name}) or "
+        f"qt.convert(model, qt.format({str(fmt)!r}))")
 
 
 def as_recipe(spec) -> Recipe:
@@ -627,7 +628,8 @@ class _Conversion:
 
 
 _warned: set = set()
-_PACKAGE_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules[__package__], torch))
+_PACKAGE_DIRS = tuple(os.path.dirname(m.__file__) + os.sep
+                      for m in (sys.modules[__package__], torch))
 
 
 def _warn(message: str) -> None:
@@ -899,7 +901,7 @@ class _NoDtypeCast:
         probe = torch.zeros(())
         try:
             dtype = fn(probe).dtype
-        except Exception:  # not a cast (fn may only apply to parameters): let _apply decide
+        except Exception:  # e.g. .cuda() without CUDA: _apply raises its own error
             dtype = probe.dtype
         if dtype != probe.dtype:
             dtype = str(dtype).replace("torch.", "")

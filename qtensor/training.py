@@ -301,7 +301,8 @@ def unconvert_optimizers(moved) -> None:
                     if _conv()._is_q(value) or (value.dim() and value.dtype != p.dtype):
                         with torch.no_grad():  # (FP32 state of masters: the parameter's dtype)
                             value = _conv()._plain(value).detach()
-                            state[key] = value.to(p.dtype, copy=True) if value.dim() else value.clone()
+                            state[key] = (value.to(p.dtype, copy=True) if value.dim()
+                                          else value.clone())
 
 
 def master_weight(optimizer, param) -> Optional[torch.Tensor]:
@@ -370,7 +371,8 @@ class LossScaler:
         backoff_factor = check_scale(backoff_factor, "LossScaler backoff_factor")
         min_scale = check_scale(min_scale, "LossScaler min_scale")
         if not growth_factor > 1.0:
-            raise ValueError(f"LossScaler growth_factor must be > 1 (2, 4, ...), got {growth_factor}")
+            raise ValueError(
+                f"LossScaler growth_factor must be > 1 (2, 4, ...), got {growth_factor}")
         if not backoff_factor < 1.0:
             raise ValueError(
                 f"LossScaler backoff_factor must be < 1 (0.5, 0.25, ...), got {backoff_factor}")
