@@ -102,6 +102,10 @@ class AccumFormat:
         if self.chunk % self.group:
             raise AccumFormatError(
                 f"AccumFormat.chunk ({self.chunk}) must be a multiple of group ({self.group})")
+        if self.group > 1 and self.chunk // self.group > 256:
+            raise AccumFormatError(
+                f"AccumFormat: at most 256 groups per chunk, got chunk={self.chunk}, "
+                f"group={self.group}")
         _check_int("acc_man", self.acc_man, 0, 23)
         if self.promote is not None:
             _check_int("promote", self.promote, 1)
@@ -312,6 +316,19 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Ten
 
 # ---------------------------------------------------------------------------------------------
 # Entry point: the compiled kernel where it applies, else the reference
+
+def _register_fake():
+    from . import ops
+    if ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
+        return
+
+    @torch.library.register_fake("qtensor::accum_matmul")
+    def _(a, b, *args):
+        return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+_register_fake()
+
 
 def _kernel_ready(a: torch.Tensor) -> bool:
     from . import ops

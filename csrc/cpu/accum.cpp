@@ -1,0 +1,107 @@
+// qtensor::accum_matmul: a batched matrix product summed by an emulated MMA datapath (CPU).
+//
+// The schema is defined here (a fragment of the qtensor library); qtensor/accum.py turns an
+// AccumFormat into the integer arguments and registers the fake implementation. The math for one
+// output element is include/qtensor/accum.h (shared with a CUDA kernel); this file checks the
+// arguments, lays the operands out (a rows and b columns contiguous along K, with their alignment
+// exponents precomputed once) and runs the output tiles in parallel.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "qtensor/accum.h"
+
+namespace {
+
+qtensor::AccumSpec make_spec(int64_t chunk, int64_t frac_bits, int64_t group, int64_t align_rounding,
+                             bool acc_in_alignment, int64_t acc_man, int64_t acc_rounding,
+                             int64_t promote) {
+  TORCH_CHECK(chunk >= 1 && chunk <= 65536, "qtensor::accum_matmul: chunk must be in [1, 65536], "
+              "got ", chunk);
+  TORCH_CHECK(group >= 1 && chunk % group == 0 && (group == 1 || chunk / group <= 256),
+              "qtensor::accum_matmul: group must divide chunk into at most 256 groups, got "
+              "chunk=", chunk, ", group=", group);
+  TORCH_CHECK(frac_bits >= 0 && frac_bits <= 50, "qtensor::accum_matmul: frac_bits must be in "
+              "[0, 50], got ", frac_bits);
+  TORCH_CHECK(align_rounding >= 0 && align_rounding <= 2, "qtensor::accum_matmul: align_rounding "
+              "must be 0 (toward_zero), 1 (floor) or 2 (nearest), got ", align_rounding);
+  TORCH_CHECK(acc_rounding == 0 || acc_rounding == 2, "qtensor::accum_matmul: acc_rounding must "
+              "be 0 (toward_zero) or 2 (nearest), got ", acc_rounding);
+  TORCH_CHECK(acc_man >= 0 && acc_man <= 23, "qtensor::accum_matmul: acc_man must be in [0, 23], "
+              "got ", acc_man);
+  TORCH_CHECK(promote >= 0, "qtensor::accum_matmul: promote must be >= 0 (0: never), got ",
+              promote);
+  qtensor::AccumSpec s;
+  s.chunk = (int)chunk; s.frac_bits = (int)frac_bits; s.group = (int)group;
+  s.align_round = (int)align_rounding; s.acc_in_alignment = acc_in_alignment;
+  s.acc_man = (int)acc_man; s.acc_round = (int)acc_rounding; s.promote = (int)promote;
+  return s;
+}
+
+at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
+  at::Tensor e = at::empty(x.sizes(), x.options().dtype(at::kInt));
+  const float* px = x.data_ptr<float>();
+  int* pe = e.data_ptr<int>();
+  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i]);
+  });
+  return e;
+}
+
+at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk, int64_t frac_bits,
+                        int64_t group, int64_t align_rounding, bool acc_in_alignment,
+                        int64_t acc_man, int64_t acc_rounding, int64_t promote) {
+  const qtensor::AccumSpec s = make_spec(chunk, frac_bits, group, align_rounding,
+                                         acc_in_alignment, acc_man, acc_rounding, promote);
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3, "qtensor::accum_matmul: a and b must be 3-D "
+              "(batch, M, K) and (batch, K, N), got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat,
+              "qtensor::accum_matmul: a and b must be float32, got ", a.scalar_type(), " and ",
+              b.scalar_type());
+  TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(1), "qtensor::accum_matmul: shapes ",
+              a.sizes(), " and ", b.sizes(), " do not multiply");
+  TORCH_CHECK(a.device() == b.device(), "qtensor::accum_matmul: a is on ", a.device(),
+              " but b is on ", b.device());
+  const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  at::Tensor out = at::empty({B, M, N}, a.options());
+  if (out.numel() == 0) return out;
+  const at::Tensor ac = a.contiguous();
+  const at::Tensor bt = b.transpose(1, 2).contiguous();  // (B, N, K): columns along K
+  const at::Tensor ea = exponents(ac), eb = exponents(bt);
+  const float* pa = ac.data_ptr<float>();
+  const float* pb = bt.data_ptr<float>();
+  const int* pea = ea.data_ptr<int>();
+  const int* peb = eb.data_ptr<int>();
+  float* po = out.data_ptr<float>();
+  // tiles of TM rows x TN columns: the tile's operands stay in cache while it is computed
+  constexpr int64_t TM = 4, TN = 64;
+  const int64_t tm = (M + TM - 1) / TM, tn = (N + TN - 1) / TN;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, TM * TN * K));
+  at::parallel_for(0, B * tm * tn, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bi = t / (tm * tn), i0 = (t / tn) % tm * TM, j0 = t % tn * TN;
+      const int64_t i1 = std::min(M, i0 + TM), j1 = std::min(N, j0 + TN);
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t jb = (bi * N + j) * K;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t ia = (bi * M + i) * K;
+          po[(bi * M + i) * N + j] = qtensor::acc_dot(pa + ia, pb + jb, pea + ia, peb + jb, K, s);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(qtensor, m) {
+  m.def("accum_matmul(Tensor a, Tensor b, int chunk, int frac_bits, int group, "
+        "int align_rounding, bool acc_in_alignment, int acc_man, int acc_rounding, int promote) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(qtensor, CPU, m) { m.impl("accum_matmul", &accum_matmul); }
