@@ -52,6 +52,12 @@ def _check_int(name: str, value) -> None:
         raise FormatError(f"{name} must be an int, got {value!r}")
 
 
+def _check_bool(name: str, value) -> None:
+    # only True/False: a truthy "no", "FALSE" or 0/1 would silently flip the flag's meaning
+    if not isinstance(value, bool):
+        raise FormatError(f"{name} must be True or False, got {value!r}")
+
+
 class Format:
     """Common behaviour of all formats."""
 
@@ -70,6 +76,7 @@ class FloatFormat(Format):
     specials: ``"ieee"`` (top exponent code is Inf/NaN), ``"fn"`` (only the all-ones code is NaN,
     as OCP E4M3), ``"none"`` (every code is a number; requires ``saturate=True``).
     saturate: overflow gives +-max (True) or +-Inf/NaN (False). Defaults to True for "none".
+    toward_zero rounding gives +-max for every finite input (IEEE 754 roundTowardZero).
     signed=False describes exponent-only scale formats such as E8M0: no sign bit and no zero,
     exponent code 0 is 2^-bias, the all-ones code is NaN; zero, negative and NaN inputs give NaN.
     """
@@ -86,6 +93,10 @@ class FloatFormat(Format):
     def __post_init__(self):
         _check_int("exp", self.exp)
         _check_int("man", self.man)
+        _check_bool("subnormals", self.subnormals)
+        _check_bool("signed", self.signed)
+        if self.saturate is not None:  # None: the default for the specials
+            _check_bool("saturate", self.saturate)
         if self.exp < 1:
             raise FormatError(f"exp must be >= 1, got exp={self.exp}")
         if self.man < 0:
@@ -181,9 +192,15 @@ class FloatFormat(Format):
 class FixedFormat(Format):
     """Fixed point: values k * 2^-fl with k a ``wl``-bit integer.
 
+    ``wl`` is the word length (all bits, the sign included) and ``fl`` the fractional length, as
+    QPyTorch's ``FixedPoint(wl, fl)``; not the Qm.n notation (m integer + n fractional bits).
+    fl may be negative (a spacing above 1) or exceed wl (every value below 2^(wl-fl-1)).
     signed: k in [-2^(wl-1), 2^(wl-1)-1] (``symmetric`` drops the most negative), else [0, 2^wl-1].
     Out of range: clamp when ``saturate``, two's-complement wrap otherwise. NaN stays NaN, +-Inf
-    clamps.
+    clamps. No negative zero: a value that rounds to zero is +0.0.
+
+    String form: ``fixedWL.FL`` (``fixed8.4``) when fl <= wl; ``fixed(wl=8, fl=9)`` otherwise, so
+    that a shorthand like ``fixed8.9`` (most likely meant as Q8.9) is refused, not misread.
     """
 
     wl: int
@@ -196,6 +213,8 @@ class FixedFormat(Format):
     def __post_init__(self):
         _check_int("wl", self.wl)
         _check_int("fl", self.fl)
+        for name in ("signed", "symmetric", "saturate"):
+            _check_bool(name, getattr(self, name))
         if not 1 <= self.wl <= 24:
             raise FormatError(
                 f"wl={self.wl}: fixed-point word length must be 1..24 (the float32 carrier holds "
@@ -206,7 +225,8 @@ class FixedFormat(Format):
             raise FormatError("symmetric=True only applies to signed fixed-point formats")
         if -self.fl < _F32_MIN_QUANTUM_EXP or self.wl - self.fl > _F32_EMAX:
             raise FormatError(
-                f"fixed{self.wl}.{self.fl}: values k*2^-{self.fl} do not fit the float32 carrier")
+                f"fixed point wl={self.wl}, fl={self.fl}: values k*2^-{self.fl} do not fit the "
+                "float32 carrier")
         _check_rounding(self.rounding)
 
     @property
@@ -300,6 +320,7 @@ class BlockFormat(Format):
                 raise FormatError(f"block_size must be >= 1 (or None), got {self.block_size}")
         if self.axis is not None:
             _check_int("axis", self.axis)
+        _check_bool("tensor_scale", self.tensor_scale)
         if self.scale_rule not in SCALE_RULES:
             raise FormatError(
                 f"unknown scale_rule {self.scale_rule!r}; expected one of {', '.join(SCALE_RULES)}")
@@ -432,24 +453,27 @@ def _to_string(f: Format) -> str:
             rounding="nearest", signed=True)
         if base in PRESETS:  # "e8m0" names the scale preset: spell out the differences from it
             canonical = PRESETS[base]
-        skip = ("exp", "man")
+        skip, always = ("exp", "man"), ()
     elif isinstance(f, FixedFormat):
-        base = f"fixed{f.wl}.{f.fl}"
         canonical = FixedFormat(f.wl, f.fl)
-        skip = ("wl", "fl")
+        if f.fl <= f.wl:
+            base, skip, always = f"fixed{f.wl}.{f.fl}", ("wl", "fl"), ()
+        else:  # fixed(wl=8, fl=9): the shorthand fixed8.9 is refused (it reads as Q8.9)
+            base, skip, always = "fixed", (), ("wl", "fl")
     else:
         base = "block"
         canonical = None
-        skip = ()
+        skip, always = (), ("elem",)
     args = []
     for field in dataclasses.fields(f):
         if field.name in skip:
             continue
         value = getattr(f, field.name)
-        if canonical is not None and getattr(canonical, field.name) == value:
-            continue
-        if canonical is None and field.name != "elem" and value == _block_default(field.name):
-            continue
+        if field.name not in always:
+            if canonical is not None and getattr(canonical, field.name) == value:
+                continue
+            if canonical is None and value == _block_default(field.name):
+                continue
         args.append(f"{field.name}={_value_str(value)}")
     return base + (f"({', '.join(args)})" if args else "")
 
@@ -497,7 +521,7 @@ def _parse_value(key: str, text: str):
 
 def _known_names() -> str:
     return ", ".join(list(PRESETS) + ["eXmY (e.g. e4m3)", "fixedWL.FL (e.g. fixed8.4)",
-                                      "block(elem=..., block_size=...)"])
+                                      "fixed(wl=..., fl=...)", "block(elem=..., block_size=...)"])
 
 
 def format(spec) -> Format:
@@ -505,11 +529,27 @@ def format(spec) -> Format:
 
     Examples: ``"fp8_e4m3"``, ``"mxfp4_e2m1"``, ``"e3m4(bias=3)"``, ``"fixed8.4"``,
     ``"fp8_e4m3(rounding=stochastic)"``, ``"block(elem=fixed8.6(symmetric=True), block_size=16)"``.
+
+    The grammar: ``NAME`` or ``NAME(key=value, ...)`` with keys the fields of the format. NAME is
+    case-insensitive and is a preset, an alias, ``eXmY`` (``FloatFormat(X, Y)``), ``fixedWL.FL``
+    (``FixedFormat(WL, FL)``, only for FL <= WL: ``fixed8.9`` would read as Q8.9, so a word
+    shorter than its fraction is spelled ``fixed(wl=8, fl=9)``), ``fixed(wl=..., fl=...)`` or
+    ``block(elem=..., ...)``. Values: ints, names, formats, and for the flags exactly
+    ``True``/``true`` or ``False``/``false``. Aliases, each exactly the format named: the torch
+    dtype names ``float32``/``float`` (fp32), ``bfloat16`` (bf16), ``float16``/``half`` (fp16),
+    ``float8_e4m3fn`` (fp8_e4m3, saturating as torch's cast), ``float8_e5m2`` (fp8_e5m2),
+    ``float8_e8m0fnu`` (e8m0); and ``mxfp8``, ``mxfp6``, ``mxfp4`` for the MX variants
+    mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1.
     """
     if isinstance(spec, Format):
         return spec
     if not isinstance(spec, str):
-        raise FormatError(f"a format must be a format object or a string, got {type(spec).__name__}")
+        hint = ""
+        name = str(spec).removeprefix("torch.")
+        if name in ALIASES:  # a torch dtype: point at the format that is exactly it
+            hint = f"; for {spec} use qt.{ALIASES[name]} (or the string {name!r})"
+        raise FormatError(
+            f"a format must be a format object or a string, got {type(spec).__name__}{hint}")
     text = spec.strip()
     m = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*(?:\((.*)\))?", text, flags=re.S)
     if not m:
@@ -531,7 +571,18 @@ def format(spec) -> Format:
             return FloatFormat(int(mm.group(1)), int(mm.group(2)), **kwargs)
         mm = re.fullmatch(r"fixed(\d+)\.(-?\d+)", lower)  # fl may be negative
         if mm:
-            return FixedFormat(int(mm.group(1)), int(mm.group(2)), **kwargs)
+            wl, fl = int(mm.group(1)), int(mm.group(2))
+            if fl > wl:
+                raise FormatError(
+                    f"format {spec!r}: fixed{wl}.{fl} would be {fl} fractional bits in a word of "
+                    f"{wl} bits (all values below 1/2); if that is meant, write fixed(wl={wl}, "
+                    f"fl={fl}); for {wl} integer bits (sign included) and {fl} fractional bits, "
+                    f"write fixed{wl + fl}.{fl}")
+            return FixedFormat(wl, fl, **kwargs)
+        if lower == "fixed":
+            if "wl" not in kwargs or "fl" not in kwargs:
+                raise FormatError(f"fixed-point format {spec!r} needs wl=... and fl=...")
+            return FixedFormat(**kwargs)
         if lower == "block":
             if "elem" not in kwargs:
                 raise FormatError(f"block format {spec!r} needs elem=...")

@@ -12,7 +12,11 @@ How values are computed (all exact):
   the cast gives +-Inf as torch casts do.
 - Rounding works on magnitudes: y = |x| / quantum, where quantum is the spacing of the target
   grid in x's binade; lo = floor(y), frac = y - lo; the result is (lo or lo + 1) * quantum with
-  the sign of x (so -0.0 is kept and symmetric modes satisfy q(-x) = -q(x)).
+  the sign of x (so a float format keeps -0.0 and symmetric modes satisfy q(-x) = -q(x)). Fixed
+  point has no negative-zero code: a value that rounds to zero is +0.0 (block elements too).
+- Overflow of a float format: the rounded magnitude exceeds max. It gives the format's overflow
+  value (max, Inf or NaN), except toward_zero, which gives max for a finite x (IEEE 754
+  roundTowardZero); an Inf input always gives the overflow value.
 
 The random-bits contract of stochastic rounding (kernels implement exactly this):
 - One 64-bit seed per call, drawn from ``generator`` (default: torch's default CPU generator) by
@@ -124,7 +128,8 @@ def _round_float(x: torch.Tensor, fmt: FloatFormat, rounding: str,
     r = _round_magnitude(a_f / quantum, rounding, index, seed)
     q = r * quantum
     overflow_value = fmt.max if fmt.saturate else (float("inf") if fmt.has_inf else float("nan"))
-    q = torch.where(q > fmt.max, torch.full_like(q, overflow_value), q)
+    finite_overflow = fmt.max if rounding == "toward_zero" else overflow_value
+    q = torch.where(q > fmt.max, torch.full_like(q, finite_overflow), q)
     q = torch.where(finite, q, torch.full_like(q, overflow_value))
     q = torch.where(torch.isnan(x), x, q)
     if not fmt.signed:  # exponent-only scale: no zero, no sign
@@ -154,7 +159,7 @@ def _round_fixed(x: torch.Tensor, fmt: FixedFormat, rounding: str,
         wrapped = torch.clamp(wrapped, kmin, kmax)  # symmetric: the dropped code clamps
         wrapped = torch.where(torch.isfinite(k), wrapped, torch.clamp(k, kmin, kmax))
         k = torch.where(out_of_range, wrapped, k)
-    return k * 2.0 ** -fmt.fl
+    return (k + 0.0) * 2.0 ** -fmt.fl  # -0.0 + 0.0 = +0.0: no negative zero
 
 
 def _round_scalar(x64: torch.Tensor, fmt, rounding, index, seed) -> torch.Tensor:
@@ -222,7 +227,10 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
     q = qz * safe_scale
     if tensor_scale is not None:  # s * X * Q is rounded once to float32
         q = q.to(torch.float32).to(torch.float64)
-    q = torch.where(scale > 0, q, torch.copysign(torch.zeros_like(q), blocks))
+    zero = torch.zeros_like(q)
+    if isinstance(elem, FloatFormat):  # signed zeros; integer elements have no -0.0
+        zero = torch.copysign(zero, blocks)
+    q = torch.where(scale > 0, q, zero)
     q = torch.where(bad, torch.full_like(q, float("nan")), q)
     q = q.reshape(*moved.shape[:-1], -1)[..., :n]
     if axis is None:

@@ -6,13 +6,15 @@ anything in qtensor.reference, so a bug there cannot hide here.
 
 Conventions (DESIGN.md "Formats: the numerical contract"):
 - Rounding picks one of the two neighbours lo <= |x| <= hi on the grid extended past max with the
-  spacing of max's binade; it works on magnitudes and the sign of x is put back (so -0.0 results).
+  spacing of max's binade; it works on magnitudes and the sign of x is put back (so -0.0 results
+  in float formats; fixed point has no negative zero, nor have integer block elements: +0.0).
 - "Ties to even": the neighbour that is an even multiple of the spacing hi - lo. For man >= 1 this
   is the code whose mantissa ends in 0. It also fixes the two cases where codes do not decide:
   man = 0 (1.5 * 2^e goes up to 2^(e+1), as ml_dtypes and torch do for E8M0), and formats without
   subnormals, where min_normal / 2 goes to 0.
-- Overflow = the rounded magnitude exceeds max, whatever the mode (DESIGN.md's literal rule; note
-  that IEEE 754 and gfloat give max for toward_zero instead of Inf).
+- Overflow = the rounded magnitude exceeds max: the format's overflow value (max, Inf or NaN),
+  except that toward_zero gives max for a finite x (IEEE 754 roundTowardZero); Inf input always
+  gives the overflow value.
 """
 from __future__ import annotations
 
@@ -154,7 +156,8 @@ def round_float(x, fmt, mode: Optional[str] = None):
 
     def finish(v):
         if v > mx:
-            return overflow if (math.isnan(overflow) or not signed) else _with_sign(overflow, neg)
+            over = float(mx) if mode == "toward_zero" else overflow  # x is finite here
+            return over if (math.isnan(over) or not signed) else _with_sign(over, neg)
         if not signed and v < mn:  # nothing below the smallest scale
             return float(mn)
         return _with_sign(v, neg)
@@ -186,8 +189,8 @@ def round_fixed(x: float, fmt, mode: Optional[str] = None):
 
     def finish(k):
         k = -k if neg else k
-        if kmin <= k <= kmax:  # a negative x that rounds to 0 gives -0.0
-            return _with_sign(abs(k) * scale, k < 0 or (k == 0 and neg))
+        if kmin <= k <= kmax:  # no negative zero: k = 0 is +0.0
+            return float(k * scale)
         if fmt.saturate:
             k = min(max(k, kmin), kmax)
         else:  # two's-complement wrap into the word
@@ -237,19 +240,23 @@ def quantize_block(values: List[float], fmt, mode: Optional[str] = None) -> list
     if any(math.isnan(v) or math.isinf(v) for v in values):
         return [NAN] * len(values)  # the E8M0 NaN scale
     amax = max((Fraction(abs(v)) for v in values), default=Fraction(0))
+    integer = hasattr(fmt.elem, "wl")
+
+    def zero(v):  # float elements keep the sign of zero; integer elements have only +0.0
+        return 0.0 if integer else _with_sign(0, math.copysign(1.0, v) < 0)
     if amax == 0:
-        return [float(v) for v in values]  # zeros, signs kept
+        return [zero(v) for v in values]
     X = block_scale(amax, fmt)
     elem = fmt.elem.replace(saturate=True)
 
     def back(r, v):
         if r == 0:
-            return _with_sign(0, math.copysign(1.0, v) < 0)
+            return zero(v)
         return float(Fraction(r) * X)
     out = []
     for v in values:
-        if v == 0 or X == 0:  # a zero scale (NVFP4 underflow) leaves signed zeros
-            out.append(_with_sign(0, math.copysign(1.0, v) < 0))
+        if v == 0 or X == 0:  # a zero scale (NVFP4 underflow) leaves zeros
+            out.append(zero(v))
             continue
         r = round_scalar(Fraction(v) / X, elem, mode)  # x / X exactly
         out.append(tuple(back(c, v) for c in r) if isinstance(r, tuple) else back(r, v))

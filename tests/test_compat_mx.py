@@ -62,6 +62,8 @@ def mx_oracle(x, name, block, mode, exponent=_exp_exact):
         unit = torch.full_like(a, 2.0 ** (mbits - 2))
     q = _round(a * unit, mode) / unit
     q = q.clamp(-max_norm, max_norm) * 2.0 ** shared
+    if not ebits:  # documented difference: integer elements give +0.0 where microxcaling has -0.0
+        q = q + 0.0
     return q.reshape(rows, n).to(x.dtype)
 
 

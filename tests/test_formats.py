@@ -9,11 +9,12 @@ import dataclasses
 import math
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qtensor as qt
-from qtensor.formats import BlockFormat, FixedFormat, FloatFormat, FormatError
+from qtensor.formats import ALIASES, BlockFormat, FixedFormat, FloatFormat, FormatError
 
 import oracles
 
@@ -303,7 +304,7 @@ def test_block_normalises_its_element():
     (lambda: FixedFormat(8, 4, rounding="ceil"), r"unknown rounding mode 'ceil'"),
     (lambda: FixedFormat(8, 4, signed=False, symmetric=True),
      r"symmetric=True only applies to signed"),
-    (lambda: FixedFormat(8, 200), r"fixed8\.200: values k\*2\^-200 do not fit the float32"),
+    (lambda: FixedFormat(8, 200), r"wl=8, fl=200: values k\*2\^-200 do not fit the float32"),
     (lambda: BlockFormat(qt.fp8_e4m3, 0), r"block_size must be >= 1 \(or None\), got 0"),
     (lambda: BlockFormat(qt.fp8_e4m3, -3), r"block_size must be >= 1"),
     (lambda: BlockFormat(qt.mxfp8_e4m3), r"element format cannot itself be a block format"),
@@ -358,3 +359,103 @@ def test_parse_errors(spec, match):
 def test_format_of_non_string(bad):
     with pytest.raises(FormatError, match=r"a format must be a format object or a string, got"):
         qt.format(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags are True or False: a truthy "no", "FALSE" or 0/1 would silently flip their meaning
+
+@pytest.mark.parametrize("make,field,bad", [
+    (lambda: FloatFormat(4, 3, saturate="no"), "saturate", "no"),
+    (lambda: FloatFormat(4, 3, subnormals=0), "subnormals", 0),
+    (lambda: FloatFormat(4, 3, signed=1), "signed", 1),
+    (lambda: qt.fp8_e5m2.replace(saturate="False"), "saturate", "False"),
+    (lambda: FixedFormat(8, 4, saturate="False"), "saturate", "False"),
+    (lambda: FixedFormat(8, 4, saturate=None), "saturate", None),
+    (lambda: FixedFormat(8, 4, signed=0), "signed", 0),
+    (lambda: FixedFormat(8, 4, symmetric="yes"), "symmetric", "yes"),
+    (lambda: qt.nvfp4.replace(tensor_scale=1), "tensor_scale", 1),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_flags_refuse_non_bools(make, field, bad):
+    with pytest.raises(FormatError, match=rf"^{field} must be True or False, got {bad!r}$"):
+        make()
+
+
+@pytest.mark.parametrize("spec,field,bad", [
+    ("fp8_e4m3(saturate=no)", "saturate", "no"),
+    ("fp8_e4m3(saturate=FALSE)", "saturate", "FALSE"),
+    ("fp8_e5m2(saturate=1)", "saturate", 1),
+    ("e4m3(subnormals=off)", "subnormals", "off"),
+    ("fixed8.4(signed=0)", "signed", 0),
+    ("fixed8.4(saturate=none)", "saturate", None),
+    ("nvfp4(tensor_scale=yes)", "tensor_scale", "yes"),
+])
+def test_flags_in_string_form(spec, field, bad):
+    """Only the spellings str() writes (True/False) and their lower case parse as flags."""
+    with pytest.raises(FormatError, match=rf"^{field} must be True or False, got {bad!r}$"):
+        qt.format(spec)
+
+
+def test_flags_in_string_form_accepted_spellings():
+    assert qt.format("fp8_e4m3(saturate=False)") == qt.fp8_e4m3.replace(saturate=False)
+    assert qt.format("fp8_e4m3(saturate=false)") == qt.fp8_e4m3.replace(saturate=False)
+    assert qt.format("fp8_e5m2(saturate=true)") == qt.fp8_e5m2.replace(saturate=True)
+    assert qt.format("fixed8.4(signed=False)").signed is False
+    assert str(qt.fp8_e4m3.replace(saturate=False)) == "e4m3(specials=fn)"
+    assert qt.format("e4m3(saturate=None)") == FloatFormat(4, 3)  # None: the default for specials
+
+
+# ---------------------------------------------------------------------------------------------
+# fixedWL.FL is word length . fractional length; a fraction longer than the word is spelled out
+
+def test_fixed_shorthand_refuses_a_fraction_longer_than_the_word():
+    with pytest.raises(FormatError, match=r"fixed8\.9 would be 9 fractional bits in a word of 8 "
+                                          r"bits.*fixed\(wl=8, fl=9\).*write fixed17\.9$"):
+        qt.format("fixed8.9")
+    with pytest.raises(FormatError, match=r"fixed\(wl=4, fl=5\)"):
+        qt.format("block(elem=fixed4.5, block_size=8)")
+    # the format itself is valid (QPyTorch's FixedPoint(8, 9)): spelled out, it round-trips
+    f = FixedFormat(8, 9)
+    assert (f.max, f.min) == (127 / 512, -0.25)
+    assert str(f) == "fixed(wl=8, fl=9)" and qt.format(str(f)) == f
+    g = FixedFormat(8, 9, signed=False, rounding="stochastic")
+    assert str(g) == "fixed(wl=8, fl=9, signed=False, rounding=stochastic)"
+    assert qt.format(str(g)) == g
+    assert str(BlockFormat(FixedFormat(8, 10), 4)) == "block(elem=fixed(wl=8, fl=10), block_size=4)"
+    # the shorthand still names every format with fl <= wl, negative fl included
+    assert qt.format("fixed(wl=8, fl=4)") == qt.format("fixed8.4") == FixedFormat(8, 4)
+    assert str(FixedFormat(8, 8)) == "fixed8.8" and qt.format("fixed8.8") == FixedFormat(8, 8)
+    assert qt.format("fixed8.-2") == FixedFormat(8, -2)
+    with pytest.raises(FormatError, match=r"needs wl=\.\.\. and fl=\.\.\."):
+        qt.format("fixed(fl=9)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Aliases: documented, case-insensitive, each exactly the format it names; nothing is guessed
+
+def test_aliases_are_documented_and_exact():
+    doc = qt.format.__doc__
+    for alias, name in ALIASES.items():
+        assert f"``{alias}``" in doc and name in doc, alias
+        assert qt.format(alias.upper()) is qt.PRESETS[name]
+    # torch's own dtypes round as the presets they alias (bits compared, overflow included;
+    # NaN payloads differ, so NaN is checked apart)
+    x = torch.tensor([1 / 3, -1e-6, 1e-40, 3e38, -7e4, 500.0, -0.0, float("inf")])
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+        name = str(dtype).removeprefix("torch.")
+        q = qt.quantize(x, name)
+        assert torch.equal(q.view(torch.int32), x.to(dtype).float().view(torch.int32)), name
+        assert qt.quantize(torch.tensor([float("nan")]), name).isnan().all()
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3fn", "bfloat", "float64", "double", "fp8", "mxfp"])
+def test_near_miss_names_are_refused(spec):
+    with pytest.raises(FormatError, match=rf"unknown format '{spec}'"):
+        qt.format(spec)
+
+
+def test_torch_dtype_points_at_its_preset():
+    with pytest.raises(FormatError, match=r"got dtype; for torch\.bfloat16 use qt\.bf16 \(or the "
+                                          r"string 'bfloat16'\)"):
+        qt.format(torch.bfloat16)
+    with pytest.raises(FormatError, match=r"got dtype$"):
+        qt.format(torch.float64)

@@ -97,6 +97,8 @@ def scalar_inputs(n=1536, seed=0) -> torch.Tensor:
         1e-45, 448.0, 464.0, 480.0, 57344.0, 61440.0, 6.0, 7.0, 5.0, 1.0, 0.5, 0.25, 2.0 ** -127,
         2.0 ** -126, 2.0 ** 127, 240.0, 248.0, 15.9375, 15.96875, 7.96875, 8.0, 127.0, 128.0,
         255.5, 256.0, -128.5, -129.0, 1048575.94, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11,
+        # overflow (toward_zero gives max), and small values that round to (signed) zero
+        65504.0, 65519.0, 65520.0, 70000.0, 1e30, 1e-9, 0.01, 0.03,
     ])
     specials = _nudge(torch.cat([special, -special]))
     return torch.cat([any_bits, spread, ties, small, sub, -sub, specials])
@@ -118,6 +120,8 @@ def block_inputs(rows=48, cols=96, seed=1) -> torch.Tensor:
     x[7] = (torch.randint(-64, 64, (cols,), generator=g).float() + 0.5) * 2.0 ** -3
     x[9, :16] = torch.tensor([2.0 ** -149] * 16)
     x[10] = torch.finfo(torch.float32).max * torch.sign(torch.randn(cols, generator=g))
+    x[11] = -(2.0 ** -30)  # negative elements that round to zero next to larger ones
+    x[11, ::16] = 1.0
     return x
 
 

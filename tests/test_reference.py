@@ -121,8 +121,9 @@ def _code_cases(fmt):
                 away = big
             else:
                 near = away = big if f_up > Fraction(1, 2) else small
-            # a zero result keeps the sign of x
-            fix = lambda v: math.copysign(0.0, x) if v == 0 else v  # noqa: E731
+            # a zero result keeps the sign of x (fixed point has no negative zero)
+            zero = 0.0 if isinstance(fmt, FixedFormat) else math.copysign(0.0, x)
+            fix = lambda v: zero if v == 0 else v  # noqa: E731
             xs.append(x)
             exp["nearest"].append(fix(near))
             exp["nearest_away"].append(fix(away))
@@ -194,7 +195,7 @@ def test_between_neighbours_stochastic(quantize, name):
 @pytest.mark.parametrize("name", list(SMALL_FLOATS))
 def test_beyond_max(quantize, name):
     """Overflow per DESIGN.md: the extended grid past max, then +-max (saturating) or +-Inf
-    ("ieee") or NaN ("fn")."""
+    ("ieee") or NaN ("fn"); toward_zero gives +-max for finite values."""
     fmt = SMALL_FLOATS[name]
     _, emax, mx, _ = oracles.float_limits(fmt)
     mx = float(mx)
@@ -215,19 +216,98 @@ def test_beyond_max(quantize, name):
         away = t32([s * over if not math.isnan(over) else over] * 4)
         assert_bits_equal(quantize(x[1:], fmt, rounding="nearest_away"), away,
                           f"{name} nearest_away", inputs=x[1:])
+        # toward_zero: +-max for every finite x (mx * 4 may be Inf in float32: overflow value)
+        tz = [math.copysign(mx, v) if math.isfinite(v) else
+              (over if math.isnan(over) else math.copysign(over, v)) for v in x.tolist()]
+        assert_bits_equal(quantize(x, fmt, rounding="toward_zero"), t32(tz),
+                          f"{name} toward_zero", inputs=x)
 
 
-def test_toward_zero_overflow_follows_design(quantize):
-    """DESIGN.md: overflow is "the rounded magnitude exceeds max", on the grid extended past max,
-    in every mode; so toward_zero gives Inf for 70000 in fp16 (70000 -> 69984 > 65504) and NaN
-    in a non-saturating "fn" format. IEEE 754 (and gfloat) give max here instead: if DESIGN.md
-    adopts that, change this test and oracles.round_float together."""
-    x = t32([70000.0, -1e30, 65519.0, float("inf")])
-    assert_bits_equal(quantize(x, "fp16", rounding="toward_zero"),
-                      t32([float("inf"), float("-inf"), 65504.0, float("inf")]), "fp16")
-    fn = FloatFormat(4, 3, specials="fn")  # not saturating: overflow is NaN
-    assert_bits_equal(quantize(t32([470.0, 1000.0, 450.0]), fn, rounding="toward_zero"),
-                      t32([448.0, float("nan"), 448.0]), "e4m3 fn")
+def test_toward_zero_overflow_gives_max(quantize):
+    """DESIGN.md (IEEE 754 roundTowardZero): a finite value beyond max gives +-max in every
+    format, also where overflow is otherwise Inf ("ieee") or NaN ("fn"); an Inf input follows the
+    format's overflow rule (Inf, NaN, or max when saturating). Before: fp16 gave Inf for 70000."""
+    inf, nan = float("inf"), float("nan")
+    x = t32([70000.0, -70000.0, inf, -1e30, 65519.0, -inf, 3e38])
+    assert_bits_equal(quantize(x, qt.fp16, rounding="toward_zero"),
+                      t32([65504.0, -65504.0, inf, -65504.0, 65504.0, -inf, 65504.0]), "fp16", x)
+    fn = FloatFormat(4, 3, specials="fn")  # not saturating: overflow is NaN, except toward_zero
+    x = t32([470.0, 1000.0, -1000.0, 450.0, inf, -inf, nan])
+    assert_bits_equal(quantize(x, fn, rounding="toward_zero"),
+                      t32([448.0, 448.0, -448.0, 448.0, nan, nan, nan]), "e4m3 fn", x)
+    x = t32([65536.0, -1e9, inf])
+    assert_bits_equal(quantize(x, qt.fp8_e5m2, rounding="toward_zero"),
+                      t32([57344.0, -57344.0, inf]), "e5m2", x)
+    # the other modes still overflow to Inf (nearest) as before
+    assert_bits_equal(quantize(t32([70000.0]), qt.fp16), t32([inf]), "fp16 nearest")
+    # float16 and float64 inputs: fp16 -> e5m2, and float64 beyond float32's range -> fp32, e8m0
+    h = torch.tensor([65504.0, -65504.0], dtype=torch.float16)
+    assert_bits_equal(quantize(h, qt.fp8_e5m2, rounding="toward_zero"),
+                      torch.tensor([57344.0, -57344.0], dtype=torch.float16), "fp16 input")
+    d = torch.tensor([1e300, -1e300, inf], dtype=torch.float64)
+    fmax = torch.finfo(F32).max
+    assert_bits_equal(quantize(d, qt.fp32, rounding="toward_zero"),
+                      torch.tensor([fmax, -fmax, inf], dtype=torch.float64), "fp32 float64")
+    assert_bits_equal(quantize(d[:1], qt.e8m0, rounding="toward_zero"),
+                      torch.tensor([2.0 ** 127], dtype=torch.float64), "e8m0 float64")
+
+
+def test_toward_zero_overflow_in_qtensor_ops():
+    """A QTensor op whose result overflows under its format's toward_zero rounding gives max."""
+    fmt = qt.fp16.replace(rounding="toward_zero")
+    a = qt.as_qtensor(torch.tensor([60000.0, -60000.0, 1.0]), fmt)
+    for y, third in ((a * 2, 2.0), (a + a, 2.0), (torch.mul(a, 3.0), 3.0)):
+        assert isinstance(y, qt.QTensor) and y.fmt == fmt
+        assert_bits_equal(y.dequantize(), t32([65504.0, -65504.0, third]), "op overflow")
+
+
+def _negative_zeros(t: torch.Tensor) -> int:
+    t = t.detach().float().reshape(-1)
+    return int(((t == 0) & torch.signbit(t)).sum())
+
+
+@pytest.mark.parametrize("fmt", ["fixed8.4", FixedFormat(8, 4, saturate=False),
+                                 FixedFormat(8, 4, symmetric=True), FixedFormat(4, 1, signed=False),
+                                 FixedFormat(16, 0), FixedFormat(12, 3, saturate=False)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_fixed_point_has_no_negative_zero(quantize, fmt, dtype):
+    """DESIGN.md: fixed point has no negative-zero code; a value that rounds to zero is +0.0
+    (the bits of 0.0), in every rounding mode and for -0.0 itself. Before: -0.0."""
+    x = torch.tensor([-1e-9, -0.0, -0.01, 0.0, -0.03, -1e-30], dtype=dtype)
+    for mode in MODES:
+        q = quantize(x, fmt, rounding=mode)
+        assert _negative_zeros(q) == 0, f"{fmt} {mode} {dtype}: {q.tolist()}"
+    q = quantize(x.to(F32), fmt, rounding="nearest")
+    assert q[:2].view(torch.int32).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("fmt", [
+    "mxint8", BlockFormat(FixedFormat(8, 6, symmetric=True), 8, scale=qt.fp8_e4m3,
+                          scale_rule="amax"),
+    BlockFormat(FixedFormat(4, 2, symmetric=True), None, axis=None),
+    BlockFormat(FixedFormat(6, 4, signed=False), 5)], ids=str)
+def test_integer_block_elements_have_no_negative_zero(quantize, fmt):
+    """Integer block elements (MXINT8's) have no negative zero either: an all-zero block, an
+    element that rounds to zero next to a large one, and a block whose amax-rule scale is 0."""
+    x = t32([-0.0] * 32 + [-1e-9, 1.0, -0.001, -0.0] + [0.0] * 28 + [-1e-30, -0.0] + [0.0] * 30)
+    for mode in MODES:
+        q = quantize(x, fmt, rounding=mode)
+        assert _negative_zeros(q) == 0, f"{fmt} {mode}: {q.tolist()}"
+    q = quantize(x, fmt)
+    assert bool(q[:32].view(torch.int32).eq(0).all()) and q[32].view(torch.int32).item() == 0
+
+
+def test_converted_model_fixed_point_output_has_no_negative_zero():
+    """A model converted to fixed point: outputs that round to zero from below are +0.0."""
+    model = torch.nn.Linear(2, 4)
+    with torch.no_grad():  # weights and inputs on the fixed8.4 grid; products below 2^-5
+        model.weight.copy_(torch.tensor([[-0.0625, 0.0], [-0.125, 0.0], [0.5, 0.0],
+                                         [-0.0625, 0.0625]]))
+        model.bias.zero_()
+    qt.convert(model, qt.format("fixed8.4"))
+    y = model(torch.tensor([[0.25, 0.125]]))
+    assert isinstance(y, qt.QTensor)
+    assert y.dequantize().view(torch.int32).tolist() == [[0, 0, 0x3E000000, 0]]  # 0.125
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,7 +693,9 @@ def test_block_nan_inf(quantize):
 def test_block_zero(quantize):
     for name in BLOCK_PRESETS:
         x = t32([0.0, -0.0, 0.0, -0.0] * 8)
-        assert_bits_equal(quantize(x, name), x, f"{name} all-zero block")
+        # signs kept, except by integer elements (no negative zero)
+        e = x.abs() if isinstance(qt.format(name).elem, FixedFormat) else x
+        assert_bits_equal(quantize(x, name), e, f"{name} all-zero block")
 
 
 def test_block_tiny_and_huge(quantize):
@@ -764,7 +846,8 @@ def test_qpytorch_block_floating_point(quantize):
         e = math.floor(math.log2(float(x.abs().max())))
         step = 2.0 ** (e + 2 - wl)
         k = torch.round(x.double() / step).clamp(-(2 ** (wl - 1) - 1), 2 ** (wl - 1) - 1)
-        assert_bits_equal(quantize(x, fmt), (k * step).to(F32), f"bfp wl={wl}", x)
+        # + 0.0: integer elements have no negative zero
+        assert_bits_equal(quantize(x, fmt), (k * step + 0.0).to(F32), f"bfp wl={wl}", x)
 
 
 try:
@@ -790,10 +873,14 @@ def test_mx_vs_gfloat(quantize, name, gfi):
             expected[r, s:s + 32] = _gfloat.quantize_block(
                 fi, x[r, s:s + 32].double().numpy(), _gfloat.compute_scale_amax)
     # gfloat returns +0 for -0 inputs; compare the sign of zeros against DESIGN.md instead
+    # (signed for float elements, +0 for MXINT8's integers)
     q = quantize(x, name)
     e = torch.from_numpy(expected).to(F32)
     zero = e == 0
-    e[zero] = torch.copysign(torch.zeros_like(e[zero]), x[zero])
+    if not isinstance(qt.format(name).elem, FixedFormat):
+        e[zero] = torch.copysign(torch.zeros_like(e[zero]), x[zero])
+    else:
+        e[zero] = 0.0
     assert_bits_equal(q, e, f"{name} vs gfloat", inputs=x)
 
 
@@ -903,7 +990,10 @@ def test_prop_symmetric(fmt, xs, mode, q):
     if isinstance(fmt, FloatFormat) and not fmt.signed:
         return
     x = t32(xs)
-    assert_bits_equal(q(-x, fmt, rounding=mode), -q(x, fmt, rounding=mode), f"{fmt} {mode}")
+    expected = -q(x, fmt, rounding=mode)
+    if isinstance(getattr(fmt, "elem", fmt), FixedFormat):
+        expected = expected + 0.0  # no negative zero
+    assert_bits_equal(q(-x, fmt, rounding=mode), expected, f"{fmt} {mode}")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

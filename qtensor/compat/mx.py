@@ -72,6 +72,8 @@ Where microxcaling's numerics are wrong, qtensor follows DESIGN.md:
   the range (only reachable with scale_bits < 8).
 - ``bfloat_subnorms=False`` flushes values below the smallest normal to zero there; the qtensor
   format without subnormals rounds them to 0 or the smallest normal.
+- integer elements (``int8``, ``int4``, ``int2``) have no negative zero: a negative value that
+  rounds to zero gives +0.0 (microxcaling's sign(x) * floor(...) gives -0.0).
 """
 from __future__ import annotations
 

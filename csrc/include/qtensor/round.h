@@ -14,6 +14,9 @@
 //     stochastic               w = the element's random word (the reference's contract)
 //   This is exact for the deterministic modes because frac has at most 32 fractional bits
 //   whenever it can be >= 1/2.
+// Overflow (a float format's rounded magnitude beyond max) gives the format's overflow value,
+// except that toward_zero gives max for a finite input (IEEE 754 roundTowardZero). Fixed point
+// (and integer block elements) have no negative zero: a value that rounds to zero is +0.0.
 #pragma once
 
 #include <stdint.h>
@@ -233,13 +236,19 @@ QT_HD uint32_t round_magnitude_fast(uint32_t A, const FastGrid& g, uint32_t rbit
   return A >= g.normal_min ? rn : rl;
 }
 
+// What a finite value that rounds beyond max gives: toward_zero never rounds up past max.
+template <int MODE, typename U> QT_HD U finite_overflow(U max_bits, U ovf_bits) {
+  return MODE == kTowardZero ? max_bits : ovf_bits;
+}
+
 template <int MODE>
 QT_HD uint32_t round_float_fast(uint32_t u, const FastGrid& g, uint32_t max_bits, uint32_t ovf_bits,
                                 uint32_t rbits) {
   const uint32_t sign = u & 0x80000000u, A = u & 0x7FFFFFFFu;
   const bool nonfinite = A >= 0x7F800000u, nan = A > 0x7F800000u;
   uint32_t r = round_magnitude_fast<MODE>(nonfinite ? 0u : A, g, rbits);
-  r = (r > max_bits) | nonfinite ? ovf_bits : r;
+  r = r > max_bits ? finite_overflow<MODE>(max_bits, ovf_bits) : r;
+  r = nonfinite ? ovf_bits : r;
   return nan ? u : (r | sign);
 }
 
@@ -273,7 +282,8 @@ QT_HD U round_float(U u, const FloatSpec<U>& s, uint32_t rbits) {
   const U sign = u & C::SIGN, A = u & C::ABS;
   const bool nonfinite = A >= C::INF, nan = A > C::INF;
   U r = round_magnitude<MODE, U>(nonfinite ? (U)0 : A, s.emin, s.man, s.qlow, rbits);
-  r = (r > s.max_bits || nonfinite) ? s.ovf_bits : r;
+  r = r > s.max_bits ? finite_overflow<MODE>(s.max_bits, s.ovf_bits) : r;
+  r = nonfinite ? s.ovf_bits : r;
   if (MAYBE_UNSIGNED && s.is_unsigned) {  // no zero and no sign: zero becomes the smallest value, <= 0 is NaN
     r = r == 0 ? s.min_normal_bits : r;
     return (sign == 0 && A != 0 && !nan) ? r : C::QNAN;
@@ -335,7 +345,7 @@ QT_HD U round_fixed(U u, const FixedSpec<U>& s, uint32_t rbits) {
   const bool over = nonfinite || r > lim;
   // clamping: -|kmin| keeps the sign; an unsigned format clamps negatives to +0
   const U sat = sign ? s.neg_sat_bits : s.pos_bits;
-  U out = over ? sat : (r | sign);
+  U out = over ? sat : (r | (r != 0 ? sign : (U)0));  // no negative zero
   if (WRAP && over && !nonfinite) out = wrap_fixed<U>(r, sign != 0, s);
   return nan ? u : out;
 }
@@ -352,7 +362,8 @@ QT_HD uint32_t round_fixed_fast(uint32_t u, const FastGrid& g, uint32_t pos_bits
   const uint32_t lim = (neg_bits & neg) | (pos_bits & ~neg);
   const uint32_t sat = (neg_sat_bits & neg) | (pos_bits & ~neg);
   const bool over = nonfinite | (r > lim);
-  const uint32_t out = over ? sat : (r | sign);
+  const uint32_t nonzero = (uint32_t)0 - (uint32_t)(r != 0);  // no negative zero
+  const uint32_t out = over ? sat : (r | (sign & nonzero));
   return nan ? u : out;
 }
 
@@ -418,7 +429,8 @@ struct AmaxBlockSpec {
   double elem_max;
 };
 
-// The block scale (0 or negative/NaN means "no scale": the block becomes signed zeros).
+// The block scale (0 or negative/NaN means "no scale": the block becomes zeros, signed for float
+// elements).
 QT_HD double amax_block_scale(uint32_t amax_bits, const AmaxBlockSpec& s, bool use_tensor_scale,
                               double tensor_scale) {
   double amax = (double)u2f(amax_bits);
@@ -446,7 +458,8 @@ QT_HD float round_amax_elem_t(float x, double scale, const AmaxBlockSpec& s, boo
   else qzb = round_float<MODE, uint64_t, false>(zb, s.ef, rbits);
   double q = u2d(qzb) * safe;
   if (use_tensor_scale) q = (double)(float)q;
-  const float zero = u2f(f2u(x) & 0x80000000u);
+  // no scale: signed zeros (integer elements have no -0.0)
+  const float zero = ELEM_FIXED ? 0.0f : u2f(f2u(x) & 0x80000000u);
   return ok ? (float)q : zero;
 }
 
