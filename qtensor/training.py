@@ -23,6 +23,8 @@ Optimizer state in its own format (``Recipe.optimizer_state``)
     computed in it; other optimizers (and SGD with dampening, whose first step copies the
     gradient undamped) create their state themselves in their first step, in the parameter's
     or the gradient's format, and it is rounded into the role right after that step.
+    Adam's state in a format where its ``eps`` rounds to 0 next to 1.0 (FP16, FP8, MX, block and
+    fixed point) divides 0 by 0 wherever ``exp_avg_sq`` rounds to 0: the first step warns.
     The optimizers that stepped converted parameters are remembered (weakly): ``qt.unconvert``
     gives them plain state again, in each parameter's dtype, and drops the FP32 masters.
 
@@ -228,6 +230,7 @@ def _init_sgd_state(optimizer) -> None:
 def _init_adam_state(optimizer) -> None:
     # Create Adam/AdamW state directly in the optimizer_state role (exactly what Adam's lazy
     # init does, zeros, but in the right format), so that the first step is computed in it too.
+    flushing = {}
     for group in optimizer.param_groups:
         if group.get("fused") or group.get("capturable"):
             continue
@@ -241,6 +244,24 @@ def _init_adam_state(optimizer) -> None:
             if group.get("amsgrad"):
                 state["max_exp_avg_sq"] = _state_zeros(p, plan)
             optimizer.state[p] = state
+            if _flushes(group["eps"], plan.optimizer_state.fmt):
+                flushing.setdefault((str(plan.optimizer_state.fmt), group["eps"]), []).append(
+                    plan.name)
+    for (fmt, eps), names in flushing.items():
+        _conv()._warn(
+            f"{type(optimizer).__name__}: eps={eps:g} rounds to 0 next to 1.0 in the "
+            f"optimizer_state format {fmt} (of {', '.join(names)}): wherever exp_avg_sq rounds "
+            "to 0 the update is 0/0 (NaN). Keep Adam's state in FP32 (optimizer_state=None, or "
+            "master_weights=True), as qt.convert(model, fmt) does for such formats.")
+
+
+def _flushes(eps: float, fmt) -> bool:
+    """Whether ``eps`` rounds to 0 in ``fmt`` next to 1.0 (in one block, for block formats)."""
+    try:
+        values = _conv()._api().quantize(torch.tensor([1.0, eps]), fmt)
+    except (ValueError, RuntimeError, IndexError):  # a block axis a vector lacks: no verdict
+        return False
+    return eps > 0 and float(values[1]) == 0.0
 
 
 def _post_step(optimizer, args, kwargs):

@@ -88,6 +88,27 @@ def test_bare_format_recipe_rule():
     assert u.optimizer_state == qt.Role(qt.fp8_e4m3) and not u.master_weights
 
 
+@pytest.mark.parametrize("recipe, warns", [
+    (qt.Recipe.uniform(qt.fp8_e4m3), True), (qt.recipes.mx_all_mxfp6, True),
+    (qt.recipes.block8, True), (qt.Recipe.uniform(qt.bf16), False)])
+def test_adam_state_where_eps_underflows_is_said(recipe, warns):
+    # every value in the format, Adam's state included, is what the user asked for: it NaNs,
+    # so the first step says why, once, at the user's line
+    x, y = toy()
+    model = qt.convert(mlp(), recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    F.mse_loss(model(x), y).backward()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        opt.step()
+        fit(model, opt, 1, x, y)
+    w = [x for x in w if "eps" in str(x.message)]
+    assert len(w) == int(warns), [str(x.message) for x in w]
+    if warns:
+        assert w[0].filename == __file__ and "optimizer_state=None" in str(w[0].message)
+        assert "0.weight" in str(w[0].message)
+
+
 def test_recipe_names_as_strings():
     # "mxfp6" names both a format and a recipe: refused, pointing at both
     for name in ("mxfp6", "fp16"):
