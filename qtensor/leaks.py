@@ -971,7 +971,7 @@ class leak_check:
         if plain and phase == "forward" and torch.is_grad_enabled():
             self._record_targets(func, args, kwargs, outs)
         if not has_q:
-            if plain and phase == "forward":
+            if plain and phase == "forward" and not self._in_step:
                 self._propagate_loss_data(ins, outs, frame)
             if plain and (converted or self._in_step):
                 self._propagate_deliberate(ins, outs)
