@@ -40,8 +40,8 @@ FP32 master weights (``Recipe(master_weights=True)``)
     A closure (``optimizer.step(closure)``, as LBFGS needs) evaluates the model: around each call
     the model's parameters are put back, holding the masters' current values, and the masters
     get the gradients it computed. If the step raises, the model's parameters are put back by
-    the next ``step()`` or ``zero_grad()`` (the optimizer's ``zero_grad`` is wrapped for this),
-    so ``zero_grad`` always clears the model's gradients.
+    the next ``step()``, ``zero_grad()`` or ``state_dict()`` (the optimizer's ``zero_grad`` is
+    wrapped for this), so ``zero_grad`` always clears the model's gradients.
     The optimizer then runs in FP32 (state included). Not needed when weights have FP32 values
     with a narrow operand format (the MX recipes): the model's copy is then already FP32.
 
@@ -168,6 +168,11 @@ class _MasterClosure:
         return loss
 
 
+def _restore_parameters(optimizer) -> None:
+    # before state_dict(): a step that raised may have left the masters in the optimizer
+    _restore(optimizer, copy_back=False)
+
+
 class _ZeroGradAfterFailedStep:
     """``optimizer.zero_grad`` of an optimizer with master weights: a step that raised left the
     masters in the optimizer (the post-step hook did not run); put the model's parameters back
@@ -194,8 +199,9 @@ def _pre_step(optimizer, args, kwargs):
         _init_sgd_state(optimizer)
     if not optimizer._qt_swapped:
         return None
-    if "zero_grad" not in optimizer.__dict__:
+    if "zero_grad" not in optimizer.__dict__:  # once per optimizer
         optimizer.zero_grad = _ZeroGradAfterFailedStep(optimizer)
+        optimizer.register_state_dict_pre_hook(_restore_parameters)
     # args is (optimizer, closure?)
     if len(args) > 1 and args[1] is not None:
         return (args[0], _MasterClosure(optimizer, args[1])) + tuple(args[2:]), kwargs

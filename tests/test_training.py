@@ -186,6 +186,8 @@ def test_exception_inside_step_then_zero_grad_clears_model_grads():
     with pytest.raises(RuntimeError, match="user hook failed"):
         opt.step()
     handle.remove()
+    sd = opt.state_dict()  # the model's parameters, with their masters
+    assert all("qt_master" in sd["state"][i] for i in range(len(params)))
     opt.zero_grad()
     assert all(g is None for g in _grads(model))
     assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
