@@ -10,6 +10,7 @@ bit for bit, stochastic rounding included.
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Optional
 
@@ -25,16 +26,19 @@ _SCALE_RULE_CODE = {"floor": 0, "ceil": 1, "amax": 2}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 try:
-    from . import _C  # noqa: F401  (loading it registers the ops)
+    # import_module, not `from . import _C`: the latter hides the real cause behind "cannot import
+    # name '_C' from partially initialized module 'qtensor' (most likely due to a circular import)"
+    _C = importlib.import_module(f"{__package__}._C")  # loading it registers the ops
     _LOAD_ERROR: Optional[BaseException] = None
-except ImportError as e:  # not built, or built against another torch
+except ImportError as e:  # not built, or built against another torch or Python
     _C = None
     _LOAD_ERROR = e
     warnings.warn(
-        f"qtensor: the compiled kernels (qtensor._C) could not be loaded ({e}); quantization "
-        "falls back to the pure-PyTorch reference, which is exact but slow. Build them with "
-        "`pip install --no-build-isolation -e .` in the qtensor checkout (torch must already be "
-        "installed).", RuntimeWarning, stacklevel=2)
+        f"qtensor: the compiled extension qtensor._C could not be imported ({type(e).__name__}: "
+        f"{e}); qt.quantize and QTensor use the pure-PyTorch reference instead, which gives the "
+        "same bits but is much slower. Build it with `pip install --no-build-isolation -e .` in the "
+        "qtensor checkout (torch installed first; rebuild after changing torch).",
+        RuntimeWarning, stacklevel=2)
 
 
 def kernels_available(device: str | torch.device = "cpu") -> bool:
@@ -139,6 +143,12 @@ def _check_axis(x: torch.Tensor, fmt) -> None:
                 f"{fmt}: axis {fmt.axis} is out of range for a tensor of shape {tuple(x.shape)}")
 
 
+def _seed(generator: Optional[torch.Generator], rounding: str) -> int:
+    """The stochastic-rounding seed (0 for the other modes); a bad generator is refused either way."""
+    reference.check_generator(generator)
+    return reference.draw_seed(generator) if rounding == "stochastic" else 0
+
+
 def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None, seed: int = 0, *,
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``quantize`` with an explicit stochastic-rounding seed (as reference.quantize_with_seed)."""
@@ -164,15 +174,14 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x rounded to ``fmt`` (a format or its name), as a new plain tensor like x (or into ``out``).
 
-    rounding overrides the format's own mode; generator feeds stochastic rounding (default:
-    torch's default CPU generator, so ``torch.manual_seed`` makes it reproducible, and CPU and
-    CUDA give the same result). Uses the compiled kernels where they apply, else the reference;
-    both give the same bits.
+    rounding overrides the format's own mode; generator (a ``torch.Generator`` of any device)
+    feeds stochastic rounding with one seed per call (default: torch's default CPU generator, so
+    ``torch.manual_seed`` makes it reproducible, and CPU and CUDA give the same result). Uses the
+    compiled kernels where they apply, else the reference; both give the same bits.
     """
     fmt = reference.check_input(x, fmt)
     rounding = reference.resolve_rounding(fmt, rounding)
-    seed = reference.draw_seed(generator) if rounding == "stochastic" else 0
-    return quantize_with_seed(x, fmt, rounding, seed, out=out)
+    return quantize_with_seed(x, fmt, rounding, _seed(generator, rounding), out=out)
 
 
 def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
@@ -181,7 +190,7 @@ def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     fmt = reference.check_input(x, fmt)
     rounding = reference.resolve_rounding(fmt, rounding)
     _check_axis(x, fmt)
-    seed = reference.draw_seed(generator) if rounding == "stochastic" else 0
+    seed = _seed(generator, rounding)
     if not _use_kernel(x):
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))

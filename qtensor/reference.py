@@ -38,7 +38,7 @@ import torch
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, _check_rounding
 from .formats import format as _parse_format
 
-__all__ = ["quantize", "quantize_with_seed", "draw_seed", "random_bits"]
+__all__ = ["quantize", "quantize_with_seed", "draw_seed", "check_generator", "random_bits"]
 
 _MASK32 = 0xFFFFFFFF
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -79,8 +79,16 @@ def random_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
     return _lowbias32((index & _MASK32) ^ key ^ hi)
 
 
+def check_generator(generator) -> None:
+    """A generator must be None or a torch.Generator (of any device: one seed is drawn from it)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
 def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     """One 63-bit seed from ``generator`` (torch's default CPU generator when None)."""
+    check_generator(generator)
     device = generator.device if generator is not None else "cpu"
     return int(torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device))
 
@@ -288,5 +296,6 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     """
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
+    check_generator(generator)
     seed = draw_seed(generator) if rounding == "stochastic" else 0
     return quantize_with_seed(x, fmt, rounding, seed)

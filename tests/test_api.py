@@ -1,0 +1,111 @@
+"""The package as a user meets it: bad arguments, the missing-extension warning, version, typing."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qtensor as qt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter in the repository root (this checkout's qtensor first on the path)."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=180)
+
+
+# ---------------------------------------------------------------------------------------------
+# generator: a torch.Generator or None, refused precisely otherwise
+
+@pytest.mark.parametrize("call", [
+    lambda x, g: qt.quantize(x, qt.fp8_e4m3, rounding="stochastic", generator=g),
+    lambda x, g: qt.quantize_(x, qt.mxfp4_e2m1, rounding="stochastic", generator=g),
+    lambda x, g: qt.quantize(x, qt.bf16, generator=g),  # not stochastic: still checked
+    lambda x, g: qt.reference.quantize(x, "fixed8.4", rounding="stochastic", generator=g),
+    lambda x, g: qt.reference.quantize(x, "fixed8.4", generator=g),
+], ids=["quantize", "quantize_", "quantize-nearest", "reference", "reference-nearest"])
+@pytest.mark.parametrize("bad", [5, "cpu", torch.device("cpu")], ids=["int", "str", "device"])
+def test_generator_must_be_a_torch_generator(call, bad):
+    x = torch.randn(64)
+    before = x.clone()
+    with pytest.raises(TypeError, match=r"^generator must be a torch\.Generator or None, got "
+                                        rf"{type(bad).__name__}$"):
+        call(x, bad)
+    assert torch.equal(x, before)  # quantize_ refused before touching x
+
+
+def test_generator_makes_stochastic_rounding_reproducible():
+    x = torch.randn(1000)
+    a = qt.quantize(x, qt.fp8_e4m3, rounding="stochastic", generator=torch.Generator().manual_seed(3))
+    b = qt.quantize(x, qt.fp8_e4m3, rounding="stochastic", generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_generator_of_another_device_feeds_the_seed():
+    """One seed is drawn from the generator on its own device: a CUDA generator serves a CPU
+    tensor, and the same seed gives the same bits as a CPU generator in the same state."""
+    x = torch.randn(1000)
+    g = torch.Generator("cuda").manual_seed(7)
+    seed = qt.reference.draw_seed(torch.Generator("cuda").manual_seed(7))
+    q = qt.quantize(x, qt.fp8_e4m3, rounding="stochastic", generator=g)
+    ref = qt.reference.quantize_with_seed(x, qt.fp8_e4m3, "stochastic", seed)
+    assert torch.equal(q.view(torch.int32), ref.view(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Without the compiled extension: one warning that says what happened and what to do
+
+_HIDE_EXTENSION = """
+import sys, warnings
+class HideExtension:  # as if qtensor/_C*.so had never been built
+    def find_spec(self, name, path=None, target=None):
+        if name == "qtensor._C":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, HideExtension())
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    import qtensor as qt, torch
+    q = qt.quantize(torch.tensor([1.1, 2.6]), "fp4_e2m1")
+print([str(m.message) for m in w if m.category is RuntimeWarning])
+print(q.tolist(), qt.ops.kernels_available())
+"""
+
+
+def test_missing_extension_warning_names_the_real_cause():
+    r = _python("-c", _HIDE_EXTENSION)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    msgs = eval(lines[0])  # noqa: S307 (our own subprocess's repr of a list of str)
+    assert len(msgs) == 1, msgs
+    msg = msgs[0]
+    assert "circular import" not in msg
+    assert "qtensor._C could not be imported (ModuleNotFoundError: No module named " \
+           "'qtensor._C')" in msg
+    assert "pure-PyTorch reference" in msg and "same bits" in msg
+    assert "`pip install --no-build-isolation -e .`" in msg
+    assert lines[1] == "[1.0, 3.0] False"  # and quantization still works
+
+
+# ---------------------------------------------------------------------------------------------
+# Version and typing
+
+def test_version_is_the_installed_one_and_setup_py_s():
+    assert qt.__version__ == importlib.metadata.version("qtensor")
+    r = _python("setup.py", "-q", "--version")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == qt.__version__
+
+
+def test_py_typed_is_shipped(tmp_path):
+    """PEP 561: py.typed is in the package and in what a wheel is built from (build_py)."""
+    assert os.path.isfile(os.path.join(os.path.dirname(qt.__file__), "py.typed"))
+    r = _python("setup.py", "-q", "build_py", "--build-lib", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "qtensor" / "py.typed").is_file()
