@@ -8,13 +8,22 @@ and falls back to the pure-PyTorch reference (with a warning).
 """
 import glob
 import os
+import re
 
 from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # qtorch (QPyTorch 0.3.0) and gfloat are independent oracles for the compat and reference tests
 TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja", "qtorch==0.3.0",
         "gfloat"]
 EXAMPLES = ["tqdm", "matplotlib", "scikit-learn"]
+
+
+def version():
+    """qtensor.__version__, read from the source (importing qtensor needs torch and _C)."""
+    with open(os.path.join(HERE, "qtensor", "__init__.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
 def extensions():
@@ -23,8 +32,7 @@ def extensions():
         from torch.utils import cpp_extension
     except ImportError:  # no torch yet: metadata-only (pip install torch first)
         return [], {}
-    here = os.path.dirname(os.path.abspath(__file__))
-    include = [os.path.join(here, "csrc"), os.path.join(here, "csrc", "include")]
+    include = [os.path.join(HERE, "csrc"), os.path.join(HERE, "csrc", "include")]
     # -O3 but no -march: the build must run on any x86-64 (AVX2/AVX-512 loops are picked at run
     # time).
     # -ffp-contract=off: no fused multiply-adds, every double operation is rounded as written.
@@ -55,9 +63,10 @@ ext_modules, cmdclass = extensions()
 
 setup(
     name="qtensor",
-    version="0.1.0",
+    version=version(),
     description="Low-precision arithmetic emulation for PyTorch: formats, fused kernels, QTensor",
     packages=find_packages(include=["qtensor*"]),
+    package_data={"qtensor": ["py.typed"]},  # PEP 561: the package's annotations are for users
     python_requires=">=3.9",
     install_requires=["torch"],
     extras_require={"test": TEST + EXAMPLES, "examples": EXAMPLES},

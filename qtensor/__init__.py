@@ -1,4 +1,6 @@
 """qtensor: low-precision arithmetic emulation for PyTorch."""
+__version__ = "0.1.0"  # the one place: setup.py reads it from here
+
 from .formats import (BlockFormat, FixedFormat, FloatFormat, Format, FormatError, PRESETS,
                       format)
 from . import reference
