@@ -26,7 +26,9 @@ papers it reproduces:
 - ``fp16``: QPyTorch's FloatingPoint(exp=5, man=10) for weights, activations, gradients, errors and
   momentum (examples/lp_train/half_baseline): QPyTorch floats have no Inf/NaN codes and
   saturate (max 131008) and its nearest rounding breaks ties away from zero; so does this preset.
-  For IEEE half with Inf, use ``qt.convert(model, qt.fp16)``.
+  For IEEE half with Inf, use ``qt.Recipe.uniform(qt.fp16)`` (momentum in FP16 too) or
+  ``qt.convert(model, qt.fp16)`` (FP32 master weights and optimizer state). The string ``"fp16"``
+  names both this preset and the format, so ``qt.convert`` refuses it (as ``"mxfp6"``).
 - ``block8``: 8-bit block floating point everywhere, one shared exponent per tensor, nearest
   rounding (QPyTorch's BlockFloatingPoint(wl=8) as used by examples/lp_train/block_baseline).
   Element grid: step 2^(e+2-wl) with e the exponent of the block's largest magnitude, magnitudes
