@@ -17,7 +17,7 @@ value in the format, optimizer state included, to study exactly that.
 
 A :class:`Recipe` gives each *role* a format. A role is ``None`` (full precision, below), a
 format / format string, or a pair ``(value_fmt, mm_fmt)``: the format the values live
-in, and the format they take as an operand of a contraction (DESIGN.md "Two formats per tensor";
+in, and the format they take as an operand of a contraction (README.md, "QTensor";
 e.g. ``(qt.bf16, qt.mxfp6_e3m2)``). A pair ``(None, mm_fmt)`` means FP32 values with that
 operand format. Roles:
 

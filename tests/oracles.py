@@ -1,10 +1,10 @@
-"""Slow, exact, independent oracles for the number formats of DESIGN.md.
+"""Slow, exact, independent oracles for the number formats (qtensor/formats.py, reference.py).
 
-Written from DESIGN.md's text with Python integers and ``fractions.Fraction``; they read only a
+Written from the contract's text with Python integers and ``fractions.Fraction``; they read only a
 format's *fields* (exp, man, bias, specials, ... / wl, fl, ...), never its computed properties or
 anything in qtensor.reference, so a bug there cannot hide here.
 
-Conventions (DESIGN.md "Formats: the numerical contract"):
+Conventions (the numerical contract):
 - Rounding picks one of the two neighbours lo <= |x| <= hi on the grid extended past max with the
   spacing of max's binade; it works on magnitudes and the sign of x is put back (so -0.0 results
   in float formats; fixed point has no negative zero, nor have integer block elements: +0.0).
@@ -30,7 +30,7 @@ NAN = float("nan")
 # Float formats, from their fields
 
 def float_fields(fmt):
-    """(exp, man, bias, subnormals, specials, saturate, signed) with DESIGN.md's default bias."""
+    """(exp, man, bias, subnormals, specials, saturate, signed) with FloatFormat's default bias."""
     bias = fmt.bias if fmt.bias is not None else 2 ** (fmt.exp - 1) - 1
     return fmt.exp, fmt.man, bias, fmt.subnormals, fmt.specials, fmt.saturate, fmt.signed
 
@@ -71,7 +71,7 @@ def float_codes(fmt) -> List[Tuple[int, float]]:
 
 
 def float_limits(fmt) -> Tuple[int, int, Fraction, Fraction]:
-    """(emin, emax, max, min_positive) straight from DESIGN.md's definitions."""
+    """(emin, emax, max, min_positive) straight from the contract's definitions."""
     exp, man, bias, subnormals, specials, _, signed = float_fields(fmt)
     if not signed:  # exponent-only: 2^-bias .. 2^(2^exp - 2 - bias)
         return -bias, 2 ** exp - 2 - bias, Fraction(2) ** (2 ** exp - 2 - bias), Fraction(2) ** -bias
@@ -168,7 +168,7 @@ def round_float(x, fmt, mode: Optional[str] = None):
 # Fixed point
 
 def fixed_range(fmt) -> Tuple[int, int]:
-    """(kmin, kmax) from DESIGN.md."""
+    """(kmin, kmax) from the contract (FixedFormat)."""
     if not fmt.signed:
         return 0, 2 ** fmt.wl - 1
     return -(2 ** (fmt.wl - 1)) + int(fmt.symmetric), 2 ** (fmt.wl - 1) - 1
@@ -220,7 +220,7 @@ def elem_limits(elem) -> Tuple[int, Fraction]:
 # Blocks
 
 def block_scale(amax: Fraction, fmt) -> Fraction:
-    """The shared scale X of a block with finite amax > 0 (DESIGN.md "Blocks")."""
+    """The shared scale X of a block with finite amax > 0 (BlockFormat's scale_rule)."""
     emax_elem, max_elem = elem_limits(fmt.elem)
     if fmt.scale_rule == "amax":  # the scale format's nearest value to the exact amax / max_elem
         return Fraction(round_float(amax / max_elem, fmt.scale, "nearest"))

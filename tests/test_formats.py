@@ -55,7 +55,7 @@ def test_float_preset_values(name):
 @pytest.mark.parametrize("name", list(FLOAT_PRESETS))
 def test_float_preset_specials(name):
     f = getattr(qt, name)
-    # DESIGN.md: ieee non-saturating for fp32/tf32/bf16/fp16/fp8_e5m2; fn saturating for
+    # the contract: ieee non-saturating for fp32/tf32/bf16/fp16/fp8_e5m2; fn saturating for
     # fp8_e4m3; none (saturating) for fp6/fp4; e8m0 has a NaN code and no Inf
     expected = {"fp8_e4m3": ("fn", True), "fp6_e3m2": ("none", True),
                 "fp6_e2m3": ("none", True), "fp4_e2m1": ("none", True),
@@ -95,7 +95,7 @@ def test_block_preset_values(name):
 
 
 def test_mx_element_emax():
-    """DESIGN.md: element emax 8, 15, 4, 2, 2 and 0 for INT8."""
+    """OCP MX v1.0: element emax 8, 15, 4, 2, 2 and 0 for INT8."""
     got = [getattr(qt, n).elem.emax for n in ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2",
                                              "mxfp6_e2m3", "mxfp4_e2m1", "mxint8"]]
     assert got == [8, 15, 4, 2, 2, 0]

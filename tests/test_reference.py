@@ -1,4 +1,4 @@
-"""The numerical contract of DESIGN.md, checked against independent oracles.
+"""The numerical contract (qtensor/reference.py, formats.py), checked against independent oracles.
 
 Every test runs both ``qt.quantize`` (which may use compiled kernels) and
 ``qtensor.reference.quantize`` (the ``quantize`` fixture of conftest.py). The oracles are
@@ -139,7 +139,7 @@ SMALL_ALL = {**SMALL_FLOATS, **SMALL_FIXED}
 @pytest.mark.parametrize("name", list(SMALL_ALL))
 def test_every_code_is_kept(quantize, name):
     """Each code's value (decoded independently) quantizes to itself, in every mode; specials per
-    DESIGN.md: NaN stays NaN, Inf stays Inf when not saturating, else becomes +-max."""
+    The contract: NaN stays NaN, Inf stays Inf when not saturating, else becomes +-max."""
     fmt = SMALL_ALL[name]
     if isinstance(fmt, FixedFormat):
         values = [v for v, _ in _grid(fmt)]
@@ -194,7 +194,7 @@ def test_between_neighbours_stochastic(quantize, name):
 
 @pytest.mark.parametrize("name", list(SMALL_FLOATS))
 def test_beyond_max(quantize, name):
-    """Overflow per DESIGN.md: the extended grid past max, then +-max (saturating) or +-Inf
+    """Overflow per the contract: the extended grid past max, then +-max (saturating) or +-Inf
     ("ieee") or NaN ("fn"); toward_zero gives +-max for finite values."""
     fmt = SMALL_FLOATS[name]
     _, emax, mx, _ = oracles.float_limits(fmt)
@@ -224,7 +224,7 @@ def test_beyond_max(quantize, name):
 
 
 def test_toward_zero_overflow_gives_max(quantize):
-    """DESIGN.md (IEEE 754 roundTowardZero): a finite value beyond max gives +-max in every
+    """The contract (IEEE 754 roundTowardZero): a finite value beyond max gives +-max in every
     format, also where overflow is otherwise Inf ("ieee") or NaN ("fn"); an Inf input follows the
     format's overflow rule (Inf, NaN, or max when saturating). Before: fp16 gave Inf for 70000."""
     inf, nan = float("inf"), float("nan")
@@ -271,7 +271,7 @@ def _negative_zeros(t: torch.Tensor) -> int:
                                  FixedFormat(16, 0), FixedFormat(12, 3, saturate=False)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_fixed_point_has_no_negative_zero(quantize, fmt, dtype):
-    """DESIGN.md: fixed point has no negative-zero code; a value that rounds to zero is +0.0
+    """The contract: fixed point has no negative-zero code; a value that rounds to zero is +0.0
     (the bits of 0.0), in every rounding mode and for -0.0 itself. Before: -0.0."""
     x = torch.tensor([-1e-9, -0.0, -0.01, 0.0, -0.03, -1e-30], dtype=dtype)
     for mode in MODES:
@@ -331,25 +331,25 @@ def _ml_cast(dtype):
     return lambda x: torch.from_numpy(x.numpy().astype(dtype).astype(np.float32))
 
 
-# (format, oracle, which values to compare, what the oracle does differently from DESIGN.md)
+# (format, oracle, which values to compare, what the oracle does differently from the contract)
 CAST_ORACLES = {
-    # torch >= 2.12 saturates e4m3fn casts to +-448 (Inf too), exactly DESIGN.md's fp8_e4m3.
+    # torch >= 2.12 saturates e4m3fn casts to +-448 (Inf too), exactly qtensor's fp8_e4m3.
     "torch.float8_e4m3fn": ("fp8_e4m3", _torch_cast(torch.float8_e4m3fn), "all"),
-    # torch's e5m2 overflows to +-Inf, exactly DESIGN.md's non-saturating "ieee" fp8_e5m2.
+    # torch's e5m2 overflows to +-Inf, exactly qtensor's non-saturating "ieee" fp8_e5m2.
     "torch.float8_e5m2": ("fp8_e5m2", _torch_cast(torch.float8_e5m2), "all"),
     "torch.bfloat16": ("bf16", _torch_cast(torch.bfloat16), "all"),
     "torch.float16": ("fp16", _torch_cast(torch.float16), "all"),
-    # ml_dtypes' e4m3fn turns overflow (and Inf) into NaN; DESIGN.md saturates: compare only
+    # ml_dtypes' e4m3fn turns overflow (and Inf) into NaN; qtensor saturates: compare only
     # values whose magnitude rounds to at most 448 (checked separately in test_cast_out_of_range).
     "ml_dtypes.float8_e4m3fn": ("fp8_e4m3", _ml_cast(ml_dtypes.float8_e4m3fn), "in_range"),
     "ml_dtypes.float8_e5m2": ("fp8_e5m2", _ml_cast(ml_dtypes.float8_e5m2), "all"),
-    # ml_dtypes' fp6/fp4 saturate like DESIGN.md but turn NaN into -0: NaN compared separately.
+    # ml_dtypes' fp6/fp4 saturate like qtensor but turn NaN into -0: NaN compared separately.
     "ml_dtypes.float6_e3m2fn": ("fp6_e3m2", _ml_cast(ml_dtypes.float6_e3m2fn), "not_nan"),
     "ml_dtypes.float6_e2m3fn": ("fp6_e2m3", _ml_cast(ml_dtypes.float6_e2m3fn), "not_nan"),
     "ml_dtypes.float4_e2m1fn": ("fp4_e2m1", _ml_cast(ml_dtypes.float4_e2m1fn), "not_nan"),
     # e8m0fnu: compare positive values from 2^-126 to 2^127. ml_dtypes (and torch's
     # float8_e8m0fnu) round float32 subnormal inputs in (2^-127, 2^-126) up to 2^-126 even when
-    # 2^-127 is nearer (e.g. 1.1 * 2^-127); DESIGN.md rounds to nearest: checked in
+    # 2^-127 is nearer (e.g. 1.1 * 2^-127); qtensor rounds to nearest: checked in
     # test_cast_out_of_range.
     "ml_dtypes.float8_e8m0fnu": ("e8m0", _ml_cast(ml_dtypes.float8_e8m0fnu), "e8m0_range"),
 }
@@ -383,7 +383,7 @@ def test_bit_exact_vs_casts(quantize, oracle):
 
 
 def test_cast_out_of_range(quantize):
-    """Where the oracles above were not compared: DESIGN.md's answers."""
+    """Where the oracles above were not compared: the contract's answers."""
     x = t32([464.0, 500.0, 1e30, float("inf"), -464.0, -1e30, float("-inf"), float("nan")])
     assert_bits_equal(quantize(x, "fp8_e4m3"),
                       t32([448, 448, 448, 448, -448, -448, -448, float("nan")]), "e4m3 saturates")
@@ -724,7 +724,7 @@ def test_block_tiny_and_huge(quantize):
 
 @pytest.mark.xfail(strict=True, reason=(
     "known issue (reported): with the ceil rule, amax near float32's max gives X = 2^126 for "
-    "fp4 and the element 4, so X * 4 = 2^128 is Inf in the float32 carrier; DESIGN.md does not "
+    "fp4 and the element 4, so X * 4 = 2^128 is Inf in the float32 carrier; the contract does not "
     "say what a saturating block format should give there"))
 def test_block_ceil_top_of_float32(quantize):
     x = t32([torch.finfo(F32).max, 1.0])
@@ -872,7 +872,7 @@ def test_mx_vs_gfloat(quantize, name, gfi):
         for s in range(0, 64, 32):
             expected[r, s:s + 32] = _gfloat.quantize_block(
                 fi, x[r, s:s + 32].double().numpy(), _gfloat.compute_scale_amax)
-    # gfloat returns +0 for -0 inputs; compare the sign of zeros against DESIGN.md instead
+    # gfloat returns +0 for -0 inputs; compare the sign of zeros against the contract instead
     # (signed for float elements, +0 for MXINT8's integers)
     q = quantize(x, name)
     e = torch.from_numpy(expected).to(F32)

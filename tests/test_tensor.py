@@ -235,7 +235,7 @@ def test_mm_blocks_operands_along_the_reduction_dim():
 
 
 def test_mx_linear_forward_and_backward_blockings():
-    """The MX linear layer (DESIGN.md): exact blockings forward and backward.
+    """The MX linear layer (mm_fmt, README.md): exact blockings forward and backward.
 
     float64 payloads make every product and sum exact, so the result does not depend on the
     GEMM's summation order and the comparison is bit for bit.

@@ -36,7 +36,7 @@ How ``recipe`` maps microxcaling's MX Linear/matmul (see ``_ROLE_KEYS``):
   ``round_mx_grad_output_grad_input``): the gradient entering the input-gradient product.
 - ``optimizer_state``: None (microxcaling does not round torch optimizers' state).
 
-As DESIGN.md (and microxcaling's Linear) prescribe, the MX rounding happens per use, from the
+As qtensor's mm_fmt and microxcaling's Linear do, the MX rounding happens per use, from the
 bfloat values, along each contraction's reduction axis, in every linear/matmul/conv.
 
 What one tensor-carried operand format cannot express, and how it is approximated (a warning names
@@ -60,7 +60,7 @@ the key when a spec relies on it):
   ``vec_use_exp2``, ``vec_use_recip``, ``round_m`` (microxcaling's own optimizers);
   ``custom_cuda`` is an execution detail and ignored silently.
 
-Where microxcaling's numerics are wrong, qtensor follows DESIGN.md:
+Where microxcaling's numerics are wrong, qtensor follows its contract (qtensor/reference.py):
 
 - shared exponent: microxcaling computes floor(log2(amax)) with float32 ``torch.log2``, which
   returns the next integer for amax just below a power of two (e.g. block [1048575.94, 4.0] in
@@ -311,7 +311,7 @@ def quantize_mx(x: torch.Tensor, elem_format, block_size: int = 32, axis: int = 
                 shared_exp_method: str = "max") -> torch.Tensor:
     """x in MX(elem_format) with blocks of ``block_size`` along ``axis`` (0: the whole axis).
 
-    microxcaling's ``_quantize_mx`` with DESIGN.md's exact shared exponent.
+    microxcaling's ``_quantize_mx`` with qtensor.reference's exact shared exponent.
     """
     fmt = mx_format(elem_format, block_size, round, axis=axis, scale_bits=scale_bits,
                     shared_exp_method=shared_exp_method)

@@ -42,7 +42,7 @@ Deliberate differences from QPyTorch (where it is wrong or undefined):
 
 - NaN stays NaN (QPyTorch's float_quantize turns it into +-max or +-0).
 - float_quantize keeps -0.0, and a negative value that rounds to zero gives -0.0 (QPyTorch gives
-  +0.0). Fixed point and block floating point have no negative zero (+0.0, DESIGN.md), except on
+  +0.0). Fixed point and block floating point have no negative zero (+0.0, FixedFormat), except on
   the unclamped and wider-than-24-bit fixed-point paths, which compute QPyTorch's expression.
 - man=23 does not flip the sign (QPyTorch's nearest shifts by -1 bits there, issue #48); block
   word lengths of 23 and 24 are rounded correctly (QPyTorch's shifts are undefined there).
