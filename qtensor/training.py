@@ -476,7 +476,12 @@ class LossScaler:
 
     def step(self, optimizer, *args, **kwargs):
         """Unscale (if not done yet) and run ``optimizer.step()`` unless a gradient overflowed.
-        Returns the step's return value, or None when the step was skipped."""
+        Returns the step's return value, or None when the step was skipped. A closure is refused
+        (as by torch.amp.GradScaler): its gradients would come after the unscaling."""
+        if args or kwargs.get("closure") is not None:
+            raise TypeError("LossScaler.step does not take a closure (the closure's gradients "
+                            "would not be unscaled): call scaler.scale(loss).backward() and then "
+                            "scaler.step(optimizer), as with torch.amp.GradScaler")
         rec = self._record(optimizer)
         if not rec["unscaled"]:
             self.unscale_(optimizer)

@@ -367,6 +367,24 @@ def test_loss_scaler_power_of_two_scales_accepted_and_update_checked():
     assert qt.LossScaler.from_recipe(qt.Recipe(loss_scale=512)).get_scale() == 512.0
 
 
+def test_loss_scaler_refuses_a_closure():
+    x, y = toy()
+    model = qt.convert(mlp(), qt.bf16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = qt.LossScaler(2.0 ** 8)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        return loss
+    closure()
+    with pytest.raises(TypeError, match="closure"):
+        scaler.step(opt, closure)
+    with pytest.raises(TypeError, match="closure"):
+        scaler.step(opt, closure=closure)
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. describe prints once; warnings point at the caller, once per conversion
 
