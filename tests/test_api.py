@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 
@@ -109,3 +110,19 @@ def test_py_typed_is_shipped(tmp_path):
     r = _python("setup.py", "-q", "build_py", "--build-lib", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "qtensor" / "py.typed").is_file()
+
+
+def test_cited_documents_exist():
+    """Every document a docstring or comment cites (as README.md, RESULTS.md) is in the repo."""
+    have, cited = set(), {}
+    for top in ("qtensor", "csrc", "tests", "examples", "benchmarks", "scripts", "."):
+        for folder, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [] if top == "." else [d for d in dirs if not d.startswith((".", "_"))]
+            for name in files:
+                have.add(name)
+                if name.endswith((".py", ".cpp", ".h", ".cu", ".cuh", ".md", ".sh")):
+                    with open(os.path.join(folder, name), encoding="utf-8") as f:
+                        for doc in re.findall(r"\b[A-Z][A-Z_]*\.md\b", f.read()):
+                            cited.setdefault(doc, os.path.relpath(os.path.join(folder, name), ROOT))
+    missing = {doc: where for doc, where in cited.items() if doc not in have}
+    assert not missing, f"cited but not in the repository: {missing}"

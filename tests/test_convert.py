@@ -695,7 +695,7 @@ def test_recipes_documented():
     assert m.mxfp4_weights.weight.mm_fmt == qt.mxfp4_e2m1
     assert m.mxfp4_weights.activation.mm_fmt == qt.mxfp6_e3m2
     assert m.mx_all(qt.mxint8).weight.fmt == qt.mxint8
-    # QPyTorch's block floating point grid: block max 100 with wl=4 rounds to 96 (ANCHORS.md);
+    # QPyTorch's block floating point grid: block max 100 with wl=4 rounds to 96 (as in QPyTorch);
     # with wl=8 (block8): step 2^(6+2-8) = 1, magnitudes up to 127
     b8 = m.block8.weight.fmt
     x = torch.tensor([100.0, 0.3, -37.4, 1000.0])

@@ -666,7 +666,7 @@ def test_block_power_of_two_amax(quantize):
 
 
 def test_anchor_microxcaling_off_by_one(quantize):
-    """ANCHORS.md: [1048575.94, 4.0] in mxfp8_e4m3 is [917504, 4] (microxcaling's log2 gives
+    """A known value: [1048575.94, 4.0] in mxfp8_e4m3 is [917504, 4] (microxcaling's log2 gives
     [1048576, 8])."""
     x = torch.tensor([1048575.94, 4.0])
     assert x[0].item() == 1048575.9375
@@ -783,7 +783,7 @@ def test_nvfp4(quantize):
     # amax / 6 = 3.3 / 6 = 0.55 -> e4m3 0.5625; elements x / 0.5625 exactly
     x = t32([3.3, 1.0, -0.7] + [0.0] * 13)
     assert_bits_equal(quantize(x, "nvfp4"), block_oracle(x, qt.nvfp4), "X=0.5625", x)
-    # amax / 6 in E4M3's subnormal range (torchao's scale differs there, ANCHORS.md)
+    # amax / 6 in E4M3's subnormal range (torchao's scale differs there)
     for amax in [0.05, 0.01, 0.003, 0.0015, 2.0 ** -9 * 6, 2.0 ** -10 * 6, 1e-4]:
         x = t32([amax, amax / 2, -amax / 7, amax / 3] + [0.0] * 12)
         assert_bits_equal(quantize(x, "nvfp4"), block_oracle(x, qt.nvfp4), f"amax {amax}", x)
@@ -834,7 +834,7 @@ def test_mxint8():
 
 
 def test_qpytorch_block_floating_point(quantize):
-    """QPyTorch's block_quantize (ANCHORS.md) is a BlockFormat of symmetric wl-bit integers with
+    """QPyTorch's block_quantize is a BlockFormat of symmetric wl-bit integers with
     wl - 2 fraction bits over the whole tensor: block max 100, wl=4 -> 96."""
     bfp4 = BlockFormat(FixedFormat(4, 2, symmetric=True), None, axis=None)
     assert quantize(t32([100.0, 3.0, -50.0]), bfp4).tolist() == [96.0, 0.0, -48.0]
