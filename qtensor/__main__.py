@@ -3,7 +3,7 @@ import argparse
 
 import torch
 
-from . import PRESETS, quantize
+from . import PRESETS, __version__, quantize
 
 
 def format_table(n: int = 1 << 16, seed: int = 0) -> str:
@@ -30,6 +30,7 @@ def format_table(n: int = 1 << 16, seed: int = 0) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m qtensor", description=__doc__)
     parser.add_argument("--n", type=int, default=1 << 16, help="samples per format")
+    parser.add_argument("--version", action="version", version=f"qtensor {__version__}")
     args = parser.parse_args(argv)
     print(format_table(args.n))
 

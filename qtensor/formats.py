@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 __all__ = [
-    "ROUNDING_MODES", "SPECIALS", "SCALE_RULES", "Format", "FloatFormat", "FixedFormat",
-    "BlockFormat", "format", "PRESETS",
+    "ROUNDING_MODES", "SPECIALS", "SCALE_RULES", "Format", "FormatError", "FloatFormat",
+    "FixedFormat", "BlockFormat", "format", "PRESETS", "ALIASES",
 ]
 
 ROUNDING_MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")

@@ -102,6 +102,8 @@ def test_version_is_the_installed_one_and_setup_py_s():
     r = _python("setup.py", "-q", "--version")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == qt.__version__
+    r = _python("-m", "qtensor", "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"qtensor {qt.__version__}", r.stderr[-3000:]
 
 
 def test_py_typed_is_shipped(tmp_path):
