@@ -605,6 +605,11 @@ class _GradHook:
         self.plan = plan  # plan.grad is Role() (a plain gradient) for parameters left plain
 
     def __call__(self, g):
+        if g.layout == torch.sparse_coo:  # nn.Embedding(sparse=True): round the values
+            g = g.coalesce()
+            v = _plain(round_to(g.values(), self.plan.grad, name=f"gradient of {self.plan.name}"))
+            return torch.sparse_coo_tensor(g.indices(), v, g.shape, is_coalesced=True,
+                                           check_invariants=False)  # indices of g
         return round_to(g, self.plan.grad, name=f"gradient of {self.plan.name}")
 
 

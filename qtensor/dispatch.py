@@ -27,11 +27,17 @@ QTensor among the i-th elements. In-place ops and ``out=`` round into the destin
 floating tensors that meet a QTensor are treated as high-precision values: the result is still a
 QTensor (rounded to the QTensor's format); Python scalars are ordinary constants.
 
-Block formats (``fmt`` a BlockFormat): ``axis`` names the dimension the values are blocked along.
-transpose/t/permute move it with the data (``x.t()`` of a matrix blocked along -1 is blocked along
-0); other views keep it unchanged. Where an output lacks that dimension (e.g. a reduction to a
-vector), its last dimension is used. An in-place op on a view of a block-formatted tensor
-re-rounds the view's elements as blocks of their own (not the whole blocks of the base).
+Block formats (``fmt`` a BlockFormat): ``axis`` names the dimension the values are blocked along,
+and it follows that dimension (one rule, ``_block_axis_out``): transpose/t/permute move it with
+the data (``x.t()`` of a matrix blocked along -1 is blocked along 0); reshapes, views and
+(un)squeeze follow it by shape (also where it is split or merged in rows of whole blocks); ops
+that remove their ``dim`` (reductions, select) or insert one (stack) shift it. Where an output
+lacks that dimension (a reduction over it, a reshape across blocks), its last dimension is used.
+Data-movement ops whose blocks do not survive (that dimension gone, or changed length: cat,
+index, gather, embedding rows) re-round their output, except views: they alias their base, so
+they keep its values (not all in format when viewed across blocks, e.g. a slice through a
+block). An in-place op on a view of a block-formatted tensor re-rounds the view's elements as
+blocks of their own (not the whole blocks of the base).
 
 Contraction blockings (a BlockFormat ``mm_fmt`` has its ``axis`` replaced by the reduction axis
 of each use; ``axis=None``, one block per tensor, is kept):
@@ -171,7 +177,7 @@ class Rule:
     """What dispatch needs to know about one op overload (computed once, cached)."""
 
     __slots__ = ("kind", "name", "mutated", "out_alias", "is_view", "inplace_view", "order",
-                 "transpose", "returns_void")
+                 "transpose", "returns_void", "dim_pos", "dim_default")
 
     def __init__(self, func):
         packet = func._opname
@@ -205,6 +211,9 @@ class Rule:
         self.inplace_view = torch.Tag.inplace_view in func.tags
         self.order = _FORMAT_ORDER.get(packet)
         self.transpose = packet in _TRANSPOSES
+        self.dim_pos = next((i for i, a in enumerate(schema.arguments) if a.name == "dim"), None)
+        self.dim_default = (None if self.dim_pos is None
+                            else schema.arguments[self.dim_pos].default_value)
 
 
 _RULES: dict = {}
@@ -271,6 +280,77 @@ def _transposed_fmt(fmt, func, args, in_ndim):
         new = 1 - ax
     new_axis = -1 if new == in_ndim - 1 and fmt.axis < 0 else new
     return with_axis(fmt, new_axis)
+
+
+def _reshaped_axis(in_shape, a, out_shape, block_size):
+    """The output dim that holds the same blocks as input dim ``a`` after a reshape, or None.
+
+    Elements keep their row-major order, so dim a spans the flat range of rows [P, P*n). An
+    output dim j holds the same blocks if it is that dim (same size, same prefix), or ends where
+    it ends and splits it into rows of whole blocks or merges whole-block rows of it.
+    """
+    n = in_shape[a]
+    pre_in = 1
+    for d in in_shape[:a]:
+        pre_in *= d
+    end = pre_in * n
+    pre = 1
+    found = None
+    for j, size in enumerate(out_shape):
+        lo, pre = pre, pre * size
+        if lo == pre_in and size == n:
+            return j
+        if (found is None and pre == end and block_size is not None and size and n
+                and (size % n == 0 and n % block_size == 0
+                     or n % size == 0 and size % block_size == 0)):
+            found = j
+    return found
+
+
+def _block_axis_out(fmt, rule, args, kwargs, in_shape, out_shape):
+    """(fmt with its block axis where the input's blocks went, whether they survived).
+
+    transpose/permute move it; reshapes, views and (un)squeeze follow the dimension by shape;
+    ops that remove their ``dim`` (reductions, select, unbind) or insert it (stack) shift it.
+    When the blocked dimension is gone (reduced over, or reshaped across blocks) the result is
+    blocked along its last dimension and the blocks did not survive (the caller re-rounds).
+    """
+    nin, nout = len(in_shape), len(out_shape)
+    if nin == 0 or tuple(in_shape) == tuple(out_shape):
+        return fmt, True
+    a = fmt.axis % nin
+    new = None
+    numel_in = numel_out = 1
+    for d in in_shape:
+        numel_in *= d
+    for d in out_shape:
+        numel_out *= d
+    if nin != nout and numel_in == numel_out:
+        new = _reshaped_axis(in_shape, a, out_shape, fmt.block_size)
+        kept = new is not None
+    else:
+        if nin == nout:
+            new = a
+        elif rule.dim_pos is not None:
+            dims = (args[rule.dim_pos] if rule.dim_pos < len(args)
+                    else (kwargs or {}).get("dim", rule.dim_default))
+            if dims is None or (not isinstance(dims, int) and len(dims) == 0):
+                dims = range(nin)  # a full reduction
+            elif isinstance(dims, int):
+                dims = (dims,)
+            if nout < nin and all(isinstance(d, int) for d in dims):  # dims removed
+                removed = {d % nin for d in dims}
+                if len(removed) == nin - nout and a not in removed:
+                    new = a - sum(d < a for d in removed)
+            elif nout == nin + 1 and len(dims) == 1:  # a dim inserted (stack)
+                new = a + (dims[0] % nout <= a)
+        elif nout > nin:  # broadcast: dims are added in front
+            new = a + nout - nin
+        # the blocks survive only where the blocked dim keeps its length (not cat, index, ...)
+        kept = new is not None and out_shape[new] == in_shape[a]
+    if new is None:
+        return with_axis(fmt, -1), False
+    return with_axis(fmt, new - nout if fmt.axis < 0 else new), kept
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -540,13 +620,13 @@ def dispatch(func, args, kwargs):
                 if q.fmt is not fmt and q.fmt != fmt:
                     rnd = True
                     break
-        if rule.transpose and not rnd:
-            fmt = _transposed_fmt(fmt, func, uargs, src.dim())
         cond = _MOVE_IF.get(func._opname)
         if cond is not None and not rnd:
             rnd = not cond(uargs, ukwargs, src)
     else:
         rnd = True
+    if type(fmt) is BlockFormat and fmt.axis is not None:
+        fmt, rnd = _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd)
 
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
@@ -554,6 +634,23 @@ def dispatch(func, args, kwargs):
     if rule.is_view and _has_q(out):
         return return_and_correct_aliasing(func, args, kwargs, out)
     return out
+
+
+def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
+    """The output's block format, and whether to round: moved values whose blocks did not
+    survive are re-rounded, except by views (they must alias their base)."""
+    first = out
+    if isinstance(out, (tuple, list)):  # values first (max.dim, sort); a list (split, unbind)
+        first = next((o for o in out if isinstance(o, torch.Tensor)), None)
+    if not isinstance(first, torch.Tensor):
+        return fmt, rnd
+    in_shape = src.shape  # the wrapper's: an in-place view op has changed the payload already
+    if rule.transpose:
+        return _transposed_fmt(fmt, func, uargs, len(in_shape)), rnd
+    fmt, kept = _block_axis_out(fmt, rule, uargs, ukwargs, in_shape, first.shape)
+    if not kept and rule.kind == MOVE_KIND and not rule.is_view and not rule.inplace_view:
+        rnd = True
+    return fmt, rnd
 
 
 def _has_q(out):
@@ -576,7 +673,7 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
                 if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs)):
                     _round_inplace(d)
     if rule.inplace_view:
-        if rule.transpose and isinstance(args[0], QTensor):  # t_/transpose_: the block axis moves
+        if isinstance(args[0], QTensor):  # t_, unsqueeze_, ...: the block axis moves
             args[0].fmt = fmt
         return return_and_correct_aliasing(func, args, kwargs, out)
     if rule.returns_void:

@@ -34,6 +34,7 @@ from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _p
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 
 _PAYLOAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_TENSOR_DATA = torch._C.TensorBase.data  # the C getter/setter of Tensor.data
 
 
 def _code_version() -> str:
@@ -151,6 +152,50 @@ class QTensor(torch.Tensor):
     def tolist(self):
         """The values as (nested) Python floats."""
         return self._data.tolist()
+
+    def __format__(self, format_spec):
+        # as torch.Tensor: a 0-dim tensor formats as its number (f"{loss:.4f}")
+        if self.dim() == 0 and not self.is_meta:
+            return self._data.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
+    # -- .data, memory and foreign exports: all act on the payload (the wrapper holds none) -----
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        """``t.data = new`` replaces the values: a QTensor brings its payload and formats (as a
+        plain tensor brings its dtype); a plain floating tensor is rounded into t's formats."""
+        if not isinstance(new, QTensor):
+            if not isinstance(new, torch.Tensor):
+                raise TypeError(f"QTensor.data must be a tensor, got {type(new).__name__}")
+            new = as_qtensor(new.detach(), _dispatch.fit_format(self.fmt, new.dim()),
+                             mm_fmt=self.mm_fmt)
+        _TENSOR_DATA.__set__(self, new)  # sizes, strides, dtype, device of the wrapper
+        self._data, self.fmt, self.mm_fmt = new._data, new.fmt, new.mm_fmt
+
+    def untyped_storage(self):
+        """The payload's storage: ``share_memory_()``, ``is_shared()``, ``storage()`` and
+        ``set_(q.untyped_storage())`` see the values (the wrapper's own storage has no data).
+        While torch.compile traces, the wrapper's own (it describes the outer tensor's aliasing
+        to fake tensors, which must not share storage with their payloads)."""
+        if torch.compiler.is_compiling() or type(self._data) is not torch.Tensor:
+            return super().untyped_storage()
+        return self._data.untyped_storage()
+
+    def __dlpack__(self, *args, **kwargs):
+        """Exports the payload (the values), as ``numpy()`` does."""
+        if self.requires_grad:
+            raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+        return self._data.__dlpack__(*args, **kwargs)
+
+    def apply_(self, callable):
+        """As ``Tensor.apply_`` (CPU); the results are rounded into the format, as any op's."""
+        new = self._data.clone()
+        new.apply_(callable)
+        return self.copy_(new)
 
     def numpy(self, *, force: bool = False):
         """The values as a NumPy array (sharing the payload's memory, as Tensor.numpy does)."""

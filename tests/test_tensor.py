@@ -458,3 +458,212 @@ def test_block_rounding_on_a_moved_view_matches_quantize(fmt):
             expected = qt.quantize(x, f)
             for keep in (True, False):
                 assert_bits_equal(dispatch.quantize(x, f, keep_layout=keep), expected, f"{f} {keep}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor protocol corners: .data =, shared memory, DLPack, apply_, storages, formatting
+
+def _converted_linear(recipe="bf16"):
+    torch.manual_seed(0)
+    return qt.convert(nn.Linear(4, 3), qt.Recipe.uniform(recipe))
+
+
+def _train_step(m, x):
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(x).square().sum().backward()
+    opt.step()
+
+
+def test_data_assignment_on_converted_params_takes_effect():
+    """``m.weight.data = t`` (weight init, EMA code) replaces the values used from then on."""
+    m = _converted_linear()
+    w_new, x = torch.randn(3, 4), torch.randn(2, 4)
+    m.weight.data = w_new  # plain: rounded into the parameter's format
+    w = m.weight
+    assert isinstance(w, qt.QTensor) and isinstance(w, nn.Parameter) and w.requires_grad
+    assert_q(w.detach(), qt.quantize(w_new, qt.bf16), qt.bf16)
+    # the same model built from those weights: same forward, same SGD step, bit for bit
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    ref.weight.data = w_new
+    ref = qt.convert(ref, qt.Recipe.uniform("bf16"))
+    assert_bits_equal(m(x).dequantize(), ref(x).dequantize())
+    _train_step(m, x)
+    _train_step(ref, x)
+    assert_q(m.weight.detach(), ref.weight.dequantize(), qt.bf16)
+    # a QTensor brings its payload and formats (as a plain tensor brings its dtype)
+    ema = q(torch.randn(3, 4), "fp8_e4m3", mm_fmt=MX6)
+    m.weight.data = ema
+    assert m.weight.fmt == qt.fp8_e4m3 and m.weight.mm_fmt == MX6
+    assert_bits_equal(m.weight.dequantize(), ema.dequantize())
+    # EMA written with .data on both sides
+    e = _converted_linear()
+    e.weight.data = 0.5 * e.weight.data + 0.5 * m.weight.data
+    assert e.weight.fmt == qt.bf16 and in_format(e.weight)
+    with pytest.raises(TypeError, match="int64"):
+        m.weight.data = torch.ones(3, 4, dtype=torch.long)
+
+
+def test_data_assignment_on_block_format_rounds_along_its_axis():
+    t = q(torch.randn(4, 64), mx(MX6, 0))
+    new = torch.randn(4, 64) * torch.logspace(-3, 3, 64)
+    t.data = new
+    assert_q(t, qt.quantize(new, mx(MX6, 0)), mx(MX6, 0))
+
+
+def _run_python(code):
+    import subprocess
+    import sys
+    prelude = "import torch, numpy as np, qtensor as qt\nfrom torch import nn\n"
+    r = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode} (negative: killed by a signal)\n{r.stderr}"
+    return r.stdout
+
+
+def test_share_memory_shares_the_payload():
+    """model.share_memory() and q.share_memory_() put the values in shared memory: a forked
+    child's in-place update is seen by the parent (they segfaulted)."""
+    out = _run_python("""
+m = qt.convert(nn.Linear(4, 3), qt.Recipe.uniform("bf16"))
+assert m.share_memory() is m
+assert all(p.is_shared() and isinstance(p, qt.QTensor) for p in m.parameters())
+q = qt.as_qtensor(torch.arange(4.0), "bf16")
+assert not q.is_shared() and q.share_memory_() is q and q.is_shared()
+def child(q, w):
+    with torch.no_grad():
+        q.add_(1.001)
+        w.zero_()
+p = torch.multiprocessing.get_context("fork").Process(target=child, args=(q, m.weight))
+p.start(); p.join()
+assert p.exitcode == 0
+print(q.dequantize().tolist(), m.weight.abs().sum().item(), q.fmt)
+""")
+    assert out.split() == ["[1.0,", "2.0,", "3.0,", "4.0]", "0.0", "bf16"]
+
+
+def test_dlpack_apply_and_storage_do_not_crash():
+    out = _run_python("""
+q = qt.as_qtensor(torch.tensor([1.0, 2.5, -3.0]), "fp8_e4m3")
+# DLPack exports the values (as numpy() does)
+print(torch.from_dlpack(q).tolist(), np.from_dlpack(q).tolist())
+try:
+    q.clone().requires_grad_().__dlpack__()
+except RuntimeError as e:
+    print("grad:", "detach" in str(e))
+# apply_ computes, so it rounds into the format
+r = q.clone().apply_(lambda v: v * 1.1)
+print(type(r).__name__, r.fmt, r.dequantize().tolist())
+# the storage holds the values
+s = q.untyped_storage()
+print(torch.empty(0).set_(s).tolist(), q.storage().tolist())
+""")
+    lines = out.splitlines()
+    assert lines[0] == "[1.0, 2.5, -3.0] [1.0, 2.5, -3.0]"
+    assert lines[1] == "grad: True"
+    assert lines[2] == "QTensor fp8_e4m3 [1.125, 2.75, -3.25]"
+    assert lines[3] == "[1.0, 2.5, -3.0] [1.0, 2.5, -3.0]"
+
+
+def test_sparse_embedding_trains_in_a_converted_model():
+    """nn.Embedding(sparse=True): the sparse gradient's values are rounded to the gradient
+    format and SGD applies it (backward crashed)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    dense = copy.deepcopy(m)
+    dense[0].sparse = False
+    m, dense = (qt.convert(k, qt.Recipe.uniform("bf16")) for k in (m, dense))
+    idx = torch.tensor([1, 2, 3, 2])
+    for k in (m, dense):
+        _train_step(k, idx)
+    g = m[0].weight.grad
+    assert g.is_sparse and torch.equal(g.coalesce().values(), qt.quantize(g.coalesce().values(), qt.bf16))
+    assert_bits_equal(g.to_dense(), dense[0].weight.grad.dequantize())
+    assert_q(m[0].weight.detach(), dense[0].weight.dequantize(), qt.bf16)
+
+
+def test_format_of_a_zero_dim_loss():
+    m = _converted_linear()
+    loss = m(torch.randn(2, 4)).square().mean()
+    assert isinstance(loss, qt.QTensor)
+    assert f"{loss:.4f}" == f"{loss.item():.4f}" and f"{loss}" == f"{loss.item()}"
+    with pytest.raises(TypeError):
+        f"{m.weight:.4f}"  # as for a plain tensor with dims
+
+
+# ---------------------------------------------------------------------------------------------
+# Block formats: the block axis follows its dimension through views and reductions
+
+def _assert_blocks_follow(t, expected_axis, expected_vals):
+    assert t.fmt.axis == expected_axis or t.fmt.axis % t.dim() == expected_axis % t.dim(), \
+        f"axis {t.fmt.axis} != {expected_axis}"
+    assert_bits_equal(t.dequantize(), expected_vals)
+    assert in_format(t), "values not in format"
+
+
+@pytest.mark.parametrize("axis", [0, -1])
+def test_block_axis_follows_views(axis):
+    torch.manual_seed(0)
+    x = torch.randn(6, 64) * torch.logspace(-4, 4, 64)
+    x = x.t().contiguous() if axis == 0 else x  # blocks of 32 along the 64-long dim
+    f = mx(MX6, axis)
+    t = q(x, f)
+    v = t.dequantize()
+    ax = axis % 2
+    _assert_blocks_follow(t.unsqueeze(0), ax + 1, v.unsqueeze(0))
+    _assert_blocks_follow(t.unsqueeze(-1), ax, v.unsqueeze(-1))
+    _assert_blocks_follow(t.unsqueeze(1), 0 if ax == 0 else 2, v.unsqueeze(1))
+    _assert_blocks_follow(t.unsqueeze(0).squeeze(0), ax, v)
+    _assert_blocks_follow(t.permute(1, 0), 1 - ax, v.permute(1, 0))
+    shape = (1,) + tuple(x.shape) + (1,)
+    _assert_blocks_follow(t.view(shape), ax + 1, v.view(shape))
+    _assert_blocks_follow(t.reshape(shape).squeeze(), ax, v)
+    w = t.clone()
+    w.unsqueeze_(0)
+    _assert_blocks_follow(w, ax + 1, v.unsqueeze(0))
+    # the 64-long axis split in two 32-long halves: each block is a row of the inner half
+    split = (2, 32, 6) if ax == 0 else (6, 2, 32)
+    _assert_blocks_follow(t.reshape(split), 1 if ax == 0 else 2, v.reshape(split))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_block_axis_through_reductions(axis):
+    torch.manual_seed(0)
+    x = torch.randn(5, 64, 3) * torch.logspace(-4, 4, 3)
+    f = mx(MX6, axis)
+    t = q(x, f)
+    v = t.dequantize()
+    # reduced over another dimension: the blocks stay along the same logical dimension
+    s = t.sum(2)
+    _assert_blocks_follow(s, axis, qt.quantize(v.sum(2), mx(MX6, axis)))
+    if axis == 1:  # a dimension before it goes: the axis number moves down
+        s = t.sum(0)
+        _assert_blocks_follow(s, 0, qt.quantize(v.sum(0), mx(MX6, 0)))
+        s = t.sum((0, 2))
+        _assert_blocks_follow(s, 0, qt.quantize(v.sum((0, 2)), mx(MX6, 0)))
+    m = t.mean(0, keepdim=True)
+    _assert_blocks_follow(m, axis, qt.quantize(v.mean(0, keepdim=True), f))
+    # over the block axis: the last dimension of the result (re-rounded, in format)
+    r = t.amax(axis)
+    assert r.fmt.axis == -1 and in_format(r)
+    assert_bits_equal(r.dequantize(), qt.quantize(v.amax(axis), mx(MX6, -1)))
+
+
+def test_block_axis_through_stack_cat_and_embedding():
+    torch.manual_seed(0)
+    x = torch.randn(40, 5) * torch.logspace(-4, 4, 5)
+    f = mx(MX6, 0)  # blocks of 32 along the 40-long dim: a full block and a short one
+    t = q(x, f)
+    v = t.dequantize()
+    _assert_blocks_follow(torch.stack([t, t], 0), 1, torch.stack([v, v], 0))
+    _assert_blocks_follow(torch.stack([t, t], -1), 0, torch.stack([v, v], -1))
+    _assert_blocks_follow(t.expand(3, 40, 5), 1, v.expand(3, 40, 5))
+    # moved values whose blocks break are re-rounded (a copy, not a view)
+    c = torch.cat([t, t], 0)
+    assert c.fmt == f and in_format(c)
+    assert_bits_equal(c.dequantize(), qt.quantize(torch.cat([v, v], 0), f))
+    # an embedding table blocked along the vocabulary: the rows it picks are re-blocked
+    e = F.embedding(torch.tensor([[3, 1], [0, 2]]), t)
+    assert in_format(e)
+    assert_bits_equal(e.dequantize(), qt.quantize(F.embedding(torch.tensor([[3, 1], [0, 2]]), v),
+                                                  e.fmt))
