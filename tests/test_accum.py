@@ -5,6 +5,7 @@ output element with Python integers and Fractions, independently of torch; the r
 the compiled kernel must give its bits exactly (compared as int32 patterns).
 """
 import math
+import os
 import zlib
 from fractions import Fraction
 
@@ -340,3 +341,23 @@ def test_kernel_argument_errors():
         torch.ops.qtensor.accum_matmul(a.double(), b, *good)
     with pytest.raises(RuntimeError, match=r"do not multiply"):
         torch.ops.qtensor.accum_matmul(a, b[:, :5], *good)
+
+
+@needs_kernel
+def test_kernel_baseline_isa_path():
+    # the loops are compiled for the baseline and for AVX2; QTENSOR_CPU_ISA=base forces the first
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); import test_accum as T\n"
+        "from qtensor import accum\n"
+        "for f in T.FORMATS:\n"
+        "    for kind in T.INPUTS:\n"
+        "        a, b = T.INPUTS[kind](torch.Generator().manual_seed(3))\n"
+        "        want = accum.accum_matmul_reference(a, b, f)\n"
+        "        assert torch.equal(T.bits(accum.accum_matmul(a, b, f)), T.bits(want)), (f, kind)\n")
+    env = dict(os.environ, QTENSOR_CPU_ISA="base")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -9,8 +9,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
-#include <vector>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "qtensor/accum.h"
 
@@ -41,6 +47,32 @@ qtensor::AccumSpec make_spec(int64_t chunk, int64_t frac_bits, int64_t group, in
   return s;
 }
 
+// The vectorized path (group == 1), compiled twice: for the baseline and for AVX2.
+constexpr int W = 8;  // output columns per call: the SIMD lanes
+namespace accum_base {
+#include "cpu/accum_lanes.h"
+}  // namespace accum_base
+#if defined(__x86_64__) && defined(__GNUC__)
+#define QT_ACCUM_AVX2 1
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace accum_avx2 {
+#include "cpu/accum_lanes.h"
+}  // namespace accum_avx2
+#pragma GCC pop_options
+#endif
+
+bool has_avx2() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool yes = __builtin_cpu_supports("avx2") &&
+                          !(std::getenv("QTENSOR_CPU_ISA") &&
+                            std::strcmp(std::getenv("QTENSOR_CPU_ISA"), "base") == 0);
+  return yes;
+#else
+  return false;
+#endif
+}
+
 at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
   at::Tensor e = at::empty(x.sizes(), x.options().dtype(at::kInt));
   const float* px = x.data_ptr<float>();
@@ -69,28 +101,49 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
   const at::Tensor ac = a.contiguous();
-  const at::Tensor bt = b.transpose(1, 2).contiguous();  // (B, N, K): columns along K
-  const at::Tensor ea = exponents(ac), eb = exponents(bt);
+  const at::Tensor ea = exponents(ac);
   const float* pa = ac.data_ptr<float>();
-  const float* pb = bt.data_ptr<float>();
   const int* pea = ea.data_ptr<int>();
-  const int* peb = eb.data_ptr<int>();
   float* po = out.data_ptr<float>();
-  // tiles of TM rows x TN columns: the tile's operands stay in cache while it is computed
-  constexpr int64_t TM = 4, TN = 64;
-  const int64_t tm = (M + TM - 1) / TM, tn = (N + TN - 1) / TN;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, TM * TN * K));
-  at::parallel_for(0, B * tm * tn, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t bi = t / (tm * tn), i0 = (t / tn) % tm * TM, j0 = t % tn * TN;
-      const int64_t i1 = std::min(M, i0 + TM), j1 = std::min(N, j0 + TN);
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t jb = (bi * N + j) * K;
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t ia = (bi * M + i) * K;
-          po[(bi * M + i) * N + j] = qtensor::acc_dot(pa + ia, pb + jb, pea + ia, peb + jb, K, s);
-        }
+  if (s.group == 1) {
+    // b padded with zero columns to a multiple of W (the lanes of the vectorized path)
+    const int64_t ldb = (N + W - 1) / W * W;
+    at::Tensor bp = at::zeros({B, K, ldb}, b.options());
+    bp.narrow(2, 0, N).copy_(b);
+    const at::Tensor eb = exponents(bp);
+    const float* pb = bp.data_ptr<float>();
+    const int* peb = eb.data_ptr<int>();
+    const bool avx2 = has_avx2();
+    constexpr int64_t TM = 4;  // rows per task: their operands stay in cache
+    const int64_t tm = (M + TM - 1) / TM;
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, TM * ldb * K));
+    at::parallel_for(0, B * tm, grain, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t bi = t / tm, i0 = t % tm * TM, i1 = std::min(M, i0 + TM);
+        const float* a3 = pa + bi * M * K;
+        const int* ea3 = pea + bi * M * K;
+        const float* b3 = pb + bi * K * ldb;
+        const int* eb3 = peb + bi * K * ldb;
+        float* o3 = po + bi * M * N;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (avx2) { accum_avx2::rows(a3, ea3, b3, eb3, ldb, K, N, i0, i1, s, o3); continue; }
+#endif
+        accum_base::rows(a3, ea3, b3, eb3, ldb, K, N, i0, i1, s, o3);
       }
+    });
+    return out;
+  }
+  // groups: the scalar qtensor::acc_dot on rows of a and columns of b (b transposed)
+  const at::Tensor bt = b.transpose(1, 2).contiguous();  // (B, N, K)
+  const at::Tensor eb = exponents(bt);
+  const float* pb = bt.data_ptr<float>();
+  const int* peb = eb.data_ptr<int>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K));
+  at::parallel_for(0, B * M * N, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bi = t / (M * N), i = t / N % M, j = t % N;
+      const int64_t ia = (bi * M + i) * K, jb = (bi * N + j) * K;
+      po[t] = qtensor::acc_dot(pa + ia, pb + jb, pea + ia, peb + jb, K, s);
     }
   });
   return out;

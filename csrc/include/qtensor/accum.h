@@ -64,16 +64,22 @@ QT_HD double acc_normalize(double v, int acc_man, int mode) {
   return fabs(r) >= 0x1p128 ? (r > 0 ? (double)INFINITY : -(double)INFINITY) : r;
 }
 
-// The IEEE result of a chunk with a non-finite product or partial.
-QT_HD double acc_nonfinite(const float* a, const float* b, int64_t n, double p) {
+// The IEEE result of a chunk with a non-finite product or partial (b with stride ldb).
+QT_HD double acc_nonfinite(const float* a, const float* b, int64_t ldb, int64_t n, double p) {
   bool nan = isnan(p), pos = p == (double)INFINITY, neg = p == -(double)INFINITY;
   for (int64_t k = 0; k < n; ++k) {
-    const double t = (double)a[k] * (double)b[k];
+    const double t = (double)a[k] * (double)b[k * ldb];
     nan |= isnan(t);
     pos |= t == (double)INFINITY;
     neg |= t == -(double)INFINITY;
   }
   return (nan || (pos && neg)) ? (double)NAN : (pos ? (double)INFINITY : -(double)INFINITY);
+}
+
+// The new partial from a chunk's exact sum S of scaled terms (units of 2^(emax - frac_bits)).
+QT_HD double acc_finish(double S, int emax, double p, const AccumSpec& s) {
+  const double v = acc_normalize(S * acc_pow2(emax - s.frac_bits), s.acc_man, s.acc_round);
+  return s.acc_in_alignment ? v : (double)((float)p + (float)v);
 }
 
 // One chunk's aligned, rounded, summed and normalized result (the new p). a, b: the chunk's
@@ -91,7 +97,7 @@ QT_HD double acc_chunk(const float* a, const float* b, const int* ea, const int*
       const int e = ea[k] + eb[k];
       em = e > em ? e : em;
     }
-    if (em > kAccBadExp / 2 || !p_ok) return acc_nonfinite(a, b, n, p);
+    if (em > kAccBadExp / 2 || !p_ok) return acc_nonfinite(a, b, 1, n, p);
     emax = em > emax ? em : emax;
     if (emax < kAccZeroExp / 2) emax = 0;
     const double sc = acc_pow2(s.frac_bits - emax);
@@ -122,15 +128,14 @@ QT_HD double acc_chunk(const float* a, const float* b, const int* ea, const int*
       g[j] = t;
       eg[j] = t == 0.0 ? kAccZeroExp : acc_exp_f64(t);
     }
-    if (!ok) return acc_nonfinite(a, b, n, p);
+    if (!ok) return acc_nonfinite(a, b, 1, n, p);
     for (int j = 0; j < ng; ++j) emax = eg[j] > emax ? eg[j] : emax;
     if (emax < kAccZeroExp / 2) emax = 0;
     const double sc = acc_pow2(s.frac_bits - emax);
     for (int j = 0; j < ng; ++j) S += acc_round_int(g[j] * sc, s.align_round);
     S += acc_round_int(pt * sc, s.align_round);
   }
-  const double v = acc_normalize(S * acc_pow2(emax - s.frac_bits), s.acc_man, s.acc_round);
-  return s.acc_in_alignment ? v : (double)((float)p + (float)v);
+  return acc_finish(S, emax, p, s);
 }
 
 // One output element: the dot product of a[0:K] and b[0:K] through the datapath s.
