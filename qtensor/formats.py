@@ -545,7 +545,7 @@ def format(spec) -> Format:
         return spec
     if not isinstance(spec, str):
         hint = ""
-        name = str(spec).removeprefix("torch.")
+        name = str(spec).removeprefix("torch.") if type(spec).__module__ == "torch" else None
         if name in ALIASES:  # a torch dtype: point at the format that is exactly it
             hint = f"; for {spec} use qt.{ALIASES[name]} (or the string {name!r})"
         raise FormatError(
