@@ -36,8 +36,8 @@ except ImportError as e:  # not built, or built against another torch or Python
     warnings.warn(
         f"qtensor: the compiled extension qtensor._C could not be imported ({type(e).__name__}: "
         f"{e}); qt.quantize and QTensor use the pure-PyTorch reference instead, which gives the "
-        "same bits but is much slower. Build it with `pip install --no-build-isolation -e .` in the "
-        "qtensor checkout (torch installed first; rebuild after changing torch).",
+        "same bits but is much slower. Build it with `pip install --no-build-isolation -e .` in "
+        "the qtensor checkout (torch installed first; rebuild after changing torch).",
         RuntimeWarning, stacklevel=2)
 
 
@@ -144,7 +144,7 @@ def _check_axis(x: torch.Tensor, fmt) -> None:
 
 
 def _seed(generator: Optional[torch.Generator], rounding: str) -> int:
-    """The stochastic-rounding seed (0 for the other modes); a bad generator is refused either way."""
+    """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way."""
     reference.check_generator(generator)
     return reference.draw_seed(generator) if rounding == "stochastic" else 0
 

@@ -43,8 +43,8 @@ def test_generator_must_be_a_torch_generator(call, bad):
 
 def test_generator_makes_stochastic_rounding_reproducible():
     x = torch.randn(1000)
-    a = qt.quantize(x, qt.fp8_e4m3, rounding="stochastic", generator=torch.Generator().manual_seed(3))
-    b = qt.quantize(x, qt.fp8_e4m3, rounding="stochastic", generator=torch.Generator().manual_seed(3))
+    a, b = (qt.quantize(x, qt.fp8_e4m3, rounding="stochastic",
+                        generator=torch.Generator().manual_seed(3)) for _ in range(2))
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
