@@ -332,8 +332,11 @@ _register_fake()
 
 def _kernel_ready(a: torch.Tensor) -> bool:
     from . import ops
-    return (ops._C is not None and a.device.type == "cpu"
-            and hasattr(torch.ops.qtensor, "accum_matmul"))
+    if ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
+        return False
+    dev = a.device.type
+    return dev == "cpu" or (dev == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "qtensor::accum_matmul", "CUDA"))
 
 
 def op_args(f: AccumFormat) -> tuple:
@@ -345,7 +348,8 @@ def op_args(f: AccumFormat) -> tuple:
 def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
     """a @ b (batched over broadcast leading dims) summed by the datapath ``accum``.
 
-    Float32 result; the fused C++ kernel on CPU, the reference elsewhere (same bits).
+    Float32 result; the fused C++ kernel on CPU (and the CUDA kernel where built), the reference
+    elsewhere (same bits).
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul")

@@ -361,3 +361,14 @@ def test_kernel_baseline_isa_path():
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not qt.ops.kernels_available("cuda"),
+                    reason="needs CUDA and the CUDA kernels")
+@pytest.mark.parametrize("f", FORMATS, ids=str)
+def test_cuda_kernel_equals_reference(f):
+    g = torch.Generator().manual_seed(11)
+    for kind in INPUTS:
+        a, b = INPUTS[kind](g)
+        want = accum.accum_matmul_reference(a, b, f)
+        assert torch.equal(bits(accum.accum_matmul(a.cuda(), b.cuda(), f).cpu()), bits(want))

@@ -1,0 +1,42 @@
+// Torch glue of the CUDA qtensor::accum_matmul (the kernel: csrc/cuda/accum_kernels.cu).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../cpu/accum.h"
+
+namespace qtensor {
+namespace cuda {
+cudaError_t launch_accum(const float* a, const float* bt, int* ea, int* eb, int64_t B, int64_t M,
+                         int64_t N, int64_t K, const AccumSpec& s, float* out, cudaStream_t st);
+}  // namespace cuda
+}  // namespace qtensor
+
+namespace {
+
+at::Tensor accum_matmul_cuda(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
+                             int64_t frac_bits, int64_t group, int64_t align_rounding,
+                             bool acc_in_alignment, int64_t acc_man, int64_t acc_rounding,
+                             int64_t promote) {
+  using namespace qtensor_accum;
+  const qtensor::AccumSpec s = make_spec(chunk, frac_bits, group, align_rounding,
+                                         acc_in_alignment, acc_man, acc_rounding, promote);
+  check_operands(a, b);
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  at::Tensor out = at::empty({B, M, N}, a.options());
+  if (out.numel() == 0) return out;
+  const at::Tensor ac = a.contiguous();
+  const at::Tensor bt = b.transpose(1, 2).contiguous();
+  at::Tensor ea = at::empty(ac.sizes(), ac.options().dtype(at::kInt));
+  at::Tensor eb = at::empty(bt.sizes(), bt.options().dtype(at::kInt));
+  C10_CUDA_CHECK(qtensor::cuda::launch_accum(
+      ac.data_ptr<float>(), bt.data_ptr<float>(), ea.data_ptr<int>(), eb.data_ptr<int>(), B, M,
+      N, K, s, out.data_ptr<float>(), at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qtensor, CUDA, m) { m.impl("accum_matmul", &accum_matmul_cuda); }
