@@ -361,3 +361,80 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
     b3 = b.float().expand(*batch, K, N).reshape(-1, K, N)
     out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f))
     return out.reshape(*batch, M, N)
+
+
+# ---------------------------------------------------------------------------------------------
+# Contractions of QTensor (qtensor/dispatch.py): the aten contraction ``packet`` on unwrapped,
+# operand-rounded arguments, with the products summed by ``f``. Added terms (bias, beta, alpha,
+# the activation of _addmm_activation) are applied afterwards in the payload precision, as a
+# GEMM epilogue does in FP32.
+
+def _f32(x: torch.Tensor, packet: str) -> torch.Tensor:
+    if x.dtype == torch.float64:
+        y = x.float()
+        if not torch.equal(y.double(), x):
+            raise TypeError(f"qt.accum: {packet} with an accumulator format takes float32 "
+                            "values; this float64 payload is not exactly float32")
+        return y
+    return x
+
+
+def _arg(uargs, ukwargs, pos, name, default):
+    return uargs[pos] if len(uargs) > pos else ukwargs.get(name, default)
+
+
+def _epilogue(prod, bias, beta, alpha):
+    out = prod if alpha == 1 else prod * alpha
+    if bias is None or beta == 0:
+        return out
+    return out + (bias if beta == 1 else bias * beta)
+
+
+CONTRACTIONS = ("mm", "bmm", "addmm", "_addmm_activation", "baddbmm", "addbmm", "mv", "addmv",
+                "dot", "vdot", "linear")
+
+
+def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
+    """The contraction ``packet`` (an aten op name) summed by ``f``; the payload dtype out."""
+    if packet not in CONTRACTIONS:
+        raise NotImplementedError(
+            f"qt.accum: {packet} has no accumulator emulation (supported: "
+            f"{', '.join(CONTRACTIONS)}; matmul, einsum, F.linear decompose into these). "
+            "Convolutions are not emulated yet: convert such layers without accumulate= "
+            "(e.g. a Recipe rule), or drop the QTensor's .accum")
+    out = ukwargs.get("out")
+    ukwargs = {k: v for k, v in ukwargs.items() if k != "out"}
+    t = [_f32(x, packet) if isinstance(x, torch.Tensor) else x for x in uargs]
+    dtype = next(x.dtype for x in uargs if isinstance(x, torch.Tensor))
+    if packet in ("mm", "bmm"):
+        res = accum_matmul(t[0], t[1], f)
+    elif packet in ("dot", "vdot"):
+        res = accum_matmul(t[0][None], t[1][:, None], f)[0, 0]
+    elif packet == "mv":
+        res = accum_matmul(t[0], t[1][:, None], f)[:, 0]
+    elif packet == "linear":
+        x, w = t[0], t[1]
+        bias = _arg(t, ukwargs, 2, "bias", None)
+        res = accum_matmul(x[None] if x.dim() == 1 else x, w.t(), f)
+        res = _epilogue(res[0] if x.dim() == 1 else res, bias, 1, 1)
+    else:  # an added term: (self, mat1, mat2, *, beta, alpha)
+        bias, a, b = t[0], t[1], t[2]
+        beta = _arg(t, ukwargs, 3, "beta", 1)
+        alpha = _arg(t, ukwargs, 4, "alpha", 1)
+        if packet == "addmv":
+            prod = accum_matmul(a, b[:, None], f)[:, 0]
+        elif packet == "addbmm":  # the sum over the batch is one longer contraction
+            B, M, K = a.shape
+            prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f)
+        else:
+            prod = accum_matmul(a, b, f)
+        res = _epilogue(prod, bias, beta, alpha)
+        if packet == "_addmm_activation":  # ATen's GELU: exact on CPU, tanh (cuBLASLt) on CUDA
+            gelu = _arg(t, ukwargs, 5, "use_gelu", False)
+            approx = "tanh" if res.is_cuda else "none"
+            res = (torch.nn.functional.gelu(res, approximate=approx) if gelu
+                   else torch.relu(res))
+    res = res.to(dtype)
+    if out is not None:
+        return out.copy_(res)
+    return res
