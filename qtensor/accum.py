@@ -391,7 +391,7 @@ def _epilogue(prod, bias, beta, alpha):
 
 
 CONTRACTIONS = ("mm", "bmm", "addmm", "_addmm_activation", "baddbmm", "addbmm", "mv", "addmv",
-                "dot", "vdot", "linear")
+                "dot", "vdot", "linear", "convolution", "_convolution", "convolution_backward")
 
 
 def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
@@ -399,9 +399,12 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
     if packet not in CONTRACTIONS:
         raise NotImplementedError(
             f"qt.accum: {packet} has no accumulator emulation (supported: "
-            f"{', '.join(CONTRACTIONS)}; matmul, einsum, F.linear decompose into these). "
-            "Convolutions are not emulated yet: convert such layers without accumulate= "
-            "(e.g. a Recipe rule), or drop the QTensor's .accum")
+            f"{', '.join(CONTRACTIONS)}; matmul, einsum, F.linear, conv2d decompose into "
+            "these); drop the QTensor's .accum (or the Recipe's accumulate=) for it")
+    if packet in ("convolution", "_convolution"):
+        return _conv_forward(uargs, ukwargs, f)
+    if packet == "convolution_backward":
+        return _conv_backward(uargs, ukwargs, f)
     out = ukwargs.get("out")
     ukwargs = {k: v for k, v in ukwargs.items() if k != "out"}
     t = [_f32(x, packet) if isinstance(x, torch.Tensor) else x for x in uargs]
@@ -438,3 +441,106 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
     if out is not None:
         return out.copy_(res)
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolutions as GEMMs (2-D, groups=1, not transposed). The reduction index runs over (kernel
+# row, kernel column, input channel), channels innermost, as an implicit GEMM on NHWC data (and
+# as dispatch blocks MX operands: along channels). Other convolutions raise NotImplementedError.
+
+def _conv_check(x, w, stride, padding, dilation, transposed, groups, what):
+    if x.dim() != 4 or transposed or groups != 1:
+        raise NotImplementedError(
+            f"qt.accum: {what} with an accumulator format is emulated for 2-D, non-transposed "
+            f"convolutions with groups=1; got a {x.dim() - 2}-D convolution, "
+            f"transposed={bool(transposed)}, groups={groups}. Drop the QTensor's .accum (or "
+            "the Recipe's accumulate=) for this layer")
+    if isinstance(padding, str):
+        raise NotImplementedError(f"qt.accum: {what}: string padding {padding!r}")
+
+
+def _pair(v):
+    v = list(v)
+    return tuple(v * 2) if len(v) == 1 else tuple(v)
+
+
+def _cols(x, kh, kw, stride, padding, dilation):
+    """(N, kh*kw*C, L): the GEMM operand of a 2-D convolution, channels innermost along K."""
+    N, C = x.shape[:2]
+    cols = torch.nn.functional.unfold(x, (kh, kw), dilation=dilation, padding=padding,
+                                      stride=stride)  # (N, C*kh*kw, L), channel-major
+    return cols.view(N, C, kh * kw, -1).transpose(1, 2).reshape(N, kh * kw * C, -1)
+
+
+def _w_mat(w):
+    """(O, kh*kw*C): the weight in the same K order as _cols."""
+    O, C, kh, kw = w.shape
+    return w.reshape(O, C, kh * kw).transpose(1, 2).reshape(O, kh * kw * C)
+
+
+def _conv2d(x, w, stride, padding, dilation, f):
+    N, _, H, Wd = x.shape
+    O, _, kh, kw = w.shape
+    Ho = (H + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    Wo = (Wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    cols = _cols(x, kh, kw, stride, padding, dilation)
+    return accum_matmul(_w_mat(w), cols, f).view(N, O, Ho, Wo)
+
+
+def _conv_forward(uargs, ukwargs, f):
+    x, w, bias, stride, padding, dilation, transposed = (list(uargs) + [None] * 9)[:7]
+    groups = uargs[8] if len(uargs) > 8 else 1
+    _conv_check(x, w, stride, padding, dilation, transposed, groups, "convolution")
+    dtype = x.dtype
+    out = _conv2d(_f32(x, "convolution"), _f32(w, "convolution"), _pair(stride), _pair(padding),
+                  _pair(dilation), f)
+    if bias is not None:
+        out = out + bias.view(1, -1, 1, 1)
+    return out.to(dtype)
+
+
+def _conv_backward(uargs, ukwargs, f):
+    (go, x, w, _bias_sizes, stride, padding, dilation, transposed, _output_padding, groups,
+     mask) = uargs[:11]
+    _conv_check(x, w, stride, padding, dilation, transposed, groups, "convolution_backward")
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    dtype = go.dtype
+    go32, x32, w32 = (_f32(t, "convolution_backward") for t in (go, x, w))
+    N, O, Ho, Wo = go.shape
+    _, C, kh, kw = w.shape
+    gi = gw = gb = None
+    if mask[0]:
+        # grad_input: the transposed convolution as a forward one over grad_output with zeros
+        # inserted between its elements (stride), padded, and the kernel flipped with its
+        # channels swapped: a contraction over (kernel position, output channel)
+        H, Wd = x.shape[2:]
+        pads = []
+        for d in range(2):
+            k = (kh, kw)[d]
+            lo = dilation[d] * (k - 1) - padding[d]
+            if lo < 0:
+                raise NotImplementedError(
+                    "qt.accum: convolution_backward with padding larger than the dilated kernel "
+                    "extent is not emulated")
+            size = (Ho, Wo)[d]
+            full = (size - 1) * stride[d] + 1
+            hi = (H, Wd)[d] + dilation[d] * (k - 1) - full - lo
+            pads.append((lo, hi))
+        z = go32.new_zeros(N, O, (Ho - 1) * stride[0] + 1, (Wo - 1) * stride[1] + 1)
+        z[:, :, ::stride[0], ::stride[1]] = go32
+        z = torch.nn.functional.pad(z, (pads[1][0], max(pads[1][1], 0),
+                                        pads[0][0], max(pads[0][1], 0)))
+        z = z[:, :, :z.shape[2] + min(pads[0][1], 0) or None,
+              :z.shape[3] + min(pads[1][1], 0) or None]
+        wf = w32.flip(2, 3).transpose(0, 1)  # (C, O, kh, kw)
+        gi = _conv2d(z, wf, (1, 1), (0, 0), dilation, f).to(dtype)
+    if mask[1]:
+        # grad_weight: a contraction over (batch, output position)
+        cols = _cols(x32, kh, kw, stride, padding, dilation)  # (N, K, L)
+        a = go32.reshape(N, O, -1).transpose(0, 1).reshape(O, -1)          # (O, N*L)
+        b = cols.transpose(1, 2).reshape(-1, cols.shape[1])                # (N*L, K)
+        gw = accum_matmul(a, b, f).view(O, kh * kw, C).transpose(1, 2).reshape(O, C, kh, kw)
+        gw = gw.to(dtype)
+    if mask[2]:  # grad_bias: a sum of grad_output values, not a contraction
+        gb = go.sum((0, 2, 3))
+    return (gi, gw, gb)
