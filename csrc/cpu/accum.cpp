@@ -75,10 +75,12 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
   const int* pea = ea.data_ptr<int>();
   float* po = out.data_ptr<float>();
   if (s.group == 1) {
-    // b padded with zero columns to a multiple of W (the lanes of the vectorized path)
+    // b in panels of W columns, each (K, W) contiguous (zero columns pad the last one): the
+    // lanes read it sequentially along K
     const int64_t ldb = (N + W - 1) / W * W;
     at::Tensor bp = at::zeros({B, K, ldb}, b.options());
     bp.narrow(2, 0, N).copy_(b);
+    bp = bp.view({B, K, ldb / W, W}).permute({0, 2, 1, 3}).contiguous();  // (B, ldb/W, K, W)
     const at::Tensor eb = exponents(bp);
     const float* pb = bp.data_ptr<float>();
     const int* peb = eb.data_ptr<int>();
@@ -95,9 +97,9 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
         const int* eb3 = peb + bi * K * ldb;
         float* o3 = po + bi * M * N;
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (avx2) { accum_avx2::rows(a3, ea3, b3, eb3, ldb, K, N, i0, i1, s, o3); continue; }
+        if (avx2) { accum_avx2::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
 #endif
-        accum_base::rows(a3, ea3, b3, eb3, ldb, K, N, i0, i1, s, o3);
+        accum_base::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3);
       }
     });
     return out;
