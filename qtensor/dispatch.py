@@ -33,11 +33,13 @@ the data (``x.t()`` of a matrix blocked along -1 is blocked along 0); reshapes, 
 (un)squeeze follow it by shape (also where it is split or merged in rows of whole blocks); ops
 that remove their ``dim`` (reductions, select) or insert one (stack) shift it. Where an output
 lacks that dimension (a reduction over it, a reshape across blocks), its last dimension is used.
-Data-movement ops whose blocks do not survive (that dimension gone, or changed length: cat,
-index, gather, embedding rows) re-round their output, except views: they alias their base, so
-they keep its values (not all in format when viewed across blocks, e.g. a slice through a
-block). An in-place op on a view of a block-formatted tensor re-rounds the view's elements as
-blocks of their own (not the whole blocks of the base).
+Data-movement ops other than copies and reshapes (cat, index, gather, sort, pooling, embedding
+rows, ...) may regroup values into blocks they are not representable in (a block's scale comes
+from its largest element), so on block formats they re-round their output (which changes
+nothing where the blocks survive). Views do not: they alias their base and keep its values (not
+all in format when viewed across blocks, e.g. a slice through a block). An in-place op on a view
+of a block-formatted tensor re-rounds the view's elements as blocks of their own (not the whole
+blocks of the base).
 
 Contraction blockings (a BlockFormat ``mm_fmt`` has its ``axis`` replaced by the reduction axis
 of each use; ``axis=None``, one block per tensor, is kept):
@@ -169,6 +171,15 @@ _FORMAT_ORDER = {
 _TRANSPOSES = frozenset(("t", "t_copy", "transpose", "transpose_copy", "permute", "permute_copy",
                          "t_", "transpose_"))
 
+# Data-movement ops that keep every element's block (its position along the block axis, or a
+# reshape that _block_axis_out follows). Other moves of block-formatted values (cat, index,
+# gather, sort, roll, pooling, ...) may regroup them into blocks they are not representable in
+# (a block's shared scale comes from its largest element): their outputs are re-rounded.
+_BLOCK_PRESERVING = frozenset("""
+clone contiguous _to_copy to copy copy_ detach detach_ lift_fresh lift_fresh_copy alias alias_copy
+detach_copy view_copy _reshape_copy _unsafe_view reshape expand_copy squeeze_copy unsqueeze_copy
+""".split())
+
 QTensor = None  # bound by qtensor.tensor
 _CPU_KERNELS = _ops.kernels_available("cpu")
 
@@ -177,7 +188,7 @@ class Rule:
     """What dispatch needs to know about one op overload (computed once, cached)."""
 
     __slots__ = ("kind", "name", "mutated", "out_alias", "is_view", "inplace_view", "order",
-                 "transpose", "returns_void", "dim_pos", "dim_default")
+                 "transpose", "returns_void", "dim_pos", "dim_default", "stacks")
 
     def __init__(self, func):
         packet = func._opname
@@ -214,6 +225,7 @@ class Rule:
         self.dim_pos = next((i for i, a in enumerate(schema.arguments) if a.name == "dim"), None)
         self.dim_default = (None if self.dim_pos is None
                             else schema.arguments[self.dim_pos].default_value)
+        self.stacks = packet in ("stack", "_stack")  # its dim is a new one
 
 
 _RULES: dict = {}
@@ -342,7 +354,7 @@ def _block_axis_out(fmt, rule, args, kwargs, in_shape, out_shape):
                 removed = {d % nin for d in dims}
                 if len(removed) == nin - nout and a not in removed:
                     new = a - sum(d < a for d in removed)
-            elif nout == nin + 1 and len(dims) == 1:  # a dim inserted (stack)
+            elif nout == nin + 1 and rule.stacks and len(dims) == 1:  # a dim inserted
                 new = a + (dims[0] % nout <= a)
         elif nout > nin:  # broadcast: dims are added in front
             new = a + nout - nin
@@ -648,8 +660,9 @@ def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
     if rule.transpose:
         return _transposed_fmt(fmt, func, uargs, len(in_shape)), rnd
     fmt, kept = _block_axis_out(fmt, rule, uargs, ukwargs, in_shape, first.shape)
-    if not kept and rule.kind == MOVE_KIND and not rule.is_view and not rule.inplace_view:
-        rnd = True
+    if (rule.kind == MOVE_KIND and not rule.is_view and not rule.inplace_view
+            and not (kept and func._opname in _BLOCK_PRESERVING)):
+        rnd = True  # idempotent where the blocks happen to survive
     return fmt, rnd
 
 

@@ -18,11 +18,15 @@ Conversions:
 - ``torch.save``/``torch.load(weights_only=True)``, ``pickle``, ``copy.deepcopy``: payload and
   formats round-trip exactly (formats travel as their string form).
 - ``nn.Parameter(t)`` is a QTensor marked as a parameter (PyTorch's rule for subclasses).
+- ``t.data = x``: a QTensor x brings its payload and formats; a plain float tensor is rounded
+  into t's formats. ``share_memory_()`` (``model.share_memory()``), ``storage()`` and
+  ``__dlpack__`` act on the payload; ``apply_(f)`` rounds f's results into the format.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
+import sys
 from typing import Optional
 
 import torch
