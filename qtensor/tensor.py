@@ -197,6 +197,9 @@ class QTensor(torch.Tensor):
 
     def apply_(self, callable):
         """As ``Tensor.apply_`` (CPU); the results are rounded into the format, as any op's."""
+        if self.requires_grad:
+            raise RuntimeError("Can't call apply_() on Variable that requires grad. Use "
+                               "var.detach().apply_() instead.")
         new = self._data.clone()
         new.apply_(callable)
         return self.copy_(new)

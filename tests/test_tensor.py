@@ -554,6 +554,10 @@ except RuntimeError as e:
 # apply_ computes, so it rounds into the format
 r = q.clone().apply_(lambda v: v * 1.1)
 print(type(r).__name__, r.fmt, r.dequantize().tolist())
+try:
+    nn.Parameter(q.clone()).apply_(abs)
+except RuntimeError as e:
+    print("grad:", "detach" in str(e))
 # the storage holds the values
 s = q.untyped_storage()
 print(torch.empty(0).set_(s).tolist(), q.storage().tolist())
@@ -562,7 +566,8 @@ print(torch.empty(0).set_(s).tolist(), q.storage().tolist())
     assert lines[0] == "[1.0, 2.5, -3.0] [1.0, 2.5, -3.0]"
     assert lines[1] == "grad: True"
     assert lines[2] == "QTensor fp8_e4m3 [1.125, 2.75, -3.25]"
-    assert lines[3] == "[1.0, 2.5, -3.0] [1.0, 2.5, -3.0]"
+    assert lines[3] == "grad: True"
+    assert lines[4] == "[1.0, 2.5, -3.0] [1.0, 2.5, -3.0]"
 
 
 def test_sparse_embedding_trains_in_a_converted_model():
