@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 
 __all__ = ["AccumFormat", "AccumFormatError", "accum_matmul", "accum_matmul_reference",
-           "PRESETS", "ALIGN_ROUNDINGS", "ACC_ROUNDINGS"]
+           "as_accum", "contract", "PRESETS", "ALIGN_ROUNDINGS", "ACC_ROUNDINGS"]
 
 ALIGN_ROUNDINGS = ("toward_zero", "floor", "nearest")  # nearest: ties to even
 ACC_ROUNDINGS = ("toward_zero", "nearest")
@@ -544,3 +544,13 @@ def _conv_backward(uargs, ukwargs, f):
     if mask[2]:  # grad_bias: a sum of grad_output values, not a contraction
         gb = go.sum((0, 2, 3))
     return (gi, gw, gb)
+
+
+def as_accum(spec, what: str = "accumulate") -> Optional[AccumFormat]:
+    """None, an AccumFormat or a preset name (``"hopper_fp8"``) as an AccumFormat (or None)."""
+    if spec is None or isinstance(spec, AccumFormat):
+        return spec
+    if isinstance(spec, str):
+        return _check_accum(spec)
+    raise TypeError(f"{what} must be an AccumFormat, a preset name of qt.accum.PRESETS "
+                    f"({', '.join(PRESETS)}) or None, got {spec!r}")

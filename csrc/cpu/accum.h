@@ -16,8 +16,11 @@ inline qtensor::AccumSpec make_spec(int64_t chunk, int64_t frac_bits, int64_t gr
   TORCH_CHECK(group >= 1 && chunk % group == 0 && (group == 1 || chunk / group <= 256),
               "qtensor::accum_matmul: group must divide chunk into at most 256 groups, got "
               "chunk=", chunk, ", group=", group);
-  TORCH_CHECK(frac_bits >= 0 && frac_bits <= 50, "qtensor::accum_matmul: frac_bits must be in "
-              "[0, 50], got ", frac_bits);
+  // the chunk's scaled terms (each below 2^(frac_bits + 2)) must sum exactly in double
+  int64_t lg = 0;
+  while ((int64_t{1} << lg) < chunk / group + 1) ++lg;
+  TORCH_CHECK(frac_bits >= 0 && frac_bits <= 51 - lg, "qtensor::accum_matmul: frac_bits must be "
+              "in [0, ", 51 - lg, "] for chunk=", chunk, ", group=", group, ", got ", frac_bits);
   TORCH_CHECK(align_rounding >= 0 && align_rounding <= 2, "qtensor::accum_matmul: align_rounding "
               "must be 0 (toward_zero), 1 (floor) or 2 (nearest), got ", align_rounding);
   TORCH_CHECK(acc_rounding == 0 || acc_rounding == 2, "qtensor::accum_matmul: acc_rounding must "
