@@ -37,6 +37,8 @@ FP32 master weights (``Recipe(master_weights=True)``)
     parameters back and copy the masters into them (``p.copy_(master)``: rounded with the
     format's rounding mode). The optimizer state is keyed by the model's parameters as usual and
     holds the master under ``"qt_master"``, so ``optimizer.state_dict()`` saves and restores it.
+    A parameter set outside the optimizer (``p.data = x``, an in-place edit) since its last step
+    starts the next step from its new values (the master is taken from it again).
     A closure (``optimizer.step(closure)``, as LBFGS needs) evaluates the model: around each call
     the model's parameters are put back, holding the masters' current values, and the masters
     get the gradients it computed. If the step raises, the model's parameters are put back by
@@ -127,7 +129,17 @@ def _restore(optimizer, copy_back: bool) -> None:
         if copy_back:
             with torch.no_grad():
                 p.copy_(master)  # rounds into p's format with its rounding mode
+            # what p is once it holds master: p set outside the optimizer differs from it
+            # (``p.data = x`` replaces the payload, an in-place edit bumps the version)
+            p._qt_synced = (weakref.ref(master), weakref.ref(getattr(p, "_data", p)), p._version)
     optimizer._qt_swapped = []
+
+
+def _set_outside(p, master) -> bool:
+    """Whether p was set since the optimizer last copied master into it (then p's values win)."""
+    sig = getattr(p, "_qt_synced", None)
+    return sig is not None and sig[0]() is master and (
+        sig[1]() is not getattr(p, "_data", p) or sig[2] != p._version)
 
 
 def _swap_in(optimizer) -> None:
@@ -143,7 +155,7 @@ def _swap_in(optimizer) -> None:
             state = optimizer.state.pop(p, None)
             state = {} if state is None else state
             master = state.pop(_MASTER_KEY, None)
-            if master is None:
+            if master is None or _set_outside(p, master):
                 master = _conv()._plain(p.detach()).to(torch.float32, copy=True)
             optimizer.state[master] = state
             master.grad = None if p.grad is None else \

@@ -504,6 +504,29 @@ def test_data_assignment_on_converted_params_takes_effect():
         m.weight.data = torch.ones(3, 4, dtype=torch.long)
 
 
+def test_data_assignment_reaches_fp32_master_weights():
+    """With master weights the optimizer steps an FP32 copy: a parameter set from outside
+    (``.data =``, or in place) is the new start, not overwritten by the old master."""
+    torch.manual_seed(0)
+    recipe = qt.Recipe(weight="bf16", bias="bf16", activation="bf16", grad="bf16",
+                       optimizer_state=None, master_weights=True)
+    m = qt.convert(nn.Linear(4, 3), recipe)
+    x = torch.randn(2, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for set_weight in (lambda w: setattr(m.weight, "data", w),
+                       lambda w: m.weight.detach().copy_(w)):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        set_weight(torch.zeros(3, 4))
+        m(x).sum().backward()
+        g = m.weight.grad.dequantize().clone()
+        opt.step()
+        opt.zero_grad()
+        assert_q(m.weight.detach(), qt.quantize(-0.1 * g, qt.bf16), qt.bf16)
+        assert_bits_equal(qt.master_weight(opt, m.weight), -0.1 * g)
+
+
 def test_data_assignment_on_block_format_rounds_along_its_axis():
     t = q(torch.randn(4, 64), mx(MX6, 0))
     new = torch.randn(4, 64) * torch.logspace(-3, 3, 64)
