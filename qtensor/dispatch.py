@@ -322,8 +322,9 @@ def _reshaped_axis(in_shape, a, out_shape, block_size):
 def _block_axis_out(fmt, rule, args, kwargs, in_shape, out_shape):
     """(fmt with its block axis where the input's blocks went, whether they survived).
 
-    transpose/permute move it; reshapes, views and (un)squeeze follow the dimension by shape;
-    ops that remove their ``dim`` (reductions, select, unbind) or insert it (stack) shift it.
+    Reshapes, views and (un)squeeze follow the dimension by shape; ops that remove their
+    ``dim`` (reductions, select, unbind) or insert it (stack) shift it; broadcasting ops add
+    dims in front (transposes: ``_transposed_fmt``).
     When the blocked dimension is gone (reduced over, or reshaped across blocks) the result is
     blocked along its last dimension and the blocks did not survive (the caller re-rounds).
     """
