@@ -20,7 +20,10 @@ Kinds of finding (``Finding.kind``):
   they are a module's parameter, buffer or tensor attribute, or were made by user code inside a
   converted model (``torch.tensor(0.5)`` in ``forward``); plain tensors with no elements (they
   carry no value: a KV cache started as ``torch.empty(b, 0, d)`` and grown with ``torch.cat``;
-  a cache that starts with values, ``torch.zeros(b, 1, d)``, is reported); tensors named in
+  a cache that starts with values, ``torch.zeros(b, 1, d)``, is reported); sparse tensors
+  whose stored values are in the QTensors' formats (there is no sparse QTensor: the gradient of
+  ``nn.Embedding(sparse=True)``; likewise as a result and as a gradient after ``step()``);
+  tensors named in
   ``allow``; tensors a recipe keeps in full precision on purpose (a rule ``None``, activations
   of a module whose activation role is ``None``); the target of a loss (an argument named
   ``target``, in forward and in the loss's backward: data, like the model's inputs), and inside
@@ -510,6 +513,15 @@ def _unrepresentable(payload: torch.Tensor, fmt: Format):
     return int(bad.sum()), i, p.reshape(-1)[i].item(), q.reshape(-1)[i].item()
 
 
+def _sparse_in_format(t: torch.Tensor, fmts) -> bool:
+    """A sparse tensor cannot be a QTensor (nn.Embedding(sparse=True)'s gradient): it counts as
+    in format when its stored values are representable in each of ``fmts``."""
+    if not t.is_sparse or not fmts:
+        return False
+    values = t._values()
+    return all(_unrepresentable(values, f) is None for f in fmts)
+
+
 def _moves_checked_values(func, args, kwargs, outs, checked) -> bool:
     """A data-movement op whose inputs are all checked QTensors of the outputs' format (no
     plain floating input): its outputs hold those values, they need no second check."""
@@ -991,8 +1003,10 @@ class leak_check:
             if plain:
                 self._check_mixed(func, args, kwargs, outs, module, phase, tag, frame)
                 return
+            fmts = [t.fmt for t in ins if isinstance(t, QTensor)]
             bad = [i for i, (_, t) in enumerate(outs)
-                   if not isinstance(t, QTensor) and _is_float(t)]
+                   if not isinstance(t, QTensor) and _is_float(t)
+                   and not _sparse_in_format(t, fmts)]
             if bad:
                 detail = ""
                 if any(outs[i][1].is_complex() for i in bad):
@@ -1085,8 +1099,10 @@ class leak_check:
         if into_q:
             return  # plain values written into a QTensor are rounded to its format
         named = _tensors(args, kwargs, func._schema)
+        fmts = [t.fmt for _, t in named if isinstance(t, QTensor)]
         flagged = [i for i, (role, t) in enumerate(named)
-                   if not isinstance(t, QTensor) and _is_float(t) and not self._exempt_plain(t, role)]
+                   if not isinstance(t, QTensor) and _is_float(t)
+                   and not self._exempt_plain(t, role) and not _sparse_in_format(t, fmts)]
         if flagged and phase == "forward":
             data = _loss_data(frame)
             if data is not None:  # a loss's target and class weights: data, here and in the
@@ -1273,7 +1289,9 @@ class leak_check:
         g = p.grad
         want_g = None if plan is None else plan.grad.fmt
         if g is not None and (plan is None or want_g is not None):
-            if not isinstance(g, QTensor):
+            if _sparse_in_format(g, [want_g or p.fmt]):
+                pass  # a sparse gradient (there is no sparse QTensor) with its values in format
+            elif not isinstance(g, QTensor):
                 problems.append((f"{name}.grad", g, "gradient is a plain tensor" + (
                     f", expected {want_g}" if want_g is not None else "")))
             elif want_g is not None and not _same_format(g.fmt, want_g):

@@ -426,6 +426,32 @@ def test_kv_cache_started_empty_is_not_a_leak():
             assert [t.shape for t in report[0].tensors if t.flagged] == [(2, 1, 16)]
 
 
+def test_sparse_gradients_in_format_are_not_leaks():
+    """nn.Embedding(sparse=True): a sparse gradient cannot be a QTensor; with its values in the
+    gradient format it is not a leak (forward, backward, SGD step). One whose values are not
+    in format (planted: full-precision values) is reported where it meets the weight and after
+    the step."""
+    torch.manual_seed(0)
+    model = qt.convert(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)),
+                       qt.Recipe.uniform("bf16"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.tensor([1, 2, 3, 2])
+    with qt.leak_check(action="record", optimizer=opt) as report:
+        model(idx).square().mean().backward()
+        opt.step()
+    assert list(report) == []
+    assert model[0].weight.grad.is_sparse
+    with qt.leak_check(action="record", optimizer=opt) as report:
+        opt.zero_grad()
+        model(idx).square().mean().backward()
+        g = model[0].weight.grad.coalesce()
+        model[0].weight.grad = torch.sparse_coo_tensor(  # LEAK: values not in bf16
+            g.indices(), g.values() * (1 + 2 ** -20), g.shape, check_invariants=True)
+        opt.step()
+    kinds = sorted((f.kind, f.op) for f in report)
+    assert kinds == [("mixed", "aten.add_.Tensor"), ("optimizer", "SGD.step")], kinds
+
+
 class ScalarLeaks(nn.Module):
     def __init__(self):
         super().__init__()
