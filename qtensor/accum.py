@@ -34,6 +34,15 @@ A chunk with a non-finite input gives NaN if any product is NaN (inf * 0 include
 -inf meet, else the infinity. Every step is exact in float64: the scaled terms are integers below
 2^53 (``AccumFormat`` refuses widths for which that could fail).
 
+Use: ``qt.convert(model, qt.Recipe(..., accumulate=qt.accum.hopper_fp8))`` gives every converted
+parameter the accumulator; results of ops inherit it from their inputs (activations, gradients),
+and every contraction with an operand that carries one (mm, bmm, addmm, baddbmm, addbmm, mv,
+addmv, dot, linear, matmul/einsum through them, 2-D convolutions with groups=1, forward and
+backward) sums its products with it. On a single tensor: ``t.accum = qt.accum.hopper_fp8``.
+Not yet: transposed, grouped or 1-D/3-D convolutions (NotImplementedError), fused attention
+kernels (use ``sdpa_kernel(SDPBackend.MATH)``), torch.compile/export (refused with a
+NotImplementedError rather than compiled with FP32 accumulation), pickling (dropped on load).
+
 Known differences from the hardware models, stated rather than hidden:
 - operands are float32 carriers; e(x) clamps at float32's -126, whereas MMA-Sim clamps at the
   minimum exponent of the input dtype (e.g. -6 for E4M3). The two agree for every operand that is
