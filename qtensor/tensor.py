@@ -74,6 +74,29 @@ def _check_floating(x: torch.Tensor, fmt) -> None:
                         "tensors can carry a number format")
 
 
+_dynamo_taught = False
+
+
+def _teach_dynamo() -> None:
+    """Let torch.compile read ``t.fmt``/``t.mm_fmt`` of a QTensor computed inside the compiled
+    code (fullgraph): dynamo takes such attributes for constants but builds trackers, for values
+    with no source, only for the types it knows, and a frozen dataclass is not among them. Called
+    where dynamo first meets a QTensor (flattening an input, or building one in the graph); a
+    torch without this private table only loses that (a graph break, as before)."""
+    global _dynamo_taught
+    if _dynamo_taught or "torch._dynamo.variables.builder" not in sys.modules:
+        return
+    _dynamo_taught = True
+    try:
+        from torch._dynamo.variables.builder import SourcelessBuilder
+        from torch._dynamo.variables.user_defined import FrozenDataClassVariable
+        for cls in (FloatFormat, FixedFormat, BlockFormat):
+            SourcelessBuilder._type_handlers.setdefault(
+                cls, lambda tx, value: FrozenDataClassVariable(value))
+    except (ImportError, AttributeError):
+        pass
+
+
 class QTensor(torch.Tensor):
     """A tensor whose values are in ``fmt``; contractions see them in ``mm_fmt`` (optional).
 
@@ -99,11 +122,18 @@ class QTensor(torch.Tensor):
         if fmt is None:
             raise TypeError("QTensor needs a format (fmt)")
         _check_floating(data, fmt)
+        _teach_dynamo()
         return cls._wrap(data, fmt, mm_fmt, outer_size, outer_stride, requires_grad)
 
     @staticmethod
     def _wrap(data, fmt, mm_fmt=None, outer_size=None, outer_stride=None, requires_grad=False):
         """The fast internal constructor: no checks, no parsing."""
+        if torch.compiler.is_dynamo_compiling():
+            # dynamo cannot trace _make_wrapper_subclass, but puts a call to the class in the
+            # graph as one node. The formats go as their names: constants in the graph, where a
+            # format object would be rebuilt from its fields, symbolic ints under dynamic=True.
+            return QTensor(data, str(fmt), None if mm_fmt is None else str(mm_fmt), outer_size,
+                           outer_stride, requires_grad=requires_grad)
         t = torch.Tensor._make_wrapper_subclass(
             QTensor, data.shape if outer_size is None else outer_size,
             strides=data.stride() if outer_stride is None else outer_stride,
@@ -119,6 +149,7 @@ class QTensor(torch.Tensor):
 
     # -- traceable subclass protocol (torch.compile) ------------------------------------------
     def __tensor_flatten__(self):
+        _teach_dynamo()
         return ["_data"], (self.fmt, self.mm_fmt)
 
     @staticmethod
@@ -214,7 +245,12 @@ class QTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         try:
             from torch._tensor_str import _tensor_str
-            body = _tensor_str(self._data, len("QTensor("))
+            if type(self._data) is not torch.Tensor:
+                # a fake or functional payload while torch.compile traces (its debug logs print
+                # graph values): reading its values would add data-dependent ops to the trace
+                body = f"..., size={tuple(self.shape)}"
+            else:
+                body = _tensor_str(self._data, len("QTensor("))
         except Exception:  # noqa: BLE001 (printing must never fail)
             body = repr(self._data)
         parts = [body, f"fmt={self.fmt}"]
