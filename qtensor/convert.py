@@ -576,6 +576,26 @@ class _InputHook(_OutputHook):
         return tree_map(self._one, args), tree_map(self._one, kwargs)
 
 
+class ConvertedForward:
+    """``model.forward`` of a converted model: its inputs and outputs rounded inside forward, not
+    by hooks on the root. ``torch.compile(model)`` runs the root's hooks as frames of their own,
+    outside the compiled forward, and PyTorch 2.13's dynamo with ``dynamic=True`` cannot build
+    the guards of a frame whose input is a tensor subclass that another dynamic frame returned
+    ("sources must not be empty for symbol ..."). Inside forward, it is one frame. (So hooks
+    a user puts on the root see its inputs as given and its outputs rounded.)"""
+
+    def __init__(self, module: nn.Module, inputs: Optional[_InputHook], outputs: _OutputHook):
+        self.module = module
+        self.inputs = inputs
+        self.outputs = outputs
+
+    def __call__(self, *args, **kwargs):
+        if self.inputs is not None:
+            args, kwargs = self.inputs(self.module, args, kwargs)
+        out = type(self.module).forward(self.module, *args, **kwargs)
+        return self.outputs(self.module, args, out)
+
+
 class _BufferHook:
     """Re-round buffers an op updated in place without saying so: aten.native_batch_norm writes
     running_mean/running_var, but its schema does not mark them as mutated, so QTensor dispatch
@@ -874,15 +894,20 @@ def convert(model: nn.Module, spec) -> nn.Module:
 
     # Activation hooks.
     root_plan = conv.module_plans[""]
-    if not (root_plan.activation.full_precision and root_plan.grad.full_precision):
-        conv.handles.append(model.register_forward_pre_hook(_InputHook(root_plan),
-                                                            with_kwargs=True))
+    if "forward" in model.__dict__:
+        raise ValueError("qt.convert: this model's forward is an instance attribute "
+                         f"({model.__dict__['forward']!r}); qt.convert wraps the class's forward")
+    rounds = not (root_plan.activation.full_precision and root_plan.grad.full_precision)
+    if rounds or root_plan.plain:
+        model.forward = ConvertedForward(model, _InputHook(root_plan) if rounds else None,
+                                     _OutputHook(root_plan))
     for mname, mod in model.named_modules():
         mplan = conv.module_plans[mname]
+        if not mname:
+            continue  # the root's rounding is in its forward
         if mplan.plain:  # a rule keeps this module in full precision: plain inputs and outputs
-            if mname:
-                conv.handles.append(mod.register_forward_pre_hook(_InputHook(mplan),
-                                                                  with_kwargs=True))
+            conv.handles.append(mod.register_forward_pre_hook(_InputHook(mplan),
+                                                              with_kwargs=True))
         elif mplan.activation.full_precision and mplan.grad.full_precision:
             continue
         conv.handles.append(mod.register_forward_hook(_OutputHook(mplan)))
@@ -927,6 +952,8 @@ def unconvert(model: nn.Module) -> nn.Module:
         raise RuntimeError("qt.unconvert: this model was not converted by qt.convert")
     for handle in conv.handles + conv.param_handles:
         handle.remove()
+    if isinstance(model.__dict__.get("forward"), ConvertedForward):
+        del model.__dict__["forward"]
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]

@@ -114,6 +114,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import dispatch as _dispatch
 from .formats import BlockFormat, FloatFormat, Format
 from .tensor import QTensor
+from .convert import ConvertedForward
 
 __all__ = ["leak_check", "LeakReport", "Finding", "TensorInfo", "Location", "LeakError",
            "LeakWarning", "KINDS"]
@@ -350,6 +351,9 @@ _PLUMBING_FILES = tuple(os.path.join(_TORCH_DIR, p) for p in (
     os.path.join("_dynamo", "eval_frame.py"), "_compile.py",
     os.path.join("utils", "_python_dispatch.py"), "_ops.py"))
 _CODE_KIND: dict = {}
+# a converted model's forward (convert.ConvertedForward) calls the class's forward: module-call
+# machinery, like torch's own, so an op below it is issued by that forward's code
+_MODULE_CALL_CODE = frozenset({ConvertedForward.__call__.__code__})
 
 
 def _code_kind(code) -> int:
@@ -358,7 +362,9 @@ def _code_kind(code) -> int:
         fn = code.co_filename
         if not os.path.isabs(fn):
             fn = os.path.abspath(fn)
-        if fn.startswith(_QT_DIR):
+        if code in _MODULE_CALL_CODE:
+            k = _TORCH
+        elif fn.startswith(_QT_DIR):
             # an op that a (nested) leak_check passes on is still its caller's op
             k = _PLUMBING if fn == _THIS_FILE and code.co_name == "__torch_dispatch__" else _QT
         elif fn.startswith(_TORCH_DIR):
