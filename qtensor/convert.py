@@ -231,6 +231,7 @@ class Recipe:
     rules: Any = None
     master_weights: bool = False
     loss_scale: Any = None
+    accumulate: Any = None
     name: Optional[str] = field(default=None, compare=False)
     source: Optional[str] = field(default=None, compare=False)
 
@@ -247,6 +248,8 @@ class Recipe:
             raise ValueError(
                 "master_weights=True runs the optimizer on FP32 copies, so its state is FP32: "
                 f"optimizer_state must be None, got {self.optimizer_state}")
+        from .accum import as_accum
+        object.__setattr__(self, "accumulate", as_accum(self.accumulate, "Recipe.accumulate"))
         ls = self.loss_scale
         if ls is not None and ls != "dynamic":
             from .training import check_scale
@@ -274,6 +277,7 @@ class Recipe:
         lines.append(f"  {'buffers':<16} {Role(self.weight.fmt)}")
         lines.append(f"  {'master_weights':<16} {self.master_weights}")
         lines.append(f"  {'loss_scale':<16} {self.loss_scale}")
+        lines.append(f"  {'accumulate':<16} {self.accumulate or 'in the payload precision'}")
         for pattern, spec in self.rules.items():
             if isinstance(spec, Role):
                 lines.append(f"  rule {pattern!r}: {spec}")
@@ -495,9 +499,12 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tens
     if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
         return x
     try:
-        return _api().as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)
+        q = _api().as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
+    if getattr(x, "accum", None) is not None:  # the accumulator follows the values
+        q.accum = x.accum
+    return q
 
 
 # ---------------------------------------------------------------------------------------------
@@ -842,6 +849,8 @@ def convert(model: nn.Module, spec) -> nn.Module:
         p = mod._parameters[local]
         with torch.no_grad():
             value = round_to(_plain(p.detach()), plan.value, name=qual)
+            if recipe.accumulate is not None and _is_q(value):
+                value.accum = recipe.accumulate  # every contraction with it sums this way
             grad = None if p.grad is None else round_to(_plain(p.grad), plan.grad,
                                                         name=f"{qual}.grad")
         new_params.append((owners, plan, value, grad))

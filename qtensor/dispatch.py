@@ -79,6 +79,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from . import accum as _accum
 from . import ops as _ops
 from .formats import PRESETS as _PRESETS, BlockFormat, Format
 
@@ -546,21 +547,32 @@ def _conv_operands(args):
     return ((0, 1), (1, 0 if transposed else 1))
 
 
+def _accum_of(args):
+    """The accumulator of the first QTensor operand that has one (qtensor.accum), or None."""
+    return next((a.accum for a in args if isinstance(a, QTensor) and a.accum is not None), None)
+
+
 def _contract(func, rule, args, kwargs, uargs, ukwargs):
     packet = func._opname
+    acc = _accum_of(args)
     if packet == "convolution_backward":
-        return _convolution_backward(func, args, uargs, ukwargs)
+        return _convolution_backward(func, args, uargs, ukwargs, acc)
     operands = CONTRACT[packet] or _conv_operands(args)
     for pos, axis in operands:
         _round_operand(args, uargs, pos, axis)
+    if acc is not None:  # the products summed by the operands' accumulator
+        return _accum.contract(packet, uargs, ukwargs, acc)
     return func(*uargs, **ukwargs)
 
 
-def _convolution_backward(func, args, uargs, ukwargs):
+def _convolution_backward(func, args, uargs, ukwargs, acc=None):
     # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
     #                      transposed, output_padding, groups, output_mask)
     go, inp, w = args[0], args[1], args[2]
     has = [isinstance(t, QTensor) and t.mm_fmt is not None for t in (go, inp, w)]
+    if acc is not None:
+        def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
+            return _accum.contract("convolution_backward", list(a), kw, acc)
     if not any(has):
         return func(*uargs, **ukwargs)
     uargs = list(uargs)
@@ -644,6 +656,9 @@ def dispatch(func, args, kwargs):
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
     out = _wrap_out(out, fmt, mm_fmt, rnd)
+    acc = next((q.accum for q in qs if q.accum is not None), None)
+    if acc is not None:  # results carry the accumulator on (activations, gradients)
+        _set_accum(out, acc)
     if rule.is_view and _has_q(out):
         return return_and_correct_aliasing(func, args, kwargs, out)
     return out
@@ -665,6 +680,14 @@ def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
             and not (kept and func._opname in _BLOCK_PRESERVING)):
         rnd = True  # idempotent where the blocks happen to survive
     return fmt, rnd
+
+
+def _set_accum(out, acc):
+    if isinstance(out, QTensor):
+        out.accum = acc
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            _set_accum(o, acc)
 
 
 def _has_q(out):

@@ -108,6 +108,9 @@ class QTensor(torch.Tensor):
     _data: torch.Tensor
     fmt: Format
     mm_fmt: Optional[Format]
+    # How contractions with this operand sum their products (a qtensor.accum.AccumFormat);
+    # None: in the payload precision. Results of ops inherit it from their inputs.
+    accum = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -149,6 +152,10 @@ class QTensor(torch.Tensor):
 
     # -- traceable subclass protocol (torch.compile) ------------------------------------------
     def __tensor_flatten__(self):
+        if self.accum is not None:  # loud rather than an FP32 accumulation in compiled code
+            raise NotImplementedError(
+                "a QTensor with an accumulator (.accum, qt.Recipe(accumulate=...)) cannot be "
+                "traced yet (torch.compile, torch.export): run it eagerly")
         _teach_dynamo()
         return ["_data"], (self.fmt, self.mm_fmt)
 
@@ -284,6 +291,8 @@ class QTensor(torch.Tensor):
         new = QTensor._wrap(data, self.fmt, self.mm_fmt, requires_grad=self.requires_grad)
         if getattr(self, "_is_param", False):
             new._is_param = True
+        if self.accum is not None:
+            new.accum = self.accum
         memo[id(self)] = new
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)

@@ -200,6 +200,18 @@ def test_hopper_fp8_truncates_to_13_bits_and_promotion_recovers():
     assert abs(exact - promoted) < abs(exact - fast)
 
 
+def test_product_exponent_is_the_sum_of_the_operand_exponents():
+    # MMA-Sim aligns a product by e(a) + e(b), its significand in [1, 4), not by the product's
+    # own exponent: 1.5 * 1.5 = 2.25 has alignment exponent 0. With F = 2: 2.25 * 4 = 9 and
+    # 0.25 * 4 = 1 are kept, 10 / 4 = 2.5. (Aligned to 2^1 it would be trunc(4.5) + trunc(0.5)
+    # = 4, i.e. 2.0.)
+    a = torch.tensor([[1.5, 0.5]])
+    b = torch.tensor([[1.5], [0.5]])
+    f = AccumFormat(chunk=2, frac_bits=2)
+    assert accum.accum_matmul_reference(a, b, f).item() == 2.5
+    assert accum.accum_matmul(a, b, f).item() == 2.5
+
+
 def test_accumulator_takes_part_in_alignment():
     # p = 2^20 after the first chunk (chunk 1); then the product 1.5 is aligned to 2^20 with
     # F = 4 fractional bits: 1.5 * 2^-20 * 2^4 < 1 is truncated: p stays 2^20. Without the
@@ -335,7 +347,8 @@ def test_kernel_opcheck_and_fake():
 def test_kernel_argument_errors():
     a, b = torch.randn(1, 3, 8), torch.randn(1, 8, 2)
     good = list(accum.op_args(accum.hopper_fp16))
-    with pytest.raises(RuntimeError, match=r"frac_bits must be in \[0, 50\], got 60"):
+    with pytest.raises(RuntimeError, match=r"frac_bits must be in \[0, 46\] for chunk=16, "
+                                           r"group=1, got 60"):
         torch.ops.qtensor.accum_matmul(a, b, *good[:1], 60, *good[2:])
     with pytest.raises(RuntimeError, match=r"must be float32, got Double"):
         torch.ops.qtensor.accum_matmul(a.double(), b, *good)
@@ -372,3 +385,168 @@ def test_cuda_kernel_equals_reference(f):
         a, b = INPUTS[kind](g)
         want = accum.accum_matmul_reference(a, b, f)
         assert torch.equal(bits(accum.accum_matmul(a.cuda(), b.cuda(), f).cpu()), bits(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# QTensor and qt.convert: contractions summed by the operands' accumulator
+
+def _bits_eq(x, y):
+    x = x.dequantize() if isinstance(x, qt.QTensor) else x
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    return torch.equal(bits(x.float()), bits(y.float()))
+
+
+def test_qtensor_mm_uses_its_accumulator():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 512, generator=g), torch.randn(512, 6, generator=g)
+    qa = qt.as_qtensor(a, "bf16", mm_fmt="fp8_e4m3")
+    qb = qt.as_qtensor(b, "bf16", mm_fmt="fp8_e4m3")
+    plain = torch.mm(qa, qb)
+    qb.accum = accum.hopper_fp8_fast
+    out = torch.mm(qa, qb)
+    want = qt.quantize(accum.accum_matmul(qt.quantize(qa.dequantize(), "fp8_e4m3"),
+                                          qt.quantize(qb.dequantize(), "fp8_e4m3"),
+                                          accum.hopper_fp8_fast), "bf16")
+    assert _bits_eq(out, want)
+    assert not _bits_eq(out, plain)  # the accumulator changed the result
+    assert out.accum is accum.hopper_fp8_fast  # results carry it on
+    # matmul / einsum / F.linear / addmm decompose into the same contraction
+    assert _bits_eq(qa @ qb, want)
+    assert _bits_eq(torch.einsum("ik,kj->ij", qa, qb), want)
+    assert _bits_eq(torch.nn.functional.linear(qa, qb.t()), want)
+    assert (qb.t()).accum is accum.hopper_fp8_fast  # views keep it
+
+
+def _linear_model(K=300, N=5):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(K, 16), torch.nn.ReLU(), torch.nn.Linear(16, N))
+
+
+def test_recipe_accumulate_forward_and_backward():
+    """Recipe(accumulate=...): forward and backward contractions of a converted model, by hand."""
+    fp8 = ("bf16", "fp8_e4m3")
+    recipe = qt.Recipe(weight=fp8, bias="bf16", activation=fp8, grad=fp8,
+                       accumulate=accum.hopper_fp8_fast)
+    assert recipe.accumulate is accum.hopper_fp8_fast
+    model = qt.convert(torch.nn.Linear(300, 4, bias=False), recipe)
+    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(1))
+    y = model(x)
+    W = model.weight.dequantize()
+    xq = qt.quantize(x, "bf16")
+    want = qt.quantize(accum.accum_matmul(qt.quantize(xq, "fp8_e4m3"),
+                                          qt.quantize(W, "fp8_e4m3").t(),
+                                          accum.hopper_fp8_fast), "bf16")
+    assert _bits_eq(y, want)
+    # backward: grad_W = grad_y^T @ x, a contraction over the batch (64 terms), same datapath
+    y.backward(torch.ones_like(y.dequantize()))
+    gw = accum.accum_matmul(torch.ones(4, 64), qt.quantize(xq, "fp8_e4m3"),
+                            accum.hopper_fp8_fast)
+    assert _bits_eq(model.weight.grad, qt.quantize(gw, "bf16"))
+
+
+def test_recipe_accumulate_changes_training_and_optimizer_works():
+    recipe = qt.Recipe(weight=("bf16", "fp8_e4m3"), activation=("bf16", "fp8_e4m3"),
+                       grad="bf16", accumulate="hopper_fp8_fast")
+    assert recipe.accumulate is accum.hopper_fp8_fast
+    assert "accumulate" in recipe.describe() and "hopper_fp8_fast" in recipe.describe()
+    m1 = qt.convert(_linear_model(), recipe.replace(accumulate=None))
+    m2 = qt.convert(_linear_model(), recipe)
+    x = torch.randn(32, 300, generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        m2(x).float().square().mean().backward()
+        opt.step()
+    assert m2[0].weight.accum is accum.hopper_fp8_fast  # kept through the in-place updates
+    assert not _bits_eq(m1(x), m2(x))
+
+
+def test_recipe_accumulate_errors():
+    with pytest.raises(AccumFormatError, match=r"unknown accumulator preset 'h100'"):
+        qt.Recipe(weight="bf16", accumulate="h100")
+    with pytest.raises(TypeError, match=r"Recipe.accumulate must be an AccumFormat"):
+        qt.Recipe(weight="bf16", accumulate=13)
+
+
+CONV_CASES = [(9, 8, 3, 1, 0, 1), (10, 9, 3, 2, 1, 1), (11, 12, 3, 2, 2, 2), (8, 8, 1, 1, 0, 1),
+              (12, 11, 5, 3, 2, 1)]
+
+
+@pytest.mark.parametrize("H, W, k, s, p, d", CONV_CASES)
+def test_conv_as_gemm_layout(H, W, k, s, p, d):
+    """The conv lowering (forward, grad_input, grad_weight, grad_bias) is the convolution: with a
+    nearly exact accumulator it agrees with float64 aten to float32 rounding."""
+    f = AccumFormat(chunk=8, frac_bits=45, acc_rounding="nearest")
+    g = torch.Generator().manual_seed(H * 100 + k)
+    x, w, b = (torch.randn(2, 3, H, W, generator=g), torch.randn(4, 3, k, k, generator=g),
+               torch.randn(4, generator=g))
+    geo = ([s, s], [p, p], [d, d], False, [0, 0], 1)
+    ref = torch.nn.functional.conv2d(x.double(), w.double(), b.double(), stride=s, padding=p,
+                                     dilation=d)
+    out = accum.contract("convolution", [x, w, b, *geo], {}, f)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    go = torch.randn(ref.shape, generator=g)
+    want = torch.ops.aten.convolution_backward(go.double(), x.double(), w.double(), [4], *geo,
+                                               [True, True, True])
+    got = accum.contract("convolution_backward", [go, x, w, [4], *geo, [True, True, True]], {}, f)
+    for gt, wt in zip(got, want):
+        assert gt.shape == wt.shape
+        torch.testing.assert_close(gt.double(), wt, rtol=0, atol=1e-5)
+
+
+def test_conv_forward_is_the_gemm_of_the_accumulator():
+    # channels innermost along K: the output is accum_matmul of the (kh, kw, c)-ordered operands
+    f = accum.hopper_fp8_fast
+    g = torch.Generator().manual_seed(4)
+    x = qt.quantize(torch.randn(1, 40, 5, 5, generator=g), "fp8_e4m3")
+    w = qt.quantize(torch.randn(2, 40, 3, 3, generator=g), "fp8_e4m3")
+    out = accum.contract("convolution", [x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1],
+                         {}, f)
+    cols = x.unfold(2, 3, 1).unfold(3, 3, 1)  # (1, C, 3, 3, kh, kw)
+    a = w.permute(0, 2, 3, 1).reshape(2, -1)  # (O, kh*kw*C)
+    b = cols.permute(0, 4, 5, 1, 2, 3).reshape(9 * 40, 9)  # (kh*kw*C, L)
+    assert torch.equal(bits(out.reshape(2, 9)), bits(accum.accum_matmul(a, b, f)))
+
+
+def test_conv_model_with_accumulator():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+    recipe = qt.Recipe(weight=("bf16", "fp8_e4m3"), activation=("bf16", "fp8_e4m3"),
+                       grad="bf16", accumulate=accum.hopper_fp8_fast)
+    model = qt.convert(conv, recipe)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    y = model(x)
+    y.float().sum().backward()
+    assert model.weight.grad is not None and x.grad is not None
+
+
+def test_unsupported_convolution_is_refused():
+    model = qt.convert(torch.nn.Conv2d(4, 4, 3, groups=2),
+                       qt.Recipe(weight="bf16", activation="bf16", accumulate=accum.hopper_bf16))
+    with pytest.raises(NotImplementedError, match=r"groups=1; got a 2-D convolution, "
+                                                  r"transposed=False, groups=2"):
+        model(torch.randn(1, 4, 8, 8))
+
+
+def test_accumulate_keeps_leak_check_clean():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    qt.convert(m, qt.Recipe(weight=("bf16", "fp8_e4m3"), activation=("bf16", "fp8_e4m3"),
+                            grad=("bf16", "fp8_e5m2"), accumulate="hopper_fp8"))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(8, 20), torch.randint(0, 3, (8,))
+    with qt.leak_check(action="record", optimizer=opt, check_values=True) as report:
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert len(report) == 0, report.summary()
+    assert m[0].weight.grad.accum is accum.hopper_fp8  # gradients carry it too
+
+
+def test_compile_with_accumulator_is_refused():
+    m = qt.convert(torch.nn.Linear(64, 4, bias=False),
+                   qt.Recipe(weight="bf16", activation="bf16", accumulate="hopper_bf16"))
+    with pytest.raises(Exception, match=r"cannot be traced yet \(torch.compile, torch.export\)"):
+        torch.compile(m)(torch.randn(8, 64))
