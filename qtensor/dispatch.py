@@ -16,7 +16,9 @@ once (the rule is cached per op overload) and then handled by one of four paths:
    convolution and convolution_backward; matmul, einsum, tensordot, F.linear, conv1d/2d/3d
    decompose into these before they reach the subclass) round each operand that has an
    ``mm_fmt`` to it along that op's reduction dimension, from the value payload, per use;
-   the product accumulates in the payload precision; the output is rounded to its ``fmt``.
+   the product accumulates in the payload precision (or, when an operand carries an
+   accumulator, ``QTensor.accum``, by that emulated MMA datapath: :mod:`qtensor.accum`); the
+   output is rounded to its ``fmt``.
 
 Output format (mixed formats): the format (fmt and mm_fmt) of the first QTensor operand in
 argument order, except that contractions with an added term (addmm, addmv, baddbmm, addbmm)
