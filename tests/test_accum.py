@@ -186,18 +186,16 @@ def test_hopper_fp16_drops_terms_below_25_bits():
 
 
 def test_hopper_fp8_truncates_to_13_bits_and_promotion_recovers():
-    # K = 256 products of 1 * (1 + 2^-7). In the e8m13 accumulator p = n * (1 + 2^-7) is exact
-    # while n <= 64 (n + n/128 needs 13 fractional bits once n > 64: 7 + 6 bits... then the
-    # low bits of each new term fall below 2^(emax-13) and are truncated). With promotion every
-    # 128 elements each partial restarts from zero, so the FP32 result is closer to the truth.
+    # K = 256 products 1 * (1 + 2^-7), exact sum 258. The first 128 (4 chunks) sum exactly to
+    # 129 (each chunk's emax is at most 7 and 1 + 2^-7 needs 7 of the 13 fractional bits).
+    # After that p = 129 > 2^7 takes part in the alignment: each product keeps 13 - 7 = 6
+    # fractional bits, its 2^-7 is truncated, and the last 128 products add 128: 257. Promoted
+    # every 128 elements, both partials are 129 and the FP32 accumulator gets 258 exactly.
     a = torch.ones(1, 256)
     b = torch.full((256, 1), 1.0 + 2.0 ** -7)
-    exact = 256 * (1 + 2.0 ** -7)
-    fast = accum.accum_matmul_reference(a, b, accum.hopper_fp8_fast).item()
-    promoted = accum.accum_matmul_reference(a, b, accum.hopper_fp8).item()
-    assert fast == oracle_dot([1.0] * 256, [1.0 + 2.0 ** -7] * 256, accum.hopper_fp8_fast)
-    assert fast < promoted <= exact
-    assert abs(exact - promoted) < abs(exact - fast)
+    assert accum.accum_matmul_reference(a, b, accum.hopper_fp8_fast).item() == 257.0
+    assert accum.accum_matmul_reference(a, b, accum.hopper_fp8).item() == 258.0
+    assert oracle_dot([1.0] * 256, [1.0 + 2.0 ** -7] * 256, accum.hopper_fp8_fast) == 257.0
 
 
 def test_product_exponent_is_the_sum_of_the_operand_exponents():
