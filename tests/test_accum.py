@@ -187,7 +187,7 @@ def test_hopper_fp16_drops_terms_below_25_bits():
 
 def test_hopper_fp8_truncates_to_13_bits_and_promotion_recovers():
     # K = 256 products 1 * (1 + 2^-7), exact sum 258. The first 128 (4 chunks) sum exactly to
-    # 129 (each chunk's emax is at most 7 and 1 + 2^-7 needs 7 of the 13 fractional bits).
+    # 129 (p < 2^7 there, so emax <= 6 and each 1 + 2^-7 keeps its 7 fractional bits of 13).
     # After that p = 129 > 2^7 takes part in the alignment: each product keeps 13 - 7 = 6
     # fractional bits, its 2^-7 is truncated, and the last 128 products add 128: 257. Promoted
     # every 128 elements, both partials are 129 and the FP32 accumulator gets 258 exactly.
