@@ -548,3 +548,21 @@ def test_compile_with_accumulator_is_refused():
                    qt.Recipe(weight="bf16", activation="bf16", accumulate="hopper_bf16"))
     with pytest.raises(Exception, match=r"cannot be traced yet \(torch.compile, torch.export\)"):
         torch.compile(m)(torch.randn(8, 64))
+
+
+def test_accum_study_example_runs(tmp_path):
+    """examples/accum_study.py --quick, as a user runs it: both tables, every run, the plots."""
+    pytest.importorskip("sklearn", reason="the digits come from scikit-learn")
+    pytest.importorskip("matplotlib", reason="the study plots with matplotlib")
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "accum_study.py"),
+                           "--quick", "--out", str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for run in ("fp32", "promote 1", "promote 4", "promote 16", "never", "wide never"):
+        assert proc.stdout.count(f"| {run} ") == 2, run
+    assert {p.name for p in tmp_path.iterdir()} >= {"accum_study.md", "accum_study_digits.png",
+                                                     "accum_study_gpt.png"}

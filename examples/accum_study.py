@@ -1,0 +1,192 @@
+"""Does the accumulator matter? FP8 training with Hopper-style accumulation, by promotion interval.
+
+    python examples/accum_study.py             # digits CNN and char-GPT (several minutes)
+    python examples/accum_study.py --quick     # a few steps (smoke test)
+
+Every run has the same FP8 operands with fine-grained scales (MXFP8: weights and activations
+E4M3, gradients E5M2, one power-of-two scale per 32 elements along K, which plays the role of
+DeepSeek-V3's 1x128 tile scaling; BF16 values between ops, FP32 master weights) and differs only
+in how the products are summed
+(``qt.Recipe(..., accumulate=...)``, see qtensor/accum.py):
+- ``fp32``: today's emulation default, FP32 accumulation of the rounded operands;
+- ``promote 1/4/16``: Hopper's FP8 tensor-core datapath (32-product chunks aligned to the largest
+  exponent, 13 fractional bits, result truncated to 13 mantissa bits), with the partial sum
+  added into an FP32 accumulator every 1, 4 (CUTLASS's default, 128 elements) or 16 chunks;
+- ``never``: the same with no promotion (the whole K in the tensor core: "fast accumulation");
+- ``wide never``: no promotion but a 25-bit accumulator (Hopper's BF16/FP16 datapath width).
+Same initial weights and batches for every run of a model (the differences are paired), except
+``fp32, seed 1``: FP32 adds with another seed, the run-to-run noise against which to read them.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import qtensor as qt  # noqa: E402
+from qtensor import accum  # noqa: E402
+
+RUNS = {
+    "fp32": None,
+    "promote 1": accum.hopper_fp8.replace(promote=1),
+    "promote 4": accum.hopper_fp8,
+    "promote 16": accum.hopper_fp8.replace(promote=16),
+    "never": accum.hopper_fp8_fast,
+    "wide never": accum.hopper_fp8_fast.replace(frac_bits=25, acc_man=23),
+    "fp32, seed 1": None,  # FP32 adds again, another seed: the run-to-run noise level
+}
+COLORS = dict(zip(RUNS, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+                         "tab:brown", "tab:gray"]))
+
+
+def _seed(name, seed):
+    return seed + 1 if name.endswith("seed 1") else seed
+
+
+def _short(f):
+    if f is None:
+        return "FP32 adds"
+    return (f"k{f.chunk}, {f.frac_bits} bits, {f.acc_man}-bit result, "
+            f"promote {'never' if f.promote is None else f.promote}")
+
+
+def _tail(losses):
+    tail = max(1, len(losses) // 5)
+    return sum(losses[-tail:]) / tail
+
+
+def recipe(acc):
+    return qt.Recipe(weight=(qt.fp32, qt.mxfp8_e4m3), bias=qt.fp32,
+                     activation=(qt.bf16, qt.mxfp8_e4m3), grad=(qt.bf16, qt.mxfp8_e5m2),
+                     master_weights=True, accumulate=acc)
+
+
+def run_digits(name, data, steps, seed):
+    x_train, y_train, x_test, y_test = data
+    seed = _seed(name, seed)
+    torch.manual_seed(seed)
+    model = qt.convert(common.DigitsCNN(), recipe(RUNS[name]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with common.Timer() as t:
+        losses = common.train_classifier(model, opt, x_train, y_train, steps=steps, batch=64,
+                                         seed=seed, desc=f"digits {name:>10}")
+    return {"name": name, "losses": losses, "final": common.accuracy(model, x_test, y_test),
+            "seconds": t.seconds}
+
+
+def run_gpt(name, corpus, args):
+    import mx_training as mt
+    seed = _seed(name, args.seed)
+    torch.manual_seed(seed)
+    model = common.CharGPT(corpus.vocab, d=args.d, layers=2, heads=4, context=args.context)
+    qt.convert(model, recipe(RUNS[name]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, args.gpt_steps // 20)
+
+    def lr_at(step):  # linear warmup, cosine decay to 10% (as examples/mx_training.py)
+        if step < warmup:
+            return 1e-2 * (step + 1) / warmup
+        t = (step - warmup) / max(1, args.gpt_steps - warmup)
+        return 1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    g = torch.Generator().manual_seed(seed)
+    hi = len(corpus.train) - args.context - 1
+    losses = []
+    with common.Timer() as t, torch.nn.attention.sdpa_kernel(
+            torch.nn.attention.SDPBackend.MATH):  # attention as bmm: emulated too
+        for step in common.progress(range(args.gpt_steps), desc=f"gpt {name:>10}"):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            x, y = mt.Corpus.batch(corpus.train, torch.randint(0, hi, (args.batch,), generator=g),
+                                   args.context)
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                flat = common.plain(logits.detach()).reshape(-1, logits.shape[-1])
+                losses.append(float(F.cross_entropy(flat, y.reshape(-1))))
+    return {"name": name, "losses": losses, "final": _tail(losses), "seconds": t.seconds}
+
+
+def plot(results, path, title, ylabel):
+    plt = common.plt_module()
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 2]})
+    window = max(1, len(results[0]["losses"]) // 20)
+    base = results[0]
+    for r in results:
+        c = COLORS[r["name"]]
+        ax.plot(common.smooth(r["losses"], window), lw=1.3, color=c, label=r["name"])
+        if r is not base:
+            diff = [a - b for a, b in zip(r["losses"], base["losses"])]
+            ax2.plot(common.smooth(diff, 2 * window), lw=1.3, color=c, label=r["name"])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax2.axhline(0.0, color="k", lw=0.8)
+    ax2.set_ylabel("minus the fp32 run\n(same batches, except seed 1)")
+    ax2.set_xlabel("training step")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    common.save_figure(fig, path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--steps", type=int, default=300, help="digits CNN steps")
+    p.add_argument("--gpt-steps", type=int, default=300)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--models", default="digits,gpt")
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.gpt_steps = 3, 2
+    common.setup(args.threads, args.seed)
+    sections, out_dir = [], args.out
+    models = args.models.split(",")
+    if "digits" in models:
+        data = common.load_digits_split()
+        res = [run_digits(n, data, args.steps, args.seed) for n in RUNS]
+        rows = [[r["name"], _short(RUNS[r["name"]]), f"{100 * r['final']:.1f}%",
+                 f"{_tail(r['losses']):.4f}", f"{r['seconds']:.0f}"] for r in res]
+        sections.append(("Digits CNN", common.markdown_table(
+            ["run", "accumulator", "test acc", "train loss (last 20%)", "s"], rows)))
+        if out_dir is not None:
+            plot(res, out_dir / "accum_study_digits.png", "Digits CNN, MXFP8 operands",
+                 "train cross-entropy")
+    if "gpt" in models:
+        import mx_training as mt
+        corpus = mt.Corpus(max_bytes=2_000_000)
+        res = [run_gpt(n, corpus, args) for n in RUNS]
+        rows = [[r["name"], _short(RUNS[r["name"]]), f"{r['final']:.4f}",
+                 f"{r['seconds']:.0f}"] for r in res]
+        sections.append(("Char-GPT", common.markdown_table(
+            ["run", "accumulator", "train loss (last 20%)", "s"], rows)))
+        if out_dir is not None:
+            plot(res, out_dir / "accum_study_gpt.png", "Char-GPT, MXFP8 operands",
+                 "train cross-entropy (nats/char)")
+    for title, table in sections:
+        print(f"\n## {title}\n\n{table}")
+    if out_dir is not None:
+        common.save_text(out_dir / "accum_study.md", "\n\n".join(
+            f"## {t}\n\n{tab}" for t, tab in sections) + "\n")
+
+
+
+if __name__ == "__main__":
+    main()
