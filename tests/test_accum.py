@@ -4,6 +4,7 @@ The oracle below restates the model of qtensor/accum.py (MMA-Sim's fused_dot_add
 output element with Python integers and Fractions, independently of torch; the reference and
 the compiled kernel must give its bits exactly (compared as int32 patterns).
 """
+import dataclasses
 import math
 import os
 import zlib
@@ -251,13 +252,8 @@ def test_format_is_frozen_hashable_readable():
     assert hash(f) == hash(f.replace())
     assert f == AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=4)
     assert str(f) == "hopper_fp8: AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=4)"
-    with pytest.raises(dataclasses_FrozenInstanceError()):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         f.chunk = 3
-
-
-def dataclasses_FrozenInstanceError():
-    import dataclasses
-    return dataclasses.FrozenInstanceError
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -366,7 +362,8 @@ def test_kernel_baseline_isa_path():
         "    for kind in T.INPUTS:\n"
         "        a, b = T.INPUTS[kind](torch.Generator().manual_seed(3))\n"
         "        want = accum.accum_matmul_reference(a, b, f)\n"
-        "        assert torch.equal(T.bits(accum.accum_matmul(a, b, f)), T.bits(want)), (f, kind)\n")
+        "        got = accum.accum_matmul(a, b, f)\n"
+        "        assert torch.equal(T.bits(got), T.bits(want)), (f, kind)\n")
     env = dict(os.environ, QTENSOR_CPU_ISA="base")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,

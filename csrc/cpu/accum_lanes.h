@@ -79,7 +79,8 @@ inline __m256d round_pd(__m256d x) {
 }
 // p's alignment exponent: max(e(p), -126), or kAccZeroExp for p == 0
 inline __m128i p_exp(__m256d p) {
-  const __m128i zero = low32(_mm256_castpd_si256(_mm256_cmp_pd(p, _mm256_setzero_pd(), _CMP_EQ_OQ)));
+  const __m128i zero =
+      low32(_mm256_castpd_si256(_mm256_cmp_pd(p, _mm256_setzero_pd(), _CMP_EQ_OQ)));
   const __m128i e = _mm_max_epi32(exp_pd(p), _mm_set1_epi32(qtensor::kAccExpMin));
   return _mm_blendv_epi8(e, _mm_set1_epi32(qtensor::kAccZeroExp), zero);
 }
