@@ -25,6 +25,7 @@ Conversions:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import sys
 from typing import Optional
@@ -275,9 +276,11 @@ class QTensor(torch.Tensor):
 
     # -- serialization -------------------------------------------------------------------------
     def __reduce_ex__(self, protocol):
+        # the accumulator as a dict of its fields (plain values: loadable with weights_only)
+        accum = None if self.accum is None else dataclasses.asdict(self.accum)
         return (_rebuild_qtensor,
                 (self._data, str(self.fmt), None if self.mm_fmt is None else str(self.mm_fmt),
-                 self.requires_grad, bool(getattr(self, "_is_param", False))))
+                 self.requires_grad, bool(getattr(self, "_is_param", False)), accum))
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -299,10 +302,13 @@ class QTensor(torch.Tensor):
         return new
 
 
-def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False):
+def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=None):
     t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad)
     if is_param:
         t._is_param = True
+    if accum is not None:
+        from .accum import AccumFormat  # (accum builds on this module)
+        t.accum = AccumFormat(**accum)
     return t
 
 

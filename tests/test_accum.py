@@ -456,6 +456,24 @@ def test_recipe_accumulate_changes_training_and_optimizer_works():
     assert not _bits_eq(m1(x), m2(x))
 
 
+def test_accumulator_survives_save_load_and_deepcopy():
+    """A converted model's parameters keep their accumulator through torch.save /
+    torch.load(weights_only=True) of the state dict, pickling and deepcopy."""
+    import copy
+    import io
+    import pickle
+    recipe = qt.Recipe(weight=("bf16", "fp8_e4m3"), activation=("bf16", "fp8_e4m3"),
+                       grad="bf16", accumulate="hopper_fp8")
+    model = qt.convert(_linear_model(), recipe)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert loaded["0.weight"].accum == accum.hopper_fp8
+    assert pickle.loads(pickle.dumps(model))[0].weight.accum == accum.hopper_fp8
+    assert copy.deepcopy(model)[0].weight.accum == accum.hopper_fp8
+
+
 def test_recipe_accumulate_errors():
     with pytest.raises(AccumFormatError, match=r"unknown accumulator preset 'h100'"):
         qt.Recipe(weight="bf16", accumulate="h100")
