@@ -41,7 +41,8 @@ addmv, dot, linear, matmul/einsum through them, 2-D convolutions with groups=1, 
 backward) sums its products with it. On a single tensor: ``t.accum = qt.accum.hopper_fp8``.
 Not yet: transposed, grouped or 1-D/3-D convolutions (NotImplementedError), fused attention
 kernels (use ``sdpa_kernel(SDPBackend.MATH)``), torch.compile/export (refused with a
-NotImplementedError rather than compiled with FP32 accumulation), pickling (dropped on load).
+NotImplementedError rather than compiled with FP32 accumulation). Pickling, ``torch.save`` /
+``torch.load(weights_only=True)`` and deepcopy keep it.
 
 Known differences from the hardware models, stated rather than hidden:
 - operands are float32 carriers; e(x) clamps at float32's -126, whereas MMA-Sim clamps at the

@@ -1,4 +1,8 @@
-// Torch glue of the CUDA qtensor::accum_matmul (the kernel: csrc/cuda/accum_kernels.cu).
+// Torch glue of the CUDA qtensor::accum_matmul (the kernel: csrc/cuda/accum_kernels.cu). Built
+// only by setup.py's CUDAExtension (which defines QTENSOR_WITH_TORCH); CI's torch-free
+// `nvcc -c` compiles it to nothing.
+#if defined(QTENSOR_WITH_TORCH)
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -40,3 +44,5 @@ at::Tensor accum_matmul_cuda(const at::Tensor& a, const at::Tensor& b, int64_t c
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qtensor, CUDA, m) { m.impl("accum_matmul", &accum_matmul_cuda); }
+
+#endif  // QTENSOR_WITH_TORCH
