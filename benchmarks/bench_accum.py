@@ -16,25 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import qtensor as qt  # noqa: E402
 from qtensor import accum  # noqa: E402
-
-
-def timeit(fn, repeat, number):
-    """The best of `repeat` averages over `number` calls, in seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(number):
-            fn()
-        best = min(best, (time.perf_counter() - t) / number)
-    return best
+from bench_overhead import timeit  # noqa: E402  (the same best-of-repeats timer)
 
 
 def main():

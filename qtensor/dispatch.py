@@ -76,8 +76,6 @@ from the value payload, per use, never from an already MX-rounded copy.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 

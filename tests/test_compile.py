@@ -71,6 +71,16 @@ def _assert_same(got, expected, msg=""):
     assert_bits_equal(got.dequantize(), expected.dequantize(), msg)
 
 
+def _assert_matches_eager(compiled, model):
+    """Forward and every gradient of compiled equal eager model's bit for bit."""
+    x = torch.randn(2, 4, 6)
+    y, grads = _run(model, x)
+    yc, grads_c = _run(compiled, x)
+    _assert_same(yc, y, "output")
+    for name, g in grads.items():
+        _assert_same(grads_c[name], g, f"grad of {name}")
+
+
 def _in_format(t):
     return torch.equal(t.dequantize(), qt.quantize(t.dequantize(), t.fmt))
 
@@ -110,12 +120,7 @@ def test_compiled_converted_model_is_bit_identical_to_eager(spec, mode):
     model = _converted({"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6}[spec])
     compiled = torch.compile(copy.deepcopy(model), backend="aot_eager",
                              fullgraph=mode == "fullgraph", dynamic=mode == "dynamic" or None)
-    x = torch.randn(2, 4, 6)
-    y, grads = _run(model, x)
-    yc, grads_c = _run(compiled, x)
-    _assert_same(yc, y, "output")
-    for name, g in grads.items():
-        _assert_same(grads_c[name], g, f"grad of {name}")
+    _assert_matches_eager(compiled, model)
 
 
 _DYNAMIC_SCRIPT = """
@@ -162,12 +167,7 @@ def test_inductor_lite_is_bit_identical_to_eager():
     """mode="lite" keeps ATen's kernels for every op: bit-identical, forward and backward."""
     model = _converted(qt.recipes.mxfp6)
     compiled = torch.compile(copy.deepcopy(model), mode="lite", fullgraph=True)
-    x = torch.randn(2, 4, 6)
-    y, grads = _run(model, x)
-    yc, grads_c = _run(compiled, x)
-    _assert_same(yc, y, "output")
-    for name, g in grads.items():
-        _assert_same(grads_c[name], g, f"grad of {name}")
+    _assert_matches_eager(compiled, model)
 
 
 @needs_kernels
