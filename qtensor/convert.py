@@ -684,6 +684,11 @@ def is_converted(model: nn.Module) -> bool:
     return getattr(model, "_qt_conversion", None) is not None
 
 
+def conversion_of(model: nn.Module):
+    """What qt.convert did to ``model`` (its module_plans and tensor_plans), else None."""
+    return getattr(model, "_qt_conversion", None)
+
+
 def plan_of(tensor: torch.Tensor) -> Optional[TensorPlan]:
     """The TensorPlan of a converted parameter (None for anything else)."""
     return getattr(tensor, "_qt_plan", None)

@@ -159,8 +159,8 @@ def _zero_pad(args, kwargs, src):  # constant_pad_nd(self, pad, value)
     return (args[2] if len(args) > 2 else kwargs.get("value", 0)) == 0
 
 
-_MOVE_IF = {"_to_copy": _same_dtype, "index_put": _no_accumulate, "index_put_": _no_accumulate,
-            "_index_put_impl_": _no_accumulate, "constant_pad_nd": _zero_pad}
+MOVE_IF = {"_to_copy": _same_dtype, "index_put": _no_accumulate, "index_put_": _no_accumulate,
+           "_index_put_impl_": _no_accumulate, "constant_pad_nd": _zero_pad}
 
 # Ops whose output format comes from other arguments first (the multiplied operands).
 _FORMAT_ORDER = {
@@ -645,7 +645,7 @@ def dispatch(func, args, kwargs):
                 if q.fmt is not fmt and q.fmt != fmt:
                     rnd = True
                     break
-        cond = _MOVE_IF.get(func._opname)
+        cond = MOVE_IF.get(func._opname)
         if cond is not None and not rnd:
             rnd = not cond(uargs, ukwargs, src)
     else:

@@ -165,6 +165,11 @@ def _swap_in(optimizer) -> None:
     optimizer._qt_swapped = swapped
 
 
+def swapped_masters(optimizer) -> dict:
+    """While a step runs on FP32 master weights: id(master) -> the parameter it stands in for."""
+    return {id(m): p for _, _, p, m in getattr(optimizer, "_qt_swapped", ())}
+
+
 class _MasterClosure:
     """The closure given to a step with master weights: the closure evaluates the model, so the
     model's parameters are put back (holding the masters' current values) around each call, and

@@ -807,10 +807,10 @@ def test_block_elementwise_oracle():
     elems = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     good = torch.cat([elems * 2.0 ** k for k in (-20, -3, 0, 5, 40)])
     good = torch.cat([good, -good])
-    assert bool(leaks._block_elements_ok(good, fmt).all())
+    assert bool(leaks.values.block_elements_ok(good, fmt).all())
     bad = torch.tensor([1.25, 3.5, 5.0, 0.1, float("inf"), 7.0 * 2.0 ** 10])
-    assert not bool(leaks._block_elements_ok(bad, fmt).any())
-    assert bool(leaks._block_elements_ok(torch.tensor([float("nan")]), fmt).all())
+    assert not bool(leaks.values.block_elements_ok(bad, fmt).any())
+    assert bool(leaks.values.block_elements_ok(torch.tensor([float("nan")]), fmt).all())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -907,7 +907,7 @@ def test_raise_stops_at_first_finding_with_its_message():
         "leak (mixed): a plain floating tensor met QTensors",
         "  op: aten.mul.Tensor",
         "  module: block (forward)",
-        f"  at: {leaks._short_path(__file__)}:{line} in forward"]
+        f"  at: {leaks.findings.short_path(__file__)}:{line} in forward"]
     assert "other: plain Tensor[8] float32 (block.scale) <-" in msg
     assert err.value.finding.kind == "mixed"
 
@@ -944,7 +944,7 @@ def test_summary_table():
     for obj, marker, name in [(SidePath.forward, "LEAK: no_grad side path", "SIDE"),
                               (SidePath.forward, "LEAK: plain statistic", "STAT"),
                               (WithConstant.forward, "LEAK: constant made", "CONST")]:
-        text = text.replace(f"{leaks._short_path(__file__)}:{line_of(obj, marker)}",
+        text = text.replace(f"{leaks.findings.short_path(__file__)}:{line_of(obj, marker)}",
                             f"test_leaks.py:{name}")
     expecttest.assert_expected_inline(text, """\
 leak_check: 8 findings in 4 places

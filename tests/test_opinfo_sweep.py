@@ -115,7 +115,7 @@ def _tag(t):
 
 
 def _moves(func, args, kwargs):
-    cond = qd._MOVE_IF.get(func._opname)
+    cond = qd.MOVE_IF.get(func._opname)
     return cond is None or cond(list(args), kwargs, args[0])
 
 
