@@ -18,8 +18,9 @@ finding, :class:`LeakWarning`) or ``"record"``. After the block the report holds
 The full contract, exemption by exemption: docs/leak_check.md.
 """
 from .check import leak_check
-from .findings import (FUSED, KINDS, MIXED, OPTIMIZER, PLAIN_OP, PLAIN_RESULT, UNREPRESENTABLE,
-                       Finding, LeakError, LeakReport, LeakWarning, Location, TensorInfo)
+from .findings import (FUSED, KINDS, MIXED, OPTIMIZER, PLAIN_OP, PLAIN_RESULT,  # noqa: F401
+                       UNREPRESENTABLE, Finding, LeakError, LeakReport, LeakWarning, Location,
+                       TensorInfo)
 
 __all__ = ["leak_check", "LeakReport", "Finding", "TensorInfo", "Location", "LeakError",
            "LeakWarning", "KINDS"]

@@ -14,7 +14,7 @@ from .frames import ENGINE, QT, TORCH, loss_data, user_location, walk
 from .tensors import (COPY_OPS, VALUE_DTYPES, flat_tensors, is_float, named_tensors, outputs,
                       pure_destinations, storage_key)
 from .tracker import Context
-from .values import moves_checked_values, same_format, sparse_in_format, unrepresentable
+from .values import moves_checked_values, sparse_in_format, unrepresentable
 
 _LIFTS = frozenset(("lift_fresh", "lift_fresh_copy"))  # torch.tensor(...): a factory
 _MATH_SDPA = ("run it under `with torch.nn.attention.sdpa_kernel("
