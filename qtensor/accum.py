@@ -62,6 +62,8 @@ from typing import Optional
 
 import torch
 
+from . import ops as _ops
+
 __all__ = ["AccumFormat", "AccumFormatError", "accum_matmul", "accum_matmul_reference",
            "as_accum", "contract", "PRESETS", "ALIGN_ROUNDINGS", "ACC_ROUNDINGS"]
 
@@ -328,8 +330,7 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Ten
 # Entry point: the compiled kernel where it applies, else the reference
 
 def _register_fake():
-    from . import ops
-    if ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
+    if _ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
         return
 
     @torch.library.register_fake("qtensor::accum_matmul")
@@ -341,8 +342,7 @@ _register_fake()
 
 
 def _kernel_ready(a: torch.Tensor) -> bool:
-    from . import ops
-    if ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
+    if _ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
         return False
     dev = a.device.type
     return dev == "cpu" or (dev == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(

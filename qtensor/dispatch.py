@@ -181,7 +181,15 @@ clone contiguous _to_copy to copy copy_ detach detach_ lift_fresh lift_fresh_cop
 detach_copy view_copy _reshape_copy _unsafe_view reshape expand_copy squeeze_copy unsqueeze_copy
 """.split())
 
-QTensor = None  # bound by qtensor.tensor
+QTensor = None  # the class whose operands dispatch unwraps and whose results it wraps
+
+
+def register_qtensor(cls) -> None:
+    """Tell dispatch which class is QTensor (qtensor.tensor defines it, on top of this module)."""
+    global QTensor
+    QTensor = cls
+
+
 _CPU_KERNELS = _ops.kernels_available("cpu")
 
 

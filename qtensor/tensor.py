@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from . import dispatch as _dispatch
+from .accum import AccumFormat
 from . import ops as _ops
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _parse_format
 
@@ -307,12 +308,11 @@ def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=Non
     if is_param:
         t._is_param = True
     if accum is not None:
-        from .accum import AccumFormat  # (accum builds on this module)
         t.accum = AccumFormat(**accum)
     return t
 
 
-_dispatch.QTensor = QTensor
+_dispatch.register_qtensor(QTensor)
 
 
 # ---------------------------------------------------------------------------------------------
