@@ -108,266 +108,32 @@ Details:
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import fnmatch
 import re
-import warnings
 import weakref
 from dataclasses import dataclass, field
-import os
-import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .formats import BlockFormat, FloatFormat, Format, FormatError
-from .formats import format as _parse_format
+from . import training
+from .formats import BlockFormat
+from .ops import quantize
+from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
+                    round_to)
+from .spec import as_recipe
+from .warn import _warned  # noqa: F401  (tests reset it: "once" per process)
+from .warn import warn as _warn, warn_once as _warn_once
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
-           "is_converted", "plan_of", "ROLE_NAMES"]
-
-ROLE_NAMES = ("weight", "bias", "activation", "grad", "optimizer_state")
-_FP32 = FloatFormat(8, 23)
-
-
-# ---------------------------------------------------------------------------------------------
-# Roles and recipes
-
-@dataclass(frozen=True)
-class Role:
-    """The formats of one role: ``fmt`` for the values, ``mm_fmt`` inside contractions.
-
-    ``Role()`` (both None) is full precision: the tensor is left a plain tensor.
-    """
-
-    fmt: Optional[Format] = None
-    mm_fmt: Optional[Format] = None
-
-    def __post_init__(self):
-        for name in ("fmt", "mm_fmt"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, Format):
-                object.__setattr__(self, name, _parse_format(value))
-        if self.fmt is None and self.mm_fmt is not None:
-            # FP32 values with an operand format: the values must still be a QTensor
-            object.__setattr__(self, "fmt", _FP32)
-
-    @classmethod
-    def of(cls, spec, what: str = "role") -> "Role":
-        """A Role from None, a format, a format string, a Role or a pair (value_fmt, mm_fmt)."""
-        if isinstance(spec, Role):
-            return spec
-        if spec is None:
-            return cls()
-        if isinstance(spec, (Format, str)):
-            return cls(_format_or_error(spec, what))
-        if isinstance(spec, (tuple, list)):
-            if len(spec) != 2:
-                raise ValueError(
-                    f"{what}: a pair must be (value_fmt, mm_fmt), got {len(spec)} items: {spec!r}")
-            value, mm = spec
-            return cls(None if value is None else _format_or_error(value, what),
-                       None if mm is None else _format_or_error(mm, f"{what} (mm_fmt)"))
-        raise TypeError(
-            f"{what}: expected None, a format, a format string or a pair (value_fmt, mm_fmt), "
-            f"got {type(spec).__name__}: {spec!r}")
-
-    @property
-    def full_precision(self) -> bool:
-        return self.fmt is None
-
-    def __str__(self) -> str:
-        if self.fmt is None:
-            return "full precision"
-        return str(self.fmt) if self.mm_fmt is None else f"{self.fmt} (mm {self.mm_fmt})"
-
-
-def _format_or_error(spec, what: str) -> Format:
-    try:
-        return _parse_format(spec)
-    except FormatError as e:
-        raise FormatError(f"{what}: {e}") from None
-
-
-def _normalise_rule(pattern, spec):
-    """A rule's spec as a Role (value/activation role) or a dict {role name: Role}."""
-    if not isinstance(pattern, str) or not pattern:
-        raise TypeError(f"rule patterns must be non-empty strings, got {pattern!r}")
-    if pattern.startswith("re:"):
-        try:
-            re.compile(pattern[3:])
-        except re.error as e:
-            raise ValueError(f"rule {pattern!r}: bad regular expression: {e}") from None
-    if isinstance(spec, Recipe):
-        return {name: getattr(spec, name) for name in ROLE_NAMES}
-    if isinstance(spec, dict):
-        unknown = [k for k in spec if k not in ROLE_NAMES]
-        if unknown:
-            raise ValueError(
-                f"rule {pattern!r}: unknown role(s) {', '.join(map(repr, unknown))}; roles are "
-                f"{', '.join(ROLE_NAMES)}")
-        return {k: Role.of(v, f"rule {pattern!r}, role {k}") for k, v in spec.items()}
-    return Role.of(spec, f"rule {pattern!r}")
-
-
-@dataclass(frozen=True, eq=True)
-class Recipe:
-    """Formats for every role of a model (see the module docstring for the meaning of each).
-
-    Each role takes None (full precision), a format, a format string, or a pair
-    ``(value_fmt, mm_fmt)``; they are normalised into :class:`Role` values.
-    ``rules``: ``{pattern: format | pair | None | dict of roles}``, matched against qualified
-    parameter, buffer and module names (glob, or ``re:`` regex).
-    """
-
-    weight: Any = None
-    bias: Any = None
-    activation: Any = None
-    grad: Any = None
-    optimizer_state: Any = None
-    rules: Any = None
-    master_weights: bool = False
-    loss_scale: Any = None
-    accumulate: Any = None
-    name: Optional[str] = field(default=None, compare=False)
-    source: Optional[str] = field(default=None, compare=False)
-
-    def __post_init__(self):
-        for role in ROLE_NAMES:
-            object.__setattr__(self, role, Role.of(getattr(self, role), f"Recipe.{role}"))
-        rules = self.rules or {}
-        if not isinstance(rules, dict):
-            raise TypeError(f"Recipe.rules must be a dict {{pattern: spec}}, got {type(rules).__name__}")
-        object.__setattr__(self, "rules", {p: _normalise_rule(p, s) for p, s in rules.items()})
-        if not isinstance(self.master_weights, bool):
-            raise TypeError(f"Recipe.master_weights must be a bool, got {self.master_weights!r}")
-        if self.master_weights and not self.optimizer_state.full_precision:
-            raise ValueError(
-                "master_weights=True runs the optimizer on FP32 copies, so its state is FP32: "
-                f"optimizer_state must be None, got {self.optimizer_state}")
-        from .accum import as_accum
-        object.__setattr__(self, "accumulate", as_accum(self.accumulate, "Recipe.accumulate"))
-        ls = self.loss_scale
-        if ls is not None and ls != "dynamic":
-            from .training import check_scale
-            check_scale(ls, "Recipe.loss_scale (None, 'dynamic' or a power of two)")
-
-    __hash__ = None  # rules is a dict
-
-    @classmethod
-    def uniform(cls, spec, **kwargs) -> "Recipe":
-        """Every role (weights, biases, activations, gradients, optimizer state) in ``spec``."""
-        role = Role.of(spec, "format")
-        return cls(weight=role, bias=role, activation=role, grad=role, optimizer_state=role,
-                   **kwargs)
-
-    def replace(self, **changes) -> "Recipe":
-        """A copy with some fields changed (``recipes.mxfp6.replace(rules={...})``)."""
-        return dataclasses.replace(self, **changes)
-
-    def describe(self) -> str:
-        """A readable summary of the recipe: one line per role and rule."""
-        head = self.name or "Recipe"
-        lines = [head + (f"  ({self.source})" if self.source else "")]
-        for role in ROLE_NAMES:
-            lines.append(f"  {role:<16} {getattr(self, role)}")
-        lines.append(f"  {'buffers':<16} {Role(self.weight.fmt)}")
-        lines.append(f"  {'master_weights':<16} {self.master_weights}")
-        lines.append(f"  {'loss_scale':<16} {self.loss_scale}")
-        lines.append(f"  {'accumulate':<16} {self.accumulate or 'in the payload precision'}")
-        for pattern, spec in self.rules.items():
-            if isinstance(spec, Role):
-                lines.append(f"  rule {pattern!r}: {spec}")
-            else:
-                inner = ", ".join(f"{k}={v}" for k, v in spec.items())
-                lines.append(f"  rule {pattern!r}: {{{inner}}}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.describe()
-
-
-def _has_fp32_range(fmt: Format) -> bool:
-    """Whether ``fmt`` is a float format with FP32's exponent range (BF16, TF32, FP32)."""
-    return isinstance(fmt, FloatFormat) and fmt.exp >= 8
-
-
-def _bare_format_recipe(spec) -> Recipe:
-    """The recipe of a bare format (see the module docstring): every value in it, except that
-    the optimizer runs in FP32 on FP32 master weights when the format lacks FP32's range."""
-    role = Role.of(spec, "format")
-    name = str(role)
-    if _has_fp32_range(role.fmt):
-        return Recipe.uniform(role, name=name)
-    return Recipe(weight=role, bias=role, activation=role, grad=role, optimizer_state=None,
-                  master_weights=True, name=name,
-                  source="a bare format without FP32's range: values in it, FP32 master weights "
-                  "and optimizer")
-
-
-def _recipe_named(name: str) -> Optional[Recipe]:
-    """The preset recipe ``qt.recipes.<name>``; an error if ``name`` is also a format."""
-    from .recipes import PRESETS_BY_NAME
-    recipe = PRESETS_BY_NAME.get(name.strip().lower())
-    if recipe is None:
-        return None
-    try:
-        fmt = _parse_format(name)
-    except (FormatError, ValueError):
-        return recipe
-    raise ValueError(
-        f"qt.convert: {name!r} names both the recipe qt.recipes.{recipe.name} ({recipe.source}) "
-        f"and the format {fmt} (every value in it); pass the one you mean: "
-        f"qt.convert(model, qt.recipes.{recipe.name}) or "
-        f"qt.convert(model, qt.format({str(fmt)!r}))")
-
-
-def as_recipe(spec) -> Recipe:
-    """A Recipe from a Recipe, a preset recipe's name, a format, a format string or a pair
-    (value_fmt, mm_fmt): see the module docstring for what a bare format means."""
-    if isinstance(spec, Recipe):
-        return spec
-    if isinstance(spec, dict):
-        return Recipe(**spec)
-    if spec is None:
-        raise TypeError("qt.convert needs a format, a format string or a qt.Recipe, got None")
-    if isinstance(spec, str):
-        named = _recipe_named(spec)
-        if named is not None:
-            return named
-    if isinstance(spec, (Format, str, tuple, list, Role)):
-        return _bare_format_recipe(spec)
-    raise TypeError(
-        f"qt.convert needs a format, a format string or a qt.Recipe, got {type(spec).__name__}")
+           "is_converted", "plan_of", "ROLE_NAMES", "as_recipe"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Plans: what each tensor and module gets
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """The formats chosen for one parameter or buffer, and the rule that chose them."""
-
-    name: str
-    kind: str                    # "weight", "bias" or "buffer"
-    value: Role
-    grad: Role
-    optimizer_state: Role
-    master: bool
-    rule: Optional[str] = None   # the rule pattern that decided, None for the kind default
-
-
-@dataclass(frozen=True)
-class ModulePlan:
-    name: str
-    activation: Role
-    grad: Role
-    rule: Optional[str] = None
-    plain: bool = False  # a rule set its activation to None: plain inputs and outputs
-
 
 def _kind(name: str) -> str:
     last = name.rsplit(".", 1)[-1]
@@ -473,38 +239,6 @@ def _check_rules_match(recipe: Recipe, names: List[str]) -> None:
         raise ValueError(
             f"qt.convert: rule {pattern!r} matches no parameter, buffer or module of the model; "
             f"nearest names: {', '.join(near) if near else '(the model has no names)'}")
-
-
-# ---------------------------------------------------------------------------------------------
-# QTensor access (tensor.py is imported lazily: convert.py must import without it)
-
-def _api():
-    import qtensor
-    return qtensor
-
-
-def _is_q(x) -> bool:
-    QTensor = getattr(_api(), "QTensor", None)
-    return QTensor is not None and isinstance(x, QTensor)
-
-
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    return x.dequantize() if _is_q(x) else x
-
-
-def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tensor:
-    """x as a QTensor in ``role`` (returned as is when it already has exactly those formats)."""
-    if role.full_precision:
-        return _plain(x)
-    if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
-        return x
-    try:
-        q = _api().as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)
-    except (FormatError, ValueError, RuntimeError, IndexError) as e:
-        raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
-    if getattr(x, "accum", None) is not None:  # the accumulator follows the values
-        q.accum = x.accum
-    return q
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,7 +349,6 @@ class _BufferHook:
     def __call__(self, module, args, output):
         if not module.training:
             return None
-        quantize = _api().quantize
         with torch.no_grad():
             for name in self.names:
                 b = module._buffers.get(name)
@@ -657,26 +390,6 @@ class _Conversion:
     converted_buffers: list = field(default_factory=list)  # (module, name)
     skipped: List[str] = field(default_factory=list)       # non-floating tensors left alone
     dtypes: Dict[str, torch.dtype] = field(default_factory=dict)  # original dtypes, by name
-
-
-_warned: set = set()
-_PACKAGE_DIRS = tuple(os.path.dirname(m.__file__) + os.sep
-                      for m in (sys.modules[__package__], torch))
-
-
-def _warn(message: str) -> None:
-    """Warn at the user's line: the first caller outside qtensor and torch (torch's optimizer
-    and module machinery may sit between the user and a hook)."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIRS):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        _warn(message)
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -764,8 +477,7 @@ def _owners(model: nn.Module, attr: str) -> Dict[int, List[Tuple[nn.Module, str,
 
 def _attach(conv: _Conversion) -> None:
     """Put the plans and gradient hooks on the parameters (tensor attributes and tensor hooks)."""
-    from .training import bump_epoch
-    bump_epoch()
+    training.bump_epoch()
     for mod, local, plan in conv.hooked_params:
         p = mod._parameters[local]
         if not plan.value.full_precision:
@@ -876,7 +588,6 @@ def convert(model: nn.Module, spec) -> nn.Module:
                 replaced.append((plan.name, why))
                 moved[id(old)] = (old, param)
             conv.converted_params.extend((mod, local, plan.name) for mod, local, _q in owners)
-    from . import training
     training.follow_replaced(moved)
     _replaced_warning(
         "qt.convert", replaced,
@@ -994,7 +705,6 @@ def unconvert(model: nn.Module) -> nn.Module:
                                                              copy=True)
     del model._qt_conversion
     _attached.discard(model)
-    from . import training
     training.unconvert_optimizers(moved)
     _replaced_warning(
         "qt.unconvert", replaced,

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .convert import Recipe
+from .plans import Recipe
 from .formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
 
 __all__ = ["mxfp6", "mxfp4_weights", "mx_all", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",

@@ -68,17 +68,15 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
+from .ops import quantize
+from .plans import _is_q, _plain, check_scale, round_to
+from .spec import as_recipe
+from .warn import warn as _warn
+
 __all__ = ["install_optimizer_hooks", "master_weight", "LossScaler", "check_scale"]
 
 _MASTER_KEY = "qt_master"
 _installed = False
-
-
-def _conv():
-    # qtensor.convert the module (the package attribute of that name is the function)
-    import sys
-    from . import convert as _unused  # noqa: F401  (makes sure the module is loaded)
-    return sys.modules[__package__ + ".convert"]
 
 
 def install_optimizer_hooks() -> None:
@@ -156,10 +154,10 @@ def _swap_in(optimizer) -> None:
             state = {} if state is None else state
             master = state.pop(_MASTER_KEY, None)
             if master is None or _set_outside(p, master):
-                master = _conv()._plain(p.detach()).to(torch.float32, copy=True)
+                master = _plain(p.detach()).to(torch.float32, copy=True)
             optimizer.state[master] = state
             master.grad = None if p.grad is None else \
-                _conv()._plain(p.grad.detach()).to(master.dtype, copy=True)
+                _plain(p.grad.detach()).to(master.dtype, copy=True)
             params[i] = master
             swapped.append((params, i, p, master))
     optimizer._qt_swapped = swapped
@@ -228,9 +226,8 @@ def _pre_step(optimizer, args, kwargs):
 
 
 def _state_zeros(p, plan, zero=0.0):
-    conv = _conv()
     zeros = torch.full(p.shape, zero, dtype=p.dtype, device=p.device)
-    return conv.round_to(zeros, plan.optimizer_state, name=f"optimizer state of {plan.name}")
+    return round_to(zeros, plan.optimizer_state, name=f"optimizer state of {plan.name}")
 
 
 def _init_sgd_state(optimizer) -> None:
@@ -271,7 +268,7 @@ def _init_adam_state(optimizer) -> None:
                 flushing.setdefault((str(plan.optimizer_state.fmt), group["eps"]), []).append(
                     plan.name)
     for (fmt, eps), names in flushing.items():
-        _conv()._warn(
+        _warn(
             f"{type(optimizer).__name__}: eps={eps:g} rounds to 0 next to 1.0 in the "
             f"optimizer_state format {fmt} (of {', '.join(names)}): wherever exp_avg_sq rounds "
             "to 0 the update is 0/0 (NaN). Keep Adam's state in FP32 (optimizer_state=None, or "
@@ -281,14 +278,13 @@ def _init_adam_state(optimizer) -> None:
 def _flushes(eps: float, fmt) -> bool:
     """Whether ``eps`` rounds to 0 in ``fmt`` next to 1.0 (in one block, for block formats)."""
     try:
-        values = _conv()._api().quantize(torch.tensor([1.0, eps]), fmt)
+        values = quantize(torch.tensor([1.0, eps]), fmt)
     except (ValueError, RuntimeError, IndexError):  # a block axis a vector lacks: no verdict
         return False
     return eps > 0 and float(values[1]) == 0.0
 
 
 def _post_step(optimizer, args, kwargs):
-    conv = _conv()
     _restore(optimizer, copy_back=True)
     if not _involved(optimizer):
         return
@@ -307,7 +303,7 @@ def _post_step(optimizer, args, kwargs):
                 if (isinstance(value, torch.Tensor) and value.is_floating_point()
                         and value.dim() > 0 and key != "step"):
                     with torch.no_grad():
-                        state[key] = conv.round_to(value.detach(), role,
+                        state[key] = round_to(value.detach(), role,
                                                    name=f"optimizer state {key!r} of {plan.name}")
 
 
@@ -342,9 +338,9 @@ def unconvert_optimizers(moved) -> None:
                 for key, value in list(state.items()):
                     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                         continue
-                    if _conv()._is_q(value) or (value.dim() and value.dtype != p.dtype):
+                    if _is_q(value) or (value.dim() and value.dtype != p.dtype):
                         with torch.no_grad():  # (FP32 state of masters: the parameter's dtype)
-                            value = _conv()._plain(value).detach()
+                            value = _plain(value).detach()
                             state[key] = (value.to(p.dtype, copy=True) if value.dim()
                                           else value.clone())
 
@@ -358,36 +354,19 @@ def master_weight(optimizer, param) -> Optional[torch.Tensor]:
 # Loss scaling
 
 def _dequantized(t: torch.Tensor) -> torch.Tensor:
-    return _conv()._plain(t)
+    return _plain(t)
 
 
 def _overflowed(g: torch.Tensor, detect_saturation: bool) -> bool:
     values = _dequantized(g)
     if not bool(torch.isfinite(values).all()):
         return True
-    if detect_saturation and _conv()._is_q(g):
+    if detect_saturation and _is_q(g):
         fmt = g.fmt
         limit = getattr(fmt, "max", None)
         if limit is not None and math.isfinite(limit) and bool((values.abs() >= limit).any()):
             return True
     return False
-
-
-def check_scale(value, what: str) -> float:
-    """``value`` as a float if it is a positive finite power of two, else a ValueError.
-
-    Loss scales are powers of two so that scaling and unscaling only change exponents: exact in
-    every float and block format (a scale of 1000 would round every gradient twice)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
-    mantissa, exponent = math.frexp(float(value))
-    if mantissa != 0.5:
-        nearest = 2.0 ** round(math.log2(value))
-        raise ValueError(
-            f"{what} must be a power of two so that scaling and unscaling are exact in low "
-            f"precision, got {value!r}; use {nearest:g} (2**{round(math.log2(value))})")
-    return float(value)
 
 
 class LossScaler:
@@ -439,8 +418,7 @@ class LossScaler:
     def from_recipe(cls, recipe, **kwargs) -> "LossScaler":
         """The scaler a recipe asks for: its ``loss_scale`` (None: scale 1, static; a number:
         static; "dynamic": dynamic from 2^16). Steps with Inf/NaN gradients are skipped always."""
-        conv = _conv()
-        recipe = conv.as_recipe(recipe)
+        recipe = as_recipe(recipe)
         ls = recipe.loss_scale
         if ls is None:
             return cls(1.0, dynamic=False, **kwargs)

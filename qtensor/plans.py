@@ -1,0 +1,250 @@
+"""Roles, recipes and plans: which formats each value of a converted model takes.
+
+A :class:`Role` is the pair of formats of one kind of value (its values, and its operands in
+contractions); a :class:`Recipe` gives every role of a model one; :class:`TensorPlan` and
+:class:`ModulePlan` are what ``qt.convert`` chose for one parameter, buffer or module (read by the
+conversion hooks and by the optimizer hooks of :mod:`qtensor.training`). See
+:mod:`qtensor.convert` for what each role means.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .accum import as_accum
+from .formats import FloatFormat, Format, FormatError
+from .formats import format as _parse_format
+from .tensor import QTensor, as_qtensor
+
+__all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "ROLE_NAMES", "round_to", "check_scale"]
+
+ROLE_NAMES = ("weight", "bias", "activation", "grad", "optimizer_state")
+_FP32 = FloatFormat(8, 23)
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles and recipes
+
+@dataclass(frozen=True)
+class Role:
+    """The formats of one role: ``fmt`` for the values, ``mm_fmt`` inside contractions.
+
+    ``Role()`` (both None) is full precision: the tensor is left a plain tensor.
+    """
+
+    fmt: Optional[Format] = None
+    mm_fmt: Optional[Format] = None
+
+    def __post_init__(self):
+        for name in ("fmt", "mm_fmt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Format):
+                object.__setattr__(self, name, _parse_format(value))
+        if self.fmt is None and self.mm_fmt is not None:
+            # FP32 values with an operand format: the values must still be a QTensor
+            object.__setattr__(self, "fmt", _FP32)
+
+    @classmethod
+    def of(cls, spec, what: str = "role") -> "Role":
+        """A Role from None, a format, a format string, a Role or a pair (value_fmt, mm_fmt)."""
+        if isinstance(spec, Role):
+            return spec
+        if spec is None:
+            return cls()
+        if isinstance(spec, (Format, str)):
+            return cls(_format_or_error(spec, what))
+        if isinstance(spec, (tuple, list)):
+            if len(spec) != 2:
+                raise ValueError(
+                    f"{what}: a pair must be (value_fmt, mm_fmt), got {len(spec)} items: {spec!r}")
+            value, mm = spec
+            return cls(None if value is None else _format_or_error(value, what),
+                       None if mm is None else _format_or_error(mm, f"{what} (mm_fmt)"))
+        raise TypeError(
+            f"{what}: expected None, a format, a format string or a pair (value_fmt, mm_fmt), "
+            f"got {type(spec).__name__}: {spec!r}")
+
+    @property
+    def full_precision(self) -> bool:
+        return self.fmt is None
+
+    def __str__(self) -> str:
+        if self.fmt is None:
+            return "full precision"
+        return str(self.fmt) if self.mm_fmt is None else f"{self.fmt} (mm {self.mm_fmt})"
+
+
+def _format_or_error(spec, what: str) -> Format:
+    try:
+        return _parse_format(spec)
+    except FormatError as e:
+        raise FormatError(f"{what}: {e}") from None
+
+
+def _normalise_rule(pattern, spec):
+    """A rule's spec as a Role (value/activation role) or a dict {role name: Role}."""
+    if not isinstance(pattern, str) or not pattern:
+        raise TypeError(f"rule patterns must be non-empty strings, got {pattern!r}")
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as e:
+            raise ValueError(f"rule {pattern!r}: bad regular expression: {e}") from None
+    if isinstance(spec, Recipe):
+        return {name: getattr(spec, name) for name in ROLE_NAMES}
+    if isinstance(spec, dict):
+        unknown = [k for k in spec if k not in ROLE_NAMES]
+        if unknown:
+            raise ValueError(
+                f"rule {pattern!r}: unknown role(s) {', '.join(map(repr, unknown))}; roles are "
+                f"{', '.join(ROLE_NAMES)}")
+        return {k: Role.of(v, f"rule {pattern!r}, role {k}") for k, v in spec.items()}
+    return Role.of(spec, f"rule {pattern!r}")
+
+
+@dataclass(frozen=True, eq=True)
+class Recipe:
+    """Formats for every role of a model (see the module docstring for the meaning of each).
+
+    Each role takes None (full precision), a format, a format string, or a pair
+    ``(value_fmt, mm_fmt)``; they are normalised into :class:`Role` values.
+    ``rules``: ``{pattern: format | pair | None | dict of roles}``, matched against qualified
+    parameter, buffer and module names (glob, or ``re:`` regex).
+    """
+
+    weight: Any = None
+    bias: Any = None
+    activation: Any = None
+    grad: Any = None
+    optimizer_state: Any = None
+    rules: Any = None
+    master_weights: bool = False
+    loss_scale: Any = None
+    accumulate: Any = None
+    name: Optional[str] = field(default=None, compare=False)
+    source: Optional[str] = field(default=None, compare=False)
+
+    def __post_init__(self):
+        for role in ROLE_NAMES:
+            object.__setattr__(self, role, Role.of(getattr(self, role), f"Recipe.{role}"))
+        rules = self.rules or {}
+        if not isinstance(rules, dict):
+            raise TypeError(f"Recipe.rules must be a dict {{pattern: spec}}, got {type(rules).__name__}")
+        object.__setattr__(self, "rules", {p: _normalise_rule(p, s) for p, s in rules.items()})
+        if not isinstance(self.master_weights, bool):
+            raise TypeError(f"Recipe.master_weights must be a bool, got {self.master_weights!r}")
+        if self.master_weights and not self.optimizer_state.full_precision:
+            raise ValueError(
+                "master_weights=True runs the optimizer on FP32 copies, so its state is FP32: "
+                f"optimizer_state must be None, got {self.optimizer_state}")
+        object.__setattr__(self, "accumulate", as_accum(self.accumulate, "Recipe.accumulate"))
+        ls = self.loss_scale
+        if ls is not None and ls != "dynamic":
+            check_scale(ls, "Recipe.loss_scale (None, 'dynamic' or a power of two)")
+
+    __hash__ = None  # rules is a dict
+
+    @classmethod
+    def uniform(cls, spec, **kwargs) -> "Recipe":
+        """Every role (weights, biases, activations, gradients, optimizer state) in ``spec``."""
+        role = Role.of(spec, "format")
+        return cls(weight=role, bias=role, activation=role, grad=role, optimizer_state=role,
+                   **kwargs)
+
+    def replace(self, **changes) -> "Recipe":
+        """A copy with some fields changed (``recipes.mxfp6.replace(rules={...})``)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """A readable summary of the recipe: one line per role and rule."""
+        head = self.name or "Recipe"
+        lines = [head + (f"  ({self.source})" if self.source else "")]
+        for role in ROLE_NAMES:
+            lines.append(f"  {role:<16} {getattr(self, role)}")
+        lines.append(f"  {'buffers':<16} {Role(self.weight.fmt)}")
+        lines.append(f"  {'master_weights':<16} {self.master_weights}")
+        lines.append(f"  {'loss_scale':<16} {self.loss_scale}")
+        lines.append(f"  {'accumulate':<16} {self.accumulate or 'in the payload precision'}")
+        for pattern, spec in self.rules.items():
+            if isinstance(spec, Role):
+                lines.append(f"  rule {pattern!r}: {spec}")
+            else:
+                inner = ", ".join(f"{k}={v}" for k, v in spec.items())
+                lines.append(f"  rule {pattern!r}: {{{inner}}}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def check_scale(value, what: str) -> float:
+    """``value`` as a float if it is a positive finite power of two, else a ValueError.
+
+    Loss scales are powers of two so that scaling and unscaling only change exponents: exact in
+    every float and block format (a scale of 1000 would round every gradient twice)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    mantissa, exponent = math.frexp(float(value))
+    if mantissa != 0.5:
+        nearest = 2.0 ** round(math.log2(value))
+        raise ValueError(
+            f"{what} must be a power of two so that scaling and unscaling are exact in low "
+            f"precision, got {value!r}; use {nearest:g} (2**{round(math.log2(value))})")
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans: what each tensor and module gets
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """The formats chosen for one parameter or buffer, and the rule that chose them."""
+
+    name: str
+    kind: str                    # "weight", "bias" or "buffer"
+    value: Role
+    grad: Role
+    optimizer_state: Role
+    master: bool
+    rule: Optional[str] = None   # the rule pattern that decided, None for the kind default
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    name: str
+    activation: Role
+    grad: Role
+    rule: Optional[str] = None
+    plain: bool = False  # a rule set its activation to None: plain inputs and outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# Rounding into a role
+
+def _is_q(x) -> bool:
+    return isinstance(x, QTensor)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.dequantize() if _is_q(x) else x
+
+
+def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tensor:
+    """x as a QTensor in ``role`` (returned as is when it already has exactly those formats)."""
+    if role.full_precision:
+        return _plain(x)
+    if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
+        return x
+    try:
+        q = as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)
+    except (FormatError, ValueError, RuntimeError, IndexError) as e:
+        raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
+    if getattr(x, "accum", None) is not None:  # the accumulator follows the values
+        q.accum = x.accum
+    return q

@@ -1,0 +1,151 @@
+"""The qtensor modules import each other without cycles.
+
+Every ``import`` / ``from ... import`` of a qtensor module is read with ``ast``, at module level
+and inside functions alike: an import deferred into a function to dodge a cycle is still a cycle
+(it only moves the failure to run time, and hides which module owns what). Nor does a module
+set another one's globals (``dispatch.QTensor = QTensor``): a binding made later, by someone
+else, is a cycle that the import graph does not show.
+"""
+import ast
+import pathlib
+
+import qtensor
+
+ROOT = pathlib.Path(qtensor.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules():
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> set:
+    """The qtensor modules that the module ``name`` (at ``path``) imports, anywhere in it."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            # `from . import ops` imports the submodule qtensor.ops; `from . import quantize`
+            # imports the package itself
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import qtensor.ops.x` -> qtensor.ops
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def _graph():
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph):
+    """One cycle through each strongly connected group of modules (Tarjan), as name lists."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_graph_sees_imports():
+    # the parser must see the edges it is meant to check, or the acyclicity test cannot fail
+    graph = _graph()
+    assert "qtensor.ops" in graph["qtensor"]
+    assert "qtensor.formats" in graph["qtensor.ops"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles = _cycles(graph)
+    detail = "\n".join(
+        " <-> ".join(group) + ": " + "; ".join(
+            f"{m} imports {', '.join(sorted(graph[m] & set(group)))}" for m in group)
+        for group in cycles)
+    assert not cycles, f"import cycles among qtensor modules:\n{detail}"
+
+
+
+def _module_aliases(name: str, package: str, tree, modules) -> set:
+    """The local names under which the module ``name`` binds other qtensor modules."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")
+            base = ".".join(base[:len(base) - (node.level - 1)]
+                            + ([node.module] if node.module else []))
+            out.update(alias.asname or alias.name for alias in node.names
+                       if f"{base}.{alias.name}" in modules)
+        elif isinstance(node, ast.Import):
+            out.update(alias.asname or alias.name.partition(".")[0] for alias in node.names
+                       if alias.name.partition(".")[0] == "qtensor")
+    return out
+
+
+def _foreign_assignments(name: str, package: str, source: str, modules) -> list:
+    """Assignments in module ``name`` to an attribute of another qtensor module."""
+    tree = ast.parse(source)
+    aliases = _module_aliases(name, package, tree, modules)
+    found = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        found.extend(f"{name}:{node.lineno} sets {t.value.id}.{t.attr}" for t in targets
+                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                     and t.value.id in aliases)
+    return found
+
+
+def test_no_module_binds_another_modules_globals():
+    modules = _modules()
+    # what tensor.py did before dispatch had register_qtensor: the check must see it
+    late = "from . import dispatch as _dispatch\nclass QTensor: pass\n_dispatch.QTensor = QTensor\n"
+    assert _foreign_assignments("qtensor.tensor", "qtensor", late, modules) == [
+        "qtensor.tensor:3 sets _dispatch.QTensor"]
+    found = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found += _foreign_assignments(name, package, path.read_text(), modules)
+    assert not found, "late bindings into other qtensor modules:\n" + "\n".join(found)
