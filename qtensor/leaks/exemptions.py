@@ -55,7 +55,8 @@ class Exemptions:
 
     # -- plain tensors meeting QTensors ------------------------------------------------------
     def exempt_plain(self, t, role, ev) -> bool:
-        """A plain floating tensor that may meet QTensors in the op of event ``ev``."""
+        """A plain floating tensor that may meet QTensors in the op of event ``ev`` (the list:
+        docs/leak_check.md, kind "mixed")."""
         if t.numel() == 0:
             return True  # no values (a KV cache started as torch.empty(b, 0, d)): none leaks
         if t.dim() == 0 and t not in self.state_names and t not in self.user_made:
