@@ -84,6 +84,7 @@ import torch
 
 from ..formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
 from ..ops import quantize as _qt_quantize
+from ..plans import Recipe
 
 __all__ = ["DEFAULTS", "ELEM_FORMATS", "ROUNDING", "finalize_mx_specs", "elem_format",
            "rounding", "scale_format", "mx_format", "vector_format", "recipe", "quantize_mx",
@@ -273,8 +274,6 @@ def recipe(specs, *, warn: bool = True):
 
     ``warn``: emit one warning listing the spec keys that the recipe can only approximate.
     """
-    from ..convert import Recipe  # late: qtensor's package init imports compat
-
     s = finalize_mx_specs(specs)
     mx = lambda key, rnd: mx_format(s[key], s["block_size"], s[rnd], scale_bits=s["scale_bits"],
                                     shared_exp_method=s["shared_exp_method"])
