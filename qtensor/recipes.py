@@ -60,6 +60,7 @@ from typing import Optional
 
 from .plans import Recipe
 from .formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
+from .formats import format as _format
 
 __all__ = ["mxfp6", "mxfp4_weights", "mx_all", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
            "mxint8_inference", "fp16", "block8", "swalp", "wage", "describe", "PRESETS_BY_NAME"]
@@ -84,7 +85,6 @@ mxfp4_weights = Recipe(
 
 def mx_all(fmt) -> Recipe:
     """Every value in the MX format ``fmt`` (a BlockFormat, a preset name such as "mxfp8_e4m3")."""
-    from .formats import format as _format
     f = _format(fmt)
     if not isinstance(f, BlockFormat):
         raise ValueError(f"mx_all expects a block (MX) format, got {f}")
