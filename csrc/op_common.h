@@ -5,6 +5,9 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 
+#include <string>
+#include <utility>
+
 #include "qtensor/args.h"
 
 namespace qtensor_glue {
@@ -35,8 +38,38 @@ inline void check_out(const at::Tensor& x, const at::Tensor& out, const char* op
 }
 
 inline void check_rounding(int64_t rounding, const char* op) {
-  TORCH_CHECK(rounding >= 0 && rounding <= 3, "qtensor::", op, ": rounding must be 0 (nearest), "
-              "1 (nearest_away), 2 (toward_zero) or 3 (stochastic), got ", rounding);
+  TORCH_CHECK(rounding >= kNearest && rounding <= kStochastic, "qtensor::", op, ": rounding must be ",
+              (int)kNearest, " (nearest), ", (int)kNearestAway, " (nearest_away), ",
+              (int)kTowardZero, " (toward_zero) or ", (int)kStochastic, " (stochastic), got ",
+              rounding);
+}
+
+// The checks of every quantize op, on every device: x, out (x itself for the in-place variants)
+// and the rounding mode.
+inline void check_op(const at::Tensor& x, const at::Tensor& out, int64_t rounding,
+                     const char* op) {
+  check_input(x, op);
+  check_out(x, out, op);
+  check_rounding(rounding, op);
+}
+
+// The stochastic-rounding key of an op's seed argument.
+inline uint32_t key_of(int64_t seed) { return seed_key((uint64_t)seed); }
+
+// The integer codes of the op arguments, by name ("rounding.stochastic", "scale_rule.amax",
+// "overflow.nan"): the qtensor::constant op exports them so that a test compares them with
+// qtensor/ops.py's. -1 for an unknown name.
+inline int64_t constant_code(const std::string& name) {
+  static const std::pair<const char*, int> table[] = {
+      {"rounding.nearest", kNearest},     {"rounding.nearest_away", kNearestAway},
+      {"rounding.toward_zero", kTowardZero}, {"rounding.stochastic", kStochastic},
+      {"scale_rule.floor", kRuleFloor},   {"scale_rule.ceil", kRuleCeil},
+      {"scale_rule.amax", kRuleAmax},     {"overflow.saturate", kSaturate},
+      {"overflow.inf", kInf},             {"overflow.nan", kNaN},
+      {"max_dims", kMaxDims}};
+  for (const auto& e : table)
+    if (name == e.first) return e.second;
+  return -1;
 }
 
 inline Layout make_layout(const at::Tensor& x, const at::Tensor& y) {
@@ -65,8 +98,8 @@ inline Layout flat_layout(int64_t n) {
 
 inline FloatSpec<uint32_t> float_spec(int64_t man, int64_t emin, bool subnormals, double maxval,
                                       int64_t overflow, bool is_unsigned) {
-  TORCH_CHECK(man >= 0 && man <= 23 && emin >= -149 && emin <= 127 && overflow >= 0 &&
-                  overflow <= 2,
+  TORCH_CHECK(man >= 0 && man <= 23 && emin >= -149 && emin <= 127 && overflow >= kSaturate &&
+                  overflow <= kNaN,
               "qtensor::quantize_float: format out of the float32 carrier's range (man=", man,
               ", emin=", emin, ")");
   return make_float_spec<uint32_t>((int)man, (int)emin, subnormals, maxval, (int)overflow,
@@ -89,8 +122,9 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
               "[1, wl, fl, signed, symmetric, emax]");
   TORCH_CHECK(scale.size() == 6, "qtensor::quantize_block: scale must be [man, emin, emax, "
               "subnormals, overflow, unsigned]");
-  TORCH_CHECK(scale_rule >= 0 && scale_rule <= 2, "qtensor::quantize_block: scale_rule must be "
-              "0 (floor), 1 (ceil) or 2 (amax)");
+  TORCH_CHECK(scale_rule >= kRuleFloor && scale_rule <= kRuleAmax, "qtensor::quantize_block: "
+              "scale_rule must be ", (int)kRuleFloor, " (floor), ", (int)kRuleCeil, " (ceil) or ",
+              (int)kRuleAmax, " (amax), got ", scale_rule);
   TORCH_CHECK(!tensor_scale || scale_rule == kRuleAmax,
               "qtensor::quantize_block: tensor_scale needs scale_rule amax");
   BlockArgs a;

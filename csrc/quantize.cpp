@@ -69,16 +69,12 @@ int cpu_isa() {
     default: TORCH_CHECK(false, "qtensor: unsupported dtype ", t);                    \
   }
 
-uint32_t key_of(int64_t seed) { return qtensor::seed_key((uint64_t)seed); }
-
 // ---- float -------------------------------------------------------------------------------------
 at::Tensor& quantize_float_out(const at::Tensor& x, int64_t man, int64_t emin, bool subnormals,
                                double maxval, int64_t overflow, bool is_unsigned, int64_t rounding,
                                int64_t seed, at::Tensor& out) {
   using namespace qtensor_glue;
-  check_input(x, "quantize_float");
-  check_out(x, out, "quantize_float");
-  check_rounding(rounding, "quantize_float");
+  check_op(x, out, rounding, "quantize_float");
   const auto spec = float_spec(man, emin, subnormals, maxval, overflow, is_unsigned);
   const Layout L = make_layout(x, out);
   const uint32_t key = key_of(seed);
@@ -108,9 +104,7 @@ at::Tensor& quantize_fixed_out(const at::Tensor& x, int64_t wl, int64_t fl, bool
                                bool symmetric, bool saturate, int64_t rounding, int64_t seed,
                                at::Tensor& out) {
   using namespace qtensor_glue;
-  check_input(x, "quantize_fixed");
-  check_out(x, out, "quantize_fixed");
-  check_rounding(rounding, "quantize_fixed");
+  check_op(x, out, rounding, "quantize_fixed");
   const auto spec = fixed_spec(wl, fl, is_signed, symmetric);
   const Layout L = make_layout(x, out);
   const uint32_t key = key_of(seed);
@@ -137,9 +131,7 @@ at::Tensor& quantize_block_out(const at::Tensor& x, at::IntArrayRef elem, double
                                at::IntArrayRef scale, double scale_max, bool tensor_scale,
                                int64_t rounding, int64_t seed, at::Tensor& out) {
   using namespace qtensor_glue;
-  check_input(x, "quantize_block");
-  check_out(x, out, "quantize_block");
-  check_rounding(rounding, "quantize_block");
+  check_op(x, out, rounding, "quantize_block");
   BlockArgs a = block_args(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
                            tensor_scale);
   Layout L = make_layout(x, out);
@@ -211,6 +203,13 @@ void quantize_block_inplace(at::Tensor& x, at::IntArrayRef elem, double elem_max
                   rounding, seed);
 }
 
+// qtensor::constant(name): the integer code of an op argument's value (see constant_code)
+int64_t constant(c10::string_view name) {
+  const int64_t code = qtensor_glue::constant_code(std::string(name));
+  TORCH_CHECK(code >= 0, "qtensor::constant: unknown name '", name, "'");
+  return code;
+}
+
 }  // namespace
 
 #define QT_FLOAT_ARGS \
@@ -232,6 +231,7 @@ TORCH_LIBRARY(qtensor, m) {
   m.def("quantize_block(Tensor x, " QT_BLOCK_ARGS ") -> Tensor");
   m.def("quantize_block.out(Tensor x, " QT_BLOCK_ARGS ", *, Tensor(a!) out) -> ()");
   m.def("quantize_block_(Tensor(a!) x, " QT_BLOCK_ARGS ") -> ()");
+  m.def("constant(str name) -> int", &constant);
 }
 
 TORCH_LIBRARY_IMPL(qtensor, CPU, m) {

@@ -7,6 +7,12 @@
 using qtensor::index_key;
 using qtensor::random_word;
 
+// float32 bit patterns: the sign, |x|'s mask, +Inf, the NaN the kernels write
+constexpr uint32_t kSignBit = qtensor::Carrier<uint32_t>::SIGN;
+constexpr uint32_t kAbsMask = qtensor::Carrier<uint32_t>::ABS;
+constexpr uint32_t kInfBits = qtensor::Carrier<uint32_t>::INF;
+constexpr uint32_t kNaNBits = qtensor::Carrier<uint32_t>::QNAN;
+
 template <typename T> inline uint32_t load_bits(const T* p) { return f2u((float)*p); }
 // float data moves as float loads/stores (a memcpy into the output would be a may-alias-anything
 // store, which keeps gcc from hoisting the kernel parameters and vectorizing)
@@ -114,15 +120,15 @@ uint32_t amax_bits(const T* x, const Layout& L) {
         }
         if (L.contiguous) {
           for (int64_t i = b; i < e; ++i) {
-            uint32_t a = load_bits<T>(x + i) & 0x7FFFFFFFu;
-            acc = ((!FINITE || a < 0x7F800000u) && a > acc) ? a : acc;
+            uint32_t a = load_bits<T>(x + i) & kAbsMask;
+            acc = ((!FINITE || a < kInfBits) && a > acc) ? a : acc;
           }
           return acc;
         }
         c.set(b);
         for (int64_t i = b; i < e; ++i) {
-          uint32_t a = load_bits<T>(x + c.ox) & 0x7FFFFFFFu;
-          acc = ((!FINITE || a < 0x7F800000u) && a > acc) ? a : acc;
+          uint32_t a = load_bits<T>(x + c.ox) & kAbsMask;
+          acc = ((!FINITE || a < kInfBits) && a > acc) ? a : acc;
           c.next();
         }
         return acc;
@@ -150,7 +156,7 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   auto block_amax = [&](const T* xp, int64_t m) {
     uint32_t am = 0;
     for (int64_t j = 0; j < m; ++j) {
-      const uint32_t v = load_bits<T>(xp + j) & 0x7FFFFFFFu;
+      const uint32_t v = load_bits<T>(xp + j) & kAbsMask;
       am = v > am ? v : am;
     }
     return am;
@@ -158,7 +164,7 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   for (int64_t b = 0; b < nfull; ++b) amax[b] = block_amax(x + b * bs, bs);
   if (nfull < nblk) amax[nfull] = block_amax(x + nfull * bs, avail - nfull * bs);
   // the scale: float32 amax / max_elem rounds (nearest) to the same scale as the reference's
-  // double quotient (see blocks() below); a NaN scale (a NaN-on-overflow scale format) means
+  // double quotient (see block_amax_fast32 below); a NaN scale (a NaN-on-overflow scale format) means
   // "no scale" (signed zeros), which X = 0 gives.
   const qtensor::FastGrid g = sg;
   for (int64_t b = 0; b < nblk; ++b) {
@@ -167,15 +173,15 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
     X[b] = s == s ? s : 0.0f;
   }
   auto block_elems = [&](const T* xp, T* yp, int64_t m, uint32_t am, float Xb) {
-    if (am >= 0x7F800000u) {  // NaN or Inf in the block: all NaN
-      for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, 0x7FC00000u);
+    if (am >= kInfBits) {  // NaN or Inf in the block: all NaN
+      for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
       return;
     }
     const qtensor::Fp4Bounds bd = qtensor::fp4_bounds<MODE>(Xb);
     for (int64_t j = 0; j < m; ++j) {
       const uint32_t u = load_bits<T>(xp + j);
-      const float q = qtensor::fp4_round_scaled<MODE>(u2f(u & 0x7FFFFFFFu), bd, Xb);
-      store_bits<T>(yp + j, f2u(q) | (u & 0x80000000u));
+      const float q = qtensor::fp4_round_scaled<MODE>(u2f(u & kAbsMask), bd, Xb);
+      store_bits<T>(yp + j, f2u(q) | (u & kSignBit));
     }
   };
   for (int64_t b = 0; b < nfull; ++b) block_elems(x + b * bs, y + b * bs, bs, amax[b], X[b]);
@@ -183,214 +189,340 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
     block_elems(x + nfull * bs, y + nfull * bs, avail - nfull * bs, amax[nfull], X[nfull]);
 }
 
-// Blocks: units (outer index, block, inner index), inner fastest so that neighbouring units touch
-// neighbouring memory when the axis is not the last dim. Each unit reads its block once into
-// cache (amax), then rounds it.
-template <int MODE, typename T>
-void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
-  const int64_t n = L.numel;
-  if (n == 0) return;
-  const int ax = a.axis;  // normalized; the layout was reshaped to 1-D for axis=None
-  const int64_t len = L.sizes[ax];
-  const int64_t bs = a.block_size;
-  const int64_t nb = (len + bs - 1) / bs;
-  const int64_t sax = L.xs[ax], say = L.ys[ax], sal = L.ls[ax];
-  int64_t outer = 1, inner = 1;
-  for (int d = 0; d < ax; ++d) outer *= L.sizes[d];
-  for (int d = ax + 1; d < L.ndim; ++d) inner *= L.sizes[d];
-  const int64_t units = outer * nb * inner;
-  const int64_t grain = std::max<int64_t>(1, kGrain / bs);
-  const bool unit_stride = sax == 1 && say == 1;
-  // see the amax-rule fast path below
+// ---- blocks along an axis: a plan (which path applies, with its parameters), then one function
+// per path. Units are (outer index, block, inner index), inner fastest so that neighbouring units
+// touch neighbouring memory when the axis is not the last dim. Each unit reads its block once
+// into cache (amax), then rounds it.
+
+// What blocks() fixes once for all blocks.
+struct BlockPlan {
+  int ax;                        // normalized; the layout was reshaped to 1-D for axis=None
+  int64_t len, bs, nb;           // the axis' length, the block size, blocks per row
+  int64_t sax, say, sal;         // the axis' strides in x, in y and in the logical order
+  int64_t inner, units, grain;
+  bool unit_stride;              // the axis is contiguous in x and in y
+  // amax rule in float32 arithmetic (block_amax_fast32): the scales' grid sg, the elements' eg
+  bool amax_fast32;
+  qtensor::FastGrid sg, eg;
+  uint32_t smax, sovf;           // the scale format's max and overflow value, float32 bits
+  // NVFP4 (e2m1 elements, scales of <= 4 significant bits whose products with the boundaries
+  // 2^-2..5 stay exact in float32), blocks along contiguous rows: fp4_block_run
+  bool fp4_rows;
+  float elem_max_f;
+  float kmax_f, kmin_abs_f;      // fixed-point elements: the limits' integers (times 2^(k - fl))
+};
+
+template <int MODE>
+BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
+  BlockPlan p;
+  p.ax = a.axis;
+  p.len = L.sizes[p.ax];
+  p.bs = a.block_size;
+  p.nb = (p.len + p.bs - 1) / p.bs;
+  p.sax = L.xs[p.ax]; p.say = L.ys[p.ax]; p.sal = L.ls[p.ax];
+  int64_t outer = 1;
+  p.inner = 1;
+  for (int d = 0; d < p.ax; ++d) outer *= L.sizes[d];
+  for (int d = p.ax + 1; d < L.ndim; ++d) p.inner *= L.sizes[d];
+  p.units = outer * p.nb * p.inner;
+  p.grain = std::max<int64_t>(1, kGrain / p.bs);
+  p.unit_stride = p.sax == 1 && p.say == 1;
   const auto& ssp = a.amax_spec.scale;
-  qtensor::FastGrid sg;
   const bool amax_fast32_scale =
       a.scale_rule == kRuleAmax && !a.tensor_scale && MODE != kStochastic && !a.elem_fixed &&
       a.man + ssp.man <= 21 && !ssp.is_unsigned &&
-      qtensor::make_fast_grid(sg, ssp.man, ssp.emin, ssp.qlow,
+      qtensor::make_fast_grid(p.sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
-  qtensor::FastGrid eg;  // the elements' grid (amax rule: unshifted)
-  const bool amax_fast32 = amax_fast32_scale &&
-      qtensor::make_fast_grid(eg, a.man, a.emin, a.qlow,
+  p.amax_fast32 = amax_fast32_scale &&  // the elements' grid (amax rule: unshifted)
+      qtensor::make_fast_grid(p.eg, a.man, a.emin, a.qlow,
                               a.emin == -126 && a.qlow == a.emin - a.man, false, false);
-  const uint32_t smax = f2u((float)qtensor::u2d(ssp.max_bits));
-  // NVFP4 (e2m1 elements, scales of <= 4 significant bits whose products with the boundaries
-  // 2^-2..5 stay exact in float32), blocks along contiguous rows: fp4_block_run
-  const bool fp4_rows = amax_fast32 && inner == 1 && unit_stride && a.man == 1 && a.emin == 0 &&
-                        a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 && ssp.qlow >= -147 &&
-                        qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
-  const uint32_t sovf = ssp.ovf_bits == ssp.max_bits ? smax
-                      : (ssp.ovf_bits == 0x7FF0000000000000ull ? 0x7F800000u : 0x7FC00000u);
-  const float elem_max_f = (float)a.elem_max;
-  // fixed-point elements: the limits' integers (times 2^(k - fl) per block)
-  const float kmax_f = a.is_signed ? (float)((1 << (a.wl - 1)) - 1) : (float)((1 << a.wl) - 1);
-  const float kmin_abs_f = a.is_signed ? (float)((1 << (a.wl - 1)) - (a.symmetric ? 1 : 0)) : 0.0f;
-  at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
-    Counter oc, ic;
-    oc.nd = ax; ic.nd = L.ndim - ax - 1;
-    for (int d = 0; d < ax; ++d) {
-      oc.size[d] = L.sizes[d]; oc.sx[d] = L.xs[d]; oc.sy[d] = L.ys[d]; oc.sl[d] = L.ls[d];
+  p.smax = f2u((float)qtensor::u2d(ssp.max_bits));
+  p.fp4_rows = p.amax_fast32 && p.inner == 1 && p.unit_stride && a.man == 1 && a.emin == 0 &&
+               a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 && ssp.qlow >= -147 &&
+               qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
+  p.sovf = ssp.ovf_bits == ssp.max_bits ? p.smax
+         : (ssp.ovf_bits == qtensor::Carrier<uint64_t>::INF ? kInfBits : kNaNBits);
+  p.elem_max_f = (float)a.elem_max;
+  p.kmax_f = a.is_signed ? (float)((1 << (a.wl - 1)) - 1) : (float)((1 << a.wl) - 1);
+  p.kmin_abs_f = a.is_signed ? (float)((1 << (a.wl - 1)) - (a.symmetric ? 1 : 0)) : 0.0f;
+  return p;
+}
+
+// One block: x[j*sax] -> y[j*say] for j < m, logical indices l0 + j*sal.
+template <typename T>
+struct Block {
+  const T* xp;
+  T* yp;
+  int64_t m;
+  uint64_t l0;
+  uint32_t key, ikey0;  // the seed's key, the index key of l0
+  bool one_key;         // the block's logical indices share their high half (and so ikey0)
+  bool unit;            // unit strides, and for stochastic rounding consecutive logical indices
+};
+
+template <int MODE, typename T>
+Block<T> make_block(const T* xp, T* yp, int64_t m, uint64_t l0, const BlockPlan& P,
+                    uint32_t key) {
+  Block<T> b;
+  b.xp = xp; b.yp = yp; b.m = m; b.l0 = l0; b.key = key;
+  const uint64_t llast = l0 + (uint64_t)((m - 1) * P.sal);
+  b.one_key = (l0 >> 32) == (llast >> 32);
+  b.ikey0 = index_key(key, l0);
+  b.unit = P.unit_stride && (MODE != kStochastic || (P.sal == 1 && b.one_key));
+  return b;
+}
+
+// The random word of the block's element j (0 for deterministic rounding).
+template <int MODE, typename T>
+inline uint32_t block_word(const Block<T>& b, int64_t sal, int64_t j) {
+  if (MODE != kStochastic) return 0u;
+  const uint64_t li = b.l0 + (uint64_t)(j * sal);
+  return random_word(b.one_key ? b.ikey0 : index_key(b.key, li), (uint32_t)li);
+}
+
+// amax of a block from the bits: |x| as integers orders like the values, NaN on top
+template <typename T>
+inline uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_stride) {
+  uint32_t amax = 0;
+  if (unit_stride) {
+    for (int64_t j = 0; j < m; ++j) {
+      uint32_t v = load_bits<T>(xp + j) & kAbsMask; amax = v > amax ? v : amax;
     }
-    for (int d = ax + 1; d < L.ndim; ++d) {
-      int k = d - ax - 1;
-      ic.size[k] = L.sizes[d]; ic.sx[k] = L.xs[d]; ic.sy[k] = L.ys[d]; ic.sl[k] = L.ls[d];
+  } else {
+    for (int64_t j = 0; j < m; ++j) {
+      uint32_t v = load_bits<T>(xp + j * sax) & kAbsMask; amax = v > amax ? v : amax;
     }
+  }
+  return amax;
+}
+
+// amax rule, float32 arithmetic, contiguous block (plan.amax_fast32)
+template <int MODE, typename T>
+void block_amax_fast32(const Block<T>& b, uint32_t amax, const BlockPlan& P) {
+  const T* xp = b.xp;
+  T* yp = b.yp;
+  const int64_t m = b.m;
+  // the scale: float32 amax / max_elem rounds (nearest) to the same scale value as the
+  // reference's double quotient, by the argument below (a midpoint of the scale format
+  // times max_elem has at most 24 significant bits)
+  const double sc = (double)u2f(qtensor::round_float_fast<kNearest>(
+      f2u(u2f(amax) / P.elem_max_f), P.sg, P.smax, P.sovf, 0u));
+  // Deterministic rounding with a scale of few significant bits (NVFP4): the float32
+  // quotient z = x / X rounds to the same grid point as the exact one (and so as the
+  // reference's double quotient): a grid point or midpoint m times X has at most 24
+  // significant bits, so |x - m X| >= ulp(x) and |z - m| > 2^-24 |z|, more than the
+  // float32 division's error. Q(z) * X is exact in float32.
+  const qtensor::FastGrid g = P.eg;  // a local copy: the stores below cannot alias it
+  const float X = (float)sc;
+  const bool ok = sc > 0;
+  const float Xs = ok ? X : 1.0f;
+  const uint32_t mx = f2u(P.elem_max_f);
+  for (int64_t j = 0; j < m; ++j) {
+    const uint32_t u = load_bits<T>(xp + j);
+    const uint32_t zb = f2u(u2f(u) / Xs);
+    uint32_t rr = qtensor::round_magnitude_fast<MODE>(zb & kAbsMask, g, 0u);
+    rr = rr > mx ? mx : rr;
+    const float q = u2f(rr | (u & kSignBit)) * Xs;
+    store_bits<T>(yp + j, ok ? f2u(q) : (u & kSignBit));
+  }
+}
+
+// amax rule, float elements, block.unit: the common case (NVFP4), as a branch-free loop
+template <int MODE, typename T>
+void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockArgs& a) {
+  constexpr bool stoch = MODE == kStochastic;
+  const T* xp = b.xp;
+  T* yp = b.yp;
+  const int64_t m = b.m;
+  const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
+  const qtensor::AmaxBlockSpec sp = a.amax_spec;
+  const bool ts = a.tensor_scale;
+  const uint32_t ikey0 = b.ikey0;
+  const uint32_t lo = (uint32_t)b.l0;
+  for (int64_t j = 0; j < m; ++j) {
+    const uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+    const float q = qtensor::round_amax_elem_t<MODE, false>(u2f(load_bits<T>(xp + j)), sc,
+                                                            sp, ts, r);
+    store_bits<T>(yp + j, f2u(q));
+  }
+}
+
+// amax rule, any block
+template <int MODE, typename T>
+void block_amax_general(const Block<T>& b, uint32_t amax, const BlockPlan& P,
+                        const BlockArgs& a) {
+  const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
+  for (int64_t j = 0; j < b.m; ++j) {
+    float xv = u2f(load_bits<T>(b.xp + j * P.sax));
+    float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale,
+                                             block_word<MODE>(b, P.sal, j));
+    store_bits<T>(b.yp + j * P.say, f2u(q));
+  }
+}
+
+// power-of-two scale 2^k, block.unit, the element grid shifted by the scale as a FastGrid gk
+template <int MODE, typename T>
+void block_pow2_fast(const Block<T>& b, const qtensor::FastGrid& gk, int k, int qk,
+                     const BlockPlan& P, bool elem_fixed) {
+  constexpr bool stoch = MODE == kStochastic;
+  const T* xp = b.xp;
+  T* yp = b.yp;
+  const int64_t m = b.m;
+  const qtensor::FastGrid g = gk;  // a local copy: the stores below cannot alias it
+  const uint32_t ikey0 = b.ikey0;
+  const uint32_t lo = (uint32_t)b.l0;
+  const uint32_t mx = elem_fixed ? 0u : f2u(P.elem_max_f * qtensor::pow2f(k));
+  if (elem_fixed) {
+    const float qf = qtensor::pow2f(qk);
+    const uint32_t pos = f2u(P.kmax_f * qf), neg = f2u(P.kmin_abs_f * qf);
+    const uint32_t neg_sat = neg != 0 ? (neg | kSignBit) : 0u;
+    for (int64_t j = 0; j < m; ++j) {
+      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+      store_bits<T>(yp + j, qtensor::round_fixed_fast<MODE>(load_bits<T>(xp + j), g, pos,
+                                                            neg, neg_sat, r));
+    }
+  } else {
+    for (int64_t j = 0; j < m; ++j) {
+      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+      uint32_t u = load_bits<T>(xp + j);
+      uint32_t rr = qtensor::round_magnitude_fast<MODE>(u & kAbsMask, g, r);
+      rr = rr > mx ? mx : rr;
+      store_bits<T>(yp + j, rr | (u & kSignBit));
+    }
+  }
+}
+
+// power-of-two scale, block.unit, an element grid the FastGrid cannot do
+template <int MODE, typename T>
+void block_pow2_unit(const Block<T>& b, const qtensor::BlockElemSpec& s) {
+  constexpr bool stoch = MODE == kStochastic;
+  const T* xp = b.xp;
+  T* yp = b.yp;
+  const int64_t m = b.m;
+  const uint32_t ikey0 = b.ikey0;
+  const uint32_t lo = (uint32_t)b.l0;
+  if (s.is_fixed) {
+    const auto sx = s.x;
+    for (int64_t j = 0; j < m; ++j) {
+      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+      store_bits<T>(yp + j, qtensor::round_fixed<MODE, false, uint32_t>(
+                                load_bits<T>(xp + j), sx, r));
+    }
+  } else {
+    const int emin = s.f.emin, man = s.f.man, qlow = s.f.qlow;
+    const uint32_t mx = s.f.max_bits;
+    for (int64_t j = 0; j < m; ++j) {
+      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+      uint32_t u = load_bits<T>(xp + j);
+      uint32_t rr = qtensor::round_magnitude<MODE, uint32_t>(u & kAbsMask, emin, man,
+                                                              qlow, r);
+      rr = rr > mx ? mx : rr;
+      store_bits<T>(yp + j, rr | (u & kSignBit));
+    }
+  }
+}
+
+// power-of-two scale, any block
+template <int MODE, typename T>
+void block_pow2_general(const Block<T>& b, const qtensor::BlockElemSpec& s, const BlockPlan& P) {
+  for (int64_t j = 0; j < b.m; ++j) {
+    store_bits<T>(b.yp + j * P.say,
+                  qtensor::round_block_elem<MODE>(load_bits<T>(b.xp + j * P.sax), s,
+                                                   block_word<MODE>(b, P.sal, j)));
+  }
+}
+
+// the element format shifted by the block's scale 2^k
+inline qtensor::BlockElemSpec shifted_elem(const BlockArgs& a, int k) {
+  return qtensor::shift_elem(a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl,
+                             a.is_signed, a.symmetric, k);
+}
+
+// power-of-two scales (floor and ceil rules): the scale, then the fastest path that applies
+template <int MODE, typename T>
+void block_pow2(const Block<T>& b, uint32_t amax, const BlockPlan& P, const BlockArgs& a) {
+  const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
+                                         a.elem_max, a.scale_emin, a.scale_emax);
+  // the element grid shifted by the scale 2^k (built directly: this runs once per block)
+  qtensor::FastGrid g;
+  const int ek = a.emin + k, qk = a.elem_fixed ? k - a.fl : a.qlow + k;
+  const bool stoch = MODE == kStochastic;
+  const bool fast =
+      b.unit &&
+      (a.elem_fixed ? qtensor::make_fast_grid(g, 0, 0, qk, false, true, stoch)
+                    : qtensor::make_fast_grid(g, a.man, ek, qk,
+                                              ek == -126 && a.qlow == a.emin - a.man, false,
+                                              stoch));
+  if (fast)
+    block_pow2_fast<MODE, T>(b, g, k, qk, P, a.elem_fixed);
+  else if (b.unit)
+    block_pow2_unit<MODE, T>(b, shifted_elem(a, k));
+  else
+    block_pow2_general<MODE, T>(b, shifted_elem(a, k), P);
+}
+
+// One block: its amax, then the path that applies.
+template <int MODE, typename T>
+void round_block(const Block<T>& b, const BlockPlan& P, const BlockArgs& a) {
+  const uint32_t amax = block_amax<T>(b.xp, b.m, P.sax, P.unit_stride);
+  if (amax >= kInfBits) {  // NaN or Inf in the block: all NaN
+    for (int64_t j = 0; j < b.m; ++j) store_bits<T>(b.yp + j * P.say, kNaNBits);
+  } else if (a.scale_rule == kRuleAmax) {
+    if (P.amax_fast32 && P.unit_stride)
+      block_amax_fast32<MODE, T>(b, amax, P);
+    else if (b.unit && !a.amax_spec.elem_fixed)
+      block_amax_unit<MODE, T>(b, amax, a);
+    else
+      block_amax_general<MODE, T>(b, amax, P, a);
+  } else {
+    block_pow2<MODE, T>(b, amax, P, a);
+  }
+}
+
+// A counter over dims [d0, d1) of a layout, with the strides of x, y and the logical order.
+inline Counter dims_counter(const Layout& L, int d0, int d1) {
+  Counter c;
+  c.nd = d1 - d0;
+  for (int d = d0; d < d1; ++d) {
+    const int k = d - d0;
+    c.size[k] = L.sizes[d]; c.sx[k] = L.xs[d]; c.sy[k] = L.ys[d]; c.sl[k] = L.ls[d];
+  }
+  return c;
+}
+
+template <int MODE, typename T>
+void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
+  if (L.numel == 0) return;
+  const BlockPlan P = block_plan<MODE>(L, a);
+  const int64_t inner = P.inner, nb = P.nb, bs = P.bs, len = P.len;
+  at::parallel_for(0, P.units, P.grain, [&](int64_t ub, int64_t ue) {
+    Counter oc = dims_counter(L, 0, P.ax), ic = dims_counter(L, P.ax + 1, L.ndim);
     int64_t i = ub % inner, rest = ub / inner;
     int64_t bidx = rest % nb, o = rest / nb;
     oc.set(o); ic.set(i);
     for (int64_t u = ub; u < ue; ++u) {
-      if (fp4_rows) {  // the rest of this row's blocks (inner == 1), a run at a time
+      if (P.fp4_rows) {  // the rest of this row's blocks (inner == 1), a run at a time
         const int64_t run = std::min(std::min(ue - u, nb - bidx), kFp4Run);
         const int64_t j0 = bidx * bs;
         const T* xp = x + oc.ox + j0;
         T* yp = y + oc.oy + j0;
         if (bs == 16)
-          fp4_block_run<MODE, 16, T>(xp, yp, run, bs, len - j0, sg, smax, sovf, elem_max_f);
+          fp4_block_run<MODE, 16, T>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
+                                     P.elem_max_f);
         else
-          fp4_block_run<MODE, 0, T>(xp, yp, run, bs, len - j0, sg, smax, sovf, elem_max_f);
+          fp4_block_run<MODE, 0, T>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
+                                    P.elem_max_f);
         u += run - 1;  // and the loop's ++u
         bidx += run;
         if (bidx == nb) { bidx = 0; oc.next(); }
         continue;
       }
       const int64_t j0 = bidx * bs;
-      const int64_t m = std::min(bs, len - j0);
-      const T* xp = x + oc.ox + ic.ox + j0 * sax;
-      T* yp = y + oc.oy + ic.oy + j0 * say;
-      const uint64_t l0 = (uint64_t)(oc.ol + ic.ol + j0 * sal);
-      // amax of the block from the bits: |x| as integers orders like the values, NaN on top
-      uint32_t amax = 0;
-      if (unit_stride) {
-        for (int64_t j = 0; j < m; ++j) {
-          uint32_t v = load_bits<T>(xp + j) & 0x7FFFFFFFu; amax = v > amax ? v : amax;
-        }
-      } else {
-        for (int64_t j = 0; j < m; ++j) {
-          uint32_t v = load_bits<T>(xp + j * sax) & 0x7FFFFFFFu; amax = v > amax ? v : amax;
-        }
-      }
-      const bool stoch = MODE == kStochastic;
-      const uint64_t llast = l0 + (uint64_t)((m - 1) * sal);
-      const bool one_key = (l0 >> 32) == (llast >> 32);
-      const uint32_t ikey0 = index_key(key, l0);
-      auto word = [&](int64_t j) -> uint32_t {
-        if (!stoch) return 0u;
-        const uint64_t li = l0 + (uint64_t)(j * sal);
-        return random_word(one_key ? ikey0 : index_key(key, li), (uint32_t)li);
-      };
-      if (amax >= 0x7F800000u) {  // NaN or Inf in the block: all NaN
-        for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j * say, 0x7FC00000u);
-      } else if (a.scale_rule == kRuleAmax) {
-        if (amax_fast32 && unit_stride) {
-          // the scale: float32 amax / max_elem rounds (nearest) to the same scale value as the
-          // reference's double quotient, by the argument below (a midpoint of the scale format
-          // times max_elem has at most 24 significant bits)
-          const double sc = (double)u2f(qtensor::round_float_fast<kNearest>(
-              f2u(u2f(amax) / elem_max_f), sg, smax, sovf, 0u));
-          // Deterministic rounding with a scale of few significant bits (NVFP4): the float32
-          // quotient z = x / X rounds to the same grid point as the exact one (and so as the
-          // reference's double quotient): a grid point or midpoint m times X has at most 24
-          // significant bits, so |x - m X| >= ulp(x) and |z - m| > 2^-24 |z|, more than the
-          // float32 division's error. Q(z) * X is exact in float32.
-          const qtensor::FastGrid g = eg;  // a local copy: the stores below cannot alias it
-          const float X = (float)sc;
-          const bool ok = sc > 0;
-          const float Xs = ok ? X : 1.0f;
-          const uint32_t mx = f2u((float)a.elem_max);
-          for (int64_t j = 0; j < m; ++j) {
-            const uint32_t u = load_bits<T>(xp + j);
-            const uint32_t zb = f2u(u2f(u) / Xs);
-            uint32_t rr = qtensor::round_magnitude_fast<MODE>(zb & 0x7FFFFFFFu, g, 0u);
-            rr = rr > mx ? mx : rr;
-            const float q = u2f(rr | (u & 0x80000000u)) * Xs;
-            store_bits<T>(yp + j, ok ? f2u(q) : (u & 0x80000000u));
-          }
-        } else if (unit_stride && !a.amax_spec.elem_fixed && (!stoch || (sal == 1 && one_key))) {
-          const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
-          // the common case (NVFP4), as a branch-free loop
-          const qtensor::AmaxBlockSpec sp = a.amax_spec;
-          const bool ts = a.tensor_scale;
-          const uint32_t lo = (uint32_t)l0;
-          for (int64_t j = 0; j < m; ++j) {
-            const uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
-            const float q = qtensor::round_amax_elem_t<MODE, false>(u2f(load_bits<T>(xp + j)), sc,
-                                                                    sp, ts, r);
-            store_bits<T>(yp + j, f2u(q));
-          }
-        } else {
-          const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
-          for (int64_t j = 0; j < m; ++j) {
-            float xv = u2f(load_bits<T>(xp + j * sax));
-            float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale, word(j));
-            store_bits<T>(yp + j * say, f2u(q));
-          }
-        }
-      } else {
-        const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
-                                               a.elem_max, a.scale_emin, a.scale_emax);
-        // the element grid shifted by the scale 2^k (built directly: this runs once per block)
-        qtensor::FastGrid g;
-        const int ek = a.emin + k, qk = a.elem_fixed ? k - a.fl : a.qlow + k;
-        const bool fast =
-            unit_stride && (!stoch || (sal == 1 && one_key)) &&
-            (a.elem_fixed ? qtensor::make_fast_grid(g, 0, 0, qk, false, true, stoch)
-                          : qtensor::make_fast_grid(g, a.man, ek, qk,
-                                                    ek == -126 && a.qlow == a.emin - a.man, false,
-                                                    stoch));
-        if (fast) {
-          const uint32_t lo = (uint32_t)l0;
-          const uint32_t mx = a.elem_fixed ? 0u : f2u(elem_max_f * qtensor::pow2f(k));
-          if (a.elem_fixed) {
-            const float qf = qtensor::pow2f(qk);
-            const uint32_t pos = f2u(kmax_f * qf), neg = f2u(kmin_abs_f * qf);
-            const uint32_t neg_sat = neg != 0 ? (neg | 0x80000000u) : 0u;
-            for (int64_t j = 0; j < m; ++j) {
-              uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
-              store_bits<T>(yp + j, qtensor::round_fixed_fast<MODE>(load_bits<T>(xp + j), g, pos,
-                                                                    neg, neg_sat, r));
-            }
-          } else {
-            for (int64_t j = 0; j < m; ++j) {
-              uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
-              uint32_t u = load_bits<T>(xp + j);
-              uint32_t rr = qtensor::round_magnitude_fast<MODE>(u & 0x7FFFFFFFu, g, r);
-              rr = rr > mx ? mx : rr;
-              store_bits<T>(yp + j, rr | (u & 0x80000000u));
-            }
-          }
-        } else if (unit_stride && (!stoch || (sal == 1 && one_key))) {
-          const qtensor::BlockElemSpec s = qtensor::shift_elem(
-              a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed,
-              a.symmetric, k);
-          const uint32_t lo = (uint32_t)l0;
-          if (s.is_fixed) {
-            for (int64_t j = 0; j < m; ++j) {
-              uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
-              store_bits<T>(yp + j, qtensor::round_fixed<MODE, false, uint32_t>(
-                                        load_bits<T>(xp + j), s.x, r));
-            }
-          } else {
-            const int emin = s.f.emin, man = s.f.man, qlow = s.f.qlow;
-            const uint32_t mx = s.f.max_bits;
-            for (int64_t j = 0; j < m; ++j) {
-              uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
-              uint32_t u = load_bits<T>(xp + j);
-              uint32_t rr = qtensor::round_magnitude<MODE, uint32_t>(u & 0x7FFFFFFFu, emin, man,
-                                                                      qlow, r);
-              rr = rr > mx ? mx : rr;
-              store_bits<T>(yp + j, rr | (u & 0x80000000u));
-            }
-          }
-        } else {
-          const qtensor::BlockElemSpec s = qtensor::shift_elem(
-              a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed,
-              a.symmetric, k);
-          for (int64_t j = 0; j < m; ++j) {
-            store_bits<T>(yp + j * say,
-                          qtensor::round_block_elem<MODE>(load_bits<T>(xp + j * sax), s, word(j)));
-          }
-        }
-      }
+      const uint64_t l0 = (uint64_t)(oc.ol + ic.ol + j0 * P.sal);
+      round_block<MODE, T>(make_block<MODE, T>(x + oc.ox + ic.ox + j0 * P.sax,
+                                               y + oc.oy + ic.oy + j0 * P.say,
+                                               std::min(bs, len - j0), l0, P, key),
+                           P, a);
       // next unit
       if (++i == inner) {
         i = 0; ic.set(0);
@@ -408,8 +540,8 @@ void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, u
   if (L.numel == 0) return;
   constexpr bool STOCH = MODE == kStochastic;
   const uint32_t amax = amax_bits<false, T>(x, L);
-  if (amax >= 0x7F800000u) {
-    elementwise<false, T>(x, y, L, key, [](uint32_t, uint32_t) { return 0x7FC00000u; });
+  if (amax >= kInfBits) {
+    elementwise<false, T>(x, y, L, key, [](uint32_t, uint32_t) { return kNaNBits; });
   } else if (a.scale_rule == kRuleAmax) {
     const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
     const qtensor::AmaxBlockSpec spec = a.amax_spec;
@@ -420,8 +552,7 @@ void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, u
   } else {
     const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
                                            a.elem_max, a.scale_emin, a.scale_emax);
-    const qtensor::BlockElemSpec s = qtensor::shift_elem(
-        a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed, a.symmetric, k);
+    const qtensor::BlockElemSpec s = shifted_elem(a, k);
     elementwise<STOCH, T>(x, y, L, key, [=](uint32_t u, uint32_t r) {
       return qtensor::round_block_elem<MODE>(u, s, r);
     });

@@ -259,6 +259,20 @@ def test_errors():
         qt.quantize(torch.ones(4, 4), "bf16", out=torch.empty(4).expand(4, 4))
 
 
+def test_op_codes_match_cpp():
+    # the integer codes ops.py passes (rounding, scale rule, overflow) are the ones the C++ glue
+    # decodes: qtensor::constant exports the C++ side's
+    code = torch.ops.qtensor.constant
+    assert {m: code("rounding." + m) for m in ops._ROUNDING_CODE} == ops._ROUNDING_CODE
+    assert {r: code("scale_rule." + r) for r in ops._SCALE_RULE_CODE} == ops._SCALE_RULE_CODE
+    overflow = {"saturate": FloatFormat(4, 3, specials="ieee", saturate=True),
+                "inf": FloatFormat(4, 3), "nan": FloatFormat(4, 3, specials="fn", saturate=False)}
+    assert {n: ops._float_args(f)[4] for n, f in overflow.items()} == \
+        {n: code("overflow." + n) for n in overflow}
+    with pytest.raises(RuntimeError, match="unknown name 'rounding.up'"):
+        code("rounding.up")
+
+
 def test_reproducible_stochastic():
     x = torch.randn(4096)
     torch.manual_seed(5)

@@ -25,22 +25,20 @@ qc::DType dtype_of(const at::Tensor& x) {
   }
 }
 
-void check_cuda(const at::Tensor& x, const at::Tensor& out, const char* op) {
-  check_input(x, op);
-  check_out(x, out, op);
+void check_cuda(const at::Tensor& x, const at::Tensor& out, int64_t rounding, const char* op) {
+  check_op(x, out, rounding, op);
   TORCH_CHECK(x.is_cuda(), "qtensor::", op, ": expected a CUDA tensor");
 }
 
 void float_out(const at::Tensor& x, int64_t man, int64_t emin, bool subnormals, double maxval,
                int64_t overflow, bool is_unsigned, int64_t rounding, int64_t seed,
                at::Tensor& out) {
-  check_cuda(x, out, "quantize_float");
-  check_rounding(rounding, "quantize_float");
+  check_cuda(x, out, rounding, "quantize_float");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto spec = float_spec(man, emin, subnormals, maxval, overflow, is_unsigned);
   C10_CUDA_CHECK(qc::launch_float(x.const_data_ptr(), out.mutable_data_ptr(), dtype_of(x),
                                   make_layout(x, out), spec, (int)rounding,
-                                  qtensor::seed_key((uint64_t)seed),
+                                  key_of(seed),
                                   at::cuda::getCurrentCUDAStream()));
 }
 
@@ -58,13 +56,12 @@ void float_inplace(at::Tensor& x, int64_t man, int64_t emin, bool subnormals, do
 
 void fixed_out(const at::Tensor& x, int64_t wl, int64_t fl, bool is_signed, bool symmetric,
                bool saturate, int64_t rounding, int64_t seed, at::Tensor& out) {
-  check_cuda(x, out, "quantize_fixed");
-  check_rounding(rounding, "quantize_fixed");
+  check_cuda(x, out, rounding, "quantize_fixed");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto spec = fixed_spec(wl, fl, is_signed, symmetric);
   C10_CUDA_CHECK(qc::launch_fixed(x.const_data_ptr(), out.mutable_data_ptr(), dtype_of(x),
                                   make_layout(x, out), spec, !saturate, (int)rounding,
-                                  qtensor::seed_key((uint64_t)seed),
+                                  key_of(seed),
                                   at::cuda::getCurrentCUDAStream()));
 }
 
@@ -84,8 +81,7 @@ void block_out(const at::Tensor& x, at::IntArrayRef elem, double elem_max, int64
                c10::optional<int64_t> axis, int64_t scale_rule, at::IntArrayRef scale,
                double scale_max, bool tensor_scale, int64_t rounding, int64_t seed,
                at::Tensor& out) {
-  check_cuda(x, out, "quantize_block");
-  check_rounding(rounding, "quantize_block");
+  check_cuda(x, out, rounding, "quantize_block");
   const c10::cuda::CUDAGuard guard(x.device());
   BlockArgs a = block_args(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
                            tensor_scale);
@@ -105,7 +101,7 @@ void block_out(const at::Tensor& x, at::IntArrayRef elem, double elem_max, int64
   if (a.whole_tensor)
     C10_CUDA_CHECK(qc::launch_amax(x.const_data_ptr(), dt, L, false, amax_dev, stream));
   C10_CUDA_CHECK(qc::launch_block(x.const_data_ptr(), out.mutable_data_ptr(), dt, L, a,
-                                  (int)rounding, qtensor::seed_key((uint64_t)seed), amax_dev,
+                                  (int)rounding, key_of(seed), amax_dev,
                                   stream));
 }
 
