@@ -182,6 +182,12 @@ class QTensor(torch.Tensor):
         return _dispatch.dispatch(func, args, kwargs)
 
     # -- values --------------------------------------------------------------------------------
+    @property
+    def payload(self) -> torch.Tensor:
+        """The plain tensor that holds the values (no copy, outside autograd): for inspection,
+        e.g. leak_check's representability check; writing to it bypasses the format."""
+        return self._data
+
     def dequantize(self) -> torch.Tensor:
         """The values as a plain tensor.
 

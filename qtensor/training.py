@@ -75,7 +75,7 @@ from .warn import warn as _warn
 
 __all__ = ["install_optimizer_hooks", "master_weight", "LossScaler", "check_scale"]
 
-_MASTER_KEY = "qt_master"
+MASTER_KEY = "qt_master"  # the optimizer-state key of a parameter's FP32 master
 _installed = False
 
 
@@ -122,7 +122,7 @@ def _restore(optimizer, copy_back: bool) -> None:
         state = optimizer.state.pop(master, None)
         state = {} if state is None else state  # the same dict: LBFGS holds on to it
         master.grad = None
-        state[_MASTER_KEY] = master
+        state[MASTER_KEY] = master
         optimizer.state[p] = state
         if copy_back:
             with torch.no_grad():
@@ -152,7 +152,7 @@ def _swap_in(optimizer) -> None:
                 continue
             state = optimizer.state.pop(p, None)
             state = {} if state is None else state
-            master = state.pop(_MASTER_KEY, None)
+            master = state.pop(MASTER_KEY, None)
             if master is None or _set_outside(p, master):
                 master = _plain(p.detach()).to(torch.float32, copy=True)
             optimizer.state[master] = state
@@ -334,7 +334,7 @@ def unconvert_optimizers(moved) -> None:
                 if id(p) not in new_params or p not in optimizer.state:
                     continue
                 state = optimizer.state[p]
-                state.pop(_MASTER_KEY, None)
+                state.pop(MASTER_KEY, None)
                 for key, value in list(state.items()):
                     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                         continue
@@ -347,7 +347,7 @@ def unconvert_optimizers(moved) -> None:
 
 def master_weight(optimizer, param) -> Optional[torch.Tensor]:
     """The FP32 master copy the optimizer keeps for ``param`` (None before the first step)."""
-    return optimizer.state.get(param, {}).get(_MASTER_KEY)
+    return optimizer.state.get(param, {}).get(MASTER_KEY)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -255,15 +255,15 @@ class OpChecker:
             if cands and moves_checked_values(ev.func, ev.args, ev.kwargs, cands, self.checked):
                 for _, t in cands:  # values moved from checked QTensors of the same format
                     if not t.is_inference():
-                        self.checked[t] = (t._version, t._data._version)
+                        self.checked[t] = (t._version, t.payload._version)
                 return
         for role, t in cands:
             if not t.is_inference():  # (an inference tensor has no version: check every time)
-                ver = (t._version, t._data._version)
+                ver = (t._version, t.payload._version)
                 if self.checked.get(t) == ver:
                     continue
                 self.checked[t] = ver
-            bad = unrepresentable(t._data, t.fmt)
+            bad = unrepresentable(t.payload, t.fmt)
             if bad is not None:
                 count, i, v, q = bad
                 detail = (f"{count} of {t.numel()} values of {role} are not in {t.fmt}; "

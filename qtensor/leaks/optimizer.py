@@ -9,7 +9,7 @@ import torch
 
 from ..convert import plan_of
 from ..tensor import QTensor
-from ..training import swapped_masters
+from ..training import MASTER_KEY, swapped_masters
 from .findings import OPTIMIZER, Finding, tensor_info
 from .frames import user_location
 from .tensors import is_float
@@ -104,7 +104,7 @@ class OptimizerChecker:
                 (f"{name} state[{k!r}]", v) for k, v in state.items()]
             for role, t in checks:
                 if isinstance(t, QTensor):
-                    bad = unrepresentable(t._data, t.fmt)
+                    bad = unrepresentable(t.payload, t.fmt)
                     if bad is not None:
                         problems.append((role, t, f"{bad[0]} of {t.numel()} values not in "
                                                   f"{t.fmt}; first {bad[2]!r}"))
@@ -124,7 +124,7 @@ class OptimizerChecker:
         for k, v in state.items():
             if not isinstance(v, torch.Tensor) or not is_float(v) or v.dim() == 0:
                 continue
-            if tuple(v.shape) != tuple(p.shape) or k == "qt_master":
+            if tuple(v.shape) != tuple(p.shape) or k == MASTER_KEY:
                 continue  # not a per-element state of the parameter's values
             role = f"{name} state[{k!r}]"
             if not isinstance(v, QTensor):

@@ -68,7 +68,7 @@ def storage_key(t):
     """The identity of t's memory (a QTensor's payload): views share it."""
     try:
         if isinstance(t, QTensor):
-            t = t._data
+            t = t.payload
         return (t.device, t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
         return (t.device, id(t))

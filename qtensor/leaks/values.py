@@ -99,7 +99,7 @@ def moves_checked_values(func, args, kwargs, outs, checked) -> bool:
     for _, t in named_tensors(args, kwargs, None):
         if isinstance(t, QTensor):
             if not same_format(t.fmt, fmt) or t.is_inference() or \
-                    checked.get(t) != (t._version, t._data._version):
+                    checked.get(t) != (t._version, t.payload._version):
                 return False
         elif is_float(t):
             return False
