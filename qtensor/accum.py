@@ -1,57 +1,19 @@
 """Hardware-faithful accumulation: what a matrix-multiply unit does with the products.
 
-Elsewhere a contraction rounds its operands and then accumulates in float32. Tensor cores do not:
-one MMA instruction fuses the products of ``chunk`` K-elements (and the running accumulator) into
-one sum by aligning every term to the largest exponent, keeping ``frac_bits`` fractional bits of
-each and dropping the rest, and normalizes the result to an accumulator format (FP32, or FP32 with
-13 fractional bits on Hopper FP8). Libraries then add that partial result into an FP32 register
-accumulator every ``promote`` instructions. :class:`AccumFormat` describes such a datapath;
-:func:`accum_matmul` computes a matrix product with it (fused C++ kernel, or
-:func:`accum_matmul_reference`, the pure-PyTorch statement of the model, which the kernel matches
-bit for bit).
+Elsewhere a contraction rounds its operands and accumulates in float32. Tensor cores do not: one
+MMA instruction aligns the products of ``chunk`` K-elements (and the running partial sum) to the
+largest exponent, keeps ``frac_bits`` fractional bits of each, and normalizes the sum to an
+accumulator format; libraries add that partial sum into an FP32 accumulator every ``promote``
+instructions. :class:`AccumFormat` describes such a datapath (presets from Volta to Blackwell);
+:func:`accum_matmul` computes a matrix product with it (fused C++ kernel), bit for bit equal to
+:func:`accum_matmul_reference`, the pure-PyTorch statement of the model (MMA-Sim's
+``fused_dot_add``), in which every step is exact in float64.
 
-The model, per output element (the same as MMA-Sim's ``fused_dot_add``, microsoft/MMA-Sim,
-mmasim/simulator/functions.py, arXiv 2511.10909), for each chunk of ``chunk`` K-elements:
+Use: ``qt.Recipe(..., accumulate=qt.accum.hopper_fp8)`` or ``t.accum = ...``: every contraction
+with an operand that carries an accumulator sums its products with it. torch.compile and
+transposed, grouped or non-2-D convolutions are refused (NotImplementedError).
 
-1. terms: the exact products a_k * b_k (or, with ``group`` > 1, the exact sums of ``group``
-   consecutive products, as Blackwell's block-scaled FP4 paths do), plus the partial result p of
-   the previous instructions when ``acc_in_alignment``;
-2. each term has an alignment exponent: for a product, e(a_k) + e(b_k) with e(x) = floor(log2|x|)
-   clamped below at -126 (the significand of a product is then in [1, 4), as in MMA-Sim); for p
-   and for a group sum, e of the value itself. emax is the largest over the nonzero terms;
-3. each term t is scaled to 2^(frac_bits - emax) and rounded to an integer by ``align_rounding``
-   (``toward_zero`` on NVIDIA: MMA-Sim's ``math.trunc``);
-4. the integers are summed exactly, and the sum times 2^(emax - frac_bits) is rounded to the
-   accumulator format: ``acc_man`` fractional bits, float32's exponent range (subnormals on the
-   2^-126 grid), ``acc_rounding``; magnitudes >= 2^128 become inf; a zero sum is +0;
-5. without ``acc_in_alignment`` the chunk's rounded sum is instead added to p by a float32 add
-   (round to nearest);
-6. every ``promote`` chunks p is added into an FP32 accumulator by a float32 add (round to
-   nearest, as the CUDA cores do) and restarts from zero; ``promote=None`` keeps the whole K in
-   p (no promotion: the output is p).
-
-A chunk with a non-finite input gives NaN if any product is NaN (inf * 0 included) or +inf and
--inf meet, else the infinity. Every step is exact in float64: the scaled terms are integers below
-2^53 (``AccumFormat`` refuses widths for which that could fail).
-
-Use: ``qt.convert(model, qt.Recipe(..., accumulate=qt.accum.hopper_fp8))`` gives every converted
-parameter the accumulator; results of ops inherit it from their inputs (activations, gradients),
-and every contraction with an operand that carries one (mm, bmm, addmm, baddbmm, addbmm, mv,
-addmv, dot, linear, matmul/einsum through them, 2-D convolutions with groups=1, forward and
-backward) sums its products with it. On a single tensor: ``t.accum = qt.accum.hopper_fp8``.
-Not yet: transposed, grouped or 1-D/3-D convolutions (NotImplementedError), fused attention
-kernels (use ``sdpa_kernel(SDPBackend.MATH)``), torch.compile/export (refused with a
-NotImplementedError rather than compiled with FP32 accumulation). Pickling, ``torch.save`` /
-``torch.load(weights_only=True)`` and deepcopy keep it.
-
-Known differences from the hardware models, stated rather than hidden:
-- operands are float32 carriers; e(x) clamps at float32's -126, whereas MMA-Sim clamps at the
-  minimum exponent of the input dtype (e.g. -6 for E4M3). The two agree for every operand that is
-  normal in its low-precision format; they can differ for its subnormals;
-- block-scaled presets (``blackwell_mxfp4``, ``blackwell_nvfp4``) see the dequantized values:
-  they align a group sum by its own exponent, MMA-Sim by the exponent of the product of the two
-  block scales, which the emulator no longer has. Group sums are exact when the group's products
-  span at most 53 bits (always true for FP4 elements sharing one scale), else rounded in float64.
+The model step by step, its sources and the known differences from hardware: docs/accum.md.
 """
 from __future__ import annotations
 

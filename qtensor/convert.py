@@ -1,110 +1,20 @@
 """Model conversion: ``qt.convert(model, spec)``, recipes and per-parameter rules.
 
 ``qt.convert(model, spec)`` turns a model into a low-precision emulation of itself, in place, and
-returns it. ``spec`` is a format (``qt.bf16``), a format string (``"fp8_e4m3"``), a pair
-``(value_fmt, mm_fmt)``, a :class:`Recipe`, or the name of a preset in ``qt.recipes``
-(``"swalp"``; a name that is also a format, ``"mxfp6"`` or ``"fp16"``, is refused: pass
-``qt.recipes.mxfp6`` or ``qt.mxfp6_e3m2``).
+returns it; ``qt.unconvert(model)`` restores plain tensors and removes every hook. ``spec`` is a
+format, a format string, a pair ``(value_fmt, mm_fmt)``, a :class:`Recipe` or the name of a
+preset in ``qt.recipes`` (a name that is also a format, ``"mxfp6"`` or ``"fp16"``, is refused).
 
-A bare format means "every value in this format": weights, biases, buffers, activations and
-gradients, and, for formats with FP32's exponent range (BF16, TF32, FP32), optimizer state too,
-as ``model.to(torch.bfloat16)`` would. Other formats (FP16, FP8, FP6, FP4, MX and other block
-formats, fixed point) cannot train that way: Adam's ``eps`` and squared gradients underflow (NaN
-after one step) and updates smaller than half a spacing are lost (SGD stalls). For them a bare
-format trains as mixed-precision recipes do: FP32 master weights and FP32 optimizer state
-(``master_weights=True``, ``optimizer_state=None``). ``qt.Recipe.uniform(fmt)`` keeps every
-value in the format, optimizer state included, to study exactly that.
+- Parameters are swapped in place (``torch.utils.swap_tensors``: the same Python objects) for
+  QTensors of their role's format; floating buffers are reassigned; integer buffers are left alone.
+- The model's inputs and every module's outputs are rounded to the activation role, and their
+  gradients and every converted parameter's gradient to the grad role (module and tensor hooks).
+- Optimizer state and FP32 master weights are kept by the step hooks of qtensor.training.
+- ``rules`` override roles by qualified name (exact name, then pattern, then enclosing module,
+  then the role's default); a rule that matches nothing is an error.
+- Converting twice with the same spec does nothing; with another spec it is an error.
 
-A :class:`Recipe` gives each *role* a format. A role is ``None`` (full precision, below), a
-format / format string, or a pair ``(value_fmt, mm_fmt)``: the format the values live
-in, and the format they take as an operand of a contraction (README.md, "QTensor";
-e.g. ``(qt.bf16, qt.mxfp6_e3m2)``). A pair ``(None, mm_fmt)`` means FP32 values with that
-operand format. Roles:
-
-- ``weight``: every parameter that is not a bias (Linear/Conv weights, LayerNorm/BatchNorm scales,
-  Embedding tables, LSTM ``weight_ih_l0``...).
-- ``bias``: parameters whose last name component starts or ends with ``bias`` (``bias``,
-  ``in_proj_bias``, ``bias_ih_l0``).
-- floating buffers (BatchNorm running statistics): the *value* format of the weight role (no
-  operand format: buffers never enter contractions); a rule can give them their own.
-  Integer buffers (``num_batches_tracked``) are always left alone (a warning says so once).
-- ``activation``: the model's floating inputs (a forward pre-hook on the model) and every
-  module's floating outputs (forward hooks) are rounded to it, as QTensors with its operand
-  format.
-- ``grad``: the gradient of every hooked activation (the same hooks: one autograd node rounds
-  the value forward and its gradient backward, as ``qt.as_qtensor`` + ``qt.quantize_grad``
-  would, but never returns a view, so in-place ops such as ``ReLU(inplace=True)`` may follow)
-  and of every converted parameter (a tensor hook on the parameter, so each contribution is
-  rounded before it is accumulated, and accumulation rounds into the gradient's format).
-- ``optimizer_state``: the optimizer's floating state tensors of each converted parameter
-  (momentum buffers, Adam moments; not the scalar ``step``) are kept in this format by
-  process-wide ``torch.optim`` step hooks that only touch converted parameters (details, and
-  the first step, in qtensor.training).
-- ``None`` means full precision. For a parameter or buffer: left a plain tensor, outside the
-  emulation. For the gradient and optimizer state of a converted parameter: FP32 values, as
-  QTensors in ``qt.fp32`` (so the optimizer's arithmetic never mixes plain tensors with
-  QTensors, which ``qt.leak_check`` would report). For activations: no rounding hooks.
-- ``master_weights=True``: the optimizer updates an FP32 copy of every converted parameter and the
-  model sees the copy rounded into the weight format after each step (see qtensor.training).
-  The optimizer then runs entirely in FP32, so ``optimizer_state`` must be ``None``.
-- ``loss_scale``: ``None``, a number (static) or ``"dynamic"``; a recommendation read by
-  ``qt.LossScaler.from_recipe(recipe)`` (loss scaling lives in the training loop, not the model).
-
-Rules: ``rules={pattern: spec}`` overrides roles by qualified name. A pattern is a glob
-(``fnmatch``, where ``*`` also matches dots: ``"layer1.*"``, ``"*.bias"``) or a regular
-expression with the prefix ``re:`` (``re.fullmatch``). ``spec`` is:
-
-- a format, a pair or ``None``: for a parameter or buffer, its value role; for a module, its
-  output activation role. ``None`` for a module computes it in full precision: its floating
-  inputs and outputs become plain tensors (QTensor inputs are dequantized, differentiably) and
-  its output gradients are not rounded. A module rule also covers the parameters and buffers it
-  owns and all its submodules.
-- a dict of roles (keys among weight, bias, activation, grad, optimizer_state) or a Recipe: the
-  given roles replace the recipe's for the matched tensors and modules; missing ones keep the
-  recipe's defaults.
-
-Precedence, for a tensor named ``a.b.weight`` (scopes: ``a.b.weight``, then its modules
-``a.b``, ``a``, innermost first) or a module named ``a.b`` (scopes ``a.b``, ``a``):
-
-1. a rule whose key equals a scope, the innermost scope first (exact names win over patterns);
-2. the first pattern in the rules' order that matches the tensor's (or module's) own name;
-3. the first pattern in the rules' order that matches an enclosing module, innermost first;
-4. the kind default (weight, bias, buffer, activation as above).
-
-A rule that matches no parameter, buffer or module is an error that lists the nearest names.
-``None`` for a parameter means: left a plain tensor, its gradient plain too (a QTensor gradient
-that reaches it is dequantized), its optimizer state untouched.
-
-Details:
-- Parameters are replaced with ``torch.utils.swap_tensors``: the Python object stays the same, so
-  references held elsewhere (an optimizer created before conversion, tied weights, LSTM's
-  ``_flat_weights``) see the QTensor. Buffers are reassigned in their modules.
-- Converting a model twice with the same spec does nothing; with a different spec it is an error
-  (call ``qt.unconvert(model)`` first). A model that contains an already converted submodule is
-  an error too. ``qt.unconvert`` restores plain tensors in their original dtypes (with their
-  current values) and removes every hook. If a parameter cannot be swapped (a weak reference
-  to it), it is replaced by a new Parameter, and the optimizers that stepped it follow.
-- ``copy.deepcopy(model)`` and ``torch.save(model)``/``torch.load`` keep the conversion: the
-  copy's parameters get their plans and gradient hooks back at its first forward.
-- Block formats on tiny tensors: a block that does not fit (a bias of 3 values in MXFP4 with 32-value
-  blocks) is a short last block, which the format allows (as if padded with zeros): it just
-  works. A block format whose ``axis`` does not exist in a tensor (``axis=1`` for a bias) is an
-  error naming the tensor; give it its own rule.
-- Buffers that an op updates in place (BatchNorm's running statistics, written by
-  ``aten.native_batch_norm``, whose schema does not declare the write) are re-rounded into their
-  format by a forward hook after each training-mode forward, so they stay in format.
-- ``model.half()``, ``.bfloat16()``, ``.double()``, ``.to(dtype)`` on a converted model are refused
-  at the call (a RuntimeError): the formats decide its precision, and payloads of another dtype
-  would not match its activations. Convert to ``qt.fp16``/``qt.bf16`` instead, or call
-  ``qt.unconvert`` first. Device moves (``.to("cuda")``) work.
-- ``qt.unconvert`` also gives the optimizers that stepped the model plain state again (in each
-  parameter's dtype) and drops their FP32 masters.
-- Warnings (parameters that could not be swapped in place, integer buffers left alone) come as
-  one warning per conversion naming every tensor concerned, at the line that called qt.convert
-  (the integer-buffer note only once per process).
-- ``model.to(fmt)`` is not supported: ``nn.Module.to`` parses its arguments in C++ and accepts
-  only devices, dtypes and tensors; supporting formats would mean patching ``nn.Module.to`` for
-  every user of the process. ``qt.convert(model, fmt)`` is that one line.
+Roles, rules, precedence and every detail: docs/convert.md.
 """
 from __future__ import annotations
 

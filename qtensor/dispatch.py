@@ -1,78 +1,20 @@
 """The op rules of QTensor: which ops move data, which compute, which contract.
 
 ``QTensor.__torch_dispatch__`` calls :func:`dispatch`. Every aten op that reaches it is classified
-once (the rule is cached per op overload) and then handled by one of four paths:
+once (the rule is cached per op overload) and handled by one of four paths:
 
-1. Non-floating outputs (comparisons, argmax, indices, shapes, ``item()``) are returned plain.
-2. Data-movement ops (``MOVE``: views, reshapes, transposes, slicing, indexing, cat/stack,
-   clone, copy_, sort/max values, padding with zeros, ...) run on the payloads and keep the
-   values and the format: they never round. They do round when the values they move are not
-   all in the output's format already (a plain float tensor, or a QTensor of another format,
-   among the inputs: e.g. ``q.copy_(plain)`` or ``cat([bf16_q, fp32_q])``).
-3. Every other floating op computes on the payloads in high precision and each floating output
-   is rounded to the output format with one ``qt.quantize`` call, then re-wrapped. An op that
-   nobody listed is computed and rounded: there is no NotImplementedError for ordinary ops.
-4. Contractions (``CONTRACT``: mm, bmm, addmm, baddbmm, addbmm, mv, addmv, dot, linear,
-   convolution and convolution_backward; matmul, einsum, tensordot, F.linear, conv1d/2d/3d
-   decompose into these before they reach the subclass) round each operand that has an
-   ``mm_fmt`` to it along that op's reduction dimension, from the value payload, per use;
-   the product accumulates in the payload precision (or, when an operand carries an
-   accumulator, ``QTensor.accum``, by that emulated MMA datapath: :mod:`qtensor.accum`); the
-   output is rounded to its ``fmt``.
+1. non-floating outputs (comparisons, indices, shapes) are returned plain;
+2. data-movement ops (``MOVE``) keep values and format; they round only values not already in the
+   output's format, and re-round block formats whose blocks they regroup;
+3. every other floating op computes on the payloads in high precision and rounds each floating
+   output to the output format with one fused kernel (unlisted ops included);
+4. contractions (``CONTRACT``) round each operand that has an ``mm_fmt`` along that op's reduction
+   dimension, per use, accumulate in the payload precision (or by ``QTensor.accum``) and round
+   the output to ``fmt``.
 
-Output format (mixed formats): the format (fmt and mm_fmt) of the first QTensor operand in
-argument order, except that contractions with an added term (addmm, addmv, baddbmm, addbmm)
-look at the multiplied operands first, so ``addmm(bias, x, w.t())`` takes x's format (the
-activation's), not the bias's. ``_foreach_*`` ops take, for output i, the format of the first
-QTensor among the i-th elements. In-place ops and ``out=`` round into the destination's format
-(a plain destination stays plain and unrounded: a leak that ``qt.leak_check`` reports). Plain
-floating tensors that meet a QTensor are treated as high-precision values: the result is still a
-QTensor (rounded to the QTensor's format); Python scalars are ordinary constants.
-
-Block formats (``fmt`` a BlockFormat): ``axis`` names the dimension the values are blocked along,
-and it follows that dimension (one rule, ``_block_axis_out``): transpose/t/permute move it with
-the data (``x.t()`` of a matrix blocked along -1 is blocked along 0); reshapes, views and
-(un)squeeze follow it by shape (also where it is split or merged in rows of whole blocks); ops
-that remove their ``dim`` (reductions, select) or insert one (stack) shift it. Where an output
-lacks that dimension (a reduction over it, a reshape across blocks), its last dimension is used.
-Data-movement ops other than copies and reshapes (cat, index, gather, sort, pooling, embedding
-rows, ...) may regroup values into blocks they are not representable in (a block's scale comes
-from its largest element), so on block formats they re-round their output (which changes
-nothing where the blocks survive). Views do not: they alias their base and keep its values (not
-all in format when viewed across blocks, e.g. a slice through a block). An in-place op on a view
-of a block-formatted tensor re-rounds the view's elements as blocks of their own (not the whole
-blocks of the base).
-
-Contraction blockings (a BlockFormat ``mm_fmt`` has its ``axis`` replaced by the reduction axis
-of each use; ``axis=None``, one block per tensor, is kept):
-- ``mm(a, b)``: a along dim 1, b along dim 0; ``bmm``/``baddbmm``/``addbmm``: a along 2, b
-  along 1; ``mv``: matrix along 1, vector along 0; ``dot``: both along 0; ``linear(x, w)``: x
-  along -1, w along 1 (in_features).
-- ``convolution``: input along its channel dim (1) and the weight along its input-channel dim
-  (1; dim 0 for transposed convolutions). Blocks run along channels only, not across the kernel
-  window (as hardware that maps a conv to a GEMM with channels innermost).
-- ``convolution_backward``: grad_input reduces over output channels (grad_output along 1, weight
-  along 0; along 1 when transposed); grad_weight reduces over the batch (grad_output and input
-  along 0); grad_bias is a plain sum of the grad_output values.
-
-How a rounding runs (same bits as ``qt.quantize`` in every case, tested): formats that are
-exactly a torch dtype (the bf16, fp16, fp8_e4m3, fp8_e5m2 presets) round a float32 payload by a
-cast down and back (an opaque custom op in traced graphs, so inductor keeps eager's bits); block
-formats along a non-innermost axis round on a view that makes that axis innermost; the rest call
-the fused kernels directly with cached arguments (``qt.quantize`` for stochastic rounding, which
-draws a seed per call: under torch.compile such ops fall back to eager).
-
-Fused kernels that contain contractions (PyTorch's flash/efficient attention) are computed and
-rounded as one op, so operand formats do not apply inside them; under
-``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` attention decomposes into bmm and softmax and
-every step is emulated, forward and backward.
-
-The MX linear layer, y = x @ W.T + b with x, W carrying an MX ``mm_fmt``:
-forward ``addmm(b, x, W.t())``: x blocked along in_features (dim 1), W.t() along its dim 0, i.e.
-W along in_features. Backward: grad_x = ``mm(grad_y, W)``: grad_y along out_features (dim 1), W
-along out_features (dim 0); grad_W = ``mm(grad_y.t(), x)`` (autograd computes ``x.t() @ grad_y``
-for W.t() and transposes it back): grad_y and x both along the batch. Every operand rounding is
-from the value payload, per use, never from an already MX-rounded copy.
+The output takes the format of the first QTensor operand (of the multiplied operands for addmm-like
+ops); in-place ops and ``out=`` round into the destination's format. The full rules (mixed
+formats, block axes, contraction blockings, the MX linear layer): docs/dispatch.md.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A :class:`Role` is the pair of formats of one kind of value (its values, and its
 contractions); a :class:`Recipe` gives every role of a model one; :class:`TensorPlan` and
 :class:`ModulePlan` are what ``qt.convert`` chose for one parameter, buffer or module (read by the
 conversion hooks and by the optimizer hooks of :mod:`qtensor.training`). See
-:mod:`qtensor.convert` for what each role means.
+docs/convert.md for what each role means.
 """
 from __future__ import annotations
 

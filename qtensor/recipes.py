@@ -1,58 +1,16 @@
 """Published low-precision recipes as ``qt.Recipe`` presets: ``qt.convert(model, qt.recipes.mxfp6)``.
 
 ``qt.recipes.describe()`` prints every preset with its formats; ``recipe.describe()`` one of them.
-Each preset states its source and where emulation differs from it. Roles are described in
-``qtensor.convert``; a pair is (value format, contraction operand format).
+Roles are those of docs/convert.md; a pair is (value format, contraction operand format).
 
-MX paper (Rouhani et al., "Microscaling Data Formats for Deep Learning", 2023; microxcaling):
+- MX paper (Rouhani et al., "Microscaling Data Formats for Deep Learning", 2023; microxcaling):
+  ``mxfp6``, ``mxfp4_weights``, ``mx_all(fmt)`` (``mx_all_mxfp8``, ``mx_all_mxfp6``,
+  ``mx_all_mxfp4``), ``mxint8_inference``.
+- QPyTorch (Zhang et al., 2019) and the papers it reproduces: ``fp16``, ``block8``, ``swalp``
+  (SWALP), ``wage`` (WAGE).
 
-- ``mxfp6``: the paper's training setup. Every matrix multiply's weight, activation and gradient
-  operands are MXFP6_E3M2 blocked along the reduction dimension (32 values, E8M0 scale); vector
-  ops in BF16 (activations and gradients have BF16 values); weights keep FP32 values (they are
-  rounded to MXFP6 per use, from FP32); FP32 master weights and optimizer.
-- ``mxfp4_weights``: the same with MXFP4_E2M1 weight operands (activations and gradients MXFP6).
-- ``mx_all(fmt)``, ``mx_all_mxfp8``, ``mx_all_mxfp6``, ``mx_all_mxfp4``: every value is MX, weights,
-  biases, buffers, activations, gradients and optimizer state, no master copy; stricter than the
-  paper, for comparison. Values are stored blocked along their last axis (the reduction axis of
-  Linear weights and of (..., features) activations; for conv weights that is the kernel width)
-  and enter contractions as they are. Updates use the format's nearest rounding: small updates
-  are lost (use larger learning rates, or ``mx_all(fmt.replace(rounding="stochastic"))``).
-- ``mxint8_inference``: direct-cast inference: weights and activations enter every matrix multiply
-  as MXINT8, other values FP32. No gradients (inference).
-
-QPyTorch (Zhang et al., "QPyTorch: A Low-Precision Arithmetic Simulation Framework", 2019) and the
-papers it reproduces:
-
-- ``fp16``: QPyTorch's FloatingPoint(exp=5, man=10) for weights, activations, gradients, errors and
-  momentum (examples/lp_train/half_baseline): QPyTorch floats have no Inf/NaN codes and
-  saturate (max 131008) and its nearest rounding breaks ties away from zero; so does this preset.
-  For IEEE half with Inf, use ``qt.Recipe.uniform(qt.fp16)`` (momentum in FP16 too) or
-  ``qt.convert(model, qt.fp16)`` (FP32 master weights and optimizer state). The string ``"fp16"``
-  names both this preset and the format, so ``qt.convert`` refuses it (as ``"mxfp6"``).
-- ``block8``: 8-bit block floating point everywhere, one shared exponent per tensor, nearest
-  rounding (QPyTorch's BlockFloatingPoint(wl=8) as used by examples/lp_train/block_baseline).
-  Element grid: step 2^(e+2-wl) with e the exponent of the block's largest magnitude, magnitudes
-  up to (2^(wl-1)-1) * step: a ``BlockFormat`` of ``FixedFormat(8, 6, symmetric=True)`` elements
-  with the floor scale rule (the MXINT8 element, one block per tensor).
-- ``swalp``: SWALP (Yang et al., "SWALP: Stochastic Weight Averaging in Low-Precision Training",
-  2019; QPyTorch examples/SWALP): 8-bit block floating point with stochastic rounding for weights,
-  activations, gradients, errors and momentum. SWALP shares one exponent per index of the first
-  dimension (per output row of a weight, per sample of an activation). Blocks here run along
-  one axis, so this preset uses one block per last-axis row (``block_size=None, axis=-1``):
-  exactly SWALP's grouping for 2-D tensors (Linear weights, batch x features activations), finer
-  groups (one exponent per row of the last axis) for conv weights and 4-D activations.
-  The weight averaging itself (SWA) is a training-loop choice, not a format.
-- ``wage``: WAGE (Wu et al., "Training and Inference with Integers in Deep Neural Networks", 2018;
-  QPyTorch examples/WAGE): 2-bit weights, 8-bit activations, gradients and errors, fixed point.
-  Weights: 8-bit values FixedFormat(8, 7, symmetric) updated with stochastic rounding (WAGE's
-  weight accumulator: its updates are stochastically rounded multiples of 2^-7) entering every
-  matrix multiply as 2-bit ternary FixedFormat(2, 1, symmetric) = {-0.5, 0, 0.5}; activations FixedFormat(8, 7, symmetric), nearest rounding; errors and gradients:
-  WAGE divides each by a power of two from its largest magnitude before 8-bit fixed-point
-  rounding, i.e. 8-bit fixed point sharing one power-of-two scale per tensor (block floating
-  point with FixedFormat(8, 7, symmetric) elements, ceil scale rule), stochastic rounding for
-  gradients and errors as in QPyTorch's WAGE example. Differences: WAGE keeps errors divided by
-  that shift (its learning rates are tuned for it), clips weights to +-(1-2^-1) for 2 bits and
-  scales layers by a constant; those are training-script choices, not formats.
+Each preset's source, formats and where the emulation differs from it: docs/convert.md
+("Published low-precision recipes").
 """
 from __future__ import annotations
 

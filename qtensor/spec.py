@@ -3,7 +3,7 @@
 A spec is a :class:`~qtensor.plans.Recipe`, the name of a preset in :mod:`qtensor.recipes`, a
 format, a format string or a pair (value_fmt, mm_fmt); a bare format means "every value in this
 format", with FP32 master weights and optimizer state for formats that lack FP32's range
-(:mod:`qtensor.convert` explains why).
+(docs/convert.md explains why).
 """
 from __future__ import annotations
 

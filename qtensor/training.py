@@ -1,62 +1,19 @@
 """Training support for converted models: optimizer state formats, FP32 master weights, loss scaling.
 
-Ordinary ``torch.optim`` optimizers work unchanged on a converted model, because every in-place
-update of a QTensor parameter rounds into the parameter's format with the format's rounding mode
-(``p.add_(g, alpha=-lr)``). What this module adds, and when to use it:
+Ordinary ``torch.optim`` optimizers work unchanged on a converted model: every in-place update of
+a QTensor parameter rounds into its format with the format's rounding mode. This module adds:
 
-Rounding on update (nothing to do)
-    The parameter's format decides. For narrow weight formats (8 bits or less of fixed point or
-    block floating point) give the format stochastic rounding
-    (``qt.format("fixed8.6(rounding=stochastic)")``, as SWALP and WAGE do): with nearest rounding
-    an update smaller than half a quantum is lost every step, and training stalls; stochastic
-    rounding keeps it in expectation.
+- optimizer state in its own format (``Recipe.optimizer_state``): process-wide ``torch.optim``
+  step hooks, which touch only parameters converted by ``qt.convert``, keep every floating,
+  non-scalar state tensor of a converted parameter in that role (Adam, AdamW and SGD's momentum
+  are created in it before their first step, other state is rounded after it);
+- FP32 master weights (``Recipe(master_weights=True)``): around each ``optimizer.step()`` the
+  optimizer updates FP32 copies, kept in its state under :data:`MASTER_KEY`, and the model's
+  parameters are copied from them, rounded into their format;
+- loss scaling (:class:`LossScaler`): static or dynamic power-of-two scaling of the loss,
+  unscaling of the gradients, and skipped steps on overflow.
 
-Optimizer state in its own format (``Recipe.optimizer_state``)
-    ``qt.convert`` installs process-wide ``torch.optim`` step hooks (the official
-    ``register_optimizer_step_pre_hook`` / ``..._post_hook``; they touch only parameters
-    converted by qt.convert). After each step, every floating, non-scalar state tensor of a
-    converted parameter (momentum, Adam's moments) is rounded into the optimizer_state role,
-    and the optimizer's in-place updates keep it there (``None``: FP32 QTensors).
-    Adam and AdamW state, and SGD's momentum buffer when dampening is 0, are created in that
-    role before their first step (zeros, as their own lazy init; -0.0 for SGD, whose first step
-    then gives exactly torch's copy of the gradient, signs of zero included), so every step is
-    computed in it; other optimizers (and SGD with dampening, whose first step copies the
-    gradient undamped) create their state themselves in their first step, in the parameter's
-    or the gradient's format, and it is rounded into the role right after that step.
-    Adam's state in a format where its ``eps`` rounds to 0 next to 1.0 (FP16, FP8, MX, block and
-    fixed point) divides 0 by 0 wherever ``exp_avg_sq`` rounds to 0: the first step warns.
-    The optimizers that stepped converted parameters are remembered (weakly): ``qt.unconvert``
-    gives them plain state again, in each parameter's dtype, and drops the FP32 masters.
-
-FP32 master weights (``Recipe(master_weights=True)``)
-    Use when the weight *value* format is narrow (BF16, FP8, fixed point) and updates are much
-    smaller than the weights: the optimizer updates an FP32 copy of each converted parameter and
-    the model sees that copy rounded into its format after every step. Around each
-    ``optimizer.step()`` the hooks put the FP32 copies (plain tensors) in the optimizer's
-    parameter list, give them the dequantized gradients, run the step, put the model's
-    parameters back and copy the masters into them (``p.copy_(master)``: rounded with the
-    format's rounding mode). The optimizer state is keyed by the model's parameters as usual and
-    holds the master under ``"qt_master"``, so ``optimizer.state_dict()`` saves and restores it.
-    A parameter set outside the optimizer (``p.data = x``, an in-place edit) since its last step
-    starts the next step from its new values (the master is taken from it again).
-    A closure (``optimizer.step(closure)``, as LBFGS needs) evaluates the model: around each call
-    the model's parameters are put back, holding the masters' current values, and the masters
-    get the gradients it computed. If the step raises, the model's parameters are put back by
-    the next ``step()``, ``zero_grad()`` or ``state_dict()`` (the optimizer's ``zero_grad`` is
-    wrapped for this), so ``zero_grad`` always clears the model's gradients.
-    The optimizer then runs in FP32 (state included). Not needed when weights have FP32 values
-    with a narrow operand format (the MX recipes): the model's copy is then already FP32.
-
-Loss scaling (``qt.LossScaler``)
-    Use when gradients live in a format with little range below 1 (FP16, FP8 E4M3, MXFP6/4
-    operands of the backward pass, fixed point): small activation gradients flush to zero.
-    ``scaler.scale(loss).backward()`` multiplies the loss (so every gradient) by a power of two;
-    ``scaler.step(optimizer)`` divides the parameters' gradients back (exact for float and block
-    formats: a power of two), and skips the step when a gradient is Inf or NaN;
-    ``scaler.update()`` halves the scale after an overflow and doubles it after
-    ``growth_interval`` clean steps (dynamic), or keeps it (static, ``dynamic=False``).
-    Saturating formats (E4M3, FP6, FP4, fixed point) never overflow to Inf: pass
-    ``detect_saturation=True`` to treat gradients at the format's largest magnitude as overflow.
+When to use each, the first step, closures and failed steps: docs/convert.md ("Training support").
 """
 from __future__ import annotations
 

@@ -4,76 +4,15 @@ microxcaling (github.com/microsoft/microxcaling, package ``mx``) configures MX e
 of "MX specs". ``recipe(specs)`` maps one onto a :class:`qtensor.Recipe`; ``quantize_mx`` /
 ``quantize_mx_op`` and ``quantize_elemwise_op`` are its two rounding primitives. ``specs`` may be
 an ``mx.MxSpecs``, a plain dict, or any object with those attributes (an argparse Namespace);
-missing keys take microxcaling's defaults and the ``_bp`` / ``round_*`` keys are derived as its
-``finalize_mx_specs`` does (``w_elem_format_bp`` <- ``w_elem_format``; ``a_elem_format_bp``,
-``_bp_ex``, ``_bp_os`` <- ``a_elem_format``; ``round_*`` <- ``round``; ``round_mx_*_grad_*`` <-
-``round_grad_input``). Unknown keys are an error, as there.
+missing keys take microxcaling's defaults, the ``_bp`` / ``round_*`` keys are derived as its
+``finalize_mx_specs`` does, and unknown keys are an error, as there.
 
-Names:
+What one tensor-carried operand format cannot express (per-contraction backward formats and
+roundings) is approximated, with a warning naming the key. Where microxcaling's numerics are
+wrong (its float32 ``log2`` shared exponent, NaN scales, negative zero of integer elements)
+qtensor follows its own contract (qtensor/reference.py).
 
-- element formats: ``fp8_e5m2``, ``fp8_e4m3`` (max 448), ``fp6_e3m2``, ``fp6_e2m3``, ``fp4_e2m1``
-  (= ``fp4``), ``int8`` (k/64, |k| <= 127, as MXINT8), ``int4`` (k/4, |k| <= 7), ``int2`` (k, |k| <= 1);
-  case-insensitive, or an ``mx.ElemFormat`` member. Elements always saturate inside a block.
-- rounding: ``"nearest"`` = ties AWAY from zero (qtensor ``nearest_away``; microxcaling computes
-  floor(|x| + 0.5)), ``"even"`` = ties to even (``nearest``), ``"floor"`` = toward zero
-  (``toward_zero``; it floors the magnitude), ``"dither"`` = stochastic (``stochastic``).
-- ``bfloat=X`` (X > 9): vector-op values in FloatFormat(8, X-9) (bfloat16 for 16); ``fp=X`` (X > 6):
-  FloatFormat(5, X-6) (fp16 for 16); IEEE specials, overflow to Inf, as microxcaling; 0 (or
-  bfloat=32): FP32. ``bfloat_subnorms=False``: formats without subnormals.
-- ``block_size``: elements per shared scale along the reduction axis; 0 = the whole axis.
-- ``scale_bits``: the shared exponent's bits (0 means 8): exponents -(2^(b-1)-1)..2^(b-1)-1, i.e.
-  E8M0 for 8. ``shared_exp_method``: ``"max"`` (block amax) or ``"none"`` (one scale per element).
-
-How ``recipe`` maps microxcaling's MX Linear/matmul (see ``_ROLE_KEYS``):
-
-- ``weight``: values in the bfloat/fp format (``round_weight``), FP32 master weights when that is
-  lower than FP32 (microxcaling keeps FP32 parameters and rounds a bfloat copy per forward);
-  contraction operand MX(``w_elem_format``, ``round_mx_output``).
-- ``bias``: values in the bfloat/fp format (``round_weight``).
-- ``activation``: values in the bfloat/fp format (``round_output``); operand MX(``a_elem_format``,
-  ``round_mx_output``).
-- ``grad``: values in the bfloat/fp format (``round_grad_input``); operand MX(``a_elem_format_bp_os``,
-  ``round_mx_grad_output_grad_input``): the gradient entering the input-gradient product.
-- ``optimizer_state``: None (microxcaling does not round torch optimizers' state).
-
-As qtensor's mm_fmt and microxcaling's Linear do, the MX rounding happens per use, from the
-bfloat values, along each contraction's reduction axis, in every linear/matmul/conv.
-
-What one tensor-carried operand format cannot express, and how it is approximated (a warning names
-the key when a spec relies on it):
-
-- a tensor taking different MX formats in different backward contractions: ``w_elem_format_bp``
-  (weight in the input gradient) != ``w_elem_format``: the weight keeps ``w_elem_format``;
-  ``a_elem_format_bp`` (stashed activation in the weight gradient) != ``a_elem_format``: the
-  activation keeps ``a_elem_format``; ``a_elem_format_bp_ex`` (gradient in the weight gradient) !=
-  ``a_elem_format_bp_os``: the gradient keeps ``a_elem_format_bp_os``.
-- per-contraction MX roundings (``round_mx_input_grad_weight``, ``round_mx_weight_grad_input``,
-  ``round_mx_grad_output_grad_weight``, ``round_mx_input_grad_input``) differing from the tensor's
-  own (forward ``round_mx_output`` for weights and activations, ``round_mx_grad_output_grad_input``
-  for gradients); ``round_grad_weight`` != ``round_grad_input`` (one gradient value format).
-- ``quantize_backprop=False``: gradients are left in FP32 (grad=None), but weights and activations
-  still enter backward contractions with their MX operand format (microxcaling uses the unrounded
-  FP32 tensors there).
-- microxcaling rounds a Linear's output to bfloat, then adds the bias and rounds again; a fused
-  ``addmm`` rounds once.
-- ignored, with a warning when set: ``mx_flush_fp32_subnorms``, ``softmax_exp2``,
-  ``vec_use_exp2``, ``vec_use_recip``, ``round_m`` (microxcaling's own optimizers);
-  ``custom_cuda`` is an execution detail and ignored silently.
-
-Where microxcaling's numerics are wrong, qtensor follows its contract (qtensor/reference.py):
-
-- shared exponent: microxcaling computes floor(log2(amax)) with float32 ``torch.log2``, which
-  returns the next integer for amax just below a power of two (e.g. block [1048575.94, 4.0] in
-  fp8_e4m3: it gives [1048576, 8]; the correct scale gives [917504, 4]). qtensor reads the
-  exponent from amax's bits. Its per-element exponent has the same defect, which changes
-  results only for "floor" and "dither" rounding of values within a float32 rounding of a power
-  of two.
-- a shared exponent above the scale range becomes NaN in microxcaling; qtensor clamps the scale to
-  the range (only reachable with scale_bits < 8).
-- ``bfloat_subnorms=False`` flushes values below the smallest normal to zero there; the qtensor
-  format without subnormals rounds them to 0 or the smallest normal.
-- integer elements (``int8``, ``int4``, ``int2``) have no negative zero: a negative value that
-  rounds to zero gives +0.0 (microxcaling's sign(x) * floor(...) gives -0.0).
+Names, the role mapping, every approximation and every difference: docs/compat.md.
 """
 from __future__ import annotations
 
@@ -270,7 +209,7 @@ def _approximation_warnings(s: Dict[str, Any]) -> list:
 
 
 def recipe(specs, *, warn: bool = True):
-    """A ``qt.Recipe`` reproducing an MxSpecs setup (see the module docstring for the mapping).
+    """A ``qt.Recipe`` reproducing an MxSpecs setup (docs/compat.md gives the mapping).
 
     ``warn``: emit one warning listing the spec keys that the recipe can only approximate.
     """

@@ -1,67 +1,18 @@
 """QPyTorch 0.3.0's API on qtensor formats: change one import, get the same numbers.
 
     import qtorch                                ->  import qtensor.compat.qtorch as qtorch
-    from qtorch import FloatingPoint, ...        ->  from qtensor.compat.qtorch import FloatingPoint, ...
     from qtorch.quant import float_quantize, ... ->  from qtensor.compat.qtorch.quant import ...
-    from qtorch.optim import OptimLP             ->  from qtensor.compat.qtorch.optim import OptimLP
-    from qtorch.auto_low import sequential_lower ->  from qtensor.compat.qtorch.auto_low import ...
 
-Signatures and defaults are QPyTorch 0.3.0's (rounding defaults to "stochastic"). Every rounding
-goes through ``qt.quantize`` with a qtensor format, so the compiled kernels are used where built.
-``FloatingPoint(...).format`` (and the other number classes) gives the qtensor format, the first
-step of moving a script to QTensor.
+(likewise ``qtorch.optim`` and ``qtorch.auto_low``). Signatures and defaults are QPyTorch 0.3.0's
+(rounding defaults to "stochastic"). Every rounding goes through ``qt.quantize`` with a qtensor
+format (``FloatingPoint(...).format`` gives it), so the compiled kernels are used where built.
+``float_quantize``, ``fixed_point_quantize`` and ``block_quantize`` reproduce what QPyTorch's CPU
+kernels compute, float32 pre-roundings and tie rules included, bit for bit except where QPyTorch
+is wrong or undefined (NaN stays NaN, floats keep -0.0, its undefined shifts are computed
+correctly); stochastic rounding is reproducible under ``torch.manual_seed`` and agrees with QPyTorch's
+statistically, not bit for bit.
 
-What QPyTorch computes, and the format that reproduces it (its CPU kernels, read and measured):
-
-- ``float_quantize(x, exp, man)``: ``FloatFormat(exp, man, specials="none")`` (bias 2^(exp-1)-1,
-  the top exponent code holds numbers, e.g. max 480 for e4m3 and 114688 for e5m2; subnormals;
-  always saturating, +-Inf included) with nearest = ties AWAY from zero. For exp=8 the float32
-  carrier cannot hold that top binade: QPyTorch's rounding carries into float32's Inf exponent
-  there, i.e. it behaves as ``FloatFormat(8, man)`` with IEEE specials (overflow and Inf give
-  +-Inf, as a bfloat16 cast does), which is what is used. QPyTorch rounds subnormals by adding
-  2^emin in float32, which first rounds x to 2^(emin-23) (ties to even); that pre-rounding is
-  reproduced (an extra ``FloatFormat(exp, 23)`` pass) so that results match bit for bit.
-- ``fixed_point_quantize(x, wl, fl, clamp, symmetric)``: ``FixedFormat(wl, fl,
-  symmetric=symmetric)``, which rounds, then clamps to [-2^(wl-fl-1) (+2^-fl if symmetric),
-  2^(wl-fl-1) - 2^-fl]. Nearest is ties to EVEN here, on every device: QPyTorch's CPU kernel uses
-  nearbyint (its CUDA kernel rounds ties away; the two disagree at exact ties). ``clamp=False`` rounds to the grid
-  k*2^-fl without any range, and word lengths above 24 (beyond what float32 holds exactly) round
-  on that grid and then clamp to QPyTorch's float32 bounds.
-- ``block_quantize(x, wl, dim)``: ``BlockFormat(FixedFormat(wl, wl-2, symmetric=True),
-  block_size=None, scale_rule="floor")``: step 2^(e+2-wl) with e = floor(log2(block max)),
-  magnitudes up to (2^(wl-1)-1)*step (block max 100, wl=4: 100 -> 96). ``dim=-1`` means ONE block
-  for the whole tensor; any other dim (negative ones counted from the end) gives one shared
-  exponent per index along that dim (all elements sharing that index form a block). QPyTorch adds
-  1.5*2^(e+2) in float32 before rounding, which (a) first rounds x to 2^(e-21), ties to even, and
-  (b) makes ties of negative values go toward +inf (-1.5 -> -1 with step 1). Both are reproduced
-  for float32 inputs with nearest rounding. A block holding Inf or NaN becomes all NaN (as there).
-- ``quantizer``, ``Quantizer``, ``OptimLP``, ``lower``, ``sequential_lower``: the same
-  autograd / optimizer / module-rewriting wrappers, built on the functions above.
-
-Deliberate differences from QPyTorch (where it is wrong or undefined):
-
-- NaN stays NaN (QPyTorch's float_quantize turns it into +-max or +-0).
-- float_quantize keeps -0.0, and a negative value that rounds to zero gives -0.0 (QPyTorch gives
-  +0.0). Fixed point and block floating point have no negative zero (+0.0, FixedFormat), except on
-  the unclamped and wider-than-24-bit fixed-point paths, which compute QPyTorch's expression.
-- man=23 does not flip the sign (QPyTorch's nearest shifts by -1 bits there, issue #48); block
-  word lengths of 23 and 24 are rounded correctly (QPyTorch's shifts are undefined there).
-- Stochastic rounding is reproducible under ``torch.manual_seed`` (QPyTorch's CPU float and block
-  kernels draw from an unseeded std::mt19937; its fixed point uses torch.rand_like). It is
-  unbiased with the same distribution, but the random stream differs, so stochastic results
-  agree with QPyTorch's statistically, not bit for bit.
-- ``backward_hooks`` are applied before backward quantization as documented, also when
-  ``clamping_grad_zero=False`` (QPyTorch 0.3.0 silently ignores them in that case).
-- Inputs may be float32, float64, float16 or bfloat16 (QPyTorch accepts float32 only); the
-  float32 pre-rounding emulation above applies to float32 inputs.
-- fixed nearest: QPyTorch computes ``nearbyint((y + 0.5f) - 0.5)`` (y = x*2^fl) with the first
-  sum in float32. For y = 0.5 + 2^-24 that sum lands on the tie and gives 0 where the correct
-  (and our) answer is 1: not reproduced for clamped formats of up to 24 bits, which take the fused
-  kernel. The unclamped and wider paths compute QPyTorch's expression itself.
-- A block whose largest magnitude is below 2^-126 (float32 subnormal) uses the smallest E8M0
-  scale 2^-127 here; QPyTorch's bit arithmetic has no meaningful scale for it.
-- OptimLP also accepts optimizers other than SGD and Adam (for those, momentum_quant rounds every
-  floating state tensor shaped like its parameter), and its state_dict is the wrapped optimizer's.
+The format that reproduces each function, and every deliberate difference: docs/compat.md.
 """
 from __future__ import annotations
 
