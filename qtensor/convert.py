@@ -412,64 +412,52 @@ def _reattach_hook(model, args):
     return None
 
 
-def convert(model: nn.Module, spec) -> nn.Module:
-    """Convert ``model`` in place to the formats of ``spec`` (a format, a string or a Recipe).
-
-    Returns the model. See the module docstring for roles, rules, precedence and hooks.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"qt.convert expects an nn.Module, got {type(model).__name__}")
-    recipe = as_recipe(spec)
-    existing = getattr(model, "_qt_conversion", None)
-    if existing is not None:
-        if existing.recipe == recipe:
-            _reattach_hook(model, ())  # (a deep copy: re-attach its parameters' hooks)
-            return model  # idempotent
-        raise RuntimeError(
-            "qt.convert: this model is already converted with a different recipe; call "
-            "qt.unconvert(model) first, then convert it again")
+def _check_convertible(model: nn.Module) -> None:
+    """A model that contains an already converted submodule cannot be converted."""
     for mname, mod in model.named_modules():
         if mname and getattr(mod, "_qt_conversion", None) is not None:
             raise RuntimeError(
                 f"qt.convert: submodule {mname!r} is already converted; call "
                 f"qt.unconvert(model.{mname}) first")
 
-    params = _owners(model, "_parameters")
-    buffers = _owners(model, "_buffers")
+
+def _plan_tensors(conv: _Conversion, owners_by_id, is_buffer: bool) -> list:
+    """Plan every floating parameter (or buffer) into ``conv``; return [(owners, plan)] of those
+    whose values change (non-floating ones are recorded as skipped)."""
+    todo = []
+    for owners in owners_by_id.values():
+        mod, local, qual = owners[0]
+        t = (mod._buffers if is_buffer else mod._parameters)[local]
+        if not t.is_floating_point():
+            conv.skipped.append(qual)
+            continue
+        kind = "buffer" if is_buffer else _kind(qual)
+        plan = _tensor_plan(conv.recipe, qual, kind, is_buffer=is_buffer)
+        conv.tensor_plans[qual] = plan
+        conv.dtypes[qual] = t.dtype
+        if not plan.value.full_precision:
+            todo.append((owners, plan))
+    return todo
+
+
+def _plan(model: nn.Module, recipe: Recipe, params, buffers) -> Tuple[_Conversion, list, list]:
+    """Every plan of the conversion, computed before the model is touched (a bad rule leaves it
+    unchanged): the _Conversion and the parameters and buffers whose values change."""
     module_names = [n for n, _ in model.named_modules() if n]
     tensor_names = [owners[0][2] for owners in params.values()] + \
                    [owners[0][2] for owners in buffers.values()]
     _check_rules_match(recipe, tensor_names + module_names)
-
-    # Plan everything first, then touch the model (a bad rule leaves the model unchanged).
     conv = _Conversion(recipe, {}, {})
-    todo_params, todo_buffers = [], []
-    for owners in params.values():
-        mod, local, qual = owners[0]
-        p = mod._parameters[local]
-        if not p.is_floating_point():
-            conv.skipped.append(qual)
-            continue
-        plan = _tensor_plan(recipe, qual, _kind(qual), is_buffer=False)
-        conv.tensor_plans[qual] = plan
-        conv.dtypes[qual] = p.dtype
-        if not plan.value.full_precision:
-            todo_params.append((owners, plan))
-    for owners in buffers.values():
-        mod, local, qual = owners[0]
-        b = mod._buffers[local]
-        if not b.is_floating_point():
-            conv.skipped.append(qual)
-            continue
-        plan = _tensor_plan(recipe, qual, "buffer", is_buffer=True)
-        conv.tensor_plans[qual] = plan
-        conv.dtypes[qual] = b.dtype
-        if not plan.value.full_precision:
-            todo_buffers.append((owners, plan))
+    todo_params = _plan_tensors(conv, params, is_buffer=False)
+    todo_buffers = _plan_tensors(conv, buffers, is_buffer=True)
     for mname, mod in model.named_modules():
         conv.module_plans[mname] = _module_plan(recipe, mname)
+    return conv, todo_params, todo_buffers
 
-    # Round every value first (errors name the tensor and leave the model untouched) ...
+
+def _round_values(recipe: Recipe, todo_params: list, todo_buffers: list) -> Tuple[list, list]:
+    """The new values (and parameter gradients), rounded to their plans; nothing is swapped yet,
+    so an error names the tensor and leaves the model untouched."""
     new_params = []
     for owners, plan in todo_params:
         mod, local, qual = owners[0]
@@ -487,8 +475,11 @@ def convert(model: nn.Module, spec) -> nn.Module:
         with torch.no_grad():
             value = round_to(_plain(mod._buffers[local]), plan.value, name=qual)
         new_buffers.append((owners, plan, value))
+    return new_params, new_buffers
 
-    # ... then swap them in.
+
+def _swap_params(model: nn.Module, conv: _Conversion, new_params: list) -> None:
+    """Put the rounded values into the parameters (the same objects where possible)."""
     replaced, moved = [], {}
     with _FlatWeights(model):
         for owners, plan, value, grad in new_params:
@@ -504,6 +495,10 @@ def convert(model: nn.Module, spec) -> nn.Module:
         "references taken before conversion (an optimizer created before it, a weak reference) "
         "do not see it. Convert before creating optimizers, and drop outputs computed before "
         "conversion (or call qt.convert under torch.no_grad()).")
+
+
+def _swap_buffers(conv: _Conversion, new_buffers: list) -> None:
+    """Put the rounded buffers into their modules, with the hooks that keep them in format."""
     for owners, plan, value in new_buffers:
         for mod, local, _qual in owners:
             mod._buffers[local] = value
@@ -516,8 +511,10 @@ def convert(model: nn.Module, spec) -> nn.Module:
     if conv.skipped:
         _warn_once("qt.convert: non-floating tensors are left alone: " + ", ".join(conv.skipped))
 
-    # Gradient hooks: converted parameters get gradients in their grad role; parameters left
-    # in full precision get plain gradients (so their optimizer update stays plain too).
+
+def _attach_grad_hooks(model: nn.Module, conv: _Conversion, params) -> None:
+    """Converted parameters get gradients in their grad role; parameters left in full precision
+    get plain gradients (so their optimizer update stays plain too)."""
     for owners in params.values():
         mod, local, qual = owners[0]
         plan = conv.tensor_plans.get(qual)
@@ -527,7 +524,10 @@ def convert(model: nn.Module, spec) -> nn.Module:
     _attached.add(model)
     conv.handles.append(model.register_forward_pre_hook(_reattach_hook))
 
-    # Activation hooks.
+
+def _attach_activation_hooks(model: nn.Module, conv: _Conversion) -> None:
+    """The root rounds its inputs and outputs in its forward; every other module that rounds (or
+    is kept plain) gets hooks."""
     root_plan = conv.module_plans[""]
     if "forward" in model.__dict__:
         raise ValueError("qt.convert: this model's forward is an instance attribute "
@@ -535,7 +535,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
     rounds = not (root_plan.activation.full_precision and root_plan.grad.full_precision)
     if rounds or root_plan.plain:
         model.forward = ConvertedForward(model, _InputHook(root_plan) if rounds else None,
-                                     _OutputHook(root_plan))
+                                         _OutputHook(root_plan))
     for mname, mod in model.named_modules():
         mplan = conv.module_plans[mname]
         if not mname:
@@ -546,6 +546,33 @@ def convert(model: nn.Module, spec) -> nn.Module:
         elif mplan.activation.full_precision and mplan.grad.full_precision:
             continue
         conv.handles.append(mod.register_forward_hook(_OutputHook(mplan)))
+
+
+def convert(model: nn.Module, spec) -> nn.Module:
+    """Convert ``model`` in place to the formats of ``spec`` (a format, a string or a Recipe).
+
+    Returns the model. Roles, rules, precedence and hooks: docs/convert.md.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"qt.convert expects an nn.Module, got {type(model).__name__}")
+    recipe = as_recipe(spec)
+    existing = getattr(model, "_qt_conversion", None)
+    if existing is not None:
+        if existing.recipe == recipe:
+            _reattach_hook(model, ())  # (a deep copy: re-attach its parameters' hooks)
+            return model  # idempotent
+        raise RuntimeError(
+            "qt.convert: this model is already converted with a different recipe; call "
+            "qt.unconvert(model) first, then convert it again")
+    _check_convertible(model)
+
+    params = _owners(model, "_parameters")
+    conv, todo_params, todo_buffers = _plan(model, recipe, params, _owners(model, "_buffers"))
+    new_params, new_buffers = _round_values(recipe, todo_params, todo_buffers)
+    _swap_params(model, conv, new_params)
+    _swap_buffers(conv, new_buffers)
+    _attach_grad_hooks(model, conv, params)
+    _attach_activation_hooks(model, conv)
 
     for mod in model.modules():
         mod._apply = _NoDtypeCast(mod)
