@@ -4,30 +4,17 @@
 The compiled kernels (qtensor.ops) must agree with this module bit for bit, stochastic rounding
 included; where no compiler is available this module is the fallback.
 
-How values are computed (all exact):
-- float32 and float64 inputs are processed in float64, where dividing by a power of two and
-  splitting into integer and fraction parts are exact; float16/bfloat16 inputs go through
-  float32 (exact) and the result is cast back, which is exact because a rounded value of an
-  input on the dtype's grid is on the dtype's grid too, except beyond the dtype's range, where
-  the cast gives +-Inf as torch casts do.
-- Rounding works on magnitudes: y = |x| / quantum, where quantum is the spacing of the target
-  grid in x's binade; lo = floor(y), frac = y - lo; the result is (lo or lo + 1) * quantum with
-  the sign of x (so a float format keeps -0.0 and symmetric modes satisfy q(-x) = -q(x)). Fixed
-  point has no negative-zero code: a value that rounds to zero is +0.0 (block elements too).
-- Overflow of a float format: the rounded magnitude exceeds max. It gives the format's overflow
-  value (max, Inf or NaN), except toward_zero, which gives max for a finite x (IEEE 754
-  roundTowardZero); an Inf input always gives the overflow value.
+- Every step is exact: float32/float64 inputs are processed in float64, float16/bfloat16 ones
+  through float32, and the result is cast back.
+- Rounding works on magnitudes, so a float format keeps -0.0 and symmetric modes satisfy
+  q(-x) = -q(x); fixed point (block elements too) has no negative zero.
+- Overflow gives the format's overflow value (max, Inf or NaN); toward_zero gives max for a
+  finite x.
+- Stochastic rounding: one 64-bit seed per call (:func:`draw_seed`, so ``torch.manual_seed``
+  reproduces it, on CPU and CUDA alike); element i gets the 32-bit word ``random_bits(seed, i)``
+  and its magnitude rounds up iff that word < floor(frac * 2^32): unbiased.
 
-The random-bits contract of stochastic rounding (kernels implement exactly this):
-- One 64-bit seed per call, drawn from ``generator`` (default: torch's default CPU generator) by
-  ``draw_seed``; so ``torch.manual_seed`` makes results reproducible, and CPU and CUDA agree.
-- Element i (its index in x's logical row-major order) gets the 32-bit word
-  ``r_i = lowbias32(lo32(i) ^ key ^ lowbias32(hi32(i)))`` with
-  ``key = lowbias32(lo32(seed) ^ lowbias32(hi32(seed) ^ 0x9E3779B9))``, where lowbias32 is
-  ``v ^= v >> 16; v *= 0x7feb352d; v ^= v >> 15; v *= 0x846ca68b; v ^= v >> 16`` on uint32.
-- The magnitude rounds up iff ``r_i < floor(frac * 2^32)``: probability frac exactly when frac
-  has at most 32 fractional bits (always, for float32 inputs to formats of 8+ bits of range),
-  within 2^-32 otherwise. Unbiased: E[q] = x.
+The exact computation and the random-bits formula the kernels implement: docs/formats.md.
 """
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ QT_HD double u2d(uint64_t u) {
 #endif
 }
 
-// ---- the random-bits contract (reference.py docstring) -----------------------------------------
+// ---- the random-bits contract (docs/formats.md) ------------------------------------------------
 QT_HD uint32_t lowbias32(uint32_t v) {
   v ^= v >> 16; v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
   return v;
