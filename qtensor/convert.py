@@ -413,7 +413,12 @@ def _reattach_hook(model, args):
 
 
 def _check_convertible(model: nn.Module) -> None:
-    """A model that contains an already converted submodule cannot be converted."""
+    """A model that contains an already converted submodule cannot be converted, nor one whose
+    forward is an instance attribute (convert wraps the class's forward). Checked before any
+    change to the model."""
+    if "forward" in model.__dict__:
+        raise ValueError("qt.convert: this model's forward is an instance attribute "
+                         f"({model.__dict__['forward']!r}); qt.convert wraps the class's forward")
     for mname, mod in model.named_modules():
         if mname and getattr(mod, "_qt_conversion", None) is not None:
             raise RuntimeError(
@@ -529,9 +534,6 @@ def _attach_activation_hooks(model: nn.Module, conv: _Conversion) -> None:
     """The root rounds its inputs and outputs in its forward; every other module that rounds (or
     is kept plain) gets hooks."""
     root_plan = conv.module_plans[""]
-    if "forward" in model.__dict__:
-        raise ValueError("qt.convert: this model's forward is an instance attribute "
-                         f"({model.__dict__['forward']!r}); qt.convert wraps the class's forward")
     rounds = not (root_plan.activation.full_precision and root_plan.grad.full_precision)
     if rounds or root_plan.plain:
         model.forward = ConvertedForward(model, _InputHook(root_plan) if rounds else None,

@@ -874,3 +874,15 @@ def test_grad_role_none_gives_fp32_gradients_without_operand_format():
     g = m.weight.grad
     assert isinstance(g, qt.QTensor) and g.fmt == qt.fp32 and g.mm_fmt is None
     assert g.dequantize().abs().sum() > 0
+
+
+def test_forward_instance_attribute_refused_before_any_change():
+    """A model whose forward is an instance attribute is refused, and left as it was (it was
+    half-converted: parameters swapped, no conversion record, so unconvert could not undo it)."""
+    m = nn.Linear(4, 2)
+    m.forward = lambda x: nn.functional.linear(x, m.weight, m.bias)
+    w = m.weight
+    with pytest.raises(ValueError, match="forward is an instance attribute"):
+        qt.convert(m, qt.bf16)
+    assert m.weight is w and type(m.weight) is nn.Parameter
+    assert getattr(m, "_qt_conversion", None) is None
