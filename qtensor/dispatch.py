@@ -18,6 +18,9 @@ formats, block axes, contraction blockings, the MX linear layer): docs/dispatch.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable, Optional, Union
+
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
@@ -27,7 +30,7 @@ from .formats import PRESETS as _PRESETS, BlockFormat, Format
 
 aten = torch.ops.aten
 
-__all__ = ["dispatch", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
+__all__ = ["dispatch", "OPS", "OpRule", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
 
 # The payload dtypes a QTensor can hold (what qt.quantize rounds).
 FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
@@ -35,59 +38,36 @@ FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfl
 # Op kinds.
 COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH = 0, 1, 2, 3
 
-# Data-movement ops, by overload packet name: their floating outputs are values of their floating
-# inputs (or zeros), rearranged. All overloads, except those listed in _COMPUTE_OVERLOADS.
-MOVE = frozenset("""
-view _unsafe_view _reshape_alias reshape view_as t t_ transpose transpose_ permute expand
-expand_as slice select narrow narrow_copy squeeze squeeze_ unsqueeze unsqueeze_ unfold diagonal
-as_strided as_strided_ alias detach detach_ clone contiguous copy_ copy cat concat concatenate
-stack hstack vstack dstack column_stack split split_with_sizes chunk tensor_split unbind flip
-fliplr flipud roll rot90 index _unsafe_index index_select gather take take_along_dim
-masked_select where repeat tile repeat_interleave movedim moveaxis swapaxes swapdims flatten
-unflatten ravel lift_fresh lift_fresh_copy _to_copy to index_put index_put_ _index_put_impl_
-index_copy index_copy_ slice_scatter select_scatter diagonal_scatter as_strided_scatter
-masked_scatter masked_scatter_ masked_fill masked_fill_ index_fill index_fill_ fill_ scatter
-scatter_ max min amax amin maximum minimum fmax fmin sort msort topk kthvalue median nanmedian
-mode cummax cummin tril triu tril_ triu_ positive conj_physical resolve_conj resolve_neg _conj
-pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle im2col
-reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d
-replication_pad3d constant_pad_nd block_diag diag diag_embed diagflat broadcast_to
-max_pool1d max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices
-adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d upsample_nearest1d
-upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d _upsample_nearest_exact2d
-_upsample_nearest_exact3d _unsafe_masked_index
-view_copy _reshape_copy t_copy transpose_copy permute_copy expand_copy slice_copy select_copy
-squeeze_copy unsqueeze_copy unfold_copy diagonal_copy as_strided_copy alias_copy detach_copy
-split_copy split_with_sizes_copy unbind_copy _foreach_copy_ embedding
-""".split())
+# How an op's output keeps the block axis of a BlockFormat (OpRule.block).
+KEEP, TRANSPOSE, STACK = "keep", "transpose", "stack"
 
-# Overloads of MOVE ops that write a Python scalar into the data: they compute (round the value).
-_COMPUTE_OVERLOADS = frozenset("""
-masked_fill.Scalar masked_fill_.Scalar index_fill.int_Scalar index_fill_.int_Scalar
-fill_.Scalar scatter.value scatter_.value scatter.value_reduce scatter_.value_reduce
-scatter.reduce scatter_.reduce where.ScalarOther where.ScalarSelf where.Scalar
-""".split())
 
-# Contractions: packet name -> ((operand arg index, reduction axis), ...) for the operands that
-# are rounded to their mm_fmt. Positions are the same for the .out overloads.
-CONTRACT = {
-    "mm": ((0, 1), (1, 0)),
-    "bmm": ((0, 2), (1, 1)),
-    "addmm": ((1, 1), (2, 0)),
-    "_addmm_activation": ((1, 1), (2, 0)),
-    "baddbmm": ((1, 2), (2, 1)),
-    "addbmm": ((1, 2), (2, 1)),
-    "mv": ((0, 1), (1, 0)),
-    "addmv": ((1, 1), (2, 0)),
-    "dot": ((0, 0), (1, 0)),
-    "vdot": ((0, 0), (1, 0)),
-    "linear": ((0, -1), (1, 1)),
-    "convolution": None,  # depends on `transposed`: see _conv_operands
-    "_convolution": None,
-    "convolution_backward": None,  # handled by _convolution_backward
-}
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+    """The table entry of one op (an overload packet: every overload of it, unless noted)."""
 
-# Ops that move data only under a condition on their arguments (else they compute).
+    kind: int = COMPUTE  # MOVE_KIND, CONTRACT_KIND or COMPUTE (_foreach_* ops: see Rule)
+    # MOVE: overloads that write a Python scalar into the data: they compute (round the value)
+    compute_overloads: frozenset = frozenset()
+    # MOVE: moves only where move_if(payload args, payload kwargs, source QTensor), else computes
+    move_if: Optional[Callable] = None
+    # CONTRACT: ((arg position, reduction axis), ...) of the operands rounded to their mm_fmt,
+    # the same for the .out overloads; or a function of the args that gives them
+    operands: Union[tuple, Callable, None] = None
+    # arg positions whose QTensor gives the output format before the first QTensor in arg order
+    order: Optional[tuple] = None
+    # KEEP: a move that keeps every element's block (a copy, or a reshape _block_axis_out
+    # follows); other moves of block-formatted values (cat, index, gather, sort, roll, pooling,
+    # ...) may regroup them into blocks they are not representable in (a block's shared scale
+    # comes from its largest element), so their outputs are re-rounded. TRANSPOSE: the block
+    # axis moves with the data. STACK: the op's dim is a new one.
+    block: Optional[str] = None
+    # CONTRACT: replaces rounding the operands and running the op (registered by _handles):
+    # handler(func, args, payload args, payload kwargs, accumulator or None) -> output
+    handler: Optional[Callable] = None
+
+
+# Arguments on which a rule depends.
 def _same_dtype(args, kwargs, src):  # _to_copy: a dtype change is a cast, which may round
     dt = kwargs.get("dtype")
     return dt is None or dt == src.dtype
@@ -101,27 +81,130 @@ def _zero_pad(args, kwargs, src):  # constant_pad_nd(self, pad, value)
     return (args[2] if len(args) > 2 else kwargs.get("value", 0)) == 0
 
 
-MOVE_IF = {"_to_copy": _same_dtype, "index_put": _no_accumulate, "index_put_": _no_accumulate,
-           "_index_put_impl_": _no_accumulate, "constant_pad_nd": _zero_pad}
+def _conv_operands(args):  # convolution(input, weight, bias, ..., transposed, ...)
+    transposed = bool(args[6]) if len(args) > 6 else False
+    return ((0, 1), (1, 0 if transposed else 1))
 
-# Ops whose output format comes from other arguments first (the multiplied operands).
-_FORMAT_ORDER = {
-    "addmm": (1, 2, 0), "_addmm_activation": (1, 2, 0), "baddbmm": (1, 2, 0),
-    "addbmm": (1, 2, 0), "addmv": (1, 2, 0), "addr": (1, 2, 0),
-}
 
-# Ops whose block-format axis moves with the data.
-_TRANSPOSES = frozenset(("t", "t_copy", "transpose", "transpose_copy", "permute", "permute_copy",
-                         "t_", "transpose_"))
+def _op_table() -> dict:
+    """The op rules, by overload packet name: one entry per op. Ops not listed compute."""
+    table = {}
 
-# Data-movement ops that keep every element's block (its position along the block axis, or a
-# reshape that _block_axis_out follows). Other moves of block-formatted values (cat, index,
-# gather, sort, roll, pooling, ...) may regroup them into blocks they are not representable in
-# (a block's shared scale comes from its largest element): their outputs are re-rounded.
-_BLOCK_PRESERVING = frozenset("""
-clone contiguous _to_copy to copy copy_ detach detach_ lift_fresh lift_fresh_copy alias alias_copy
+    def ops(names, **fields):
+        for name in names.split():
+            assert name not in table, name
+            table[name] = OpRule(**fields)
+
+    # Data movement: floating outputs are values of floating inputs (or zeros), rearranged.
+    # Views and reshapes; joins and splits; rearrangements; indexing and scatters; selections;
+    # shuffles, pads, max pools, nearest upsampling.
+    ops("""
+view _reshape_alias view_as expand expand_as broadcast_to slice select narrow narrow_copy squeeze
+squeeze_ unsqueeze unsqueeze_ unfold diagonal as_strided as_strided_ movedim moveaxis swapaxes
+swapdims flatten unflatten ravel positive conj_physical resolve_conj resolve_neg _conj slice_copy
+select_copy unfold_copy diagonal_copy as_strided_copy split_copy split_with_sizes_copy unbind_copy
+cat concat concatenate hstack vstack dstack column_stack split split_with_sizes chunk tensor_split
+unbind
+flip fliplr flipud roll rot90 repeat tile repeat_interleave tril triu tril_ triu_ block_diag diag
+diag_embed diagflat
+index _unsafe_index _unsafe_masked_index index_select gather take take_along_dim masked_select
+embedding index_copy index_copy_ slice_scatter select_scatter diagonal_scatter as_strided_scatter
+masked_scatter masked_scatter_ _foreach_copy_
+max min amax amin maximum minimum fmax fmin sort msort topk kthvalue median nanmedian mode cummax
+cummin
+pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle im2col reflection_pad1d
+reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d replication_pad3d max_pool1d
+max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool1d
+adaptive_max_pool2d adaptive_max_pool3d upsample_nearest1d upsample_nearest2d upsample_nearest3d
+_upsample_nearest_exact1d _upsample_nearest_exact2d _upsample_nearest_exact3d
+""", kind=MOVE_KIND)
+    ops("""
+clone contiguous to copy copy_ detach detach_ lift_fresh lift_fresh_copy alias alias_copy
 detach_copy view_copy _reshape_copy _unsafe_view reshape expand_copy squeeze_copy unsqueeze_copy
-""".split())
+""", kind=MOVE_KIND, block=KEEP)
+    ops("t t_ t_copy transpose transpose_ transpose_copy permute permute_copy",
+        kind=MOVE_KIND, block=TRANSPOSE)
+    ops("stack", kind=MOVE_KIND, block=STACK)
+    ops("_stack", block=STACK)  # computes
+    # Moves, except the overloads that write a Python scalar into the data: those compute.
+    ops("masked_fill masked_fill_ fill_", kind=MOVE_KIND, compute_overloads=frozenset({"Scalar"}))
+    ops("index_fill index_fill_", kind=MOVE_KIND, compute_overloads=frozenset({"int_Scalar"}))
+    ops("scatter scatter_", kind=MOVE_KIND,
+        compute_overloads=frozenset({"value", "value_reduce", "reduce"}))
+    ops("where", kind=MOVE_KIND,
+        compute_overloads=frozenset({"ScalarOther", "ScalarSelf", "Scalar"}))
+    # Moves under a condition on the arguments (else they compute).
+    ops("_to_copy", kind=MOVE_KIND, block=KEEP, move_if=_same_dtype)
+    ops("index_put index_put_ _index_put_impl_", kind=MOVE_KIND, move_if=_no_accumulate)
+    ops("constant_pad_nd", kind=MOVE_KIND, move_if=_zero_pad)
+
+    # Contractions; those with an added term take the multiplied operands' format first.
+    ops("mm", kind=CONTRACT_KIND, operands=((0, 1), (1, 0)))
+    ops("bmm", kind=CONTRACT_KIND, operands=((0, 2), (1, 1)))
+    ops("addmm _addmm_activation", kind=CONTRACT_KIND, operands=((1, 1), (2, 0)), order=(1, 2, 0))
+    ops("baddbmm addbmm", kind=CONTRACT_KIND, operands=((1, 2), (2, 1)), order=(1, 2, 0))
+    ops("mv", kind=CONTRACT_KIND, operands=((0, 1), (1, 0)))
+    ops("addmv", kind=CONTRACT_KIND, operands=((1, 1), (2, 0)), order=(1, 2, 0))
+    ops("dot vdot", kind=CONTRACT_KIND, operands=((0, 0), (1, 0)))
+    ops("linear", kind=CONTRACT_KIND, operands=((0, -1), (1, 1)))
+    ops("convolution _convolution", kind=CONTRACT_KIND, operands=_conv_operands)
+    ops("convolution_backward", kind=CONTRACT_KIND)  # its handler: _convolution_backward
+    ops("addr", order=(1, 2, 0))
+    return table
+
+
+OPS = _op_table()
+_COMPUTE_RULE = OpRule()
+
+
+def _handles(packet):
+    """Register the decorated function as the handler of the table entry of ``packet``."""
+    def register(fn):
+        OPS[packet] = dataclasses.replace(OPS[packet], handler=fn)
+        return fn
+    return register
+
+
+@_handles("convolution_backward")
+def _convolution_backward(func, args, uargs, ukwargs, acc=None):
+    # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
+    #                      transposed, output_padding, groups, output_mask)
+    go, inp, w = args[0], args[1], args[2]
+    has = [isinstance(t, QTensor) and t.mm_fmt is not None for t in (go, inp, w)]
+    if acc is not None:
+        def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
+            return _accum.contract("convolution_backward", list(a), kw, acc)
+    if not any(has):
+        return func(*uargs, **ukwargs)
+    uargs = list(uargs)
+    mask = list(uargs[10])
+    transposed = bool(uargs[7])
+
+    def rounded(i, axis):
+        return (quantize(uargs[i], with_axis(args[i].mm_fmt, axis), keep_layout=False)
+                if has[i] else uargs[i])
+
+    gi = gw = gb = None
+    if mask[0]:  # grad_input: reduction over output channels
+        a = list(uargs)
+        a[0], a[2], a[10] = rounded(0, 1), rounded(2, 1 if transposed else 0), [True, False, False]
+        gi = func(*a, **ukwargs)[0]
+    if mask[1]:  # grad_weight: reduction over the batch
+        a = list(uargs)
+        a[0], a[1], a[10] = rounded(0, 0), rounded(1, 0), [False, True, False]
+        gw = func(*a, **ukwargs)[1]
+    if mask[2]:  # grad_bias: a sum of the grad_output values
+        a = list(uargs)
+        a[10] = [False, False, True]
+        gb = func(*a, **ukwargs)[2]
+    return (gi, gw, gb)
+
+
+# Views of the table, by packet name (for qtensor.leaks and the tests).
+MOVE = frozenset(p for p, r in OPS.items() if r.kind == MOVE_KIND)
+CONTRACT = {p: r.operands if isinstance(r.operands, tuple) else None
+            for p, r in OPS.items() if r.kind == CONTRACT_KIND}
+MOVE_IF = {p: r.move_if for p, r in OPS.items() if r.move_if is not None}
 
 QTensor = None  # the class whose operands dispatch unwraps and whose results it wraps
 
@@ -136,24 +219,22 @@ _CPU_KERNELS = _ops.kernels_available("cpu")
 
 
 class Rule:
-    """What dispatch needs to know about one op overload (computed once, cached)."""
+    """What dispatch needs to know about one op overload: its table entry ``op`` (the kind
+    refined by overload) and its schema's aliasing; computed once, cached."""
 
-    __slots__ = ("kind", "name", "mutated", "out_alias", "is_view", "inplace_view", "order",
-                 "transpose", "returns_void", "dim_pos", "dim_default", "stacks")
+    __slots__ = ("kind", "moves", "name", "op", "mutated", "out_alias", "is_view", "inplace_view",
+                 "order", "transpose", "returns_void", "dim_pos", "dim_default", "stacks")
 
     def __init__(self, func):
         packet = func._opname
-        name = f"{packet}.{func._overloadname}"
-        self.name = name
+        self.name = f"{packet}.{func._overloadname}"
         schema = func._schema
-        if packet.startswith("_foreach_"):
-            self.kind = FOREACH
-        elif packet in CONTRACT:
-            self.kind = CONTRACT_KIND
-        elif packet in MOVE and name not in _COMPUTE_OVERLOADS:
-            self.kind = MOVE_KIND
-        else:
-            self.kind = COMPUTE
+        op = self.op = OPS.get(packet, _COMPUTE_RULE)
+        kind = op.kind
+        if kind == MOVE_KIND and func._overloadname in op.compute_overloads:
+            kind = COMPUTE
+        self.moves = kind == MOVE_KIND  # _foreach_copy_ too, whose kind is FOREACH
+        self.kind = FOREACH if packet.startswith("_foreach_") else kind
         # mutated arguments: (position, name); outputs that alias them
         self.mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                              if a.alias_info is not None and a.alias_info.is_write)
@@ -171,12 +252,12 @@ class Rule:
         self.returns_void = len(schema.returns) == 0
         self.is_view = bool(func.is_view)
         self.inplace_view = torch.Tag.inplace_view in func.tags
-        self.order = _FORMAT_ORDER.get(packet)
-        self.transpose = packet in _TRANSPOSES
+        self.order = op.order
+        self.transpose = op.block == TRANSPOSE
         self.dim_pos = next((i for i, a in enumerate(schema.arguments) if a.name == "dim"), None)
         self.dim_default = (None if self.dim_pos is None
                             else schema.arguments[self.dim_pos].default_value)
-        self.stacks = packet in ("stack", "_stack")  # its dim is a new one
+        self.stacks = op.block == STACK  # its dim is a new one
 
 
 _RULES: dict = {}
@@ -411,31 +492,37 @@ def _round_inplace(q) -> None:
 # ---------------------------------------------------------------------------------------------
 # Unwrapping
 
-def _unwrap_list(seq, qs, state):
+def _unwrap_list(seq, qs):
     out = []
+    plain = False
     for a in seq:
         if isinstance(a, QTensor):
             qs.append(a)
             out.append(a._data)
         else:
             if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
-                state[0] = True
+                plain = True
             out.append(a)
-    return out
+    return out, plain
 
 
-def _unwrap(args, kwargs, qs, state):
-    """Payloads in place of QTensors (one list level deep, as aten arguments are)."""
+def _unwrap(args, kwargs, qs):
+    """(args, kwargs) with payloads in place of QTensors (one list level deep, as aten arguments
+    are), appended to qs; and whether a plain floating tensor is among them (high-precision
+    values meeting QTensors)."""
+    plain = False
     uargs = []
     for a in args:
         if isinstance(a, QTensor):
             qs.append(a)
             uargs.append(a._data)
         elif isinstance(a, (list, tuple)):
-            uargs.append(_unwrap_list(a, qs, state))
+            a, p = _unwrap_list(a, qs)
+            uargs.append(a)
+            plain |= p
         else:
             if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
-                state[0] = True  # a plain high-precision tensor meets QTensors
+                plain = True
             uargs.append(a)
     ukwargs = {}
     if kwargs:
@@ -444,12 +531,13 @@ def _unwrap(args, kwargs, qs, state):
                 qs.append(a)
                 ukwargs[k] = a._data
             elif isinstance(a, (list, tuple)):
-                ukwargs[k] = _unwrap_list(a, qs, state)
+                ukwargs[k], p = _unwrap_list(a, qs)
+                plain |= p
             else:
                 if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
-                    state[0] = True
+                    plain = True
                 ukwargs[k] = a
-    return uargs, ukwargs
+    return uargs, ukwargs, plain
 
 
 def _arg(args, kwargs, pos, name):
@@ -492,61 +580,23 @@ def _round_operand(args, uargs, pos, axis):
         uargs[pos] = quantize(uargs[pos], with_axis(a.mm_fmt, axis), keep_layout=False)
 
 
-def _conv_operands(args):
-    transposed = bool(args[6]) if len(args) > 6 else False
-    return ((0, 1), (1, 0 if transposed else 1))
-
-
 def _accum_of(args):
     """The accumulator of the first QTensor operand that has one (qtensor.accum), or None."""
     return next((a.accum for a in args if isinstance(a, QTensor) and a.accum is not None), None)
 
 
 def _contract(func, rule, args, kwargs, uargs, ukwargs):
-    packet = func._opname
     acc = _accum_of(args)
-    if packet == "convolution_backward":
-        return _convolution_backward(func, args, uargs, ukwargs, acc)
-    operands = CONTRACT[packet] or _conv_operands(args)
+    op = rule.op
+    if op.handler is not None:
+        return op.handler(func, args, uargs, ukwargs, acc)
+    operands = op.operands(args) if callable(op.operands) else op.operands
     for pos, axis in operands:
         _round_operand(args, uargs, pos, axis)
     if acc is not None:  # the products summed by the operands' accumulator
-        return _accum.contract(packet, uargs, ukwargs, acc)
+        return _accum.contract(func._opname, uargs, ukwargs, acc)
     return func(*uargs, **ukwargs)
 
-
-def _convolution_backward(func, args, uargs, ukwargs, acc=None):
-    # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
-    #                      transposed, output_padding, groups, output_mask)
-    go, inp, w = args[0], args[1], args[2]
-    has = [isinstance(t, QTensor) and t.mm_fmt is not None for t in (go, inp, w)]
-    if acc is not None:
-        def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
-            return _accum.contract("convolution_backward", list(a), kw, acc)
-    if not any(has):
-        return func(*uargs, **ukwargs)
-    uargs = list(uargs)
-    mask = list(uargs[10])
-    transposed = bool(uargs[7])
-
-    def rounded(i, axis):
-        return (quantize(uargs[i], with_axis(args[i].mm_fmt, axis), keep_layout=False)
-                if has[i] else uargs[i])
-
-    gi = gw = gb = None
-    if mask[0]:  # grad_input: reduction over output channels
-        a = list(uargs)
-        a[0], a[2], a[10] = rounded(0, 1), rounded(2, 1 if transposed else 0), [True, False, False]
-        gi = func(*a, **ukwargs)[0]
-    if mask[1]:  # grad_weight: reduction over the batch
-        a = list(uargs)
-        a[0], a[1], a[10] = rounded(0, 0), rounded(1, 0), [False, True, False]
-        gw = func(*a, **ukwargs)[1]
-    if mask[2]:  # grad_bias: a sum of the grad_output values
-        a = list(uargs)
-        a[10] = [False, False, True]
-        gb = func(*a, **ukwargs)[2]
-    return (gi, gw, gb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,8 +623,7 @@ def dispatch(func, args, kwargs):
     if rule.kind == FOREACH:
         return _dispatch_foreach(func, rule, args, kwargs)
     qs = []
-    state = [False]  # a plain floating tensor is among the inputs
-    uargs, ukwargs = _unwrap(args, kwargs, qs, state)
+    uargs, ukwargs, plain = _unwrap(args, kwargs, qs)
     try:
         if rule.kind == CONTRACT_KIND:
             out = _contract(func, rule, args, kwargs, uargs, ukwargs)
@@ -589,13 +638,13 @@ def dispatch(func, args, kwargs):
     fmt, mm_fmt = src.fmt, src.mm_fmt
     if rule.kind == MOVE_KIND:
         # values are moved, not computed: round only if they were not all in fmt already
-        rnd = state[0]
+        rnd = plain  # a plain floating tensor is among the inputs
         if not rnd:
             for q in qs:
                 if q.fmt is not fmt and q.fmt != fmt:
                     rnd = True
                     break
-        cond = MOVE_IF.get(func._opname)
+        cond = rule.op.move_if
         if cond is not None and not rnd:
             rnd = not cond(uargs, ukwargs, src)
     else:
@@ -627,7 +676,7 @@ def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
         return _transposed_fmt(fmt, func, uargs, len(in_shape)), rnd
     fmt, kept = _block_axis_out(fmt, rule, uargs, ukwargs, in_shape, first.shape)
     if (rule.kind == MOVE_KIND and not rule.is_view and not rule.inplace_view
-            and not (kept and func._opname in _BLOCK_PRESERVING)):
+            and not (kept and rule.op.block == KEEP)):
         rnd = True  # idempotent where the blocks happen to survive
     return fmt, rnd
 
@@ -698,10 +747,9 @@ def _dispatch_foreach(func, rule, args, kwargs):
     singles = [a for a in args if isinstance(a, QTensor)]
     n = len(lists[0]) if lists else 0
     qs = []
-    state = [False]
-    uargs, ukwargs = _unwrap(args, kwargs, qs, state)
+    uargs, ukwargs, _ = _unwrap(args, kwargs, qs)
     out = func(*uargs, **ukwargs)
-    move = rule.kind == MOVE_KIND or func._opname == "_foreach_copy_"
+    move = rule.moves
 
     def source(i):
         for lst in lists:
