@@ -38,10 +38,10 @@ inline void check_out(const at::Tensor& x, const at::Tensor& out, const char* op
 }
 
 inline void check_rounding(int64_t rounding, const char* op) {
-  TORCH_CHECK(rounding >= kNearest && rounding <= kStochastic, "qtensor::", op, ": rounding must be ",
-              (int)kNearest, " (nearest), ", (int)kNearestAway, " (nearest_away), ",
-              (int)kTowardZero, " (toward_zero) or ", (int)kStochastic, " (stochastic), got ",
-              rounding);
+  TORCH_CHECK(rounding >= kNearest && rounding <= kStochastic, "qtensor::", op,
+              ": rounding must be ", (int)kNearest, " (nearest), ", (int)kNearestAway,
+              " (nearest_away), ", (int)kTowardZero, " (toward_zero) or ", (int)kStochastic,
+              " (stochastic), got ", rounding);
 }
 
 // The checks of every quantize op, on every device: x, out (x itself for the in-place variants)
@@ -65,8 +65,7 @@ inline int64_t constant_code(const std::string& name) {
       {"rounding.toward_zero", kTowardZero}, {"rounding.stochastic", kStochastic},
       {"scale_rule.floor", kRuleFloor},   {"scale_rule.ceil", kRuleCeil},
       {"scale_rule.amax", kRuleAmax},     {"overflow.saturate", kSaturate},
-      {"overflow.inf", kInf},             {"overflow.nan", kNaN},
-      {"max_dims", kMaxDims}};
+      {"overflow.inf", kInf},             {"overflow.nan", kNaN}};
   for (const auto& e : table)
     if (name == e.first) return e.second;
   return -1;
@@ -108,7 +107,8 @@ inline FloatSpec<uint32_t> float_spec(int64_t man, int64_t emin, bool subnormals
 
 inline FixedSpec<uint32_t> fixed_spec(int64_t wl, int64_t fl, bool is_signed, bool symmetric) {
   TORCH_CHECK(wl >= 1 && wl <= 24 && -fl >= -149 && wl - fl <= 127,
-              "qtensor::quantize_fixed: fixed", wl, ".", fl, " is out of the float32 carrier's range");
+              "qtensor::quantize_fixed: fixed", wl, ".", fl,
+              " is out of the float32 carrier's range");
   return make_fixed_spec<uint32_t>((int)wl, (int)fl, is_signed, symmetric, 0);
 }
 
@@ -169,7 +169,8 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
   return a;
 }
 
-// NVFP4's per-tensor scale from the finite amax (float32 bits): float32(amax / (max_elem * max_scale))
+// NVFP4's per-tensor scale from the finite amax (float32 bits):
+// float32(amax / (max_elem * max_scale))
 inline double tensor_scale_from_amax(uint32_t amax_bits, double elem_max, double scale_max) {
   const double amax = (double)u2f(amax_bits);
   return (double)(float)(amax / (elem_max * scale_max));

@@ -13,6 +13,10 @@ constexpr uint32_t kAbsMask = qtensor::Carrier<uint32_t>::ABS;
 constexpr uint32_t kInfBits = qtensor::Carrier<uint32_t>::INF;
 constexpr uint32_t kNaNBits = qtensor::Carrier<uint32_t>::QNAN;
 
+// for the per-block functions of blocks(): blocks are short (MX: 32 elements), so a call per
+// block, with its arguments through memory, costs (about 6% on an MX row, 4096x4096, 1 thread)
+#define QT_BLOCK_FN inline __attribute__((always_inline))
+
 template <typename T> inline uint32_t load_bits(const T* p) { return f2u((float)*p); }
 // float data moves as float loads/stores (a memcpy into the output would be a may-alias-anything
 // store, which keeps gcc from hoisting the kernel parameters and vectorizing)
@@ -164,8 +168,8 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   for (int64_t b = 0; b < nfull; ++b) amax[b] = block_amax(x + b * bs, bs);
   if (nfull < nblk) amax[nfull] = block_amax(x + nfull * bs, avail - nfull * bs);
   // the scale: float32 amax / max_elem rounds (nearest) to the same scale as the reference's
-  // double quotient (see block_amax_fast32 below); a NaN scale (a NaN-on-overflow scale format) means
-  // "no scale" (signed zeros), which X = 0 gives.
+  // double quotient (see block_amax_fast32 below); a NaN scale (a NaN-on-overflow scale format)
+  // means "no scale" (signed zeros), which X = 0 gives.
   const qtensor::FastGrid g = sg;
   for (int64_t b = 0; b < nblk; ++b) {
     const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / elem_max), g, smax,
@@ -261,7 +265,7 @@ struct Block {
 };
 
 template <int MODE, typename T>
-Block<T> make_block(const T* xp, T* yp, int64_t m, uint64_t l0, const BlockPlan& P,
+QT_BLOCK_FN Block<T> make_block(const T* xp, T* yp, int64_t m, uint64_t l0, const BlockPlan& P,
                     uint32_t key) {
   Block<T> b;
   b.xp = xp; b.yp = yp; b.m = m; b.l0 = l0; b.key = key;
@@ -274,7 +278,7 @@ Block<T> make_block(const T* xp, T* yp, int64_t m, uint64_t l0, const BlockPlan&
 
 // The random word of the block's element j (0 for deterministic rounding).
 template <int MODE, typename T>
-inline uint32_t block_word(const Block<T>& b, int64_t sal, int64_t j) {
+QT_BLOCK_FN uint32_t block_word(const Block<T>& b, int64_t sal, int64_t j) {
   if (MODE != kStochastic) return 0u;
   const uint64_t li = b.l0 + (uint64_t)(j * sal);
   return random_word(b.one_key ? b.ikey0 : index_key(b.key, li), (uint32_t)li);
@@ -282,7 +286,7 @@ inline uint32_t block_word(const Block<T>& b, int64_t sal, int64_t j) {
 
 // amax of a block from the bits: |x| as integers orders like the values, NaN on top
 template <typename T>
-inline uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_stride) {
+QT_BLOCK_FN uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_stride) {
   uint32_t amax = 0;
   if (unit_stride) {
     for (int64_t j = 0; j < m; ++j) {
@@ -298,7 +302,7 @@ inline uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_stride
 
 // amax rule, float32 arithmetic, contiguous block (plan.amax_fast32)
 template <int MODE, typename T>
-void block_amax_fast32(const Block<T>& b, uint32_t amax, const BlockPlan& P) {
+QT_BLOCK_FN void block_amax_fast32(const Block<T>& b, uint32_t amax, const BlockPlan& P) {
   const T* xp = b.xp;
   T* yp = b.yp;
   const int64_t m = b.m;
@@ -329,7 +333,7 @@ void block_amax_fast32(const Block<T>& b, uint32_t amax, const BlockPlan& P) {
 
 // amax rule, float elements, block.unit: the common case (NVFP4), as a branch-free loop
 template <int MODE, typename T>
-void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockArgs& a) {
+QT_BLOCK_FN void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockArgs& a) {
   constexpr bool stoch = MODE == kStochastic;
   const T* xp = b.xp;
   T* yp = b.yp;
@@ -349,7 +353,7 @@ void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockArgs& a) {
 
 // amax rule, any block
 template <int MODE, typename T>
-void block_amax_general(const Block<T>& b, uint32_t amax, const BlockPlan& P,
+QT_BLOCK_FN void block_amax_general(const Block<T>& b, uint32_t amax, const BlockPlan& P,
                         const BlockArgs& a) {
   const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
   for (int64_t j = 0; j < b.m; ++j) {
@@ -362,7 +366,7 @@ void block_amax_general(const Block<T>& b, uint32_t amax, const BlockPlan& P,
 
 // power-of-two scale 2^k, block.unit, the element grid shifted by the scale as a FastGrid gk
 template <int MODE, typename T>
-void block_pow2_fast(const Block<T>& b, const qtensor::FastGrid& gk, int k, int qk,
+QT_BLOCK_FN void block_pow2_fast(const Block<T>& b, const qtensor::FastGrid& gk, int k, int qk,
                      const BlockPlan& P, bool elem_fixed) {
   constexpr bool stoch = MODE == kStochastic;
   const T* xp = b.xp;
@@ -394,7 +398,7 @@ void block_pow2_fast(const Block<T>& b, const qtensor::FastGrid& gk, int k, int 
 
 // power-of-two scale, block.unit, an element grid the FastGrid cannot do
 template <int MODE, typename T>
-void block_pow2_unit(const Block<T>& b, const qtensor::BlockElemSpec& s) {
+QT_BLOCK_FN void block_pow2_unit(const Block<T>& b, const qtensor::BlockElemSpec& s) {
   constexpr bool stoch = MODE == kStochastic;
   const T* xp = b.xp;
   T* yp = b.yp;
@@ -424,7 +428,8 @@ void block_pow2_unit(const Block<T>& b, const qtensor::BlockElemSpec& s) {
 
 // power-of-two scale, any block
 template <int MODE, typename T>
-void block_pow2_general(const Block<T>& b, const qtensor::BlockElemSpec& s, const BlockPlan& P) {
+QT_BLOCK_FN void block_pow2_general(const Block<T>& b, const qtensor::BlockElemSpec& s,
+                                    const BlockPlan& P) {
   for (int64_t j = 0; j < b.m; ++j) {
     store_bits<T>(b.yp + j * P.say,
                   qtensor::round_block_elem<MODE>(load_bits<T>(b.xp + j * P.sax), s,
@@ -440,7 +445,8 @@ inline qtensor::BlockElemSpec shifted_elem(const BlockArgs& a, int k) {
 
 // power-of-two scales (floor and ceil rules): the scale, then the fastest path that applies
 template <int MODE, typename T>
-void block_pow2(const Block<T>& b, uint32_t amax, const BlockPlan& P, const BlockArgs& a) {
+QT_BLOCK_FN void block_pow2(const Block<T>& b, uint32_t amax, const BlockPlan& P,
+                            const BlockArgs& a) {
   const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
                                          a.elem_max, a.scale_emin, a.scale_emax);
   // the element grid shifted by the scale 2^k (built directly: this runs once per block)
@@ -463,7 +469,7 @@ void block_pow2(const Block<T>& b, uint32_t amax, const BlockPlan& P, const Bloc
 
 // One block: its amax, then the path that applies.
 template <int MODE, typename T>
-void round_block(const Block<T>& b, const BlockPlan& P, const BlockArgs& a) {
+QT_BLOCK_FN void round_block(const Block<T>& b, const BlockPlan& P, const BlockArgs& a) {
   const uint32_t amax = block_amax<T>(b.xp, b.m, P.sax, P.unit_stride);
   if (amax >= kInfBits) {  // NaN or Inf in the block: all NaN
     for (int64_t j = 0; j < b.m; ++j) store_bits<T>(b.yp + j * P.say, kNaNBits);
@@ -577,12 +583,14 @@ void float_kernel(const T* x, T* y, const Layout& L, const qtensor::FloatSpec<ui
   if (!s.is_unsigned &&
       qtensor::make_fast_grid(g, s.man, s.emin, s.qlow, all_normal, false, mode == kStochastic)) {
     const uint32_t mx = s.max_bits, ovf = s.ovf_bits;
-    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [g, mx, ovf](uint32_t u, uint32_t r) {
+    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
+                                                         [g, mx, ovf](uint32_t u, uint32_t r) {
       return qtensor::round_float_fast<M>(u, g, mx, ovf, r);
     }));
     return;
   }
-  QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [sp](uint32_t u, uint32_t r) {
+  QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
+                                                       [sp](uint32_t u, uint32_t r) {
     return qtensor::round_float<M, uint32_t>(u, sp, r);
   }));
 }
@@ -594,18 +602,20 @@ void fixed_kernel(const T* x, T* y, const Layout& L, const qtensor::FixedSpec<ui
   qtensor::FastGrid g;
   if (!wrap && qtensor::make_fast_grid(g, 0, 0, s.qexp, false, true, mode == kStochastic)) {
     const uint32_t pos = s.pos_bits, neg = s.neg_bits, neg_sat = s.neg_sat_bits;
-    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
-                                                         [g, pos, neg, neg_sat](uint32_t u, uint32_t r) {
+    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(
+                             x, y, L, key, [g, pos, neg, neg_sat](uint32_t u, uint32_t r) {
       return qtensor::round_fixed_fast<M>(u, g, pos, neg, neg_sat, r);
     }));
     return;
   }
   if (wrap) {
-    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [sp](uint32_t u, uint32_t r) {
+    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
+                                                         [sp](uint32_t u, uint32_t r) {
       return qtensor::round_fixed<M, true, uint32_t>(u, sp, r);
     }));
   } else {
-    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key, [sp](uint32_t u, uint32_t r) {
+    QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
+                                                         [sp](uint32_t u, uint32_t r) {
       return qtensor::round_fixed<M, false, uint32_t>(u, sp, r);
     }));
   }
@@ -623,3 +633,4 @@ void block_kernel(const T* x, T* y, const Layout& L, const BlockArgs& a, int mod
 template <typename T>
 uint32_t finite_amax(const T* x, const Layout& L) { return amax_bits<true, T>(x, L); }
 #undef QT_MODE_SWITCH
+#undef QT_BLOCK_FN
