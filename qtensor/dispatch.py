@@ -26,14 +26,12 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import accum as _accum
 from . import ops as _ops
+from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
 from .formats import PRESETS as _PRESETS, BlockFormat, Format
 
 aten = torch.ops.aten
 
 __all__ = ["dispatch", "OPS", "OpRule", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
-
-# The payload dtypes a QTensor can hold (what qt.quantize rounds).
-FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
 
 # Op kinds.
 COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH = 0, 1, 2, 3
@@ -398,7 +396,6 @@ def _block_axis_out(fmt, rule, args, kwargs, in_shape, out_shape):
     return with_axis(fmt, new - nout if fmt.axis < 0 else new), kept
 
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_CALLS: dict = {}
 
 

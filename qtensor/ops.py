@@ -17,13 +17,14 @@ from typing import Optional
 import torch
 
 from . import reference
+from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
+from .checks import resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format
 
 __all__ = ["quantize", "quantize_", "kernels_available", "op_args"]
 
 _ROUNDING_CODE = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "stochastic": 3}
 _SCALE_RULE_CODE = {"floor": 0, "ceil": 1, "amax": 2}
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 try:
     # import_module, not `from . import _C`: the latter hides the real cause behind "cannot import
@@ -92,19 +93,49 @@ def _seed_arg(seed: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fake (meta) implementations: shapes and dtypes only
+# Fake (meta) implementations: shapes and dtypes, after the checks the kernels make
+# (csrc/op_common.h check_op and block_args' axis), so that a bad call fails alike under
+# torch.compile and FakeTensor
+
+_MAX_DIMS = 16  # kMaxDims of csrc/include/qtensor/args.h
+
+
+def _check_op_fake(op: str, x: torch.Tensor, out: torch.Tensor, args: tuple) -> None:
+    """csrc/op_common.h check_op on fake tensors: args are the op's arguments after x."""
+    torch._check(x.dtype in KERNEL_DTYPES, lambda: (
+        f"qtensor::{op}: unsupported dtype {x.dtype}; the kernels take float32, float16 and "
+        "bfloat16 (qtensor.quantize sends float64 to the reference implementation)"))
+    torch._check(x.dim() <= _MAX_DIMS,
+                 lambda: f"qtensor::{op}: at most {_MAX_DIMS} dims, got {x.dim()}")
+    torch._check(out.device == x.device,
+                 lambda: f"qtensor::{op}: out is on {out.device} but x is on {x.device}")
+    torch._check(out.dtype == x.dtype,
+                 lambda: f"qtensor::{op}: out has dtype {out.dtype} but x has dtype {x.dtype}")
+    torch._check(out.shape == x.shape, lambda: (
+        f"qtensor::{op}: out has shape {list(out.shape)} but x has shape {list(x.shape)}"))
+    rounding = args[-2]  # every family ends with (rounding, seed)
+    torch._check(0 <= rounding < len(_ROUNDING_CODE), lambda: (
+        f"qtensor::{op}: rounding must be 0 (nearest), 1 (nearest_away), 2 (toward_zero) or "
+        f"3 (stochastic), got {rounding}"))
+    if op == "quantize_block" and args[3] is not None and x.dim() > 0:
+        axis = args[3]
+        torch._check_index(-x.dim() <= axis < x.dim(), lambda: (
+            f"qtensor::quantize_block: axis {axis} is out of range for a tensor of shape "
+            f"{list(x.shape)}"))
+
 
 if _C is not None:
     def _register_fakes():
         for family in ("quantize_float", "quantize_fixed", "quantize_block"):
-            def functional(x, *args):
+            def functional(x, *args, _op=family):
+                _check_op_fake(_op, x, x, args)
                 return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-            def out_variant(x, *args, out):
-                return None
+            def out_variant(x, *args, out, _op=family):
+                _check_op_fake(_op, x, out, args)
 
-            def inplace(x, *args):
-                return None
+            def inplace(x, *args, _op=family):
+                _check_op_fake(_op, x, x, args)
 
             torch.library.register_fake(f"qtensor::{family}", functional)
             torch.library.register_fake(f"qtensor::{family}.out", out_variant)
@@ -117,46 +148,27 @@ if _C is not None:
 # Entry points
 
 def _use_kernel(x: torch.Tensor) -> bool:
-    if _C is None or x.dtype not in _KERNEL_DTYPES:
+    if _C is None or x.dtype not in KERNEL_DTYPES:
         return False
     if x.device.type == "meta":
         return True
     return kernels_available(x.device)
 
 
-def _check_out(x: torch.Tensor, out: torch.Tensor, fmt) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"quantize to {fmt}: out must be a torch.Tensor, got {type(out).__name__}")
-    if out.device != x.device:
-        raise ValueError(f"quantize to {fmt}: out is on {out.device} but x is on {x.device}")
-    if out.dtype != x.dtype:
-        raise TypeError(f"quantize to {fmt}: out has dtype {out.dtype} but x has dtype {x.dtype}")
-    if out.shape != x.shape:
-        raise ValueError(
-            f"quantize to {fmt}: out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
-
-
-def _check_axis(x: torch.Tensor, fmt) -> None:
-    if isinstance(fmt, BlockFormat) and fmt.axis is not None and x.dim() > 0:
-        if not -x.dim() <= fmt.axis < x.dim():
-            raise IndexError(
-                f"{fmt}: axis {fmt.axis} is out of range for a tensor of shape {tuple(x.shape)}")
-
-
 def _seed(generator: Optional[torch.Generator], rounding: str) -> int:
     """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way."""
-    reference.check_generator(generator)
+    check_generator(generator)
     return reference.draw_seed(generator) if rounding == "stochastic" else 0
 
 
 def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None, seed: int = 0, *,
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``quantize`` with an explicit stochastic-rounding seed (as reference.quantize_with_seed)."""
-    fmt = reference.check_input(x, fmt)
-    rounding = reference.resolve_rounding(fmt, rounding)
+    fmt = check_input(x, fmt)
+    rounding = resolve_rounding(fmt, rounding)
     if out is not None:
-        _check_out(x, out, fmt)
-    _check_axis(x, fmt)
+        check_out(x, out, fmt)
+    check_axis(x, fmt)
     if not _use_kernel(x):
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
         return q if out is None else out.copy_(q)
@@ -179,17 +191,17 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     ``torch.manual_seed`` makes it reproducible, and CPU and CUDA give the same result). Uses the
     compiled kernels where they apply, else the reference; both give the same bits.
     """
-    fmt = reference.check_input(x, fmt)
-    rounding = reference.resolve_rounding(fmt, rounding)
+    fmt = check_input(x, fmt)
+    rounding = resolve_rounding(fmt, rounding)
     return quantize_with_seed(x, fmt, rounding, _seed(generator, rounding), out=out)
 
 
 def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
               generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Round x to ``fmt`` in place and return x."""
-    fmt = reference.check_input(x, fmt)
-    rounding = reference.resolve_rounding(fmt, rounding)
-    _check_axis(x, fmt)
+    fmt = check_input(x, fmt)
+    rounding = resolve_rounding(fmt, rounding)
+    check_axis(x, fmt)
     seed = _seed(generator, rounding)
     if not _use_kernel(x):
         with torch.no_grad():

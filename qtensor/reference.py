@@ -22,13 +22,12 @@ from typing import Optional
 
 import torch
 
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, _check_rounding
-from .formats import format as _parse_format
+from .checks import check_axis, check_generator, check_input, resolve_rounding
+from .formats import BlockFormat, FixedFormat, FloatFormat
 
 __all__ = ["quantize", "quantize_with_seed", "draw_seed", "check_generator", "random_bits"]
 
 _MASK32 = 0xFFFFFFFF
-_SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,13 +63,6 @@ def random_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
     key = seed_key(seed)
     hi = _lowbias32(index >> 32)
     return _lowbias32((index & _MASK32) ^ key ^ hi)
-
-
-def check_generator(generator) -> None:
-    """A generator must be None or a torch.Generator (of any device: one seed is drawn from it)."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
 def draw_seed(generator: Optional[torch.Generator] = None) -> int:
@@ -172,10 +164,8 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         idx = index.reshape(1, -1) if index is not None else None
         axis = None
     else:
+        check_axis(x64, fmt)
         axis = fmt.axis
-        if not -x64.dim() <= axis < x64.dim():
-            raise IndexError(
-                f"{fmt}: axis {axis} is out of range for a tensor of shape {tuple(shape)}")
         moved = x64.movedim(axis, -1)
         idx = index.movedim(axis, -1) if index is not None else None
     n = moved.shape[-1]
@@ -235,25 +225,6 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
-
-def check_input(x: torch.Tensor, fmt) -> Format:
-    """Validate (x, fmt) and return the parsed format; shared by the reference and the kernels."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
-    fmt = _parse_format(fmt)
-    if x.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(
-            f"quantize to {fmt}: unsupported dtype {x.dtype}; expected one of float32, float64, "
-            "float16, bfloat16 (integer and complex tensors have no format to round to)")
-    return fmt
-
-
-def resolve_rounding(fmt: Format, rounding: Optional[str]) -> str:
-    if rounding is None:
-        return fmt.rounding
-    _check_rounding(rounding)
-    return rounding
-
 
 def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
                        seed: int = 0) -> torch.Tensor:

@@ -35,11 +35,11 @@ import torch
 from . import dispatch as _dispatch
 from .accum import AccumFormat
 from . import ops as _ops
+from .checks import FLOAT_DTYPES as _PAYLOAD_DTYPES
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _parse_format
 
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 
-_PAYLOAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _TENSOR_DATA = torch._C.TensorBase.data  # the C getter/setter of Tensor.data
 
 

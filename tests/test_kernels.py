@@ -259,6 +259,42 @@ def test_errors():
         qt.quantize(torch.ones(4, 4), "bf16", out=torch.empty(4).expand(4, 4))
 
 
+def _bad_op_calls():
+    """(id, call(make), error type, message) of op calls the kernels refuse; make(shape, dtype)
+    builds a tensor (a real one, or a fake one inside FakeTensorMode)."""
+    fargs = ops.op_args(P["fp8_e4m3"])[1]
+    bargs = ops.op_args(P["mxfp8_e4m3"].replace(axis=5))[1]
+    q = torch.ops.qtensor
+    return [
+        ("out_dtype", lambda m: q.quantize_float.out(m((4,), torch.float32), *fargs, 0, 0,
+                                                     out=m((4,), torch.float16)),
+         RuntimeError, r"qtensor::quantize_float: out has dtype .* but x has dtype"),
+        ("out_shape", lambda m: q.quantize_float.out(m((4,), torch.float32), *fargs, 0, 0,
+                                                     out=m((5,), torch.float32)),
+         RuntimeError, r"qtensor::quantize_float: out has shape \[5\] but x has shape \[4\]"),
+        ("x_dtype", lambda m: q.quantize_float(m((4,), torch.float64), *fargs, 0, 0),
+         RuntimeError, r"qtensor::quantize_float: unsupported dtype"),
+        ("rounding", lambda m: q.quantize_float_(m((4,), torch.float32), *fargs, 7, 0),
+         RuntimeError, r"qtensor::quantize_float: rounding must be 0 \(nearest\).*got 7"),
+        ("dims", lambda m: q.quantize_float(m((1,) * 17, torch.float32), *fargs, 0, 0),
+         RuntimeError, r"qtensor::quantize_float: at most 16 dims, got 17"),
+        ("axis", lambda m: q.quantize_block(m((2, 32), torch.float32), *bargs, 0, 0),
+         IndexError, r"qtensor::quantize_block: axis 5 is out of range for a tensor of shape"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_op_calls(), ids=lambda c: c[0])
+def test_fake_ops_check_what_kernels_check(case):
+    """A bad op call fails alike under FakeTensor (torch.compile's tracing) and in the kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _, call, error, message = case
+    with pytest.raises(error, match=message):
+        call(lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    with FakeTensorMode():
+        with pytest.raises(error, match=message):
+            call(lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+
+
 def test_op_codes_match_cpp():
     # the integer codes ops.py passes (rounding, scale rule, overflow) are the ones the C++ glue
     # decodes: qtensor::constant exports the C++ side's

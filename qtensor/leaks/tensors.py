@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import FLOAT_DTYPES
 from ..tensor import QTensor
 
-FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
 # values a format could hold: complex ones too (no format is complex, so a complex tensor made
 # from QTensors is a value computed in full precision)
 VALUE_DTYPES = FLOAT_DTYPES | {torch.complex32, torch.complex64, torch.complex128}

@@ -1,0 +1,68 @@
+"""The argument checks of ``qt.quantize``: the one place that says what x, out, the block axis,
+the rounding mode and the generator may be (the reference, the kernel entry points and the fake
+kernels all call these).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .formats import BlockFormat, Format, _check_rounding
+from .formats import format as _parse_format
+
+__all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "check_input", "check_out", "check_axis",
+           "resolve_rounding", "check_generator"]
+
+# The dtypes a format can round (and a QTensor can carry); the compiled kernels take all but
+# float64, which goes to the reference.
+FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+KERNEL_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
+
+
+def check_input(x: torch.Tensor, fmt) -> Format:
+    """Validate (x, fmt) and return the parsed format."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    fmt = _parse_format(fmt)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"quantize to {fmt}: unsupported dtype {x.dtype}; expected one of float32, float64, "
+            "float16, bfloat16 (integer and complex tensors have no format to round to)")
+    return fmt
+
+
+def check_out(x: torch.Tensor, out, fmt) -> None:
+    """``out`` must be a tensor of x's device, dtype and shape."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"quantize to {fmt}: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.device != x.device:
+        raise ValueError(f"quantize to {fmt}: out is on {out.device} but x is on {x.device}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"quantize to {fmt}: out has dtype {out.dtype} but x has dtype {x.dtype}")
+    if out.shape != x.shape:
+        raise ValueError(
+            f"quantize to {fmt}: out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}")
+
+
+def check_axis(x: torch.Tensor, fmt) -> None:
+    """A BlockFormat's axis must be a dim of x (a 0-dim x is one block whatever the axis)."""
+    if isinstance(fmt, BlockFormat) and fmt.axis is not None and x.dim() > 0:
+        if not -x.dim() <= fmt.axis < x.dim():
+            raise IndexError(
+                f"{fmt}: axis {fmt.axis} is out of range for a tensor of shape {tuple(x.shape)}")
+
+
+def resolve_rounding(fmt: Format, rounding: Optional[str]) -> str:
+    """The rounding mode of a call: ``rounding`` if given (checked), else the format's own."""
+    if rounding is None:
+        return fmt.rounding
+    _check_rounding(rounding)
+    return rounding
+
+
+def check_generator(generator) -> None:
+    """A generator must be None or a torch.Generator (of any device: one seed is drawn from it)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}")
