@@ -565,14 +565,8 @@ void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, u
   }
 }
 
-// ---- entry points, one per family, dispatching the rounding mode to a template argument ------
-#define QT_MODE_SWITCH(mode, ...)                                               \
-  switch (mode) {                                                               \
-    case kNearest: { constexpr int M = kNearest; __VA_ARGS__; break; }          \
-    case kNearestAway: { constexpr int M = kNearestAway; __VA_ARGS__; break; }  \
-    case kTowardZero: { constexpr int M = kTowardZero; __VA_ARGS__; break; }    \
-    default: { constexpr int M = kStochastic; __VA_ARGS__; break; }             \
-  }
+// ---- entry points, one per family, dispatching the rounding mode (QT_MODE_SWITCH, round.h) to a
+// template argument
 
 template <typename T>
 void float_kernel(const T* x, T* y, const Layout& L, const qtensor::FloatSpec<uint32_t>& s,
@@ -632,5 +626,4 @@ void block_kernel(const T* x, T* y, const Layout& L, const BlockArgs& a, int mod
 
 template <typename T>
 uint32_t finite_amax(const T* x, const Layout& L) { return amax_bits<true, T>(x, L); }
-#undef QT_MODE_SWITCH
 #undef QT_BLOCK_FN

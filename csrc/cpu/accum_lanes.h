@@ -166,8 +166,8 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
   const __m256 o = s.promote > 0 ? acc
                                  : _mm256_set_m128(_mm256_cvtpd_ps(p1), _mm256_cvtpd_ps(p0));
   const __m256 nan = _mm256_cmp_ps(o, o, _CMP_UNORD_Q);
-  _mm256_storeu_ps(out, _mm256_blendv_ps(o, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
-                                         nan));
+  const __m256 qnan = _mm256_castsi256_ps(_mm256_set1_epi32((int)qtensor::F32::QNAN));
+  _mm256_storeu_ps(out, _mm256_blendv_ps(o, qnan, nan));
 }
 #else
 template <int MODE>
@@ -208,7 +208,7 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
   }
   for (int w = 0; w < W; ++w) {
     const float o = s.promote > 0 ? acc[w] : (float)p[w];
-    out[w] = std::isnan(o) ? qtensor::u2f(0x7fc00000u) : o;
+    out[w] = std::isnan(o) ? qtensor::u2f(qtensor::F32::QNAN) : o;
   }
 }
 

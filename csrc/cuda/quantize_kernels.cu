@@ -20,6 +20,7 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr unsigned kAllLanes = 0xFFFFFFFFu;  // shuffle mask: every lane of the warp
 
 template <typename T> struct IO;
 template <> struct IO<float> {
@@ -140,30 +141,14 @@ void run_elementwise(const void* xv, void* yv, const Layout& L, uint32_t key, Op
 template <typename T>
 cudaError_t float_typed(const void* x, void* y, const Layout& L, const FloatSpec<uint32_t>& s,
                         int mode, uint32_t key, cudaStream_t st) {
-  switch (mode) {
-    case kNearest: run_elementwise<kNearest, T>(x, y, L, key, FloatOp<kNearest>{s}, st); break;
-    case kNearestAway:
-      run_elementwise<kNearestAway, T>(x, y, L, key, FloatOp<kNearestAway>{s}, st); break;
-    case kTowardZero:
-      run_elementwise<kTowardZero, T>(x, y, L, key, FloatOp<kTowardZero>{s}, st); break;
-    default: run_elementwise<kStochastic, T>(x, y, L, key, FloatOp<kStochastic>{s}, st); break;
-  }
+  QT_MODE_SWITCH(mode, run_elementwise<M, T>(x, y, L, key, FloatOp<M>{s}, st));
   return cudaGetLastError();
 }
 
 template <typename T, bool WRAP>
 cudaError_t fixed_typed(const void* x, void* y, const Layout& L, const FixedSpec<uint32_t>& s,
                         int mode, uint32_t key, cudaStream_t st) {
-  switch (mode) {
-    case kNearest:
-      run_elementwise<kNearest, T>(x, y, L, key, FixedOp<kNearest, WRAP>{s}, st); break;
-    case kNearestAway:
-      run_elementwise<kNearestAway, T>(x, y, L, key, FixedOp<kNearestAway, WRAP>{s}, st); break;
-    case kTowardZero:
-      run_elementwise<kTowardZero, T>(x, y, L, key, FixedOp<kTowardZero, WRAP>{s}, st); break;
-    default:
-      run_elementwise<kStochastic, T>(x, y, L, key, FixedOp<kStochastic, WRAP>{s}, st); break;
-  }
+  QT_MODE_SWITCH(mode, run_elementwise<M, T>(x, y, L, key, FixedOp<M, WRAP>{s}, st));
   return cudaGetLastError();
 }
 
@@ -175,10 +160,10 @@ __global__ void amax_kernel(const T* __restrict__ x, Layout L, bool finite, uint
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < L.numel; i += stride) {
     int64_t ox, oy;
     offsets(L, i, ox, oy);
-    const uint32_t a = IO<T>::load(x + ox) & 0x7FFFFFFFu;
-    m = ((!finite || a < 0x7F800000u) && a > m) ? a : m;
+    const uint32_t a = IO<T>::load(x + ox) & F32::ABS;
+    m = ((!finite || a < F32::INF) && a > m) ? a : m;
   }
-  for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(kAllLanes, m, off));
   if ((threadIdx.x & 31) == 0) atomicMax(amax, m);
 }
 
@@ -193,7 +178,7 @@ struct BlockScale {
 
 __device__ __forceinline__ BlockScale block_scale(uint32_t amax, const BlockArgs& a) {
   BlockScale b;
-  b.bad = amax >= 0x7F800000u;
+  b.bad = amax >= F32::INF;
   b.pow2 = a.scale_rule != kRuleAmax;
   b.sc = 0.0;
   if (b.pow2) {
@@ -210,7 +195,7 @@ __device__ __forceinline__ BlockScale block_scale(uint32_t amax, const BlockArgs
 template <int MODE>
 __device__ __forceinline__ uint32_t block_elem(uint32_t u, const BlockScale& b, const BlockArgs& a,
                                                uint32_t r) {
-  if (b.bad) return 0x7FC00000u;
+  if (b.bad) return F32::QNAN;
   if (b.pow2) return round_block_elem<MODE>(u, b.e, r);
   return __float_as_uint(round_amax_elem<MODE>(__uint_as_float(u), b.sc, a.amax_spec,
                                                a.tensor_scale, r));
@@ -229,10 +214,10 @@ __global__ void block_vec4(const float4* __restrict__ x, float4* __restrict__ y,
     const float4 in = active ? x[v] : make_float4(0.f, 0.f, 0.f, 0.f);
     const uint32_t u0 = __float_as_uint(in.x), u1 = __float_as_uint(in.y),
                    u2 = __float_as_uint(in.z), u3 = __float_as_uint(in.w);
-    uint32_t m = max(max(u0 & 0x7FFFFFFFu, u1 & 0x7FFFFFFFu), max(u2 & 0x7FFFFFFFu, u3 & 0x7FFFFFFFu));
+    uint32_t m = max(max(u0 & F32::ABS, u1 & F32::ABS), max(u2 & F32::ABS, u3 & F32::ABS));
 #pragma unroll
     for (int off = LANES / 2; off > 0; off >>= 1)
-      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off, LANES));
+      m = max(m, __shfl_xor_sync(kAllLanes, m, off, LANES));
     if (active) {
       const BlockScale b = block_scale(m, a);
       const int64_t i = v * 4;
@@ -279,7 +264,7 @@ __global__ void block_generic(const T* __restrict__ x, T* __restrict__ y, Layout
     ox += j0 * L.xs[ax]; oy += j0 * L.ys[ax]; ol += j0 * L.ls[ax];
     uint32_t amax = 0;
     for (int64_t j = 0; j < m; ++j) {
-      const uint32_t v = IO<T>::load(x + ox + j * L.xs[ax]) & 0x7FFFFFFFu;
+      const uint32_t v = IO<T>::load(x + ox + j * L.xs[ax]) & F32::ABS;
       amax = v > amax ? v : amax;
     }
     const BlockScale sc = block_scale(amax, a);
@@ -350,12 +335,7 @@ void block_typed(const void* xv, void* yv, DType dt, const Layout& L, const Bloc
 template <typename T>
 cudaError_t block_mode(const void* x, void* y, DType dt, const Layout& L, const BlockArgs& a,
                        int mode, uint32_t key, const uint32_t* amax_dev, cudaStream_t st) {
-  switch (mode) {
-    case kNearest: block_typed<kNearest, T>(x, y, dt, L, a, key, amax_dev, st); break;
-    case kNearestAway: block_typed<kNearestAway, T>(x, y, dt, L, a, key, amax_dev, st); break;
-    case kTowardZero: block_typed<kTowardZero, T>(x, y, dt, L, a, key, amax_dev, st); break;
-    default: block_typed<kStochastic, T>(x, y, dt, L, a, key, amax_dev, st); break;
-  }
+  QT_MODE_SWITCH(mode, block_typed<M, T>(x, y, dt, L, a, key, amax_dev, st));
   return cudaGetLastError();
 }
 

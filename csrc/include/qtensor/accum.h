@@ -36,14 +36,14 @@ QT_HD double acc_pow2(int e) { return u2d((uint64_t)(int64_t)(e + 1023) << 52); 
 // The alignment exponent of a float32 operand: floor(log2|x|) clamped at -126; kAccZeroExp for
 // zero, kAccBadExp for inf and NaN.
 QT_HD int acc_exp_f32(float x) {
-  const uint32_t u = f2u(x) & 0x7fffffffu;
+  const uint32_t u = f2u(x) & F32::ABS;
   const int be = (int)(u >> 23);
   return u == 0 ? kAccZeroExp : (be == 255 ? kAccBadExp : (be == 0 ? kAccExpMin : be - 127));
 }
 
 // floor(log2|x|) of a finite nonzero double, subnormals included.
 QT_HD int acc_exp_f64(double x) {
-  const uint64_t u = d2u(x) & 0x7fffffffffffffffull;
+  const uint64_t u = d2u(x) & Carrier<uint64_t>::ABS;
   const int be = (int)(u >> 52);
   if (be != 0) return be - 1023;
   int e;
@@ -154,7 +154,7 @@ QT_HD float acc_dot(const float* a, const float* b, const int* ea, const int* eb
     }
   }
   const float out = s.promote > 0 ? acc : (float)p;
-  return isnan(out) ? u2f(0x7fc00000u) : out;
+  return isnan(out) ? u2f(F32::QNAN) : out;
 }
 
 }  // namespace qtensor

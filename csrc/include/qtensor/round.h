@@ -32,6 +32,21 @@
 namespace qtensor {
 
 enum Rounding : int { kNearest = 0, kNearestAway = 1, kTowardZero = 2, kStochastic = 3 };
+// Runs the statement(s) with M, a constexpr int, bound to the runtime rounding mode (anything
+// else is stochastic), so kernels take the mode as a template argument. A macro rather than a
+// generic lambda: it works unchanged in host code, device code and nvcc host-side launchers.
+#define QT_MODE_SWITCH(mode, ...)                                                     \
+  switch (mode) {                                                                     \
+    case ::qtensor::kNearest: {                                                       \
+      constexpr int M = ::qtensor::kNearest; __VA_ARGS__; break; }                    \
+    case ::qtensor::kNearestAway: {                                                   \
+      constexpr int M = ::qtensor::kNearestAway; __VA_ARGS__; break; }                \
+    case ::qtensor::kTowardZero: {                                                    \
+      constexpr int M = ::qtensor::kTowardZero; __VA_ARGS__; break; }                 \
+    default: {                                                                        \
+      constexpr int M = ::qtensor::kStochastic; __VA_ARGS__; break; }                 \
+  }
+
 // What a float format gives on overflow: its max, Inf, or NaN.
 enum Overflow : int { kSaturate = 0, kInf = 1, kNaN = 2 };
 
@@ -98,6 +113,8 @@ template <> struct Carrier<uint64_t> {
   static QT_HD double to_float(uint64_t u) { return u2d(u); }
   static QT_HD uint64_t to_bits(double f) { return d2u(f); }
 };
+// float32's named bits (sign, magnitude mask, +Inf, the canonical quiet NaN, mantissa mask).
+using F32 = Carrier<uint32_t>;
 
 // 2^e as carrier bits; e must lie in the carrier's range (subnormals included).
 template <typename U> QT_HD U pow2_bits(int e) {
@@ -209,7 +226,7 @@ QT_HD uint32_t round_magnitude_fast(uint32_t A, const FastGrid& g, uint32_t rbit
   // relative grid: drop d bits of A (a carry into the exponent is the next binade)
   const uint32_t fb = A & g.mask;
   // parity of the kept part from the significand (at d = 23 the kept bit is the implicit one)
-  const uint32_t M = (A & 0x007FFFFFu) | (A >= 0x00800000u ? 0x00800000u : 0u);
+  const uint32_t M = (A & F32::MANMASK) | (A > F32::MANMASK ? F32::MANMASK + 1u : 0u);
   const uint32_t lo_odd = (M >> g.d) & 1u;
   const uint32_t thr = (fb << (31 - g.d)) << 1;
   const bool up = mode_word<MODE>(lo_odd, rbits) < thr;
@@ -244,8 +261,8 @@ template <int MODE, typename U> QT_HD U finite_overflow(U max_bits, U ovf_bits) 
 template <int MODE>
 QT_HD uint32_t round_float_fast(uint32_t u, const FastGrid& g, uint32_t max_bits, uint32_t ovf_bits,
                                 uint32_t rbits) {
-  const uint32_t sign = u & 0x80000000u, A = u & 0x7FFFFFFFu;
-  const bool nonfinite = A >= 0x7F800000u, nan = A > 0x7F800000u;
+  const uint32_t sign = u & F32::SIGN, A = u & F32::ABS;
+  const bool nonfinite = A >= F32::INF, nan = A > F32::INF;
   uint32_t r = round_magnitude_fast<MODE>(nonfinite ? 0u : A, g, rbits);
   r = r > max_bits ? finite_overflow<MODE>(max_bits, ovf_bits) : r;
   r = nonfinite ? ovf_bits : r;
@@ -354,8 +371,8 @@ QT_HD U round_fixed(U u, const FixedSpec<U>& s, uint32_t rbits) {
 template <int MODE>
 QT_HD uint32_t round_fixed_fast(uint32_t u, const FastGrid& g, uint32_t pos_bits, uint32_t neg_bits,
                                 uint32_t neg_sat_bits, uint32_t rbits) {
-  const uint32_t sign = u & 0x80000000u, A = u & 0x7FFFFFFFu;
-  const bool nonfinite = A >= 0x7F800000u, nan = A > 0x7F800000u;
+  const uint32_t sign = u & F32::SIGN, A = u & F32::ABS;
+  const bool nonfinite = A >= F32::INF, nan = A > F32::INF;
   const uint32_t r = round_magnitude_fast<MODE>(nonfinite ? 0u : A, g, rbits);
   // selects written as masks: two ternaries on one condition stop gcc's vectorizer
   const uint32_t neg = (uint32_t)((int32_t)u >> 31);
@@ -413,7 +430,7 @@ QT_HD BlockElemSpec shift_elem(bool is_fixed, int man, int emin, int qlow, doubl
 template <int MODE>
 QT_HD uint32_t round_block_elem(uint32_t u, const BlockElemSpec& s, uint32_t rbits) {
   if (s.is_fixed) return round_fixed<MODE, false, uint32_t>(u, s.x, rbits);
-  const uint32_t sign = u & 0x80000000u, A = u & 0x7FFFFFFFu;
+  const uint32_t sign = u & F32::SIGN, A = u & F32::ABS;
   uint32_t r = round_magnitude<MODE, uint32_t>(A, s.f.emin, s.f.man, s.f.qlow, rbits);
   r = r > s.f.max_bits ? s.f.max_bits : r;
   return r | sign;
@@ -459,7 +476,7 @@ QT_HD float round_amax_elem_t(float x, double scale, const AmaxBlockSpec& s, boo
   double q = u2d(qzb) * safe;
   if (use_tensor_scale) q = (double)(float)q;
   // no scale: signed zeros (integer elements have no -0.0)
-  const float zero = ELEM_FIXED ? 0.0f : u2f(f2u(x) & 0x80000000u);
+  const float zero = ELEM_FIXED ? 0.0f : u2f(f2u(x) & F32::SIGN);
   return ok ? (float)q : zero;
 }
 
