@@ -578,7 +578,7 @@ def _round_operand(args, uargs, pos, axis):
 
 
 def _accum_of(args):
-    """The accumulator of the first QTensor operand that has one (qtensor.accum), or None."""
+    """The accumulator of the first QTensor among args that has one (qtensor.accum), or None."""
     return next((a.accum for a in args if isinstance(a, QTensor) and a.accum is not None), None)
 
 
@@ -652,7 +652,7 @@ def dispatch(func, args, kwargs):
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
     out = _wrap_out(out, fmt, mm_fmt, rnd)
-    acc = next((q.accum for q in qs if q.accum is not None), None)
+    acc = _accum_of(qs)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
         _set_accum(out, acc)
     if rule.is_view and _has_q(out):
