@@ -14,23 +14,17 @@ VALUE_DTYPES = FLOAT_DTYPES | {torch.complex32, torch.complex64, torch.complex12
 def named_tensors(args, kwargs, schema):
     """(role, tensor) for every tensor argument, one list level deep (as aten arguments are)."""
     names = [a.name for a in schema.arguments] if schema is not None else []
+    roles = [(names[i] if i < len(names) else f"arg{i}", a) for i, a in enumerate(args)]
+    if kwargs:
+        roles.extend(kwargs.items())
     out = []
-    for i, a in enumerate(args):
-        role = names[i] if i < len(names) else f"arg{i}"
+    for role, a in roles:
         if isinstance(a, torch.Tensor):
             out.append((role, a))
         elif isinstance(a, (list, tuple)):
             for j, t in enumerate(a):
                 if isinstance(t, torch.Tensor):
                     out.append((f"{role}[{j}]", t))
-    if kwargs:
-        for k, a in kwargs.items():
-            if isinstance(a, torch.Tensor):
-                out.append((k, a))
-            elif isinstance(a, (list, tuple)):
-                for j, t in enumerate(a):
-                    if isinstance(t, torch.Tensor):
-                        out.append((f"{k}[{j}]", t))
     return out
 
 
