@@ -332,7 +332,7 @@ def test_convert_twice():
 
 
 def test_integer_buffers_left_alone_said_once():
-    sys.modules["qtensor.convert"]._warned.clear()  # "once" per process: start afresh
+    sys.modules["qtensor.warn"]._warned.clear()  # "once" per process: start afresh
     m = CNN()
     with pytest.warns(UserWarning, match="num_batches_tracked"):
         qt.convert(m, qt.Recipe(weight="bf16", rules={"bn.num_batches_tracked": "bf16"}))
