@@ -2,6 +2,7 @@
 
     python examples/accum_study.py             # digits CNN and char-GPT (several minutes)
     python examples/accum_study.py --quick     # a few steps (smoke test)
+    python examples/accum_study.py --models kscan --out examples/results   # error vs K only
 
 Every run has the same FP8 operands with fine-grained scales (MXFP8: weights and activations
 E4M3, gradients E5M2, one power-of-two scale per 32 elements along K, which plays the role of
@@ -16,6 +17,11 @@ in how the products are summed
 - ``wide never``: no promotion but a 25-bit accumulator (Hopper's BF16/FP16 datapath width).
 Same initial weights and batches for every run of a model (the differences are paired), except
 ``fp32, seed 1``: FP32 adds with another seed, the run-to-run noise against which to read them.
+
+``kscan``: the same accumulators on one matrix product of growing K (E4M3 operands, no
+training), the relative error of each output against the exact sum of the same products, for
+zero-mean operands and for non-negative ones (where truncation's bias adds up, as in DeepSeek-V3's
+K = 4096 observation). Written to accum_study_k.md and accum_study_k.png.
 """
 from __future__ import annotations
 
@@ -117,6 +123,62 @@ def run_gpt(name, corpus, args):
     return {"name": name, "losses": losses, "final": _tail(losses), "seconds": t.seconds}
 
 
+KSCAN_K = (128, 512, 2048, 8192, 32768)
+
+
+KSCAN_HEAD = """# Accumulator study: the error of one matrix product by K
+
+`python examples/accum_study.py --models kscan --out examples/results`: a 16 x K by K x 16
+product of E4M3-rounded standard normal operands (zero-mean) or their absolute values
+(non-negative), summed by FP32 adds (torch.mm) or by each accumulator of the training study; the
+median over outputs of |C - exact| / (|A| |B|), where exact is the float64 sum of the same
+products. 0.0 means exact (drawn at 1e-12 in accum_study_k.png).
+
+"""
+
+
+def kscan(ks, m=16, seed=0):
+    """Median relative error |C - C_exact| / (|A| |B|) of each accumulator by K, per operand kind."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for kind in ("zero-mean", "non-negative"):
+        for k in ks:
+            a, b = torch.randn(m, k, generator=g), torch.randn(k, m, generator=g)
+            if kind == "non-negative":
+                a, b = a.abs(), b.abs()
+            a, b = qt.quantize(a, "fp8_e4m3"), qt.quantize(b, "fp8_e4m3")
+            exact, size = a.double() @ b.double(), a.double().abs() @ b.double().abs()
+            for name, f in RUNS.items():
+                if name.endswith("seed 1"):
+                    continue
+                c = a @ b if f is None else accum.accum_matmul(a, b, f)
+                out[kind, k, name] = float(((c.double() - exact).abs() / size).median())
+    return out
+
+
+def kscan_table(err, ks, kind):
+    names = [n for n in RUNS if not n.endswith("seed 1")]
+    rows = [[str(k)] + [f"{err[kind, k, n]:.1e}" for n in names] for k in ks]
+    return common.markdown_table(["K"] + [f"{n}" for n in names], rows)
+
+
+def plot_kscan(err, ks, path):
+    plt = common.plt_module()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, kind in zip(axes, ("zero-mean", "non-negative")):
+        for n in RUNS:
+            if n.endswith("seed 1"):
+                continue
+            ys = [max(err[kind, k, n], 1e-12) for k in ks]  # 0 (exact) drawn at the floor
+            ax.loglog(ks, ys, marker="o", lw=1.3, color=COLORS[n], label=n)
+        ax.set_title(f"{kind} E4M3 operands")
+        ax.set_xlabel("K (products per output)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("median |C - exact| / (|A| |B|)")
+    axes[1].legend(fontsize=8)
+    common.save_figure(fig, path)
+
+
 def plot(results, path, title, ylabel):
     plt = common.plt_module()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
@@ -149,7 +211,7 @@ def main(argv=None):
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--models", default="digits,gpt")
+    p.add_argument("--models", default="digits,gpt,kscan")
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -180,9 +242,20 @@ def main(argv=None):
         if out_dir is not None:
             plot(res, out_dir / "accum_study_gpt.png", "Char-GPT, MXFP8 operands",
                  "train cross-entropy (nats/char)")
+    if "kscan" in models:
+        ks = KSCAN_K[:3] if args.quick else KSCAN_K
+        err = kscan(ks, seed=args.seed)
+        ksec = [(f"Matmul error vs K, {kind} operands", kscan_table(err, ks, kind))
+                for kind in ("zero-mean", "non-negative")]
+        for title, table in ksec:
+            print(f"\n## {title}\n\n{table}")
+        if out_dir is not None:
+            plot_kscan(err, ks, out_dir / "accum_study_k.png")
+            common.save_text(out_dir / "accum_study_k.md", KSCAN_HEAD + "\n\n".join(
+                f"## {t}\n\n{tab}" for t, tab in ksec) + "\n")
     for title, table in sections:
         print(f"\n## {title}\n\n{table}")
-    if out_dir is not None:
+    if out_dir is not None and sections:
         common.save_text(out_dir / "accum_study.md", "\n\n".join(
             f"## {t}\n\n{tab}" for t, tab in sections) + "\n")
 
