@@ -10,8 +10,9 @@ instructions. :class:`AccumFormat` describes such a datapath (presets from Volta
 ``fused_dot_add``), in which every step is exact in float64.
 
 Use: ``qt.Recipe(..., accumulate=qt.accum.hopper_fp8)`` or ``t.accum = ...``: every contraction
-with an operand that carries an accumulator sums its products with it. torch.compile and
-transposed, grouped or non-2-D convolutions are refused (NotImplementedError).
+with an operand that carries an accumulator sums its products with it, convolutions of every kind
+included (1-, 2-, 3-D, grouped, transposed: lowered to GEMMs, see the conv section below).
+torch.compile is refused (NotImplementedError).
 
 The model step by step, its sources and the known differences from hardware: docs/accum.md.
 """
@@ -371,8 +372,9 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
     if packet not in CONTRACTIONS:
         raise NotImplementedError(
             f"qt.accum: {packet} has no accumulator emulation (supported: "
-            f"{', '.join(CONTRACTIONS)}; matmul, einsum, F.linear, conv2d decompose into "
-            "these); drop the QTensor's .accum (or the Recipe's accumulate=) for it")
+            f"{', '.join(CONTRACTIONS)}; matmul, einsum, F.linear, F.conv*d and "
+            "F.conv_transpose*d decompose into these); drop the QTensor's .accum (or the "
+            "Recipe's accumulate=) for it")
     if packet in ("convolution", "_convolution"):
         return _conv_forward(uargs, ukwargs, f)
     if packet == "convolution_backward":
@@ -416,105 +418,117 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Convolutions as GEMMs (2-D, groups=1, not transposed). The reduction index runs over (kernel
-# row, kernel column, input channel), channels innermost, as an implicit GEMM on NHWC data (and
-# as dispatch blocks MX operands: along channels). Other convolutions raise NotImplementedError.
+# Convolutions as GEMMs: 1-, 2- and 3-D, grouped (a batched GEMM over the groups), transposed.
+# K orders, as implicit-GEMM kernels (cuDNN, CUTLASS) run them on channels-last data:
+# - forward: (kernel position, input channel of the group), channels innermost (as dispatch
+#   blocks MX operands: along channels); padding zeros take their K slots.
+# - transposed forward and grad_input: the forward convolution over the input with zeros
+#   inserted between its elements (stride), padded by dilation*(kernel-1)-padding (cropped where
+#   that is negative), with the kernel flipped and its channel dims swapped: a dgrad kernel whose
+#   K runs over every (kernel position, channel), the inserted zeros loaded as zeros. They are
+#   exact zero products that move no alignment, but they take K slots and so decide which
+#   products share an instruction; CUTLASS's strided dgrad skips them, and ATen's col2im path (a
+#   GEMM over channels only, the kernel positions added in float32) sums differently again.
+# - grad_weight: (batch, output position).
 
-def _conv_check(x, w, stride, padding, dilation, transposed, groups, what):
-    if x.dim() != 4 or transposed or groups != 1:
-        raise NotImplementedError(
-            f"qt.accum: {what} with an accumulator format is emulated for 2-D, non-transposed "
-            f"convolutions with groups=1; got a {x.dim() - 2}-D convolution, "
-            f"transposed={bool(transposed)}, groups={groups}. Drop the QTensor's .accum (or "
-            "the Recipe's accumulate=) for this layer")
-    if isinstance(padding, str):
-        raise NotImplementedError(f"qt.accum: {what}: string padding {padding!r}")
-
-
-def _pair(v):
-    v = list(v)
-    return tuple(v * 2) if len(v) == 1 else tuple(v)
-
-
-def _cols(x, kh, kw, stride, padding, dilation):
-    """(N, kh*kw*C, L): the GEMM operand of a 2-D convolution, channels innermost along K."""
-    N, C = x.shape[:2]
-    cols = torch.nn.functional.unfold(x, (kh, kw), dilation=dilation, padding=padding,
-                                      stride=stride)  # (N, C*kh*kw, L), channel-major
-    return cols.view(N, C, kh * kw, -1).transpose(1, 2).reshape(N, kh * kw * C, -1)
+def _tup(v, nd):
+    """A geometry argument (an int, or a list of 1 or nd ints) as nd ints."""
+    v = [v] if isinstance(v, int) else list(v)
+    return tuple(v * nd) if len(v) == 1 else tuple(v)
 
 
-def _w_mat(w):
-    """(O, kh*kw*C): the weight in the same K order as _cols."""
-    O, C, kh, kw = w.shape
-    return w.reshape(O, C, kh * kw).transpose(1, 2).reshape(O, kh * kw * C)
+def _pad(x, pads):
+    """x (N, C, *S) zero-padded by (lo, hi) per spatial dim; negative amounts crop."""
+    return torch.nn.functional.pad(x, [p for lo_hi in reversed(pads) for p in lo_hi])
 
 
-def _conv2d(x, w, stride, padding, dilation, f):
-    N, _, H, Wd = x.shape
-    O, _, kh, kw = w.shape
-    Ho = (H + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    Wo = (Wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    cols = _cols(x, kh, kw, stride, padding, dilation)
-    return accum_matmul(_w_mat(w), cols, f).view(N, O, Ho, Wo)
+def _cols(xp, k, stride, dilation, groups, size):
+    """(N, groups, L, P*C/groups): the windows of the padded input xp (N, C, *S) under the
+    first ``size`` output positions (L of them), each window in K order (P kernel positions)."""
+    for i, (kk, s, d) in enumerate(zip(k, stride, dilation)):
+        xp = xp.unfold(2 + i, d * (kk - 1) + 1, s).narrow(2 + i, 0, size[i])
+    win = xp[(..., *(slice(None, None, d) for d in dilation))]  # (N, C, *size, *k)
+    N, C = win.shape[:2]
+    L, P = math.prod(size), math.prod(k)
+    win = win.reshape(N, groups, C // groups, L, P).permute(0, 1, 3, 4, 2)
+    return win.reshape(N, groups, L, P * (C // groups))
+
+
+def _gemm_conv(xp, w, stride, dilation, groups, size, f):
+    """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size)."""
+    O, Cg, *k = w.shape
+    cols = _cols(xp, k, stride, dilation, groups, size)
+    wm = w.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(groups, O // groups, -1)
+    return accum_matmul(wm, cols.transpose(2, 3), f).reshape(xp.shape[0], O, *size)
+
+
+def _conv(x, w, geo, size, f):
+    stride, padding, dilation, groups = geo
+    return _gemm_conv(_pad(x, [(p, p) for p in padding]), w, stride, dilation, groups, size, f)
+
+
+def _conv_transpose(x, w, geo, size, f):
+    """The transposed convolution of x (N, C, *S) with w (C, O/groups, *k) to spatial ``size``,
+    as the forward convolution over the zero-inserted x (the section comment)."""
+    stride, padding, dilation, groups = geo
+    N, C, *S = x.shape
+    k = w.shape[2:]
+    z = x.new_zeros(N, C, *((n - 1) * s + 1 for n, s in zip(S, stride)))
+    z[(..., *(slice(None, None, s) for s in stride))] = x
+    pads = []
+    for i, (kk, d) in enumerate(zip(k, dilation)):
+        lo = d * (kk - 1) - padding[i]
+        pads.append((lo, size[i] + d * (kk - 1) - z.shape[2 + i] - lo))
+    wf = w.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)  # (O, C/groups, *k)
+    wf = wf.flip(list(range(2, wf.dim())))
+    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f)
+
+
+def _conv_weight_grad(x, go, k, geo, f):
+    """The weight gradient (O, C/groups, *k) of the forward convolution of x (N, C, *S) whose
+    output gradient is go (N, O, *So): a contraction over (batch, output position)."""
+    stride, padding, dilation, groups = geo
+    (N, O, *size), Cg = go.shape, x.shape[1] // groups
+    cols = _cols(_pad(x, [(p, p) for p in padding]), k, stride, dilation, groups, size)
+    b = cols.transpose(0, 1).reshape(groups, -1, cols.shape[-1])            # (g, N*L, P*Cg)
+    a = go.reshape(N, groups, O // groups, -1).permute(1, 2, 0, 3).reshape(groups, O // groups, -1)
+    return accum_matmul(a, b, f).reshape(O, -1, Cg).transpose(1, 2).reshape(O, Cg, *k)
+
+
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
+              "output_padding", "groups")
 
 
 def _conv_forward(uargs, ukwargs, f):
-    x, w, bias, stride, padding, dilation, transposed = (list(uargs) + [None] * 9)[:7]
-    groups = uargs[8] if len(uargs) > 8 else 1
-    _conv_check(x, w, stride, padding, dilation, transposed, groups, "convolution")
-    dtype = x.dtype
-    out = _conv2d(_f32(x, "convolution"), _f32(w, "convolution"), _pair(stride), _pair(padding),
-                  _pair(dilation), f)
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = (
+        _arg(uargs, ukwargs, i, n, None) for i, n in enumerate(_CONV_ARGS))
+    # torch's own checks (channels, groups, sizes) and output size, on an empty batch
+    size = torch.ops.aten.convolution(x[:0], w, None, stride, padding, dilation, transposed,
+                                      output_padding, groups).shape[2:]
+    nd = w.dim() - 2
+    geo = (_tup(stride, nd), _tup(padding, nd), _tup(dilation, nd), groups)
+    x32, w32 = _f32(x, "convolution"), _f32(w, "convolution")
+    out = (_conv_transpose if transposed else _conv)(x32, w32, geo, size, f)
     if bias is not None:
-        out = out + bias.view(1, -1, 1, 1)
-    return out.to(dtype)
+        out = out + bias.view(-1, *[1] * nd)
+    return out.to(x.dtype)
 
 
 def _conv_backward(uargs, ukwargs, f):
     (go, x, w, _bias_sizes, stride, padding, dilation, transposed, _output_padding, groups,
      mask) = uargs[:11]
-    _conv_check(x, w, stride, padding, dilation, transposed, groups, "convolution_backward")
-    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    dtype = go.dtype
+    nd = w.dim() - 2
+    geo = (_tup(stride, nd), _tup(padding, nd), _tup(dilation, nd), groups)
     go32, x32, w32 = (_f32(t, "convolution_backward") for t in (go, x, w))
-    N, O, Ho, Wo = go.shape
-    _, C, kh, kw = w.shape
     gi = gw = gb = None
-    if mask[0]:
-        # grad_input: the transposed convolution as a forward one over grad_output with zeros
-        # inserted between its elements (stride), padded, and the kernel flipped with its
-        # channels swapped: a contraction over (kernel position, output channel)
-        H, Wd = x.shape[2:]
-        pads = []
-        for d in range(2):
-            k = (kh, kw)[d]
-            lo = dilation[d] * (k - 1) - padding[d]
-            if lo < 0:
-                raise NotImplementedError(
-                    "qt.accum: convolution_backward with padding larger than the dilated kernel "
-                    "extent is not emulated")
-            size = (Ho, Wo)[d]
-            full = (size - 1) * stride[d] + 1
-            hi = (H, Wd)[d] + dilation[d] * (k - 1) - full - lo
-            pads.append((lo, hi))
-        z = go32.new_zeros(N, O, (Ho - 1) * stride[0] + 1, (Wo - 1) * stride[1] + 1)
-        z[:, :, ::stride[0], ::stride[1]] = go32
-        z = torch.nn.functional.pad(z, (pads[1][0], max(pads[1][1], 0),
-                                        pads[0][0], max(pads[0][1], 0)))
-        z = z[:, :, :z.shape[2] + min(pads[0][1], 0) or None,
-              :z.shape[3] + min(pads[1][1], 0) or None]
-        wf = w32.flip(2, 3).transpose(0, 1)  # (C, O, kh, kw)
-        gi = _conv2d(z, wf, (1, 1), (0, 0), dilation, f).to(dtype)
-    if mask[1]:
-        # grad_weight: a contraction over (batch, output position)
-        cols = _cols(x32, kh, kw, stride, padding, dilation)  # (N, K, L)
-        a = go32.reshape(N, O, -1).transpose(0, 1).reshape(O, -1)          # (O, N*L)
-        b = cols.transpose(1, 2).reshape(-1, cols.shape[1])                # (N*L, K)
-        gw = accum_matmul(a, b, f).view(O, kh * kw, C).transpose(1, 2).reshape(O, C, kh, kw)
-        gw = gw.to(dtype)
+    if mask[0]:  # the adjoint of the forward map: a transposed convolution, or the converse
+        gi = (_conv if transposed else _conv_transpose)(go32, w32, geo, x.shape[2:], f)
+        gi = gi.to(go.dtype)
+    if mask[1]:  # a transposed convolution's weight is that of the forward map go -> x
+        a, b = (go32, x32) if transposed else (x32, go32)
+        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f).to(go.dtype)
     if mask[2]:  # grad_bias: a sum of grad_output values, not a contraction
-        gb = go.sum((0, 2, 3))
+        gb = go.sum([0, *range(2, go.dim())])
     return (gi, gw, gb)
 
 
