@@ -786,3 +786,143 @@ def test_conv_model_trains_with_accumulator():
         runs[acc] = losses
     assert m[5].weight.grad.accum is accum.hopper_fp8
     assert runs[None] != runs[accum.hopper_fp8]  # the accumulator took part
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel's float32/int32 fast path (csrc/cpu/accum_fast.h, AVX-512 CPUs): taken when every
+# product is exact and normal in float32 and a chunk's terms sum in int32, with a fallback to the
+# double path for a tile whose emax or sums leave that range. The same calls run the double path
+# where the fast one is refused (or under QTENSOR_CPU_ISA), so each must give the reference's bits.
+
+FAST_FORMATS = [
+    accum.hopper_fp8, accum.hopper_fp8_fast, accum.hopper_bf16, accum.volta_fp16,
+    AccumFormat(chunk=32, frac_bits=13, align_rounding="floor", acc_man=13, promote=4),
+    AccumFormat(chunk=32, frac_bits=13, align_rounding="nearest", acc_rounding="nearest"),
+    AccumFormat(chunk=16, frac_bits=10, align_rounding="floor", acc_in_alignment=False,
+                acc_man=10, acc_rounding="nearest", promote=3),
+    AccumFormat(chunk=8, frac_bits=3, align_rounding="nearest", acc_man=5),
+    AccumFormat(chunk=24, frac_bits=0, align_rounding="floor", acc_man=2, promote=2),
+    AccumFormat(chunk=16, frac_bits=28, acc_in_alignment=False),  # the widest terms it takes
+]
+FAST_OPERANDS = ["fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "fp6_e2m3", "fp4_e2m1"]
+
+
+def _fast_case(seed, M, K, N, fmt):
+    """Operands of format fmt with zero rows, columns and runs, and mixed signs."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = _random(g, M, K, N, fmt)
+    a[1 % M, 5:30] = 0.0
+    b[:, 3 % N] = 0.0
+    b[10:20] *= -1.0
+    return a, b
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FAST_OPERANDS)
+@pytest.mark.parametrize("f", FAST_FORMATS, ids=str)
+def test_fast_path_equals_reference(f, fmt):
+    # M = 7: a full 4-row tile and a 3-row one; K = 77: a partial last chunk for every chunk
+    # size; N = 37: two 16-lane panels and a partial one
+    a, b = _fast_case(zlib.crc32(f"{f}{fmt}fast".encode()), 7, 77, 37, fmt)
+    want = accum.accum_matmul_reference(a, b, f)
+    assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_alignment", [True, False])
+@pytest.mark.parametrize("rounding", accum.ALIGN_ROUNDINGS)
+def test_fast_path_tiny_terms(rounding, in_alignment):
+    """Products 2^-40 .. 2^40 apart: most terms are scaled far below 1, where toward_zero and
+    nearest give 0 and floor gives -1 for a negative one; the partial p is often the largest."""
+    g = torch.Generator().manual_seed(7)
+    a, b = _random(g, 9, 200, 21, "fp8_e4m3")
+    a = a * 2.0 ** torch.randint(-20, 21, a.shape, generator=g).float()
+    b = b * 2.0 ** torch.randint(-20, 21, b.shape, generator=g).float()
+    for promote in (None, 2):
+        f = AccumFormat(chunk=32, frac_bits=13, align_rounding=rounding, acc_man=13,
+                        acc_in_alignment=in_alignment, promote=promote)
+        want = accum.accum_matmul_reference(a, b, f)
+        assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want)), promote
+
+
+@needs_kernel
+@pytest.mark.parametrize("f", [accum.hopper_fp8, accum.hopper_bf16,
+                               AccumFormat(chunk=4, frac_bits=2, align_rounding="floor")], ids=str)
+def test_fast_path_boundaries(f):
+    """Operands at the edges of the fast path's range, and past them (double path or tile
+    fallback): each must keep the reference's bits."""
+    g = torch.Generator().manual_seed(11)
+    cases = {}
+    a, b = _random(g, 5, 64, 18, "bf16")
+    # the largest significands, all one sign: the int32 sums come closest to 2^31
+    cases["full sums"] = (torch.full((5, 64), 2 - 2 ** -7), torch.full((64, 18), 2 - 2 ** -7))
+    # emax growing past the fast path's limit in some rows only (those tiles fall back)
+    big = a.clone()
+    big[2:4, 40:] *= 2.0 ** 60
+    cases["emax limit"] = (big, b * 2.0 ** 50)
+    # products at float32's ends: the exponent checks of the glue
+    cases["tiny products"] = (a * 2.0 ** -60, b * 2.0 ** -60)
+    cases["huge products"] = (a * 2.0 ** 60, b * 2.0 ** 60)
+    cases["overflow"] = (a * 2.0 ** 63, b * 2.0 ** 63)
+    cases["subnormal operand"] = (torch.where(a == a.max(), 2.0 ** -130, a), b)
+    cases["float32 operand"] = (a, torch.randn(64, 18, generator=g))
+    cases["fp16 x bf16"] = (qt.quantize(a, "fp16"), b)
+    cases["float32 x fp4"] = (torch.randn(5, 64, generator=g), qt.quantize(b, "fp4_e2m1"))
+    cases["nonfinite"] = (torch.where(a == a.max(), math.inf, a), b)
+    cases["zeros"] = (torch.zeros(5, 64), b)
+    for name, (x, y) in cases.items():
+        want = accum.accum_matmul_reference(x, y, f)
+        assert torch.equal(bits(accum.accum_matmul(x, y, f)), bits(want)), name
+
+
+@needs_kernel
+def test_fast_path_batched_and_strided():
+    g = torch.Generator().manual_seed(5)
+    a, b = _random(g, 3 * 33, 100, 50, "fp8_e4m3")
+    a, b = a.reshape(3, 33, 100), b.t().contiguous().t()
+    for f in (accum.hopper_fp8, accum.hopper_bf16):
+        want = accum.accum_matmul_reference(a, b, f)
+        assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_fast_path_cases_on_other_isas(isa):
+    """QTENSOR_CPU_ISA caps the instruction set: the same cases through the double lanes."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, zlib; sys.path.insert(0, 'tests'); import test_accum as T\n"
+        "from qtensor import accum\n"
+        "for f in T.FAST_FORMATS:\n"
+        "    for fmt in T.FAST_OPERANDS[:3]:\n"
+        "        a, b = T._fast_case(zlib.crc32(f'{f}{fmt}'.encode()), 5, 40, 19, fmt)\n"
+        "        want = accum.accum_matmul_reference(a, b, f)\n"
+        "        got = accum.accum_matmul(a, b, f)\n"
+        "        assert torch.equal(T.bits(got), T.bits(want)), (f, fmt)\n")
+    env = dict(os.environ, QTENSOR_CPU_ISA=isa)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@needs_kernel
+def test_fast_path_with_flush_denormal():
+    """Results in float32's subnormal range (the accumulator format's grid goes below 2^-126):
+    with torch.set_flush_denormal(True) the kernel still gives the reference's bits."""
+    g = torch.Generator().manual_seed(9)
+    a, b = _random(g, 6, 96, 20, "fp8_e4m3")
+    a, b = a * 2.0 ** -60, b * 2.0 ** -60
+    f = AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=2)
+    want = accum.accum_matmul_reference(a, b, f)
+    assert (want != 0).any() and (want.abs() < 2.0 ** -126).any()
+    assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = accum.accum_matmul(a, b, f)
+        want = accum.accum_matmul_reference(a, b, f)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(bits(got), bits(want))

@@ -4,7 +4,11 @@
 // AccumFormat into the integer arguments and registers the fake implementation. The math for one
 // output element is include/qtensor/accum.h (shared with a CUDA kernel); this file checks the
 // arguments, lays the operands out (a rows and b columns contiguous along K, with their alignment
-// exponents precomputed once) and runs the output tiles in parallel.
+// exponents precomputed once), picks the path and runs the output tiles in parallel.
+//
+// Paths (group == 1): the float32/int32 fast path (cpu/accum_fast.h, AVX-512) where the operands
+// allow it (fast_path_ok), else the double lanes (cpu/accum_lanes.h, baseline or AVX2); groups:
+// the scalar qtensor::acc_dot. All give the bits of qtensor/accum.py's reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +18,7 @@
 #endif
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -24,8 +29,10 @@ namespace {
 
 using namespace qtensor_accum;
 
-// The vectorized path (group == 1), compiled twice: for the baseline and for AVX2.
-constexpr int W = 8;  // output columns per call: the SIMD lanes
+// The vectorized paths (group == 1): the double lanes compiled for the baseline, AVX2 and
+// AVX-512, the fast path for AVX-512 only.
+constexpr int W = 8;   // output columns per dot_lanes call: the SIMD lanes
+constexpr int P = 16;  // b is packed in panels of P columns (the fast path's lanes)
 namespace accum_base {
 #include "cpu/accum_lanes.h"
 }  // namespace accum_base
@@ -37,27 +44,98 @@ namespace accum_avx2 {
 #include "cpu/accum_lanes.h"
 }  // namespace accum_avx2
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd")
+namespace accum_avx512 {
+#include "cpu/accum_lanes.h"
+#include "cpu/accum_fast.h"
+}  // namespace accum_avx512
+#pragma GCC pop_options
+static_assert(accum_avx512::FW == P, "b's panels are the fast path's lanes");
 #endif
 
-bool has_avx2() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool yes = __builtin_cpu_supports("avx2") &&
-                          !(std::getenv("QTENSOR_CPU_ISA") &&
-                            std::strcmp(std::getenv("QTENSOR_CPU_ISA"), "base") == 0);
-  return yes;
+// 0: baseline, 1: AVX2, 2: AVX-512 with CD (QTENSOR_CPU_ISA=base|avx2 caps it, as in quantize.cpp)
+int accum_isa() {
+#if defined(QT_ACCUM_AVX2)
+  static const int isa = [] {
+    int best = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (best == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512cd"))
+      best = 2;
+    const char* cap = std::getenv("QTENSOR_CPU_ISA");
+    if (cap != nullptr && std::strcmp(cap, "base") == 0) best = 0;
+    if (cap != nullptr && std::strcmp(cap, "avx2") == 0 && best > 1) best = 1;
+    return best;
+  }();
+  return isa;
 #else
-  return false;
+  return 0;
 #endif
 }
 
-at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
+// What the fast path needs to know of an operand's values.
+struct Range {
+  bool normal = true;  // every value finite and normal or zero
+  uint32_t man = 0;    // the OR of the mantissa fields: its lowest set bit bounds the significands
+  int lo = INT_MAX;    // the smallest and largest exponent of the nonzero values
+  int hi = INT_MIN;
+  int bits() const { return man == 0 ? 1 : 24 - __builtin_ctz(man); }  // significand width
+  bool any() const { return lo <= hi; }
+  Range operator|(const Range& o) const {
+    return {normal && o.normal, man | o.man, std::min(lo, o.lo), std::max(hi, o.hi)};
+  }
+};
+
+// The alignment exponents of x (float32 contiguous) and its Range.
+at::Tensor exponents(const at::Tensor& x, Range* range) {
   at::Tensor e = at::empty(x.sizes(), x.options().dtype(at::kInt));
   const float* px = x.data_ptr<float>();
   int* pe = e.data_ptr<int>();
-  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i]);
-  });
+  *range = at::parallel_reduce(
+      0, x.numel(), 1 << 14, Range(),
+      [&](int64_t lo, int64_t hi, Range r) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const uint32_t u = qtensor::f2u(px[i]) & qtensor::F32::ABS;
+          const int be = (int)(u >> 23);
+          pe[i] = qtensor::acc_exp_f32(px[i]);
+          if (u == 0) continue;
+          r.normal &= be != 0 && be != 255;
+          r.man |= u & qtensor::F32::MANMASK;
+          r.lo = std::min(r.lo, be - 127);
+          r.hi = std::max(r.hi, be - 127);
+        }
+        return r;
+      },
+      [](const Range& x, const Range& y) { return x | y; });
   return e;
+}
+
+// Whether the fast path is exact for operands in ranges ra, rb, and the largest emax it takes
+// (*emax_limit; a tile whose emax goes above is redone by the double path). With every product
+// exact and normal in float32 (operand significands of at most 24 bits together, no overflow or
+// underflow), each term is p * 2^(F - emax), exact while it is normal: F - emax >= -126 for the
+// smallest product (the limit), F - emax <= 126 where a product is nonzero (emax >= lo). A term
+// is below 4 * 2^F, and at most (4 - 2^(2 - m)) * 2^F with m-bit significands: a chunk of them
+// must sum in int32. emax <= F + 96 keeps the chunk's result (below 2^31 * 2^(emax - F)) finite.
+bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
+                  int* emax_limit) {
+  if (s.group != 1 || !ra.normal || !rb.normal || ra.bits() + rb.bits() > 24) return false;
+#if defined(QT_ACCUM_AVX2)
+  // its float32 partials may be subnormal: not with flush-to-zero or denormals-are-zero set
+  // (torch.set_flush_denormal), nor a rounding mode other than nearest
+  if ((_mm_getcsr() & (_MM_FLUSH_ZERO_MASK | _MM_DENORMALS_ZERO_MASK | _MM_ROUND_MASK)) != 0)
+    return false;
+#endif
+  const int F = s.frac_bits;
+  *emax_limit = F + 96;
+  if (!ra.any() || !rb.any()) return true;  // every product is zero
+  const int lo = ra.lo + rb.lo, hi = ra.hi + rb.hi;  // the products' exponents
+  if (lo < -126 || hi > 126 || F - lo > 126 || F > 28) return false;
+  *emax_limit = F + std::min(126 + std::min(lo, 0), 96);
+  const int m = std::max(ra.bits(), rb.bits());
+  const int64_t term = (int64_t{4} << F) - (F + 2 >= m ? int64_t{1} << (F + 2 - m) : 0);
+  return s.chunk * term <= INT32_MAX;
 }
 
 at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk, int64_t frac_bits,
@@ -70,22 +148,25 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
   const at::Tensor ac = a.contiguous();
-  const at::Tensor ea = exponents(ac);
+  Range ra, rb;
+  const at::Tensor ea = exponents(ac, &ra);
   const float* pa = ac.data_ptr<float>();
   const int* pea = ea.data_ptr<int>();
   float* po = out.data_ptr<float>();
   if (s.group == 1) {
-    // b in panels of W columns, each (K, W) contiguous (zero columns pad the last one): the
+    // b in panels of P columns, each (K, P) contiguous (zero columns pad the last one): the
     // lanes read it sequentially along K
-    const int64_t ldb = (N + W - 1) / W * W;
+    const int64_t ldb = (N + P - 1) / P * P;
     at::Tensor bp = at::zeros({B, K, ldb}, b.options());
     bp.narrow(2, 0, N).copy_(b);
-    bp = bp.view({B, K, ldb / W, W}).permute({0, 2, 1, 3}).contiguous();  // (B, ldb/W, K, W)
-    const at::Tensor eb = exponents(bp);
+    bp = bp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();  // (B, ldb/P, K, P)
+    const at::Tensor eb = exponents(bp, &rb);
     const float* pb = bp.data_ptr<float>();
     const int* peb = eb.data_ptr<int>();
-    const bool avx2 = has_avx2();
-    constexpr int64_t TM = 4;  // rows per task: their operands stay in cache
+    const int isa = accum_isa();
+    int emax_limit = 0;
+    const bool fast = isa == 2 && fast_path_ok(s, ra, rb, &emax_limit);
+    constexpr int64_t TM = 8;  // rows per task: their operands stay in cache
     const int64_t tm = (M + TM - 1) / TM;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, TM * ldb * K));
     at::parallel_for(0, B * tm, grain, [&](int64_t lo, int64_t hi) {
@@ -96,8 +177,17 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
         const float* b3 = pb + bi * K * ldb;
         const int* eb3 = peb + bi * K * ldb;
         float* o3 = po + bi * M * N;
-#if defined(__x86_64__) && defined(__GNUC__)
-        if (avx2) { accum_avx2::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
+#if defined(QT_ACCUM_AVX2)
+        if (fast) {
+          using accum_avx512::rows_fast;
+          switch (s.align_round) {
+            case 0: rows_fast<0>(a3, ea3, b3, eb3, K, N, i0, i1, s, emax_limit, o3); break;
+            case 1: rows_fast<1>(a3, ea3, b3, eb3, K, N, i0, i1, s, emax_limit, o3); break;
+            default: rows_fast<2>(a3, ea3, b3, eb3, K, N, i0, i1, s, emax_limit, o3); break;
+          }
+          continue;
+        }
+        if (isa > 0) { accum_avx2::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
 #endif
         accum_base::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3);
       }
@@ -106,7 +196,7 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
   }
   // groups: the scalar qtensor::acc_dot on rows of a and columns of b (b transposed)
   const at::Tensor bt = b.transpose(1, 2).contiguous();  // (B, N, K)
-  const at::Tensor eb = exponents(bt);
+  const at::Tensor eb = exponents(bt, &rb);
   const float* pb = bt.data_ptr<float>();
   const int* peb = eb.data_ptr<int>();
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K));

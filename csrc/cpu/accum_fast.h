@@ -1,0 +1,209 @@
+// The float32/int32 fast path of qtensor::accum_matmul (group == 1), included by
+// csrc/cpu/accum.cpp inside namespace accum_avx512 under `#pragma GCC target("avx512...")`, after
+// accum_lanes.h (its dot_lanes is the fallback). No #include here.
+//
+// Used only where accum.cpp's fast_path_ok holds for the operands: all finite, normal or zero,
+// significands of at most 24 bits between a and b (fp8/fp6/fp4/bf16/fp16 values), so every
+// product a*b is exact and normal (or zero) in float32, and a chunk's scaled terms sum exactly in
+// int32. Then the model's term round(a*b * 2^(frac_bits - emax)) is a float32 product scaled by
+// an exact power of two (an int32 add to its exponent bits, or a float32 multiply), a
+// float32-to-int32 conversion with the alignment rounding and an int32 add: 4 instructions per 16
+// products, against the double path's ~15 per 8. The per-chunk finish (p's own term, the
+// normalization to the accumulator format, promotion) is integer/float32 arithmetic on 16 lanes,
+// exact: the partials are float32 values.
+//
+// The scaled terms are exact only while 2^(frac_bits - emax) times the smallest product stays a
+// normal float32, and the finish only while the sums stay in int32; emax can grow with the
+// partial p (acc_in_alignment), so every chunk checks both, and a tile that fails a check is
+// redone by the double path (dot_lanes).
+
+constexpr int FW = 16;  // output columns per tile: the float32 lanes of a zmm register
+constexpr int FR = 4;   // rows per tile: each loaded b vector serves FR rows
+
+template <int MODE>
+inline __m512i cvt_round(__m512 x) {  // float32 to int32 with the alignment rounding
+  return _mm512_cvt_roundps_epi32(
+      x, (MODE == 0 ? _MM_FROUND_TO_ZERO
+                    : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
+             _MM_FROUND_NO_EXC);
+}
+inline __m512i i32(int x) { return _mm512_set1_epi32(x); }
+
+// e(p) of float32 partials: max(floor(log2|p|), -126), kAccZeroExp for p == 0
+inline __m512i p_exp16(__m512 p) {
+  const __m512i u = _mm512_and_si512(_mm512_castps_si512(p), i32((int)qtensor::F32::ABS));
+  const __m512i e = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(u, 23), i32(127)),
+                                     i32(qtensor::kAccExpMin));
+  return _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(u, _mm512_setzero_si512()),
+                               i32(qtensor::kAccZeroExp));
+}
+
+// qtensor::acc_finish of 16 lanes in int32/float32: the new partial from S (the products' sum,
+// units of 2^(em - F)), em and the old partial p. The partials are float32 values (at most 24
+// significant bits, float32's exponent range); the sum T of S and p's term is below 2^31
+// (fast_tile checks it), so its rounding to acc_man bits below its leading bit (or below 2^-126)
+// is integer arithmetic on |T|, and the result R * 2^(em - F) is exact in float32 (vscalefps).
+template <int MODE>
+inline __m512 finish16(__m512i T, __m512i em, __m512 p, const qtensor::AccumSpec& s) {
+  const __m512i F = i32(s.frac_bits);
+  if (s.acc_in_alignment) {  // T += round(p * 2^(F - em)), below 2^(F + 1) in magnitude
+    const __m512 x = _mm512_scalef_ps(p, _mm512_cvtepi32_ps(_mm512_sub_epi32(F, em)));
+    __m512i pt = cvt_round<MODE>(x);
+    if (MODE == 1)  // floor of a negative p whose term underflowed to -0: -1
+      pt = _mm512_mask_sub_epi32(pt, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ) &
+                                         _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                 pt, i32(1));
+    T = _mm512_add_epi32(T, pt);
+  }
+  const __m512i aT = _mm512_abs_epi32(T);
+  const __m512i L = _mm512_sub_epi32(i32(31), _mm512_lzcnt_epi32(aT));  // floor(log2|T|)
+  // the bits of |T| below 2^d go: d = max(L, -126 - em + F) - acc_man, at least 0
+  const __m512i d = _mm512_max_epi32(
+      _mm512_sub_epi32(_mm512_max_epi32(L, _mm512_sub_epi32(_mm512_sub_epi32(F, em), i32(126))),
+                       i32(s.acc_man)),
+      _mm512_setzero_si512());
+  __m512i R;
+  if (s.acc_round == 0) {
+    R = _mm512_sllv_epi32(_mm512_srlv_epi32(aT, d), d);
+  } else {  // ties to even: + (2^(d-1) - 1) + the kept bits' parity (none when d == 0)
+    const __m512i low = _mm512_sub_epi32(_mm512_sllv_epi32(i32(1), d), i32(1));
+    const __m512i odd = _mm512_and_si512(_mm512_and_si512(_mm512_srlv_epi32(aT, d), low), i32(1));
+    const __m512i t = _mm512_add_epi32(_mm512_add_epi32(aT, _mm512_srli_epi32(low, 1)), odd);
+    R = _mm512_sllv_epi32(_mm512_srlv_epi32(t, d), d);  // unsigned: up to 2^31
+  }
+  // sign(T) * R * 2^(em - F); a zero result is +0
+  const __mmask16 neg = _mm512_cmplt_epi32_mask(T, _mm512_setzero_si512()) &
+                        _mm512_cmpneq_epi32_mask(R, _mm512_setzero_si512());
+  __m512 r = _mm512_castsi512_ps(_mm512_mask_or_epi32(
+      _mm512_castps_si512(_mm512_cvtepu32_ps(R)), neg,
+      _mm512_castps_si512(_mm512_cvtepu32_ps(R)), i32((int)qtensor::F32::SIGN)));
+  r = _mm512_scalef_ps(r, _mm512_cvtepi32_ps(_mm512_sub_epi32(em, F)));
+  return s.acc_in_alignment ? r : _mm512_add_ps(p, r);
+}
+
+// The chunk's terms summed in int32: S[r] += round(a[r][k] * b[k] * 2^sh[r]) for k in [k0, k1).
+// SHIFT: the scaling is an int32 add of sh << 23 to the product's bits (exact for a normal
+// product and term; a zero product gives +-2^(sh - 127), which rounds to 0 toward zero or to
+// nearest when 1 <= sh <= 126); else a float32 multiply by 2^sh.
+template <int MODE, int R, bool SHIFT>
+inline void chunk_terms(const float* a, int64_t K, const float* b, int64_t k0, int64_t k1,
+                        const __m512i* sh, __m512i* S) {
+  __m512i sc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    sc[r] = SHIFT ? _mm512_slli_epi32(sh[r], 23)
+                  : _mm512_slli_epi32(_mm512_add_epi32(sh[r], i32(127)), 23);
+    S[r] = _mm512_setzero_si512();
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const __m512 bk = _mm512_loadu_ps(b + k * FW);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 t = _mm512_mul_ps(bk, _mm512_set1_ps(a[r * K + k]));
+      const __m512 x =
+          SHIFT ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(t), sc[r]))
+                : _mm512_mul_ps(t, _mm512_castsi512_ps(sc[r]));
+      S[r] = _mm512_add_epi32(S[r], cvt_round<MODE>(x));
+    }
+  }
+}
+
+// out[r][0:ncols] for R rows of a (row stride K, exponents ea) times one (K, FW) panel of b
+// (exponents eb). False (out untouched) where an emax passed emax_limit or a sum came near
+// 2^31: the tile needs dot_lanes.
+template <int MODE, int R>
+bool fast_tile(const float* a, const int* ea, const float* b, const int* eb, int64_t K,
+               const qtensor::AccumSpec& s, int emax_limit, float* out, int64_t ldo,
+               int ncols) {
+  using namespace qtensor;
+  __m512 p[R], acc[R];
+  for (int r = 0; r < R; ++r) p[r] = acc[r] = _mm512_setzero_ps();
+  const __m512i F = i32(s.frac_bits), limit = i32(emax_limit);
+  // |S| must leave room for p's term (below 2^(F + 1))
+  const __m512i smax = i32(INT32_MAX - (s.acc_in_alignment ? 1 << (s.frac_bits + 1) : 0));
+  int c = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
+    const int64_t k1 = K - k0 < s.chunk ? K : k0 + s.chunk;
+    // emax per lane: p's exponent (if it takes part) and max_k ea[k] + eb[k]
+    __m512i E[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) E[r] = s.acc_in_alignment ? p_exp16(p[r]) : i32(kAccZeroExp);
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m512i ebk = _mm512_loadu_si512(eb + k * FW);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        E[r] = _mm512_max_epi32(E[r], _mm512_add_epi32(i32(ea[r * K + k]), ebk));
+    }
+    // the scales 2^sh, sh = F - emax, clamped to [-126, 126]: only lanes without a nonzero
+    // product can leave it (fast_path_ok), and their scale multiplies zeros; all-zero lanes:
+    // emax 0
+    __m512i sh[R];
+    __mmask16 over = 0, small = 0;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      E[r] = _mm512_mask_mov_epi32(E[r], _mm512_cmpgt_epi32_mask(i32(kAccZeroExp / 2), E[r]),
+                                   _mm512_setzero_si512());
+      over |= _mm512_cmpgt_epi32_mask(E[r], limit);
+      sh[r] = _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(F, E[r]), i32(-126)), i32(126));
+      small |= _mm512_cmplt_epi32_mask(sh[r], i32(1));
+    }
+    if (over) return false;
+    __m512i S[R];
+    if (MODE != 1 && !small)
+      chunk_terms<MODE, R, true>(a, K, b, k0, k1, sh, S);
+    else
+      chunk_terms<MODE, R, false>(a, K, b, k0, k1, sh, S);
+    const bool promote = s.promote > 0 && (++c == s.promote || k1 == K);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      over |= _mm512_cmpgt_epi32_mask(_mm512_abs_epi32(S[r]), smax);
+      p[r] = finish16<MODE>(S[r], E[r], p[r], s);
+      if (promote) {
+        acc[r] = _mm512_add_ps(acc[r], p[r]);
+        p[r] = _mm512_setzero_ps();
+      }
+    }
+    if (over) return false;
+    if (promote) c = 0;
+  }
+  const __mmask16 cols = (__mmask16)((1u << ncols) - 1);
+  for (int r = 0; r < R; ++r) {
+    const __m512 o = s.promote > 0 ? acc[r] : p[r];  // inf + -inf in acc: one NaN encoding
+    _mm512_mask_storeu_ps(out + r * ldo, cols,
+                          _mm512_mask_mov_ps(o, _mm512_cmp_ps_mask(o, o, _CMP_UNORD_Q),
+                                             _mm512_castsi512_ps(i32((int)F32::QNAN))));
+  }
+  return true;
+}
+
+// Rows [i0, i1) of one batch: a (M, K); b in panels of FW columns, each (K, FW) contiguous.
+template <int MODE>
+void rows_fast(const float* a, const int* ea, const float* b, const int* eb, int64_t K,
+               int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s, int emax_limit,
+               float* out) {
+  for (int64_t j = 0; j < N; j += FW) {
+    const float* bj = b + j * K;  // the panel of columns j .. j + FW - 1
+    const int* ebj = eb + j * K;
+    const int nc = (int)std::min<int64_t>(FW, N - j);
+    for (int64_t i = i0; i < i1; i += FR) {
+      const int R = (int)std::min<int64_t>(FR, i1 - i);
+      const float* ai = a + i * K;
+      const int* eai = ea + i * K;
+      float* oi = out + i * N + j;
+      bool ok;
+      switch (R) {
+        case 4: ok = fast_tile<MODE, 4>(ai, eai, bj, ebj, K, s, emax_limit, oi, N, nc); break;
+        case 3: ok = fast_tile<MODE, 3>(ai, eai, bj, ebj, K, s, emax_limit, oi, N, nc); break;
+        case 2: ok = fast_tile<MODE, 2>(ai, eai, bj, ebj, K, s, emax_limit, oi, N, nc); break;
+        default: ok = fast_tile<MODE, 1>(ai, eai, bj, ebj, K, s, emax_limit, oi, N, nc); break;
+      }
+      if (ok) continue;
+      float tmp[FW];  // the double path, two 8-lane halves of the panel per row
+      for (int r = 0; r < R; ++r) {
+        for (int h = 0; h < FW; h += W)
+          dot_lanes<MODE>(ai + r * K, eai + r * K, bj + h, ebj + h, FW, K, s, tmp + h);
+        for (int w = 0; w < nc; ++w) oi[r * N + w] = tmp[w];
+      }
+    }
+  }
+}
