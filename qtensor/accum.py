@@ -457,9 +457,12 @@ def _cols(xp, k, stride, dilation, groups, size):
 def _gemm_conv(xp, w, stride, dilation, groups, size, f):
     """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size)."""
     O, Cg, *k = w.shape
-    cols = _cols(xp, k, stride, dilation, groups, size)
+    N = xp.shape[0]
+    cols = _cols(xp, k, stride, dilation, groups, size)  # (N, g, L, K)
+    b = cols.permute(1, 3, 0, 2).reshape(groups, cols.shape[-1], -1)  # (g, K, N*L): one GEMM
     wm = w.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(groups, O // groups, -1)
-    return accum_matmul(wm, cols.transpose(2, 3), f).reshape(xp.shape[0], O, *size)
+    out = accum_matmul(wm, b, f).reshape(groups, O // groups, N, -1)
+    return out.permute(2, 0, 1, 3).reshape(N, O, *size)
 
 
 def _conv(x, w, geo, size, f):
