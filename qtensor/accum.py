@@ -330,8 +330,9 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
         return accum_matmul_reference(a, b, f)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    a3 = a.float().expand(*batch, M, K).reshape(-1, M, K)
-    b3 = b.float().expand(*batch, K, N).reshape(-1, K, N)
+    B = math.prod(batch)  # not -1: a zero-size operand leaves -1 ambiguous
+    a3 = a.float().expand(*batch, M, K).reshape(B, M, K)
+    b3 = b.float().expand(*batch, K, N).reshape(B, K, N)
     out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f))
     return out.reshape(*batch, M, N)
 
@@ -456,12 +457,12 @@ def _cols(xp, k, stride, dilation, groups, size):
 
 def _gemm_conv(xp, w, stride, dilation, groups, size, f):
     """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size)."""
-    O, Cg, *k = w.shape
-    N = xp.shape[0]
+    (O, Cg, *k), N, L = w.shape, xp.shape[0], math.prod(size)
+    K = math.prod(k) * Cg
     cols = _cols(xp, k, stride, dilation, groups, size)  # (N, g, L, K)
-    b = cols.permute(1, 3, 0, 2).reshape(groups, cols.shape[-1], -1)  # (g, K, N*L): one GEMM
-    wm = w.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(groups, O // groups, -1)
-    out = accum_matmul(wm, b, f).reshape(groups, O // groups, N, -1)
+    b = cols.permute(1, 3, 0, 2).reshape(groups, K, N * L)  # one GEMM per group
+    wm = w.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(groups, O // groups, K)
+    out = accum_matmul(wm, b, f).reshape(groups, O // groups, N, L)
     return out.permute(2, 0, 1, 3).reshape(N, O, *size)
 
 
@@ -492,10 +493,12 @@ def _conv_weight_grad(x, go, k, geo, f):
     output gradient is go (N, O, *So): a contraction over (batch, output position)."""
     stride, padding, dilation, groups = geo
     (N, O, *size), Cg = go.shape, x.shape[1] // groups
+    L, P = math.prod(size), math.prod(k)
     cols = _cols(_pad(x, [(p, p) for p in padding]), k, stride, dilation, groups, size)
-    b = cols.transpose(0, 1).reshape(groups, -1, cols.shape[-1])            # (g, N*L, P*Cg)
-    a = go.reshape(N, groups, O // groups, -1).permute(1, 2, 0, 3).reshape(groups, O // groups, -1)
-    return accum_matmul(a, b, f).reshape(O, -1, Cg).transpose(1, 2).reshape(O, Cg, *k)
+    b = cols.transpose(0, 1).reshape(groups, N * L, P * Cg)
+    a = go.reshape(N, groups, O // groups, L).permute(1, 2, 0, 3)  # (g, O/g, N, L)
+    a = a.reshape(groups, O // groups, N * L)
+    return accum_matmul(a, b, f).reshape(O, P, Cg).transpose(1, 2).reshape(O, Cg, *k)
 
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",

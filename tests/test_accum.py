@@ -926,3 +926,16 @@ def test_fast_path_with_flush_denormal():
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("name", ["2d_groups", "t2d_groups"])
+def test_conv_empty_batch(name):
+    """An empty batch gives empty outputs and input gradient, zero weight gradient, as torch."""
+    cls, cin, cout, k, kw, size = CONV_MODULES[name]
+    m = qt.convert(cls(cin, cout, k, **kw), qt.Recipe(**_FP32, accumulate=accum.hopper_fp8))
+    x = torch.randn(0, cin, *size, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    plain = cls(cin, cout, k, **kw)(x.detach())
+    assert y.shape == plain.shape and x.grad.shape == x.shape
+    assert torch.equal(bits(m.weight.grad.dequantize()), bits(torch.zeros(m.weight.shape)))
