@@ -420,16 +420,18 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Convolutions as GEMMs: 1-, 2- and 3-D, grouped (a batched GEMM over the groups), transposed.
-# K orders, as implicit-GEMM kernels (cuDNN, CUTLASS) run them on channels-last data:
+# K orders, as implicit-GEMM kernels run them on channels-last data:
 # - forward: (kernel position, input channel of the group), channels innermost (as dispatch
-#   blocks MX operands: along channels); padding zeros take their K slots.
-# - transposed forward and grad_input: the forward convolution over the input with zeros
-#   inserted between its elements (stride), padded by dilation*(kernel-1)-padding (cropped where
-#   that is negative), with the kernel flipped and its channel dims swapped: a dgrad kernel whose
-#   K runs over every (kernel position, channel), the inserted zeros loaded as zeros. They are
-#   exact zero products that move no alignment, but they take K slots and so decide which
-#   products share an instruction; CUTLASS's strided dgrad skips them, and ATen's col2im path (a
-#   GEMM over channels only, the kernel positions added in float32) sums differently again.
+#   blocks MX operands: along channels); padding zeros take their K slots. CUTLASS takes the
+#   channels in threadblock-tile blocks outside the kernel-position loop: the same order while
+#   C/groups fits one tile.
+# - transposed forward and grad_input: the forward convolution over the input with (stride - 1)
+#   zeros inserted between its elements, padded by dilation*(kernel-1)-padding (cropped where
+#   negative), the kernel flipped and its channel dims swapped: K = (flipped kernel position,
+#   channel), as CUTLASS's unity-stride and 3-D strided dgrad iterate it, the inserted zeros
+#   loaded as zeros. Zero products move no alignment but take K slots, so they decide which
+#   products share an instruction: CUTLASS's 2-D strided dgrad skips them, and ATen's col2im
+#   path (a GEMM over channels only, the kernel positions added in float32) sums differently.
 # - grad_weight: (batch, output position).
 
 def _tup(v, nd):
