@@ -12,7 +12,7 @@ instructions. :class:`AccumFormat` describes such a datapath (presets from Volta
 Use: ``qt.Recipe(..., accumulate=qt.accum.hopper_fp8)`` or ``t.accum = ...``: every contraction
 with an operand that carries an accumulator sums its products with it, convolutions of every kind
 included (1-, 2-, 3-D, grouped, transposed: lowered to GEMMs, see the conv section below).
-torch.compile is refused (NotImplementedError).
+Under torch.compile the accumulator travels with the QTensor and the kernel is one opaque op.
 
 The model step by step, its sources and the known differences from hardware: docs/accum.md.
 """

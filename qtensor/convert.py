@@ -161,7 +161,8 @@ def _round_activation(x, plan: ModulePlan):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return x
     key = (plan.activation, plan.grad)
-    tag = getattr(x, _ACT_TAG, None)
+    # dynamo cannot compare versions (data-dependent): it rounds again, which changes nothing
+    tag = None if torch.compiler.is_dynamo_compiling() else getattr(x, _ACT_TAG, None)
     if tag is not None and tag[0] == key and tag[1] == x._version:
         return x  # already done (e.g. a container returning its last child's output)
     y = x

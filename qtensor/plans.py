@@ -242,9 +242,6 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tens
     if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
         return x
     try:
-        q = as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)
+        return as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)  # keeps x's accumulator
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
-    if getattr(x, "accum", None) is not None:  # the accumulator follows the values
-        q.accum = x.accum
-    return q

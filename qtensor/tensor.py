@@ -24,6 +24,7 @@ Conversions:
 """
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import hashlib
@@ -33,7 +34,7 @@ from typing import Optional
 import torch
 
 from . import dispatch as _dispatch
-from .accum import AccumFormat
+from .accum import PRESETS as _ACCUM_PRESETS, AccumFormat, as_accum as _as_accum
 from . import ops as _ops
 from .checks import FLOAT_DTYPES as _PAYLOAD_DTYPES
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _parse_format
@@ -71,9 +72,34 @@ def _check_floating(x: torch.Tensor, fmt) -> None:
         raise TypeError(
             f"cannot give format {fmt} to a tensor of dtype {x.dtype} (shape {tuple(x.shape)}): "
             "only float32, float64, float16 and bfloat16 tensors can carry a number format")
-    if x.layout != torch.strided:
+    # dynamo bans reading .layout where it traces a backward (a grad hook's rounding, fullgraph)
+    if not torch.compiler.is_dynamo_compiling() and x.layout != torch.strided:
         raise TypeError(f"cannot give format {fmt} to a {x.layout} tensor: only dense (strided) "
                         "tensors can carry a number format")
+
+
+_ACCUM_FIELDS = tuple(f.name for f in dataclasses.fields(AccumFormat) if f.compare)
+
+
+def _accum_token(accum: AccumFormat) -> str:
+    """An accumulator as a string for the QTensor call that dynamo puts in a graph: a preset's
+    name, else ``field=value;...`` (the fields of an argument would be symbolic ints)."""
+    if _ACCUM_PRESETS.get(accum.name) == accum:
+        return accum.name
+    parts = []
+    for n in _ACCUM_FIELDS:
+        v = getattr(accum, n)  # int() makes dynamo specialize a symbolic int (and guard on it)
+        parts.append(f"{n}={v if v is None or isinstance(v, (bool, str)) else int(v)}")
+    return ";".join(parts)
+
+
+def _accum_of_token(token: str) -> AccumFormat:
+    def value(v):  # an int, bool or None; else a rounding mode's name
+        try:
+            return ast.literal_eval(v)
+        except ValueError:
+            return v
+    return AccumFormat(**{k: value(v) for k, v in (kv.split("=", 1) for kv in token.split(";"))})
 
 
 _dynamo_taught = False
@@ -92,7 +118,7 @@ def _teach_dynamo() -> None:
     try:
         from torch._dynamo.variables.builder import SourcelessBuilder
         from torch._dynamo.variables.user_defined import FrozenDataClassVariable
-        for cls in (FloatFormat, FixedFormat, BlockFormat):
+        for cls in (FloatFormat, FixedFormat, BlockFormat, AccumFormat):
             SourcelessBuilder._type_handlers.setdefault(
                 cls, lambda tx, value: FrozenDataClassVariable(value))
     except (ImportError, AttributeError):
@@ -102,9 +128,10 @@ def _teach_dynamo() -> None:
 class QTensor(torch.Tensor):
     """A tensor whose values are in ``fmt``; contractions see them in ``mm_fmt`` (optional).
 
-    ``QTensor(data, fmt, mm_fmt=None, *, requires_grad=False)`` wraps ``data`` as is: its values
-    must already be representable in fmt (use :func:`as_qtensor` to round). ``data`` must be a
-    plain float32/float64/float16/bfloat16 tensor; it becomes the payload (not copied).
+    ``QTensor(data, fmt, mm_fmt=None, *, requires_grad=False, accum=None)`` wraps ``data`` as
+    is: its values must already be representable in fmt (use :func:`as_qtensor` to round).
+    ``data`` must be a plain float32/float64/float16/bfloat16 tensor; it becomes the payload (not
+    copied). ``accum``: the accumulator (an AccumFormat or a preset name), as ``t.accum = ...``.
     """
 
     _data: torch.Tensor
@@ -118,7 +145,7 @@ class QTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data, fmt, mm_fmt=None, outer_size=None, outer_stride=None, *,
-                requires_grad=False):
+                requires_grad=False, accum=None):
         if isinstance(data, QTensor):
             raise TypeError("QTensor(data, ...): data is already a QTensor; use as_qtensor to "
                             "change its format")
@@ -128,17 +155,24 @@ class QTensor(torch.Tensor):
             raise TypeError("QTensor needs a format (fmt)")
         _check_floating(data, fmt)
         _teach_dynamo()
-        return cls._wrap(data, fmt, mm_fmt, outer_size, outer_stride, requires_grad)
+        if isinstance(accum, str) and "=" in accum:
+            accum = _accum_of_token(accum)
+        return cls._wrap(data, fmt, mm_fmt, outer_size, outer_stride, requires_grad,
+                         _as_accum(accum, "QTensor(accum=...)"))
 
     @staticmethod
-    def _wrap(data, fmt, mm_fmt=None, outer_size=None, outer_stride=None, requires_grad=False):
+    def _wrap(data, fmt, mm_fmt=None, outer_size=None, outer_stride=None, requires_grad=False,
+              accum=None):
         """The fast internal constructor: no checks, no parsing."""
         if torch.compiler.is_dynamo_compiling():
             # dynamo cannot trace _make_wrapper_subclass, but puts a call to the class in the
             # graph as one node. The formats go as their names: constants in the graph, where a
             # format object would be rebuilt from its fields, symbolic ints under dynamic=True.
+            # The accumulator goes in the call too (a later t.accum = ... would be a side effect
+            # applied after the graph, unseen by the contractions in it), as a string as well.
             return QTensor(data, str(fmt), None if mm_fmt is None else str(mm_fmt), outer_size,
-                           outer_stride, requires_grad=requires_grad)
+                           outer_stride, requires_grad=requires_grad,
+                           accum=None if accum is None else _accum_token(accum))
         t = torch.Tensor._make_wrapper_subclass(
             QTensor, data.shape if outer_size is None else outer_size,
             strides=data.stride() if outer_stride is None else outer_stride,
@@ -147,6 +181,8 @@ class QTensor(torch.Tensor):
         t._data = data
         t.fmt = fmt
         t.mm_fmt = mm_fmt
+        if accum is not None:
+            t.accum = accum
         return t
 
     def __init__(self, *args, **kwargs):
@@ -154,25 +190,24 @@ class QTensor(torch.Tensor):
 
     # -- traceable subclass protocol (torch.compile) ------------------------------------------
     def __tensor_flatten__(self):
-        if self.accum is not None:  # loud rather than an FP32 accumulation in compiled code
-            raise NotImplementedError(
-                "a QTensor with an accumulator (.accum, qt.Recipe(accumulate=...)) cannot be "
-                "traced yet (torch.compile, torch.export): run it eagerly")
         _teach_dynamo()
-        return ["_data"], (self.fmt, self.mm_fmt)
+        return ["_data"], (self.fmt, self.mm_fmt, self.accum)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        fmt, mm_fmt = meta
-        return QTensor._wrap(inner_tensors["_data"], fmt, mm_fmt, outer_size, outer_stride)
+        fmt, mm_fmt, accum = meta
+        return QTensor._wrap(inner_tensors["_data"], fmt, mm_fmt, outer_size, outer_stride,
+                             accum=accum)
 
     def _stable_hash_for_caching(self) -> str:
-        # AOTAutograd's cache key: metadata only (formats included), never the values, plus the
-        # version of the dispatch code (a graph traced through older rules must not be reused)
+        # AOTAutograd's cache key: metadata only (formats and accumulator included), never the
+        # values, plus the version of the dispatch code (a graph traced through older rules must
+        # not be reused)
         d = self._data
         return hashlib.blake2b(
             repr((_CODE_VERSION, tuple(self.shape), tuple(d.stride()), str(d.dtype),
-                  str(d.device), self.requires_grad, str(self.fmt), str(self.mm_fmt))).encode(),
+                  str(d.device), self.requires_grad, str(self.fmt), str(self.mm_fmt),
+                  repr(self.accum))).encode(),
             digest_size=16).hexdigest()
 
     @classmethod
@@ -298,11 +333,10 @@ class QTensor(torch.Tensor):
                 "protocol at the moment")
         with torch.no_grad():
             data = copy.deepcopy(self._data, memo)
-        new = QTensor._wrap(data, self.fmt, self.mm_fmt, requires_grad=self.requires_grad)
+        new = QTensor._wrap(data, self.fmt, self.mm_fmt, requires_grad=self.requires_grad,
+                            accum=self.accum)
         if getattr(self, "_is_param", False):
             new._is_param = True
-        if self.accum is not None:
-            new.accum = self.accum
         memo[id(self)] = new
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
@@ -310,11 +344,10 @@ class QTensor(torch.Tensor):
 
 
 def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=None):
-    t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad)
+    t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad,
+                accum=None if accum is None else AccumFormat(**accum))
     if is_param:
         t._is_param = True
-    if accum is not None:
-        t.accum = AccumFormat(**accum)
     return t
 
 
@@ -333,13 +366,17 @@ def _payload_of(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _accum_of(x: torch.Tensor):
+    return x.accum if isinstance(x, QTensor) else None
+
+
 class _AsQTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fmt, mm_fmt, rounding):
         ctx.plain = not isinstance(x, QTensor)
         ctx.dtype = x.dtype
         q = _ops.quantize(_payload_of(x).detach(), fmt, rounding=rounding)
-        return QTensor._wrap(q, fmt, mm_fmt)
+        return QTensor._wrap(q, fmt, mm_fmt, accum=_accum_of(x))
 
     @staticmethod
     def backward(ctx, g):
@@ -377,7 +414,8 @@ def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = N
     """x rounded to ``fmt`` (a format or its name) and wrapped as a QTensor.
 
     Differentiable with a straight-through gradient (the gradient passes unchanged; a plain
-    input gets a plain gradient). A QTensor input is re-rounded from its values to the new fmt.
+    input gets a plain gradient). A QTensor input is re-rounded from its values to the new fmt
+    and keeps its accumulator (``.accum``).
     ``mm_fmt``: the operand format for contractions (see :mod:`qtensor.dispatch`).
     ``rounding`` overrides fmt's rounding mode for this rounding only; later ops round with
     fmt's own mode (put it in the format, e.g. ``"bf16(rounding=stochastic)"``, to change it).
@@ -393,7 +431,7 @@ def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = N
     if torch.is_grad_enabled() and x.requires_grad:
         return _AsQTensor.apply(x, fmt, mm_fmt, rounding)
     q = _ops.quantize(_payload_of(x).detach(), fmt, rounding=rounding)
-    return QTensor._wrap(q, fmt, mm_fmt)
+    return QTensor._wrap(q, fmt, mm_fmt, accum=_accum_of(x))
 
 
 def quantize_grad(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = None):

@@ -562,13 +562,6 @@ def test_accumulate_keeps_leak_check_clean():
     assert m[0].weight.grad.accum is accum.hopper_fp8  # gradients carry it too
 
 
-def test_compile_with_accumulator_is_refused():
-    m = qt.convert(torch.nn.Linear(64, 4, bias=False),
-                   qt.Recipe(weight="bf16", activation="bf16", accumulate="hopper_bf16"))
-    with pytest.raises(Exception, match=r"cannot be traced yet \(torch.compile, torch.export\)"):
-        torch.compile(m)(torch.randn(8, 64))
-
-
 def test_accum_study_example_runs(tmp_path):
     """examples/accum_study.py --quick, as a user runs it: both tables, every run, the plots."""
     pytest.importorskip("sklearn", reason="the digits come from scikit-learn")

@@ -185,3 +185,220 @@ def test_inductor_rounds_its_own_float32_results():
     for name, g, f in zip(("gelu", "layer_norm", "softmax"), got, float32):
         assert isinstance(g, qt.QTensor) and g.fmt == qt.bf16 and _in_format(g), name
         assert_bits_equal(g.dequantize(), qt.quantize(f, qt.bf16), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accumulators (qt.Recipe(accumulate=...), QTensor.accum): applied inside the compiled graph
+
+_CUSTOM_ACCUM = qt.accum.AccumFormat(chunk=16, frac_bits=10, acc_man=10, promote=2)
+_ACCUM_OP = "qtensor.accum_matmul.default"
+_ACCUM_KERNEL = ops.kernels_available("cpu") and hasattr(torch.ops.qtensor, "accum_matmul")
+
+
+class AccumNet(nn.Module):
+    """Two linear layers (addmm forward, mm backward) or a 2-D convolution and a linear layer;
+    the model's output is its last child's (the root rounds it again)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1) if layer == "conv2d" else None
+        self.fc1 = nn.Linear(16 * 16 if self.conv is not None else 256, 64)
+        self.fc2 = nn.Linear(64, 16)
+
+    def forward(self, x):
+        if self.conv is not None:
+            x = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _accum_model(layer, accum):
+    torch.manual_seed(0)
+    fp8 = ("bf16", "fp8_e4m3")
+    return qt.convert(AccumNet(layer), qt.Recipe(weight=fp8, bias="bf16", activation=fp8,
+                                                 grad=("bf16", "fp8_e5m2"), accumulate=accum))
+
+
+def _accum_input(layer):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn((64, 8, 4, 4) if layer == "conv2d" else (64, 256), generator=g)
+
+
+def _accum_run(model, x):
+    """Output, input gradient and parameter gradients (bits), by name."""
+    x = x.clone().requires_grad_()
+    y = model(x)
+    y.square().sum().backward()
+    res = {"output": y, "input grad": x.grad}
+    res.update({n.removeprefix("_orig_mod.") + " grad": p.grad
+                for n, p in model.named_parameters()})
+    for p in model.parameters():
+        p.grad = None
+    return res
+
+
+def _bits(t):
+    return t.dequantize() if isinstance(t, qt.QTensor) else t
+
+
+def _set_accum(model, accum):
+    for p in model.parameters():
+        p.accum = accum
+
+
+def _accum_ops(graphs):
+    return sum(str(n.target) == _ACCUM_OP for g in graphs for n in g.graph.nodes)
+
+
+@pytest.mark.parametrize("mode", ["default", "fullgraph", "dynamic"])
+@pytest.mark.parametrize("layer", ["linear", "conv2d"])
+def test_compiled_accumulator_is_bit_identical_to_eager(layer, mode):
+    """A model converted with accumulate=hopper_fp8, compiled (aot_eager): forward and every
+    gradient equal eager's bit for bit, carry the accumulator, and differ from the same model
+    compiled with FP32 accumulation (the datapath really is in the graph: the fused op in the
+    forward and the backward graphs)."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    x = _accum_input(layer)
+    runs = {}
+    for accum in (qt.accum.hopper_fp8, None):
+        model = _accum_model(layer, accum)
+        eager = _accum_run(model, x)
+        backend = AotEagerAndRecordGraphs()
+        compiled = torch.compile(model, backend=backend, fullgraph=mode == "fullgraph",
+                                 dynamic=mode == "dynamic" or None)
+        got = _accum_run(compiled, x)
+        for name, want in eager.items():
+            assert type(got[name]) is type(want), name
+            assert_bits_equal(_bits(got[name]), _bits(want), f"{accum}: {name}")
+            if isinstance(want, qt.QTensor):
+                assert got[name].accum == accum, name
+        runs[accum] = got
+        if accum is not None and _ACCUM_KERNEL:
+            assert _accum_ops(backend.fw_graphs) >= 2 and _accum_ops(backend.bw_graphs) >= 3
+    fp8, fp32 = runs[qt.accum.hopper_fp8], runs[None]
+    for name in ("output", "input grad", "fc1.weight grad", "fc2.weight grad") + (
+            ("conv.weight grad",) if layer == "conv2d" else ()):
+        assert not torch.equal(_bits(fp8[name]), _bits(fp32[name])), name
+
+
+@needs_kernels
+def test_inductor_applies_the_accumulator():
+    """Default inductor: the products are summed by the accumulator's kernel (an opaque op, as
+    the rounding); the float32 epilogue (bias, ReLU) is one IEEE operation per value, so here
+    the results are eager's bits, and not FP32 accumulation's."""
+    x = _accum_input("conv2d")
+    model = _accum_model("conv2d", qt.accum.hopper_fp8)
+    eager = _accum_run(model, x)
+    got = _accum_run(torch.compile(model, fullgraph=True), x)
+    _set_accum(model, None)
+    fp32 = _accum_run(model, x)
+    for name, want in eager.items():
+        assert_bits_equal(_bits(got[name]), _bits(want), name)
+        if "bias" not in name:
+            assert not torch.equal(_bits(got[name]), _bits(fp32[name])), name
+
+
+def test_changing_a_parameters_accumulator_recompiles():
+    """t.accum is part of the compiled graph's guard: setting it on the parameters between calls
+    of the same compiled model (another AccumFormat, or None) takes effect."""
+    x = _accum_input("linear")
+    model = _accum_model("linear", qt.accum.hopper_fp8)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for accum in (qt.accum.hopper_fp8, _CUSTOM_ACCUM, None, qt.accum.hopper_fp8):
+        _set_accum(model, accum)
+        got = _accum_run(compiled, x)
+        for name, want in _accum_run(model, x).items():
+            assert_bits_equal(_bits(got[name]), _bits(want), f"{accum}: {name}")
+        assert got["output"].accum == accum
+
+
+def test_models_with_different_accumulators_do_not_share_a_graph():
+    """Two models of one class, compiled one after the other (same code, same shapes): each
+    gives its own accumulator's bits."""
+    x = _accum_input("linear")
+    outputs = []
+    for accum in (qt.accum.hopper_fp8, _CUSTOM_ACCUM):
+        model = _accum_model("linear", accum)
+        got = _accum_run(torch.compile(model, backend="aot_eager"), x)
+        assert_bits_equal(_bits(got["output"]), _bits(_accum_run(model, x)["output"]), str(accum))
+        outputs.append(_bits(got["output"]))
+    assert not torch.equal(*outputs)
+
+
+@needs_kernels
+def test_autograd_cache_key_includes_the_accumulator():
+    """AOTAutograd's cache (keyed by QTensor._stable_hash_for_caching, not the values) must not
+    hand a graph compiled for one accumulator to a QTensor with another: after a dynamo reset
+    the same code on operands differing only in .accum compiles anew."""
+    from torch._inductor.utils import fresh_cache
+
+    def f(a, b):
+        return torch.relu(a @ b)
+
+    g = torch.Generator().manual_seed(0)
+    a = qt.as_qtensor(torch.randn(16, 256, generator=g), "fp8_e4m3")
+    b = qt.as_qtensor(torch.randn(256, 8, generator=g), "fp8_e4m3")
+    outputs = []
+    with fresh_cache():
+        for accum in (qt.accum.hopper_fp8, _CUSTOM_ACCUM):
+            torch._dynamo.reset()
+            a_acc = qt.QTensor(a.payload, a.fmt, accum=accum)
+            got = torch.compile(f, fullgraph=True)(a_acc, b)
+            assert got.accum == accum
+            assert_bits_equal(got.dequantize(), f(a_acc, b).dequantize(), str(accum))
+            outputs.append(got.dequantize())
+    assert not torch.equal(*outputs)
+
+
+def test_accumulator_survives_flatten_and_unflatten():
+    """The traceable-subclass protocol carries the accumulator (a preset or not) in its
+    metadata, and compiled code keeps it: as_qtensor of an input QTensor whose accumulator
+    dynamo reads (its fields would be symbolic ints under dynamic=True)."""
+    for accum in (qt.accum.hopper_fp8, _CUSTOM_ACCUM):
+        q = qt.QTensor(qt.quantize(torch.randn(4, 64), "bf16"), "bf16", accum=accum)
+        names, meta = q.__tensor_flatten__()
+        r = qt.QTensor.__tensor_unflatten__({n: getattr(q, n) for n in names}, meta, q.shape,
+                                           q.stride())
+        assert r.accum is accum and hash(meta) == hash(r.__tensor_flatten__()[1])
+
+    def f(x, w):
+        return (qt.as_qtensor(x, "bf16", mm_fmt="fp8_e4m3")
+                @ qt.as_qtensor(w, "bf16", mm_fmt="fp8_e4m3"))
+
+    g = torch.Generator().manual_seed(0)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    for accum in (_CUSTOM_ACCUM, qt.accum.hopper_fp8_fast):
+        w = qt.QTensor(qt.quantize(torch.randn(512, 64, generator=g), "fp8_e5m2"), "fp8_e5m2",
+                       accum=accum)
+        assert qt.as_qtensor(w, "bf16").accum is accum  # re-rounded, accumulator kept
+        for rows in (3, 5):
+            x = torch.randn(rows, 512, generator=g)
+            y, yc = f(x, w), compiled(x, w)
+            assert yc.accum == accum
+            assert_bits_equal(yc.dequantize(), y.dequantize(), f"{accum}, {rows} rows")
+            w32 = qt.QTensor(w.payload, w.fmt)
+            assert not torch.equal(yc.dequantize(), f(x, w32).dequantize())
+
+
+def test_qtensor_constructor_accum_argument():
+    q = qt.QTensor(torch.zeros(2, 3), "bf16", accum="hopper_fp8")
+    assert q.accum is qt.accum.hopper_fp8 and qt.QTensor(torch.zeros(2), "bf16").accum is None
+    with pytest.raises(TypeError, match=r"QTensor\(accum=...\) must be an AccumFormat, a preset "
+                                        r"name of qt.accum.PRESETS .* got 13"):
+        qt.QTensor(torch.zeros(2), "bf16", accum=13)
+    with pytest.raises(qt.accum.AccumFormatError, match=r"unknown accumulator preset 'h100'"):
+        qt.QTensor(torch.zeros(2), "bf16", accum="h100")
+
+
+def test_fullgraph_converted_model_returning_a_childs_output_with_own_grad_format():
+    """fullgraph=True on a converted nn.Sequential (its output is its last child's, which the
+    root rounds again) with a gradient format of its own: dynamo could neither compare tensor
+    versions nor read .layout while tracing the gradient's rounding."""
+    torch.manual_seed(0)
+    fp8 = ("bf16", "fp8_e4m3")
+    model = qt.convert(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)),
+                       qt.Recipe(weight=fp8, activation=fp8, grad=("bf16", "fp8_e5m2")))
+    x = torch.randn(5, 16)
+    want = _accum_run(model, x)
+    got = _accum_run(torch.compile(model, backend="aot_eager", fullgraph=True), x)
+    for name, w in want.items():
+        assert_bits_equal(_bits(got[name]), _bits(w), name)
