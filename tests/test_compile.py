@@ -5,6 +5,8 @@ What README promises: converted models and code calling ``qt.as_qtensor`` compil
 ``backend="aot_eager"`` or inductor's ``mode="lite"`` (ATen kernels) they are bit-identical to
 eager; with the default inductor each op's values are the format's rounding of inductor's own
 float32 result, which for gelu, layer_norm, softmax, ... can differ from ATen's in the last bits.
+Models with an accumulator (``Recipe(accumulate=...)``, ``t.accum``) compile too: its kernel is an
+opaque op in the forward and backward graphs.
 
 Compiling is slow on CI's few cores: the models are tiny and the compile calls few.
 """
