@@ -22,12 +22,26 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "cpu/accum.h"
 
 namespace {
 
 using namespace qtensor_accum;
+
+// What the fast path needs to know of an operand's values.
+struct Range {
+  bool normal = true;  // every value finite and normal or zero
+  uint32_t man = 0;    // the OR of the mantissa fields: its lowest set bit bounds the significands
+  int lo = INT_MAX;    // the smallest and largest exponent of the nonzero values
+  int hi = INT_MIN;
+  int bits() const { return man == 0 ? 1 : 24 - __builtin_ctz(man); }  // significand width
+  bool any() const { return lo <= hi; }
+  Range operator|(const Range& o) const {
+    return {normal && o.normal, man | o.man, std::min(lo, o.lo), std::max(hi, o.hi)};
+  }
+};
 
 // The vectorized paths (group == 1): the double lanes compiled for the baseline, AVX2 and
 // AVX-512, the fast path for AVX-512 only.
@@ -74,40 +88,13 @@ int accum_isa() {
 #endif
 }
 
-// What the fast path needs to know of an operand's values.
-struct Range {
-  bool normal = true;  // every value finite and normal or zero
-  uint32_t man = 0;    // the OR of the mantissa fields: its lowest set bit bounds the significands
-  int lo = INT_MAX;    // the smallest and largest exponent of the nonzero values
-  int hi = INT_MIN;
-  int bits() const { return man == 0 ? 1 : 24 - __builtin_ctz(man); }  // significand width
-  bool any() const { return lo <= hi; }
-  Range operator|(const Range& o) const {
-    return {normal && o.normal, man | o.man, std::min(lo, o.lo), std::max(hi, o.hi)};
-  }
-};
-
-// The alignment exponents of x (float32 contiguous) and its Range.
-at::Tensor exponents(const at::Tensor& x, Range* range) {
+at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
   at::Tensor e = at::empty(x.sizes(), x.options().dtype(at::kInt));
   const float* px = x.data_ptr<float>();
   int* pe = e.data_ptr<int>();
-  *range = at::parallel_reduce(
-      0, x.numel(), 1 << 14, Range(),
-      [&](int64_t lo, int64_t hi, Range r) {
-        for (int64_t i = lo; i < hi; ++i) {
-          const uint32_t u = qtensor::f2u(px[i]) & qtensor::F32::ABS;
-          const int be = (int)(u >> 23);
-          pe[i] = qtensor::acc_exp_f32(px[i]);
-          if (u == 0) continue;
-          r.normal &= be != 0 && be != 255;
-          r.man |= u & qtensor::F32::MANMASK;
-          r.lo = std::min(r.lo, be - 127);
-          r.hi = std::max(r.hi, be - 127);
-        }
-        return r;
-      },
-      [](const Range& x, const Range& y) { return x | y; });
+  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i]);
+  });
   return e;
 }
 
@@ -118,6 +105,7 @@ at::Tensor exponents(const at::Tensor& x, Range* range) {
 // smallest product (the limit), F - emax <= 126 where a product is nonzero (emax >= lo). A term
 // is below 4 * 2^F, and at most (4 - 2^(2 - m)) * 2^F with m-bit significands: a chunk of them
 // must sum in int32. emax <= F + 96 keeps the chunk's result (below 2^31 * 2^(emax - F)) finite.
+// The products' exponents must span at most 127 (int8 exponents, accum_fast.h's Exps8).
 bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
                   int* emax_limit) {
   if (s.group != 1 || !ra.normal || !rb.normal || ra.bits() + rb.bits() > 24) return false;
@@ -131,12 +119,45 @@ bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
   *emax_limit = F + 96;
   if (!ra.any() || !rb.any()) return true;  // every product is zero
   const int lo = ra.lo + rb.lo, hi = ra.hi + rb.hi;  // the products' exponents
-  if (lo < -126 || hi > 126 || F - lo > 126 || F > 28) return false;
+  if (lo < -126 || hi > 126 || F - lo > 126 || F > 28 || hi - lo > 127) return false;
   *emax_limit = F + std::min(126 + std::min(lo, 0), 96);
   const int m = std::max(ra.bits(), rb.bits());
   const int64_t term = (int64_t{4} << F) - (F + 2 >= m ? int64_t{1} << (F + 2 - m) : 0);
   return s.chunk * term <= INT32_MAX;
 }
+
+#if defined(QT_ACCUM_AVX2)
+constexpr int FR = accum_avx512::FR;
+// The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
+// normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
+// (batch, ceil(rows / g), cols, g), padding rows as zeros.
+at::Tensor exps8(const at::Tensor& x, int hi, int64_t g) {
+  const int64_t B = x.size(0), R = x.size(1), C = x.numel() / (B * R), Rg = (R + g - 1) / g;
+  at::Tensor out = at::empty({B, Rg, C, g}, x.options().dtype(at::kChar));
+  const float* px = x.data_ptr<float>();
+  int8_t* po = out.data_ptr<int8_t>();
+  at::parallel_for(0, B * Rg, std::max<int64_t>(1, (1 << 14) / (C * g)), [&](int64_t lo,
+                                                                             int64_t hi_) {
+    for (int64_t t = lo; t < hi_; ++t) {
+      const int64_t bi = t / Rg, r0 = t % Rg * g;
+      const float* xr = px + (bi * R + r0) * C;
+      if (g == 1)
+        accum_avx512::exps8_flat(xr, C, hi, po + t * C);
+      else
+        accum_avx512::exps8_rows(xr, std::min(g, R - r0), C, hi, po + t * C * g);
+    }
+  });
+  return out;
+}
+
+Range scan(const at::Tensor& x) {  // x float32 contiguous
+  const float* px = x.data_ptr<float>();
+  return at::parallel_reduce(
+      0, x.numel(), 1 << 16, Range(),
+      [&](int64_t i0, int64_t i1, Range r) { return r | accum_avx512::scan(px + i0, i1 - i0); },
+      [](const Range& x, const Range& y) { return x | y; });
+}
+#endif
 
 at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk, int64_t frac_bits,
                         int64_t group, int64_t align_rounding, bool acc_in_alignment,
@@ -148,10 +169,7 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
   const at::Tensor ac = a.contiguous();
-  Range ra, rb;
-  const at::Tensor ea = exponents(ac, &ra);
   const float* pa = ac.data_ptr<float>();
-  const int* pea = ea.data_ptr<int>();
   float* po = out.data_ptr<float>();
   if (s.group == 1) {
     // b in panels of P columns, each (K, P) contiguous (zero columns pad the last one): the
@@ -160,12 +178,23 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     at::Tensor bp = at::zeros({B, K, ldb}, b.options());
     bp.narrow(2, 0, N).copy_(b);
     bp = bp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();  // (B, ldb/P, K, P)
-    const at::Tensor eb = exponents(bp, &rb);
     const float* pb = bp.data_ptr<float>();
-    const int* peb = eb.data_ptr<int>();
     const int isa = accum_isa();
+    Range ra, rb;
     int emax_limit = 0;
-    const bool fast = isa == 2 && fast_path_ok(s, ra, rb, &emax_limit);
+    bool fast = false;
+    at::Tensor ea, eb, ea8, eb8;  // the exponents: int8 for the fast path, else int32
+#if defined(QT_ACCUM_AVX2)
+    fast = isa == 2 && fast_path_ok(s, ra = scan(ac), rb = scan(bp), &emax_limit);
+    if (fast) {
+      ea8 = exps8(ac, ra.hi, FR);
+      eb8 = exps8(bp.view({B, ldb / P, K * P}), rb.hi, 1);
+    }
+#endif
+    if (!fast) {
+      ea = exponents(ac);
+      eb = exponents(bp);
+    }
     constexpr int64_t TM = 8;  // rows per task: their operands stay in cache
     const int64_t tm = (M + TM - 1) / TM;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, TM * ldb * K));
@@ -173,20 +202,28 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t bi = t / tm, i0 = t % tm * TM, i1 = std::min(M, i0 + TM);
         const float* a3 = pa + bi * M * K;
-        const int* ea3 = pea + bi * M * K;
         const float* b3 = pb + bi * K * ldb;
-        const int* eb3 = peb + bi * K * ldb;
         float* o3 = po + bi * M * N;
 #if defined(QT_ACCUM_AVX2)
         if (fast) {
           using accum_avx512::rows_fast;
+          const int8_t* ea83 = ea8.data_ptr<int8_t>() + bi * ea8.stride(0);
+          const int8_t* eb83 = eb8.data_ptr<int8_t>() + bi * K * ldb;
+          const int off = ra.hi + rb.hi;
+#define QT_ROWS_FAST(MODE) \
+  rows_fast<MODE>(a3, ea83, b3, eb83, off, K, N, i0, i1, s, emax_limit, o3)
           switch (s.align_round) {
-            case 0: rows_fast<0>(a3, ea3, b3, eb3, K, N, i0, i1, s, emax_limit, o3); break;
-            case 1: rows_fast<1>(a3, ea3, b3, eb3, K, N, i0, i1, s, emax_limit, o3); break;
-            default: rows_fast<2>(a3, ea3, b3, eb3, K, N, i0, i1, s, emax_limit, o3); break;
+            case 0: QT_ROWS_FAST(0); break;
+            case 1: QT_ROWS_FAST(1); break;
+            default: QT_ROWS_FAST(2); break;
           }
+#undef QT_ROWS_FAST
           continue;
         }
+#endif
+        const int* ea3 = ea.data_ptr<int>() + bi * M * K;
+        const int* eb3 = eb.data_ptr<int>() + bi * K * ldb;
+#if defined(QT_ACCUM_AVX2)
         if (isa > 0) { accum_avx2::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
 #endif
         accum_base::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3);
@@ -195,8 +232,10 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     return out;
   }
   // groups: the scalar qtensor::acc_dot on rows of a and columns of b (b transposed)
+  const at::Tensor ea = exponents(ac);
+  const int* pea = ea.data_ptr<int>();
   const at::Tensor bt = b.transpose(1, 2).contiguous();  // (B, N, K)
-  const at::Tensor eb = exponents(bt, &rb);
+  const at::Tensor eb = exponents(bt);
   const float* pb = bt.data_ptr<float>();
   const int* peb = eb.data_ptr<int>();
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K));

@@ -108,31 +108,122 @@ inline void chunk_terms(const float* a, int64_t K, const float* b, int64_t k0, i
   }
 }
 
-// out[r][0:ncols] for R rows of a (row stride K, exponents ea) times one (K, FW) panel of b
-// (exponents eb). False (out untouched) where an emax passed emax_limit or a sum came near
-// 2^31: the tile needs dot_lanes.
+// The exponents of the fast path: int8, offset so that the largest nonzero one is 0, -128 for
+// zeros (a sum with a zero saturates there); a's for 4 rows (FR) interleaved, (K, 4) per tile,
+// b's (K, FW) per panel. One saturating add and max per k covers the 4 x 16 lanes.
+struct Exps8 {
+  const int8_t* a;  // the tile's (K, 4)
+  const int8_t* b;  // the panel's (K, FW)
+  int off;          // the sum of the two offsets: emax = max8 + off
+};
+
+// The glue's passes over the operands, vectorized here.
+
+// The Range of x[0:n].
+inline Range scan(const float* x, int64_t n) {
+  __m512i man = _mm512_setzero_si512(), lo = i32(255), hi = _mm512_setzero_si512();
+  __mmask16 bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i u = _mm512_and_si512(_mm512_loadu_si512(x + i), i32((int)qtensor::F32::ABS));
+    const __m512i be = _mm512_srli_epi32(u, 23);
+    const __mmask16 nz = _mm512_test_epi32_mask(u, u);
+    bad |= _mm512_mask_cmpeq_epi32_mask(nz, be, _mm512_setzero_si512()) |
+           _mm512_mask_cmpeq_epi32_mask(nz, be, i32(255));
+    man = _mm512_or_si512(man, u);
+    lo = _mm512_mask_min_epu32(lo, nz, lo, be);
+    hi = _mm512_max_epu32(hi, be);
+  }
+  uint32_t m = (uint32_t)_mm512_reduce_or_epi32(man), l = (uint32_t)_mm512_reduce_min_epu32(lo),
+           h = (uint32_t)_mm512_reduce_max_epu32(hi);
+  bool ok = bad == 0;
+  for (; i < n; ++i) {
+    const uint32_t u = qtensor::f2u(x[i]) & qtensor::F32::ABS, be = u >> 23;
+    if (u == 0) continue;
+    ok &= be != 0 && be != 255;
+    m |= u;
+    l = std::min(l, be);
+    h = std::max(h, be);
+  }
+  return Range{ok, m & qtensor::F32::MANMASK, l == 255 ? INT_MAX : (int)l - 127,
+               h == 0 ? INT_MIN : (int)h - 127};
+}
+
+// Exps8 of normal-or-zero x whose largest exponent is hi: 16 values, and one value
+inline __m128i exps8_16(const float* x, int hi) {
+  const __m512i u = _mm512_and_si512(_mm512_loadu_si512(x), i32((int)qtensor::F32::ABS));
+  const __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(u, 23), i32(127 + hi));
+  return _mm512_cvtepi32_epi8(
+      _mm512_mask_mov_epi32(e, _mm512_testn_epi32_mask(u, u), i32(-128)));
+}
+inline int8_t exps8_1(float x, int hi) {
+  const uint32_t u = qtensor::f2u(x) & qtensor::F32::ABS;
+  return (int8_t)(u == 0 ? -128 : (int)(u >> 23) - 127 - hi);
+}
+// x[0:n] flat (b's panels)
+inline void exps8_flat(const float* x, int64_t n, int hi, int8_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm_storeu_si128((__m128i*)(out + i), exps8_16(x + i, hi));
+  for (; i < n; ++i) out[i] = exps8_1(x[i], hi);
+}
+// rows rows (<= FR) of x (row stride C) to (C, FR), interleaved; missing rows as zeros
+inline void exps8_rows(const float* x, int64_t rows, int64_t C, int hi, int8_t* out) {
+  int64_t c = 0;
+  for (; c + 16 <= C; c += 16) {
+    __m128i r[FR];
+    for (int i = 0; i < FR; ++i)
+      r[i] = i < rows ? exps8_16(x + i * C + c, hi) : _mm_set1_epi8(-128);
+    static_assert(FR == 4, "a 4 x 16 byte transpose");
+    const __m128i t0 = _mm_unpacklo_epi8(r[0], r[1]), t1 = _mm_unpackhi_epi8(r[0], r[1]);
+    const __m128i t2 = _mm_unpacklo_epi8(r[2], r[3]), t3 = _mm_unpackhi_epi8(r[2], r[3]);
+    _mm_storeu_si128((__m128i*)(out + 4 * c), _mm_unpacklo_epi16(t0, t2));
+    _mm_storeu_si128((__m128i*)(out + 4 * c + 16), _mm_unpackhi_epi16(t0, t2));
+    _mm_storeu_si128((__m128i*)(out + 4 * c + 32), _mm_unpacklo_epi16(t1, t3));
+    _mm_storeu_si128((__m128i*)(out + 4 * c + 48), _mm_unpackhi_epi16(t1, t3));
+  }
+  for (; c < C; ++c)
+    for (int i = 0; i < FR; ++i) out[4 * c + i] = i < rows ? exps8_1(x[i * C + c], hi) : -128;
+}
+
+// out[r][0:ncols] for R <= FR rows of a (row stride K) times one (K, FW) panel of b, exponents
+// e. False (out untouched) where an emax passed emax_limit or a sum came near 2^31: the tile
+// needs dot_lanes.
 template <int MODE, int R>
-bool fast_tile(const float* a, const int* ea, const float* b, const int* eb, int64_t K,
+bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
                const qtensor::AccumSpec& s, int emax_limit, float* out, int64_t ldo,
                int ncols) {
   using namespace qtensor;
   __m512 p[R], acc[R];
   for (int r = 0; r < R; ++r) p[r] = acc[r] = _mm512_setzero_ps();
   const __m512i F = i32(s.frac_bits), limit = i32(emax_limit);
+  // byte r of a 32-bit broadcast to all 16 bytes of 128-bit lane r
+  const __m512i spread = _mm512_set_epi32(0x03030303, 0x03030303, 0x03030303, 0x03030303,
+                                          0x02020202, 0x02020202, 0x02020202, 0x02020202,
+                                          0x01010101, 0x01010101, 0x01010101, 0x01010101, 0, 0,
+                                          0, 0);
   // |S| must leave room for p's term (below 2^(F + 1))
   const __m512i smax = i32(INT32_MAX - (s.acc_in_alignment ? 1 << (s.frac_bits + 1) : 0));
   int c = 0;
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
     const int64_t k1 = K - k0 < s.chunk ? K : k0 + s.chunk;
-    // emax per lane: p's exponent (if it takes part) and max_k ea[k] + eb[k]
+    // emax per lane: max_k ea[k] + eb[k], 128-bit lane r of E8 for row r, and p's exponent
+    // (if it takes part)
+    __m512i E8 = _mm512_set1_epi8(-128);
+    for (int64_t k = k0; k < k1; ++k) {
+      int32_t a4;
+      std::memcpy(&a4, e.a + 4 * k, 4);
+      const __m512i ek = _mm512_adds_epi8(
+          _mm512_shuffle_epi8(_mm512_set1_epi32(a4), spread),
+          _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(e.b + k * FW))));
+      E8 = _mm512_max_epi8(E8, ek);
+    }
     __m512i E[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) E[r] = s.acc_in_alignment ? p_exp16(p[r]) : i32(kAccZeroExp);
-    for (int64_t k = k0; k < k1; ++k) {
-      const __m512i ebk = _mm512_loadu_si512(eb + k * FW);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        E[r] = _mm512_max_epi32(E[r], _mm512_add_epi32(i32(ea[r * K + k]), ebk));
+    for (int r = 0; r < R; ++r) {
+      const __m512i e8 = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(E8, r));
+      E[r] = _mm512_mask_mov_epi32(_mm512_add_epi32(e8, i32(e.off)),
+                                   _mm512_cmpeq_epi32_mask(e8, i32(-128)), i32(kAccZeroExp));
+      if (s.acc_in_alignment) E[r] = _mm512_max_epi32(E[r], p_exp16(p[r]));
     }
     // the scales 2^sh, sh = F - emax, clamped to [-126, 126]: only lanes without a nonzero
     // product can leave it (fast_path_ok), and their scale multiplies zeros; all-zero lanes:
@@ -177,31 +268,36 @@ bool fast_tile(const float* a, const int* ea, const float* b, const int* eb, int
 }
 
 // Rows [i0, i1) of one batch: a (M, K); b in panels of FW columns, each (K, FW) contiguous.
+// Rows [i0, i1) (i0 a multiple of FR) of one batch: a (M, K); b in panels of FW columns, each
+// (K, FW) contiguous; ea8, eb8 their exponents (Exps8), off their offset.
 template <int MODE>
-void rows_fast(const float* a, const int* ea, const float* b, const int* eb, int64_t K,
-               int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s, int emax_limit,
-               float* out) {
+void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8, int off,
+               int64_t K, int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s,
+               int emax_limit, float* out) {
   for (int64_t j = 0; j < N; j += FW) {
     const float* bj = b + j * K;  // the panel of columns j .. j + FW - 1
-    const int* ebj = eb + j * K;
     const int nc = (int)std::min<int64_t>(FW, N - j);
     for (int64_t i = i0; i < i1; i += FR) {
       const int R = (int)std::min<int64_t>(FR, i1 - i);
       const float* ai = a + i * K;
-      const int* eai = ea + i * K;
+      const Exps8 e{ea8 + i * K, eb8 + j * K, off};
       float* oi = out + i * N + j;
       bool ok;
       switch (R) {
-        case 4: ok = fast_tile<MODE, 4>(ai, eai, bj, ebj, K, s, emax_limit, oi, N, nc); break;
-        case 3: ok = fast_tile<MODE, 3>(ai, eai, bj, ebj, K, s, emax_limit, oi, N, nc); break;
-        case 2: ok = fast_tile<MODE, 2>(ai, eai, bj, ebj, K, s, emax_limit, oi, N, nc); break;
-        default: ok = fast_tile<MODE, 1>(ai, eai, bj, ebj, K, s, emax_limit, oi, N, nc); break;
+        case 4: ok = fast_tile<MODE, 4>(ai, bj, e, K, s, emax_limit, oi, N, nc); break;
+        case 3: ok = fast_tile<MODE, 3>(ai, bj, e, K, s, emax_limit, oi, N, nc); break;
+        case 2: ok = fast_tile<MODE, 2>(ai, bj, e, K, s, emax_limit, oi, N, nc); break;
+        default: ok = fast_tile<MODE, 1>(ai, bj, e, K, s, emax_limit, oi, N, nc); break;
       }
       if (ok) continue;
-      float tmp[FW];  // the double path, two 8-lane halves of the panel per row
+      // rare: the double path, on the 8-lane halves of the panel, with int32 exponents
+      std::vector<int> eb(K * FW), ea(K);
+      for (int64_t k = 0; k < K * FW; ++k) eb[k] = qtensor::acc_exp_f32(bj[k]);
+      float tmp[FW];
       for (int r = 0; r < R; ++r) {
+        for (int64_t k = 0; k < K; ++k) ea[k] = qtensor::acc_exp_f32(ai[r * K + k]);
         for (int h = 0; h < FW; h += W)
-          dot_lanes<MODE>(ai + r * K, eai + r * K, bj + h, ebj + h, FW, K, s, tmp + h);
+          dot_lanes<MODE>(ai + r * K, ea.data(), bj + h, eb.data() + h, FW, K, s, tmp + h);
         for (int w = 0; w < nc; ++w) oi[r * N + w] = tmp[w];
       }
     }
