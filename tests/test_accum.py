@@ -574,10 +574,16 @@ def test_accum_study_example_runs(tmp_path):
                            "--quick", "--out", str(tmp_path)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    import re
+    kscan_heads = re.findall(r"^\| K +\|.*$", proc.stdout, re.M)  # the error-vs-K tables
+    assert len(kscan_heads) == 2 and len(re.findall(r"^\| 512 +\|", proc.stdout, re.M)) == 2
     for run in ("fp32", "promote 1", "promote 4", "promote 16", "never", "wide never"):
-        assert proc.stdout.count(f"| {run} ") == 2, run
-    assert {p.name for p in tmp_path.iterdir()} >= {"accum_study.md", "accum_study_digits.png",
-                                                     "accum_study_gpt.png"}
+        # a row of the digits and GPT tables, a column of each error-vs-K table
+        assert len(re.findall(rf"^\| {run} +\|", proc.stdout, re.M)) == 2, run
+        assert all(re.search(rf"\| +{run} +\|", h) for h in kscan_heads), run
+    assert {p.name for p in tmp_path.iterdir()} >= {
+        "accum_study.md", "accum_study_digits.png", "accum_study_gpt.png", "accum_study_k.md",
+        "accum_study_k.png"}
 
 
 # ---------------------------------------------------------------------------------------------
