@@ -43,6 +43,13 @@ struct Range {
   }
 };
 
+// What the fast path checks per chunk (fast_path_ok sets them): emax at most emax, and |S| at
+// most sums (INT32_MAX: the bound on the terms already keeps the sum with p's term in int32).
+struct FastLimits {
+  int emax;
+  int sums;
+};
+
 // The vectorized paths (group == 1): the double lanes compiled for the baseline, AVX2 and
 // AVX-512, the fast path for AVX-512 only.
 constexpr int W = 8;   // output columns per dot_lanes call: the SIMD lanes
@@ -98,8 +105,9 @@ at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
   return e;
 }
 
+#if defined(QT_ACCUM_AVX2)
 // Whether the fast path is exact for operands in ranges ra, rb, and the largest emax it takes
-// (*emax_limit; a tile whose emax goes above is redone by the double path). With every product
+// (lim: a tile whose emax or sums go above is redone by the double path). With every product
 // exact and normal in float32 (operand significands of at most 24 bits together, no overflow or
 // underflow), each term is p * 2^(F - emax), exact while it is normal: F - emax >= -126 for the
 // smallest product (the limit), F - emax <= 126 where a product is nonzero (emax >= lo). A term
@@ -107,26 +115,28 @@ at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
 // must sum in int32. emax <= F + 96 keeps the chunk's result (below 2^31 * 2^(emax - F)) finite.
 // The products' exponents must span at most 127 (int8 exponents, accum_fast.h's Exps8).
 bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
-                  int* emax_limit) {
+                  FastLimits* lim) {
   if (s.group != 1 || !ra.normal || !rb.normal || ra.bits() + rb.bits() > 24) return false;
-#if defined(QT_ACCUM_AVX2)
   // its float32 partials may be subnormal: not with flush-to-zero or denormals-are-zero set
   // (torch.set_flush_denormal), nor a rounding mode other than nearest
   if ((_mm_getcsr() & (_MM_FLUSH_ZERO_MASK | _MM_DENORMALS_ZERO_MASK | _MM_ROUND_MASK)) != 0)
     return false;
-#endif
   const int F = s.frac_bits;
-  *emax_limit = F + 96;
+  lim->emax = F + 96;
+  lim->sums = INT32_MAX;
   if (!ra.any() || !rb.any()) return true;  // every product is zero
   const int lo = ra.lo + rb.lo, hi = ra.hi + rb.hi;  // the products' exponents
   if (lo < -126 || hi > 126 || F - lo > 126 || F > 28 || hi - lo > 127) return false;
-  *emax_limit = F + std::min(126 + std::min(lo, 0), 96);
+  lim->emax = F + std::min(126 + std::min(lo, 0), 96);
   const int m = std::max(ra.bits(), rb.bits());
   const int64_t term = (int64_t{4} << F) - (F + 2 >= m ? int64_t{1} << (F + 2 - m) : 0);
-  return s.chunk * term <= INT32_MAX;
+  if (s.chunk * term > INT32_MAX) return false;
+  // p's term (below 2^(F + 1)) too: else fast_tile checks the sums
+  const int64_t pterm = s.acc_in_alignment ? int64_t{1} << (F + 1) : 0;
+  if (s.chunk * term + pterm > INT32_MAX) lim->sums = (int)(INT32_MAX - pterm);
+  return true;
 }
 
-#if defined(QT_ACCUM_AVX2)
 constexpr int FR = accum_avx512::FR;
 // The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
 // normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
@@ -181,11 +191,11 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     const float* pb = bp.data_ptr<float>();
     const int isa = accum_isa();
     Range ra, rb;
-    int emax_limit = 0;
+    FastLimits lim{};
     bool fast = false;
     at::Tensor ea, eb, ea8, eb8;  // the exponents: int8 for the fast path, else int32
 #if defined(QT_ACCUM_AVX2)
-    fast = isa == 2 && fast_path_ok(s, ra = scan(ac), rb = scan(bp), &emax_limit);
+    fast = isa == 2 && fast_path_ok(s, ra = scan(ac), rb = scan(bp), &lim);
     if (fast) {
       ea8 = exps8(ac, ra.hi, FR);
       eb8 = exps8(bp.view({B, ldb / P, K * P}), rb.hi, 1);
@@ -211,7 +221,7 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
           const int8_t* eb83 = eb8.data_ptr<int8_t>() + bi * K * ldb;
           const int off = ra.hi + rb.hi;
 #define QT_ROWS_FAST(MODE) \
-  rows_fast<MODE>(a3, ea83, b3, eb83, off, K, N, i0, i1, s, emax_limit, o3)
+  rows_fast<MODE>(a3, ea83, b3, eb83, off, K, N, i0, i1, s, lim, o3)
           switch (s.align_round) {
             case 0: QT_ROWS_FAST(0); break;
             case 1: QT_ROWS_FAST(1); break;

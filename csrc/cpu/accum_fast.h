@@ -29,13 +29,11 @@ inline __m512i cvt_round(__m512 x) {  // float32 to int32 with the alignment rou
 }
 inline __m512i i32(int x) { return _mm512_set1_epi32(x); }
 
-// e(p) of float32 partials: max(floor(log2|p|), -126), kAccZeroExp for p == 0
+// p's alignment exponent max(floor(log2|p|), -126) for float32 partials; -126 for p == 0 too
+// (getexp gives -inf), where kAccZeroExp would be the model's: the same once the products'
+// exponents (>= -126 where nonzero) are in the max, and an all-zero chunk sums to 0 at any scale
 inline __m512i p_exp16(__m512 p) {
-  const __m512i u = _mm512_and_si512(_mm512_castps_si512(p), i32((int)qtensor::F32::ABS));
-  const __m512i e = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(u, 23), i32(127)),
-                                     i32(qtensor::kAccExpMin));
-  return _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(u, _mm512_setzero_si512()),
-                               i32(qtensor::kAccZeroExp));
+  return _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_getexp_ps(p)), i32(qtensor::kAccExpMin));
 }
 
 // qtensor::acc_finish of 16 lanes in int32/float32: the new partial from S (the products' sum,
@@ -43,11 +41,13 @@ inline __m512i p_exp16(__m512 p) {
 // significant bits, float32's exponent range); the sum T of S and p's term is below 2^31
 // (fast_tile checks it), so its rounding to acc_man bits below its leading bit (or below 2^-126)
 // is integer arithmetic on |T|, and the result R * 2^(em - F) is exact in float32 (vscalefps).
+// A zero result may be -0 (fast_tile's store adds +0; no other use sees the sign).
 template <int MODE>
 inline __m512 finish16(__m512i T, __m512i em, __m512 p, const qtensor::AccumSpec& s) {
-  const __m512i F = i32(s.frac_bits);
+  const __m512i Fe = _mm512_sub_epi32(i32(s.frac_bits), em);
+  const __m512 fe = _mm512_cvtepi32_ps(Fe);  // F - em, exact: |em| <= 100000
   if (s.acc_in_alignment) {  // T += round(p * 2^(F - em)), below 2^(F + 1) in magnitude
-    const __m512 x = _mm512_scalef_ps(p, _mm512_cvtepi32_ps(_mm512_sub_epi32(F, em)));
+    const __m512 x = _mm512_scalef_ps(p, fe);
     __m512i pt = cvt_round<MODE>(x);
     if (MODE == 1)  // floor of a negative p whose term underflowed to -0: -1
       pt = _mm512_mask_sub_epi32(pt, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ) &
@@ -56,11 +56,11 @@ inline __m512 finish16(__m512i T, __m512i em, __m512 p, const qtensor::AccumSpec
     T = _mm512_add_epi32(T, pt);
   }
   const __m512i aT = _mm512_abs_epi32(T);
-  const __m512i L = _mm512_sub_epi32(i32(31), _mm512_lzcnt_epi32(aT));  // floor(log2|T|)
-  // the bits of |T| below 2^d go: d = max(L, -126 - em + F) - acc_man, at least 0
+  // the bits of |T| below 2^d go: d = max(L, -126 - em + F) - acc_man, at least 0, where
+  // L = 31 - lzcnt|T| = floor(log2|T|)
   const __m512i d = _mm512_max_epi32(
-      _mm512_sub_epi32(_mm512_max_epi32(L, _mm512_sub_epi32(_mm512_sub_epi32(F, em), i32(126))),
-                       i32(s.acc_man)),
+      _mm512_max_epi32(_mm512_sub_epi32(i32(31 - s.acc_man), _mm512_lzcnt_epi32(aT)),
+                       _mm512_sub_epi32(Fe, i32(126 + s.acc_man))),
       _mm512_setzero_si512());
   __m512i R;
   if (s.acc_round == 0) {
@@ -71,14 +71,11 @@ inline __m512 finish16(__m512i T, __m512i em, __m512 p, const qtensor::AccumSpec
     const __m512i t = _mm512_add_epi32(_mm512_add_epi32(aT, _mm512_srli_epi32(low, 1)), odd);
     R = _mm512_sllv_epi32(_mm512_srlv_epi32(t, d), d);  // unsigned: up to 2^31
   }
-  // sign(T) * R * 2^(em - F); a zero result is +0
-  const __mmask16 neg = _mm512_cmplt_epi32_mask(T, _mm512_setzero_si512()) &
-                        _mm512_cmpneq_epi32_mask(R, _mm512_setzero_si512());
-  __m512 r = _mm512_castsi512_ps(_mm512_mask_or_epi32(
-      _mm512_castps_si512(_mm512_cvtepu32_ps(R)), neg,
-      _mm512_castps_si512(_mm512_cvtepu32_ps(R)), i32((int)qtensor::F32::SIGN)));
-  r = _mm512_scalef_ps(r, _mm512_cvtepi32_ps(_mm512_sub_epi32(em, F)));
-  return s.acc_in_alignment ? r : _mm512_add_ps(p, r);
+  // sign(T) * R * 2^(em - F): (T & SIGN) | R as float
+  const __m512 r = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+      T, i32((int)qtensor::F32::SIGN), _mm512_castps_si512(_mm512_cvtepu32_ps(R)), 0xEA));
+  const __m512 v = _mm512_scalef_ps(r, _mm512_sub_ps(_mm512_setzero_ps(), fe));
+  return s.acc_in_alignment ? v : _mm512_add_ps(p, v);
 }
 
 // The chunk's terms summed in int32: S[r] += round(a[r][k] * b[k] * 2^sh[r]) for k in [k0, k1).
@@ -186,23 +183,22 @@ inline void exps8_rows(const float* x, int64_t rows, int64_t C, int hi, int8_t* 
 }
 
 // out[r][0:ncols] for R <= FR rows of a (row stride K) times one (K, FW) panel of b, exponents
-// e. False (out untouched) where an emax passed emax_limit or a sum came near 2^31: the tile
+// e. False (out untouched) where an emax passed lim.emax or a sum came near 2^31: the tile
 // needs dot_lanes.
 template <int MODE, int R>
 bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
-               const qtensor::AccumSpec& s, int emax_limit, float* out, int64_t ldo,
+               const qtensor::AccumSpec& s, const FastLimits& lim, float* out, int64_t ldo,
                int ncols) {
   using namespace qtensor;
   __m512 p[R], acc[R];
   for (int r = 0; r < R; ++r) p[r] = acc[r] = _mm512_setzero_ps();
-  const __m512i F = i32(s.frac_bits), limit = i32(emax_limit);
+  const __m512i F = i32(s.frac_bits), limit = i32(lim.emax), smax = i32(lim.sums);
+  const bool check_sums = lim.sums != INT32_MAX;
   // byte r of a 32-bit broadcast to all 16 bytes of 128-bit lane r
   const __m512i spread = _mm512_set_epi32(0x03030303, 0x03030303, 0x03030303, 0x03030303,
                                           0x02020202, 0x02020202, 0x02020202, 0x02020202,
                                           0x01010101, 0x01010101, 0x01010101, 0x01010101, 0, 0,
                                           0, 0);
-  // |S| must leave room for p's term (below 2^(F + 1))
-  const __m512i smax = i32(INT32_MAX - (s.acc_in_alignment ? 1 << (s.frac_bits + 1) : 0));
   int c = 0;
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
     const int64_t k1 = K - k0 < s.chunk ? K : k0 + s.chunk;
@@ -221,21 +217,19 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i e8 = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(E8, r));
-      E[r] = _mm512_mask_mov_epi32(_mm512_add_epi32(e8, i32(e.off)),
-                                   _mm512_cmpeq_epi32_mask(e8, i32(-128)), i32(kAccZeroExp));
+      E[r] = _mm512_mask_add_epi32(i32(kAccZeroExp), _mm512_cmpneq_epi32_mask(e8, i32(-128)), e8,
+                                   i32(e.off));
       if (s.acc_in_alignment) E[r] = _mm512_max_epi32(E[r], p_exp16(p[r]));
     }
-    // the scales 2^sh, sh = F - emax, clamped to [-126, 126]: only lanes without a nonzero
-    // product can leave it (fast_path_ok), and their scale multiplies zeros; all-zero lanes:
-    // emax 0
+    // the scales 2^sh, sh = F - emax: at least -126 below the limit, and at most 126 where a
+    // product is nonzero (fast_path_ok); clamped there for the others, whose scale multiplies
+    // zeros (all-zero lanes: kAccZeroExp, whose result is 0 at any scale)
     __m512i sh[R];
     __mmask16 over = 0, small = 0;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      E[r] = _mm512_mask_mov_epi32(E[r], _mm512_cmpgt_epi32_mask(i32(kAccZeroExp / 2), E[r]),
-                                   _mm512_setzero_si512());
       over |= _mm512_cmpgt_epi32_mask(E[r], limit);
-      sh[r] = _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(F, E[r]), i32(-126)), i32(126));
+      sh[r] = _mm512_min_epi32(_mm512_sub_epi32(F, E[r]), i32(126));
       small |= _mm512_cmplt_epi32_mask(sh[r], i32(1));
     }
     if (over) return false;
@@ -247,7 +241,7 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
     const bool promote = s.promote > 0 && (++c == s.promote || k1 == K);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      over |= _mm512_cmpgt_epi32_mask(_mm512_abs_epi32(S[r]), smax);
+      if (check_sums) over |= _mm512_cmpgt_epi32_mask(_mm512_abs_epi32(S[r]), smax);
       p[r] = finish16<MODE>(S[r], E[r], p[r], s);
       if (promote) {
         acc[r] = _mm512_add_ps(acc[r], p[r]);
@@ -259,7 +253,8 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
   }
   const __mmask16 cols = (__mmask16)((1u << ncols) - 1);
   for (int r = 0; r < R; ++r) {
-    const __m512 o = s.promote > 0 ? acc[r] : p[r];  // inf + -inf in acc: one NaN encoding
+    // + 0: a zero result is +0; inf + -inf in acc: one NaN encoding
+    const __m512 o = _mm512_add_ps(s.promote > 0 ? acc[r] : p[r], _mm512_setzero_ps());
     _mm512_mask_storeu_ps(out + r * ldo, cols,
                           _mm512_mask_mov_ps(o, _mm512_cmp_ps_mask(o, o, _CMP_UNORD_Q),
                                              _mm512_castsi512_ps(i32((int)F32::QNAN))));
@@ -267,13 +262,12 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
   return true;
 }
 
-// Rows [i0, i1) of one batch: a (M, K); b in panels of FW columns, each (K, FW) contiguous.
 // Rows [i0, i1) (i0 a multiple of FR) of one batch: a (M, K); b in panels of FW columns, each
 // (K, FW) contiguous; ea8, eb8 their exponents (Exps8), off their offset.
 template <int MODE>
 void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8, int off,
                int64_t K, int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s,
-               int emax_limit, float* out) {
+               const FastLimits& lim, float* out) {
   for (int64_t j = 0; j < N; j += FW) {
     const float* bj = b + j * K;  // the panel of columns j .. j + FW - 1
     const int nc = (int)std::min<int64_t>(FW, N - j);
@@ -284,10 +278,10 @@ void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* 
       float* oi = out + i * N + j;
       bool ok;
       switch (R) {
-        case 4: ok = fast_tile<MODE, 4>(ai, bj, e, K, s, emax_limit, oi, N, nc); break;
-        case 3: ok = fast_tile<MODE, 3>(ai, bj, e, K, s, emax_limit, oi, N, nc); break;
-        case 2: ok = fast_tile<MODE, 2>(ai, bj, e, K, s, emax_limit, oi, N, nc); break;
-        default: ok = fast_tile<MODE, 1>(ai, bj, e, K, s, emax_limit, oi, N, nc); break;
+        case 4: ok = fast_tile<MODE, 4>(ai, bj, e, K, s, lim, oi, N, nc); break;
+        case 3: ok = fast_tile<MODE, 3>(ai, bj, e, K, s, lim, oi, N, nc); break;
+        case 2: ok = fast_tile<MODE, 2>(ai, bj, e, K, s, lim, oi, N, nc); break;
+        default: ok = fast_tile<MODE, 1>(ai, bj, e, K, s, lim, oi, N, nc); break;
       }
       if (ok) continue;
       // rare: the double path, on the 8-lane halves of the panel, with int32 exponents
