@@ -855,6 +855,17 @@ def test_fast_path_boundaries(f):
     a, b = _random(g, 5, 64, 18, "bf16")
     # the largest significands, all one sign: the int32 sums come closest to 2^31
     cases["full sums"] = (torch.full((5, 64), 2 - 2 ** -7), torch.full((64, 18), 2 - 2 ** -7))
+    # a partial just below the largest product's alignment exponent, then a chunk of the largest
+    # products: with p's term the sum comes to 2^31 (hopper_bf16: those tiles fall back)
+    x = torch.zeros(5, 64)
+    y = torch.zeros(64, 18)
+    x[:, 0], y[0] = 1.5 * 2.0 ** 6, 2.0 ** 4
+    x[:, 16:32], y[16:32] = (2 - 2 ** -7) * 2.0 ** 5, (2 - 2 ** -7) * 2.0 ** 5
+    cases["p's term at 2^31"] = (x, y)
+    # products above 2^frac_bits (the scale is a multiply) with zero products among them
+    z = a.clone()
+    z[:, ::3] = 0.0
+    cases["large products, zeros"] = (z * 2.0 ** 20, b * 2.0 ** 20)
     # emax growing past the fast path's limit in some rows only (those tiles fall back)
     big = a.clone()
     big[2:4, 40:] *= 2.0 ** 60
@@ -869,6 +880,7 @@ def test_fast_path_boundaries(f):
     cases["float32 x fp4"] = (torch.randn(5, 64, generator=g), qt.quantize(b, "fp4_e2m1"))
     cases["nonfinite"] = (torch.where(a == a.max(), math.inf, a), b)
     cases["zeros"] = (torch.zeros(5, 64), b)
+    cases["K = 0"] = (torch.zeros(5, 0), torch.zeros(0, 18))
     for name, (x, y) in cases.items():
         want = accum.accum_matmul_reference(x, y, f)
         assert torch.equal(bits(accum.accum_matmul(x, y, f)), bits(want)), name
@@ -938,3 +950,24 @@ def test_conv_empty_batch(name):
     plain = cls(cin, cout, k, **kw)(x.detach())
     assert y.shape == plain.shape and x.grad.shape == x.shape
     assert torch.equal(bits(m.weight.grad.dequantize()), bits(torch.zeros(m.weight.shape)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("flush", [False, True])
+def test_fast_path_floor_of_a_subnormal_term(flush):
+    """floor aligns a tiny negative partial to -1: here p = -2^-126 (two products of 2^-113
+    cancelling under floor) meets products of 2^14, so p's scaled term is -2^-127, subnormal
+    (flushed to -0 under torch.set_flush_denormal), whose floor is still -1."""
+    a = torch.tensor([[(1 + 2 ** -10) * 2.0 ** -56, 2.0 ** -56, 2.0 ** 7, 2.0 ** 7]])
+    b = torch.tensor([[-(1 + 2 ** -10) * 2.0 ** -57], [(1 + 2 ** -9) * 2.0 ** -57], [2.0 ** 7],
+                      [2.0 ** 6]]).expand(4, 17).contiguous()
+    f = AccumFormat(chunk=2, frac_bits=13, align_rounding="floor")
+    want = accum.accum_matmul_reference(a, b, f)
+    assert want[0, 0].item() == 2.0 ** 14 + 2.0 ** 13 - 2.0 ** 1  # the -1 at 2^(14 - 13)
+    if flush and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = accum.accum_matmul(a, b, f)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(bits(got), bits(want))

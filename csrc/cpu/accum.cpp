@@ -117,10 +117,6 @@ at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
 bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
                   FastLimits* lim) {
   if (s.group != 1 || !ra.normal || !rb.normal || ra.bits() + rb.bits() > 24) return false;
-  // its float32 partials may be subnormal: not with flush-to-zero or denormals-are-zero set
-  // (torch.set_flush_denormal), nor a rounding mode other than nearest
-  if ((_mm_getcsr() & (_MM_FLUSH_ZERO_MASK | _MM_DENORMALS_ZERO_MASK | _MM_ROUND_MASK)) != 0)
-    return false;
   const int F = s.frac_bits;
   lim->emax = F + 96;
   lim->sums = INT32_MAX;
@@ -146,8 +142,8 @@ at::Tensor exps8(const at::Tensor& x, int hi, int64_t g) {
   at::Tensor out = at::empty({B, Rg, C, g}, x.options().dtype(at::kChar));
   const float* px = x.data_ptr<float>();
   int8_t* po = out.data_ptr<int8_t>();
-  at::parallel_for(0, B * Rg, std::max<int64_t>(1, (1 << 14) / (C * g)), [&](int64_t lo,
-                                                                             int64_t hi_) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, C * g));
+  at::parallel_for(0, B * Rg, grain, [&](int64_t lo, int64_t hi_) {
     for (int64_t t = lo; t < hi_; ++t) {
       const int64_t bi = t / Rg, r0 = t % Rg * g;
       const float* xr = px + (bi * R + r0) * C;

@@ -29,19 +29,19 @@ inline __m512i cvt_round(__m512 x) {  // float32 to int32 with the alignment rou
 }
 inline __m512i i32(int x) { return _mm512_set1_epi32(x); }
 
-// p's alignment exponent max(floor(log2|p|), -126) for float32 partials; -126 for p == 0 too
-// (getexp gives -inf), where kAccZeroExp would be the model's: the same once the products'
-// exponents (>= -126 where nonzero) are in the max, and an all-zero chunk sums to 0 at any scale
-inline __m512i p_exp16(__m512 p) {
-  return _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_getexp_ps(p)), i32(qtensor::kAccExpMin));
-}
+// p's alignment exponent floor(log2|p|): no clamp at -126 is needed, since the fast path's
+// partials are multiples of 2^(lo - F) >= 2^-126 (lo: the smallest product exponent,
+// fast_path_ok), so never subnormal; p == 0 gives INT_MIN (getexp: -inf), below every exponent,
+// as the model's kAccZeroExp
+inline __m512i p_exp16(__m512 p) { return _mm512_cvtps_epi32(_mm512_getexp_ps(p)); }
 
 // qtensor::acc_finish of 16 lanes in int32/float32: the new partial from S (the products' sum,
 // units of 2^(em - F)), em and the old partial p. The partials are float32 values (at most 24
 // significant bits, float32's exponent range); the sum T of S and p's term is below 2^31
 // (fast_tile checks it), so its rounding to acc_man bits below its leading bit (or below 2^-126)
 // is integer arithmetic on |T|, and the result R * 2^(em - F) is exact in float32 (vscalefps).
-// A zero result may be -0 (fast_tile's store adds +0; no other use sees the sign).
+// A zero result would be -0 for a negative T rounded to 0 (which fast_path_ok's bounds rule
+// out); fast_tile's store adds +0 all the same.
 template <int MODE>
 inline __m512 finish16(__m512i T, __m512i em, __m512 p, const qtensor::AccumSpec& s) {
   const __m512i Fe = _mm512_sub_epi32(i32(s.frac_bits), em);
@@ -49,7 +49,7 @@ inline __m512 finish16(__m512i T, __m512i em, __m512 p, const qtensor::AccumSpec
   if (s.acc_in_alignment) {  // T += round(p * 2^(F - em)), below 2^(F + 1) in magnitude
     const __m512 x = _mm512_scalef_ps(p, fe);
     __m512i pt = cvt_round<MODE>(x);
-    if (MODE == 1)  // floor of a negative p whose term underflowed to -0: -1
+    if (MODE == 1)  // floor of a negative p whose subnormal term was flushed to -0 (FTZ): -1
       pt = _mm512_mask_sub_epi32(pt, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ) &
                                          _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_LT_OQ),
                                  pt, i32(1));
