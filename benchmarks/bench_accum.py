@@ -6,8 +6,10 @@
 Both paths take float32 operands, round them to FP8 E4M3 (the operand rounding every emulated
 contraction does) and multiply; the plain path accumulates with torch.mm (FP32, BLAS), the accum
 path with the fused C++ kernel emulating the datapath (hopper_fp8: 32-product chunks, 13 bits,
-promotion every 128; hopper_bf16: 16-product chunks, 25 bits). Prints the time of each and the
-ratio accum / plain measured in the same run. One thread by default (--threads): on a shared
+promotion every 128; hopper_bf16: 16-product chunks, 25 bits). FP8 operands take the kernel's
+float32/int32 fast path on AVX-512 CPUs (csrc/cpu/accum_fast.h). Prints the time of each, the
+ratio accum / plain measured in the same run, and the accum time per product (quantization
+included). One thread by default (--threads): on a shared
 machine multi-threaded timings of sub-millisecond matmuls are mostly scheduling noise. The two
 paths are timed alternately and the best of the repeats is kept.
 """
@@ -36,7 +38,8 @@ def main():
         [(128, 512, 128), (256, 1024, 256), (512, 512, 512)]
     torch.manual_seed(0)
     print(f"threads: {torch.get_num_threads()}; operands rounded to fp8_e4m3 in both paths")
-    print(f"{'M x K x N':>18} {'accum':>14} {'plain ms':>9} {'accum ms':>9} {'ratio':>6}")
+    print(f"{'M x K x N':>18} {'accum':>14} {'plain ms':>9} {'accum ms':>9} {'ratio':>6} "
+          f"{'ns/product':>10}")
     for M, K, N in sizes:
         a, b = torch.randn(M, K), torch.randn(K, N)
 
@@ -52,7 +55,7 @@ def main():
                 t_plain = min(t_plain, timeit(plain, 1, number))
                 t_acc = min(t_acc, timeit(acc, 1, number))
             print(f"{f'{M}x{K}x{N}':>18} {f.name:>14} {t_plain * 1e3:9.2f} {t_acc * 1e3:9.2f} "
-                  f"{t_acc / t_plain:6.1f}")
+                  f"{t_acc / t_plain:6.1f} {t_acc / (M * K * N) * 1e9:10.3f}")
 
 if __name__ == "__main__":
     main()

@@ -133,7 +133,7 @@ bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
   return true;
 }
 
-constexpr int FR = accum_avx512::FR;
+constexpr int FR = accum_avx512::FR;  // rows per fast tile (a task's rows start at multiples)
 // The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
 // normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
 // (batch, ceil(rows / g), cols, g), padding rows as zeros.
@@ -201,7 +201,10 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
       ea = exponents(ac);
       eb = exponents(bp);
     }
-    constexpr int64_t TM = 8;  // rows per task: their operands stay in cache
+    constexpr int64_t TM = 4;  // rows per task (a fast tile): their operands stay in cache
+#if defined(QT_ACCUM_AVX2)
+    static_assert(TM % FR == 0, "the fast tiles start at multiples of FR");
+#endif
     const int64_t tm = (M + TM - 1) / TM;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, TM * ldb * K));
     at::parallel_for(0, B * tm, grain, [&](int64_t lo, int64_t hi) {
