@@ -37,11 +37,11 @@ inline __m512i p_exp16(__m512 p) { return _mm512_cvtps_epi32(_mm512_getexp_ps(p)
 
 // qtensor::acc_finish of 16 lanes in int32/float32: the new partial from S (the products' sum,
 // units of 2^(em - F)), em and the old partial p. The partials are float32 values (at most 24
-// significant bits, float32's exponent range); the sum T of S and p's term is below 2^31
-// (fast_tile checks it), so its rounding to acc_man bits below its leading bit (or below 2^-126)
-// is integer arithmetic on |T|, and the result R * 2^(em - F) is exact in float32 (vscalefps).
-// A zero result would be -0 for a negative T rounded to 0 (which fast_path_ok's bounds rule
-// out); fast_tile's store adds +0 all the same.
+// significant bits); the sum T of S and p's term is below 2^31 (fast_tile checks it). The result
+// v = T * 2^(em - F) rounded to acc_man bits below its leading bit is R * 2^(em - F), R the
+// integer T so rounded, and exact in float32 (vscalefps). The model's clamp of e(v) at -126
+// never binds here: v is a multiple of 2^(lo - F) >= 2^-126 (lo: the smallest product exponent,
+// fast_path_ok), and so is every partial.
 template <int MODE>
 inline __m512 finish16(__m512i T, __m512i em, __m512 p, const qtensor::AccumSpec& s) {
   const __m512i Fe = _mm512_sub_epi32(i32(s.frac_bits), em);
@@ -55,25 +55,25 @@ inline __m512 finish16(__m512i T, __m512i em, __m512 p, const qtensor::AccumSpec
                                  pt, i32(1));
     T = _mm512_add_epi32(T, pt);
   }
-  const __m512i aT = _mm512_abs_epi32(T);
-  // the bits of |T| below 2^d go: d = max(L, -126 - em + F) - acc_man, at least 0, where
-  // L = 31 - lzcnt|T| = floor(log2|T|)
-  const __m512i d = _mm512_max_epi32(
-      _mm512_max_epi32(_mm512_sub_epi32(i32(31 - s.acc_man), _mm512_lzcnt_epi32(aT)),
-                       _mm512_sub_epi32(Fe, i32(126 + s.acc_man))),
-      _mm512_setzero_si512());
-  __m512i R;
-  if (s.acc_round == 0) {
-    R = _mm512_sllv_epi32(_mm512_srlv_epi32(aT, d), d);
-  } else {  // ties to even: + (2^(d-1) - 1) + the kept bits' parity (none when d == 0)
+  __m512 r;  // sign(T) * R
+  if (s.acc_round == 0) {  // toward zero: the conversion truncates to 24 bits, the mask to fewer
+    r = _mm512_cvt_roundepi32_ps(T, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    r = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(r), i32(-(1 << (23 - s.acc_man)))));
+  } else if (s.acc_man == 23) {  // nearest to 24 bits: the conversion itself
+    r = _mm512_cvt_roundepi32_ps(T, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {  // nearest to fewer bits, on |T| (no double rounding): the bits below 2^d go,
+            // d = floor(log2|T|) - acc_man (at least 0); + (2^(d-1) - 1) + the kept bits' parity
+    const __m512i aT = _mm512_abs_epi32(T);
+    const __m512i d = _mm512_max_epi32(
+        _mm512_sub_epi32(i32(31 - s.acc_man), _mm512_lzcnt_epi32(aT)), _mm512_setzero_si512());
     const __m512i low = _mm512_sub_epi32(_mm512_sllv_epi32(i32(1), d), i32(1));
     const __m512i odd = _mm512_and_si512(_mm512_and_si512(_mm512_srlv_epi32(aT, d), low), i32(1));
     const __m512i t = _mm512_add_epi32(_mm512_add_epi32(aT, _mm512_srli_epi32(low, 1)), odd);
-    R = _mm512_sllv_epi32(_mm512_srlv_epi32(t, d), d);  // unsigned: up to 2^31
+    const __m512i R = _mm512_sllv_epi32(_mm512_srlv_epi32(t, d), d);  // unsigned: up to 2^31
+    r = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(  // (T & SIGN) | R as float
+        T, i32((int)qtensor::F32::SIGN), _mm512_castps_si512(_mm512_cvtepu32_ps(R)), 0xEA));
   }
-  // sign(T) * R * 2^(em - F): (T & SIGN) | R as float
-  const __m512 r = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
-      T, i32((int)qtensor::F32::SIGN), _mm512_castps_si512(_mm512_cvtepu32_ps(R)), 0xEA));
   const __m512 v = _mm512_scalef_ps(r, _mm512_sub_ps(_mm512_setzero_ps(), fe));
   return s.acc_in_alignment ? v : _mm512_add_ps(p, v);
 }
