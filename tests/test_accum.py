@@ -797,6 +797,7 @@ FAST_FORMATS = [
     accum.hopper_fp8, accum.hopper_fp8_fast, accum.hopper_bf16, accum.volta_fp16,
     AccumFormat(chunk=32, frac_bits=13, align_rounding="floor", acc_man=13, promote=4),
     AccumFormat(chunk=32, frac_bits=13, align_rounding="nearest", acc_rounding="nearest"),
+    AccumFormat(chunk=16, frac_bits=25, align_rounding="nearest", acc_rounding="nearest"),
     AccumFormat(chunk=16, frac_bits=10, align_rounding="floor", acc_in_alignment=False,
                 acc_man=10, acc_rounding="nearest", promote=3),
     AccumFormat(chunk=8, frac_bits=3, align_rounding="nearest", acc_man=5),
