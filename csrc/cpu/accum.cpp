@@ -52,8 +52,7 @@ struct FastLimits {
 
 // The vectorized paths (group == 1): the double lanes compiled for the baseline, AVX2 and
 // AVX-512, the fast path for AVX-512 only.
-constexpr int W = 8;   // output columns per dot_lanes call: the SIMD lanes
-constexpr int P = 16;  // b is packed in panels of P columns (the fast path's lanes)
+constexpr int W = 8;  // output columns per dot_lanes call: the SIMD lanes
 namespace accum_base {
 #include "cpu/accum_lanes.h"
 }  // namespace accum_base
@@ -72,7 +71,6 @@ namespace accum_avx512 {
 #include "cpu/accum_fast.h"
 }  // namespace accum_avx512
 #pragma GCC pop_options
-static_assert(accum_avx512::FW == P, "b's panels are the fast path's lanes");
 #endif
 
 // 0: baseline, 1: AVX2, 2: AVX-512 with CD (QTENSOR_CPU_ISA=base|avx2 caps it, as in quantize.cpp)
@@ -178,20 +176,25 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
   const float* pa = ac.data_ptr<float>();
   float* po = out.data_ptr<float>();
   if (s.group == 1) {
-    // b in panels of P columns, each (K, P) contiguous (zero columns pad the last one): the
-    // lanes read it sequentially along K
-    const int64_t ldb = (N + P - 1) / P * P;
-    at::Tensor bp = at::zeros({B, K, ldb}, b.options());
-    bp.narrow(2, 0, N).copy_(b);
-    bp = bp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();  // (B, ldb/P, K, P)
-    const float* pb = bp.data_ptr<float>();
     const int isa = accum_isa();
+    const at::Tensor bc = isa == 2 ? b.contiguous() : b;
     Range ra, rb;
     FastLimits lim{};
     bool fast = false;
+    int64_t P = W;  // b in panels of P columns: the lanes of the path
+#if defined(QT_ACCUM_AVX2)
+    fast = isa == 2 && fast_path_ok(s, ra = scan(ac), rb = scan(bc), &lim);
+    if (fast) P = accum_avx512::FW;
+#endif
+    // each panel (K, P) contiguous (zero columns pad the last one): the lanes read it
+    // sequentially along K
+    const int64_t ldb = (N + P - 1) / P * P;
+    at::Tensor bp = at::zeros({B, K, ldb}, b.options());
+    bp.narrow(2, 0, N).copy_(bc);
+    bp = bp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();  // (B, ldb/P, K, P)
+    const float* pb = bp.data_ptr<float>();
     at::Tensor ea, eb, ea8, eb8;  // the exponents: int8 for the fast path, else int32
 #if defined(QT_ACCUM_AVX2)
-    fast = isa == 2 && fast_path_ok(s, ra = scan(ac), rb = scan(bp), &lim);
     if (fast) {
       ea8 = exps8(ac, ra.hi, FR);
       eb8 = exps8(bp.view({B, ldb / P, K * P}), rb.hi, 1);

@@ -214,21 +214,20 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
 
 #endif
 
-// Rows [i0, i1) of one batch: a (M, K); b in panels of P columns (a multiple of W), each
-// (K, P) contiguous.
+// Rows [i0, i1) of one batch: a (M, K); b in panels of W columns, each (K, W) contiguous.
 inline void rows(const float* a, const int* ea, const float* b, const int* eb, int64_t K,
                  int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out) {
   float tmp[W];
   for (int64_t j = 0; j < N; j += W) {
-    const float* bj = b + j / P * P * K + j % P;  // columns j .. j + W - 1 of their panel
-    const int* ebj = eb + j / P * P * K + j % P;
+    const float* bj = b + j * K;  // the panel of columns j .. j + W - 1
+    const int* ebj = eb + j * K;
     for (int64_t i = i0; i < i1; ++i) {
       const float* ai = a + i * K;
       const int* eai = ea + i * K;
       switch (s.align_round) {
-        case 0: dot_lanes<0>(ai, eai, bj, ebj, P, K, s, tmp); break;
-        case 1: dot_lanes<1>(ai, eai, bj, ebj, P, K, s, tmp); break;
-        default: dot_lanes<2>(ai, eai, bj, ebj, P, K, s, tmp); break;
+        case 0: dot_lanes<0>(ai, eai, bj, ebj, W, K, s, tmp); break;
+        case 1: dot_lanes<1>(ai, eai, bj, ebj, W, K, s, tmp); break;
+        default: dot_lanes<2>(ai, eai, bj, ebj, W, K, s, tmp); break;
       }
       for (int64_t w = 0; w < W && j + w < N; ++w) out[i * N + j + w] = tmp[w];
     }
