@@ -38,6 +38,7 @@ struct Range {
   int hi = INT_MIN;
   int bits() const { return man == 0 ? 1 : 24 - __builtin_ctz(man); }  // significand width
   bool any() const { return lo <= hi; }
+  int top() const { return any() ? hi : 0; }  // the int8 exponents' offset (Exps8)
   Range operator|(const Range& o) const {
     return {normal && o.normal, man | o.man, std::min(lo, o.lo), std::max(hi, o.hi)};
   }
@@ -196,8 +197,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     at::Tensor ea, eb, ea8, eb8;  // the exponents: int8 for the fast path, else int32
 #if defined(QT_ACCUM_AVX2)
     if (fast) {
-      ea8 = exps8(ac, ra.hi, FR);
-      eb8 = exps8(bp.view({B, ldb / P, K * P}), rb.hi, 1);
+      ea8 = exps8(ac, ra.top(), FR);
+      eb8 = exps8(bp.view({B, ldb / P, K * P}), rb.top(), 1);
     }
 #endif
     if (!fast) {
@@ -221,7 +222,7 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
           using accum_avx512::rows_fast;
           const int8_t* ea83 = ea8.data_ptr<int8_t>() + bi * ea8.stride(0);
           const int8_t* eb83 = eb8.data_ptr<int8_t>() + bi * K * ldb;
-          const int off = ra.hi + rb.hi;
+          const int off = ra.top() + rb.top();
 #define QT_ROWS_FAST(MODE) \
   rows_fast<MODE>(a3, ea83, b3, eb83, off, K, N, i0, i1, s, lim, o3)
           switch (s.align_round) {
