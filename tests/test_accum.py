@@ -821,8 +821,8 @@ def _fast_case(seed, M, K, N, fmt):
 @pytest.mark.parametrize("fmt", FAST_OPERANDS)
 @pytest.mark.parametrize("f", FAST_FORMATS, ids=str)
 def test_fast_path_equals_reference(f, fmt):
-    # M = 7: a full 4-row tile and a 3-row one; K = 77: a partial last chunk for every chunk
-    # size; N = 37: two 16-lane panels and a partial one
+    # M = 7: an 8-row tile cut short (two 4-row exponent groups, the second partial); K = 77: a
+    # partial last chunk for every chunk size; N = 37: two 16-lane panels and a partial one
     a, b = _fast_case(zlib.crc32(f"{f}{fmt}fast".encode()), 7, 77, 37, fmt)
     want = accum.accum_matmul_reference(a, b, f)
     assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
@@ -890,8 +890,8 @@ def test_fast_path_boundaries(f):
 @needs_kernel
 def test_fast_path_batched_and_strided():
     g = torch.Generator().manual_seed(5)
-    a, b = _random(g, 3 * 33, 100, 50, "fp8_e4m3")
-    a, b = a.reshape(3, 33, 100), b.t().contiguous().t()
+    a, b = _random(g, 3 * 36, 100, 50, "fp8_e4m3")  # 36 rows: four 8-row tiles and a 4-row one
+    a, b = a.reshape(3, 36, 100), b.t().contiguous().t()
     for f in (accum.hopper_fp8, accum.hopper_bf16):
         want = accum.accum_matmul_reference(a, b, f)
         assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))

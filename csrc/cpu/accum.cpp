@@ -132,7 +132,7 @@ bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
   return true;
 }
 
-constexpr int FR = accum_avx512::FR;  // rows per fast tile (a task's rows start at multiples)
+constexpr int FR = accum_avx512::FR;  // rows per group of the int8 exponents of a
 // The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
 // normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
 // (batch, ceil(rows / g), cols, g), padding rows as zeros.
@@ -205,9 +205,9 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
       ea = exponents(ac);
       eb = exponents(bp);
     }
-    constexpr int64_t TM = 4;  // rows per task (a fast tile): their operands stay in cache
+    constexpr int64_t TM = 8;  // rows per task (a fast tile): their operands stay in cache
 #if defined(QT_ACCUM_AVX2)
-    static_assert(TM % FR == 0, "the fast tiles start at multiples of FR");
+    static_assert(TM % accum_avx512::TR == 0, "the fast tiles start at multiples of TR");
 #endif
     const int64_t tm = (M + TM - 1) / TM;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, TM * ldb * K));

@@ -18,7 +18,8 @@
 // redone by the double path (dot_lanes).
 
 constexpr int FW = 16;  // output columns per tile: the float32 lanes of a zmm register
-constexpr int FR = 4;   // rows per tile: each loaded b vector serves FR rows
+constexpr int FR = 4;   // rows per exponent group (Exps8): 4 x 16 int8 lanes
+constexpr int TR = 8;   // rows per tile (two groups): each loaded b vector serves TR rows
 
 template <int MODE>
 inline __m512i cvt_round(__m512 x) {  // float32 to int32 with the alignment rounding
@@ -106,7 +107,7 @@ inline void chunk_terms(const float* a, int64_t K, const float* b, int64_t k0, i
 }
 
 // The exponents of the fast path: int8, offset so that the largest nonzero one is 0, -128 for
-// zeros (a sum with a zero saturates there); a's for 4 rows (FR) interleaved, (K, 4) per tile,
+// zeros (a sum with a zero saturates there); a's for FR rows interleaved, (K, FR) per group,
 // b's (K, FW) per panel. One saturating add and max per k covers the 4 x 16 lanes.
 struct Exps8 {
   const int8_t* a;  // the tile's (K, 4)
@@ -182,7 +183,7 @@ inline void exps8_rows(const float* x, int64_t rows, int64_t C, int hi, int8_t* 
     for (int i = 0; i < FR; ++i) out[4 * c + i] = i < rows ? exps8_1(x[i * C + c], hi) : -128;
 }
 
-// out[r][0:ncols] for R <= FR rows of a (row stride K) times one (K, FW) panel of b, exponents
+// out[r][0:ncols] for R <= TR rows of a (row stride K) times one (K, FW) panel of b, exponents
 // e. False (out untouched) where an emax passed lim.emax or a sum came near 2^31: the tile
 // needs dot_lanes.
 template <int MODE, int R>
@@ -202,21 +203,25 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
   int c = 0;
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
     const int64_t k1 = K - k0 < s.chunk ? K : k0 + s.chunk;
-    // emax per lane: max_k ea[k] + eb[k], 128-bit lane r of E8 for row r, and p's exponent
-    // (if it takes part)
-    __m512i E8 = _mm512_set1_epi8(-128);
+    // emax per lane: max_k ea[k] + eb[k], 128-bit lane r % FR of E8[r / FR] for row r, and p's
+    // exponent (if it takes part)
+    constexpr int G = (R + FR - 1) / FR;  // exponent groups
+    __m512i E8[G];
+    for (int g = 0; g < G; ++g) E8[g] = _mm512_set1_epi8(-128);
     for (int64_t k = k0; k < k1; ++k) {
-      int32_t a4;
-      std::memcpy(&a4, e.a + 4 * k, 4);
-      const __m512i ek = _mm512_adds_epi8(
-          _mm512_shuffle_epi8(_mm512_set1_epi32(a4), spread),
-          _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(e.b + k * FW))));
-      E8 = _mm512_max_epi8(E8, ek);
+      const __m512i ebk = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(e.b + k * FW)));
+      for (int g = 0; g < G; ++g) {
+        int32_t a4;
+        std::memcpy(&a4, e.a + (g * K + k) * FR, 4);
+        E8[g] = _mm512_max_epi8(
+            E8[g], _mm512_adds_epi8(_mm512_shuffle_epi8(_mm512_set1_epi32(a4), spread), ebk));
+      }
     }
     __m512i E[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512i e8 = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(E8, r));
+      const __m512i e8 =
+          _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(E8[r / FR], r % FR));
       E[r] = _mm512_mask_add_epi32(i32(kAccZeroExp), _mm512_cmpneq_epi32_mask(e8, i32(-128)), e8,
                                    i32(e.off));
       if (s.acc_in_alignment) E[r] = _mm512_max_epi32(E[r], p_exp16(p[r]));
@@ -262,7 +267,7 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
   return true;
 }
 
-// Rows [i0, i1) (i0 a multiple of FR) of one batch: a (M, K); b in panels of FW columns, each
+// Rows [i0, i1) (i0 a multiple of TR) of one batch: a (M, K); b in panels of FW columns, each
 // (K, FW) contiguous; ea8, eb8 their exponents (Exps8), off their offset.
 template <int MODE>
 void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8, int off,
@@ -271,13 +276,17 @@ void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* 
   for (int64_t j = 0; j < N; j += FW) {
     const float* bj = b + j * K;  // the panel of columns j .. j + FW - 1
     const int nc = (int)std::min<int64_t>(FW, N - j);
-    for (int64_t i = i0; i < i1; i += FR) {
-      const int R = (int)std::min<int64_t>(FR, i1 - i);
+    for (int64_t i = i0; i < i1; i += TR) {
+      const int R = (int)std::min<int64_t>(TR, i1 - i);
       const float* ai = a + i * K;
       const Exps8 e{ea8 + i * K, eb8 + j * K, off};
       float* oi = out + i * N + j;
       bool ok;
       switch (R) {
+        case 8: ok = fast_tile<MODE, 8>(ai, bj, e, K, s, lim, oi, N, nc); break;
+        case 7: ok = fast_tile<MODE, 7>(ai, bj, e, K, s, lim, oi, N, nc); break;
+        case 6: ok = fast_tile<MODE, 6>(ai, bj, e, K, s, lim, oi, N, nc); break;
+        case 5: ok = fast_tile<MODE, 5>(ai, bj, e, K, s, lim, oi, N, nc); break;
         case 4: ok = fast_tile<MODE, 4>(ai, bj, e, K, s, lim, oi, N, nc); break;
         case 3: ok = fast_tile<MODE, 3>(ai, bj, e, K, s, lim, oi, N, nc); break;
         case 2: ok = fast_tile<MODE, 2>(ai, bj, e, K, s, lim, oi, N, nc); break;
