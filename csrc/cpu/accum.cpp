@@ -67,10 +67,15 @@ namespace accum_avx2 {
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd")
+// gcc 12 flags the AVX-512 intrinsics' own _mm512_undefined_*() operands, once per inlining
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace accum_avx512 {
 #include "cpu/accum_lanes.h"
 #include "cpu/accum_fast.h"
 }  // namespace accum_avx512
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif
 
