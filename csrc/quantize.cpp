@@ -25,13 +25,7 @@ QT_DECLARE_CPU_KERNELS(isa_avx2)
 QT_DECLARE_CPU_KERNELS(isa_avx512)
 #endif
 
-namespace {
-
-using qtensor::BlockArgs;
-using qtensor::Layout;
-
-// The loops (csrc/quantize_cpu.h) are compiled three times, in csrc/cpu/isa_*.cpp: for the
-// baseline x86-64 of the build (no -march), AVX2 and AVX-512; the best one is picked at run time.
+namespace qtensor_cpu {
 // 0: baseline, 1: AVX2, 2: AVX-512 (QTENSOR_CPU_ISA=base|avx2 caps it, for tests and timing)
 int cpu_isa() {
 #ifdef QT_HAVE_ISA_CLONES
@@ -51,6 +45,16 @@ int cpu_isa() {
   return 0;
 #endif
 }
+}  // namespace qtensor_cpu
+
+namespace {
+
+using qtensor_cpu::cpu_isa;
+using qtensor::BlockArgs;
+using qtensor::Layout;
+
+// The loops (csrc/quantize_cpu.h) are compiled three times, in csrc/cpu/isa_*.cpp: for the
+// baseline x86-64 of the build (no -march), AVX2 and AVX-512; the best one is picked at run time.
 
 #ifdef QT_HAVE_ISA_CLONES
 #define QT_ISA_CALL(fn, ...)                                                             \

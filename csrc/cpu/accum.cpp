@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu/accum.h"
+#include "cpu/kernels.h"
 
 namespace {
 
@@ -83,15 +84,8 @@ namespace accum_avx512 {
 int accum_isa() {
 #if defined(QT_ACCUM_AVX2)
   static const int isa = [] {
-    int best = __builtin_cpu_supports("avx2") ? 1 : 0;
-    if (best == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512cd"))
-      best = 2;
-    const char* cap = std::getenv("QTENSOR_CPU_ISA");
-    if (cap != nullptr && std::strcmp(cap, "base") == 0) best = 0;
-    if (cap != nullptr && std::strcmp(cap, "avx2") == 0 && best > 1) best = 1;
-    return best;
+    const int best = qtensor_cpu::cpu_isa();
+    return best == 2 && !__builtin_cpu_supports("avx512cd") ? 1 : best;
   }();
   return isa;
 #else

@@ -8,6 +8,11 @@
 
 #include "qtensor/args.h"
 
+namespace qtensor_cpu {
+// 0: baseline, 1: AVX2, 2: AVX-512 F/BW/VL/DQ (capped by QTENSOR_CPU_ISA=base|avx2)
+int cpu_isa();
+}  // namespace qtensor_cpu
+
 #define QT_DECLARE_CPU_KERNELS(ns)                                                            \
   namespace qtensor_cpu {                                                                     \
   namespace ns {                                                                              \
