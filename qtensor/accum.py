@@ -440,6 +440,11 @@ def _tup(v, nd):
     return tuple(v * nd) if len(v) == 1 else tuple(v)
 
 
+def _geometry(stride, padding, dilation, groups, nd):
+    """The conv geometry (stride, padding, dilation as nd ints each, groups) of aten's args."""
+    return _tup(stride, nd), _tup(padding, nd), _tup(dilation, nd), groups
+
+
 def _pad(x, pads):
     """x (N, C, *S) zero-padded by (lo, hi) per spatial dim; negative amounts crop."""
     return torch.nn.functional.pad(x, [p for lo_hi in reversed(pads) for p in lo_hi])
@@ -514,7 +519,7 @@ def _conv_forward(uargs, ukwargs, f):
     size = torch.ops.aten.convolution(x[:0], w, None, stride, padding, dilation, transposed,
                                       output_padding, groups).shape[2:]
     nd = w.dim() - 2
-    geo = (_tup(stride, nd), _tup(padding, nd), _tup(dilation, nd), groups)
+    geo = _geometry(stride, padding, dilation, groups, nd)
     x32, w32 = _f32(x, "convolution"), _f32(w, "convolution")
     out = (_conv_transpose if transposed else _conv)(x32, w32, geo, size, f)
     if bias is not None:
@@ -526,7 +531,7 @@ def _conv_backward(uargs, ukwargs, f):
     (go, x, w, _bias_sizes, stride, padding, dilation, transposed, _output_padding, groups,
      mask) = uargs[:11]
     nd = w.dim() - 2
-    geo = (_tup(stride, nd), _tup(padding, nd), _tup(dilation, nd), groups)
+    geo = _geometry(stride, padding, dilation, groups, nd)
     go32, x32, w32 = (_f32(t, "convolution_backward") for t in (go, x, w))
     gi = gw = gb = None
     if mask[0]:  # the adjoint of the forward map: a transposed convolution, or the converse
