@@ -5,7 +5,8 @@
 # benchmarks/results/:
 #   gpu_check.log          the whole run
 #   kernels_cuda.txt/json  the benchmark table (ratios to copy_ on the device)
-#   test_kernels_cuda.txt  the CUDA test run
+#   test_kernels_cuda.txt  the CUDA test run (kernels, accumulator, API)
+#   accum_cuda.txt         the accumulator kernel on CUDA: a bit check and timings
 # Usage: scripts/gpu_check.sh [python]   (default: python3 on PATH)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,12 +37,37 @@ timeout 330 "$py" setup.py build_ext --inplace > "$out/build.log" 2>&1 || { echo
 "$py" -c "import qtensor.ops as o; assert o.kernels_available('cuda'), 'no CUDA kernels registered'; print('CUDA kernels: registered')" || exit 1
 
 step "CUDA tests (CUDA vs CPU kernels, bit for bit)"
-timeout 150 "$py" -m pytest tests/test_kernels.py -q -k "cuda" -p no:cacheprovider 2>&1 | tee "$out/test_kernels_cuda.txt"
+timeout 150 "$py" -m pytest tests/test_kernels.py tests/test_accum.py tests/test_api.py -q -k "cuda" \
+  -p no:cacheprovider 2>&1 | tee "$out/test_kernels_cuda.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "benchmark"
 timeout 120 "$py" benchmarks/bench_kernels.py --device cuda --threads 16 --repeat 21 --no-others \
   --json "$out/kernels_cuda.json" 2>&1 | tee "$out/kernels_cuda.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "accumulator emulation on CUDA (qt.accum.accum_matmul vs the plain emulated matmul)"
+timeout 90 "$py" - <<'PY' 2>&1 | tee "$out/accum_cuda.txt"
+import torch, qtensor as qt
+from qtensor import accum
+def ms(f, n=5):
+    f(); torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n): f()
+    e.record(); torch.cuda.synchronize()
+    return s.elapsed_time(e) / n
+for n in (256, 1024):
+    a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+    qa, qb = qt.quantize(a, "fp8_e4m3"), qt.quantize(b, "fp8_e4m3")
+    want = accum.accum_matmul_reference(qa[:64].cpu(), qb.cpu(), accum.hopper_fp8)
+    got = accum.accum_matmul(qa[:64], qb, accum.hopper_fp8).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), "CUDA != reference"
+    plain = ms(lambda: qt.quantize(a, "fp8_e4m3") @ qt.quantize(b, "fp8_e4m3"))
+    for f in (accum.hopper_fp8, accum.hopper_bf16, accum.blackwell_mxfp4):
+        t = ms(lambda: accum.accum_matmul(qt.quantize(a, "fp8_e4m3"), qt.quantize(b, "fp8_e4m3"), f))
+        print(f"{n}^3 {f.name:>16}: plain {plain:.3f} ms, accum {t:.3f} ms, ratio {t / plain:.1f}")
+PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "done: status $status"
