@@ -6,9 +6,11 @@
 // arguments, lays the operands out (a rows and b columns contiguous along K, with their alignment
 // exponents precomputed once), picks the path and runs the output tiles in parallel.
 //
-// Paths (group == 1): the float32/int32 fast path (cpu/accum_fast.h, AVX-512) where the operands
-// allow it (fast_path_ok), else the double lanes (cpu/accum_lanes.h, baseline or AVX2); groups:
-// the scalar qtensor::acc_dot. All give the bits of qtensor/accum.py's reference.
+// Paths (group == 1): the float32/int32 fast path (cpu/accum_fast.h over the vector operations of
+// cpu/accum_fast_avx512.h or cpu/accum_fast_avx2.h) where the operands allow it (fast_path_ok),
+// else the double lanes (cpu/accum_lanes.h, baseline, AVX2 or AVX-512); groups:
+// tiles of group sums in double, then the double lanes' per-chunk steps (accum_lanes.h's
+// rows_groups; baseline, AVX2 or AVX-512). All give the bits of qtensor/accum.py's reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -52,8 +54,29 @@ struct FastLimits {
   int sums;
 };
 
+// scan's vector part: the OR of |x|'s bits, the smallest (nonzero x) and largest biased exponent,
+// whether all are normal or zero, and how many values it took.
+struct ScanBits {
+  bool ok;
+  uint32_t man, lo, hi;
+  int64_t done;
+};
+
+// The fast path of one ISA (accum_fast.h's kFastKernels): FW output columns per tile, the passes
+// over the operands and rows_fast per alignment rounding.
+struct FastKernels {
+  int FW;
+  Range (*scan)(const float* x, int64_t n);
+  void (*exps8_flat)(const float* x, int64_t n, int hi, int8_t* out);
+  void (*exps8_rows)(const float* x, int64_t rows, int64_t C, int hi, int8_t* out);
+  void (*rows_fast[3])(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8,
+                       int off, int64_t K, int64_t N, int64_t i0, int64_t i1,
+                       const qtensor::AccumSpec& s, const FastLimits& lim, float* out);
+};
+
 // The vectorized paths (group == 1): the double lanes compiled for the baseline, AVX2 and
-// AVX-512, the fast path for AVX-512 only.
+// AVX-512, the fast path for AVX2 and AVX-512 (one algorithm, accum_fast.h, over each ISA's
+// vector operations).
 constexpr int W = 8;  // output columns per dot_lanes call: the SIMD lanes
 namespace accum_base {
 #include "cpu/accum_lanes.h"
@@ -64,6 +87,8 @@ namespace accum_base {
 #pragma GCC target("avx2")
 namespace accum_avx2 {
 #include "cpu/accum_lanes.h"
+#include "cpu/accum_fast_avx2.h"
+#include "cpu/accum_fast.h"
 }  // namespace accum_avx2
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -74,6 +99,7 @@ namespace accum_avx2 {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace accum_avx512 {
 #include "cpu/accum_lanes.h"
+#include "cpu/accum_fast_avx512.h"
 #include "cpu/accum_fast.h"
 }  // namespace accum_avx512
 #pragma GCC diagnostic pop
@@ -132,10 +158,11 @@ bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
 }
 
 constexpr int FR = accum_avx512::FR;  // rows per group of the int8 exponents of a
+static_assert(FR == accum_avx2::FR && accum_avx512::TR == accum_avx2::TR, "one layout of a");
 // The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
 // normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
 // (batch, ceil(rows / g), cols, g), padding rows as zeros.
-at::Tensor exps8(const at::Tensor& x, int hi, int64_t g) {
+at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int64_t g) {
   const int64_t B = x.size(0), R = x.size(1), C = x.numel() / (B * R), Rg = (R + g - 1) / g;
   at::Tensor out = at::empty({B, Rg, C, g}, x.options().dtype(at::kChar));
   const float* px = x.data_ptr<float>();
@@ -146,19 +173,19 @@ at::Tensor exps8(const at::Tensor& x, int hi, int64_t g) {
       const int64_t bi = t / Rg, r0 = t % Rg * g;
       const float* xr = px + (bi * R + r0) * C;
       if (g == 1)
-        accum_avx512::exps8_flat(xr, C, hi, po + t * C);
+        fk.exps8_flat(xr, C, hi, po + t * C);
       else
-        accum_avx512::exps8_rows(xr, std::min(g, R - r0), C, hi, po + t * C * g);
+        fk.exps8_rows(xr, std::min(g, R - r0), C, hi, po + t * C * g);
     }
   });
   return out;
 }
 
-Range scan(const at::Tensor& x) {  // x float32 contiguous
+Range scan(const FastKernels& fk, const at::Tensor& x) {  // x float32 contiguous
   const float* px = x.data_ptr<float>();
   return at::parallel_reduce(
       0, x.numel(), 1 << 16, Range(),
-      [&](int64_t i0, int64_t i1, Range r) { return r | accum_avx512::scan(px + i0, i1 - i0); },
+      [&](int64_t i0, int64_t i1, Range r) { return r | fk.scan(px + i0, i1 - i0); },
       [](const Range& x, const Range& y) { return x | y; });
 }
 #endif
@@ -177,14 +204,16 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
   float* po = out.data_ptr<float>();
   if (s.group == 1) {
     const int isa = accum_isa();
-    const at::Tensor bc = isa == 2 ? b.contiguous() : b;
+    const at::Tensor bc = isa > 0 ? b.contiguous() : b;
     Range ra, rb;
     FastLimits lim{};
     bool fast = false;
     int64_t P = W;  // b in panels of P columns: the lanes of the path
 #if defined(QT_ACCUM_AVX2)
-    fast = isa == 2 && fast_path_ok(s, ra = scan(ac), rb = scan(bc), &lim);
-    if (fast) P = accum_avx512::FW;
+    const FastKernels& fk =
+        isa == 2 ? accum_avx512::kFastKernels : accum_avx2::kFastKernels;
+    fast = isa > 0 && fast_path_ok(s, ra = scan(fk, ac), rb = scan(fk, bc), &lim);
+    if (fast) P = fk.FW;
 #endif
     // each panel (K, P) contiguous (zero columns pad the last one): the lanes read it
     // sequentially along K
@@ -196,8 +225,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     at::Tensor ea, eb, ea8, eb8;  // the exponents: int8 for the fast path, else int32
 #if defined(QT_ACCUM_AVX2)
     if (fast) {
-      ea8 = exps8(ac, ra.top(), FR);
-      eb8 = exps8(bp.view({B, ldb / P, K * P}), rb.top(), 1);
+      ea8 = exps8(fk, ac, ra.top(), FR);
+      eb8 = exps8(fk, bp.view({B, ldb / P, K * P}), rb.top(), 1);
     }
 #endif
     if (!fast) {
@@ -218,18 +247,10 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
         float* o3 = po + bi * M * N;
 #if defined(QT_ACCUM_AVX2)
         if (fast) {
-          using accum_avx512::rows_fast;
           const int8_t* ea83 = ea8.data_ptr<int8_t>() + bi * ea8.stride(0);
           const int8_t* eb83 = eb8.data_ptr<int8_t>() + bi * K * ldb;
-          const int off = ra.top() + rb.top();
-#define QT_ROWS_FAST(MODE) \
-  rows_fast<MODE>(a3, ea83, b3, eb83, off, K, N, i0, i1, s, lim, o3)
-          switch (s.align_round) {
-            case 0: QT_ROWS_FAST(0); break;
-            case 1: QT_ROWS_FAST(1); break;
-            default: QT_ROWS_FAST(2); break;
-          }
-#undef QT_ROWS_FAST
+          fk.rows_fast[s.align_round](a3, ea83, b3, eb83, ra.top() + rb.top(), K, N, i0, i1, s,
+                                      lim, o3);
           continue;
         }
 #endif
@@ -243,19 +264,39 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     });
     return out;
   }
-  // groups: the scalar qtensor::acc_dot on rows of a and columns of b (b transposed)
-  const at::Tensor ea = exponents(ac);
-  const int* pea = ea.data_ptr<int>();
-  const at::Tensor bt = b.transpose(1, 2).contiguous();  // (B, N, K)
-  const at::Tensor eb = exponents(bt);
-  const float* pb = bt.data_ptr<float>();
-  const int* peb = eb.data_ptr<int>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K));
-  at::parallel_for(0, B * M * N, grain, [&](int64_t lo, int64_t hi) {
+  // groups: tiles of group sums in double (cpu/accum_lanes.h's rows_groups<V>, V doubles per
+  // vector of the ISA): a in double with zero rows up to whole tiles, b in panels of C columns
+  // (zero columns pad the last one) in double, both also in float32 for the non-finite chunks
+  const int isa = accum_isa();
+  const int V = isa == 2 ? 8 : (isa == 1 ? 4 : 2);
+  const int R = accum_base::group_rows(V), C = accum_base::group_cols(V);
+  const int64_t ldb = (N + C - 1) / C * C, Mp = (M + R - 1) / R * R, tm = Mp / R;
+  const at::Tensor bp = at::constant_pad_nd(b, {0, ldb - N})
+                            .reshape({B, K, ldb / C, C})
+                            .permute({0, 2, 1, 3})
+                            .contiguous();  // (B, ldb / C, K, C)
+  const at::Tensor bd = bp.to(at::kDouble);
+  const at::Tensor ad = at::constant_pad_nd(ac, {0, 0, 0, Mp - M}).to(at::kDouble).contiguous();
+  const float* pb = bp.data_ptr<float>();
+  const double* pbd = bd.data_ptr<double>();
+  const double* pad = ad.data_ptr<double>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, R * ldb * K));
+  at::parallel_for(0, B * tm, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t bi = t / (M * N), i = t / N % M, j = t % N;
-      const int64_t ia = (bi * M + i) * K, jb = (bi * N + j) * K;
-      po[t] = qtensor::acc_dot(pa + ia, pb + jb, pea + ia, peb + jb, K, s);
+      const int64_t bi = t / tm, i0 = t % tm * R, i1 = std::min(M, i0 + R);
+      const double* ad3 = pad + bi * Mp * K;
+      const double* bd3 = pbd + bi * K * ldb;
+      const float* a3 = pa + bi * M * K;
+      const float* b3 = pb + bi * K * ldb;
+      float* o3 = po + bi * M * N;
+#if defined(QT_ACCUM_AVX2)
+      if (isa == 2)
+        accum_avx512::rows_groups<8>(ad3, bd3, a3, b3, K, N, i0, i1, s, o3);
+      else if (isa == 1)
+        accum_avx2::rows_groups<4>(ad3, bd3, a3, b3, K, N, i0, i1, s, o3);
+      else
+#endif
+        accum_base::rows_groups<2>(ad3, bd3, a3, b3, K, N, i0, i1, s, o3);
     }
   });
   return out;
