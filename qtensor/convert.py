@@ -35,6 +35,7 @@ from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
                     round_to)
 from .spec import as_recipe
+from .tensor import grad_with_accum
 from .warn import warn as _warn, warn_once as _warn_once
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
@@ -186,19 +187,21 @@ def _round_activation(x, plan: ModulePlan):
 
 class _RoundActivation(torch.autograd.Function):
     """Forward: round to the activation role (a new tensor, never a view, so that in-place ops
-    such as ReLU(inplace=True) may follow). Backward: round the gradient to the grad role.
-    One autograd node instead of as_qtensor + quantize_grad."""
+    such as ReLU(inplace=True) may follow). Backward: round the gradient to the grad role; it
+    keeps its accumulator, else takes the activation's (as quantize_grad). One autograd node
+    instead of as_qtensor + quantize_grad."""
 
     @staticmethod
     def forward(ctx, x, act: Role, grad: Role):
         ctx.grad_role, ctx.plain_input = grad, not _is_q(x)
+        ctx.accum = x.accum if _is_q(x) else None
         if act.full_precision:  # values left as they are (a copy: never a view)
             return x.clone()
         return round_to(x.detach(), act)
 
     @staticmethod
     def backward(ctx, g):
-        q = round_to(g, ctx.grad_role)
+        q = grad_with_accum(round_to(g, ctx.grad_role), ctx.accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
         return (q.dequantize() if ctx.plain_input else q), None, None
 

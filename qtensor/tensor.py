@@ -370,6 +370,16 @@ def _accum_of(x: torch.Tensor):
     return x.accum if isinstance(x, QTensor) else None
 
 
+def grad_with_accum(g, accum):
+    """The gradient ``g`` (rounded at a tensor that carries ``accum``) with that accumulator
+    where it has none, so the contractions it meets further back sum with it (a plain
+    gradient, or one rounded without it, would make them accumulate in FP32 when their other
+    operand, e.g. the model's input, carries none either). An alias of g's payload, not g."""
+    if accum is None or not isinstance(g, QTensor) or g.accum is not None:
+        return g
+    return QTensor._wrap(g._data, g.fmt, g.mm_fmt, accum=accum)
+
+
 class _AsQTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fmt, mm_fmt, rounding):
@@ -392,12 +402,14 @@ class _QuantizeGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fmt, mm_fmt, rounding):
         ctx.fmt, ctx.mm_fmt, ctx.rounding = fmt, mm_fmt, rounding
+        ctx.accum = _accum_of(x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         q = _ops.quantize(_payload_of(g), ctx.fmt, rounding=ctx.rounding)
-        return QTensor._wrap(q, ctx.fmt, ctx.mm_fmt), None, None, None
+        q = QTensor._wrap(q, ctx.fmt, ctx.mm_fmt, accum=_accum_of(g) or ctx.accum)
+        return q, None, None, None
 
 
 class _Dequantize(torch.autograd.Function):
@@ -436,7 +448,9 @@ def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = N
 
 def quantize_grad(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = None):
     """Identity in forward; in backward the incoming gradient is rounded to ``fmt`` and becomes
-    a QTensor(fmt, mm_fmt). Works on plain tensors and QTensors."""
+    a QTensor(fmt, mm_fmt). Works on plain tensors and QTensors. The rounded gradient keeps the
+    incoming gradient's accumulator (``.accum``), else takes x's: the contractions it meets
+    further back sum their products with it."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize_grad expects a torch.Tensor, got {type(x).__name__}")
     fmt = _parse(fmt)

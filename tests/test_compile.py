@@ -381,6 +381,29 @@ def test_accumulator_survives_flatten_and_unflatten():
             assert not torch.equal(yc.dequantize(), f(x, w32).dequantize())
 
 
+def test_compiled_quantize_grad_keeps_the_accumulator():
+    """qt.quantize_grad in compiled code: the rounded gradient takes the accumulator of the
+    tensor it is the gradient of, as in eager (the weight gradient x^T @ g, x carrying none, is
+    summed by it), bit for bit."""
+    def f(x, w, g):
+        (qt.quantize_grad(x @ w, "fp8_e5m2") * g).sum().backward()
+        return w.grad
+
+    gen = torch.Generator().manual_seed(0)
+    x = qt.as_qtensor(torch.randn(512, 32, generator=gen), "bf16")
+    w32 = qt.quantize(torch.randn(32, 16, generator=gen), "bf16")
+    g = torch.randn(512, 16, generator=gen)
+    grads = []
+    for fn in (f, torch.compile(f, backend="aot_eager")):
+        w = nn.Parameter(qt.QTensor(w32.clone(), "bf16", accum=qt.accum.hopper_fp8))
+        grads.append(fn(x, w, g))
+    assert grads[1].accum is qt.accum.hopper_fp8
+    assert_bits_equal(grads[1].dequantize(), grads[0].dequantize(), "weight gradient")
+    gq = qt.quantize(qt.quantize(g, "bf16"), "fp8_e5m2")  # (h * g)'s backward rounds to bf16
+    want = qt.quantize(qt.accum.accum_matmul(x.dequantize().t(), gq, qt.accum.hopper_fp8), "bf16")
+    assert_bits_equal(grads[0].dequantize(), want, "against accum_matmul")
+
+
 def test_qtensor_constructor_accum_argument():
     q = qt.QTensor(torch.zeros(2, 3), "bf16", accum="hopper_fp8")
     assert q.accum is qt.accum.hopper_fp8 and qt.QTensor(torch.zeros(2), "bf16").accum is None

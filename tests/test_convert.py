@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qtensor as qt
+from conftest import assert_bits_equal
 from qtensor.convert import plan_of
 
 torch.set_num_threads(1)
@@ -393,6 +394,50 @@ def test_activations_and_their_gradients():
     out = m(x)
     out.sum().backward()
     assert_in_format(seen["grad"], BF16, qt.mxfp6_e3m2, "gradient of fc1 output")
+
+
+class _QuantizeGradNet(nn.Module):
+    """fc1's output goes through the user's own qt.quantize_grad before fc2."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(24, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        a = self.fc1(x)
+        a.register_hook(lambda g: self.seen.setdefault("grad", g))
+        return self.fc2(torch.relu(qt.quantize_grad(a, "bf16", mm_fmt="fp8_e5m2")))
+
+
+@pytest.mark.parametrize("model", ["quantize_grad", "loss_from_dequantize"])
+def test_accumulator_reaches_the_backward_contractions(model):
+    """Recipe(accumulate=...): a weight gradient whose operands are the model's input (which
+    carries no accumulator) and the gradient arriving at its layer is summed by the accumulator,
+    also when that gradient went through the user's qt.quantize_grad or came plain from a loss on
+    the dequantized output: bit for bit qt.accum.accum_matmul of the rounded operands."""
+    torch.manual_seed(0)
+    acc = qt.accum.hopper_fp8
+    fp8 = (BF16, qt.fp8_e4m3)
+    recipe = qt.Recipe(weight=fp8, bias=BF16, activation=fp8, grad=(BF16, qt.fp8_e5m2),
+                       accumulate=acc)
+    x = torch.randn(512, 24)
+    if model == "quantize_grad":
+        m = qt.convert(_QuantizeGradNet(), recipe)
+        m.seen = {}
+        m(x).square().sum().backward()
+        g = m.seen["grad"].dequantize()
+    else:
+        m = qt.convert(nn.Sequential(nn.Linear(24, 16)), recipe)
+        g = torch.randn(512, 16)
+        (m(x).dequantize() * g).sum().backward()
+    gq = qt.quantize(qt.quantize(g, BF16), qt.fp8_e5m2)  # the grad role, then its operand format
+    xq = qt.quantize(qt.quantize(x, BF16), qt.fp8_e4m3)
+    want = qt.quantize(qt.accum.accum_matmul(gq.t(), xq, acc), BF16)
+    w = (m.fc1 if model == "quantize_grad" else m[0]).weight
+    assert_in_format(w.grad, BF16, qt.fp8_e5m2, "weight gradient")
+    assert_bits_equal(w.grad.dequantize(), want, "weight gradient")
+    assert not torch.equal(bits(want), bits(qt.quantize(gq.t() @ xq, BF16)))
 
 
 def test_inputs_rounded():

@@ -304,6 +304,30 @@ def test_backward_gives_qtensor_grads_and_quantize_grad():
     assert_q(p.grad, qt.quantize(torch.full((5,), 0.3), qt.fp8_e4m3), qt.fp8_e4m3)
 
 
+
+def test_quantize_grad_keeps_the_accumulator():
+    """The gradient quantize_grad rounds keeps the accumulator of the gradient it receives, or
+    else of the tensor whose gradient it is, so the contractions it then meets in backward sum
+    with it: w.grad = x^T @ g (x carries none) equals accum_matmul of the operands, bit for bit,
+    and differs from FP32 accumulation."""
+    gen = torch.Generator().manual_seed(0)
+    x = q(torch.randn(512, 32, generator=gen), "bf16")  # no accumulator: the products' K is 512
+    w = nn.Parameter(qt.QTensor(qt.quantize(torch.randn(32, 16, generator=gen), "bf16"), "bf16",
+                                accum=qt.accum.hopper_fp8))
+    G = torch.randn(512, 16, generator=gen)
+    for given in (G, qt.QTensor(qt.quantize(G, "fp32"), "fp32", accum=qt.accum.hopper_fp8_fast)):
+        w.grad = None
+        h = qt.quantize_grad(x @ w, "fp8_e5m2")
+        assert h.accum is qt.accum.hopper_fp8
+        h.backward(given)
+        acc = getattr(given, "accum", None) or qt.accum.hopper_fp8
+        gq = qt.quantize(vals(given), qt.fp8_e5m2)
+        want = qt.quantize(qt.accum.accum_matmul(vals(x).t(), gq, acc), qt.bf16)
+        assert_q(w.grad, want, qt.bf16, msg=str(acc))
+        assert w.grad.accum is acc
+        assert not torch.equal(want, qt.quantize(vals(x).t() @ gq, qt.bf16)), "FP32 accumulation"
+
+
 # ---------------------------------------------------------------------------------------------
 # Optimizers
 
