@@ -972,3 +972,175 @@ def test_fast_path_floor_of_a_subnormal_term(flush):
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(bits(got), bits(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# Group datapaths (group > 1: blackwell_mxfp4, blackwell_nvfp4): the kernel's tiles of double
+# group sums (csrc/cpu/accum_lanes.h, rows_groups) must give the reference's bits, also where a
+# group sum is inexact in float64 (then only the same sequential order in k gives the same bits).
+
+GROUP_FORMATS = [
+    accum.blackwell_mxfp4, accum.blackwell_nvfp4,
+    AccumFormat(chunk=16, frac_bits=20, group=4, promote=1),
+    AccumFormat(chunk=12, frac_bits=8, group=3, align_rounding="floor", acc_in_alignment=False,
+                acc_man=10, acc_rounding="nearest", promote=2),
+    AccumFormat(chunk=8, frac_bits=3, group=8, align_rounding="nearest", acc_man=5),
+    AccumFormat(chunk=64, frac_bits=0, group=2, align_rounding="floor", acc_man=2, promote=3),
+    AccumFormat(chunk=32, frac_bits=12, group=16, align_rounding="nearest",
+                acc_in_alignment=False, promote=None),
+]
+# the AccumFormat limits: 256 groups per chunk, the widest frac_bits; one group of all of K
+GROUP_LIMITS = [AccumFormat(chunk=512, frac_bits=42, group=2, promote=2),
+                AccumFormat(chunk=65536, frac_bits=50, group=65536)]
+
+
+def _group_spread(g, M, K, N):
+    """Every 4 K-elements: a big product B (2^40 to 2^80 times the small ones), a small one, -B
+    exactly (a negated, b repeated), a small one. Added in order the first small one is absorbed
+    by B and lost when -B cancels it; the float64 group sums are inexact and depend on the order
+    of the adds."""
+    a = torch.randn(M, K, generator=g)
+    b = torch.randn(K, N, generator=g)
+    big = 2.0 ** torch.randint(20, 41, (K,), generator=g).float()
+    a[:, 0::4] *= big[0::4]
+    b[0::4] *= big[0::4, None]
+    n = a[:, 2::4].shape[1]
+    a[:, 2::4] = -a[:, 0::4][:, :n]
+    b[2::4] = b[0::4][:n]
+    a[:, 1::2][torch.rand(M, K // 2, generator=g) < 0.05] = 0.0  # some small ones zero
+    return a, b
+
+
+def _group_special(g, M, K, N):
+    """Zero rows, columns and whole groups, inf, -inf and NaN (inf * 0 too), float32 overflow
+    of the accumulator format, subnormal operands."""
+    a, b = _random(g, M, K, N, "bf16")
+    a[0] = 0.0                        # a zero row
+    b[:, 1 % N] = 0.0                 # a zero column
+    a[:, 16:32] = 0.0                 # zero groups: p alone in the alignment
+    a[1 % M, 40] = math.inf           # inf * b, inf * 0 (b's zero column)
+    a[2 % M, 70] = math.nan
+    b[5, 2 % N] = -math.inf
+    a[3 % M, 3], b[3, 3 % N] = math.inf, -1.0
+    a[4 % M, 64:] = 3e38              # products and chunk sums far beyond float32
+    b[64:, 4 % N] = 3e38
+    a[5 % M, :8] = 2.0 ** -140 * torch.randn(8, generator=g)  # subnormals
+    return a, b
+
+
+GROUP_INPUTS = {
+    "random": lambda g: _random(g, 11, 77, 19),          # K not a multiple of 2, 3, 16, 64
+    "fp4": lambda g: _fp4(g, 9, 256, 33),
+    "spread": lambda g: _group_spread(g, 7, 150, 21),
+    "cancelling": lambda g: _cancelling(g, 5, 64, 17),
+    "exponents": lambda g: _spread(g, 6, 90, 10),
+    "special": lambda g: _group_special(g, 9, 100, 18),
+    "subnormal": lambda g: _subnormal(g, 3, 40, 9),
+}
+
+
+def test_group_spread_inputs_are_inexact_in_float64():
+    """The adversarial inputs do what they are for: the reference (float64 group sums) differs
+    from the exact oracle, so the kernel must reproduce its rounding, not the exact sums."""
+    f = AccumFormat(chunk=16, frac_bits=20, group=4, promote=1)
+    a, b = _group_spread(torch.Generator().manual_seed(1), 3, 64, 3)
+    want = accum.accum_matmul_reference(a, b, f)
+    assert not torch.equal(bits(want), bits(oracle(a, b, f)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(GROUP_INPUTS))
+@pytest.mark.parametrize("f", GROUP_FORMATS, ids=str)
+def test_group_kernel_equals_reference(f, kind):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{f}{kind}groups".encode()))
+    a, b = GROUP_INPUTS[kind](g)
+    want = accum.accum_matmul_reference(a, b, f)
+    assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
+
+
+@needs_kernel
+@pytest.mark.parametrize("f", GROUP_LIMITS, ids=str)
+def test_group_kernel_at_the_format_limits(f):
+    g = torch.Generator().manual_seed(3)
+    for a, b in (_random(g, 9, 1100, 17), _group_spread(g, 5, 1100, 9)):
+        want = accum.accum_matmul_reference(a, b, f)
+        assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
+
+
+@needs_kernel
+def test_group_kernel_batched_strided_and_empty():
+    f = accum.blackwell_mxfp4
+    g = torch.Generator().manual_seed(4)
+    a, b = _group_spread(g, 3 * 10, 100, 37)
+    a, b = a.reshape(3, 10, 100), b.t().contiguous().t()  # b column-major
+    want = accum.accum_matmul_reference(a, b, f)
+    assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
+    for x, y in ((torch.zeros(4, 0), torch.zeros(0, 5)), (torch.ones(1, 1), torch.ones(1, 1)),
+                 (torch.zeros(0, 8), torch.ones(8, 3))):
+        want = accum.accum_matmul_reference(x, y, f)
+        assert torch.equal(bits(accum.accum_matmul(x, y, f)), bits(want))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_group_kernel_on_other_isas(isa):
+    """QTENSOR_CPU_ISA caps the instruction set: the baseline and AVX2 tiles, the same bits."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, zlib; sys.path.insert(0, 'tests'); import test_accum as T\n"
+        "from qtensor import accum\n"
+        "for f in T.GROUP_FORMATS:\n"
+        "    for kind in T.GROUP_INPUTS:\n"
+        "        g = torch.Generator().manual_seed(zlib.crc32(kind.encode()))\n"
+        "        a, b = T.GROUP_INPUTS[kind](g)\n"
+        "        want = accum.accum_matmul_reference(a, b, f)\n"
+        "        got = accum.accum_matmul(a, b, f)\n"
+        "        assert torch.equal(T.bits(got), T.bits(want)), (f, kind)\n")
+    env = dict(os.environ, QTENSOR_CPU_ISA=isa)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@needs_kernel
+def test_group_recipe_training_matches_the_reference(monkeypatch):
+    """A user's model: qt.convert with Recipe(accumulate=blackwell_mxfp4), MXFP4 weights and
+    gradients, float32 activations, a few SGD steps; every contraction (forward, grad_input,
+    grad_weight) through the kernel gives the same losses and weights, bit for bit, as through
+    accum_matmul_reference."""
+    mx = ("fp32", "mxfp4")
+    recipe = qt.Recipe(weight=mx, bias="fp32", activation="fp32", grad=mx,
+                       accumulate=qt.accum.blackwell_mxfp4)
+
+    def train(recipe, reference=False):
+        if reference:
+            monkeypatch.setattr(accum, "_kernel_ready", lambda a: False)
+        torch.manual_seed(0)
+        m = qt.convert(torch.nn.Sequential(torch.nn.Linear(200, 48), torch.nn.ReLU(),
+                                           torch.nn.Linear(48, 5)), recipe)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        # blocks of 32 inputs up to 2^24 apart: the 35-bit alignment drops bits of the small ones
+        x = torch.randn(40, 7, 32, generator=g) * 2.0 ** torch.randint(-18, 7, (40, 7, 1),
+                                                                       generator=g)
+        x, y = x.flatten(1)[:, :200], torch.randn(40, 5, generator=g)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = (m(x).float() - y).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        monkeypatch.undo()
+        return torch.stack(losses), [bits(p.dequantize() if isinstance(p, qt.QTensor) else p)
+                                     for p in m.parameters()]
+
+    loss_k, params_k = train(recipe)
+    loss_r, params_r = train(recipe, reference=True)
+    assert torch.equal(bits(loss_k), bits(loss_r))
+    assert all(torch.equal(pk, pr) for pk, pr in zip(params_k, params_r))
+    # the accumulator took part: FP32 accumulation trains to other bits
+    loss_fp32, _ = train(recipe.replace(accumulate=None))
+    assert not torch.equal(bits(loss_k), bits(loss_fp32))
