@@ -214,6 +214,8 @@ class QTensor(torch.Tensor):
     @torch._disable_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # dynamo never traces the rules themselves (AOTAutograd runs them on fake payloads)
+        if torch.compiler.is_compiling():
+            _check_accum_not_set_while_tracing(func, args, kwargs)
         return _dispatch.dispatch(func, args, kwargs)
 
     # -- values --------------------------------------------------------------------------------
@@ -352,6 +354,56 @@ def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=Non
 
 
 _dispatch.register_qtensor(QTensor)
+
+
+def _accum_set_while_tracing() -> set:
+    """ids of the example values (the QTensors dynamo runs ops on while it traces) whose
+    ``.accum`` the traced code has assigned: dynamo keeps such an assignment as a side effect, to
+    apply after the graph, so ops in the graph would see the old accumulator. Empty when dynamo
+    is not tracing (or its internals differ: then nothing is checked)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        mutations = tx.output.side_effects.store_attr_mutations if tx is not None else {}
+    except (ImportError, AttributeError):
+        return set()
+    ids = set()
+    for var, attrs in mutations.items():
+        if "accum" in attrs:
+            try:
+                ids.add(id(var.as_proxy().node.meta["example_value"]))
+            except (AttributeError, KeyError, NotImplementedError):
+                pass
+    return ids
+
+
+def _check_accum_not_set_while_tracing(func, args, kwargs) -> None:
+    """Make dynamo run ``func`` outside the graph (a graph break; an error under fullgraph=True
+    or torch.export) when one of its QTensors had ``.accum`` assigned by the code being traced:
+    the graph would compute with the accumulator the tensor had before, silently."""
+    pending = _accum_set_while_tracing()
+    if not pending:
+        return
+    for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(a, QTensor) and id(a) in pending:
+            break
+    else:
+        return
+    before = a.accum or "none, FP32 accumulation"
+    msg = (f"QTensor.accum was set inside code that torch.compile is tracing, and the tensor is "
+           f"then used there ({func}): the graph cannot see the new accumulator (it would sum "
+           f"with the previous one: {before}). Without fullgraph=True this op runs outside the "
+           "graph (a graph break); with fullgraph=True or torch.export, set .accum before the "
+           "compiled call (Recipe(accumulate=...), or t.accum = ... outside it), or build the "
+           "tensor with it inside: qt.QTensor(payload, fmt, mm_fmt, accum=...).")
+    try:
+        from torch._dynamo.exc import unimplemented
+    except ImportError:
+        unimplemented = None
+    if unimplemented is not None:
+        unimplemented(gb_type="QTensor.accum set inside compiled code, then used there",
+                      context=str(func), explanation=msg, hints=[])
+    raise NotImplementedError(msg)  # dynamo makes a graph break of it too
 
 
 # ---------------------------------------------------------------------------------------------

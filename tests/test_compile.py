@@ -404,6 +404,61 @@ def test_compiled_quantize_grad_keeps_the_accumulator():
     assert_bits_equal(grads[0].dequantize(), want, "against accum_matmul")
 
 
+def _accum_set_on_an_input(a, b):
+    a.accum = qt.accum.hopper_fp8
+    return a @ b
+
+
+def _accum_set_on_a_tensor_built_inside(x, b):
+    y = qt.as_qtensor(x, "bf16")
+    y.accum = qt.accum.hopper_fp8
+    return torch.relu(y) @ b  # relu's result inherits the accumulator
+
+
+@pytest.mark.parametrize("fn", [_accum_set_on_an_input, _accum_set_on_a_tensor_built_inside])
+def test_accum_set_inside_compiled_code_then_used_there(fn):
+    """t.accum = ... inside compiled code, then t used there: a graph traced with t's old
+    accumulator would sum in FP32 (silently). torch.compile (aot_eager) runs the use outside the
+    graph instead (a graph break): eager's bits, the accumulator's, not FP32's; fullgraph=True
+    refuses with an error that says what to do."""
+    gen = torch.Generator().manual_seed(0)
+    a32 = qt.quantize(torch.randn(16, 256, generator=gen), "bf16")
+    b = qt.as_qtensor(torch.randn(256, 8, generator=gen), "bf16")
+
+    def first_arg():
+        return qt.QTensor(a32.clone(), "bf16") if fn is _accum_set_on_an_input else a32
+
+    want = fn(first_arg(), b)
+    fp32 = (qt.QTensor(a32, "bf16") if fn is _accum_set_on_an_input else torch.relu(
+        qt.as_qtensor(a32, "bf16"))) @ b
+    assert not torch.equal(want.dequantize(), fp32.dequantize())
+    a = first_arg()
+    got = torch.compile(fn, backend="aot_eager")(a, b)
+    assert got.accum is qt.accum.hopper_fp8
+    assert_bits_equal(got.dequantize(), want.dequantize(), "graph break")
+    if fn is _accum_set_on_an_input:
+        assert a.accum is qt.accum.hopper_fp8  # the assignment took place
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"QTensor\.accum was set inside code that torch\.compile "
+                                        r"is tracing(.|\n)*before the compiled call"):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(first_arg(), b)
+
+
+def test_accum_set_inside_compiled_code_and_not_used_there():
+    """Setting .accum on a result (or an input) that the compiled code does not use afterwards
+    is no graph break: the assignment is applied after the graph, as eager does it."""
+    def f(a, b):
+        y = a @ b
+        y.accum = qt.accum.hopper_fp8
+        return y
+
+    a = qt.as_qtensor(torch.randn(4, 64), "bf16")
+    b = qt.as_qtensor(torch.randn(64, 8), "bf16")
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(a, b)
+    assert got.accum is qt.accum.hopper_fp8
+    assert_bits_equal(got.dequantize(), f(a, b).dequantize())
+
+
 def test_qtensor_constructor_accum_argument():
     q = qt.QTensor(torch.zeros(2, 3), "bf16", accum="hopper_fp8")
     assert q.accum is qt.accum.hopper_fp8 and qt.QTensor(torch.zeros(2), "bf16").accum is None
