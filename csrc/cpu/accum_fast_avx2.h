@@ -1,0 +1,201 @@
+// The AVX2 vector operations of the fast path (accum_fast.h): 8 float32/int32 lanes, included by
+// csrc/cpu/accum.cpp inside namespace accum_avx2 under `#pragma GCC target("avx2")`, before
+// accum_fast.h; the same names as accum_fast_avx512.h.
+//
+// Without AVX-512's embedded rounding, getexp/scalef, lzcnt and masks:
+// - the alignment roundings are cvttps (toward zero), round_ps + cvt (floor) and cvtps (nearest:
+//   the MXCSR default, which the float32 adds of every path and of torch assume as well);
+// - exponents and powers of two are exponent-field arithmetic, exact because every value it
+//   touches is a normal float32 (the products, the partials and the chunk results: accum_fast.h);
+//   p's term, which can fall below 2^-126, is replaced by +-1/4 there (every mode rounds any
+//   value in (0, 1/2) alike), so it never depends on FTZ/DAZ;
+// - the accumulator rounding: toward zero, float(|T|) corrected down by an ulp where the
+//   conversion rounded up, then masked; to nearest with fewer than 24 bits, integer arithmetic
+//   on |T| (accum_fast.h's round_magnitude), its leading bit from the exponent of float(|T|);
+// - lane masks are compare results (all-ones lanes).
+
+constexpr int FW = 8;  // output columns per tile: the float32 lanes of a ymm register
+using VF = __m256;
+using VI = __m256i;
+using VM = __m256i;  // all-ones lanes
+
+inline VI i32(int x) { return _mm256_set1_epi32(x); }
+inline VI izero() { return _mm256_setzero_si256(); }
+inline VI addi(VI x, VI y) { return _mm256_add_epi32(x, y); }
+inline VI subi(VI x, VI y) { return _mm256_sub_epi32(x, y); }
+inline VI mini(VI x, VI y) { return _mm256_min_epi32(x, y); }
+inline VI maxi(VI x, VI y) { return _mm256_max_epi32(x, y); }
+inline VI andi(VI x, VI y) { return _mm256_and_si256(x, y); }
+inline VI absi(VI x) { return _mm256_abs_epi32(x); }
+inline VI shl23(VI x) { return _mm256_slli_epi32(x, 23); }
+inline VI srl1(VI x) { return _mm256_srli_epi32(x, 1); }
+inline VI srlv(VI x, VI n) { return _mm256_srlv_epi32(x, n); }
+inline VI sllv(VI x, VI n) { return _mm256_sllv_epi32(x, n); }
+inline VF fzero() { return _mm256_setzero_ps(); }
+inline VF loadf(const float* x) { return _mm256_loadu_ps(x); }
+inline VF bcastf(float x) { return _mm256_set1_ps(x); }
+inline VF mulf(VF x, VF y) { return _mm256_mul_ps(x, y); }
+inline VF addf(VF x, VF y) { return _mm256_add_ps(x, y); }
+inline VI asi(VF x) { return _mm256_castps_si256(x); }
+inline VF asf(VI x) { return _mm256_castsi256_ps(x); }
+inline VM gti(VI x, VI y) { return _mm256_cmpgt_epi32(x, y); }
+inline VM lti(VI x, VI y) { return _mm256_cmpgt_epi32(y, x); }
+inline VM mnone() { return _mm256_setzero_si256(); }
+inline VM mor(VM x, VM y) { return _mm256_or_si256(x, y); }
+inline bool many(VM m) { return !_mm256_testz_si256(m, m); }
+
+template <int MODE>
+inline VI cvt_round(VF x) {  // float32 to int32 with the alignment rounding
+  if (MODE == 0) return _mm256_cvttps_epi32(x);
+  if (MODE == 1) return _mm256_cvttps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEG_INF |
+                                                                   _MM_FROUND_NO_EXC));
+  return _mm256_cvtps_epi32(x);
+}
+
+inline VI biased_exp(VF x) {  // the exponent field
+  return _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 23), i32(255));
+}
+// p's alignment exponent floor(log2|p|) (never subnormal: see accum_fast_avx512.h); p == 0
+// gives -127, below every exponent the fast path meets (products and partials are >= 2^-126)
+inline VI partial_exp(VF p) { return _mm256_sub_epi32(biased_exp(p), i32(127)); }
+
+// p's term round(p * 2^Fe) (acc_finish with acc_in_alignment): below 2^(F + 1) in magnitude.
+// p * 2^Fe is p's bits + Fe << 23 where that is normal, +-1/4 where it is below 2^-126 (the
+// same rounding), p itself where p = +-0.
+template <int MODE>
+inline VI p_term(VF p, VI Fe) {
+  const __m256i pb = _mm256_castps_si256(p), be = biased_exp(p);
+  __m256i x = _mm256_add_epi32(pb, _mm256_slli_epi32(Fe, 23));
+  const __m256i quarter =
+      _mm256_or_si256(_mm256_and_si256(pb, i32((int)qtensor::F32::SIGN)), i32(0x3e800000));
+  x = _mm256_blendv_epi8(x, quarter, _mm256_cmpgt_epi32(i32(1), _mm256_add_epi32(be, Fe)));
+  x = _mm256_blendv_epi8(x, pb, _mm256_cmpeq_epi32(be, _mm256_setzero_si256()));
+  return cvt_round<MODE>(_mm256_castsi256_ps(x));
+}
+
+// sign(T) * T rounded to acc_man bits below its leading bit where conversions do it (else false:
+// accum_fast.h rounds |T| in integers). Toward zero: float(|T|) (to nearest), one ulp down where
+// that rounded up (int(f) > |T|, the difference exact in wrapping int32 also for f = 2^31), then
+// the mask of accum_fast_avx512.h.
+inline bool round_acc_direct(VI T, const qtensor::AccumSpec& s, VF* r) {
+  if (s.acc_round == 0) {
+    const __m256i aT = _mm256_abs_epi32(T);
+    const __m256 f = _mm256_cvtepi32_ps(aT);
+    const __m256i up = _mm256_cmpgt_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(f), aT),
+                                          _mm256_setzero_si256());
+    const __m256i t = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(f), up),
+                                       i32(-(1 << (23 - s.acc_man))));
+    *r = _mm256_castsi256_ps(
+        _mm256_or_si256(t, _mm256_and_si256(T, i32((int)qtensor::F32::SIGN))));
+    return true;
+  }
+  if (s.acc_man != 23) return false;
+  *r = _mm256_cvtepi32_ps(T);  // nearest to 24 bits: the (MXCSR nearest) conversion
+  return true;
+}
+// max(floor(log2|T|) - man, 0) for |T| < 2^31: float(|T|)'s exponent, less one where the
+// conversion rounded up to the next power of two (|T| >> e == 0); |T| = 0 gives 0
+inline VI drop_bits(VI aT, int man) {
+  __m256i e = _mm256_sub_epi32(biased_exp(_mm256_cvtepi32_ps(aT)), i32(127));
+  e = _mm256_add_epi32(e, _mm256_cmpeq_epi32(_mm256_srlv_epi32(aT, e), _mm256_setzero_si256()));
+  return _mm256_max_epi32(_mm256_sub_epi32(e, i32(man)), _mm256_setzero_si256());
+}
+// (T & SIGN) | R as float; R unsigned, up to 2^31 (-2^31 as int32: its magnitude is right), with
+// at most 24 significant bits
+inline VF signed_float(VI T, VI R) {
+  return _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(T, i32((int)qtensor::F32::SIGN)),
+                      _mm256_and_si256(_mm256_castps_si256(_mm256_cvtepi32_ps(R)),
+                                       i32((int)qtensor::F32::ABS))));
+}
+// r * 2^-Fe: r's bits - Fe << 23 (r and the result are normal: accum_fast.h's finish) where
+// T != 0, else r = +0
+inline VF scale_back(VF r, VI T, VI Fe) {
+  const __m256i e = _mm256_andnot_si256(_mm256_cmpeq_epi32(T, _mm256_setzero_si256()),
+                                        _mm256_slli_epi32(Fe, 23));
+  return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(r), e));
+}
+
+// The tile's exponent maxima (accum_fast.h's fast_tile): int8 lanes, FR = 4 rows x 8 columns,
+// row q of a group in bytes 8q .. 8q + 7.
+inline VI e8_init() { return _mm256_set1_epi8(-128); }
+inline VI e8_b(const int8_t* eb) {  // b's 8 exponents at k, in every 64-bit lane
+  int64_t b8;
+  std::memcpy(&b8, eb, 8);
+  return _mm256_set1_epi64x(b8);
+}
+inline VI e8_a(const int8_t* ea) {  // a's 4 exponents at k: byte q to bytes 8q .. 8q + 7
+  int32_t a4;
+  std::memcpy(&a4, ea, 4);
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                            0x0303030303030303);
+  return _mm256_shuffle_epi8(_mm256_set1_epi32(a4), spread);
+}
+inline VI e8_max(VI m, VI a, VI b) { return _mm256_max_epi8(m, _mm256_adds_epi8(a, b)); }
+// row q's emax, int32: e8 + off, kAccZeroExp where every product was zero (-128)
+inline VI e8_row(VI E8, int q, int off) {
+  __m128i h = q < 2 ? _mm256_castsi256_si128(E8) : _mm256_extracti128_si256(E8, 1);
+  if (q % 2) h = _mm_srli_si128(h, 8);
+  const __m256i e8 = _mm256_cvtepi8_epi32(h);
+  return _mm256_blendv_epi8(_mm256_add_epi32(e8, i32(off)), i32(qtensor::kAccZeroExp),
+                            _mm256_cmpeq_epi32(e8, i32(-128)));
+}
+
+// out[0:ncols] = o, NaN as the one encoding
+inline void store_row(float* out, VF o, int ncols) {
+  o = _mm256_blendv_ps(o, _mm256_castsi256_ps(i32((int)qtensor::F32::QNAN)),
+                       _mm256_cmp_ps(o, o, _CMP_UNORD_Q));
+  if (ncols == FW)
+    _mm256_storeu_ps(out, o);
+  else
+    _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(i32(ncols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                        o);
+}
+
+// The operand passes of the glue (accum_fast.h's scan and exps8_*).
+
+// scan's vector part: x[0:done], done a multiple of 8
+inline ScanBits scan_lanes(const float* x, int64_t n) {
+  __m256i man = _mm256_setzero_si256(), lo = i32(255), hi = _mm256_setzero_si256();
+  __m256i bad = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i)),
+                                       i32((int)qtensor::F32::ABS));
+    const __m256i be = _mm256_srli_epi32(u, 23);
+    const __m256i zero = _mm256_cmpeq_epi32(u, _mm256_setzero_si256());
+    bad = _mm256_or_si256(
+        bad, _mm256_andnot_si256(zero, _mm256_or_si256(
+                                           _mm256_cmpeq_epi32(be, _mm256_setzero_si256()),
+                                           _mm256_cmpeq_epi32(be, i32(255)))));
+    man = _mm256_or_si256(man, u);
+    lo = _mm256_min_epu32(lo, _mm256_or_si256(be, _mm256_and_si256(zero, i32(255))));
+    hi = _mm256_max_epu32(hi, be);
+  }
+  alignas(32) uint32_t m8[8], l8[8], h8[8];
+  _mm256_store_si256((__m256i*)m8, man);
+  _mm256_store_si256((__m256i*)l8, lo);
+  _mm256_store_si256((__m256i*)h8, hi);
+  ScanBits r{(bool)_mm256_testz_si256(bad, bad), 0, 255, 0, i};
+  for (int w = 0; w < 8; ++w) {
+    r.man |= m8[w];
+    r.lo = std::min(r.lo, l8[w]);
+    r.hi = std::max(r.hi, h8[w]);
+  }
+  return r;
+}
+
+// Exps8 of 16 normal-or-zero values whose largest exponent is hi (int8 by saturation: they are
+// in [-128, 0])
+inline __m128i exps8_16(const float* x, int hi) {
+  __m256i e[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + 8 * h)),
+                                       i32((int)qtensor::F32::ABS));
+    e[h] = _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_srli_epi32(u, 23), i32(127 + hi)),
+                              i32(-128), _mm256_cmpeq_epi32(u, _mm256_setzero_si256()));
+  }
+  // packs works within 128-bit lanes: x0..3 x8..11 | x4..7 x12..15, reordered to x0..15
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(e[0], e[1]), 0xD8);
+  return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+}
