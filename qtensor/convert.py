@@ -243,6 +243,16 @@ class ConvertedForward:
         self.inputs = inputs
         self.outputs = outputs
 
+    # the model's own forward, for its signature (inspect.signature follows __wrapped__) and its
+    # code: torch.export reads both from model.forward
+    @property
+    def __wrapped__(self):
+        return type(self.module).forward.__get__(self.module)
+
+    @property
+    def __code__(self):
+        return type(self.module).forward.__code__
+
     def __call__(self, *args, **kwargs):
         if self.inputs is not None:
             args, kwargs = self.inputs(self.module, args, kwargs)

@@ -7,7 +7,9 @@ once (the rule is cached per op overload) and handled by one of four paths:
 2. data-movement ops (``MOVE``) keep values and format; they round only values not already in the
    output's format, and re-round block formats whose blocks they regroup;
 3. every other floating op computes on the payloads in high precision and rounds each floating
-   output to the output format with one fused kernel (unlisted ops included);
+   output to the output format with one fused kernel (unlisted ops included; unlisted
+   CompositeImplicitAutograd ops, which reach dispatch only under torch.export's decompositions,
+   are decomposed first, as eager does);
 4. contractions (``CONTRACT``) round each operand that has an ``mm_fmt`` along that op's reduction
    dimension, per use, accumulate in the payload precision (or by ``QTensor.accum``) and round
    the output to ``fmt``.
@@ -34,7 +36,7 @@ aten = torch.ops.aten
 __all__ = ["dispatch", "OPS", "OpRule", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
 
 # Op kinds.
-COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH = 0, 1, 2, 3
+COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH, DECOMPOSE = 0, 1, 2, 3, 4
 
 # How an op's output keeps the block axis of a BlockFormat (OpRule.block).
 KEEP, TRANSPOSE, STACK = "keep", "transpose", "stack"
@@ -231,6 +233,11 @@ class Rule:
         kind = op.kind
         if kind == MOVE_KIND and func._overloadname in op.compute_overloads:
             kind = COMPUTE
+        if op is _COMPUTE_RULE and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd"):
+            # eager decomposes it before dispatch (conv2d into convolution, ...); it reaches us
+            # only where torch.export keeps it (run_decompositions): decompose it the same way
+            kind = DECOMPOSE
         self.moves = kind == MOVE_KIND  # _foreach_copy_ too, whose kind is FOREACH
         self.kind = FOREACH if packet.startswith("_foreach_") else kind
         # mutated arguments: (position, name); outputs that alias them
@@ -619,6 +626,8 @@ def dispatch(func, args, kwargs):
         rule = rule_of(func)
     if rule.kind == FOREACH:
         return _dispatch_foreach(func, rule, args, kwargs)
+    if rule.kind == DECOMPOSE:
+        return func.decompose(*args, **(kwargs or {}))
     qs = []
     uargs, ukwargs, plain = _unwrap(args, kwargs, qs)
     try:

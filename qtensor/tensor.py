@@ -58,6 +58,12 @@ def _code_version() -> str:
 
 _CODE_VERSION = _code_version()
 
+try:  # where torch describes a tensor to make a fake one of it (QTensor.untyped_storage)
+    from torch._subclasses.meta_utils import MetaTensorDescriber
+    _DESCRIBE_TENSOR = MetaTensorDescriber.describe_tensor.__code__
+except (ImportError, AttributeError):
+    _DESCRIBE_TENSOR = None
+
 
 def _parse(fmt) -> Optional[Format]:
     if fmt is None:
@@ -100,6 +106,35 @@ def _accum_of_token(token: str) -> AccumFormat:
         except ValueError:
             return v
     return AccumFormat(**{k: value(v) for k, v in (kv.split("=", 1) for kv in token.split(";"))})
+
+
+def _exported_init(self, *args, **kwargs):
+    """Nothing: torch.export's decorator below records ``QTensor(*args, **kwargs)`` in the
+    graph it traces (torch.export cannot follow a tensor subclass built in the traced code)."""
+
+
+# the decorator takes only a function named __init__
+_exported_init.__name__, _exported_init.__qualname__ = "__init__", "QTensor.__init__"
+try:
+    from torch._export.wrappers import mark_subclass_constructor_exportable_experimental
+    _exported_init = mark_subclass_constructor_exportable_experimental(_exported_init)
+except ImportError:  # an older torch: export fails where a QTensor is built in the model
+    pass
+
+
+def _record_construction(t, data, fmt, mm_fmt, outer_size, outer_stride, requires_grad, accum):
+    """While torch.export traces: put the call that builds t into the graph, its formats and
+    accumulator as strings (the graph's constants; None and format objects are not allowed)."""
+    kwargs = {}
+    if mm_fmt is not None:
+        kwargs["mm_fmt"] = str(mm_fmt)
+    if outer_size is not None:
+        kwargs["outer_size"], kwargs["outer_stride"] = tuple(outer_size), tuple(outer_stride)
+    if requires_grad:
+        kwargs["requires_grad"] = True
+    if accum is not None:
+        kwargs["accum"] = _accum_token(accum)
+    _exported_init(t, data, str(fmt), **kwargs)
 
 
 _dynamo_taught = False
@@ -183,6 +218,9 @@ class QTensor(torch.Tensor):
         t.mm_fmt = mm_fmt
         if accum is not None:
             t.accum = accum
+        if torch.compiler.is_exporting():
+            _record_construction(t, data, fmt, mm_fmt, outer_size, outer_stride, requires_grad,
+                                 accum)
         return t
 
     def __init__(self, *args, **kwargs):
@@ -267,8 +305,10 @@ class QTensor(torch.Tensor):
         """The payload's storage: ``share_memory_()``, ``is_shared()``, ``storage()`` and
         ``set_(q.untyped_storage())`` see the values (the wrapper's own storage has no data).
         While torch.compile traces, the wrapper's own (it describes the outer tensor's aliasing
-        to fake tensors, which must not share storage with their payloads)."""
-        if torch.compiler.is_compiling() or type(self._data) is not torch.Tensor:
+        to fake tensors, which must not share storage with their payloads), and where fake tensors
+        are made of it outside tracing (torch.export's fake parameters)."""
+        if (torch.compiler.is_compiling() or type(self._data) is not torch.Tensor
+                or sys._getframe(1).f_code is _DESCRIBE_TENSOR):
             return super().untyped_storage()
         return self._data.untyped_storage()
 
