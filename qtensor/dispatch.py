@@ -689,7 +689,7 @@ def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
 
 def _set_accum(out, acc):
     if isinstance(out, QTensor):
-        out.accum = acc
+        out._accum = acc
     elif isinstance(out, (tuple, list)):
         for o in out:
             _set_accum(o, acc)

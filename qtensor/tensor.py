@@ -172,9 +172,20 @@ class QTensor(torch.Tensor):
     _data: torch.Tensor
     fmt: Format
     mm_fmt: Optional[Format]
-    # How contractions with this operand sum their products (a qtensor.accum.AccumFormat);
-    # None: in the payload precision. Results of ops inherit it from their inputs.
-    accum = None
+    _accum = None  # see accum; internal code sets _accum (no export recording)
+
+    @property
+    def accum(self) -> Optional[AccumFormat]:
+        """How contractions with this operand sum their products (a qtensor.accum.AccumFormat);
+        None: in the payload precision. Results of ops inherit it from their inputs."""
+        return self._accum
+
+    @accum.setter
+    def accum(self, value):
+        self._accum = _as_accum(value, "QTensor.accum")
+        if torch.compiler.is_exporting():  # the exported program builds t again, with it
+            _record_construction(self, self._data, self.fmt, self.mm_fmt, None, None, False,
+                                 self._accum)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -217,7 +228,7 @@ class QTensor(torch.Tensor):
         t.fmt = fmt
         t.mm_fmt = mm_fmt
         if accum is not None:
-            t.accum = accum
+            t._accum = accum
         if torch.compiler.is_exporting():
             _record_construction(t, data, fmt, mm_fmt, outer_size, outer_stride, requires_grad,
                                  accum)

@@ -118,3 +118,35 @@ def test_dynamic_batch():
     for rows in (3, 17):
         x = _input("conv2d", rows)[:rows]
         _assert_same(ep.module()(x), model(x), f"{rows} rows")
+
+
+class _SetsAccum(nn.Module):
+    """Its forward gives .accum to its weight, or to a QTensor it builds, and then uses it."""
+
+    def __init__(self, on):
+        super().__init__()
+        self.on = on
+        self.fc = nn.Linear(256, 8)
+
+    def forward(self, x):
+        w = self.fc.weight
+        h = qt.as_qtensor(x, "bf16")
+        (w if self.on == "weight" else h).accum = qt.accum.hopper_fp8
+        return torch.relu(h) @ w.t()
+
+
+@pytest.mark.parametrize("on", ["weight", "built_inside"])
+def test_accum_set_in_the_exported_forward(on):
+    """A t.accum = ... in the forward torch.export traces is part of the program: eager's bits
+    (the accumulator's, not FP32's)."""
+    def model():
+        torch.manual_seed(0)
+        return qt.convert(_SetsAccum(on), qt.Recipe(weight="bf16", activation="bf16"))
+
+    x = _input("linear", 1)
+    ep = torch.export.export(model(), (x,))
+    want = model()(x)
+    got = ep.module()(x)
+    assert want.accum is qt.accum.hopper_fp8
+    _assert_same(got, want, "exported")
+    assert_bits_equal(ep.run_decompositions().module()(x), want.dequantize(), "lowered")

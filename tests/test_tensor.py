@@ -328,6 +328,17 @@ def test_quantize_grad_keeps_the_accumulator():
         assert not torch.equal(want, qt.quantize(vals(x).t() @ gq, qt.bf16)), "FP32 accumulation"
 
 
+
+def test_accum_attribute_takes_a_preset_name_and_checks_its_value():
+    t = q(torch.randn(2, 2))
+    t.accum = "hopper_fp8"
+    assert t.accum is qt.accum.hopper_fp8
+    with pytest.raises(TypeError, match=r"QTensor.accum must be an AccumFormat, a preset name"):
+        t.accum = 13
+    t.accum = None
+    assert t.accum is None and q(torch.randn(2)).accum is None
+
+
 # ---------------------------------------------------------------------------------------------
 # Optimizers
 
