@@ -58,115 +58,130 @@ inline void chunk_sum(const float* a, const float* b, int64_t ldb, int64_t k0, i
 }
 #endif
 
+// Double vectors of V lanes (2: baseline, 4: AVX2, 8: AVX-512; GCC vector extensions) and their
+// int64 and float32 companions.
+template <int V>
+struct Vec {
+  typedef double d __attribute__((vector_size(V * sizeof(double))));
+  typedef int64_t i __attribute__((vector_size(V * sizeof(int64_t))));
+  typedef float f __attribute__((vector_size(V * sizeof(float))));
+};
+template <int V>
+using vd = typename Vec<V>::d;
+template <int V>
+using vi = typename Vec<V>::i;
+template <int V>
+using vf = typename Vec<V>::f;
+
+// The groups' tiles: V rows by C columns (whole W-lane sets, two vectors at least).
+constexpr int group_rows(int V) { return V; }
+constexpr int group_cols(int V) { return 2 * V > W ? 2 * V : W; }
+
 // out[0:W] = a[0:K] (a row, exponents ea) times W columns of b (row stride ldb, exponents eb)
 #ifdef QT_ACCUM_AVX2
-// All per-chunk bookkeeping in registers: 2 x 4 double lanes (p, S, scales), 8 int32 exponents.
-inline __m256i pow2_bits(__m128i e) {  // 2^e for 4 int32 exponents (as double bit patterns)
-  return _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(e), _mm256_set1_epi64x(1023)),
-                           52);
+// The per-chunk bookkeeping in vectors of V double lanes with int64 exponents: 4 lanes (two
+// vectors per W outputs) for dot_lanes, V of the ISA for the groups.
+template <int V>
+inline vd<V> pow2v(vi<V> e) { return (vd<V>)((e + 1023) << 52); }  // 2^e, e in [-1022, 1023]
+template <int V>
+inline vi<V> expv(vd<V> x) {  // floor(log2|x|) of normal x (zero: -1023, inf and NaN: 1024)
+  return (((vi<V>)x >> 52) & 0x7ff) - 1023;
 }
-inline __m256d pow2_pd(__m128i e) { return _mm256_castsi256_pd(pow2_bits(e)); }
-inline __m128i low32(__m256i x) {  // the low 32 bits of 4 int64 lanes
-  return _mm256_castsi256_si128(
-      _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
+template <int V>
+inline vi<V> splat_i(int64_t x) { return vi<V>{} + x; }
+template <int MODE, int V>
+inline vd<V> round_v(vd<V> x) {
+  constexpr int R = (MODE == 0 ? _MM_FROUND_TO_ZERO
+                     : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
+                    _MM_FROUND_NO_EXC;
+  if constexpr (V == 8) return _mm512_roundscale_pd(x, R); else return _mm256_round_pd(x, R);
 }
-inline __m128i exp_pd(__m256d v) {  // floor(log2|v|) of normal doubles (zero: -1023)
-  const __m256i b = _mm256_and_si256(_mm256_srli_epi64(_mm256_castpd_si256(v), 52),
-                                     _mm256_set1_epi64x(0x7ff));
-  return _mm_sub_epi32(low32(b), _mm_set1_epi32(1023));
+template <int V>
+inline int nonfinite_mask(vd<V> x) {  // lanes that are inf or NaN
+  const vi<V> inf = splat_i<V>(0x7ff0000000000000);
+  const vi<V> m = ((vi<V>)x & inf) == inf;
+  if constexpr (V == 8) return _mm512_movepi64_mask((__m512i)m);
+  else return _mm256_movemask_pd((__m256d)m);
 }
-template <int MODE>
-inline __m256d round_pd(__m256d x) {
-  return _mm256_round_pd(x, (MODE == 0 ? _MM_FROUND_TO_ZERO
-                             : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
-                                _MM_FROUND_NO_EXC);
-}
-// p's alignment exponent: max(e(p), -126), or kAccZeroExp for p == 0
-inline __m128i p_exp(__m256d p) {
-  const __m128i zero =
-      low32(_mm256_castpd_si256(_mm256_cmp_pd(p, _mm256_setzero_pd(), _CMP_EQ_OQ)));
-  const __m128i e = _mm_max_epi32(exp_pd(p), _mm_set1_epi32(qtensor::kAccExpMin));
-  return _mm_blendv_epi8(e, _mm_set1_epi32(qtensor::kAccZeroExp), zero);
-}
-// the new partial of 4 lanes from S (the products' sum), em, the scales and p (acc_finish)
-template <int MODE>
-inline __m256d finish4(__m256d S, __m128i em, __m256d sc, __m256d p,
-                       const qtensor::AccumSpec& s) {
-  if (s.acc_in_alignment) S = _mm256_add_pd(S, round_pd<MODE>(_mm256_mul_pd(p, sc)));
-  const __m256d v = _mm256_mul_pd(S, pow2_pd(_mm_sub_epi32(em, _mm_set1_epi32(s.frac_bits))));
-  const __m128i e = _mm_max_epi32(exp_pd(v), _mm_set1_epi32(qtensor::kAccExpMin));
-  const __m128i man = _mm_set1_epi32(s.acc_man);
-  __m256d y = _mm256_mul_pd(v, pow2_pd(_mm_sub_epi32(man, e)));
-  y = s.acc_round == 0 ? round_pd<0>(y) : round_pd<2>(y);
-  __m256d r = _mm256_add_pd(_mm256_mul_pd(y, pow2_pd(_mm_sub_epi32(e, man))),
-                            _mm256_setzero_pd());  // + 0: a zero result is +0
-  const __m256d sign = _mm256_and_pd(r, _mm256_set1_pd(-0.0));
-  const __m256d big = _mm256_cmp_pd(_mm256_andnot_pd(_mm256_set1_pd(-0.0), r),
-                                    _mm256_set1_pd(0x1p128), _CMP_GE_OQ);
-  r = _mm256_blendv_pd(r, _mm256_or_pd(sign, _mm256_set1_pd(INFINITY)), big);
-  if (!s.acc_in_alignment)
-    r = _mm256_cvtps_pd(_mm_add_ps(_mm256_cvtpd_ps(p), _mm256_cvtpd_ps(r)));
-  return r;
-}
-inline int nonfinite_mask(__m256d x) {  // lanes that are inf or NaN
-  const __m256d ax = _mm256_andnot_pd(_mm256_set1_pd(-0.0), x);
-  return _mm256_movemask_pd(_mm256_cmp_pd(ax, _mm256_set1_pd(INFINITY), _CMP_NLT_UQ));
+// the new partial from S (the terms' sum, p's excluded), emax em, the scales and p (acc_finish)
+template <int MODE, int V>
+inline vd<V> finish_v(vd<V> S, vi<V> em, vd<V> sc, vd<V> p, const qtensor::AccumSpec& s) {
+  if (s.acc_in_alignment) S = S + round_v<MODE, V>(p * sc);
+  const vd<V> v = S * pow2v<V>(em - s.frac_bits);
+  vi<V> e = expv<V>(v);
+  e = e < qtensor::kAccExpMin ? splat_i<V>(qtensor::kAccExpMin) : e;
+  vd<V> y = v * pow2v<V>(s.acc_man - e);
+  y = s.acc_round == 0 ? round_v<0, V>(y) : round_v<2, V>(y);
+  const vd<V> r = y * pow2v<V>(e - s.acc_man) + 0.0;  // + 0: a zero result is +0
+  const vi<V> mag = (vi<V>)r & INT64_MAX, inf = splat_i<V>(0x7ff0000000000000);
+  const vd<V> out = (vd<V>)(mag >= splat_i<V>(int64_t{1023 + 128} << 52)
+                                ? ((vi<V>)r & INT64_MIN) | inf : (vi<V>)r);  // >= 2^128: inf
+  if (s.acc_in_alignment) return out;
+  return __builtin_convertvector(
+      __builtin_convertvector(p, vf<V>) + __builtin_convertvector(out, vf<V>), vd<V>);
 }
 
-// The running state of W outputs (acc_dot's partial p, FP32 accumulator, chunks since the last
-// promotion) and its per-chunk steps, shared by dot_lanes and group_chunk.
+// The running state of NV * V outputs (acc_dot's partial p, FP32 accumulator, chunks since the
+// last promotion) and its per-chunk steps, shared by dot_lanes and group_chunk.
+template <int V, int NV>
 struct Lanes {
-  __m256d p0, p1;
-  __m256 acc;
+  static constexpr int N = NV * V;
+  vd<V> p[NV];
+  vf<V> acc[NV];
   int c = 0;
 
-  // user-provided, so that it is compiled for this unit's target (an implicit one is not)
-  Lanes() : p0(_mm256_setzero_pd()), p1(_mm256_setzero_pd()), acc(_mm256_setzero_ps()) {}
+  Lanes() {
+    for (int v = 0; v < NV; ++v) { p[v] = vd<V>{}; acc[v] = vf<V>{}; }
+  }
 
-  // p's alignment exponents where p is a term of the alignment, else kAccZeroExp
-  void p_exps(const qtensor::AccumSpec& s, __m128i* e0, __m128i* e1) const {
-    *e0 = *e1 = _mm_set1_epi32(qtensor::kAccZeroExp);
-    if (s.acc_in_alignment) { *e0 = p_exp(p0); *e1 = p_exp(p1); }
+  // p's alignment exponents (clamped at -126) where p is a nonzero term, else kAccZeroExp
+  void p_exps(const qtensor::AccumSpec& s, vi<V>* e) const {
+    for (int v = 0; v < NV; ++v) {
+      vi<V> ep = expv<V>(p[v]);
+      ep = ep < qtensor::kAccExpMin ? splat_i<V>(qtensor::kAccExpMin) : ep;
+      const vi<V> none = splat_i<V>(qtensor::kAccZeroExp);
+      e[v] = s.acc_in_alignment ? (p[v] == 0.0 ? none : ep) : none;
+    }
   }
 
   // The chunk's new partials from S (its terms' sum, p's excluded), emax e and the scales sc.
   // Lanes with a non-finite S or p take the IEEE result of the chunk's operands: a[0:n] and
   // b[0:n] (row stride ldb, lane w at column w). last: the chunk ends K.
   template <int MODE>
-  void finish_chunk(__m256d S0, __m256d S1, __m128i e0, __m128i e1, __m256d sc0, __m256d sc1,
-                    const float* a, const float* b, int64_t ldb, int64_t n, bool last,
+  void finish_chunk(const vd<V>* S, const vi<V>* e, const vd<V>* sc, const float* a,
+                    const float* b, int64_t ldb, int64_t n, bool last,
                     const qtensor::AccumSpec& s) {
-    const int bad = nonfinite_mask(S0) | nonfinite_mask(p0) | (nonfinite_mask(S1) << 4) |
-                    (nonfinite_mask(p1) << 4);
-    const __m256d n0 = finish4<MODE>(S0, e0, sc0, p0, s);
-    const __m256d n1 = finish4<MODE>(S1, e1, sc1, p1, s);
-    if (bad) {  // rare: the IEEE result of the lanes with a NaN or inf
-      alignas(32) double pn[W], q[W];
-      _mm256_store_pd(pn, p0);
-      _mm256_store_pd(pn + 4, p1);
-      _mm256_store_pd(q, n0);
-      _mm256_store_pd(q + 4, n1);
-      for (int w = 0; w < W; ++w)
-        if (bad >> w & 1) q[w] = qtensor::acc_nonfinite(a, b + w, ldb, n, pn[w]);
-      p0 = _mm256_load_pd(q);
-      p1 = _mm256_load_pd(q + 4);
-    } else {
-      p0 = n0;
-      p1 = n1;
+    int bad = 0;
+    vd<V> q[NV];
+    for (int v = 0; v < NV; ++v) {
+      bad |= (nonfinite_mask<V>(S[v]) | nonfinite_mask<V>(p[v])) << (v * V);
+      q[v] = finish_v<MODE, V>(S[v], e[v], sc[v], p[v], s);
     }
+    if (bad) {  // rare: the IEEE result of the lanes with a NaN or inf
+      double pn[N], qn[N];
+      std::memcpy(pn, p, sizeof pn);
+      std::memcpy(qn, q, sizeof qn);
+      for (int w = 0; w < N; ++w)
+        if (bad >> w & 1) qn[w] = qtensor::acc_nonfinite(a, b + w, ldb, n, pn[w]);
+      std::memcpy(q, qn, sizeof qn);
+    }
+    for (int v = 0; v < NV; ++v) p[v] = q[v];
     if (s.promote > 0 && (++c == s.promote || last)) {
-      acc = _mm256_add_ps(acc, _mm256_set_m128(_mm256_cvtpd_ps(p1), _mm256_cvtpd_ps(p0)));
-      p0 = p1 = _mm256_setzero_pd();
+      for (int v = 0; v < NV; ++v) {
+        acc[v] = acc[v] + __builtin_convertvector(p[v], vf<V>);
+        p[v] = vd<V>{};
+      }
       c = 0;
     }
   }
 
   void store(float* out, const qtensor::AccumSpec& s) const {
-    const __m256 o = s.promote > 0 ? acc
-                                   : _mm256_set_m128(_mm256_cvtpd_ps(p1), _mm256_cvtpd_ps(p0));
-    const __m256 nan = _mm256_cmp_ps(o, o, _CMP_UNORD_Q);
-    const __m256 qnan = _mm256_castsi256_ps(_mm256_set1_epi32((int)qtensor::F32::QNAN));
-    _mm256_storeu_ps(out, _mm256_blendv_ps(o, qnan, nan));
+    float o[N];
+    for (int v = 0; v < NV; ++v) {
+      const vf<V> x = s.promote > 0 ? acc[v] : __builtin_convertvector(p[v], vf<V>);
+      std::memcpy(o + v * V, &x, sizeof x);
+    }
+    for (int w = 0; w < N; ++w) out[w] = std::isnan(o[w]) ? qtensor::u2f(qtensor::F32::QNAN) : o[w];
   }
 };
 
@@ -174,64 +189,73 @@ template <int MODE>
 void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int64_t ldb,
                int64_t K, const qtensor::AccumSpec& s, float* out) {
   using namespace qtensor;
-  Lanes L;
+  typedef int32_t v4si __attribute__((vector_size(16)));
+  Lanes<4, 2> L;
   alignas(32) int em[W];
   alignas(32) double sc[W], S[W];
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
     const int64_t n = K - k0 < s.chunk ? K - k0 : s.chunk;
-    __m128i e0, e1;
-    L.p_exps(s, &e0, &e1);
-    _mm_store_si128((__m128i*)em, e0);
-    _mm_store_si128((__m128i*)(em + 4), e1);
+    vi<4> e[2];
+    vd<4> scv[2], Sv[2];
+    L.p_exps(s, e);
+    for (int v = 0; v < 2; ++v) {
+      const v4si e32 = __builtin_convertvector(e[v], v4si);
+      std::memcpy(em + 4 * v, &e32, sizeof e32);
+    }
     chunk_emax(ea, eb, ldb, k0, k0 + n, em);
-    // all-zero and non-finite lanes: any scale will do (they are handled apart)
-    __m256i m = _mm256_load_si256((const __m256i*)em);
-    const __m256i out_of_range = _mm256_or_si256(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(kAccZeroExp / 2), m),
-        _mm256_cmpgt_epi32(m, _mm256_set1_epi32(kAccBadExp / 2)));
-    m = _mm256_andnot_si256(out_of_range, m);
-    e0 = _mm256_castsi256_si128(m);
-    e1 = _mm256_extracti128_si256(m, 1);
-    const __m128i F = _mm_set1_epi32(s.frac_bits);
-    const __m256d sc0 = pow2_pd(_mm_sub_epi32(F, e0)), sc1 = pow2_pd(_mm_sub_epi32(F, e1));
-    _mm256_store_pd(sc, sc0);
-    _mm256_store_pd(sc + 4, sc1);
+    for (int v = 0; v < 2; ++v) {  // all-zero and non-finite lanes: any scale will do
+      v4si e32;
+      std::memcpy(&e32, em + 4 * v, sizeof e32);
+      e[v] = __builtin_convertvector(e32, vi<4>);
+      e[v] = (e[v] < kAccZeroExp / 2) | (e[v] > kAccBadExp / 2) ? vi<4>{} : e[v];
+      scv[v] = pow2v<4>(s.frac_bits - e[v]);
+    }
+    std::memcpy(sc, scv, sizeof sc);
     chunk_sum<MODE>(a, b, ldb, k0, k0 + n, sc, S);
-    L.finish_chunk<MODE>(_mm256_load_pd(S), _mm256_load_pd(S + 4), e0, e1, sc0, sc1, a + k0,
-                         b + k0 * ldb, ldb, n, k0 + n == K, s);
+    std::memcpy(Sv, S, sizeof Sv);
+    L.finish_chunk<MODE>(Sv, e, scv, a + k0, b + k0 * ldb, ldb, n, k0 + n == K, s);
   }
   L.store(out, s);
 }
 
-// One chunk of W outputs of a group datapath from its group sums g[j * ldg + w], j < ng: emax over
-// the groups (floor(log2|g|), unclamped) and p, the rounded scaled terms' sum, finish_chunk.
-template <int MODE>
-inline void group_chunk(const double* g, int64_t ldg, int64_t ng, Lanes& L, const float* a,
+// The outputs of one row of a group tile: group_cols(V) lanes.
+template <int V>
+using RowLanes = Lanes<V, group_cols(V) / V>;
+
+// One chunk of a row of a group tile from its group sums g[j * L.N + w], j < ng: emax over the
+// groups (floor(log2|g|), unclamped) and p, the rounded scaled terms' sum, finish_chunk.
+template <int MODE, int V>
+inline void group_chunk(const double* g, int64_t ng, RowLanes<V>& L, const float* a,
                         const float* b, int64_t ldb, int64_t n, bool last,
                         const qtensor::AccumSpec& s) {
-  const __m256d mag = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MAX));
-  __m256d m0 = _mm256_setzero_pd(), m1 = m0;  // the largest |g|: its exponent is the groups'
-  for (int64_t j = 0; j < ng; ++j) {
-    m0 = _mm256_max_pd(m0, _mm256_and_pd(_mm256_loadu_pd(g + j * ldg), mag));
-    m1 = _mm256_max_pd(m1, _mm256_and_pd(_mm256_loadu_pd(g + j * ldg + 4), mag));
+  constexpr int NV = RowLanes<V>::N / V;
+  vi<V> m[NV], e[NV];  // the largest |g| (as bits): its exponent is the groups'
+  vd<V> sc[NV], S[NV];
+  for (int v = 0; v < NV; ++v) m[v] = vi<V>{};
+  for (int64_t j = 0; j < ng; ++j)
+    for (int v = 0; v < NV; ++v) {
+      vi<V> x;
+      std::memcpy(&x, g + j * L.N + v * V, sizeof x);
+      x &= INT64_MAX;
+      m[v] = x > m[v] ? x : m[v];
+    }
+  L.p_exps(s, e);
+  for (int v = 0; v < NV; ++v) {
+    // a zero's exponent reads -1023 (a nonzero sum of float32 products is above 2^-299): where
+    // all terms are zero any scale will do; inf or NaN (1024) make S non-finite
+    const vi<V> eg = expv<V>((vd<V>)m[v]);
+    e[v] = eg > e[v] ? eg : e[v];
+    e[v] = e[v] < -1022 ? vi<V>{} : e[v];
+    sc[v] = pow2v<V>(s.frac_bits - e[v]);
+    S[v] = vd<V>{};
   }
-  __m128i e0, e1;
-  L.p_exps(s, &e0, &e1);
-  // a zero's exponent reads -1023 (a nonzero sum of float32 products is above 2^-299): where
-  // all terms are zero any scale will do; inf or NaN (1024, or dropped by max) make S non-finite
-  const __m128i zero = _mm_set1_epi32(-1022);
-  e0 = _mm_max_epi32(e0, exp_pd(m0));
-  e1 = _mm_max_epi32(e1, exp_pd(m1));
-  e0 = _mm_andnot_si128(_mm_cmpgt_epi32(zero, e0), e0);
-  e1 = _mm_andnot_si128(_mm_cmpgt_epi32(zero, e1), e1);
-  const __m128i F = _mm_set1_epi32(s.frac_bits);
-  const __m256d sc0 = pow2_pd(_mm_sub_epi32(F, e0)), sc1 = pow2_pd(_mm_sub_epi32(F, e1));
-  __m256d S0 = _mm256_setzero_pd(), S1 = S0;
-  for (int64_t j = 0; j < ng; ++j) {
-    S0 = _mm256_add_pd(S0, round_pd<MODE>(_mm256_mul_pd(_mm256_loadu_pd(g + j * ldg), sc0)));
-    S1 = _mm256_add_pd(S1, round_pd<MODE>(_mm256_mul_pd(_mm256_loadu_pd(g + j * ldg + 4), sc1)));
-  }
-  L.finish_chunk<MODE>(S0, S1, e0, e1, sc0, sc1, a, b, ldb, n, last, s);
+  for (int64_t j = 0; j < ng; ++j)
+    for (int v = 0; v < NV; ++v) {
+      vd<V> x;
+      std::memcpy(&x, g + j * L.N + v * V, sizeof x);
+      S[v] = S[v] + round_v<MODE, V>(x * sc[v]);
+    }
+  L.template finish_chunk<MODE>(S, e, sc, a, b, ldb, n, last, s);
 }
 #else
 // The running state of W outputs (acc_dot's partial p, FP32 accumulator, chunks since the last
@@ -303,25 +327,29 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
   L.store(out, s);
 }
 
-// One chunk of W outputs of a group datapath from its group sums g[j * ldg + w], j < ng: emax over
-// the groups (floor(log2|g|), unclamped) and p, the rounded scaled terms' sum, finish_chunk.
-template <int MODE>
-inline void group_chunk(const double* g, int64_t ldg, int64_t ng, Lanes& L, const float* a,
-                        const float* b, int64_t ldb, int64_t n, bool last,
-                        const qtensor::AccumSpec& s) {
+// The outputs of one row of a group tile: group_cols(V) == W lanes.
+template <int V>
+using RowLanes = Lanes;
+
+// One chunk of a row of a group tile from its group sums g[j * W + w], j < ng: emax over the
+// groups (floor(log2|g|), unclamped) and p, the rounded scaled terms' sum, finish_chunk.
+template <int MODE, int V>
+inline void group_chunk(const double* g, int64_t ng, Lanes& L, const float* a, const float* b,
+                        int64_t ldb, int64_t n, bool last, const qtensor::AccumSpec& s) {
   using namespace qtensor;
+  static_assert(group_cols(V) == W, "one Lanes per row");
   int em[W];
   double sc[W], S[W];
   L.p_exps(s, em);
   for (int w = 0; w < W; ++w) {
     for (int64_t j = 0; j < ng; ++j) {  // inf or NaN (1024) make S non-finite
-      const double t = g[j * ldg + w];
+      const double t = g[j * W + w];
       if (t != 0.0) em[w] = std::max(em[w], acc_exp_f64(t));
     }
     em[w] = em[w] < kAccZeroExp / 2 ? 0 : em[w];  // all terms zero: any scale will do
     sc[w] = acc_pow2(s.frac_bits - em[w]);
     S[w] = 0.0;
-    for (int64_t j = 0; j < ng; ++j) S[w] += acc_round_int(g[j * ldg + w] * sc[w], MODE);
+    for (int64_t j = 0; j < ng; ++j) S[w] += acc_round_int(g[j * W + w] * sc[w], MODE);
   }
   L.finish_chunk<MODE>(S, em, sc, a, b, ldb, n, last, s);
 }
@@ -347,26 +375,14 @@ inline void rows(const float* a, const int* ea, const float* b, const int* eb, i
   }
 }
 
-// Groups: tiles of V rows by C columns (V doubles per vector: 8 AVX-512, 4 AVX2, 2 baseline;
-// accum.cpp picks V per ISA and lays out the operands for these tiles).
-constexpr int group_rows(int V) { return V; }
-constexpr int group_cols(int V) { return 2 * V > W ? 2 * V : W; }  // whole Lanes, two vectors
+// Groups: tiles of group_rows(V) rows by group_cols(V) columns (V doubles per vector: 8
+// AVX-512, 4 AVX2, 2 baseline; accum.cpp picks V per ISA and lays out the operands for them).
 template <int V>
-struct GroupTile {
-  static constexpr int R = group_rows(V), C = group_cols(V);
-  static constexpr int NV = C / V;  // vectors per row
-};
-template <int V>
-struct DoubleVec {
-  typedef double type __attribute__((vector_size(V * sizeof(double))));
-};
-
-template <int V>
-inline typename DoubleVec<V>::type splat(double x) {
+inline vd<V> splat(double x) {
 #ifdef QT_ACCUM_AVX2
   if constexpr (V == 8) return _mm512_set1_pd(x); else return _mm256_set1_pd(x);
 #else
-  typename DoubleVec<V>::type v;
+  vd<V> v;
   for (int i = 0; i < V; ++i) v[i] = x;
   return v;
 #endif
@@ -374,9 +390,7 @@ inline typename DoubleVec<V>::type splat(double x) {
 
 // t + x * y; x * y is exact (a product of float32 values), so the fused form gives the same bits
 template <int V>
-inline typename DoubleVec<V>::type mul_add(typename DoubleVec<V>::type t,
-                                           typename DoubleVec<V>::type x,
-                                           typename DoubleVec<V>::type y) {
+inline vd<V> mul_add(vd<V> t, vd<V> x, vd<V> y) {
 #ifdef QT_ACCUM_AVX2
   if constexpr (V == 8) return _mm512_fmadd_pd(x, y, t); else return t + x * y;
 #else
@@ -390,27 +404,26 @@ inline typename DoubleVec<V>::type mul_add(typename DoubleVec<V>::type t,
 template <int V>
 inline void group_sums(const double* a, int64_t lda, const double* b, int64_t n, int64_t group,
                        double* G) {
-  using T = GroupTile<V>;
-  using vd = typename DoubleVec<V>::type;
+  constexpr int R = group_rows(V), C = group_cols(V), NV = C / V;
   const int64_t ng = (n + group - 1) / group;
   for (int64_t j = 0; j < ng; ++j) {
     const int64_t k0 = j * group, k1 = std::min(k0 + group, n);
-    vd t[T::R][T::NV], bv[T::NV];
-    for (int v = 0; v < T::NV; ++v) std::memcpy(&bv[v], b + k0 * T::C + v * V, sizeof(vd));
-    for (int r = 0; r < T::R; ++r) {
-      const vd av = splat<V>(a[r * lda + k0]);
-      for (int v = 0; v < T::NV; ++v) t[r][v] = av * bv[v];
+    vd<V> t[R][NV], bv[NV];
+    for (int v = 0; v < NV; ++v) std::memcpy(&bv[v], b + k0 * C + v * V, sizeof(vd<V>));
+    for (int r = 0; r < R; ++r) {
+      const vd<V> av = splat<V>(a[r * lda + k0]);
+      for (int v = 0; v < NV; ++v) t[r][v] = av * bv[v];
     }
     for (int64_t k = k0 + 1; k < k1; ++k) {
-      for (int v = 0; v < T::NV; ++v) std::memcpy(&bv[v], b + k * T::C + v * V, sizeof(vd));
-      for (int r = 0; r < T::R; ++r) {
-        const vd av = splat<V>(a[r * lda + k]);
-        for (int v = 0; v < T::NV; ++v) t[r][v] = mul_add<V>(t[r][v], av, bv[v]);
+      for (int v = 0; v < NV; ++v) std::memcpy(&bv[v], b + k * C + v * V, sizeof(vd<V>));
+      for (int r = 0; r < R; ++r) {
+        const vd<V> av = splat<V>(a[r * lda + k]);
+        for (int v = 0; v < NV; ++v) t[r][v] = mul_add<V>(t[r][v], av, bv[v]);
       }
     }
-    for (int r = 0; r < T::R; ++r)
-      for (int v = 0; v < T::NV; ++v)
-        std::memcpy(G + (r * ng + j) * T::C + v * V, &t[r][v], sizeof(vd));
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v)
+        std::memcpy(G + (r * ng + j) * C + v * V, &t[r][v], sizeof(vd<V>));
   }
 }
 
@@ -418,25 +431,23 @@ template <int V, int MODE>
 void rows_groups_mode(const double* ad, const double* bd, const float* a, const float* b,
                       int64_t K, int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s,
                       float* out) {
-  using T = GroupTile<V>;
-  std::vector<double> G((size_t)T::R * (s.chunk / s.group) * T::C);
-  float tmp[T::C];
-  for (int64_t j0 = 0; j0 < N; j0 += T::C) {
+  constexpr int R = group_rows(V), C = group_cols(V);
+  std::vector<double> G((size_t)R * (s.chunk / s.group) * C);
+  float tmp[C];
+  for (int64_t j0 = 0; j0 < N; j0 += C) {
     const double* bdj = bd + j0 * K;  // the panel of columns j0 .. j0 + C - 1
     const float* bj = b + j0 * K;
-    Lanes L[T::R][T::C / W];
+    RowLanes<V> L[R];
     for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
       const int64_t n = K - k0 < s.chunk ? K - k0 : s.chunk, ng = (n + s.group - 1) / s.group;
-      group_sums<V>(ad + i0 * K + k0, K, bdj + k0 * T::C, n, s.group, G.data());
+      group_sums<V>(ad + i0 * K + k0, K, bdj + k0 * C, n, s.group, G.data());
       for (int64_t r = 0; r < i1 - i0; ++r)
-        for (int h = 0; h < T::C / W; ++h)
-          group_chunk<MODE>(G.data() + r * ng * T::C + h * W, T::C, ng, L[r][h],
-                            a + (i0 + r) * K + k0, bj + k0 * T::C + h * W, T::C, n, k0 + n == K,
-                            s);
+        group_chunk<MODE, V>(G.data() + r * ng * C, ng, L[r], a + (i0 + r) * K + k0,
+                             bj + k0 * C, C, n, k0 + n == K, s);
     }
     for (int64_t r = 0; r < i1 - i0; ++r) {
-      for (int h = 0; h < T::C / W; ++h) L[r][h].store(tmp + h * W, s);
-      for (int64_t c = 0; c < T::C && j0 + c < N; ++c) out[(i0 + r) * N + j0 + c] = tmp[c];
+      L[r].store(tmp, s);
+      for (int64_t c = 0; c < C && j0 + c < N; ++c) out[(i0 + r) * N + j0 + c] = tmp[c];
     }
   }
 }
