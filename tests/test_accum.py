@@ -1106,6 +1106,26 @@ def test_group_kernel_on_other_isas(isa):
 
 
 @needs_kernel
+@pytest.mark.parametrize("f", GROUP_FORMATS[:1] + GROUP_FORMATS[-1:], ids=str)
+def test_group_kernel_with_flush_denormal(f):
+    """Results in float32's subnormal range, p in the alignment or added by a float32 add: with
+    torch.set_flush_denormal(True) the kernel gives the reference's bits (both flushed)."""
+    a, b = _random(torch.Generator().manual_seed(9), 6, 96, 20, "bf16")
+    a, b = a * 2.0 ** -60, b * 2.0 ** -70
+    want = accum.accum_matmul_reference(a, b, f)
+    assert (want != 0).any() and (want.abs() < 2.0 ** -126).any()
+    assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = accum.accum_matmul(a, b, f)
+        want = accum.accum_matmul_reference(a, b, f)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(bits(got), bits(want))
+
+
+@needs_kernel
 def test_group_recipe_training_matches_the_reference(monkeypatch):
     """A user's model: qt.convert with Recipe(accumulate=blackwell_mxfp4), MXFP4 weights and
     gradients, float32 activations, a few SGD steps; every contraction (forward, grad_input,
