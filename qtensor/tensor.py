@@ -430,7 +430,7 @@ def _accum_set_while_tracing() -> set:
 
 def _check_accum_not_set_while_tracing(func, args, kwargs) -> None:
     """Make dynamo run ``func`` outside the graph (a graph break; an error under fullgraph=True
-    or torch.export) when one of its QTensors had ``.accum`` assigned by the code being traced:
+    or torch.export(strict=True)) when one of its QTensors had ``.accum`` assigned by the code being traced:
     the graph would compute with the accumulator the tensor had before, silently."""
     pending = _accum_set_while_tracing()
     if not pending:
@@ -444,9 +444,10 @@ def _check_accum_not_set_while_tracing(func, args, kwargs) -> None:
     msg = (f"QTensor.accum was set inside code that torch.compile is tracing, and the tensor is "
            f"then used there ({func}): the graph cannot see the new accumulator (it would sum "
            f"with the previous one: {before}). Without fullgraph=True this op runs outside the "
-           "graph (a graph break); with fullgraph=True or torch.export, set .accum before the "
-           "compiled call (Recipe(accumulate=...), or t.accum = ... outside it), or build the "
-           "tensor with it inside: qt.QTensor(payload, fmt, mm_fmt, accum=...).")
+           "graph (a graph break); with fullgraph=True or torch.export(strict=True) (the "
+           "default, non-strict export records it), set .accum before the compiled call "
+           "(Recipe(accumulate=...), or t.accum = ... outside it), or build the tensor with it "
+           "inside: qt.QTensor(payload, fmt, mm_fmt, accum=...).")
     try:
         from torch._dynamo.exc import unimplemented
     except ImportError:

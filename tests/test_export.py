@@ -150,3 +150,6 @@ def test_accum_set_in_the_exported_forward(on):
     assert want.accum is qt.accum.hopper_fp8
     _assert_same(got, want, "exported")
     assert_bits_equal(ep.run_decompositions().module()(x), want.dequantize(), "lowered")
+    # strict=True: dynamo traces the forward and cannot put the assignment in the graph
+    with pytest.raises(Exception, match=r"QTensor\.accum was set inside code that torch\.compile"):
+        torch.export.export(model(), (x,), strict=True)
