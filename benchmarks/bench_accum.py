@@ -3,11 +3,13 @@
     python benchmarks/bench_accum.py            # a few sizes, a few seconds each
     python benchmarks/bench_accum.py --quick
 
-Both paths take float32 operands, round them to FP8 E4M3 (the operand rounding every emulated
-contraction does) and multiply; the plain path accumulates with torch.mm (FP32, BLAS), the accum
-path with the fused C++ kernel emulating the datapath (hopper_fp8: 32-product chunks, 13 bits,
-promotion every 128; hopper_bf16: 16-product chunks, 25 bits). FP8 operands take the kernel's
-float32/int32 fast path on AVX-512 CPUs (csrc/cpu/accum_fast.h). Prints the time of each, the
+Both paths take float32 operands, round them to FP8 E4M3 (FP4 E2M1 for blackwell_mxfp4: the
+operand rounding every emulated contraction does) and multiply; the plain path accumulates with
+torch.mm (FP32, BLAS), the accum path with the fused C++ kernel emulating the datapath
+(hopper_fp8: 32-product chunks, 13 bits, promotion every 128; hopper_bf16: 16-product chunks, 25
+bits; blackwell_mxfp4: 64-product chunks of 16-product groups, 35 bits). FP8 operands take the
+kernel's float32/int32 fast path on AVX2/AVX-512 CPUs (csrc/cpu/accum_fast.h); the groups take
+the double tiles of csrc/cpu/accum_lanes.h (rows_groups). Prints the time of each, the
 ratio accum / plain measured in the same run, and the accum time per product (quantization
 included). One thread by default (--threads): on a shared
 machine multi-threaded timings of sub-millisecond matmuls are mostly scheduling noise. The two
@@ -37,24 +39,25 @@ def main():
     sizes = [(128, 512, 128), (256, 1024, 256)] if args.quick else \
         [(128, 512, 128), (256, 1024, 256), (512, 512, 512)]
     torch.manual_seed(0)
-    print(f"threads: {torch.get_num_threads()}; operands rounded to fp8_e4m3 in both paths")
-    print(f"{'M x K x N':>18} {'accum':>14} {'plain ms':>9} {'accum ms':>9} {'ratio':>6} "
+    print(f"threads: {torch.get_num_threads()}; operands rounded to fp8_e4m3 (blackwell_mxfp4: "
+          f"fp4_e2m1) in both paths")
+    print(f"{'M x K x N':>18} {'accum':>15} {'plain ms':>9} {'accum ms':>9} {'ratio':>6} "
           f"{'ns/product':>10}")
     for M, K, N in sizes:
         a, b = torch.randn(M, K), torch.randn(K, N)
 
-        def plain():
-            return qt.quantize(a, "fp8_e4m3") @ qt.quantize(b, "fp8_e4m3")
+        for f, fmt in ((accum.hopper_fp8, "fp8_e4m3"), (accum.hopper_bf16, "fp8_e4m3"),
+                       (accum.blackwell_mxfp4, "fp4_e2m1")):
+            def plain(fmt=fmt):
+                return qt.quantize(a, fmt) @ qt.quantize(b, fmt)
 
-        for f in (accum.hopper_fp8, accum.hopper_bf16):
-            def acc(f=f):
-                return accum.accum_matmul(qt.quantize(a, "fp8_e4m3"), qt.quantize(b, "fp8_e4m3"),
-                                          f)
+            def acc(f=f, fmt=fmt):
+                return accum.accum_matmul(qt.quantize(a, fmt), qt.quantize(b, fmt), f)
             t_plain = t_acc = float("inf")
             for _ in range(repeat):  # alternately, so that both see the same load
                 t_plain = min(t_plain, timeit(plain, 1, number))
                 t_acc = min(t_acc, timeit(acc, 1, number))
-            print(f"{f'{M}x{K}x{N}':>18} {f.name:>14} {t_plain * 1e3:9.2f} {t_acc * 1e3:9.2f} "
+            print(f"{f'{M}x{K}x{N}':>18} {f.name:>15} {t_plain * 1e3:9.2f} {t_acc * 1e3:9.2f} "
                   f"{t_acc / t_plain:6.1f} {t_acc / (M * K * N) * 1e9:10.3f}")
 
 if __name__ == "__main__":

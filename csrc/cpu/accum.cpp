@@ -65,7 +65,7 @@ struct ScanBits {
 // The fast path of one ISA (accum_fast.h's kFastKernels): FW output columns per tile, the passes
 // over the operands and rows_fast per alignment rounding.
 struct FastKernels {
-  int FW;
+  int FW, EA;  // EA: the copies of each of a's int8 exponents (accum_fast.h's Exps8)
   Range (*scan)(const float* x, int64_t n);
   void (*exps8_flat)(const float* x, int64_t n, int hi, int8_t* out);
   void (*exps8_rows)(const float* x, int64_t rows, int64_t C, int hi, int8_t* out);
@@ -161,10 +161,11 @@ constexpr int FR = accum_avx512::FR;  // rows per group of the int8 exponents of
 static_assert(FR == accum_avx2::FR && accum_avx512::TR == accum_avx2::TR, "one layout of a");
 // The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
 // normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
-// (batch, ceil(rows / g), cols, g), padding rows as zeros.
+// each fk.EA times in groups, (batch, ceil(rows / g), cols, g * ea), padding rows as zeros.
 at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int64_t g) {
   const int64_t B = x.size(0), R = x.size(1), C = x.numel() / (B * R), Rg = (R + g - 1) / g;
-  at::Tensor out = at::empty({B, Rg, C, g}, x.options().dtype(at::kChar));
+  const int64_t ea = g == 1 ? 1 : fk.EA;
+  at::Tensor out = at::empty({B, Rg, C, g * ea}, x.options().dtype(at::kChar));
   const float* px = x.data_ptr<float>();
   int8_t* po = out.data_ptr<int8_t>();
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, C * g));
@@ -175,7 +176,7 @@ at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int64_t g) 
       if (g == 1)
         fk.exps8_flat(xr, C, hi, po + t * C);
       else
-        fk.exps8_rows(xr, std::min(g, R - r0), C, hi, po + t * C * g);
+        fk.exps8_rows(xr, std::min(g, R - r0), C, hi, po + t * C * g * ea);
     }
   });
   return out;
@@ -265,38 +266,31 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     return out;
   }
   // groups: tiles of group sums in double (cpu/accum_lanes.h's rows_groups<V>, V doubles per
-  // vector of the ISA): a in double with zero rows up to whole tiles, b in panels of C columns
-  // (zero columns pad the last one) in double, both also in float32 for the non-finite chunks
+  // vector of the ISA) on b in panels of C columns (zero columns pad the last one)
   const int isa = accum_isa();
   const int V = isa == 2 ? 8 : (isa == 1 ? 4 : 2);
   const int R = accum_base::group_rows(V), C = accum_base::group_cols(V);
-  const int64_t ldb = (N + C - 1) / C * C, Mp = (M + R - 1) / R * R, tm = Mp / R;
+  const int64_t ldb = (N + C - 1) / C * C, tm = (M + R - 1) / R;
   const at::Tensor bp = at::constant_pad_nd(b, {0, ldb - N})
                             .reshape({B, K, ldb / C, C})
                             .permute({0, 2, 1, 3})
                             .contiguous();  // (B, ldb / C, K, C)
-  const at::Tensor bd = bp.to(at::kDouble);
-  const at::Tensor ad = at::constant_pad_nd(ac, {0, 0, 0, Mp - M}).to(at::kDouble).contiguous();
   const float* pb = bp.data_ptr<float>();
-  const double* pbd = bd.data_ptr<double>();
-  const double* pad = ad.data_ptr<double>();
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, R * ldb * K));
   at::parallel_for(0, B * tm, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t bi = t / tm, i0 = t % tm * R, i1 = std::min(M, i0 + R);
-      const double* ad3 = pad + bi * Mp * K;
-      const double* bd3 = pbd + bi * K * ldb;
       const float* a3 = pa + bi * M * K;
       const float* b3 = pb + bi * K * ldb;
       float* o3 = po + bi * M * N;
 #if defined(QT_ACCUM_AVX2)
       if (isa == 2)
-        accum_avx512::rows_groups<8>(ad3, bd3, a3, b3, K, N, i0, i1, s, o3);
+        accum_avx512::rows_groups<8>(a3, b3, K, N, i0, i1, s, o3);
       else if (isa == 1)
-        accum_avx2::rows_groups<4>(ad3, bd3, a3, b3, K, N, i0, i1, s, o3);
+        accum_avx2::rows_groups<4>(a3, b3, K, N, i0, i1, s, o3);
       else
 #endif
-        accum_base::rows_groups<2>(ad3, bd3, a3, b3, K, N, i0, i1, s, o3);
+        accum_base::rows_groups<2>(a3, b3, K, N, i0, i1, s, o3);
     }
   });
   return out;

@@ -398,24 +398,31 @@ inline vd<V> mul_add(vd<V> t, vd<V> x, vd<V> y) {
 #endif
 }
 
-// The group sums of one chunk (n K-elements, groups of `group`) for a tile: a (R rows, stride
-// lda), b (n rows of C). G[(r * ng + j) * C + c] = the products of group j of row r and column c
-// added in k order in double, as acc_chunk does.
+// The group sums of one chunk (n K-elements, groups of `group`) for a tile: a (R rows in double,
+// stride lda), b (n rows of C float32, converted as loaded). G[(r * ng + j) * C + c] = the
+// products of group j of row r and column c added in k order in double, as acc_chunk does.
 template <int V>
-inline void group_sums(const double* a, int64_t lda, const double* b, int64_t n, int64_t group,
+inline void group_sums(const double* a, int64_t lda, const float* b, int64_t n, int64_t group,
                        double* G) {
   constexpr int R = group_rows(V), C = group_cols(V), NV = C / V;
   const int64_t ng = (n + group - 1) / group;
+  vd<V> t[R][NV], bv[NV];
+  const auto load_b = [&](int64_t k) {
+    for (int v = 0; v < NV; ++v) {
+      vf<V> x;
+      std::memcpy(&x, b + k * C + v * V, sizeof x);
+      bv[v] = __builtin_convertvector(x, vd<V>);
+    }
+  };
   for (int64_t j = 0; j < ng; ++j) {
     const int64_t k0 = j * group, k1 = std::min(k0 + group, n);
-    vd<V> t[R][NV], bv[NV];
-    for (int v = 0; v < NV; ++v) std::memcpy(&bv[v], b + k0 * C + v * V, sizeof(vd<V>));
+    load_b(k0);
     for (int r = 0; r < R; ++r) {
       const vd<V> av = splat<V>(a[r * lda + k0]);
       for (int v = 0; v < NV; ++v) t[r][v] = av * bv[v];
     }
     for (int64_t k = k0 + 1; k < k1; ++k) {
-      for (int v = 0; v < NV; ++v) std::memcpy(&bv[v], b + k * C + v * V, sizeof(vd<V>));
+      load_b(k);
       for (int r = 0; r < R; ++r) {
         const vd<V> av = splat<V>(a[r * lda + k]);
         for (int v = 0; v < NV; ++v) t[r][v] = mul_add<V>(t[r][v], av, bv[v]);
@@ -428,22 +435,27 @@ inline void group_sums(const double* a, int64_t lda, const double* b, int64_t n,
 }
 
 template <int V, int MODE>
-void rows_groups_mode(const double* ad, const double* bd, const float* a, const float* b,
-                      int64_t K, int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s,
-                      float* out) {
+void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int64_t i0,
+                      int64_t i1, const qtensor::AccumSpec& s, float* out) {
   constexpr int R = group_rows(V), C = group_cols(V);
-  std::vector<double> G((size_t)R * (s.chunk / s.group) * C);
+  // the tile's rows of a in double (zero rows past i1), then the group sums of a chunk; kept
+  // per thread: a fresh large allocation per task would fault its pages in every time
+  thread_local std::vector<double> scratch;
+  scratch.resize((size_t)(R * K + R * (s.chunk / s.group) * C));
+  double* ad = scratch.data();
+  double* G = ad + R * K;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k) ad[r * K + k] = i0 + r < i1 ? (double)a[(i0 + r) * K + k] : 0.0;
   float tmp[C];
   for (int64_t j0 = 0; j0 < N; j0 += C) {
-    const double* bdj = bd + j0 * K;  // the panel of columns j0 .. j0 + C - 1
-    const float* bj = b + j0 * K;
+    const float* bj = b + j0 * K;  // the panel of columns j0 .. j0 + C - 1
     RowLanes<V> L[R];
     for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
       const int64_t n = K - k0 < s.chunk ? K - k0 : s.chunk, ng = (n + s.group - 1) / s.group;
-      group_sums<V>(ad + i0 * K + k0, K, bdj + k0 * C, n, s.group, G.data());
+      group_sums<V>(ad + k0, K, bj + k0 * C, n, s.group, G);
       for (int64_t r = 0; r < i1 - i0; ++r)
-        group_chunk<MODE, V>(G.data() + r * ng * C, ng, L[r], a + (i0 + r) * K + k0,
-                             bj + k0 * C, C, n, k0 + n == K, s);
+        group_chunk<MODE, V>(G + r * ng * C, ng, L[r], a + (i0 + r) * K + k0, bj + k0 * C, C, n,
+                             k0 + n == K, s);
     }
     for (int64_t r = 0; r < i1 - i0; ++r) {
       L[r].store(tmp, s);
@@ -452,15 +464,14 @@ void rows_groups_mode(const double* ad, const double* bd, const float* a, const 
   }
 }
 
-// Rows [i0, i1) (at most R) of one batch through a group datapath. ad: a (M, K) in double, its
-// rows padded to whole tiles; bd: b in double, panels of C columns, each (K, C) contiguous; a
-// and b: the same in float32 (b's panels likewise), for the chunks with a non-finite operand.
+// Rows [i0, i1) (at most group_rows(V)) of one batch through a group datapath: a (M, K); b in
+// panels of group_cols(V) columns, each (K, C) contiguous (zero columns pad the last one).
 template <int V>
-void rows_groups(const double* ad, const double* bd, const float* a, const float* b, int64_t K,
-                 int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out) {
+void rows_groups(const float* a, const float* b, int64_t K, int64_t N, int64_t i0, int64_t i1,
+                 const qtensor::AccumSpec& s, float* out) {
   switch (s.align_round) {
-    case 0: rows_groups_mode<V, 0>(ad, bd, a, b, K, N, i0, i1, s, out); break;
-    case 1: rows_groups_mode<V, 1>(ad, bd, a, b, K, N, i0, i1, s, out); break;
-    default: rows_groups_mode<V, 2>(ad, bd, a, b, K, N, i0, i1, s, out); break;
+    case 0: rows_groups_mode<V, 0>(a, b, K, N, i0, i1, s, out); break;
+    case 1: rows_groups_mode<V, 1>(a, b, K, N, i0, i1, s, out); break;
+    default: rows_groups_mode<V, 2>(a, b, K, N, i0, i1, s, out); break;
   }
 }
