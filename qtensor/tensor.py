@@ -122,9 +122,11 @@ except ImportError:  # an older torch: export fails where a QTensor is built in 
     pass
 
 
-def _record_construction(t, data, fmt, mm_fmt, outer_size, outer_stride, requires_grad, accum):
-    """While torch.export traces: put the call that builds t into the graph, its formats and
-    accumulator as strings (the graph's constants; None and format objects are not allowed)."""
+def _graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum) -> dict:
+    """The keyword arguments of a ``QTensor(data, str(fmt), ...)`` call put in a traced graph:
+    the formats and the accumulator as strings (constants in the graph, where a format object
+    would be rebuilt from its fields, symbolic ints under dynamic=True), defaults left out
+    (torch.export allows no None)."""
     kwargs = {}
     if mm_fmt is not None:
         kwargs["mm_fmt"] = str(mm_fmt)
@@ -134,7 +136,13 @@ def _record_construction(t, data, fmt, mm_fmt, outer_size, outer_stride, require
         kwargs["requires_grad"] = True
     if accum is not None:
         kwargs["accum"] = _accum_token(accum)
-    _exported_init(t, data, str(fmt), **kwargs)
+    return kwargs
+
+
+def _record_construction(t, data, fmt, mm_fmt, outer_size, outer_stride, requires_grad, accum):
+    """While torch.export traces: put the call that builds t into the graph."""
+    _exported_init(t, data, str(fmt),
+                   **_graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum))
 
 
 _dynamo_taught = False
@@ -212,13 +220,10 @@ class QTensor(torch.Tensor):
         """The fast internal constructor: no checks, no parsing."""
         if torch.compiler.is_dynamo_compiling():
             # dynamo cannot trace _make_wrapper_subclass, but puts a call to the class in the
-            # graph as one node. The formats go as their names: constants in the graph, where a
-            # format object would be rebuilt from its fields, symbolic ints under dynamic=True.
-            # The accumulator goes in the call too (a later t.accum = ... would be a side effect
-            # applied after the graph, unseen by the contractions in it), as a string as well.
-            return QTensor(data, str(fmt), None if mm_fmt is None else str(mm_fmt), outer_size,
-                           outer_stride, requires_grad=requires_grad,
-                           accum=None if accum is None else _accum_token(accum))
+            # graph as one node. The accumulator goes in the call too (a later t.accum = ...
+            # would be a side effect applied after the graph, unseen by the contractions in it).
+            return QTensor(data, str(fmt),
+                           **_graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum))
         t = torch.Tensor._make_wrapper_subclass(
             QTensor, data.shape if outer_size is None else outer_size,
             strides=data.stride() if outer_stride is None else outer_stride,
