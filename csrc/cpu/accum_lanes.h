@@ -462,6 +462,7 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
       for (int64_t c = 0; c < C && j0 + c < N; ++c) out[(i0 + r) * N + j0 + c] = tmp[c];
     }
   }
+  if (scratch.size() > (1 << 20)) std::vector<double>().swap(scratch);  // keep at most 8 MiB
 }
 
 // Rows [i0, i1) (at most group_rows(V)) of one batch through a group datapath: a (M, K); b in
