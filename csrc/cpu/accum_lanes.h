@@ -241,7 +241,7 @@ inline void group_chunk(const double* g, int64_t ng, RowLanes<V>& L, const float
     }
   L.p_exps(s, e);
   for (int v = 0; v < NV; ++v) {
-    // a zero's exponent reads -1023 (a nonzero sum of float32 products is above 2^-299): where
+    // a zero's exponent reads -1023 (a nonzero sum of float32 products is at least 2^-298): where
     // all terms are zero any scale will do; inf or NaN (1024) make S non-finite
     const vi<V> eg = expv<V>((vd<V>)m[v]);
     e[v] = eg > e[v] ? eg : e[v];
