@@ -900,7 +900,8 @@ def test_fast_path_batched_and_strided():
 @needs_kernel
 @pytest.mark.parametrize("isa", ["base", "avx2"])
 def test_fast_path_cases_on_other_isas(isa):
-    """QTENSOR_CPU_ISA caps the instruction set: the same cases through the double lanes."""
+    """QTENSOR_CPU_ISA caps the instruction set: the same cases through the double lanes (base)
+    or the AVX2 fast path (avx2; all of its cases: test_fast_path_avx2)."""
     import subprocess
     import sys
     code = (
@@ -917,6 +918,27 @@ def test_fast_path_cases_on_other_isas(isa):
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@needs_kernel
+def test_fast_path_avx2():
+    """The AVX2 fast path (csrc/cpu/accum_fast_avx2.h: 8 lanes, no embedded rounding, exponent
+    arithmetic in place of getexp/scalef) on every test_fast_path_* case of this file (all three
+    alignment roundings, p in and out of the alignment, promotion, boundary operands, tiles that
+    fall back, flush-denormal), bit for bit against the reference: pytest in a subprocess with
+    QTENSOR_CPU_ISA=avx2. On an AVX-512 CPU the tests above run the AVX-512 build of the same
+    algorithm; on an AVX2-only CPU this repeats them."""
+    import subprocess
+    import sys
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, QTENSOR_CPU_ISA="avx2")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k",
+                        "fast_path and not on_other_isas and not avx2"],
+                       env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 @needs_kernel

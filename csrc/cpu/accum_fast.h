@@ -45,12 +45,7 @@ template <int MODE>
 inline VF finish(VI T, VI em, VF p, const qtensor::AccumSpec& s) {
   const VI Fe = subi(i32(s.frac_bits), em);  // F - em
   if (s.acc_in_alignment) T = addi(T, p_term<MODE>(p, Fe));  // below 2^(F + 1) in magnitude
-  VF r;  // sign(T) * R
-  if (!round_acc_direct(T, s, &r)) {
-    const VI aT = absi(T);
-    r = signed_float(T, round_magnitude(aT, drop_bits(aT, s.acc_man), s.acc_round == 2));
-  }
-  const VF v = scale_back(r, T, Fe);
+  const VF v = scale_back(round_acc(T, s), T, Fe);
   return s.acc_in_alignment ? v : addf(p, v);
 }
 
@@ -67,6 +62,7 @@ inline void chunk_terms(const float* a, int64_t K, const float* b, int64_t k0, i
     sc[r] = SHIFT ? shl23(sh[r]) : shl23(addi(sh[r], i32(127)));
     S[r] = izero();
   }
+#pragma GCC unroll KU
   for (int64_t k = k0; k < k1; ++k) {
     const VF bk = loadf(b + k * FW);
 #pragma GCC unroll 8
@@ -79,10 +75,11 @@ inline void chunk_terms(const float* a, int64_t K, const float* b, int64_t k0, i
 }
 
 // The exponents of the fast path: int8, offset so that the largest nonzero one is 0, -128 for
-// zeros (a sum with a zero saturates there); a's for FR rows interleaved, (K, FR) per group,
-// b's (K, FW) per panel. One saturating add and max per k covers the FR x FW lanes.
+// zeros (a sum with a zero saturates there); a's for FR rows interleaved, each EA times (the
+// ISA's layout of E8), (K, FR * EA) per group, b's (K, FW) per panel. One saturating add and max
+// per k covers the FR x FW lanes.
 struct Exps8 {
-  const int8_t* a;  // the tile's (K, FR)
+  const int8_t* a;  // the tile's (K, FR * EA)
   const int8_t* b;  // the panel's (K, FW)
   int off;          // the sum of the two offsets: emax = max8 + off
 };
@@ -115,7 +112,7 @@ inline void exps8_flat(const float* x, int64_t n, int hi, int8_t* out) {
   for (; i + 16 <= n; i += 16) _mm_storeu_si128((__m128i*)(out + i), exps8_16(x + i, hi));
   for (; i < n; ++i) out[i] = exps8_1(x[i], hi);
 }
-// rows rows (<= FR) of x (row stride C) to (C, FR), interleaved; missing rows as zeros
+// rows rows (<= FR) of x (row stride C) to (C, FR * EA), interleaved; missing rows as zeros
 inline void exps8_rows(const float* x, int64_t rows, int64_t C, int hi, int8_t* out) {
   int64_t c = 0;
   for (; c + 16 <= C; c += 16) {
@@ -125,13 +122,15 @@ inline void exps8_rows(const float* x, int64_t rows, int64_t C, int hi, int8_t* 
     static_assert(FR == 4, "a 4 x 16 byte transpose");
     const __m128i t0 = _mm_unpacklo_epi8(r[0], r[1]), t1 = _mm_unpackhi_epi8(r[0], r[1]);
     const __m128i t2 = _mm_unpacklo_epi8(r[2], r[3]), t3 = _mm_unpackhi_epi8(r[2], r[3]);
-    _mm_storeu_si128((__m128i*)(out + 4 * c), _mm_unpacklo_epi16(t0, t2));
-    _mm_storeu_si128((__m128i*)(out + 4 * c + 16), _mm_unpackhi_epi16(t0, t2));
-    _mm_storeu_si128((__m128i*)(out + 4 * c + 32), _mm_unpacklo_epi16(t1, t3));
-    _mm_storeu_si128((__m128i*)(out + 4 * c + 48), _mm_unpackhi_epi16(t1, t3));
+    store_a4x4(out + 4 * c * EA, _mm_unpacklo_epi16(t0, t2));
+    store_a4x4(out + (4 * c + 16) * EA, _mm_unpackhi_epi16(t0, t2));
+    store_a4x4(out + (4 * c + 32) * EA, _mm_unpacklo_epi16(t1, t3));
+    store_a4x4(out + (4 * c + 48) * EA, _mm_unpackhi_epi16(t1, t3));
   }
   for (; c < C; ++c)
-    for (int i = 0; i < FR; ++i) out[4 * c + i] = i < rows ? exps8_1(x[i * C + c], hi) : -128;
+    for (int i = 0; i < FR; ++i)
+      for (int j = 0; j < EA; ++j)
+        out[(4 * c + i) * EA + j] = i < rows ? exps8_1(x[i * C + c], hi) : -128;
 }
 
 // out[r][0:ncols] for R <= TR rows of a (row stride K) times one (K, FW) panel of b, exponents
@@ -154,9 +153,10 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
     constexpr int G = (R + FR - 1) / FR;  // exponent groups
     VI E8[G];
     for (int g = 0; g < G; ++g) E8[g] = e8_init();
+#pragma GCC unroll KU
     for (int64_t k = k0; k < k1; ++k) {
       const VI ebk = e8_b(e.b + k * FW);
-      for (int g = 0; g < G; ++g) E8[g] = e8_max(E8[g], e8_a(e.a + (g * K + k) * FR), ebk);
+      for (int g = 0; g < G; ++g) E8[g] = e8_max(E8[g], e8_a(e.a + (g * K + k) * FR * EA), ebk);
     }
     VI E[R];
 #pragma GCC unroll 8
@@ -212,7 +212,7 @@ void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* 
     for (int64_t i = i0; i < i1; i += TR) {
       const int R = (int)std::min<int64_t>(TR, i1 - i);
       const float* ai = a + i * K;
-      const Exps8 e{ea8 + i * K, eb8 + j * K, off};
+      const Exps8 e{ea8 + i * K * EA, eb8 + j * K, off};
       float* oi = out + i * N + j;
       bool ok;
       switch (R) {
@@ -241,5 +241,5 @@ void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* 
 }
 
 // What accum.cpp's glue calls, for this ISA
-constexpr FastKernels kFastKernels = {FW, &scan, &exps8_flat, &exps8_rows,
+constexpr FastKernels kFastKernels = {FW, EA, &scan, &exps8_flat, &exps8_rows,
                                       {&rows_fast<0>, &rows_fast<1>, &rows_fast<2>}};

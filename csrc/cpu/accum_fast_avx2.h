@@ -7,14 +7,15 @@
 //   the MXCSR default, which the float32 adds of every path and of torch assume as well);
 // - exponents and powers of two are exponent-field arithmetic, exact because every value it
 //   touches is a normal float32 (the products, the partials and the chunk results: accum_fast.h);
-//   p's term, which can fall below 2^-126, is replaced by +-1/4 there (every mode rounds any
-//   value in (0, 1/2) alike), so it never depends on FTZ/DAZ;
-// - the accumulator rounding: toward zero, float(|T|) corrected down by an ulp where the
-//   conversion rounded up, then masked; to nearest with fewer than 24 bits, integer arithmetic
+//   p's term, which can fall below 2^-126, is set apart there (its rounding is 0, or -1 for
+//   floor of a negative p), so it never depends on FTZ/DAZ;
+// - the accumulator rounding: toward zero, float(T) moved an ulp toward zero where the
+//   conversion rounded away, then masked; to nearest with fewer than 24 bits, integer arithmetic
 //   on |T| (accum_fast.h's round_magnitude), its leading bit from the exponent of float(|T|);
 // - lane masks are compare results (all-ones lanes).
 
 constexpr int FW = 8;  // output columns per tile: the float32 lanes of a ymm register
+constexpr int KU = 2;  // k-loops unrolled twice: their loop overhead counts at 8 lanes
 using VF = __m256;
 using VI = __m256i;
 using VM = __m256i;  // all-ones lanes
@@ -60,50 +61,44 @@ inline VI biased_exp(VF x) {  // the exponent field
 inline VI partial_exp(VF p) { return _mm256_sub_epi32(biased_exp(p), i32(127)); }
 
 // p's term round(p * 2^Fe) (acc_finish with acc_in_alignment): below 2^(F + 1) in magnitude.
-// p * 2^Fe is p's bits + Fe << 23 where that is normal, +-1/4 where it is below 2^-126 (the
-// same rounding), p itself where p = +-0.
+// p * 2^Fe is p's bits + Fe << 23 where that is normal; where it would be below 2^-126, or p = 0,
+// the term is 0 (|p * 2^Fe| < 1/2: every mode rounds it to 0, floor a negative one to -1). The
+// partials are never -0 (accum_fast.h's finish makes +0).
 template <int MODE>
 inline VI p_term(VF p, VI Fe) {
   const __m256i pb = _mm256_castps_si256(p), be = biased_exp(p);
-  __m256i x = _mm256_add_epi32(pb, _mm256_slli_epi32(Fe, 23));
-  const __m256i quarter =
-      _mm256_or_si256(_mm256_and_si256(pb, i32((int)qtensor::F32::SIGN)), i32(0x3e800000));
-  x = _mm256_blendv_epi8(x, quarter, _mm256_cmpgt_epi32(i32(1), _mm256_add_epi32(be, Fe)));
-  x = _mm256_blendv_epi8(x, pb, _mm256_cmpeq_epi32(be, _mm256_setzero_si256()));
-  return cvt_round<MODE>(_mm256_castsi256_ps(x));
+  const __m256i tiny = _mm256_cmpgt_epi32(  // be == 0 or be + Fe < 1
+      i32(1), _mm256_min_epi32(be, _mm256_add_epi32(be, Fe)));
+  const __m256i x = _mm256_add_epi32(pb, _mm256_slli_epi32(Fe, 23));
+  const __m256i pt = _mm256_andnot_si256(tiny, cvt_round<MODE>(_mm256_castsi256_ps(x)));
+  if (MODE != 1) return pt;
+  return _mm256_add_epi32(pt, _mm256_and_si256(tiny, _mm256_srai_epi32(pb, 31)));  // floor: -1
 }
 
-// sign(T) * T rounded to acc_man bits below its leading bit where conversions do it (else false:
-// accum_fast.h rounds |T| in integers). Toward zero: float(|T|) (to nearest), one ulp down where
-// that rounded up (int(f) > |T|, the difference exact in wrapping int32 also for f = 2^31), then
-// the mask of accum_fast_avx512.h.
-inline bool round_acc_direct(VI T, const qtensor::AccumSpec& s, VF* r) {
-  if (s.acc_round == 0) {
-    const __m256i aT = _mm256_abs_epi32(T);
-    const __m256 f = _mm256_cvtepi32_ps(aT);
-    const __m256i up = _mm256_cmpgt_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(f), aT),
-                                          _mm256_setzero_si256());
-    const __m256i t = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(f), up),
-                                       i32(-(1 << (23 - s.acc_man))));
-    *r = _mm256_castsi256_ps(
-        _mm256_or_si256(t, _mm256_and_si256(T, i32((int)qtensor::F32::SIGN))));
-    return true;
+inline VI round_magnitude(VI aT, VI d, bool nearest);  // accum_fast.h
+
+// sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish)
+inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
+  const __m256i man_mask = i32(-(1 << (23 - s.acc_man)));  // outside the branch: one per tile
+  if (s.acc_round == 0) {  // toward zero: float(T) (to nearest), one ulp toward zero where that
+    // went away from zero (int(f) - T of T's sign > 0; exact in wrapping int32, f = +-2^31
+    // included), then accum_fast_avx512.h's mask
+    const __m256 f = _mm256_cvtepi32_ps(T);
+    const __m256i away = _mm256_cmpgt_epi32(
+        _mm256_sign_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(f), T), T), _mm256_setzero_si256());
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(f), away), man_mask));
   }
-  if (s.acc_man != 23) return false;
-  *r = _mm256_cvtepi32_ps(T);  // nearest to 24 bits: the (MXCSR nearest) conversion
-  return true;
-}
-// max(floor(log2|T|) - man, 0) for |T| < 2^31: float(|T|)'s exponent, less one where the
-// conversion rounded up to the next power of two (|T| >> e == 0); |T| = 0 gives 0
-inline VI drop_bits(VI aT, int man) {
+  if (s.acc_man == 23) return _mm256_cvtepi32_ps(T);  // nearest to 24 bits: the conversion
+  // nearest to fewer bits, on |T| (< 2^31) in integers: d = max(floor(log2|T|) - acc_man, 0),
+  // floor(log2|T|) the exponent of float(|T|), less one where the conversion rounded up to the
+  // next power of two (|T| >> e == 0); |T| = 0 gives d = 0
+  const __m256i aT = _mm256_abs_epi32(T);
   __m256i e = _mm256_sub_epi32(biased_exp(_mm256_cvtepi32_ps(aT)), i32(127));
   e = _mm256_add_epi32(e, _mm256_cmpeq_epi32(_mm256_srlv_epi32(aT, e), _mm256_setzero_si256()));
-  return _mm256_max_epi32(_mm256_sub_epi32(e, i32(man)), _mm256_setzero_si256());
-}
-// (T & SIGN) | R as float; R unsigned, up to 2^31 (-2^31 as int32: its magnitude is right), with
-// at most 24 significant bits
-inline VF signed_float(VI T, VI R) {
-  return _mm256_castsi256_ps(
+  const __m256i d = _mm256_max_epi32(_mm256_sub_epi32(e, i32(s.acc_man)), _mm256_setzero_si256());
+  const __m256i R = round_magnitude(aT, d, true);  // unsigned: up to 2^31 (-2^31 as int32)
+  return _mm256_castsi256_ps(  // (T & SIGN) | |float(R)|
       _mm256_or_si256(_mm256_and_si256(T, i32((int)qtensor::F32::SIGN)),
                       _mm256_and_si256(_mm256_castps_si256(_mm256_cvtepi32_ps(R)),
                                        i32((int)qtensor::F32::ABS))));
@@ -117,20 +112,28 @@ inline VF scale_back(VF r, VI T, VI Fe) {
 }
 
 // The tile's exponent maxima (accum_fast.h's fast_tile): int8 lanes, FR = 4 rows x 8 columns,
-// row q of a group in bytes 8q .. 8q + 7.
+// row q of a group in bytes 8q .. 8q + 7. a's exponents are stored spread that way (EA = 8
+// copies, 32 bytes per k and group; exps8_rows), so that the add takes them from memory: 2
+// instructions per k and group instead of 4.
+constexpr int EA = 8;
+// 4 columns x 4 rows of a's exponents (x, interleaved) as 4 x 32 bytes: byte q of column j to
+// bytes 8q .. 8q + 7 of 32-byte block j
+inline void store_a4x4(int8_t* out, __m128i x) {
+  const __m256i v = _mm256_broadcastsi128_si256(x);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i spread = _mm256_add_epi8(
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303),
+        _mm256_set1_epi8((char)(4 * j)));
+    _mm256_storeu_si256((__m256i*)(out + 32 * j), _mm256_shuffle_epi8(v, spread));
+  }
+}
 inline VI e8_init() { return _mm256_set1_epi8(-128); }
 inline VI e8_b(const int8_t* eb) {  // b's 8 exponents at k, in every 64-bit lane
   int64_t b8;
   std::memcpy(&b8, eb, 8);
   return _mm256_set1_epi64x(b8);
 }
-inline VI e8_a(const int8_t* ea) {  // a's 4 exponents at k: byte q to bytes 8q .. 8q + 7
-  int32_t a4;
-  std::memcpy(&a4, ea, 4);
-  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                            0x0303030303030303);
-  return _mm256_shuffle_epi8(_mm256_set1_epi32(a4), spread);
-}
+inline VI e8_a(const int8_t* ea) { return _mm256_loadu_si256((const __m256i*)ea); }
 inline VI e8_max(VI m, VI a, VI b) { return _mm256_max_epi8(m, _mm256_adds_epi8(a, b)); }
 // row q's emax, int32: e8 + off, kAccZeroExp where every product was zero (-128)
 inline VI e8_row(VI E8, int q, int off) {

@@ -6,6 +6,7 @@
 // getexp/scalef, lzcnt, masks) stay in the few functions that differ.
 
 constexpr int FW = 16;  // output columns per tile: the float32 lanes of a zmm register
+constexpr int KU = 1;  // k-loops unrolled KU times (accum_fast.h)
 using VF = __m512;
 using VI = __m512i;
 using VM = __mmask16;  // one bit per lane
@@ -61,30 +62,24 @@ inline VI p_term(VF p, VI Fe) {
   return pt;
 }
 
-// sign(T) * T rounded to acc_man bits below its leading bit, where a conversion does it: false
-// for the others (accum_fast.h rounds |T| in integers)
-inline bool round_acc_direct(VI T, const qtensor::AccumSpec& s, VF* r) {
+inline VI round_magnitude(VI aT, VI d, bool nearest);  // accum_fast.h
+
+// sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish)
+inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
   if (s.acc_round == 0) {  // toward zero: the conversion truncates to 24 bits, the mask to fewer
-    *r = _mm512_castsi512_ps(
-        _mm512_and_si512(_mm512_castps_si512(_mm512_cvt_roundepi32_ps(
-                             T, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC)),
-                         i32(-(1 << (23 - s.acc_man)))));
-    return true;
+    const VF r = _mm512_cvt_roundepi32_ps(T, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(r), i32(-(1 << (23 - s.acc_man)))));
   }
-  if (s.acc_man == 23) {  // nearest to 24 bits: the conversion itself
-    *r = _mm512_cvt_roundepi32_ps(T, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return true;
-  }
-  return false;
-}
-// the bits of |T| (> 0) below its leading one and acc_man more: max(floor(log2|T|) - man, 0)
-inline VI drop_bits(VI aT, int man) {
-  return _mm512_max_epi32(_mm512_sub_epi32(i32(31 - man), _mm512_lzcnt_epi32(aT)),
-                          _mm512_setzero_si512());
-}
-// (T & SIGN) | R as float; R unsigned, up to 2^31, with at most 24 significant bits
-inline VF signed_float(VI T, VI R) {
-  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+  if (s.acc_man == 23)  // nearest to 24 bits: the conversion itself
+    return _mm512_cvt_roundepi32_ps(T, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // nearest to fewer bits, on |T| (no double rounding): the bits below 2^d go,
+  // d = floor(log2|T|) - acc_man (at least 0)
+  const __m512i aT = _mm512_abs_epi32(T);
+  const __m512i d = _mm512_max_epi32(
+      _mm512_sub_epi32(i32(31 - s.acc_man), _mm512_lzcnt_epi32(aT)), _mm512_setzero_si512());
+  const __m512i R = round_magnitude(aT, d, true);  // unsigned: up to 2^31
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(  // (T & SIGN) | R as float
       T, i32((int)qtensor::F32::SIGN), _mm512_castps_si512(_mm512_cvtepu32_ps(R)), 0xEA));
 }
 // r * 2^-Fe (exact: accum_fast.h's finish); T: r's integer (unused here)
@@ -93,7 +88,9 @@ inline VF scale_back(VF r, VI, VI Fe) {
 }
 
 // The tile's exponent maxima (accum_fast.h's fast_tile): int8 lanes, FR = 4 rows x 16 columns,
-// row q of a group in 128-bit lane q.
+// row q of a group in 128-bit lane q; a's exponents stored once (EA), spread by a shuffle.
+constexpr int EA = 1;
+inline void store_a4x4(int8_t* out, __m128i x) { _mm_storeu_si128((__m128i*)out, x); }
 inline VI e8_init() { return _mm512_set1_epi8(-128); }
 inline VI e8_b(const int8_t* eb) {  // b's 16 exponents at k, in every 128-bit lane
   return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)eb));
