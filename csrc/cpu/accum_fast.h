@@ -1,8 +1,9 @@
 // The float32/int32 fast path of qtensor::accum_matmul (group == 1), included by
 // csrc/cpu/accum.cpp twice: inside namespace accum_avx512 under `#pragma GCC target("avx512...")`
 // after accum_fast_avx512.h, and inside accum_avx2 under ("avx2") after accum_fast_avx2.h. Those
-// define the vector operations (VF, VI, VM, FW lanes and the functions this file calls); this file
-// is the algorithm, one copy for both. accum_lanes.h comes first (its dot_lanes is the fallback).
+// define the vector operations (VF, VI, VM, FW lanes and the functions this file calls) and a few
+// layout constants (EA: copies of a's int8 exponents, KU: k-loop unrolling); this file is the
+// algorithm, one copy for both. accum_lanes.h comes first (its dot_lanes is the fallback).
 // No #include here.
 //
 // Used only where accum.cpp's fast_path_ok holds for the operands: all finite, normal or zero,
@@ -11,7 +12,8 @@
 // int32. Then the model's term round(a*b * 2^(frac_bits - emax)) is a float32 product scaled by
 // an exact power of two (an int32 add to its exponent bits, or a float32 multiply), a
 // float32-to-int32 conversion with the alignment rounding and an int32 add: 4 instructions per FW
-// products (5 for floor on AVX2), against the double path's ~15 per 8. The per-chunk finish (p's
+// products on AVX-512 (a's broadcast folds into the multiply), 5 on AVX2 (6 for floor), against
+// the double path's ~15 per 8. The per-chunk finish (p's
 // own term, the normalization to the accumulator format, promotion) is integer/float32
 // arithmetic on FW lanes, exact: the partials are float32 values.
 //

@@ -3,8 +3,9 @@
 // accum_fast.h; the same names as accum_fast_avx512.h.
 //
 // Without AVX-512's embedded rounding, getexp/scalef, lzcnt and masks:
-// - the alignment roundings are cvttps (toward zero), round_ps + cvt (floor) and cvtps (nearest:
-//   the MXCSR default, which the float32 adds of every path and of torch assume as well);
+// - the alignment roundings are cvttps (toward zero), round_ps + cvtt (floor) and cvtps (nearest:
+//   the MXCSR default, which the int-to-float conversions here and the float32 adds of every path
+//   and of torch assume as well);
 // - exponents and powers of two are exponent-field arithmetic, exact because every value it
 //   touches is a normal float32 (the products, the partials and the chunk results: accum_fast.h);
 //   p's term, which can fall below 2^-126, is set apart there (its rounding is 0, or -1 for
@@ -12,7 +13,11 @@
 // - the accumulator rounding: toward zero, float(T) moved an ulp toward zero where the
 //   conversion rounded away, then masked; to nearest with fewer than 24 bits, integer arithmetic
 //   on |T| (accum_fast.h's round_magnitude), its leading bit from the exponent of float(|T|);
-// - lane masks are compare results (all-ones lanes).
+// - lane masks are compare results (all-ones lanes);
+// - a's exponents are stored spread (EA) and the k-loops unrolled (KU): at 8 lanes the
+//   instruction count per product is what limits the speed.
+// Only AVX2 is needed (qtensor_cpu::cpu_isa's test): no FMA, the products and scalings are plain
+// multiplies.
 
 constexpr int FW = 8;  // output columns per tile: the float32 lanes of a ymm register
 constexpr int KU = 2;  // k-loops unrolled twice: their loop overhead counts at 8 lanes
@@ -151,8 +156,8 @@ inline void store_row(float* out, VF o, int ncols) {
   if (ncols == FW)
     _mm256_storeu_ps(out, o);
   else
-    _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(i32(ncols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                        o);
+    _mm256_maskstore_ps(
+        out, _mm256_cmpgt_epi32(i32(ncols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), o);
 }
 
 // The operand passes of the glue (accum_fast.h's scan and exps8_*).
