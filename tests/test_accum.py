@@ -803,6 +803,12 @@ FAST_FORMATS = [
     AccumFormat(chunk=8, frac_bits=3, align_rounding="nearest", acc_man=5),
     AccumFormat(chunk=24, frac_bits=0, align_rounding="floor", acc_man=2, promote=2),
     AccumFormat(chunk=16, frac_bits=28, acc_in_alignment=False),  # the widest terms it takes
+    # the other two pairings of p in/out of the alignment and the accumulator rounding (the
+    # AVX2 build compiles each pairing apart: accum_fast.h's FIN)
+    AccumFormat(chunk=16, frac_bits=20, align_rounding="nearest", acc_man=12,
+                acc_rounding="nearest"),
+    AccumFormat(chunk=32, frac_bits=16, align_rounding="floor", acc_in_alignment=False,
+                acc_rounding="nearest", promote=2),
 ]
 FAST_OPERANDS = ["fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "fp6_e2m3", "fp4_e2m1"]
 

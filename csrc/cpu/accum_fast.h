@@ -43,12 +43,33 @@ inline VI round_magnitude(VI aT, VI d, bool nearest) {
 // integer T so rounded, and exact in float32. The model's clamp of e(v) at -126 never binds
 // here: v is a multiple of 2^(lo - F) >= 2^-126 (lo: the smallest product exponent,
 // fast_path_ok), and so is every partial; v < 2^31 * 2^(em - F) <= 2^127 (em <= F + 96).
-template <int MODE>
+// FIN: s's acc_in_alignment (bit 0) and accumulator rounding (fin_kind, bits 1-2) as template
+// constants (kFinishVariants: the ISA's fast_tile instantiates each), or -1: read from s.
+template <int MODE, int FIN>
 inline VF finish(VI T, VI em, VF p, const qtensor::AccumSpec& s) {
+  const bool in_alignment = FIN < 0 ? s.acc_in_alignment : (FIN & 1) != 0;
   const VI Fe = subi(i32(s.frac_bits), em);  // F - em
-  if (s.acc_in_alignment) T = addi(T, p_term<MODE>(p, Fe));  // below 2^(F + 1) in magnitude
-  const VF v = scale_back(round_acc(T, s), T, Fe);
-  return s.acc_in_alignment ? v : addf(p, v);
+  if (in_alignment) T = addi(T, p_term<MODE>(p, Fe));  // below 2^(F + 1) in magnitude
+  const VF v = scale_back(round_acc<FIN < 0 ? -1 : FIN / 2>(T, s), T, Fe);
+  return in_alignment ? v : addf(p, v);
+}
+inline int fin_kind(const qtensor::AccumSpec& s) {  // 0: toward zero, 1: nearest, 24 bits, 2: fewer
+  return s.acc_round == 0 ? 0 : (s.acc_man == 23 ? 1 : 2);
+}
+
+// The chunk's new partials of R rows, acc += p where it promotes; over: sums past lim.sums.
+template <int MODE, int R, int FIN>
+inline void finish_rows(const VI* S, const VI* E, VF* p, VF* acc, bool promote, bool check_sums,
+                        VI smax, VM& over, const qtensor::AccumSpec& s) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (check_sums) over = mor(over, gti(absi(S[r]), smax));
+    p[r] = finish<MODE, FIN>(S[r], E[r], p[r], s);
+    if (promote) {
+      acc[r] = addf(acc[r], p[r]);
+      p[r] = fzero();
+    }
+  }
 }
 
 // The chunk's terms summed in int32: S[r] += round(a[r][k] * b[k] * 2^sh[r]) for k in [k0, k1).
@@ -170,28 +191,34 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
     // product is nonzero (fast_path_ok); clamped there for the others, whose scale multiplies
     // zeros (all-zero lanes: kAccZeroExp or partial_exp's zero, whose result is 0 at any scale)
     VI sh[R];
-    VM over = mnone(), small = mnone();
+    ShCheck check = sh_check_init();
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      over = mor(over, gti(E[r], limit));
       sh[r] = mini(subi(F, E[r]), i32(126));
-      small = mor(small, lti(sh[r], i32(1)));
+      sh_check(check, E[r], sh[r], limit);
     }
-    if (many(over)) return false;
+    if (sh_over(check, F, limit)) return false;  // an emax past lim.emax
+    VM over = mnone();  // a sum past lim.sums
     VI S[R];
-    if (MODE != 1 && !many(small))
+    if (MODE != 1 && !sh_small(check))  // every sh >= 1
       chunk_terms<MODE, R, true>(a, K, b, k0, k1, sh, S);
     else
       chunk_terms<MODE, R, false>(a, K, b, k0, k1, sh, S);
     const bool promote = s.promote > 0 && (++c == s.promote || k1 == K);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      if (check_sums) over = mor(over, gti(absi(S[r]), smax));
-      p[r] = finish<MODE>(S[r], E[r], p[r], s);
-      if (promote) {
-        acc[r] = addf(acc[r], p[r]);
-        p[r] = fzero();
+    if (!kFinishVariants) {
+      finish_rows<MODE, R, -1>(S, E, p, acc, promote, check_sums, smax, over, s);
+    } else {  // the spec's branches out of the row loop
+#define QT_FINISH_ROWS(FIN) \
+  finish_rows<MODE, R, FIN>(S, E, p, acc, promote, check_sums, smax, over, s)
+      switch ((int)s.acc_in_alignment + 2 * fin_kind(s)) {
+        case 0: QT_FINISH_ROWS(0); break;
+        case 1: QT_FINISH_ROWS(1); break;
+        case 2: QT_FINISH_ROWS(2); break;
+        case 3: QT_FINISH_ROWS(3); break;
+        case 4: QT_FINISH_ROWS(4); break;
+        default: QT_FINISH_ROWS(5); break;
       }
+#undef QT_FINISH_ROWS
     }
     if (many(over)) return false;
     if (promote) c = 0;

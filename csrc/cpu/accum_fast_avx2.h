@@ -20,7 +20,7 @@
 // multiplies.
 
 constexpr int FW = 8;  // output columns per tile: the float32 lanes of a ymm register
-constexpr int KU = 2;  // k-loops unrolled twice: their loop overhead counts at 8 lanes
+constexpr int KU = 4;  // k-loops unrolled 4 times: their loop overhead counts at 8 lanes
 using VF = __m256;
 using VI = __m256i;
 using VM = __m256i;  // all-ones lanes
@@ -49,6 +49,16 @@ inline VM lti(VI x, VI y) { return _mm256_cmpgt_epi32(y, x); }
 inline VM mnone() { return _mm256_setzero_si256(); }
 inline VM mor(VM x, VM y) { return _mm256_or_si256(x, y); }
 inline bool many(VM m) { return !_mm256_testz_si256(m, m); }
+
+// fast_tile's checks of the rows' emax E and scale exponents sh = min(F - E, 126): the smallest
+// sh of the rows, one min per row; E > limit is sh < F - limit (<= 0, so the clamp keeps it)
+struct ShCheck {
+  VI min_sh;
+};
+inline ShCheck sh_check_init() { return {i32(126)}; }
+inline void sh_check(ShCheck& c, VI, VI sh, VI) { c.min_sh = mini(c.min_sh, sh); }
+inline bool sh_over(const ShCheck& c, VI F, VI limit) { return many(gti(subi(F, limit), c.min_sh)); }
+inline bool sh_small(const ShCheck& c) { return many(gti(i32(1), c.min_sh)); }
 
 template <int MODE>
 inline VI cvt_round(VF x) {  // float32 to int32 with the alignment rounding
@@ -82,10 +92,14 @@ inline VI p_term(VF p, VI Fe) {
 
 inline VI round_magnitude(VI aT, VI d, bool nearest);  // accum_fast.h
 
-// sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish)
+// sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish). KIND:
+// fin_kind(s) as a constant (kFinishVariants: fast_tile instantiates each), -1: from s.
+constexpr bool kFinishVariants = true;  // at 8 lanes the spec's branches per row cost ~15%
+template <int KIND>
 inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
+  const int kind = KIND < 0 ? (s.acc_round == 0 ? 0 : (s.acc_man == 23 ? 1 : 2)) : KIND;
   const __m256i man_mask = i32(-(1 << (23 - s.acc_man)));  // outside the branch: one per tile
-  if (s.acc_round == 0) {  // toward zero: float(T) (to nearest), one ulp toward zero where that
+  if (kind == 0) {  // toward zero: float(T) (to nearest), one ulp toward zero where that
     // went away from zero (int(f) - T of T's sign > 0; exact in wrapping int32, f = +-2^31
     // included), then accum_fast_avx512.h's mask
     const __m256 f = _mm256_cvtepi32_ps(T);
@@ -94,7 +108,7 @@ inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
     return _mm256_castsi256_ps(
         _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(f), away), man_mask));
   }
-  if (s.acc_man == 23) return _mm256_cvtepi32_ps(T);  // nearest to 24 bits: the conversion
+  if (kind == 1) return _mm256_cvtepi32_ps(T);  // nearest to 24 bits: the conversion
   // nearest to fewer bits, on |T| (< 2^31) in integers: d = max(floor(log2|T|) - acc_man, 0),
   // floor(log2|T|) the exponent of float(|T|), less one where the conversion rounded up to the
   // next power of two (|T| >> e == 0); |T| = 0 gives d = 0

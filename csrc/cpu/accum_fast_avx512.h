@@ -36,6 +36,18 @@ inline VM mnone() { return 0; }
 inline VM mor(VM x, VM y) { return x | y; }
 inline bool many(VM m) { return m != 0; }
 
+// fast_tile's checks of the rows' emax E and scale exponents sh: E > limit, sh < 1 (masks)
+struct ShCheck {
+  VM over, small;
+};
+inline ShCheck sh_check_init() { return {0, 0}; }
+inline void sh_check(ShCheck& c, VI E, VI sh, VI limit) {
+  c.over = mor(c.over, gti(E, limit));
+  c.small = mor(c.small, lti(sh, i32(1)));
+}
+inline bool sh_over(const ShCheck& c, VI, VI) { return many(c.over); }
+inline bool sh_small(const ShCheck& c) { return many(c.small); }
+
 template <int MODE>
 inline VI cvt_round(VF x) {  // float32 to int32 with the alignment rounding
   return _mm512_cvt_roundps_epi32(
@@ -64,7 +76,10 @@ inline VI p_term(VF p, VI Fe) {
 
 inline VI round_magnitude(VI aT, VI d, bool nearest);  // accum_fast.h
 
-// sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish)
+// sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish; KIND:
+// fin_kind, unused here: kFinishVariants is false, the branches stay in the row loop)
+constexpr bool kFinishVariants = false;
+template <int KIND>
 inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
   if (s.acc_round == 0) {  // toward zero: the conversion truncates to 24 bits, the mask to fewer
     const VF r = _mm512_cvt_roundepi32_ps(T, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
