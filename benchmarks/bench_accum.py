@@ -9,7 +9,9 @@ torch.mm (FP32, BLAS), the accum path with the fused C++ kernel emulating the da
 (hopper_fp8: 32-product chunks, 13 bits, promotion every 128; hopper_bf16: 16-product chunks, 25
 bits; blackwell_mxfp4: 64-product chunks of 16-product groups, 35 bits). FP8 operands take the
 kernel's float32/int32 fast path on AVX2/AVX-512 CPUs (csrc/cpu/accum_fast.h); the groups take
-the double tiles of csrc/cpu/accum_lanes.h (rows_groups). Prints the time of each, the
+the double tiles of csrc/cpu/accum_lanes.h (rows_groups). The "fp32 operands" rows: hopper_bf16
+on the unrounded float32 operands (products exact in double only: accum_lanes.h's dot_lanes),
+against their torch.mm. Prints the time of each, the
 ratio accum / plain measured in the same run, and the accum time per product (quantization
 included). One thread by default (--threads): on a shared
 machine multi-threaded timings of sub-millisecond matmuls are mostly scheduling noise. The two
@@ -47,7 +49,7 @@ def main():
         a, b = torch.randn(M, K), torch.randn(K, N)
 
         for f, fmt in ((accum.hopper_fp8, "fp8_e4m3"), (accum.hopper_bf16, "fp8_e4m3"),
-                       (accum.blackwell_mxfp4, "fp4_e2m1")):
+                       (accum.blackwell_mxfp4, "fp4_e2m1"), (accum.hopper_bf16, "fp32")):
             def plain(fmt=fmt):
                 return qt.quantize(a, fmt) @ qt.quantize(b, fmt)
 
@@ -57,7 +59,8 @@ def main():
             for _ in range(repeat):  # alternately, so that both see the same load
                 t_plain = min(t_plain, timeit(plain, 1, number))
                 t_acc = min(t_acc, timeit(acc, 1, number))
-            print(f"{f'{M}x{K}x{N}':>18} {f.name:>15} {t_plain * 1e3:9.2f} {t_acc * 1e3:9.2f} "
+            name = "fp32 operands" if fmt == "fp32" else f.name
+            print(f"{f'{M}x{K}x{N}':>18} {name:>15} {t_plain * 1e3:9.2f} {t_acc * 1e3:9.2f} "
                   f"{t_acc / t_plain:6.1f} {t_acc / (M * K * N) * 1e9:10.3f}")
 
 if __name__ == "__main__":

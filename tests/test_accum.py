@@ -968,6 +968,96 @@ def test_fast_path_with_flush_denormal():
     assert torch.equal(bits(got), bits(want))
 
 
+# ---------------------------------------------------------------------------------------------
+# Full float32 operands (up to 24 + 24 significant bits): products exact in double, not in
+# float32, so no fast path; the double lanes (csrc/cpu/accum_lanes.h's dot_lanes: on AVX-512 one
+# zmm per 8 outputs, the terms converted to int64 with the alignment rounding and summed in int64)
+# must give the reference's bits over the whole range: exponent spread, cancellation, products at
+# float32's and the format's ends, subnormal and non-finite operands.
+
+FP32_FORMATS = FAST_FORMATS + [
+    AccumFormat(chunk=8, frac_bits=47, align_rounding="nearest"),  # terms near 2^49 (int64)
+    AccumFormat(chunk=2, frac_bits=49, align_rounding="floor", acc_in_alignment=False, promote=3),
+]
+
+
+def _fp32_cases(seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def spread(*shape, lo=-60, hi=61):
+        return torch.randn(*shape, generator=g) * 2.0 ** torch.randint(lo, hi, shape, generator=g)
+    a, b = _random(g, 9, 77, 21)  # a 9-row tile and 3 panels cut short, a partial last chunk
+    cases = {"random": (a, b), "spread": (spread(5, 90), spread(90, 11))}
+    c = torch.randn(4, 64, generator=g)  # +-pairs of products that cancel, small ones between
+    c[:, 1::2] = -c[:, ::2] * (1 + 2.0 ** -23)
+    cases["cancelling"] = (c, torch.randn(64, 9, generator=g).repeat_interleave(2, 0)[:64]
+                           * torch.where(torch.arange(64) % 4 < 2, 1.0, 2.0 ** -30)[:, None])
+    cases["huge products"] = (a * 2.0 ** 100, b * 2.0 ** 27)  # near 2^127: beyond fp32's sums
+    cases["tiny products"] = (a * 2.0 ** -100, b * 2.0 ** -40)  # below 2^-126, exact in double
+    cases["float32 ends"] = (spread(6, 40, lo=-149, hi=128), spread(40, 10, lo=-149, hi=128))
+    x, y = _subnormal(g, 5, 40, 12)
+    cases["subnormal"] = (x, y * torch.randn(40, 12, generator=g))
+    nf = a.clone()
+    nf[0, 3], nf[2, 10], nf[3, 20] = math.inf, -math.inf, math.nan
+    zb = b.clone()
+    zb[3, :4] = 0.0  # inf * 0: NaN
+    cases["nonfinite"] = (nf, zb)
+    return cases
+
+
+@needs_kernel
+@pytest.mark.parametrize("f", FP32_FORMATS, ids=str)
+def test_fp32_operands_equal_reference(f):
+    for name, (a, b) in _fp32_cases(zlib.crc32(f"{f}fp32".encode())).items():
+        want = accum.accum_matmul_reference(a, b, f)
+        assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want)), name
+
+
+@needs_kernel
+def test_fp32_operands_batched_strided_and_every_rounding():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(2, 20, 130, generator=g)
+    b = torch.randn(2, 37, 130, generator=g).transpose(1, 2)  # strided
+    for rounding, in_alignment, promote in itertools.product(
+            accum.ALIGN_ROUNDINGS, (True, False), (None, 2)):
+        f = AccumFormat(chunk=32, frac_bits=20, align_rounding=rounding, acc_man=13,
+                        acc_in_alignment=in_alignment, promote=promote)
+        want = accum.accum_matmul_reference(a, b, f)
+        assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want)), f
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_fp32_operands_on_other_isas(isa):
+    """The tests above under QTENSOR_CPU_ISA=base|avx2 (the baseline and AVX2 double lanes), in a
+    subprocess."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", "fp32_operands and not other_isas"],
+                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=root, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@needs_kernel
+def test_fp32_operands_recipe_accumulate():
+    """A model converted with a float32 weight role and an accumulator: its contractions take
+    the unrounded float32 operands (no fast path) and give the reference's bits."""
+    recipe = qt.Recipe(weight="fp32", accumulate=accum.hopper_bf16)
+    torch.manual_seed(0)
+    model = qt.convert(torch.nn.Linear(300, 5, bias=False), recipe)
+    assert model.weight.accum is accum.hopper_bf16
+    x = torch.randn(33, 300, generator=torch.Generator().manual_seed(4))
+    W = model.weight.dequantize().detach()
+    assert W.view(torch.int32).bitwise_and(0xFFFF).any()  # wider than bf16: full float32
+    y = model(x)
+    want = accum.accum_matmul_reference(x, W.t(), accum.hopper_bf16)
+    assert _bits_eq(y, want)
+    assert not _bits_eq(y, x @ W.t())  # the accumulator took part
+
+
 @pytest.mark.parametrize("name", ["2d_groups", "t2d_groups"])
 def test_conv_empty_batch(name):
     """An empty batch gives empty outputs and input gradient, zero weight gradient, as torch."""

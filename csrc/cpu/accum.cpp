@@ -8,7 +8,8 @@
 //
 // Paths (group == 1): the float32/int32 fast path (cpu/accum_fast.h over the vector operations of
 // cpu/accum_fast_avx512.h or cpu/accum_fast_avx2.h) where the operands allow it (fast_path_ok),
-// else the double lanes (cpu/accum_lanes.h, baseline, AVX2 or AVX-512); groups:
+// else the double lanes (cpu/accum_lanes.h's dot_lanes, baseline, AVX2 or AVX-512: full float32
+// operands take them); groups:
 // tiles of group sums in double, then the double lanes' per-chunk steps (accum_lanes.h's
 // rows_groups; baseline, AVX2 or AVX-512). All give the bits of qtensor/accum.py's reference.
 #include <ATen/ATen.h>
@@ -98,7 +99,9 @@ namespace accum_avx2 {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace accum_avx512 {
+#define QT_ACCUM_AVX512 1  // accum_lanes.h's dot_lanes in zmm, int64 sums (DQ)
 #include "cpu/accum_lanes.h"
+#undef QT_ACCUM_AVX512
 #include "cpu/accum_fast_avx512.h"
 #include "cpu/accum_fast.h"
 }  // namespace accum_avx512
@@ -258,7 +261,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
         const int* ea3 = ea.data_ptr<int>() + bi * M * K;
         const int* eb3 = eb.data_ptr<int>() + bi * K * ldb;
 #if defined(QT_ACCUM_AVX2)
-        if (isa > 0) { accum_avx2::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
+        if (isa == 2) { accum_avx512::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
+        if (isa == 1) { accum_avx2::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
 #endif
         accum_base::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3);
       }
