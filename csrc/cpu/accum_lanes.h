@@ -11,11 +11,13 @@
 // finish (Lanes) as dot_lanes.
 //
 // dot_lanes is the path of operands the fast path refuses (full float32 significands: products
-// exact in double only; wide exponent ranges; non-finite values). The AVX-512 copy (accum.cpp
-// defines QT_ACCUM_AVX512 for it) keeps its W lanes in one zmm (DV = 8) and sums a chunk's terms
-// in int64 (cvt_roundpd_epi64 with the alignment rounding embedded): 0.37 -> 0.33 ns/product
-// (hopper_bf16) and 0.29 -> 0.23-0.25 (hopper_fp8) on float32 operands, one thread, Zen 4. The
-// per-chunk steps (the emax loop, finish_chunk) are the rest of its time.
+// exact in double only; wide exponent ranges; non-finite values). rows gives it 4 rows at once
+// (AVX2/AVX-512): a row's chunks form one chain of dependent steps, latency-bound alone. The
+// AVX-512 copy (accum.cpp defines QT_ACCUM_AVX512 for it) keeps the W lanes in one zmm (DV = 8)
+// and sums a chunk's terms in int64 (cvt_roundpd_epi64, the alignment rounding embedded; an add
+// of latency 1). On float32 operands, one thread, Zen 4, 256x1024x256: hopper_bf16 0.37 -> ~0.19
+// ns/product, hopper_fp8 0.29 -> ~0.17-0.19 (the AVX2 copy unchanged: 0.38, 0.29); a chunk's
+// bookkeeping (emax loop, finish_chunk) is still about half of it at chunk 16.
 
 // The two loops over a chunk's K-elements. em[w] = max(em[w], ea[k] + eb[k][w]);
 // S[w] = sum_k round(a[k] * b[k][w] * sc[w]) (integers below 2^53: exact in any order).
@@ -222,41 +224,50 @@ constexpr int DV = 8;
 #else
 constexpr int DV = 4;
 #endif
-template <int MODE>
+// R rows at once (a and ea with row stride lda; out: R x W): their chunks are independent chains
+// of dependent steps (p -> emax -> scale -> terms -> p), which one row alone leaves latency-bound.
+template <int MODE, int R = 1>
 void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int64_t ldb,
-               int64_t K, const qtensor::AccumSpec& s, float* out) {
+               int64_t K, const qtensor::AccumSpec& s, float* out, int64_t lda = 0) {
   using namespace qtensor;
   typedef int32_t vsi __attribute__((vector_size(DV * sizeof(int32_t))));
   constexpr int NV = W / DV;
-  Lanes<DV, NV> L;
-  alignas(64) int em[W];
-  alignas(64) double sc[W], S[W];
+  Lanes<DV, NV> L[R];
+  alignas(64) int em[R][W];
+  alignas(64) double sc[R][W], S[R][W];
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
     const int64_t n = K - k0 < s.chunk ? K - k0 : s.chunk;
-    vi<DV> e[NV];
-    vd<DV> scv[NV], Sv[NV];
-    L.p_exps(s, e);
-    for (int v = 0; v < NV; ++v) {
-      const vsi e32 = __builtin_convertvector(e[v], vsi);
-      std::memcpy(em + DV * v, &e32, sizeof e32);
+    vi<DV> e[R][NV];
+    vd<DV> scv[R][NV], Sv[NV];
+    for (int r = 0; r < R; ++r) {
+      L[r].p_exps(s, e[r]);
+      for (int v = 0; v < NV; ++v) {
+        const vsi e32 = __builtin_convertvector(e[r][v], vsi);
+        std::memcpy(em[r] + DV * v, &e32, sizeof e32);
+      }
+      chunk_emax(ea + r * lda, eb, ldb, k0, k0 + n, em[r]);
+      for (int v = 0; v < NV; ++v) {
+        vsi e32;
+        std::memcpy(&e32, em[r] + DV * v, sizeof e32);
+        vi<DV> x = __builtin_convertvector(e32, vi<DV>);
+        // a non-finite operand: the scale NaN, so that S is (chunk_sum), and finish_chunk takes
+        // the IEEE result; all-zero lanes: any scale will do
+        const vi<DV> bad = x > kAccBadExp / 2;
+        x = (x < kAccZeroExp / 2) | bad ? vi<DV>{} : x;
+        e[r][v] = x;
+        const vi<DV> scale = (vi<DV>)pow2v<DV>(s.frac_bits - x);
+        scv[r][v] = (vd<DV>)(bad ? splat_i<DV>(0x7ff8000000000000) : scale);
+      }
+      std::memcpy(sc[r], scv[r], sizeof sc[r]);
+      chunk_sum<MODE>(a + r * lda, b, ldb, k0, k0 + n, sc[r], S[r]);
     }
-    chunk_emax(ea, eb, ldb, k0, k0 + n, em);
-    for (int v = 0; v < NV; ++v) {
-      vsi e32;
-      std::memcpy(&e32, em + DV * v, sizeof e32);
-      e[v] = __builtin_convertvector(e32, vi<DV>);
-      // a non-finite operand: the scale NaN, so that S is (chunk_sum), and finish_chunk takes the
-      // IEEE result; all-zero lanes: any scale will do
-      const vi<DV> bad = e[v] > kAccBadExp / 2;
-      e[v] = (e[v] < kAccZeroExp / 2) | bad ? vi<DV>{} : e[v];
-      scv[v] = (vd<DV>)(bad ? splat_i<DV>(0x7ff8000000000000) : (vi<DV>)pow2v<DV>(s.frac_bits - e[v]));
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(Sv, S[r], sizeof Sv);
+      L[r].template finish_chunk<MODE>(Sv, e[r], scv[r], a + r * lda + k0, b + k0 * ldb, ldb, n,
+                                       k0 + n == K, s);
     }
-    std::memcpy(sc, scv, sizeof sc);
-    chunk_sum<MODE>(a, b, ldb, k0, k0 + n, sc, S);
-    std::memcpy(Sv, S, sizeof Sv);
-    L.template finish_chunk<MODE>(Sv, e, scv, a + k0, b + k0 * ldb, ldb, n, k0 + n == K, s);
   }
-  L.store(out, s);
+  for (int r = 0; r < R; ++r) L[r].store(out + r * W, s);
 }
 
 // The outputs of one row of a group tile: group_cols(V) lanes.
@@ -397,22 +408,38 @@ inline void group_chunk(const double* g, int64_t ng, Lanes& L, const float* a, c
 #endif
 
 // Rows [i0, i1) of one batch: a (M, K); b in panels of W columns, each (K, W) contiguous.
-inline void rows(const float* a, const int* ea, const float* b, const int* eb, int64_t K,
-                 int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out) {
-  float tmp[W];
+template <int MODE>
+void rows_mode(const float* a, const int* ea, const float* b, const int* eb, int64_t K, int64_t N,
+               int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out) {
+#ifdef QT_ACCUM_AVX2
+  constexpr int DR = 4;  // rows per dot_lanes call
+#else
+  constexpr int DR = 1;
+#endif
+  float tmp[DR * W];
   for (int64_t j = 0; j < N; j += W) {
     const float* bj = b + j * K;  // the panel of columns j .. j + W - 1
     const int* ebj = eb + j * K;
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* ai = a + i * K;
-      const int* eai = ea + i * K;
-      switch (s.align_round) {
-        case 0: dot_lanes<0>(ai, eai, bj, ebj, W, K, s, tmp); break;
-        case 1: dot_lanes<1>(ai, eai, bj, ebj, W, K, s, tmp); break;
-        default: dot_lanes<2>(ai, eai, bj, ebj, W, K, s, tmp); break;
-      }
-      for (int64_t w = 0; w < W && j + w < N; ++w) out[i * N + j + w] = tmp[w];
+    for (int64_t i = i0; i < i1;) {
+      int64_t r = 1;
+#ifdef QT_ACCUM_AVX2
+      if (i + DR <= i1) {
+        dot_lanes<MODE, DR>(a + i * K, ea + i * K, bj, ebj, W, K, s, tmp, K);
+        r = DR;
+      } else
+#endif
+        dot_lanes<MODE>(a + i * K, ea + i * K, bj, ebj, W, K, s, tmp);
+      for (int64_t q = 0; q < r; ++q, ++i)
+        for (int64_t w = 0; w < W && j + w < N; ++w) out[i * N + j + w] = tmp[q * W + w];
     }
+  }
+}
+inline void rows(const float* a, const int* ea, const float* b, const int* eb, int64_t K,
+                 int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out) {
+  switch (s.align_round) {
+    case 0: rows_mode<0>(a, ea, b, eb, K, N, i0, i1, s, out); break;
+    case 1: rows_mode<1>(a, ea, b, eb, K, N, i0, i1, s, out); break;
+    default: rows_mode<2>(a, ea, b, eb, K, N, i0, i1, s, out); break;
   }
 }
 
