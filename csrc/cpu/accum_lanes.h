@@ -15,9 +15,10 @@
 // (AVX2/AVX-512): a row's chunks form one chain of dependent steps, latency-bound alone. The
 // AVX-512 copy (accum.cpp defines QT_ACCUM_AVX512 for it) keeps the W lanes in one zmm (DV = 8)
 // and sums a chunk's terms in int64 (cvt_roundpd_epi64, the alignment rounding embedded; an add
-// of latency 1). On float32 operands, one thread, Zen 4, 256x1024x256: hopper_bf16 0.37 -> ~0.19
-// ns/product, hopper_fp8 0.29 -> ~0.17-0.19 (the AVX2 copy unchanged: 0.38, 0.29); a chunk's
-// bookkeeping (emax loop, finish_chunk) is still about half of it at chunk 16.
+// of latency 1), the 4 rows' terms in one k-loop (chunk_sums: b converted once). On float32
+// operands, one thread, Zen 4, 256x1024x256: hopper_bf16 0.37 -> ~0.175 ns/product, hopper_fp8
+// 0.29 -> ~0.15-0.17 (the AVX2 copy unchanged: 0.38, 0.29); the emax loop and finish_chunk are
+// still about half of it at chunk 16.
 
 // The two loops over a chunk's K-elements. em[w] = max(em[w], ea[k] + eb[k][w]);
 // S[w] = sum_k round(a[k] * b[k][w] * sc[w]) (integers below 2^53: exact in any order).
@@ -51,27 +52,46 @@ inline void chunk_sum(const float* a, const float* b, int64_t ldb, int64_t k0, i
   _mm256_storeu_pd(S, s0);
   _mm256_storeu_pd(S + 4, s1);
 }
+template <int MODE, int R>  // R rows of a (row stride lda; sc and S: R x W)
+inline void chunk_sums(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k0,
+                       int64_t k1, const double* sc, double* S) {
+  for (int r = 0; r < R; ++r) chunk_sum<MODE>(a + r * lda, b, ldb, k0, k1, sc + r * W, S + r * W);
+}
 #else
 // AVX-512: the W lanes in one vector of doubles, the terms converted to int64 with the alignment
 // rounding (embedded) and summed in int64: exact (each below 2^53, make_spec), as the double sum,
 // with an add of latency 1 instead of 4 (the chain over k). Lanes whose scale is NaN (a non-finite
-// operand in the chunk: dot_lanes) come out NaN, as the double sum would.
+// operand in the chunk: dot_lanes) come out NaN, as the double sum would. chunk_sums: R rows of a
+// (row stride lda; sc and S: R x W), each b vector converted once for them.
+template <int MODE, int R>
+inline void chunk_sums(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k0,
+                       int64_t k1, const double* sc, double* S) {
+  constexpr int RM = (MODE == 0 ? _MM_FROUND_TO_ZERO
+                      : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
+                     _MM_FROUND_NO_EXC;
+  __m512d scv[R];
+  __m512i s[R];
+  for (int r = 0; r < R; ++r) {
+    scv[r] = _mm512_loadu_pd(sc + r * W);
+    s[r] = _mm512_setzero_si512();
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const __m512d bk = _mm512_cvtps_pd(_mm256_loadu_ps(b + k * ldb));
+    for (int r = 0; r < R; ++r) {
+      const __m512d t = _mm512_mul_pd(_mm512_mul_pd(_mm512_set1_pd((double)a[r * lda + k]), bk),
+                                      scv[r]);
+      s[r] = _mm512_add_epi64(s[r], _mm512_cvt_roundpd_epi64(t, RM));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_pd(S + r * W,
+                     _mm512_mask_mov_pd(_mm512_cvtepi64_pd(s[r]),
+                                        _mm512_cmp_pd_mask(scv[r], scv[r], _CMP_UNORD_Q), scv[r]));
+}
 template <int MODE>
 inline void chunk_sum(const float* a, const float* b, int64_t ldb, int64_t k0, int64_t k1,
                       const double* sc, double* S) {
-  constexpr int R = (MODE == 0 ? _MM_FROUND_TO_ZERO
-                     : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
-                    _MM_FROUND_NO_EXC;
-  const __m512d scv = _mm512_loadu_pd(sc);
-  __m512i s = _mm512_setzero_si512();
-  for (int64_t k = k0; k < k1; ++k) {
-    const __m512d t = _mm512_mul_pd(
-        _mm512_mul_pd(_mm512_set1_pd((double)a[k]), _mm512_cvtps_pd(_mm256_loadu_ps(b + k * ldb))),
-        scv);
-    s = _mm512_add_epi64(s, _mm512_cvt_roundpd_epi64(t, R));
-  }
-  _mm512_storeu_pd(S, _mm512_mask_mov_pd(_mm512_cvtepi64_pd(s),
-                                         _mm512_cmp_pd_mask(scv, scv, _CMP_UNORD_Q), scv));
+  chunk_sums<MODE, 1>(a, 0, b, ldb, k0, k1, sc, S);
 }
 #endif  // QT_ACCUM_AVX512
 #else
@@ -250,7 +270,7 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
         vsi e32;
         std::memcpy(&e32, em[r] + DV * v, sizeof e32);
         vi<DV> x = __builtin_convertvector(e32, vi<DV>);
-        // a non-finite operand: the scale NaN, so that S is (chunk_sum), and finish_chunk takes
+        // a non-finite operand: the scale NaN, so that S is (chunk_sums), and finish_chunk takes
         // the IEEE result; all-zero lanes: any scale will do
         const vi<DV> bad = x > kAccBadExp / 2;
         x = (x < kAccZeroExp / 2) | bad ? vi<DV>{} : x;
@@ -259,8 +279,8 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
         scv[r][v] = (vd<DV>)(bad ? splat_i<DV>(0x7ff8000000000000) : scale);
       }
       std::memcpy(sc[r], scv[r], sizeof sc[r]);
-      chunk_sum<MODE>(a + r * lda, b, ldb, k0, k0 + n, sc[r], S[r]);
     }
+    chunk_sums<MODE, R>(a, lda, b, ldb, k0, k0 + n, sc[0], S[0]);
     for (int r = 0; r < R; ++r) {
       std::memcpy(Sv, S[r], sizeof Sv);
       L[r].template finish_chunk<MODE>(Sv, e[r], scv[r], a + r * lda + k0, b + k0 * ldb, ldb, n,
