@@ -352,11 +352,48 @@ def test_kernel_argument_errors():
         torch.ops.qtensor.accum_matmul(a, b[:, :5], *good)
 
 
+def _check_subnormal_results(a, b, f):
+    """a @ b with f has results in float32's subnormal range: the kernel gives the reference's
+    bits, with torch.set_flush_denormal(True) too (both flushed)."""
+    want = accum.accum_matmul_reference(a, b, f)
+    assert (want != 0).any() and (want.abs() < 2.0 ** -126).any()
+    assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = accum.accum_matmul(a, b, f)
+        want = accum.accum_matmul_reference(a, b, f)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(bits(got), bits(want))
+
+
+def _run_under_isa(isa, code):
+    """Run python code in a subprocess whose kernels are capped at QTENSOR_CPU_ISA=isa (the ISA
+    is chosen once per process)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, QTENSOR_CPU_ISA=isa),
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _pytest_under_isa(isa, selection):
+    """Run this file's tests selected by ``-k selection`` under QTENSOR_CPU_ISA=isa."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", selection],
+                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=root, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
 @needs_kernel
 def test_kernel_baseline_isa_path():
     # the loops are compiled for the baseline and for AVX2; QTENSOR_CPU_ISA=base forces the first
-    import subprocess
-    import sys
     code = (
         "import sys, torch; sys.path.insert(0, 'tests'); import test_accum as T\n"
         "from qtensor import accum\n"
@@ -366,11 +403,7 @@ def test_kernel_baseline_isa_path():
         "        want = accum.accum_matmul_reference(a, b, f)\n"
         "        got = accum.accum_matmul(a, b, f)\n"
         "        assert torch.equal(T.bits(got), T.bits(want)), (f, kind)\n")
-    env = dict(os.environ, QTENSOR_CPU_ISA="base")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _run_under_isa("base", code)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not qt.ops.kernels_available("cuda"),
@@ -908,8 +941,6 @@ def test_fast_path_batched_and_strided():
 def test_fast_path_cases_on_other_isas(isa):
     """QTENSOR_CPU_ISA caps the instruction set: the same cases through the double lanes (base)
     or the AVX2 fast path (avx2; all of its cases: test_fast_path_avx2)."""
-    import subprocess
-    import sys
     code = (
         "import sys, torch, zlib; sys.path.insert(0, 'tests'); import test_accum as T\n"
         "from qtensor import accum\n"
@@ -919,11 +950,7 @@ def test_fast_path_cases_on_other_isas(isa):
         "        want = accum.accum_matmul_reference(a, b, f)\n"
         "        got = accum.accum_matmul(a, b, f)\n"
         "        assert torch.equal(T.bits(got), T.bits(want)), (f, fmt)\n")
-    env = dict(os.environ, QTENSOR_CPU_ISA=isa)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _run_under_isa(isa, code)
 
 
 @needs_kernel
@@ -934,17 +961,9 @@ def test_fast_path_avx2():
     fall back, flush-denormal), bit for bit against the reference: pytest in a subprocess with
     QTENSOR_CPU_ISA=avx2. On an AVX-512 CPU the tests above run the AVX-512 build of the same
     algorithm; on an AVX2-only CPU this repeats them."""
-    import subprocess
-    import sys
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU has no AVX2")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, QTENSOR_CPU_ISA="avx2")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__), "-k",
-                        "fast_path and not on_other_isas and not avx2"],
-                       env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    _pytest_under_isa("avx2", "fast_path and not on_other_isas and not avx2")
 
 
 @needs_kernel
@@ -955,17 +974,7 @@ def test_fast_path_with_flush_denormal():
     a, b = _random(g, 6, 96, 20, "fp8_e4m3")
     a, b = a * 2.0 ** -60, b * 2.0 ** -60
     f = AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=2)
-    want = accum.accum_matmul_reference(a, b, f)
-    assert (want != 0).any() and (want.abs() < 2.0 ** -126).any()
-    assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        got = accum.accum_matmul(a, b, f)
-        want = accum.accum_matmul_reference(a, b, f)
-    finally:
-        torch.set_flush_denormal(False)
-    assert torch.equal(bits(got), bits(want))
+    _check_subnormal_results(a, b, f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1031,14 +1040,7 @@ def test_fp32_operands_batched_strided_and_every_rounding():
 def test_fp32_operands_on_other_isas(isa):
     """The tests above under QTENSOR_CPU_ISA=base|avx2 (the baseline and AVX2 double lanes), in a
     subprocess."""
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__), "-k", "fp32_operands and not other_isas"],
-                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=root, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    _pytest_under_isa(isa, "fp32_operands and not other_isas")
 
 
 @needs_kernel
@@ -1204,8 +1206,6 @@ def test_group_kernel_batched_strided_and_empty():
 @pytest.mark.parametrize("isa", ["base", "avx2"])
 def test_group_kernel_on_other_isas(isa):
     """QTENSOR_CPU_ISA caps the instruction set: the baseline and AVX2 tiles, the same bits."""
-    import subprocess
-    import sys
     code = (
         "import sys, torch, zlib; sys.path.insert(0, 'tests'); import test_accum as T\n"
         "from qtensor import accum\n"
@@ -1216,11 +1216,7 @@ def test_group_kernel_on_other_isas(isa):
         "        want = accum.accum_matmul_reference(a, b, f)\n"
         "        got = accum.accum_matmul(a, b, f)\n"
         "        assert torch.equal(T.bits(got), T.bits(want)), (f, kind)\n")
-    env = dict(os.environ, QTENSOR_CPU_ISA=isa)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _run_under_isa(isa, code)
 
 
 @needs_kernel
@@ -1230,17 +1226,7 @@ def test_group_kernel_with_flush_denormal(f):
     torch.set_flush_denormal(True) the kernel gives the reference's bits (both flushed)."""
     a, b = _random(torch.Generator().manual_seed(9), 6, 96, 20, "bf16")
     a, b = a * 2.0 ** -60, b * 2.0 ** -70
-    want = accum.accum_matmul_reference(a, b, f)
-    assert (want != 0).any() and (want.abs() < 2.0 ** -126).any()
-    assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want))
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        got = accum.accum_matmul(a, b, f)
-        want = accum.accum_matmul_reference(a, b, f)
-    finally:
-        torch.set_flush_denormal(False)
-    assert torch.equal(bits(got), bits(want))
+    _check_subnormal_results(a, b, f)
 
 
 @needs_kernel
