@@ -9,9 +9,9 @@
 // Paths (group == 1): the float32/int32 fast path (cpu/accum_fast.h over the vector operations of
 // cpu/accum_fast_avx512.h or cpu/accum_fast_avx2.h) where the operands allow it (fast_path_ok),
 // else the double lanes (cpu/accum_lanes.h's dot_lanes, baseline, AVX2 or AVX-512: full float32
-// operands take them); groups:
-// tiles of group sums in double, then the double lanes' per-chunk steps (accum_lanes.h's
-// rows_groups; baseline, AVX2 or AVX-512). All give the bits of qtensor/accum.py's reference.
+// operands take them); groups: tiles of group sums in double, then the double lanes' per-chunk
+// steps (accum_lanes.h's rows_groups; baseline, AVX2 or AVX-512). All give the bits of
+// qtensor/accum.py's reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
