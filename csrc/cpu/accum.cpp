@@ -85,7 +85,9 @@ namespace accum_base {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define QT_ACCUM_AVX2 1
 #pragma GCC push_options
-#pragma GCC target("avx2")
+// fma: accum_lanes.h's group sums (exact products: the same bits); -ffp-contract=off (setup.py)
+// keeps every other double and float operation rounded as written
+#pragma GCC target("avx2,fma")
 namespace accum_avx2 {
 #include "cpu/accum_lanes.h"
 #include "cpu/accum_fast_avx2.h"
@@ -109,12 +111,14 @@ namespace accum_avx512 {
 #pragma GCC pop_options
 #endif
 
-// 0: baseline, 1: AVX2, 2: AVX-512 with CD (QTENSOR_CPU_ISA=base|avx2 caps it, as in quantize.cpp)
+// 0: baseline, 1: AVX2 with FMA, 2: AVX-512 with CD (QTENSOR_CPU_ISA=base|avx2 caps it, as in
+// quantize.cpp)
 int accum_isa() {
 #if defined(QT_ACCUM_AVX2)
   static const int isa = [] {
     const int best = qtensor_cpu::cpu_isa();
-    return best == 2 && !__builtin_cpu_supports("avx512cd") ? 1 : best;
+    if (best == 2 && __builtin_cpu_supports("avx512cd")) return 2;
+    return best >= 1 && __builtin_cpu_supports("fma") ? 1 : 0;
   }();
   return isa;
 #else

@@ -1,6 +1,6 @@
 // The vectorized CPU paths of qtensor::accum_matmul in double lanes, included by
 // csrc/cpu/accum.cpp inside a namespace, once for the baseline and under `#pragma GCC
-// target("avx2")` and ("avx512...") with QT_ACCUM_AVX2 defined. No #include here: accum.cpp
+// target("avx2,fma")` and ("avx512...") with QT_ACCUM_AVX2 defined. No #include here: accum.cpp
 // includes everything first.
 //
 // W output columns at once, one per SIMD lane: the same arithmetic as qtensor::acc_chunk and
@@ -480,7 +480,7 @@ inline vd<V> splat(double x) {
 template <int V>
 inline vd<V> mul_add(vd<V> t, vd<V> x, vd<V> y) {
 #ifdef QT_ACCUM_AVX2
-  if constexpr (V == 8) return _mm512_fmadd_pd(x, y, t); else return t + x * y;
+  if constexpr (V == 8) return _mm512_fmadd_pd(x, y, t); else return _mm256_fmadd_pd(x, y, t);
 #else
   return t + x * y;
 #endif
