@@ -476,6 +476,18 @@ inline vd<V> splat(double x) {
 #endif
 }
 
+// x[0:V] in double. AVX2: one vcvtps2pd from memory (GCC's generic conversion of the 4 floats
+// goes in two halves through the stack)
+template <int V>
+inline vd<V> load_cvt(const float* x) {
+#ifdef QT_ACCUM_AVX2
+  if constexpr (V == 4) return _mm256_cvtps_pd(_mm_loadu_ps(x));
+#endif
+  vf<V> f;
+  std::memcpy(&f, x, sizeof f);
+  return __builtin_convertvector(f, vd<V>);
+}
+
 // t + x * y; x * y is exact (a product of float32 values), so the fused form gives the same bits
 template <int V>
 inline vd<V> mul_add(vd<V> t, vd<V> x, vd<V> y) {
@@ -496,11 +508,7 @@ inline void group_sums(const double* a, int64_t lda, const float* b, int64_t n, 
   const int64_t ng = (n + group - 1) / group;
   vd<V> t[R][NV], bv[NV];
   const auto load_b = [&](int64_t k) {
-    for (int v = 0; v < NV; ++v) {
-      vf<V> x;
-      std::memcpy(&x, b + k * C + v * V, sizeof x);
-      bv[v] = __builtin_convertvector(x, vd<V>);
-    }
+    for (int v = 0; v < NV; ++v) bv[v] = load_cvt<V>(b + k * C + v * V);
   };
   for (int64_t j = 0; j < ng; ++j) {
     const int64_t k0 = j * group, k1 = std::min(k0 + group, n);
