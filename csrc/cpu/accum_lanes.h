@@ -488,6 +488,15 @@ inline vd<V> load_cvt(const float* x) {
   return __builtin_convertvector(f, vd<V>);
 }
 
+// p[0:V] = x. AVX2: from the registers (a memcpy went through a copy on the stack, in halves)
+template <int V>
+inline void store_v(double* p, vd<V> x) {
+#ifdef QT_ACCUM_AVX2
+  if constexpr (V == 4) return _mm256_storeu_pd(p, x);
+#endif
+  std::memcpy(p, &x, sizeof x);
+}
+
 // t + x * y; x * y is exact (a product of float32 values), so the fused form gives the same bits
 template <int V>
 inline vd<V> mul_add(vd<V> t, vd<V> x, vd<V> y) {
@@ -526,7 +535,7 @@ inline void group_sums(const double* a, int64_t lda, const float* b, int64_t n, 
     }
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v)
-        std::memcpy(G + (r * ng + j) * C + v * V, &t[r][v], sizeof(vd<V>));
+        store_v<V>(G + (r * ng + j) * C + v * V, t[r][v]);
   }
 }
 
