@@ -138,7 +138,9 @@ template <int V>
 inline vd<V> pow2v(vi<V> e) { return (vd<V>)((e + 1023) << 52); }  // 2^e, e in [-1022, 1023]
 template <int V>
 inline vi<V> expv(vd<V> x) {  // floor(log2|x|) of normal x (zero: -1023, inf and NaN: 1024)
-  return (((vi<V>)x >> 52) & 0x7ff) - 1023;
+  typedef uint64_t vu __attribute__((vector_size(V * sizeof(uint64_t))));
+  // a logical shift: AVX2 has no 64-bit arithmetic one (4 instructions for it)
+  return (vi<V>)(((vu)x >> 52) & 0x7ff) - 1023;
 }
 template <int V>
 inline vi<V> splat_i(int64_t x) { return vi<V>{} + x; }
