@@ -16,8 +16,8 @@
 // - lane masks are compare results (all-ones lanes);
 // - a's exponents are stored spread (EA) and the k-loops unrolled (KU): at 8 lanes the
 //   instruction count per product is what limits the speed.
-// Only AVX2 is needed (qtensor_cpu::cpu_isa's test): no FMA, the products and scalings are plain
-// multiplies.
+// This file uses AVX2 only: no FMA, the products and scalings are plain multiplies (accum.cpp's
+// accum_isa() requires FMA too for its AVX2 level, which the group tiles of accum_lanes.h use).
 
 constexpr int FW = 8;  // output columns per tile: the float32 lanes of a ymm register
 constexpr int KU = 4;  // k-loops unrolled 4 times: their loop overhead counts at 8 lanes
