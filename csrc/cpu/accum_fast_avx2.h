@@ -91,13 +91,14 @@ inline VI p_term(VF p, VI Fe) {
 }
 
 inline VI round_magnitude(VI aT, VI d, bool nearest);  // accum_fast.h
+inline int fin_kind(const qtensor::AccumSpec& s);          // accum_fast.h
 
 // sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish). KIND:
 // fin_kind(s) as a constant (kFinishVariants: fast_tile instantiates each), -1: from s.
 constexpr bool kFinishVariants = true;  // at 8 lanes the spec's branches per row cost ~15%
 template <int KIND>
 inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
-  const int kind = KIND < 0 ? (s.acc_round == 0 ? 0 : (s.acc_man == 23 ? 1 : 2)) : KIND;
+  const int kind = KIND < 0 ? fin_kind(s) : KIND;
   const __m256i man_mask = i32(-(1 << (23 - s.acc_man)));  // outside the branch: one per tile
   if (kind == 0) {  // toward zero: float(T) (to nearest), one ulp toward zero where that
     // went away from zero (int(f) - T of T's sign > 0; exact in wrapping int32, f = +-2^31

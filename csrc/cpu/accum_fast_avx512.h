@@ -50,10 +50,7 @@ inline bool sh_small(const ShCheck& c) { return many(c.small); }
 
 template <int MODE>
 inline VI cvt_round(VF x) {  // float32 to int32 with the alignment rounding
-  return _mm512_cvt_roundps_epi32(
-      x, (MODE == 0 ? _MM_FROUND_TO_ZERO
-                    : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
-             _MM_FROUND_NO_EXC);
+  return _mm512_cvt_roundps_epi32(x, kRoundImm<MODE>);  // accum_lanes.h
 }
 
 // p's alignment exponent floor(log2|p|): no clamp at -126 is needed, since the fast path's

@@ -23,6 +23,13 @@
 // The two loops over a chunk's K-elements. em[w] = max(em[w], ea[k] + eb[k][w]);
 // S[w] = sum_k round(a[k] * b[k][w] * sc[w]) (integers below 2^53: exact in any order).
 #ifdef QT_ACCUM_AVX2
+// The SSE/AVX rounding immediate of an alignment rounding MODE (0 toward zero, 1 floor, 2 nearest
+// with ties to even), exceptions suppressed; accum_fast_avx512.h's cvt_round uses it too.
+template <int MODE>
+constexpr int kRoundImm = (MODE == 0 ? _MM_FROUND_TO_ZERO
+                           : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
+                          _MM_FROUND_NO_EXC;
+
 inline void chunk_emax(const int* ea, const int* eb, int64_t ldb, int64_t k0, int64_t k1,
                        int* em) {
   __m256i m = _mm256_loadu_si256((const __m256i*)em);
@@ -36,9 +43,7 @@ inline void chunk_emax(const int* ea, const int* eb, int64_t ldb, int64_t k0, in
 template <int MODE>
 inline void chunk_sum(const float* a, const float* b, int64_t ldb, int64_t k0, int64_t k1,
                       const double* sc, double* S) {
-  constexpr int R = (MODE == 0 ? _MM_FROUND_TO_ZERO
-                     : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
-                    _MM_FROUND_NO_EXC;
+  constexpr int R = kRoundImm<MODE>;
   const __m256d sc0 = _mm256_loadu_pd(sc), sc1 = _mm256_loadu_pd(sc + 4);
   __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
   for (int64_t k = k0; k < k1; ++k) {
@@ -66,9 +71,7 @@ inline void chunk_sums(const float* a, int64_t lda, const float* b, int64_t ldb,
 template <int MODE, int R>
 inline void chunk_sums(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k0,
                        int64_t k1, const double* sc, double* S) {
-  constexpr int RM = (MODE == 0 ? _MM_FROUND_TO_ZERO
-                      : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
-                     _MM_FROUND_NO_EXC;
+  constexpr int RM = kRoundImm<MODE>;
   __m512d scv[R];
   __m512i s[R];
   for (int r = 0; r < R; ++r) {
@@ -146,9 +149,7 @@ template <int V>
 inline vi<V> splat_i(int64_t x) { return vi<V>{} + x; }
 template <int MODE, int V>
 inline vd<V> round_v(vd<V> x) {
-  constexpr int R = (MODE == 0 ? _MM_FROUND_TO_ZERO
-                     : (MODE == 1 ? _MM_FROUND_TO_NEG_INF : _MM_FROUND_TO_NEAREST_INT)) |
-                    _MM_FROUND_NO_EXC;
+  constexpr int R = kRoundImm<MODE>;
   if constexpr (V == 8) return _mm512_roundscale_pd(x, R); else return _mm256_round_pd(x, R);
 }
 template <int V>
