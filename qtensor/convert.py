@@ -35,7 +35,7 @@ from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
                     round_to)
 from .spec import as_recipe
-from .tensor import grad_with_accum
+from .tensor import _accum_of, grad_with_accum
 from .warn import warn as _warn, warn_once as _warn_once
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
@@ -194,7 +194,7 @@ class _RoundActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, act: Role, grad: Role):
         ctx.grad_role, ctx.plain_input = grad, not _is_q(x)
-        ctx.accum = x.accum if _is_q(x) else None
+        ctx.accum = _accum_of(x)
         if act.full_precision:  # values left as they are (a copy: never a view)
             return x.clone()
         return round_to(x.detach(), act)
