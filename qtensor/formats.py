@@ -21,6 +21,8 @@ import types
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .torch_function import TorchFunctionTarget
+
 __all__ = [
     "ROUNDING_MODES", "SPECIALS", "SCALE_RULES", "Format", "FormatError", "FloatFormat",
     "FixedFormat", "BlockFormat", "format", "PRESETS", "ALIASES",
@@ -58,8 +60,8 @@ def _check_bool(name: str, value) -> None:
         raise FormatError(f"{name} must be True or False, got {value!r}")
 
 
-class Format:
-    """Common behaviour of all formats."""
+class Format(TorchFunctionTarget):
+    """Common behaviour of all formats (``model.to(fmt)``, ``t.to(fmt)``: qtensor.torch_function)."""
 
     def replace(self, **changes) -> "Format":
         """A copy with some fields changed, validated like a new format."""

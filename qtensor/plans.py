@@ -20,6 +20,7 @@ from .accum import as_accum
 from .formats import FloatFormat, Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor, as_qtensor
+from .torch_function import TorchFunctionTarget
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "ROLE_NAMES", "round_to", "check_scale"]
 
@@ -108,7 +109,7 @@ def _normalise_rule(pattern, spec):
 
 
 @dataclass(frozen=True, eq=True)
-class Recipe:
+class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     """Formats for every role of a model (see the module docstring for the meaning of each).
 
     Each role takes None (full precision), a format, a format string, or a pair
