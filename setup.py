@@ -18,6 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja", "qtorch==0.3.0",
         "gfloat"]
 EXAMPLES = ["tqdm", "matplotlib", "scikit-learn"]
+# qtensor.hf and the safetensors helpers (tests skip without them); neither pulls a torch
+HF = ["safetensors", "transformers"]
 
 
 def version():
@@ -69,7 +71,7 @@ setup(
     package_data={"qtensor": ["py.typed"]},  # PEP 561: the package's annotations are for users
     python_requires=">=3.9",
     install_requires=["torch"],
-    extras_require={"test": TEST + EXAMPLES, "examples": EXAMPLES},
+    extras_require={"test": TEST + EXAMPLES + HF, "examples": EXAMPLES, "hf": HF},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
