@@ -692,16 +692,59 @@ def _total_bits(t: torch.Tensor) -> float:
     return float(n * fmt.elem.bits + blocks * fmt.scale.bits + (32 if fmt.tensor_scale else 0))
 
 
+def _rule_of(plan, recipe: Recipe, roles: Tuple[str, ...]) -> str:
+    """Which rule chose a plan's formats (per role where a rule gives only some), else the
+    recipe's default for the role."""
+    if plan is None:
+        return "-"
+    if plan.rule is None:
+        return f"default ({roles[0]})"
+    spec = recipe.rules.get(plan.rule)
+    if not isinstance(spec, dict):
+        return f"rule {plan.rule!r}"
+    own = [r for r in roles if r in spec]
+    rest = [r for r in roles if r not in spec]
+    if not rest:
+        return f"rule {plan.rule!r}"
+    return (f"rule {plan.rule!r} ({', '.join(own)}); " if own else
+            f"rule {plan.rule!r} sets no role of it; ") + f"default ({', '.join(rest)})"
+
+
+def _table(rows) -> List[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _module_rows(model: nn.Module, conv: _Conversion) -> List[Tuple[str, ...]]:
+    """One row per module: its activation (output) and gradient formats and what chose them."""
+    rows = [("module", "type", "activation", "gradient", "chosen by")]
+    for mname, mod in model.named_modules():
+        plan = conv.module_plans.get(mname)
+        if plan is None:
+            continue
+        act = "plain (kept full precision)" if plan.plain else str(plan.activation)
+        grad = "plain" if plan.plain else str(plan.grad)
+        rows.append((mname or "(model: inputs and outputs)", type(mod).__name__, act, grad,
+                     _rule_of(plan, conv.recipe, ("activation", "grad"))))
+    return rows
+
+
 def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Optional[str]:
     """Print a table of every parameter and buffer (to ``file``, default stdout; returns None,
     so the REPL shows it once), or return it as a string with ``print_table=False``: name,
     shape, value format, operand (mm) format, bits per value, and the model's total size in
-    bits against FP32.
+    bits against FP32. For a converted model also: which rule (or the role's default) chose
+    each tensor's formats, and a second table, per module, of the activation and gradient
+    formats of its outputs and what chose them.
 
     Bits per value are the value format's (the operand format costs no storage), with block
     scales counted per block present; non-floating buffers count at their dtype's width in both
     totals."""
-    rows = [("name", "shape", "format", "mm format", "bits")]
+    conv = getattr(model, "_qt_conversion", None)
+    head = ("name", "shape", "format", "mm format", "bits") + (("chosen by",) if conv else ())
+    rows = [head]
     total = fp32_total = 0.0
     seen = set()
     entries = [(n, t, "param") for n, t in model.named_parameters()] + \
@@ -719,20 +762,26 @@ def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Option
             fmt, mm = f"plain {str(t.dtype).replace('torch.', '')}", "-"
         total += size
         fp32_total += 32 * n if t.is_floating_point() else size
-        rows.append((name, "x".join(map(str, t.shape)) or "scalar", fmt, mm, f"{bits:.4g}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+        row = (name, "x".join(map(str, t.shape)) or "scalar", fmt, mm, f"{bits:.4g}")
+        if conv is not None:
+            plan = conv.tensor_plans.get(name)
+            roles = (("weight",) if plan is None or plan.kind == "buffer"  # (no gradient)
+                     else (plan.kind, "grad", "optimizer_state"))
+            row += ("not floating: left alone" if plan is None and not t.is_floating_point()
+                    else _rule_of(plan, conv.recipe, roles),)
+        rows.append(row)
+    lines = _table(rows)
     ratio = total / fp32_total if fp32_total else 1.0
     lines.append(f"total: {total:,.0f} bits ({total / 8 / 2**20:.3f} MiB) vs FP32 "
                  f"{fp32_total:,.0f} bits ({fp32_total / 8 / 2**20:.3f} MiB): {ratio:.3f}x")
-    conv = getattr(model, "_qt_conversion", None)
     if conv is not None:
         root = conv.module_plans.get("")
         if root is not None:
             lines.append(f"activations: {root.activation}; gradients: {conv.recipe.grad}; "
                          f"optimizer state: {conv.recipe.optimizer_state}; "
                          f"master weights: {conv.recipe.master_weights}")
+        lines.append("")
+        lines.extend(_table(_module_rows(model, conv)))
     text = "\n".join(lines)
     if print_table:
         print(text, file=file)

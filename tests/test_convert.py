@@ -520,12 +520,6 @@ def test_describe():
     assert "plain float32" in plain_text and "1.000x" in plain_text
 
 
-def test_model_to_format_is_not_supported():
-    # documented: nn.Module.to parses its arguments in C++; qt.convert is the one line
-    with pytest.raises(TypeError):
-        MLP().to(qt.bf16)
-
-
 # ---------------------------------------------------------------------------------------------
 # training: every tensor's format after forward, backward and step
 
@@ -931,3 +925,24 @@ def test_forward_instance_attribute_refused_before_any_change():
         qt.convert(m, qt.bf16)
     assert m.weight is w and type(m.weight) is nn.Parameter
     assert getattr(m, "_qt_conversion", None) is None
+
+
+def test_describe_shows_module_formats_and_the_rules_that_chose_them():
+    recipe = qt.Recipe(weight=("bf16", "mxfp6_e3m2"), activation="bf16", grad="fp8_e5m2",
+                       rules={"bn": {"activation": "fp16", "grad": "bf16"}, "fc.bias": "fp16",
+                              "re:conv.*": None})
+    text = qt.describe(qt.convert(CNN(), recipe), print_table=False)
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    assert rows["conv.weight"].endswith("rule 're:conv.*'")
+    assert rows["fc.bias"].endswith("rule 'fc.bias'")
+    assert rows["fc.weight"].endswith("default (weight)")
+    assert rows["bn.weight"].endswith("rule 'bn' (grad); default (weight, optimizer_state)")
+    assert rows["bn.running_mean"].endswith("rule 'bn' sets no role of it; default (weight)")
+    assert rows["bn.num_batches_tracked"].endswith("not floating: left alone")
+    # the module table: activation and gradient formats per module, and what chose them
+    assert rows["(model:"].split()[-4:] == ["bf16", "fp8_e5m2", "default", "(activation)"]
+    assert rows["conv"].split()[1:] == ["Conv2d", "plain", "(kept", "full", "precision)",
+                                        "plain", "rule", "'re:conv.*'"]
+    assert rows["bn"].split()[1:] == ["BatchNorm2d", "fp16", "bf16", "rule", "'bn'"]
+    assert rows["fc"].split()[1:] == ["Linear", "bf16", "fp8_e5m2", "default", "(activation)"]
+    assert "chosen by" not in qt.describe(CNN(), print_table=False)  # plain: no plans
