@@ -1,5 +1,5 @@
 """Converted checkpoints as plain tensors plus formats (qtensor.serialization): torch.load without
-qtensor, safetensors files, and Hugging Face save_pretrained / from_pretrained (qtensor.hf)."""
+qtensor, and safetensors files. Hugging Face checkpoints: tests/test_hf.py."""
 import os
 import subprocess
 import sys
@@ -126,65 +126,3 @@ def test_safetensors_of_tied_weights(tmp_path):
     qt.load_plain_state_dict(fresh, qt.load_safetensors(tmp_path / "t.safetensors"))
     assert fresh[1].weight is fresh[0].weight
     _assert_same_state(fresh, model)
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face
-
-def _tiny_gpt2(**kw):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0, **kw)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def _tiny_llama(**kw):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                                   max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
-                                   pad_token_id=0, **kw)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.mark.parametrize("make", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
-def test_hf_save_pretrained_and_back(tmp_path, make):
-    model = make().to(qt.recipes.mxfp6)
-    model.eval()
-    ids = torch.randint(0, 64, (2, 8))
-    with pytest.raises(Exception, match="invalid shape, data type, or offset"):
-        model.save_pretrained(tmp_path / "direct")  # safetensors cannot store QTensors
-    qt.hf.save_pretrained(model, tmp_path / "ckpt")
-    assert not hasattr(model.config, "qtensor")
-    loaded = qt.hf.from_pretrained(type(model), tmp_path / "ckpt")
-    _assert_same_state(loaded, model)
-    tied = loaded.lm_head.weight is loaded.get_input_embeddings().weight
-    assert tied == (model.lm_head.weight is model.get_input_embeddings().weight)  # GPT-2: tied
-    assert_bits_equal(loaded(input_ids=ids).logits.dequantize(),
-                      model(input_ids=ids).logits.dequantize())
-    plain = type(model).from_pretrained(tmp_path / "ckpt")  # plain transformers: plain values
-    assert type(plain.lm_head.weight) is nn.Parameter
-
-
-def test_hf_from_pretrained_plain_then_convert(tmp_path):
-    model = _tiny_gpt2()
-    model.save_pretrained(tmp_path / "plain")
-    loaded = qt.hf.from_pretrained(type(model), tmp_path / "plain")
-    assert type(loaded.lm_head.weight) is nn.Parameter
-    loaded.to(qt.recipes.mxfp6)
-    ref = qt.convert(model, qt.recipes.mxfp6)
-    _assert_same_state(loaded, ref)
-
-
-def test_hf_model_to_fmt_is_convert():
-    model, ref = _tiny_llama(), _tiny_llama()
-    assert model.to(qt.mxfp8_e4m3) is model
-    qt.convert(ref, qt.mxfp8_e4m3)
-    _assert_same_state(model, ref)
