@@ -87,6 +87,18 @@ def test_mx_training_quick():
             assert 0.0 < float(cells[0]) < 10.0  # a finite cross-entropy
 
 
+def test_hf_finetune_quick():
+    pytest.importorskip("transformers", reason="the Hugging Face example needs transformers")
+    pytest.importorskip("safetensors", reason="the Hugging Face example saves safetensors")
+    out = run_example("hf_finetune.py", "--quick")
+    rows = table_rows(out)
+    assert {"FP32", "qt.recipes.mxfp6"} <= set(rows)
+    for name in ("FP32", "qt.recipes.mxfp6"):
+        before, _last, after = map(float, rows[name])
+        assert 0.0 < after < before < 10.0, rows  # it learns, with finite losses
+    assert "logits identical bit for bit" in out
+
+
 def test_demo_learns_under_mxint8(tmp_path):
     # A real (short) training run: the emulated model must learn, not only run.
     rows = table_rows(run_example("demo.py", "--formats", "fp32,mxint8", "--steps", "120",
