@@ -129,3 +129,27 @@ def test_compiled_hf_forward_matches_eager():
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         assert_bits_equal(compiled(input_ids=ids).logits.dequantize(),
                           model(input_ids=ids).logits.dequantize())
+
+
+@pytest.mark.parametrize("make", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
+def test_generate_with_the_kv_cache(make):
+    model = make().to(qt.recipes.mxfp6).eval()
+    ids = torch.randint(1, 64, (1, 5))
+    with sdpa_kernel(SDPBackend.MATH), qt.leak_check(allow=qt.hf.LEAK_ALLOW):
+        cached = model.generate(ids, max_new_tokens=4, do_sample=False)
+    with sdpa_kernel(SDPBackend.MATH):
+        uncached = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert cached.shape == (1, 9) and torch.equal(cached, uncached)
+
+
+def test_sdpa_math_and_eager_attention_agree_on_gpt2():
+    sdpa = _tiny_gpt2().to(qt.recipes.mxfp6).eval()
+    eager = _tiny_gpt2(attn_implementation="eager").to(qt.recipes.mxfp6).eval()
+    _assert_same_state(sdpa, eager)  # the same seed: the same weights
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        assert_bits_equal(sdpa(input_ids=ids).logits.dequantize(),
+                          eager(input_ids=ids).logits.dequantize())
+    with torch.no_grad():  # the fused kernel (no MATH backend) differs
+        assert not torch.equal(sdpa(input_ids=ids).logits.dequantize(),
+                               eager(input_ids=ids).logits.dequantize())
