@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+import torch
 from torch import nn
 
 from .convert import conversion_of, convert
+from .ops import quantize
 from .serialization import plain_state_dict, recipe_from_dict, tensor_formats
 from .tensor import QTensor
 
@@ -69,9 +71,33 @@ def from_pretrained(model_class, pretrained_model_name_or_path, **kwargs):
     if not info:
         return model
     delattr(model.config, CONFIG_KEY)  # the conversion is on the model now, not in its config
+    _check_values(model, info.get("formats", {}))
     convert(model, recipe_from_dict(info["recipe"]))
     _check_formats(model, info.get("formats", {}))
     return model
+
+
+def _check_values(model: nn.Module, formats: Dict[str, Any]) -> None:
+    """The loaded values must be in the formats the config names (else converting would round
+    them again, silently): a checkpoint changed after qt.hf.save_pretrained is refused. (A load
+    with another dtype= that keeps them representable, e.g. FP8 values in float16, passes.)"""
+    state = model.state_dict()
+    changed = []
+    with torch.no_grad():
+        for name, saved in formats.items():
+            t = state.get(name)
+            if t is None or not t.is_floating_point():
+                continue
+            values = t.detach().float()
+            if not torch.equal(quantize(values, saved["fmt"]), values):
+                changed.append(f"{name} ({saved['fmt']})")
+    if changed:
+        raise ValueError(
+            "qt.hf.from_pretrained: the checkpoint's values are not in the formats its config "
+            "names (changed after qt.hf.save_pretrained, or loaded with a dtype= that cannot hold "
+            "them): "
+            + ", ".join(changed) + "; to convert it anyway, load it with "
+            "cls.from_pretrained and convert it: model.to(recipe)")
 
 
 def _check_formats(model: nn.Module, formats: Dict[str, Any]) -> None:

@@ -54,6 +54,21 @@ def test_hf_save_pretrained_and_back(tmp_path, make):
     assert type(plain.lm_head.weight) is nn.Parameter
 
 
+def test_hf_from_pretrained_refuses_values_out_of_format(tmp_path):
+    model = _tiny_gpt2().to(qt.fp8_e4m3)
+    qt.hf.save_pretrained(model, tmp_path / "ckpt")
+    tampered = type(model).from_pretrained(tmp_path / "ckpt")  # plain, config still has formats
+    with torch.no_grad():
+        tampered.lm_head.weight.mul_(1.01)  # (tied: the embedding too)
+    tampered.save_pretrained(tmp_path / "tampered")
+    with pytest.raises(ValueError, match="not in the formats its config names .*: "
+                                         "lm_head.weight \\(fp8_e4m3\\), transformer.wte.weight"):
+        qt.hf.from_pretrained(type(model), tmp_path / "tampered")
+    # FP8 values survive a float16 load exactly: it converts
+    assert qt.hf.from_pretrained(type(model), tmp_path / "ckpt",
+                                 dtype=torch.float16).lm_head.weight.fmt == qt.fp8_e4m3
+
+
 def test_hf_from_pretrained_plain_then_convert(tmp_path):
     model = _tiny_gpt2()
     model.save_pretrained(tmp_path / "plain")
