@@ -168,10 +168,11 @@ def load_plain_state_dict(model: nn.Module, sd: Dict[str, Any], strict: bool = T
                 f"{recipe.describe()}\nconvert it to the checkpoint's (model.to(recipe)) first")
     state = model.state_dict()
     wrong = []
-    for name, info in sd["formats"].items():
+    for name in sd["tensors"]:
         mine = state.get(name)
         if mine is None:
             continue  # load_state_dict reports unexpected keys (strict)
+        info = sd["formats"].get(name, {"fmt": "plain"})
         have = tensor_formats(mine) if isinstance(mine, QTensor) else {"fmt": "plain"}
         if {k: have.get(k) for k in ("fmt", "mm_fmt")} != {k: info.get(k) for k in
                                                             ("fmt", "mm_fmt")}:

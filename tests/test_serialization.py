@@ -47,7 +47,9 @@ def _trained():
 
 @pytest.mark.parametrize("recipe", [RECIPE, qt.recipes.mxfp6, qt.recipes.swalp,
                                     qt.Recipe(weight="fixed8.4", loss_scale="dynamic"),
-                                    qt.Recipe(weight="fp8_e4m3", loss_scale=1024.0)],
+                                    qt.Recipe(weight="fp8_e4m3", loss_scale=1024.0),
+                                    qt.Recipe(weight=("bf16", "fp8_e4m3"), accumulate=(
+                                        qt.accum.AccumFormat(chunk=8, frac_bits=20)))],
                          ids=lambda r: r.name or "custom")
 def test_recipe_round_trips_through_json(recipe):
     import json
@@ -95,6 +97,9 @@ def test_load_plain_state_dict_refuses_other_formats():
     sd["recipe"] = None
     with pytest.raises(ValueError, match="formats differ between the checkpoint and the model: 0.weight: checkpoint bf16, model fp8_e4m3"):
         qt.load_plain_state_dict(qt.convert(_model(), qt.fp8_e4m3), sd)
+    plain = qt.plain_state_dict(_model())  # plain values would be rounded into the formats
+    with pytest.raises(ValueError, match="0.weight: checkpoint plain, model bf16"):
+        qt.load_plain_state_dict(qt.convert(_model(), qt.bf16), plain)
     with pytest.raises(TypeError, match="expected what qt.plain_state_dict returns"):
         qt.load_plain_state_dict(_model(), _model().state_dict())
 
