@@ -6,6 +6,7 @@ after forward, backward and step, and that each value is representable in its fo
 """
 import copy
 import io
+import re
 import sys
 import warnings
 
@@ -931,3 +932,37 @@ def test_forward_instance_attribute_refused_before_any_change():
         qt.convert(m, qt.bf16)
     assert m.weight is w and type(m.weight) is nn.Parameter
     assert getattr(m, "_qt_conversion", None) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 18: formats that cannot hold signed values (item 6)
+
+@pytest.mark.parametrize("spec, range_text", [
+    ("e8m0", r"\[2\^-127, 2\^127\]"),
+    (qt.e8m0, r"\[2\^-127, 2\^127\]"),
+    ("float8_e8m0fnu", r"\[2\^-127, 2\^127\]"),
+    (qt.FloatFormat(5, 0, subnormals=False, specials="fn", signed=False), r"\[2\^-15, 2\^15\]"),
+    (qt.FixedFormat(8, 4, signed=False), r"\[0, 15\.9375\]"),
+    (qt.FixedFormat(8, 4, signed=False, saturate=False), r"\[0, 15\.9375\].*wrap"),
+    (qt.BlockFormat(qt.FixedFormat(6, 4, signed=False), 5), r"elements in \[0, 3\.9375\]"),
+    (("bf16", "e8m0"), r"e8m0.*\[2\^-127, 2\^127\]"),
+    (lambda: qt.Recipe(weight="bf16", activation="bf16",
+                       grad=qt.FixedFormat(8, 7, signed=False)), r"Recipe\.grad.*\[0, 1\.99219\]"),
+    (lambda: qt.Recipe(weight="bf16", optimizer_state="e8m0"), r"Recipe\.optimizer_state"),
+    (dict(weight="bf16", rules={"fc1.bias": "e8m0"}), r"rule 'fc1\.bias'"),
+    (dict(weight="bf16", rules={"fc1": {"activation": ("bf16", "e8m0")}}),
+     r"rule 'fc1', role activation.*e8m0"),
+], ids=str)
+def test_unsigned_formats_refused_with_their_range(spec, range_text):
+    """An unsigned format (E8M0, the MX scale; unsigned fixed point) cannot hold a model's signed
+    weights, activations and gradients: qt.convert refuses it, naming the format's range, and
+    leaves the model untouched (before: e8m0 made every negative weight and every output NaN)."""
+    m = MLP()
+    with pytest.raises(qt.FormatError, match="cannot hold a model's signed values") as e:
+        qt.convert(m, spec() if callable(spec) and not isinstance(spec, qt.Format) else spec)
+    assert re.search(range_text, str(e.value)), str(e.value)
+    assert all(type(p) is nn.Parameter for p in m.parameters())
+    assert getattr(m, "_qt_conversion", None) is None
+    # the same formats still work where they belong: as block scales, and in qt.quantize
+    assert qt.convert(MLP(), qt.mxfp8_e4m3).fc1.weight.fmt == qt.mxfp8_e4m3
+    assert float(qt.quantize(torch.tensor([4.0]), "e8m0")) == 4.0
