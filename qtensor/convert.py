@@ -311,7 +311,7 @@ class _Conversion:
     hooked_params: list = field(default_factory=list)      # (module, name, plan): floating params
     param_handles: list = field(default_factory=list)      # their handles
     converted_buffers: list = field(default_factory=list)  # (module, name)
-    skipped: List[str] = field(default_factory=list)       # non-floating tensors left alone
+    skipped: List[str] = field(default_factory=list)       # non-floating tensors rules name
     dtypes: Dict[str, torch.dtype] = field(default_factory=dict)  # original dtypes, by name
 
 
@@ -441,13 +441,15 @@ def _check_convertible(model: nn.Module) -> None:
 
 def _plan_tensors(conv: _Conversion, owners_by_id, is_buffer: bool) -> list:
     """Plan every floating parameter (or buffer) into ``conv``; return [(owners, plan)] of those
-    whose values change (non-floating ones are recorded as skipped)."""
+    whose values change (non-floating ones that a rule names are recorded as skipped)."""
     todo = []
     for owners in owners_by_id.values():
         mod, local, qual = owners[0]
         t = (mod._buffers if is_buffer else mod._parameters)[local]
         if not t.is_floating_point():
-            conv.skipped.append(qual)
+            # left alone silently (num_batches_tracked, bool masks), unless a rule names it
+            if any(q in conv.recipe.rules for _m, _l, q in owners):
+                conv.skipped.append(qual)
             continue
         kind = "buffer" if is_buffer else _kind(qual)
         plan = _tensor_plan(conv.recipe, qual, kind, is_buffer=is_buffer)
@@ -527,7 +529,8 @@ def _swap_buffers(conv: _Conversion, new_buffers: list) -> None:
     for mod, names in by_module.values():
         conv.handles.append(mod.register_forward_hook(_BufferHook(names)))
     if conv.skipped:
-        _warn_once("qt.convert: non-floating tensors are left alone: " + ", ".join(conv.skipped))
+        _warn_once("qt.convert: non-floating tensors are left alone, although a rule names "
+                   "them: " + ", ".join(conv.skipped))
 
 
 def _attach_grad_hooks(model: nn.Module, conv: _Conversion, params) -> None:

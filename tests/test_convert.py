@@ -346,6 +346,23 @@ def test_integer_buffers_left_alone_said_once():
         qt.convert(m2, qt.Recipe(weight="bf16", rules={"bn.num_batches_tracked": "bf16"}))
 
 
+@pytest.mark.parametrize("spec", ["bf16", "fp8_e4m3", qt.recipes.mxfp6, "swalp"],
+                         ids=["bf16", "fp8_e4m3", "mxfp6", "swalp"])
+def test_no_warning_for_integer_and_bool_buffers(spec):
+    """BatchNorm's num_batches_tracked and bool mask buffers are left alone without a warning:
+    nothing unexpected happened (issue 18 item 19)."""
+    sys.modules["qtensor.warn"]._warned.clear()
+    m = CNN()
+    m.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril())
+    m.register_buffer("ids", torch.arange(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qt.convert(m, spec)
+    assert m.bn.num_batches_tracked.dtype == torch.int64 and m.mask.dtype == torch.bool
+    assert_plain(m.bn.num_batches_tracked) and assert_plain(m.mask) and assert_plain(m.ids)
+    assert isinstance(m.bn.running_mean, qt.QTensor)
+
+
 def test_tiny_parameters_and_block_formats():
     m = nn.Linear(40, 3)  # bias of 3 values: a short last MXFP4 block
     qt.convert(m, qt.Recipe(weight="mxfp4", bias="mxfp4", activation="bf16", grad="bf16"))

@@ -414,7 +414,7 @@ def test_warnings_point_at_the_caller_once_per_conversion():
         # a buffer name of this test's own: the same message is said once per process
         counted = nn.Sequential(nn.Linear(2, 2))
         counted.register_buffer("calls_of_the_warnings_test", torch.zeros((), dtype=torch.long))
-        qt.convert(counted, qt.bf16)
+        qt.convert(counted, qt.Recipe(weight="bf16", rules={"calls_of_the_warnings_test": "bf16"}))
     assert [x.filename for x in w if "non-floating" in str(x.message)] == [__file__]
 
 
