@@ -11,7 +11,7 @@ preset in ``qt.recipes`` (a name that is also a format, ``"mxfp6"`` or ``"fp16"`
   gradients and every converted parameter's gradient to the grad role (module and tensor hooks).
 - Optimizer state and FP32 master weights are kept by the step hooks of qtensor.training.
 - ``rules`` override roles by qualified name (exact name, then pattern, then enclosing module,
-  then the role's default); a rule that matches nothing is an error.
+  then the role's default); a rule that matches nothing is a warning (strict=True: an error).
 - Converting twice with the same spec does nothing; with another spec it is an error.
 
 Roles, rules, precedence and every detail: docs/convert.md.
@@ -138,7 +138,10 @@ def _module_plan(recipe: Recipe, name: str) -> ModulePlan:
     return ModulePlan(name, act, grad, pattern, plain)
 
 
-def _check_rules_match(recipe: Recipe, names: List[str]) -> None:
+def _check_rules_match(recipe: Recipe, names: List[str], strict: bool) -> None:
+    """Rules that match no name: an error with strict=True, else one warning (so that one
+    recipe serves models that lack some of the names it has rules for)."""
+    unmatched = []
     for pattern in recipe.rules:
         if any(_matches(pattern, n) if _is_pattern(pattern) else pattern == n for n in names):
             continue
@@ -146,9 +149,15 @@ def _check_rules_match(recipe: Recipe, names: List[str]) -> None:
         near = difflib.get_close_matches(probe, names, n=6, cutoff=0.3)
         if not near:
             near = names[:6]
-        raise ValueError(
-            f"qt.convert: rule {pattern!r} matches no parameter, buffer or module of the model; "
+        unmatched.append(
+            f"rule {pattern!r} matches no parameter, buffer or module of the model; "
             f"nearest names: {', '.join(near) if near else '(the model has no names)'}")
+    if not unmatched:
+        return
+    if strict:
+        raise ValueError("qt.convert: " + "; ".join(unmatched))
+    _warn("qt.convert: " + "; ".join(unmatched) + " (left unused; qt.convert(..., strict=True) "
+          "makes this an error)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,13 +469,14 @@ def _plan_tensors(conv: _Conversion, owners_by_id, is_buffer: bool) -> list:
     return todo
 
 
-def _plan(model: nn.Module, recipe: Recipe, params, buffers) -> Tuple[_Conversion, list, list]:
+def _plan(model: nn.Module, recipe: Recipe, params, buffers,
+          strict: bool = False) -> Tuple[_Conversion, list, list]:
     """Every plan of the conversion, computed before the model is touched (a bad rule leaves it
     unchanged): the _Conversion and the parameters and buffers whose values change."""
     module_names = [n for n, _ in model.named_modules() if n]
     tensor_names = [owners[0][2] for owners in params.values()] + \
                    [owners[0][2] for owners in buffers.values()]
-    _check_rules_match(recipe, tensor_names + module_names)
+    _check_rules_match(recipe, tensor_names + module_names, strict)
     conv = _Conversion(recipe, {}, {})
     todo_params = _plan_tensors(conv, params, is_buffer=False)
     todo_buffers = _plan_tensors(conv, buffers, is_buffer=True)
@@ -566,10 +576,11 @@ def _attach_activation_hooks(model: nn.Module, conv: _Conversion) -> None:
         conv.handles.append(mod.register_forward_hook(_OutputHook(mplan)))
 
 
-def convert(model: nn.Module, spec) -> nn.Module:
+def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:
     """Convert ``model`` in place to the formats of ``spec`` (a format, a string or a Recipe).
 
-    Returns the model. Roles, rules, precedence and hooks: docs/convert.md.
+    Returns the model. A rule that matches no name of the model is a warning (an error with
+    ``strict=True``). Roles, rules, precedence and hooks: docs/convert.md.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"qt.convert expects an nn.Module, got {type(model).__name__}")
@@ -585,7 +596,8 @@ def convert(model: nn.Module, spec) -> nn.Module:
     _check_convertible(model)
 
     params = _owners(model, "_parameters")
-    conv, todo_params, todo_buffers = _plan(model, recipe, params, _owners(model, "_buffers"))
+    conv, todo_params, todo_buffers = _plan(model, recipe, params, _owners(model, "_buffers"),
+                                            strict)
     new_params, new_buffers = _round_values(recipe, todo_params, todo_buffers)
     _swap_params(model, conv, new_params)
     _swap_buffers(conv, new_buffers)

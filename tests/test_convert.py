@@ -308,12 +308,33 @@ def test_rule_dict_and_enclosing_module_patterns():
 def test_rule_matching_nothing_lists_near_names():
     m = MLP()
     with pytest.raises(ValueError, match=r"fc3\.weight.*nearest names.*fc1\.weight"):
-        qt.convert(m, qt.Recipe(weight="bf16", rules={"fc3.weight": "fp8_e4m3"}))
+        qt.convert(m, qt.Recipe(weight="bf16", rules={"fc3.weight": "fp8_e4m3"}), strict=True)
     with pytest.raises(ValueError, match="re:conv"):
-        qt.convert(m, qt.Recipe(weight="bf16", rules={"re:conv.*": None}))
+        qt.convert(m, qt.Recipe(weight="bf16", rules={"re:conv.*": None}), strict=True)
     # the model is untouched by a failed conversion
     assert all(type(p) is nn.Parameter for p in m.parameters())
     assert not hasattr(m, "_qt_conversion")
+
+
+def test_one_recipe_serves_models_that_lack_some_names():
+    """A recipe with rules for names a model lacks is reusable (issue 18 item 20): one warning
+    at the caller's line, with the nearest names, and the rules that match still apply."""
+    recipe = qt.Recipe(weight="bf16", activation="bf16",
+                       rules={"head.*": "fp8_e4m3", "conv*": None, "fc1.weight": "fp8_e5m2"})
+    m = MLP()
+    with pytest.warns(UserWarning, match=r"rule 'conv\*' matches no parameter.*nearest names"
+                      r".*strict=True") as w:
+        qt.convert(m, recipe)
+    assert [x.filename for x in w if "matches no" in str(x.message)] == [__file__]
+    assert m.head.weight.fmt == qt.fp8_e4m3 and m.fc1.weight.fmt == qt.fp8_e5m2
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"'head\.\*'.*'conv\*'.*'fc1\.weight'"):
+        qt.convert(seq, recipe)
+    assert seq[0].weight.fmt == qt.bf16 and seq[2].weight.fmt == qt.bf16
+    assert isinstance(seq(torch.randn(3, 4)), qt.QTensor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every rule matches: no warning
+        qt.convert(MLP(), recipe.replace(rules={"head.*": "fp8_e4m3"}))
 
 
 def test_convert_twice():
