@@ -66,28 +66,53 @@ def _enclosing(name: str) -> List[str]:
     return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
-def _find_rule(rules: dict, name: str) -> Optional[Tuple[str, Any, bool]]:
-    """(pattern, spec, matched_name_itself) of the rule deciding ``name``, per the precedence."""
+def _ranked_rule(rules: dict, name: str) -> Optional[Tuple[tuple, Tuple[str, Any, bool]]]:
+    """(rank, (pattern, spec, matched_name_itself)) of the rule deciding ``name``, per the
+    precedence; a smaller rank is a more specific rule (it compares the names of tied tensors)."""
     if not rules:
         return None
+    order = {pattern: i for i, pattern in enumerate(rules)}
     scopes = [name] + _enclosing(name)
-    for scope in scopes:  # 1. exact names, innermost first
+    for depth, scope in enumerate(scopes):  # 1. exact names, innermost first
         if scope in rules and not scope.startswith("re:"):
-            return scope, rules[scope], scope == name
+            return (1, depth, order[scope]), (scope, rules[scope], scope == name)
     for pattern, spec in rules.items():  # 2. patterns on the name itself, in order
         if _is_pattern(pattern) and _matches(pattern, name):
-            return pattern, spec, True
-    for scope in scopes[1:]:  # 3. patterns on enclosing modules, innermost first
+            return (2, 0, order[pattern]), (pattern, spec, True)
+    for depth, scope in enumerate(scopes[1:], 1):  # 3. patterns on enclosing modules
         for pattern, spec in rules.items():
             if _is_pattern(pattern) and _matches(pattern, scope):
-                return pattern, spec, False
+                return (3, depth, order[pattern]), (pattern, spec, False)
     return None
 
 
-def _tensor_plan(recipe: Recipe, name: str, kind: str, is_buffer: bool) -> TensorPlan:
+def _find_rule(rules: dict, name: str) -> Optional[Tuple[str, Any, bool]]:
+    """(pattern, spec, matched_name_itself) of the rule deciding ``name``, per the precedence."""
+    ranked = _ranked_rule(rules, name)
+    return None if ranked is None else ranked[1]
+
+
+def _find_rule_tied(rules: dict, name: str, aliases) -> Optional[Tuple[str, Any, bool]]:
+    """The rule deciding a tensor known by several names (tied weights: ``lm_head.weight`` is
+    ``wte.weight``): the most specific rule over all its names, by the precedence; between
+    equally specific rules, the earlier one in ``rules``. Disagreeing rules are warned about."""
+    ranked = [(r, n) for n in [name, *aliases] for r in [_ranked_rule(rules, n)] if r is not None]
+    if not ranked:
+        return None
+    (_rank, best), best_name = min(ranked, key=lambda item: item[0][0])
+    losers = sorted({r[1][0] for r, _n in ranked if r[1][1] != best[1]})
+    if losers:
+        _warn(f"qt.convert: {name} is tied to {', '.join(aliases)}, and rules disagree on it: "
+              f"{best[0]!r} (for {best_name}) applies, not {', '.join(map(repr, losers))} (the "
+              "most specific rule over all its names wins; between equals, the earlier rule)")
+    return best
+
+
+def _tensor_plan(recipe: Recipe, name: str, kind: str, is_buffer: bool,
+                 aliases=()) -> TensorPlan:
     default_value = Role(recipe.weight.fmt) if is_buffer else getattr(recipe, kind)
     value, grad, state = default_value, recipe.grad, recipe.optimizer_state
-    found = _find_rule(recipe.rules, name)
+    found = _find_rule_tied(recipe.rules, name, aliases)
     pattern = None
     if found is not None:
         pattern, spec, _own = found
@@ -461,7 +486,8 @@ def _plan_tensors(conv: _Conversion, owners_by_id, is_buffer: bool) -> list:
                 conv.skipped.append(qual)
             continue
         kind = "buffer" if is_buffer else _kind(qual)
-        plan = _tensor_plan(conv.recipe, qual, kind, is_buffer=is_buffer)
+        aliases = [q for _m, _l, q in owners[1:]]  # tied tensors: every other name
+        plan = _tensor_plan(conv.recipe, qual, kind, is_buffer=is_buffer, aliases=aliases)
         conv.tensor_plans[qual] = plan
         conv.dtypes[qual] = t.dtype
         if not plan.value.full_precision:
@@ -474,8 +500,8 @@ def _plan(model: nn.Module, recipe: Recipe, params, buffers,
     """Every plan of the conversion, computed before the model is touched (a bad rule leaves it
     unchanged): the _Conversion and the parameters and buffers whose values change."""
     module_names = [n for n, _ in model.named_modules() if n]
-    tensor_names = [owners[0][2] for owners in params.values()] + \
-                   [owners[0][2] for owners in buffers.values()]
+    tensor_names = [q for owners in [*params.values(), *buffers.values()]
+                    for _m, _l, q in owners]  # every name of a tied tensor
     _check_rules_match(recipe, tensor_names + module_names, strict)
     conv = _Conversion(recipe, {}, {})
     todo_params = _plan_tensors(conv, params, is_buffer=False)
@@ -719,12 +745,17 @@ def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Option
     rows = [("name", "shape", "format", "mm format", "bits")]
     total = fp32_total = 0.0
     seen = set()
-    entries = [(n, t, "param") for n, t in model.named_parameters()] + \
-              [(n, t, "buffer") for n, t in model.named_buffers()]
+    entries = [(n, t, "param") for n, t in model.named_parameters(remove_duplicate=False)] + \
+              [(n, t, "buffer") for n, t in model.named_buffers(remove_duplicate=False)]
+    names: Dict[int, List[str]] = {}
+    for name, t, _what in entries:
+        names.setdefault(id(t), []).append(name)
     for name, t, _what in entries:
         if id(t) in seen:
             continue
         seen.add(id(t))
+        if len(names[id(t)]) > 1:  # tied: one tensor, counted once, shown with its other names
+            name = f"{name} (= {', '.join(names[id(t)][1:])})"
         n = t.numel()
         size = _total_bits(t)
         bits = size / n if n else 0.0

@@ -1004,3 +1004,63 @@ def test_unsigned_formats_refused_with_their_range(spec, range_text):
     # the same formats still work where they belong: as block scales, and in qt.quantize
     assert qt.convert(MLP(), qt.mxfp8_e4m3).fc1.weight.fmt == qt.mxfp8_e4m3
     assert float(qt.quantize(torch.tensor([4.0]), "e8m0")) == 4.0
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 18: tied weights named by any of their names (item 9)
+
+class TinyLM(nn.Module):
+    """GPT-2 style: lm_head.weight is the token embedding's weight (tied)."""
+
+    def __init__(self, vocab=11, d=8):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(vocab, d)
+        self.transformer.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.transformer.ln_f(self.transformer.wte(ids)))
+
+
+@pytest.mark.parametrize("rule", ["lm_head", "lm_head.weight", "lm_*", "re:lm_head\\..*",
+                                  "transformer.wte", "transformer.wte.weight"])
+def test_a_rule_naming_a_tied_weight_by_any_name_applies(rule):
+    torch.manual_seed(0)
+    m = TinyLM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "matches no parameter", no disagreement
+        qt.convert(m, qt.Recipe(weight="fp8_e4m3", activation="bf16", rules={rule: qt.bf16}))
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert_in_format(m.lm_head.weight, qt.bf16, None, "tied weight")
+    assert m.transformer.ln_f.weight.fmt == qt.fp8_e4m3  # the default for the others
+    assert plan_of(m.lm_head.weight).rule == rule
+    m(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert isinstance(m.lm_head.weight.grad, qt.QTensor)
+
+
+def test_tied_weight_rules_that_disagree_most_specific_wins_with_a_warning():
+    m = TinyLM()
+    rules = {"transformer.*": qt.fp8_e5m2, "lm_head.weight": qt.bf16}
+    with pytest.warns(UserWarning, match=r"tied to lm_head\.weight.*'lm_head\.weight'.*applies, "
+                                         r"not 'transformer\.\*'"):
+        qt.convert(m, qt.Recipe(weight="fp8_e4m3", rules=rules))
+    assert m.lm_head.weight.fmt == qt.bf16  # an exact name beats a pattern
+    assert m.transformer.ln_f.weight.fmt == qt.fp8_e5m2
+    # equally specific (two exact module names): the earlier rule wins
+    m2 = TinyLM()
+    with pytest.warns(UserWarning, match="'transformer.wte' .*applies"):
+        qt.convert(m2, qt.Recipe(weight="fp8_e4m3",
+                                 rules={"transformer.wte": qt.fp16, "lm_head": qt.bf16}))
+    assert m2.lm_head.weight.fmt == qt.fp16
+
+
+def test_describe_shows_the_aliases_of_tied_weights():
+    m = qt.convert(TinyLM(), qt.Recipe(weight="bf16"))
+    text = qt.describe(m, print_table=False)
+    row = [line for line in text.splitlines() if "transformer.wte.weight" in line]
+    assert len(row) == 1 and "(= lm_head.weight)" in row[0], text
+    assert "11x8" in row[0] and text.count("11x8") == 1  # counted once
+    plain = qt.describe(TinyLM(), print_table=False)
+    assert "transformer.wte.weight (= lm_head.weight)" in plain
