@@ -191,7 +191,7 @@ def _check_rules_match(recipe: Recipe, names: List[str], strict: bool) -> None:
 _ACT_TAG = "_qt_act"
 
 
-def _round_activation(x, plan: ModulePlan):
+def _round_activation(x, plan: ModulePlan, what: str = "output"):
     """Round one floating tensor of a module's inputs/outputs to the activation and grad roles."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return x
@@ -207,10 +207,11 @@ def _round_activation(x, plan: ModulePlan):
     grad = plan.grad
     if grad.full_precision and not plan.activation.full_precision:
         grad = Role(_FP32)
+    name = f"{what} of {plan.name or 'the model'}"
     if not grad.full_precision and torch.is_grad_enabled() and x.requires_grad:
-        y = _RoundActivation.apply(x, plan.activation, grad)
+        y = _RoundActivation.apply(x, plan.activation, grad, name)
     elif not plan.activation.full_precision:
-        y = round_to(x, plan.activation, name=f"output of {plan.name or 'the model'}")
+        y = round_to(x, plan.activation, name=name)
     if y is not x:
         try:
             setattr(y, _ACT_TAG, (key, y._version))
@@ -226,18 +227,18 @@ class _RoundActivation(torch.autograd.Function):
     instead of as_qtensor + quantize_grad."""
 
     @staticmethod
-    def forward(ctx, x, act: Role, grad: Role):
+    def forward(ctx, x, act: Role, grad: Role, name: str = "tensor"):
         ctx.grad_role, ctx.plain_input = grad, not _is_q(x)
         ctx.accum = _accum_of(x)
         if act.full_precision:  # values left as they are (a copy: never a view)
             return x.clone()
-        return round_to(x.detach(), act)
+        return round_to(x.detach(), act, name=name)
 
     @staticmethod
     def backward(ctx, g):
         q = grad_with_accum(round_to(g, ctx.grad_role), ctx.accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
-        return (q.dequantize() if ctx.plain_input else q), None, None
+        return (q.dequantize() if ctx.plain_input else q), None, None, None
 
 
 def _to_plain(x):
@@ -249,17 +250,21 @@ def _to_plain(x):
 # (torch.save(model)) and deep-copies.
 
 class _OutputHook:
+    what = "output"
+
     def __init__(self, plan: ModulePlan):
         self.plan = plan
 
     def _one(self, t):
-        return _to_plain(t) if self.plan.plain else _round_activation(t, self.plan)
+        return _to_plain(t) if self.plan.plain else _round_activation(t, self.plan, self.what)
 
     def __call__(self, module, args, output):
         return tree_map(self._one, output)
 
 
 class _InputHook(_OutputHook):
+    what = "input"
+
     def __call__(self, module, args, kwargs):
         return tree_map(self._one, args), tree_map(self._one, kwargs)
 

@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 
 from .accum import as_accum
-from .formats import FloatFormat, Format, FormatError
+from . import block_specials
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor, as_qtensor
 
@@ -88,7 +89,6 @@ def _format_or_error(spec, what: str) -> Format:
 
 def _unsigned_range(fmt: Format) -> Optional[str]:
     """The range of a format that cannot hold negative values (None for signed formats)."""
-    from .formats import BlockFormat, FixedFormat
     if isinstance(fmt, BlockFormat):
         inner = _unsigned_range(fmt.elem)
         return None if inner is None else f"elements in {inner} times the block scale"
@@ -275,6 +275,9 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tens
     if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
         return x
     try:
-        return as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)  # keeps x's accumulator
+        y = as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)  # keeps x's accumulator
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
+    if isinstance(role.fmt, BlockFormat):  # a mask's -inf makes its whole block NaN: say so
+        block_specials.check(_plain(x).detach(), y._data, role.fmt, what=name)
+    return y

@@ -5,6 +5,7 @@ after forward, backward and step, and that each value is representable in its fo
 (re-quantizing the values gives the same bits).
 """
 import copy
+import importlib
 import io
 import re
 import sys
@@ -1064,3 +1065,104 @@ def test_describe_shows_the_aliases_of_tied_weights():
     assert "11x8" in row[0] and text.count("11x8") == 1  # counted once
     plain = qt.describe(TinyLM(), print_table=False)
     assert "transformer.wte.weight (= lm_head.weight)" in plain
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 18: a mask's -inf in a block format makes its whole block NaN: warned (item 7)
+
+class CausalAttention(nn.Module):
+    """nanoGPT-style attention: scores.masked_fill(~causal, -inf), softmax."""
+
+    def __init__(self, d=32, inplace=False):
+        super().__init__()
+        self.qkv, self.proj, self.inplace = nn.Linear(d, 3 * d), nn.Linear(d, d), inplace
+        self.register_buffer("causal", torch.ones(16, 16, dtype=torch.bool).tril())
+
+    def forward(self, x):
+        t = x.shape[1]
+        q, k, v = self.qkv(x).chunk(3, -1)
+        att = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if self.inplace:
+            att.masked_fill_(~self.causal[:t, :t], float("-inf"))
+        else:
+            att = att.masked_fill(~self.causal[:t, :t], float("-inf"))
+        return self.proj(F.softmax(att, -1) @ v)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, inplace=False):
+        super().__init__()
+        self.h = nn.ModuleList([CausalAttention(inplace=inplace), CausalAttention()])
+        self.ln_f = nn.LayerNorm(32)
+
+    def forward(self, x):
+        for block in self.h:
+            x = x + block(x)
+        return self.ln_f(x)
+
+
+@pytest.fixture
+def block_nan_warning_armed():
+    specials = importlib.import_module("qtensor.block_specials")
+    specials._said[0] = False  # said once per process: arm it for this test
+    yield
+    specials._said[0] = False
+
+
+def _nan_warnings(w):
+    return [x for x in w if "turned finite values into NaN" in str(x.message)]
+
+
+@pytest.mark.parametrize("spec", [qt.mxfp8_e4m3, "mxfp4_e2m1", qt.recipes.mx_all_mxfp8],
+                         ids=["mxfp8_e4m3", "mxfp4_e2m1", "mx_all_mxfp8"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["masked_fill", "masked_fill_"])
+def test_mask_inf_in_a_block_format_warns_once_naming_op_and_module(
+        spec, inplace, block_nan_warning_armed):
+    torch.manual_seed(0)
+    m = qt.convert(TinyGPT(inplace), spec)
+    x = torch.randn(2, 10, 32)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        y = m(x)
+        m(x)  # once per process, not per call
+    assert torch.isnan(y.dequantize()).all()  # the MX rule: every block with a -inf is NaN
+    said = _nan_warnings(w)
+    assert len(said) == 1, [str(x.message) for x in w]
+    text = str(said[0].message)
+    op = "aten.masked_fill_.Scalar" if inplace else "aten.masked_fill.Scalar"
+    assert f"{op} in module 'h.0' (CausalAttention)" in text, text
+    assert "qt.recipes.mxfp6" in text and "docs/formats.md" in text
+    assert said[0].filename == __file__  # at the user's line
+
+
+def test_mask_inf_given_as_model_input_warns(block_nan_warning_armed):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    m = qt.convert(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), qt.mxfp8_e4m3)
+    mask = nn.Transformer.generate_square_subsequent_mask(10)
+    with pytest.warns(UserWarning, match=r"input of the model: rounding to the block format "
+                                         r"mxfp8_e4m3 turned finite values into NaN") as w:
+        m(torch.randn(2, 10, 32), mask=mask)
+    assert len(_nan_warnings(w)) == 1 and _nan_warnings(w)[0].filename == __file__
+
+
+@pytest.mark.parametrize("spec", [qt.recipes.mxfp6, qt.recipes.mxfp4_weights, qt.fp8_e4m3,
+                                  qt.bf16], ids=["mxfp6", "mxfp4_weights", "fp8_e4m3", "bf16"])
+def test_recipes_that_keep_vector_ops_out_of_blocks_give_no_nan_and_no_warning(
+        spec, block_nan_warning_armed):
+    torch.manual_seed(0)
+    m = qt.convert(TinyGPT(), spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = m(torch.randn(2, 10, 32))
+        y.sum().backward()
+    assert torch.isfinite(y.dequantize()).all()
+
+
+def test_block_format_without_inf_or_with_nan_kept_gives_no_warning(block_nan_warning_armed):
+    q = qt.as_qtensor(torch.randn(4, 64), qt.mxfp8_e4m3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (q * 2).exp()  # finite: no warning
+        nan_block = torch.full((1, 32), float("nan"))  # a whole block NaN already: nothing lost
+        qt.as_qtensor(nan_block, qt.mxfp8_e4m3) + 1
