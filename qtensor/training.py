@@ -7,7 +7,7 @@ a QTensor parameter rounds into its format with the format's rounding mode. This
   step hooks, which touch only parameters converted by ``qt.convert``, keep every floating,
   non-scalar state tensor of a converted parameter in that role (Adam, AdamW and SGD's momentum
   are created in it before their first step, Adagrad's ``sum`` made in its ``__init__`` is
-  made again in it, other state is rounded before and after each step);
+  made again in it, other state is rounded after each step);
 - FP32 master weights (``Recipe(master_weights=True)``): around each ``optimizer.step()`` the
   optimizer updates FP32 copies, kept in its state under :data:`MASTER_KEY`, and the model's
   parameters are copied from them, rounded into their format;
@@ -171,7 +171,6 @@ def _pre_step(optimizer, args, kwargs):
     if isinstance(optimizer, torch.optim.Adagrad):
         _init_adagrad_state(optimizer)
     _swap_in(optimizer)
-    _state_into_roles(optimizer)  # state made before the first step (Adagrad's, in __init__)
     if isinstance(optimizer, torch.optim.Adam):
         _init_adam_state(optimizer)
     elif isinstance(optimizer, torch.optim.SGD):
