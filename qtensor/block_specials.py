@@ -74,4 +74,5 @@ def check(before: torch.Tensor, after: torch.Tensor, fmt, *, op=None,
         "altogether (the MX rule: its shared scale is NaN), so every value sharing its block is "
         "lost. Keep masks, softmax and other vector ops out of block formats: use block formats "
         "only for matrix-multiply operands (qt.recipes.mxfp6, qt.recipes.mxfp4_weights: BF16 "
-        "values, MX inside contractions) or give the attention modules a rule of their own. See docs/formats.md (\"Inf and NaN in block formats\").")
+        "values, MX inside contractions) or give the attention modules a rule of their own. "
+        "See docs/formats.md (\"Inf and NaN in block formats\").")

@@ -272,12 +272,8 @@ def _post_step(optimizer, args, kwargs):
     _restore(optimizer, copy_back=True)
     if not _involved(optimizer):
         return
-    _state_into_roles(optimizer)
-
-
-def _state_into_roles(optimizer) -> None:
-    """Optimizer state of converted parameters without masters into their optimizer_state
-    role. Scalars such as Adam's "step" counter are left alone."""
+    # Optimizer state into the optimizer_state role. Scalars such as Adam's "step" counter are
+    # left alone.
     for group in optimizer.param_groups:
         for p in group["params"]:
             plan = _plan(p)
