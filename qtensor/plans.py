@@ -279,5 +279,5 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tens
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
     if isinstance(role.fmt, BlockFormat):  # a mask's -inf makes its whole block NaN: say so
-        block_specials.check(_plain(x).detach(), y._data, role.fmt, what=name)
+        block_specials.check(x._data if _is_q(x) else x.detach(), y._data, role.fmt, what=name)
     return y
