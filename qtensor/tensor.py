@@ -161,9 +161,17 @@ def _teach_dynamo() -> None:
     try:
         from torch._dynamo.variables.builder import SourcelessBuilder
         from torch._dynamo.variables.user_defined import FrozenDataClassVariable
+
+        class FormatVariable(FrozenDataClassVariable):
+            """A format (an immutable value) is its own constant: the compiled code may return
+            it (dynamo rebuilds only pytree specs from a frozen dataclass's fields)."""
+
+            def as_python_constant(self):
+                return self.value
+
         for cls in (FloatFormat, FixedFormat, BlockFormat, AccumFormat):
             SourcelessBuilder._type_handlers.setdefault(
-                cls, lambda tx, value: FrozenDataClassVariable(value))
+                cls, lambda tx, value: FormatVariable(value))
     except (ImportError, AttributeError):
         pass
 
