@@ -482,3 +482,58 @@ def test_fullgraph_converted_model_returning_a_childs_output_with_own_grad_forma
     got = _accum_run(torch.compile(model, backend="aot_eager", fullgraph=True), x)
     for name, w in want.items():
         assert_bits_equal(_bits(got[name]), _bits(w), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 18: formats returned from compiled code; stochastic rounding under tracing
+
+def test_fullgraph_returns_the_formats_of_a_qtensor_built_inside():
+    """fullgraph=True code may return t.fmt, t.mm_fmt and t.accum of a QTensor it builds (dynamo
+    had no way to rebuild a format, a frozen dataclass, after the graph)."""
+    def f(x):
+        y = qt.QTensor(qt.quantize(x, "bf16"), "bf16", mm_fmt=qt.mxfp6_e3m2,
+                       accum="hopper_fp8") * 2
+        return y, y.fmt, y.mm_fmt, y.accum
+
+    x = torch.randn(4, 32)
+    y, fmt, mm_fmt, accum = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    assert (fmt, mm_fmt, accum) == (qt.bf16, qt.mxfp6_e3m2, qt.accum.hopper_fp8)
+    assert (fmt, mm_fmt, accum) == (y.fmt, y.mm_fmt, y.accum)
+    _assert_same(y, f(x)[0], "output")
+
+
+_STOCHASTIC_TRACED = r"stochastic rounding \(.*\) under torch\.compile/tracing is not supported"
+
+
+def _stochastic_model():
+    torch.manual_seed(0)
+    return qt.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                      qt.recipes.swalp)
+
+
+def test_stochastic_recipe_under_fullgraph_says_why():
+    """qt.recipes.swalp (stochastic rounding) under fullgraph=True: the error names stochastic
+    rounding (it was "Could not guard on data-dependent expression BitwiseFn_bitwise_and(u0,
+    ...)": the seed, drawn while tracing, became a symbolic int); without fullgraph the roundings
+    run eagerly (graph breaks), with eager's bits for the same torch.manual_seed."""
+    model, x = _stochastic_model(), torch.randn(3, 8)
+    with pytest.raises(Exception, match=_STOCHASTIC_TRACED) as info:
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    assert "data-dependent" not in str(info.value) and "Variable(" not in str(info.value)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    got = torch.compile(model, backend="aot_eager")(x)
+    torch.manual_seed(1)
+    _assert_same(got, model(x), "without fullgraph")
+
+
+def test_stochastic_quantize_under_fullgraph_and_export_says_why():
+    """qt.quantize with stochastic rounding in traced code, and torch.export of a stochastic model:
+    the same clear error."""
+    def f(x):
+        return qt.quantize(x, "bf16", rounding="stochastic")
+
+    with pytest.raises(Exception, match=_STOCHASTIC_TRACED):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(8))
+    with pytest.raises(Exception, match=_STOCHASTIC_TRACED):
+        torch.export.export(_stochastic_model(), (torch.randn(3, 8),))
