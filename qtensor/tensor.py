@@ -176,6 +176,32 @@ def _teach_dynamo() -> None:
         pass
 
 
+try:  # what AOTAutograd unwraps a traced program's outputs as (torch 2.13)
+    from torch._functorch._aot_autograd.descriptors import AOTOutput as _AOTOutput
+except ImportError:
+    _AOTOutput = None
+
+
+def _check_not_lowering_a_dynamic_output(t) -> None:
+    """Refuse where ``ep.run_decompositions()`` flattens a program output that is a QTensor of
+    dynamic size: torch 2.13 lowers it to its payload and its symbolic sizes against an output
+    spec of one tensor, and the lowered program fails when called ("treespec.unflatten: leaves
+    has length 2 ...")."""
+    if _AOTOutput is None or not any(isinstance(s, torch.SymInt) for s in t.shape):
+        return
+    caller = sys._getframe(2)  # torch's flatten_subclass (1 is __tensor_flatten__)
+    if caller.f_code.co_name != "flatten_subclass" or not isinstance(
+            caller.f_locals.get("desc"), _AOTOutput):
+        return
+    raise NotImplementedError(
+        f"torch.export: the program's output is a QTensor of dynamic size {tuple(t.shape)} "
+        f"(fmt={t.fmt}), which run_decompositions() cannot lower in this torch (the lowered "
+        "program would return its payload and its size against an output spec of one tensor, "
+        "and fail when called). Export a model whose output is plain, e.g. a wrapper whose "
+        "forward returns model(x).dequantize(), or export with static shapes; the unlowered "
+        "program (ep.module()) computes QTensors with a dynamic batch.")
+
+
 class QTensor(torch.Tensor):
     """A tensor whose values are in ``fmt``; contractions see them in ``mm_fmt`` (optional).
 
@@ -253,6 +279,8 @@ class QTensor(torch.Tensor):
     # -- traceable subclass protocol (torch.compile) ------------------------------------------
     def __tensor_flatten__(self):
         _teach_dynamo()
+        if torch.compiler.is_exporting():
+            _check_not_lowering_a_dynamic_output(self)
         return ["_data"], (self.fmt, self.mm_fmt, self.accum)
 
     @staticmethod
