@@ -174,6 +174,30 @@ def _teach_dynamo() -> None:
                 cls, lambda tx, value: FormatVariable(value))
     except (ImportError, AttributeError):
         pass
+    _accept_zero_tangents()
+
+
+def _accept_zero_tangents() -> None:
+    """Let a compiled graph's QTensor output that gets no gradient (an extra output the loss
+    does not use: a cache, HF's logits beside its loss) take the plain zeros that autograd
+    makes for it: AOTAutograd expects a QTensor tangent there and refused the zeros ("Expected
+    a QTensor tangent but got a plain Tensor"). Zeros are zeros in every format; any other
+    plain tangent is refused as before. A torch without this private function keeps the error."""
+    try:
+        from torch._functorch._aot_autograd.runtime_wrappers import AOTDispatchAutograd
+        from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+        process = AOTDispatchAutograd.process_runtime_tangent
+    except (ImportError, AttributeError):
+        return
+
+    def process_runtime_tangent(x, meta, *args, **kwargs):
+        if (type(x) is torch.Tensor and isinstance(meta, SubclassCreationMeta)
+                and meta.original_subclass_type is QTensor and not x.any()):
+            fmt, mm_fmt, accum = meta.meta
+            x = QTensor._wrap(x, fmt, mm_fmt, accum=accum)
+        return process(x, meta, *args, **kwargs)
+
+    AOTDispatchAutograd.process_runtime_tangent = staticmethod(process_runtime_tangent)
 
 
 try:  # what AOTAutograd unwraps a traced program's outputs as (torch 2.13)
