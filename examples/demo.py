@@ -189,13 +189,14 @@ def plot(runs, path, steps):
     good = [a for a in accs if a >= 50.0] or accs
     lo = max(0.0, min(good) - 3.0)
     ax2.set_xlim(lo, 100)
-    for b, a in zip(bars, accs):
+    for b, a, r in zip(bars, accs, runs.values()):
         y = b.get_y() + b.get_height() / 2
         if a - lo > 1.5:
             ax2.text(lo + 0.2, y, f"{a:.1f}%", va="center", ha="left", color="white",
                      fontsize=9, fontweight="bold")  # clear of the seeds' range at the bar's end
         else:
-            ax2.text(lo + 0.1, y, f"{a:.1f}% (did not train)", va="center", ha="left",
+            seeds = " / ".join(f"{100 * x:.1f}" for x in r["acc"])
+            ax2.text(lo + 0.1, y + 0.25, f"{a:.1f}% (seeds: {seeds}%)", va="center", ha="left",
                      color="black", fontsize=9)
     ax2.set_xlabel(f"test accuracy (%), 359 held-out digits: mean and range of {n} seeds"
                    if n > 1 else "test accuracy (%), 359 held-out digits")

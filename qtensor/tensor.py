@@ -153,7 +153,8 @@ def _teach_dynamo() -> None:
     code (fullgraph): dynamo takes such attributes for constants but builds trackers, for values
     with no source, only for the types it knows, and a frozen dataclass is not among them. Called
     where dynamo first meets a QTensor (flattening an input, or building one in the graph); a
-    torch without this private table only loses that (a graph break, as before)."""
+    torch without this private table only loses that (a graph break, as before). Also lets
+    AOTAutograd take zeros for a QTensor output's missing gradient (_accept_zero_tangents)."""
     global _dynamo_taught
     if _dynamo_taught or "torch._dynamo.variables.builder" not in sys.modules:
         return
@@ -200,22 +201,20 @@ def _accept_zero_tangents() -> None:
     AOTDispatchAutograd.process_runtime_tangent = staticmethod(process_runtime_tangent)
 
 
-try:  # what AOTAutograd unwraps a traced program's outputs as (torch 2.13)
-    from torch._functorch._aot_autograd.descriptors import AOTOutput as _AOTOutput
-except ImportError:
-    _AOTOutput = None
-
-
 def _check_not_lowering_a_dynamic_output(t) -> None:
     """Refuse where ``ep.run_decompositions()`` flattens a program output that is a QTensor of
     dynamic size: torch 2.13 lowers it to its payload and its symbolic sizes against an output
     spec of one tensor, and the lowered program fails when called ("treespec.unflatten: leaves
-    has length 2 ...")."""
-    if _AOTOutput is None or not any(isinstance(s, torch.SymInt) for s in t.shape):
+    has length 2 ..."). A torch whose AOTAutograd differs is not checked."""
+    if not any(isinstance(s, torch.SymInt) for s in t.shape):
+        return
+    try:  # what AOTAutograd describes a traced program's outputs with
+        from torch._functorch._aot_autograd.descriptors import AOTOutput
+    except ImportError:
         return
     caller = sys._getframe(2)  # torch's flatten_subclass (1 is __tensor_flatten__)
     if caller.f_code.co_name != "flatten_subclass" or not isinstance(
-            caller.f_locals.get("desc"), _AOTOutput):
+            caller.f_locals.get("desc"), AOTOutput):
         return
     raise NotImplementedError(
         f"torch.export: the program's output is a QTensor of dynamic size {tuple(t.shape)} "
