@@ -474,10 +474,7 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
         op, args = _kernel_call(fmt)
         return op(x, *args)
     if fmt.rounding == "stochastic" and type(x) is not torch.Tensor:
-        raise NotImplementedError(
-            f"QTensor: stochastic rounding ({fmt}) under torch.compile/tracing is not supported: "
-            "each rounding draws its seed eagerly from torch's generator, which a traced graph "
-            "would freeze into a constant; run stochastic formats eagerly")
+        raise _ops.stochastic_under_tracing(fmt)
     return _ops.quantize(x, fmt)
 
 

@@ -276,6 +276,8 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tens
         return x
     try:
         y = as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)  # keeps x's accumulator
+    except NotImplementedError:  # not about x (stochastic rounding while tracing): as it is
+        raise
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
     if isinstance(role.fmt, BlockFormat):  # a mask's -inf makes its whole block NaN: say so
