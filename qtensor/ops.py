@@ -21,7 +21,7 @@ from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, che
 from .checks import resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format
 
-__all__ = ["quantize", "quantize_", "kernels_available", "op_args"]
+__all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
 
 _ROUNDING_CODE = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "stochastic": 3}
 _SCALE_RULE_CODE = {"floor": 0, "ceil": 1, "amax": 2}
@@ -155,10 +155,22 @@ def _use_kernel(x: torch.Tensor) -> bool:
     return kernels_available(x.device)
 
 
-def _seed(generator: Optional[torch.Generator], rounding: str) -> int:
+def stochastic_under_tracing(fmt) -> NotImplementedError:
+    """The error for stochastic rounding inside torch.compile/torch.export tracing."""
+    return NotImplementedError(
+        f"QTensor: stochastic rounding ({fmt}) under torch.compile/tracing is not supported: "
+        "each rounding draws its seed eagerly from torch's generator, which a traced graph "
+        "would freeze into a constant; run stochastic formats eagerly")
+
+
+def _seed(generator: Optional[torch.Generator], rounding: str, fmt=None) -> int:
     """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way."""
     check_generator(generator)
-    return reference.draw_seed(generator) if rounding == "stochastic" else 0
+    if rounding != "stochastic":
+        return 0
+    if torch.compiler.is_compiling():  # the seed would be a data-dependent symbolic int
+        raise stochastic_under_tracing(str(fmt))
+    return reference.draw_seed(generator)
 
 
 def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None, seed: int = 0, *,
@@ -193,7 +205,7 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     """
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
-    return quantize_with_seed(x, fmt, rounding, _seed(generator, rounding), out=out)
+    return quantize_with_seed(x, fmt, rounding, _seed(generator, rounding, fmt), out=out)
 
 
 def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
@@ -202,7 +214,7 @@ def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
     check_axis(x, fmt)
-    seed = _seed(generator, rounding)
+    seed = _seed(generator, rounding, fmt)
     if not _use_kernel(x):
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))
