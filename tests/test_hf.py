@@ -168,3 +168,19 @@ def test_sdpa_math_and_eager_attention_agree_on_gpt2():
     with torch.no_grad():  # the fused kernel (no MATH backend) differs
         assert not torch.equal(sdpa(input_ids=ids).logits.dequantize(),
                                eager(input_ids=ids).logits.dequantize())
+
+
+def test_compiled_hf_training_step_matches_eager():
+    # the default use_cache=True included (issue 18, item 15); the MATH backend entered before
+    # the first compiled call (torch.compile does not guard on the SDPA backend)
+    model = _tiny_gpt2(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0).to(qt.recipes.mxfp6)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 8))
+    compiled = torch.compile(model.train(), backend="aot_eager")
+    with sdpa_kernel(SDPBackend.MATH):
+        loss = _step(compiled, ids).loss
+        expected = _step(ref.train(), ids).loss
+    assert_bits_equal(loss.dequantize(), expected.dequantize())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.fmt == q.grad.fmt, name
+        assert_bits_equal(p.grad.dequantize(), q.grad.dequantize(), name)
