@@ -73,6 +73,9 @@ def test_nested_and_device_calls():
     other = _mlp()
     assert other.to("cpu", qt.bf16) is other and other.to(device="cpu", dtype=qt.bf16) is other
     _same_model(other, ref, torch.randn(2, 16))
+    with torch.device("cpu"):  # a TorchFunctionMode in between: still reaches the handler
+        third = _mlp().to(qt.bf16)
+    _same_model(third, ref, torch.randn(2, 16))
 
 
 def test_to_fmt_again_changes_the_formats_in_place():
