@@ -313,6 +313,7 @@ class _Conversion:
     converted_buffers: list = field(default_factory=list)  # (module, name)
     skipped: List[str] = field(default_factory=list)       # non-floating tensors left alone
     dtypes: Dict[str, torch.dtype] = field(default_factory=dict)  # original dtypes, by name
+    nested_off: list = field(default_factory=list)  # TransformerEncoders: their use_nested_tensor
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -589,11 +590,23 @@ def convert(model: nn.Module, spec) -> nn.Module:
     _attach_grad_hooks(model, conv, params)
     _attach_activation_hooks(model, conv)
 
+    _disable_nested_fast_path(model, conv)
     for mod in model.modules():
         mod._apply = _NoDtypeCast(mod)
     model._qt_conversion = conv
     training.install_optimizer_hooks()
     return model
+
+
+def _disable_nested_fast_path(model: nn.Module, conv: _Conversion) -> None:
+    """nn.TransformerEncoder's inference fast path (eval, no_grad, src_key_padding_mask) packs
+    its input into a nested tensor and runs every layer as one fused kernel: no QTensor can hold
+    a nested tensor, and the fused kernels would skip the emulated ops. A converted encoder takes
+    its ordinary path (the padding mask goes to each layer), as in training."""
+    for mod in model.modules():
+        if isinstance(mod, nn.TransformerEncoder) and getattr(mod, "use_nested_tensor", False):
+            conv.nested_off.append(mod)
+            mod.use_nested_tensor = False
 
 
 class _NoDtypeCast:
@@ -634,6 +647,8 @@ def unconvert(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]
+    for mod in conv.nested_off:
+        mod.use_nested_tensor = True
     replaced, moved = [], {}
     with _FlatWeights(model):
         for mod, local, qual in conv.converted_params:

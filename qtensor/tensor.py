@@ -79,8 +79,9 @@ def _check_floating(x: torch.Tensor, fmt) -> None:
             f"cannot give format {fmt} to a tensor of dtype {x.dtype} (shape {tuple(x.shape)}): "
             "only float32, float64, float16 and bfloat16 tensors can carry a number format")
     # dynamo bans reading .layout where it traces a backward (a grad hook's rounding, fullgraph)
-    if not torch.compiler.is_dynamo_compiling() and x.layout != torch.strided:
-        raise TypeError(f"cannot give format {fmt} to a {x.layout} tensor: only dense (strided) "
+    if not torch.compiler.is_dynamo_compiling() and (x.layout != torch.strided or x.is_nested):
+        kind = "nested" if x.is_nested else str(x.layout)
+        raise TypeError(f"cannot give format {fmt} to a {kind} tensor: only dense (strided) "
                         "tensors can carry a number format")
 
 
