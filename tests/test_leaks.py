@@ -394,6 +394,28 @@ def test_label_smoothing_and_probability_targets_are_not_leaks():
               "LEAK: the product outside")
 
 
+def test_logits_loss_class_weights_are_not_leaks():
+    """binary_cross_entropy_with_logits' weight= and pos_weight= (and nn.BCEWithLogitsLoss's)
+    are class weights, data: its backward formula (``pos_weight * target``, then with the
+    logits) used to be reported as mixed. pos_weight times the logits outside the loss is still
+    a leak."""
+    torch.manual_seed(0)
+    model = _quiet_convert(MLP(), qt.bf16)
+    x, y = torch.randn(8, 16), torch.rand(8, 4).round()
+    w, pw = torch.rand(4) + 0.5, torch.rand(4) + 0.5
+    with qt.leak_check(action="record") as report:
+        F.binary_cross_entropy_with_logits(model(x), y, weight=w).backward()
+        F.binary_cross_entropy_with_logits(model(x), y, pos_weight=pw).backward()
+        F.binary_cross_entropy_with_logits(model(x), y, weight=w[None], pos_weight=pw).backward()
+        nn.BCEWithLogitsLoss(pos_weight=pw)(model(x), y).backward()
+        nn.BCEWithLogitsLoss(weight=w, pos_weight=pw, reduction="sum")(model(x), y).backward()
+    assert_clean(report)
+    with qt.leak_check(action="record") as report:
+        (model(x) * pw).sum().backward()  # LEAK: the class weights outside the loss
+    assert [(f.kind, f.op, f.phase) for f in report] == [
+        ("mixed", "aten.mul.Tensor", "forward"), ("mixed", "aten.mul.Tensor", "backward")]
+
+
 class KVCache(nn.Module):
     """Incremental decoding: each call appends this step's keys to the cache."""
 

@@ -88,6 +88,8 @@ class OpChecker:
         if not has_q:
             if plain and forward and not self.tracker.in_step:
                 self.ex.propagate_loss_data(ins, ev.outs, frame)
+            elif plain and ev.ctx.targets is not None:
+                self.ex.propagate_backward_loss_data(ins, ev.outs, ev.ctx.targets)
             if plain and (ev.ctx.converted or self.tracker.in_step):
                 self.ex.propagate_deliberate(ins, ev.outs)
             if not ev.ctx.converted:
