@@ -416,6 +416,40 @@ def test_logits_loss_class_weights_are_not_leaks():
         ("mixed", "aten.mul.Tensor", "forward"), ("mixed", "aten.mul.Tensor", "backward")]
 
 
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 12, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)  # LEAK: torch's buffer
+        return self.head(padded * 2.0)  # LEAK: FP32 from here
+
+
+def test_pad_packed_sequence_buffer_is_reported():
+    """pad_packed_sequence copies the (QTensor) LSTM output into a plain buffer that torch's C++
+    code makes: that buffer was exempted as a constant torch made, and so was everything
+    computed from it (FP32, unreported). The copy and the plain ops after it are reported, in a
+    converted model as outside one."""
+    torch.manual_seed(0)
+    model = _quiet_convert(PackedLSTM(), qt.recipes.mxfp6)
+    x, lengths = torch.randn(3, 5, 6), torch.tensor([5, 3, 2])
+    with qt.leak_check(action="record") as report:
+        model(x, lengths).sum().backward()
+    kinds = [(f.kind, f.op) for f in report]
+    assert ("plain_result", "aten.copy_.default") in kinds
+    assert ("plain_op", "aten.mul.Tensor") in kinds
+    first = report[0]
+    assert first.kind == "plain_result" and at(first, PackedLSTM.forward, "LEAK: torch's buffer")
+    assert "pad_packed_sequence" in first.detail
+    mul = next(f for f in report if f.kind == "plain_op")
+    assert at(mul, PackedLSTM.forward, "LEAK: FP32 from here")
+
+
 class KVCache(nn.Module):
     """Incremental decoding: each call appends this step's keys to the cache."""
 

@@ -72,6 +72,16 @@ class Exemptions:
             return True  # a recipe leaves this module's activations in full precision
         return self.allowed(t)
 
+    def unbless(self, t) -> bool:
+        """t (and every view of its memory) now holds values that are not torch's constant;
+        whether it was one."""
+        if t not in self.blessed:
+            return False
+        key = storage_key(t)
+        for b in [b for b in self.blessed.keys() if storage_key(b) == key]:
+            del self.blessed[b]
+        return True
+
     def is_deliberate(self, t) -> bool:
         if t in self.deliberate:
             return True
