@@ -35,7 +35,7 @@ from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
                     round_to)
 from .spec import as_recipe
-from .tensor import _accum_of, grad_with_accum
+from .tensor import _accum_of, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
@@ -161,6 +161,7 @@ def _round_activation(x, plan: ModulePlan):
     """Round one floating tensor of a module's inputs/outputs to the activation and grad roles."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return x
+    refuse_transformed(x, f"the output of {plan.name or 'the model'} (or its input)")
     key = (plan.activation, plan.grad)
     # dynamo cannot compare versions (data-dependent): it rounds again, which changes nothing
     tag = None if torch.compiler.is_dynamo_compiling() else getattr(x, _ACT_TAG, None)
