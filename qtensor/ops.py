@@ -187,6 +187,8 @@ def _differentiable(x: torch.Tensor) -> bool:
     torch.func transform's wrapper (grad, jvp, vmap), or a forward-mode dual tensor."""
     if x.requires_grad and torch.is_grad_enabled():
         return True
+    if torch.compiler.is_dynamo_compiling():
+        return False  # (dynamo cannot call the checks below)
     if type(x) is torch.Tensor and torch._C._functorch.is_functorch_wrapped_tensor(x):
         return True
     return _fwad._current_level >= 0 and _fwad.unpack_dual(x).tangent is not None

@@ -91,6 +91,8 @@ _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 def refuse_transformed(x: torch.Tensor, what: str = "the input") -> None:
     """A clear error for a tensor wrapped by a torch.func transform: a QTensor cannot hold one
     (its payload reaches the kernels below the transform, where such a wrapper has no data)."""
+    if torch.compiler.is_dynamo_compiling():
+        return  # (dynamo cannot call the check; it traces no transform's wrappers)
     if type(x) is torch.Tensor and _is_functorch_wrapped(x):
         raise NotImplementedError(
             f"QTensor does not support torch.func transforms (grad, vmap, jacrev, jvp, "
