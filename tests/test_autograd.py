@@ -180,3 +180,28 @@ def test_torch_func_refusal_message():
     with pytest.raises(NotImplementedError, match=textwrap.dedent(
             r"QTensor does not support torch.func transforms .*torch.autograd")):
         torch.func.grad(lambda t: qt.as_qtensor(t, "bf16").sum())(torch.randn(3))
+
+
+_KERNEL_ON_A_WRAPPER = r"""
+import warnings
+import torch
+import qtensor as qt
+import qtensor.tensor
+warnings.simplefilter("ignore")
+qtensor.tensor.refuse_transformed = lambda *a, **k: None  # as before the Python-side refusal
+xp, w = torch.randn(5, 64), torch.randn(64, 8)
+try:
+    torch.func.grad(lambda w: (qt.as_qtensor(xp, "bf16", mm_fmt="mxfp4") @ w).sum())(w)
+except RuntimeError as e:
+    print("has no storage" in str(e), str(e).splitlines()[0][:200])
+"""
+
+
+@pytest.mark.skipif(not qt.ops.kernels_available(), reason="needs the compiled kernels")
+def test_kernel_refuses_a_tensor_without_storage():
+    """The kernels' overlap check dereferenced the storage of a functorch wrapper (a segfault)
+    when one reached them from a QTensor's payload: a clear error now, in C++ too."""
+    p = subprocess.run([sys.executable, "-c", _KERNEL_ON_A_WRAPPER], capture_output=True,
+                       text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert p.returncode == 0, f"crashed (rc {p.returncode}):\n{p.stdout}\n{p.stderr[-3000:]}"
+    assert p.stdout.startswith("True"), p.stdout
