@@ -22,6 +22,7 @@ FORMATS = {
     "fixed": qt.format("fixed8.4"),
     "block": qt.mxfp4_e2m1,
     "block_fixed": qt.format("mxint8"),
+    "block_tensor_scale": qt.nvfp4,
 }
 ROUNDINGS = ["nearest", "nearest_away", "toward_zero", "stochastic"]
 
