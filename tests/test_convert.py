@@ -1167,6 +1167,7 @@ def test_block_format_without_inf_or_with_nan_kept_gives_no_warning(block_nan_wa
         nan_block = torch.full((1, 32), float("nan"))  # a whole block NaN already: nothing lost
         qt.as_qtensor(nan_block, qt.mxfp8_e4m3) + 1
 
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.parametrize("which", ["encoder", "transformer"])
 def test_transformer_inference_with_padding_mask(which):
