@@ -170,7 +170,7 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         idx = index.movedim(axis, -1) if index is not None else None
     n = moved.shape[-1]
     bs = fmt.block_size if (fmt.block_size is not None and fmt.axis is not None) else n
-    bs = max(bs, 1)
+    bs = max(min(bs, n), 1)  # a block longer than the axis is the axis (no padding to 2**62)
     pad = (-n) % bs
     if pad:
         moved = torch.nn.functional.pad(moved, (0, pad))
