@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
 from .checks import resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format
@@ -147,12 +147,33 @@ if _C is not None:
 # ---------------------------------------------------------------------------------------------
 # Entry points
 
-def _use_kernel(x: torch.Tensor) -> bool:
+def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if _C is None or x.dtype not in KERNEL_DTYPES:
         return False
     if x.device.type == "meta":
         return True
-    return kernels_available(x.device)
+    # CUDA: the kernel family must first agree with the reference there (qtensor/selfcheck.py)
+    return kernels_available(x.device) and selfcheck.trusted(
+        x.device.type, selfcheck.family(fmt, rounding), x.device)
+
+
+def _sample_check(family: str):
+    """The first-use check of a quantization kernel family: its sample, kernel vs reference."""
+    def check(device: torch.device) -> Optional[str]:
+        for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
+            name, args = op_args(fmt)
+            got = getattr(torch.ops.qtensor, name)(x, *args, _ROUNDING_CODE[rounding],
+                                                   _seed_arg(seed))
+            found = selfcheck.difference(got, reference.quantize_with_seed(x, fmt, rounding, seed))
+            if found is not None:
+                return f"{fmt} with rounding={rounding} on {x.dtype}: {found}"
+        return None
+    return check
+
+
+if _C is not None:
+    for _family in ("scalar", "block", "stochastic"):
+        selfcheck.register(_family, _sample_check(_family))
 
 
 def _seed(generator: Optional[torch.Generator], rounding: str) -> int:
@@ -169,7 +190,7 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None, see
     if out is not None:
         check_out(x, out, fmt)
     check_axis(x, fmt)
-    if not _use_kernel(x):
+    if not _use_kernel(x, fmt, rounding):
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
         return q if out is None else out.copy_(q)
     name, args = op_args(fmt)
@@ -203,7 +224,7 @@ def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     rounding = resolve_rounding(fmt, rounding)
     check_axis(x, fmt)
     seed = _seed(generator, rounding)
-    if not _use_kernel(x):
+    if not _use_kernel(x, fmt, rounding):
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))
     name, args = op_args(fmt)
