@@ -548,6 +548,20 @@ def test_absurd_ints_are_format_errors(make, match):
         make()
 
 
+def test_absurd_accumulator_promotion_interval():
+    """promote beyond the kernels' int is refused (it wrapped: 2**32 + 4 summed as 4); any
+    interval longer than K promotes once, at the end, as promote=None."""
+    from qtensor import accum
+    with pytest.raises(accum.AccumFormatError, match=r"promote must be in \[1, 2147483647\], "
+                                                     r"got 4294967300"):
+        accum.hopper_fp8.replace(promote=2 ** 32 + 4)
+    g = torch.Generator().manual_seed(0)
+    a = qt.quantize(torch.randn(4, 300, generator=g), "fp8_e4m3")
+    b = qt.quantize(torch.randn(300, 3, generator=g), "fp8_e4m3")
+    longest = accum.accum_matmul(a, b, accum.hopper_fp8.replace(promote=2 ** 31 - 1))
+    assert torch.equal(longest, accum.accum_matmul(a, b, accum.hopper_fp8_fast))
+
+
 def test_block_longer_than_the_axis_is_the_axis():
     """block_size up to 2**62 is a valid format: one block per axis, in the kernels and in the
     reference (which used to pad every row to a multiple of the block size)."""
