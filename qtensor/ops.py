@@ -5,8 +5,9 @@ family: ``qtensor::quantize_float``, ``quantize_fixed``, ``quantize_block``, eac
 in-place ``_`` variants; CPU and CUDA kernels). This module registers their fake (meta)
 implementations so that torch.compile and FakeTensor work, and routes ``quantize`` to them when
 they can take the input (float32/float16/bfloat16 on a device with kernels); everything else
-(float64, no compiled extension) goes through :mod:`qtensor.reference`, which the kernels match
-bit for bit, stochastic rounding included.
+(float64, no compiled extension, a CUDA kernel family that failed its first-use check in
+:mod:`qtensor.selfcheck`) goes through :mod:`qtensor.reference`, which the kernels match bit for
+bit, stochastic rounding included.
 """
 from __future__ import annotations
 
