@@ -84,7 +84,11 @@ class AccumFormat:
                 f"group={self.group}")
         _check_int("acc_man", self.acc_man, 0, 23)
         if self.promote is not None:
-            _check_int("promote", self.promote, 1, 2 ** 31 - 1)  # the kernels' int
+            _check_int("promote", self.promote, 1)
+            if self.promote > 2 ** 31 - 1:  # the kernels' int (a longer interval than K: None)
+                raise AccumFormatError(
+                    f"AccumFormat.promote must be at most 2**31 - 1 (the kernels take an int; "
+                    f"for no promotion before the end use promote=None), got {self.promote}")
         if self.align_rounding not in ALIGN_ROUNDINGS:
             raise AccumFormatError(f"AccumFormat.align_rounding must be one of "
                                    f"{ALIGN_ROUNDINGS}, got {self.align_rounding!r}")
