@@ -5,8 +5,9 @@ family: ``qtensor::quantize_float``, ``quantize_fixed``, ``quantize_block``, eac
 in-place ``_`` variants; CPU and CUDA kernels). This module registers their fake (meta)
 implementations so that torch.compile and FakeTensor work, and routes ``quantize`` to them when
 they can take the input (float32/float16/bfloat16 on a device with kernels); everything else
-(float64, no compiled extension) goes through :mod:`qtensor.reference`, which the kernels match
-bit for bit, stochastic rounding included.
+(float64, no compiled extension, a CUDA kernel family that failed its first-use check in
+:mod:`qtensor.selfcheck`) goes through :mod:`qtensor.reference`, which the kernels match bit for
+bit, stochastic rounding included.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import reference
+from . import reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
 from .checks import resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format
@@ -148,12 +149,33 @@ if _C is not None:
 # ---------------------------------------------------------------------------------------------
 # Entry points
 
-def _use_kernel(x: torch.Tensor) -> bool:
+def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if _C is None or x.dtype not in KERNEL_DTYPES:
         return False
     if x.device.type == "meta":
         return True
-    return kernels_available(x.device)
+    # CUDA: the kernel family must first agree with the reference there (qtensor/selfcheck.py)
+    return kernels_available(x.device) and selfcheck.trusted(
+        x.device.type, selfcheck.family(fmt, rounding), x.device)
+
+
+def _sample_check(family: str):
+    """The first-use check of a quantization kernel family: its sample, kernel vs reference."""
+    def check(device: torch.device) -> Optional[str]:
+        for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
+            name, args = op_args(fmt)
+            got = getattr(torch.ops.qtensor, name)(x, *args, _ROUNDING_CODE[rounding],
+                                                   _seed_arg(seed))
+            found = selfcheck.difference(got, reference.quantize_with_seed(x, fmt, rounding, seed))
+            if found is not None:
+                return f"{fmt} with rounding={rounding} on {x.dtype}: {found}"
+        return None
+    return check
+
+
+if _C is not None:
+    for _family in ("scalar", "block", "stochastic"):
+        selfcheck.register(_family, _sample_check(_family))
 
 
 def stochastic_under_tracing(fmt) -> NotImplementedError:
@@ -208,7 +230,7 @@ def _differentiable(x: torch.Tensor) -> bool:
 
 def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
     """quantize_with_seed after its checks, outside autograd."""
-    if not _use_kernel(x):
+    if not _use_kernel(x, fmt, rounding):
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
         return q if out is None else out.copy_(q)
     name, args = op_args(fmt)
@@ -308,7 +330,7 @@ def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
 
 def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
     """quantize_ after its checks, outside autograd."""
-    if not _use_kernel(x):
+    if not _use_kernel(x, fmt, rounding):
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))
     name, args = op_args(fmt)
