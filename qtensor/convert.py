@@ -35,7 +35,7 @@ from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
                     round_to)
 from .spec import as_recipe
-from .tensor import _accum_of, grad_with_accum
+from .tensor import _accum_of, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
@@ -195,6 +195,7 @@ def _round_activation(x, plan: ModulePlan, what: str = "output"):
     """Round one floating tensor of a module's inputs/outputs to the activation and grad roles."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return x
+    refuse_transformed(x, f"the output of {plan.name or 'the model'} (or its input)")
     key = (plan.activation, plan.grad)
     # dynamo cannot compare versions (data-dependent): it rounds again, which changes nothing
     tag = None if torch.compiler.is_dynamo_compiling() else getattr(x, _ACT_TAG, None)
@@ -352,6 +353,7 @@ class _Conversion:
     converted_buffers: list = field(default_factory=list)  # (module, name)
     skipped: List[str] = field(default_factory=list)       # non-floating tensors rules name
     dtypes: Dict[str, torch.dtype] = field(default_factory=dict)  # original dtypes, by name
+    nested_off: list = field(default_factory=list)  # TransformerEncoders: their use_nested_tensor
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -635,11 +637,23 @@ def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:
     _attach_grad_hooks(model, conv, params)
     _attach_activation_hooks(model, conv)
 
+    _disable_nested_fast_path(model, conv)
     for mod in model.modules():
         mod._apply = _NoDtypeCast(mod)
     model._qt_conversion = conv
     training.install_optimizer_hooks()
     return model
+
+
+def _disable_nested_fast_path(model: nn.Module, conv: _Conversion) -> None:
+    """nn.TransformerEncoder's inference fast path (eval, no_grad, src_key_padding_mask) packs
+    its input into a nested tensor and runs every layer as one fused kernel: no QTensor can hold
+    a nested tensor, and the fused kernels would skip the emulated ops. A converted encoder takes
+    its ordinary path (the padding mask goes to each layer), as in training."""
+    for mod in model.modules():
+        if isinstance(mod, nn.TransformerEncoder) and getattr(mod, "use_nested_tensor", False):
+            conv.nested_off.append(mod)
+            mod.use_nested_tensor = False
 
 
 class _NoDtypeCast:
@@ -680,6 +694,8 @@ def unconvert(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]
+    for mod in conv.nested_off:
+        mod.use_nested_tensor = True
     replaced, moved = [], {}
     with _FlatWeights(model):
         for mod, local, qual in conv.converted_params:

@@ -619,6 +619,11 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None):
     """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd."""
     if isinstance(out, torch.Tensor):
         if out.dtype in FLOAT_DTYPES and out.layout == torch.strided:  # sparse stays plain
+            if out.is_nested:  # a QTensor cannot hold one; plain, it would compute in FP32
+                raise NotImplementedError(
+                    f"QTensor: an op made a nested tensor of QTensor values ({fmt}); nested "
+                    "tensors cannot carry a number format. Pad the values instead (a "
+                    "converted nn.TransformerEncoder does: it skips its nested fast path)")
             if rnd:
                 before, out = out, quantize(out, fmt)
                 if type(fmt) is BlockFormat:

@@ -79,9 +79,27 @@ def _check_floating(x: torch.Tensor, fmt) -> None:
             f"cannot give format {fmt} to a tensor of dtype {x.dtype} (shape {tuple(x.shape)}): "
             "only float32, float64, float16 and bfloat16 tensors can carry a number format")
     # dynamo bans reading .layout where it traces a backward (a grad hook's rounding, fullgraph)
-    if not torch.compiler.is_dynamo_compiling() and x.layout != torch.strided:
-        raise TypeError(f"cannot give format {fmt} to a {x.layout} tensor: only dense (strided) "
+    if not torch.compiler.is_dynamo_compiling() and (x.layout != torch.strided or x.is_nested):
+        kind = "nested" if x.is_nested else str(x.layout)
+        raise TypeError(f"cannot give format {fmt} to a {kind} tensor: only dense (strided) "
                         "tensors can carry a number format")
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def refuse_transformed(x: torch.Tensor, what: str = "the input") -> None:
+    """A clear error for a tensor wrapped by a torch.func transform: a QTensor cannot hold one
+    (its payload reaches the kernels below the transform, where such a wrapper has no data)."""
+    if torch.compiler.is_dynamo_compiling():
+        return  # (dynamo cannot call the check; it traces no transform's wrappers)
+    if type(x) is torch.Tensor and _is_functorch_wrapped(x):
+        raise NotImplementedError(
+            f"QTensor does not support torch.func transforms (grad, vmap, jacrev, jvp, "
+            f"functional_call under them): {what} is a transform's wrapper tensor. Use "
+            "torch.autograd (loss.backward(), torch.autograd.grad) for gradients and a batch "
+            "dimension instead of vmap; qt.quantize on plain tensors works under the transforms "
+            "(with a straight-through gradient)")
 
 
 _ACCUM_FIELDS = tuple(f.name for f in dataclasses.fields(AccumFormat) if f.compare)
@@ -281,6 +299,7 @@ class QTensor(torch.Tensor):
             # would be a side effect applied after the graph, unseen by the contractions in it).
             return QTensor(data, str(fmt),
                            **_graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum))
+        refuse_transformed(data, "the payload")
         t = torch.Tensor._make_wrapper_subclass(
             QTensor, data.shape if outer_size is None else outer_size,
             strides=data.stride() if outer_stride is None else outer_stride,
@@ -608,6 +627,7 @@ def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = N
         raise TypeError("as_qtensor needs a format")
     mm_fmt = _parse(mm_fmt)
     _check_floating(x, fmt)
+    refuse_transformed(x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _AsQTensor.apply(x, fmt, mm_fmt, rounding)
     q = _ops.quantize(_payload_of(x).detach(), fmt, rounding=rounding)
@@ -624,6 +644,7 @@ def quantize_grad(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] 
     fmt = _parse(fmt)
     mm_fmt = _parse(mm_fmt)
     _check_floating(x, fmt)
+    refuse_transformed(x)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return x
     return _QuantizeGrad.apply(x, fmt, mm_fmt, rounding)

@@ -1181,3 +1181,56 @@ def test_block_format_without_inf_or_with_nan_kept_gives_no_warning(block_nan_wa
         (q * 2).exp()  # finite: no warning
         nan_block = torch.full((1, 32), float("nan"))  # a whole block NaN already: nothing lost
         qt.as_qtensor(nan_block, qt.mxfp8_e4m3) + 1
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("which", ["encoder", "transformer"])
+def test_transformer_inference_with_padding_mask(which):
+    """eval() + no_grad + src_key_padding_mask is nn.TransformerEncoder's nested-tensor fast
+    path; a converted encoder crashed there ("NestedTensorImpl doesn't support sizes"). It runs
+    the emulated path: the same bits as the same model with autograd on (where torch takes no
+    fast path), the unpadded rows close to FP32. (nn.Transformer's decoder self-attention still
+    takes nn.MultiheadAttention's own fused fast path under no_grad, one op rounded once, as
+    docs/leak_check.md says: close to the emulated result there, not the same bits.)"""
+    torch.manual_seed(0)
+    kw = dict(nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    if which == "encoder":
+        model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, **kw), 2)
+    else:
+        model = nn.Transformer(16, num_encoder_layers=2, num_decoder_layers=1, **kw)
+    model.eval()
+    x, tgt = torch.randn(3, 5, 16), torch.randn(3, 4, 16)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, 3:] = mask[1, 4:] = True
+
+    def run():
+        if which == "encoder":
+            return model(x, src_key_padding_mask=mask)
+        return model(x, tgt, src_key_padding_mask=mask, memory_key_padding_mask=mask)
+
+    with torch.no_grad():
+        ref = run()
+    qt.convert(model, qt.bf16)
+    with torch.no_grad():
+        out = run()
+    emulated = run()  # parameters require grad: no fast path anywhere
+    assert isinstance(out, qt.QTensor) and out.fmt == qt.bf16
+    if which == "encoder":
+        assert_bits_equal(out.dequantize(), emulated.dequantize().detach())
+    else:
+        torch.testing.assert_close(out.dequantize(), emulated.dequantize().detach(),
+                                   atol=0.05, rtol=0.02)
+    keep = ~mask if which == "encoder" else slice(None)
+    torch.testing.assert_close(out.dequantize()[keep], ref[keep], atol=0.1, rtol=0.05)
+    encoders = [m for m in model.modules() if isinstance(m, nn.TransformerEncoder)]
+    qt.unconvert(model)
+    assert all(m.use_nested_tensor for m in encoders)  # the fast path is back
+
+
+def test_nested_tensors_refused_clearly():
+    n = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(1, 3)])
+    with pytest.raises(TypeError, match="nested tensor"):
+        qt.as_qtensor(n, qt.bf16)
+    q = qt.as_qtensor(torch.randn(2, 3, 4), qt.bf16)
+    with pytest.raises(NotImplementedError, match="nested tensor"):
+        torch._nested_tensor_from_mask(q, torch.ones(2, 3, dtype=torch.bool))
