@@ -4,7 +4,7 @@
     python examples/demo.py --quick    # a few steps per format, one seed (CI smoke test)
     python examples/demo.py --out examples/results   # regenerate the committed results
 
-Writes examples/results/local/demo.md and demo.png (git-ignored) unless --out says otherwise.
+Writes demo.md and demo.png into examples/results/local/ (git-ignored) unless --out says otherwise.
 
 Data: scikit-learn's ``load_digits`` (1,797 real 8x8 handwritten digits; a fixed stratified split
 of 1,438 train / 359 test images). Same initial weights, same batches, same optimizer
