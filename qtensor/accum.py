@@ -35,6 +35,10 @@ ACC_ROUNDINGS = ("toward_zero", "nearest")
 _ROUND_CODE = {"toward_zero": 0, "floor": 1, "nearest": 2}
 _EXP_MIN = -126          # float32's minimum normal exponent: the clamp of e(x)
 _ZERO_EXP = -100000      # the alignment exponent of a zero term: below every real one
+# the minimum normal exponent of an operand's input format (MMA-Sim's dtype_subnormal_exponent):
+# a subnormal operand aligns as if its exponent were this one
+_DTYPE_EMIN = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14,
+               torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
 
 
 class AccumFormatError(ValueError):
@@ -59,6 +63,9 @@ class AccumFormat:
     acc_man / acc_rounding: the format each instruction's result is normalized to (float32's
     exponent range, ``acc_man`` fractional bits). promote: instructions between additions into
     an FP32 accumulator (None: never). group: products summed exactly before alignment.
+    e_zero: the alignment exponent of a zero term (a zero product, an all-zero group, a zero
+    partial, a padding slot of a short last chunk) in the max-exponent search (MMA-Sim's
+    e_zero); None: zero terms take no part.
     """
 
     chunk: int
@@ -69,6 +76,7 @@ class AccumFormat:
     acc_rounding: str = "toward_zero"
     promote: Optional[int] = None
     group: int = 1
+    e_zero: Optional[int] = None
     name: Optional[str] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -90,6 +98,8 @@ class AccumFormat:
         if self.acc_rounding not in ACC_ROUNDINGS:
             raise AccumFormatError(f"AccumFormat.acc_rounding must be one of {ACC_ROUNDINGS}, "
                                    f"got {self.acc_rounding!r}")
+        if self.e_zero is not None:
+            _check_int("e_zero", self.e_zero, -1000, 128)
         if not isinstance(self.acc_in_alignment, bool):
             raise AccumFormatError(
                 f"AccumFormat.acc_in_alignment must be a bool, got {self.acc_in_alignment!r}")
@@ -120,6 +130,8 @@ class AccumFormat:
             parts.append(f"acc_man={self.acc_man}")
         if self.acc_rounding != "toward_zero":
             parts.append(f"acc_rounding={self.acc_rounding}")
+        if self.e_zero is not None:
+            parts.append(f"e_zero={self.e_zero}")
         parts.append(f"promote={self.promote}")
         body = f"AccumFormat({', '.join(parts)})"
         return f"{self.name}: {body}" if self.name else body
@@ -140,24 +152,26 @@ def _preset(name, **kw):
 
 
 PRESETS = {p.name: p for p in (
-    _preset("volta_fp16", chunk=4, frac_bits=23),                         # mma.m8n8k4
-    _preset("ampere_fp16", chunk=8, frac_bits=24),  # m16n8k16 runs as two k8 halves (MMA-Sim)
-    _preset("ampere_bf16", chunk=8, frac_bits=24),
-    _preset("hopper_fp16", chunk=16, frac_bits=25),                       # wgmma k16
-    _preset("hopper_bf16", chunk=16, frac_bits=25),
+    # e_zero: MMA-Sim's nv_ptx/sim.py, _mma_e_zero_for_fp32 (Volta -131, Turing/Ampere/Ada -132,
+    # Hopper/Blackwell -133; wgmma and tcgen05 -133) and MMA_GST_FDPA's -139 (kind::mxf4)
+    _preset("volta_fp16", chunk=4, frac_bits=23, e_zero=-131),            # mma.m8n8k4
+    # m16n8k16 runs as two k8 halves (MMA-Sim)
+    _preset("ampere_fp16", chunk=8, frac_bits=24, e_zero=-132),
+    _preset("ampere_bf16", chunk=8, frac_bits=24, e_zero=-132),
+    _preset("hopper_fp16", chunk=16, frac_bits=25, e_zero=-133),          # wgmma k16
+    _preset("hopper_bf16", chunk=16, frac_bits=25, e_zero=-133),
     # wgmma k32 e4m3/e5m2, 13 fractional bits, result truncated to e8m13; CUTLASS promotes the
     # partial into FP32 every 4 instructions (128 K-elements; DeepSeek-V3 sec. 3.5.2)
-    _preset("hopper_fp8", chunk=32, frac_bits=13, acc_man=13, promote=4),
+    _preset("hopper_fp8", chunk=32, frac_bits=13, acc_man=13, promote=4, e_zero=-133),
     # the same without promotion ("fast accumulation": the whole K in the tensor core)
-    _preset("hopper_fp8_fast", chunk=32, frac_bits=13, acc_man=13),
-    _preset("blackwell_fp16", chunk=16, frac_bits=25),                    # tcgen05 k16
-    _preset("blackwell_bf16", chunk=16, frac_bits=25),
+    _preset("hopper_fp8_fast", chunk=32, frac_bits=13, acc_man=13, e_zero=-133),
+    _preset("blackwell_fp16", chunk=16, frac_bits=25, e_zero=-133),       # tcgen05 k16
+    _preset("blackwell_bf16", chunk=16, frac_bits=25, e_zero=-133),
     # tcgen05 kind::mxf4 k64: groups of 16 FP4 products summed exactly, scaled, fused with 35
-    # bits. Approximate: see the module doc (alignment by the group sum's own exponent)
-    _preset("blackwell_mxfp4", chunk=64, frac_bits=35, group=16),
-    # NVFP4 (kind::mxf4nvf4, 16-element blocks, E4M3 scales): MMA-Sim uses the same 35-bit path;
-    # same approximation as above
-    _preset("blackwell_nvfp4", chunk=64, frac_bits=35, group=16),
+    # bits; each group aligned at its block-scale exponent (accum_matmul's group exponents)
+    _preset("blackwell_mxfp4", chunk=64, frac_bits=35, group=16, e_zero=-139),
+    # NVFP4 (kind::mxf4nvf4, 16-element blocks, E4M3 scales): MMA-Sim uses the same 35-bit path
+    _preset("blackwell_nvfp4", chunk=64, frac_bits=35, group=16, e_zero=-139),
 )}
 globals().update(PRESETS)
 
@@ -177,9 +191,10 @@ def _check_operands(a, b, op):
     for n, x in (("a", a), ("b", b)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: {n} must be a tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if x.dtype not in _DTYPE_EMIN:
             raise TypeError(f"{op}: {n} has dtype {x.dtype}; the accumulator model takes "
-                            "float32, float16 or bfloat16 values (float32 carriers)")
+                            "float32, float16, bfloat16 or float8 (e4m3fn, e5m2) values "
+                            "(float32 carriers)")
         if x.dim() < 2:
             raise ValueError(f"{op}: {n} must have at least 2 dims (..., rows, cols), got shape "
                              f"{tuple(x.shape)}")
@@ -198,12 +213,21 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e + 1023) << 52).view(torch.float64)
 
 
-def _exponent(x: torch.Tensor, clamp: bool) -> torch.Tensor:
-    """floor(log2|x|) (clamped below at -126 if clamp); _ZERO_EXP for zeros. x float64."""
+def _exponent(x: torch.Tensor, emin) -> torch.Tensor:
+    """floor(log2|x|), clamped below at emin (None: no clamp); _ZERO_EXP for zeros. x float64."""
     e = torch.frexp(x).exponent.to(torch.int64) - 1
-    if clamp:
-        e = e.clamp(min=_EXP_MIN)
+    if emin is not None:
+        e = e.clamp(min=emin)
     return torch.where(x == 0, _ZERO_EXP, e)
+
+
+def _operand_emin(x: torch.Tensor, emin) -> int:
+    """The clamp of an operand's alignment exponent: emin, else its dtype's minimum normal one."""
+    if emin is None:
+        return _DTYPE_EMIN[x.dtype]
+    if isinstance(emin, bool) or not isinstance(emin, int) or not -1000 <= emin <= 127:
+        raise ValueError(f"an operand's emin must be an int in [-1000, 127], got {emin!r}")
+    return emin
 
 
 def _round(x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -216,7 +240,7 @@ def _round(x: torch.Tensor, mode: str) -> torch.Tensor:
 
 def _to_acc(v: torch.Tensor, f: AccumFormat) -> torch.Tensor:
     """Step 4: the exact float64 value v rounded to the accumulator format (float64 out)."""
-    q = _pow2(_exponent(v, clamp=True).clamp(min=_EXP_MIN) - f.acc_man)
+    q = _pow2(_exponent(v, _EXP_MIN).clamp(min=_EXP_MIN) - f.acc_man)
     r = _round(v / q, f.acc_rounding) * q + 0.0  # + 0.0: a zero result is +0
     return torch.where(r.abs() >= 2.0 ** 128, r.sign() * math.inf, r)
 
@@ -230,45 +254,90 @@ def _nonfinite(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.where(nan | (pos & neg), math.nan, out).to(t.dtype)
 
 
-def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
+def _group_exps(x, want, name):
+    """A group-exponent tensor (int) of the shape ``want``, as int64 (None stays None)."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype == torch.bool:
+        raise TypeError(f"accum_matmul: {name} must be an integer tensor, got {x!r:.80}")
+    try:
+        return x.to(torch.int64).expand(want)
+    except RuntimeError:
+        raise ValueError(f"accum_matmul: {name} has shape {tuple(x.shape)}, expected "
+                         f"{tuple(want)} (one exponent per group of K)") from None
+
+
+def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
+                           a_gexp=None, b_gexp=None, c=None) -> torch.Tensor:
     """a @ b (batched over leading dims) with the accumulator ``accum``: float32 out.
 
     The statement of the model (module doc); the compiled kernel gives the same bits.
+    a_emin, b_emin: the minimum normal exponent of each operand's input format (a subnormal
+    operand aligns at it; default: from the dtype, -126 for float32 carriers). a_gexp (..., M,
+    G) and b_gexp (..., G, N), G = ceil(K / group): with ``group`` > 1, each group's alignment
+    exponent is a_gexp + b_gexp (the block scales' exponents, as Blackwell's block-scaled MMA),
+    a group whose products are all zero takes e_zero; None: the group sum's own exponent.
+    c: the initial accumulator (float32, broadcast to the output): the first instruction's
+    accumulator input.
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul_reference")
+    a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    G = -(-K // f.group)
+    if (a_gexp is None) != (b_gexp is None) or (a_gexp is not None and f.group == 1):
+        raise ValueError("accum_matmul: a_gexp and b_gexp go together, with a group format")
+    a_gexp = _group_exps(a_gexp, (*batch, M, G), "a_gexp")
+    b_gexp = _group_exps(b_gexp, (*batch, G, N), "b_gexp")
     a = a.float().expand(*batch, M, K).double()
     b = b.float().expand(*batch, K, N).double()
-    ea = _exponent(a, clamp=True)
-    eb = _exponent(b, clamp=True)
+    ea = _exponent(a, a_emin)
+    eb = _exponent(b, b_emin)
     shape = (*batch, M, N)
     acc = torch.zeros(shape, dtype=torch.float32, device=a.device)   # the FP32 accumulator
     p = torch.zeros(shape, dtype=torch.float64, device=a.device)     # the instruction partial
+    if c is not None:
+        p = p + c.float().double().expand(shape)
     F = f.frac_bits
-    for c, k0 in enumerate(range(0, K, f.chunk)):
+    ez = f.e_zero
+    for ci, k0 in enumerate(range(0, K, f.chunk)):
         k1 = min(k0 + f.chunk, K)
         # 1. the exact products, (..., M, k, N), and their alignment exponents e(a) + e(b)
         t = a[..., :, k0:k1, None] * b[..., None, k0:k1, :]
         et = ea[..., :, k0:k1, None] + eb[..., None, k0:k1, :]
+        zero = (t == 0).any(-2) | (k1 - k0 < f.chunk)  # a zero term (padding slots included)
         if f.group > 1:  # exact group sums (sequential float64 adds, exact for FP4 operands)
             k = k1 - k0
             g = -(-k // f.group) * f.group
             if g != k:
                 t = torch.nn.functional.pad(t, (0, 0, 0, g - k))
             t = t.unflatten(-2, (g // f.group, f.group))
+            allzero = (t == 0).all(-2)
             s = t[..., 0, :]
             for j in range(1, f.group):
                 s = s + t[..., j, :]
             t = s
-            et = _exponent(t, clamp=False)
+            if a_gexp is None:
+                et = _exponent(t, None)
+                zero = (t == 0).any(-2) | (k1 - k0 < f.chunk)
+            else:
+                g0 = k0 // f.group
+                gn = t.shape[-2]
+                et = a_gexp[..., :, g0:g0 + gn, None] + b_gexp[..., None, g0:g0 + gn, :]
+                et = torch.where(allzero, _ZERO_EXP, et)
+                zero = allzero.any(-2) | (k1 - k0 < f.chunk)
         finite = torch.isfinite(t).all(-2) & torch.isfinite(p)
         t = torch.where(finite[..., None, :], t, 0.0)
-        # 2. emax over the nonzero terms (p included when it takes part in the alignment)
+        # 2. emax over the nonzero terms (p included when it takes part in the alignment); zero
+        # terms at e_zero
         emax = et.amax(-2)
         if f.acc_in_alignment:
-            emax = torch.maximum(emax, _exponent(torch.where(finite, p, 0.0), clamp=True))
+            pe = torch.where(finite, p, 0.0)
+            emax = torch.maximum(emax, _exponent(pe, _EXP_MIN))
+            zero = zero | (pe == 0)
+        if ez is not None:
+            emax = torch.where(zero, torch.clamp(emax, min=ez), emax)
         emax = torch.where(emax < _ZERO_EXP // 2, 0, emax)  # all terms zero: any scale will do
         # 3. each term to F fractional bits of 2^emax, rounded to an integer; 4. summed exactly
         scale = _pow2(F - emax)
@@ -282,10 +351,10 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Ten
             a[..., :, k0:k1, None] * b[..., None, k0:k1, :], p)
         p = torch.where(finite, new, nonfinite)
         # 6. promotion into the FP32 accumulator
-        if f.promote is not None and ((c + 1) % f.promote == 0 or k1 == K):
+        if f.promote is not None and ((ci + 1) % f.promote == 0 or k1 == K):
             acc = acc + p.float()
             p = torch.zeros_like(p)
-    out = p.float() if f.promote is None else acc
+    out = p.float() if f.promote is None or K == 0 else acc  # K == 0: c (or 0) unchanged
     return torch.where(torch.isnan(out), math.nan, out)  # one NaN encoding
 
 
