@@ -381,28 +381,41 @@ def _kernel_ready(a: torch.Tensor) -> bool:
         "qtensor::accum_matmul", "CUDA"))
 
 
-def op_args(f: AccumFormat) -> tuple:
-    """The arguments of ``qtensor::accum_matmul`` after a and b."""
+def op_args(f: AccumFormat, a_emin: int = _EXP_MIN, b_emin: int = _EXP_MIN) -> tuple:
+    """The integer arguments of ``qtensor::accum_matmul`` after a and b (then a_gexp, b_gexp, c)."""
     return (f.chunk, f.frac_bits, f.group, _ROUND_CODE[f.align_rounding], f.acc_in_alignment,
-            f.acc_man, _ROUND_CODE[f.acc_rounding], 0 if f.promote is None else f.promote)
+            f.acc_man, _ROUND_CODE[f.acc_rounding], 0 if f.promote is None else f.promote,
+            _ZERO_EXP if f.e_zero is None else f.e_zero, a_emin, b_emin)
 
 
-def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
+def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
+                 a_gexp=None, b_gexp=None, c=None) -> torch.Tensor:
     """a @ b (batched over broadcast leading dims) summed by the datapath ``accum``.
 
     Float32 result; the fused C++ kernel on CPU (and the CUDA kernel where built), the reference
-    elsewhere (same bits).
+    elsewhere (same bits). a_emin, b_emin, a_gexp, b_gexp, c: as accum_matmul_reference (the
+    kernel's vector paths take neither group exponents nor c: those run its scalar path).
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul")
+    kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
     if not _kernel_ready(a):
-        return accum_matmul_reference(a, b, f)
+        return accum_matmul_reference(a, b, f, **kw)
+    a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     B = math.prod(batch)  # not -1: a zero-size operand leaves -1 ambiguous
+    G = -(-K // f.group)
+    if (a_gexp is None) != (b_gexp is None) or (a_gexp is not None and f.group == 1):
+        raise ValueError("accum_matmul: a_gexp and b_gexp go together, with a group format")
+    if a_gexp is not None:
+        a_gexp = _group_exps(a_gexp, (*batch, M, G), "a_gexp").reshape(B, M, G).to(a.device)
+        b_gexp = _group_exps(b_gexp, (*batch, G, N), "b_gexp").reshape(B, G, N).to(a.device)
+    if c is not None:
+        c = c.float().expand(*batch, M, N).reshape(B, M, N)
     a3 = a.float().expand(*batch, M, K).reshape(B, M, K)
     b3 = b.float().expand(*batch, K, N).reshape(B, K, N)
-    out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f))
+    out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp, c)
     return out.reshape(*batch, M, N)
 
 

@@ -53,44 +53,74 @@ def _f32_add(x: float, y: float) -> float:
     return _to_grid(Fraction(x) + Fraction(y), 23, "nearest")
 
 
-def oracle_dot(row, col, f: AccumFormat) -> float:
-    """One output element: row, col lists of (finite) float32 values as Python floats."""
-    def e(x):  # alignment exponent of an operand or of p: floor(log2|x|) clamped at -126
-        return max(_flog2(Fraction(x)), -126)
+def oracle_dot(row, col, f: AccumFormat, a_emin=-126, b_emin=-126, ga=None, gb=None,
+               c=0.0) -> float:
+    """One output element: row, col lists of (finite) float32 values as Python floats.
 
-    acc, p = 0.0, 0.0
+    a_emin, b_emin: the operands' formats' minimum normal exponents (the clamp of e); ga, gb: the
+    groups' exponents (a group aligns at ga[j] + gb[j]); c: the initial accumulator.
+    """
+    def e(x, emin=-126):  # alignment exponent of an operand or of p: floor(log2|x|) clamped
+        return max(_flog2(Fraction(x)), emin)
+
+    acc, p = 0.0, c
     K = len(row)
-    for c, k0 in enumerate(range(0, K, f.chunk)):
+    for ci, k0 in enumerate(range(0, K, f.chunk)):
         k1 = min(k0 + f.chunk, K)
         terms = []  # (exact value, alignment exponent)
+        zero = k1 - k0 < f.chunk  # a zero term: the padding slots of a short chunk
         if f.group == 1:
             for k in range(k0, k1):
                 if row[k] != 0 and col[k] != 0:
-                    terms.append((Fraction(row[k]) * Fraction(col[k]), e(row[k]) + e(col[k])))
+                    terms.append((Fraction(row[k]) * Fraction(col[k]),
+                                  e(row[k], a_emin) + e(col[k], b_emin)))
+                else:
+                    zero = True
         else:
             for g0 in range(k0, k1, f.group):
-                s = sum(Fraction(row[k]) * Fraction(col[k]) for k in range(g0, min(g0 + f.group,
-                                                                                    k1)))
-                if s != 0:
+                ps = [Fraction(row[k]) * Fraction(col[k]) for k in range(g0, min(g0 + f.group,
+                                                                                 k1))]
+                s = sum(ps)
+                if ga is not None:  # aligned at the group exponent unless all products are 0
+                    if any(ps):
+                        terms.append((s, ga[g0 // f.group] + gb[g0 // f.group]))
+                    else:
+                        zero = True
+                elif s != 0:
                     terms.append((s, _flog2(s)))
-        if f.acc_in_alignment and p != 0:
-            terms.append((Fraction(p), e(p)))
+                else:
+                    zero = True
+        if f.acc_in_alignment:
+            if p != 0:
+                terms.append((Fraction(p), e(p)))
+            else:
+                zero = True
         if terms:
             emax = max(t[1] for t in terms)
+            if zero and f.e_zero is not None:  # a zero term's exponent is e_zero
+                emax = max(emax, f.e_zero)
             S = sum(_rnd(t * Fraction(2) ** (f.frac_bits - emax), f.align_rounding)
                     for t, _ in terms)
             chunk = _to_grid(S * Fraction(2) ** (emax - f.frac_bits), f.acc_man, f.acc_rounding)
         else:
             chunk = 0.0
         p = chunk if f.acc_in_alignment else _f32_add(p, chunk)
-        if f.promote is not None and ((c + 1) % f.promote == 0 or k1 == K):
+        if f.promote is not None and ((ci + 1) % f.promote == 0 or k1 == K):
             acc, p = _f32_add(acc, p), 0.0
-    return p if f.promote is None else acc
+    return p if f.promote is None or K == 0 else acc
 
 
-def oracle(a: torch.Tensor, b: torch.Tensor, f: AccumFormat) -> torch.Tensor:
+def oracle(a: torch.Tensor, b: torch.Tensor, f: AccumFormat, **kw) -> torch.Tensor:
     A, B = a.tolist(), b.t().tolist()
-    return torch.tensor([[oracle_dot(r, c, f) for c in B] for r in A], dtype=torch.float32)
+    ga, gb = kw.pop("a_gexp", None), kw.pop("b_gexp", None)
+    c = kw.pop("c", None)
+    rows = []
+    for i, r in enumerate(A):
+        rows.append([oracle_dot(r, col, f, ga=None if ga is None else ga[i].tolist(),
+                                gb=None if gb is None else gb[:, j].tolist(),
+                                c=0.0 if c is None else float(c[i, j]), **kw)
+                     for j, col in enumerate(B)])
+    return torch.tensor(rows, dtype=torch.float32)
 
 
 def bits(x):

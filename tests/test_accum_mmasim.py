@@ -157,3 +157,103 @@ def test_reference_rules_one_by_one(name):
     a[0, 1] = torch.tensor(2.0 ** (EMIN[ta] - 1)).to(ta)  # subnormal (bf16: -127)
     b[1, 0] = torch.tensor(1.75).to(tb)
     assert same_bits(ours(a, b, f), mmasim_chain(make, a, b, f))
+
+
+# ---------------------------------------------------------------------------------------------
+# Blackwell block-scaled FP4 (tcgen05 kind::mxf4 / kind::mxf4nvf4): groups of 16 products summed
+# exactly, each aligned at its block scales' exponent (a_gexp + b_gexp), cancelled groups too
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+BLOCK_CASES = {
+    "blackwell_mxfp4": (32, "m128n8k64.kind::mxf4.block32.f32.e2m1.e2m1.ue8m0"),
+    "blackwell_nvfp4": (16, "m128n8k64.kind::mxf4nvf4.block16.f32.e2m1.e2m1.ue4m3"),
+}
+
+
+def fp4_values(g, shape):
+    v = FP4[torch.randint(0, 8, shape, generator=g)]
+    v = torch.where(torch.rand(shape, generator=g) < 0.5, -v, v)
+    return torch.where(torch.rand(shape, generator=g) < 0.15, 0.0, v)
+
+
+def block_scales(g, shape, kind):
+    """Scales as (float32 values, their alignment exponents, the mmasim dtype tensor)."""
+    if kind == 32:  # ue8m0: 2^(code - 127), codes over a wide range, a few extremes
+        codes = torch.randint(127 - 60, 127 + 60, shape, generator=g)
+        codes = torch.where(torch.rand(shape, generator=g) < 0.1, 127 - 40, codes)
+        x = codes.to(torch.uint8).view(torch.float8_e8m0fnu)
+        return x.float(), codes - 127, x
+    codes = torch.randint(0, 127, shape, generator=g)  # ue4m3: zero and subnormals included
+    x = codes.to(torch.uint8).view(E4M3)
+    v = x.float()
+    e = torch.frexp(v).exponent.to(torch.int64) - 1
+    return v, e.clamp(min=-6), x
+
+
+def block_operands(g, kind, M, K, N, cancel=True):
+    a, b = fp4_values(g, (M, K)), fp4_values(g, (K, N))
+    if cancel:  # a few groups whose products cancel exactly
+        for gi in range(0, K // 16, 3):
+            k = gi * 16
+            a[:, k + 8:k + 16] = -a[:, k:k + 8]
+            b[k + 8:k + 16] = b[k:k + 8]
+    sa, ea, xa = block_scales(g, (M, K // kind), kind)
+    sb, eb, xb = block_scales(g, (K // kind, N), kind)
+    return a, b, (sa, ea, xa), (sb, eb, xb)
+
+
+def mmasim_block_chain(shape, kind, a, b, xa, xb, c=None):
+    op = nv_ptx.TCGen05MMABlockScale("Blackwell", shape)
+    M, K = a.shape
+    N = b.shape[1]
+    av = a.half()[:, None, :].expand(M, N, K)
+    bv = b.half().t()[None, :, :].expand(M, N, K)
+    al = xa[:, None, :].expand(M, N, -1)
+    be = xb.t()[None, :, :].expand(M, N, -1)
+    p = torch.zeros(M, N) if c is None else c.clone()
+    for k0 in range(0, K, 64):
+        p = op.dpa(av[..., k0:k0 + 64], bv[..., k0:k0 + 64], p,
+                   al[..., k0 // kind:(k0 + 64) // kind], be[..., k0 // kind:(k0 + 64) // kind])
+    return p
+
+
+def block_ours(name, kind, a, b, sa, ea, sb, eb, fn=accum.accum_matmul_reference, c=None):
+    """qt.accum on the dequantized operands, with the groups' scale exponents."""
+    r = kind // 16  # groups per block
+    ad = a * sa.repeat_interleave(kind, 1)
+    bd = b * sb.repeat_interleave(kind, 0)
+    return fn(ad, bd, accum.PRESETS[name], a_gexp=ea.repeat_interleave(r, 1),
+              b_gexp=eb.repeat_interleave(r, 0), c=c)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_block_scaled_reference_equals_mmasim(name):
+    kind, shape = BLOCK_CASES[name]
+    for K in (64, 192, 512):
+        g = torch.Generator().manual_seed(zlib.crc32(f"{name}{K}".encode()))
+        a, b, (sa, ea, xa), (sb, eb, xb) = block_operands(g, kind, 5, K, 4)
+        want = mmasim_block_chain(shape, kind, a, b, xa, xb)
+        got = block_ours(name, kind, a, b, sa, ea, sb, eb)
+        assert same_bits(got, want), (name, K)
+
+
+def test_cancelled_group_still_aligns():
+    """A group at scale 2^35 whose products cancel still sets emax = 35: with 35 fractional bits
+    the other groups truncate at 2^0 (2.0 + 0.25 -> 2.0), where aligning by the group sums' own
+    exponents (the old model) kept 2.25. MMA-Sim agrees."""
+    f = accum.blackwell_mxfp4
+    a, b = torch.zeros(1, 64), torch.zeros(64, 1)
+    a[0, 0], a[0, 1], b[0, 0], b[1, 0] = 1.0, -1.0, 1.0, 1.0  # group 0 (block 0) cancels
+    a[0, 32], a[0, 33], b[32, 0], b[33, 0] = 1.5, 0.5, 1.0, 1.0  # group 2 (block 1): 2.0
+    a[0, 48], b[48, 0] = 0.5, 0.5                              # group 3 (block 1): 0.25
+    ea = torch.tensor([[35, 0]])
+    eb = torch.zeros(2, 1, dtype=torch.int64)
+    sa, sb = torch.exp2(ea.float()), torch.ones(2, 1)
+    xa = (ea + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    xb = (eb + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    got = block_ours("blackwell_mxfp4", 32, a, b, sa, ea, sb, eb)
+    assert got.item() == 2.0
+    assert same_bits(got, mmasim_block_chain(BLOCK_CASES["blackwell_mxfp4"][1], 32, a, b, xa, xb))
+    ad = a * sa.repeat_interleave(32, 1)
+    assert accum.accum_matmul_reference(ad, b, f).item() == 2.25  # without group exponents

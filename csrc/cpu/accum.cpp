@@ -68,8 +68,8 @@ struct ScanBits {
 struct FastKernels {
   int FW, EA;  // EA: the copies of each of a's int8 exponents (accum_fast.h's Exps8)
   Range (*scan)(const float* x, int64_t n);
-  void (*exps8_flat)(const float* x, int64_t n, int hi, int8_t* out);
-  void (*exps8_rows)(const float* x, int64_t rows, int64_t C, int hi, int8_t* out);
+  void (*exps8_flat)(const float* x, int64_t n, int hi, int emin, int8_t* out);
+  void (*exps8_rows)(const float* x, int64_t rows, int64_t C, int hi, int emin, int8_t* out);
   void (*rows_fast[3])(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8,
                        int off, int64_t K, int64_t N, int64_t i0, int64_t i1,
                        const qtensor::AccumSpec& s, const FastLimits& lim, float* out);
@@ -126,14 +126,63 @@ int accum_isa() {
 #endif
 }
 
-at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
+at::Tensor exponents(const at::Tensor& x, int emin) {  // x float32 contiguous
   at::Tensor e = at::empty(x.sizes(), x.options().dtype(at::kInt));
   const float* px = x.data_ptr<float>();
   int* pe = e.data_ptr<int>();
   at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i]);
+    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i], emin);
   });
   return e;
+}
+
+// The scalar path (include/qtensor/accum.h's acc_dot per output) of an initial accumulator c
+// (B, M, N) or group exponents ga (B, M, G), gb (B, G, N); a (B, M, K), b (B, K, N).
+at::Tensor scalar_path(const at::Tensor& a, const at::Tensor& b, const qtensor::AccumSpec& s,
+                       const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gb,
+                       const c10::optional<at::Tensor>& c) {
+  const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  const int64_t G = (K + s.group - 1) / s.group;
+  const at::Tensor ac = a.contiguous(), bt = b.transpose(1, 2).contiguous();
+  const at::Tensor ea = exponents(ac, s.a_emin), eb = exponents(bt, s.b_emin);
+  at::Tensor gac, gbt, cc;
+  if (ga) {
+    TORCH_CHECK(gb && s.group > 1, "qtensor::accum_matmul: a_gexp and b_gexp go together, with "
+                "group > 1");
+    TORCH_CHECK(ga->dim() == 3 && ga->size(0) == B && ga->size(1) == M && ga->size(2) == G &&
+                gb->dim() == 3 && gb->size(0) == B && gb->size(1) == G && gb->size(2) == N,
+                "qtensor::accum_matmul: a_gexp must be (", B, ", ", M, ", ", G, ") and b_gexp (",
+                B, ", ", G, ", ", N, "), got ", ga->sizes(), " and ", gb->sizes());
+    gac = ga->to(at::kInt).contiguous();
+    gbt = gb->to(at::kInt).transpose(1, 2).contiguous();
+  } else {
+    TORCH_CHECK(!gb, "qtensor::accum_matmul: b_gexp without a_gexp");
+  }
+  if (c) {
+    TORCH_CHECK(c->scalar_type() == at::kFloat, "qtensor::accum_matmul: c must be float32, got ",
+                c->scalar_type());
+    cc = c->expand({B, M, N}).contiguous();
+  }
+  at::Tensor out = at::empty({B, M, N}, a.options());
+  const float* pa = ac.data_ptr<float>();
+  const float* pb = bt.data_ptr<float>();
+  const int* pea = ea.data_ptr<int>();
+  const int* peb = eb.data_ptr<int>();
+  const int* pga = ga ? gac.data_ptr<int>() : nullptr;
+  const int* pgb = ga ? gbt.data_ptr<int>() : nullptr;
+  const float* pc = c ? cc.data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K));
+  at::parallel_for(0, B * M * N, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bi = t / (M * N), i = t / N % M, j = t % N;
+      const int64_t ia = (bi * M + i) * K, jb = (bi * N + j) * K;
+      po[t] = qtensor::acc_dot(pa + ia, pb + jb, pea + ia, peb + jb, K, s, pc ? pc[t] : 0.0f,
+                               pga ? pga + (bi * M + i) * G : nullptr,
+                               pgb ? pgb + (bi * N + j) * G : nullptr);
+    }
+  });
+  return out;
 }
 
 #if defined(QT_ACCUM_AVX2)
@@ -154,6 +203,11 @@ bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
   if (!ra.any() || !rb.any()) return true;  // every product is zero
   const int lo = ra.lo + rb.lo, hi = ra.hi + rb.hi;  // the products' exponents
   if (lo < -126 || hi > 126 || F - lo > 126 || F > 28 || hi - lo > 127) return false;
+  // every nonzero term (products, partials) is at least 2^(lo - F): a zero term's e_zero below
+  // that never moves emax, and where all terms are zero the result is 0 at any scale
+  if (s.e_zero >= lo - F) return false;
+  // the operands' clamped exponents (format minimum normal ones) must keep the int8 span
+  if (std::max(ra.hi, s.a_emin) + std::max(rb.hi, s.b_emin) - lo > 127) return false;
   lim->emax = F + std::min(126 + std::min(lo, 0), 96);
   const int m = std::max(ra.bits(), rb.bits());
   const int64_t term = (int64_t{4} << F) - (F + 2 >= m ? int64_t{1} << (F + 2 - m) : 0);
@@ -169,7 +223,7 @@ static_assert(FR == accum_avx2::FR && accum_avx512::TR == accum_avx2::TR, "one l
 // The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
 // normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
 // each fk.EA times in groups, (batch, ceil(rows / g), cols, g * ea), padding rows as zeros.
-at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int64_t g) {
+at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int emin, int64_t g) {
   const int64_t B = x.size(0), R = x.size(1), C = x.numel() / (B * R), Rg = (R + g - 1) / g;
   const int64_t ea = g == 1 ? 1 : fk.EA;
   at::Tensor out = at::empty({B, Rg, C, g * ea}, x.options().dtype(at::kChar));
@@ -181,9 +235,9 @@ at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int64_t g) 
       const int64_t bi = t / Rg, r0 = t % Rg * g;
       const float* xr = px + (bi * R + r0) * C;
       if (g == 1)
-        fk.exps8_flat(xr, C, hi, po + t * C);
+        fk.exps8_flat(xr, C, hi, emin, po + t * C);
       else
-        fk.exps8_rows(xr, std::min(g, R - r0), C, hi, po + t * C * g * ea);
+        fk.exps8_rows(xr, std::min(g, R - r0), C, hi, emin, po + t * C * g * ea);
     }
   });
   return out;
@@ -200,11 +254,16 @@ Range scan(const FastKernels& fk, const at::Tensor& x) {  // x float32 contiguou
 
 at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk, int64_t frac_bits,
                         int64_t group, int64_t align_rounding, bool acc_in_alignment,
-                        int64_t acc_man, int64_t acc_rounding, int64_t promote) {
-  const qtensor::AccumSpec s = make_spec(chunk, frac_bits, group, align_rounding,
-                                         acc_in_alignment, acc_man, acc_rounding, promote);
+                        int64_t acc_man, int64_t acc_rounding, int64_t promote, int64_t e_zero,
+                        int64_t a_emin, int64_t b_emin, const c10::optional<at::Tensor>& a_gexp,
+                        const c10::optional<at::Tensor>& b_gexp,
+                        const c10::optional<at::Tensor>& c) {
+  const qtensor::AccumSpec s =
+      make_spec(chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man, acc_rounding,
+                promote, e_zero, a_emin, b_emin);
   check_operands(a, b);
   const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  if (a_gexp || b_gexp || c) return scalar_path(a, b, s, a_gexp, b_gexp, c);
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
   const at::Tensor ac = a.contiguous();
@@ -221,6 +280,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     const FastKernels& fk =
         isa == 2 ? accum_avx512::kFastKernels : accum_avx2::kFastKernels;
     fast = isa > 0 && fast_path_ok(s, ra = scan(fk, ac), rb = scan(fk, bc), &lim);
+    // the int8 exponents' offsets: the largest clamped exponent of each operand
+    const int atop = std::max(ra.top(), s.a_emin), btop = std::max(rb.top(), s.b_emin);
     if (fast) P = fk.FW;
 #endif
     // each panel (K, P) contiguous (zero columns pad the last one): the lanes read it
@@ -233,13 +294,13 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     at::Tensor ea, eb, ea8, eb8;  // the exponents: int8 for the fast path, else int32
 #if defined(QT_ACCUM_AVX2)
     if (fast) {
-      ea8 = exps8(fk, ac, ra.top(), FR);
-      eb8 = exps8(fk, bp.view({B, ldb / P, K * P}), rb.top(), 1);
+      ea8 = exps8(fk, ac, atop, s.a_emin, FR);
+      eb8 = exps8(fk, bp.view({B, ldb / P, K * P}), btop, s.b_emin, 1);
     }
 #endif
     if (!fast) {
-      ea = exponents(ac);
-      eb = exponents(bp);
+      ea = exponents(ac, s.a_emin);
+      eb = exponents(bp, s.b_emin);
     }
     constexpr int64_t TM = 8;  // rows per task (a fast tile): their operands stay in cache
 #if defined(QT_ACCUM_AVX2)
@@ -257,8 +318,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
         if (fast) {
           const int8_t* ea83 = ea8.data_ptr<int8_t>() + bi * ea8.stride(0);
           const int8_t* eb83 = eb8.data_ptr<int8_t>() + bi * K * ldb;
-          fk.rows_fast[s.align_round](a3, ea83, b3, eb83, ra.top() + rb.top(), K, N, i0, i1, s,
-                                      lim, o3);
+          fk.rows_fast[s.align_round](a3, ea83, b3, eb83, atop + btop, K, N, i0, i1, s, lim,
+                                      o3);
           continue;
         }
 #endif
@@ -308,7 +369,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
 
 TORCH_LIBRARY_FRAGMENT(qtensor, m) {
   m.def("accum_matmul(Tensor a, Tensor b, int chunk, int frac_bits, int group, "
-        "int align_rounding, bool acc_in_alignment, int acc_man, int acc_rounding, int promote) "
+        "int align_rounding, bool acc_in_alignment, int acc_man, int acc_rounding, int promote, "
+        "int e_zero, int a_emin, int b_emin, Tensor? a_gexp, Tensor? b_gexp, Tensor? c) "
         "-> Tensor");
 }
 

@@ -20,6 +20,20 @@
 // 0.29 -> ~0.15-0.17 (the AVX2 copy unchanged: 0.38, 0.29); the emax loop and finish_chunk are
 // still about half of it at chunk 16.
 
+// MMA-Sim's e_zero in a chunk's emax em[0:W] (lanes of columns w, b with row stride ldb): where
+// em is below e_zero (rare: every nonzero term tiny) and the lane has a zero term (a padding slot,
+// a zero partial in the alignment: pz, a zero product), em = e_zero. Called where s.e_zero is set.
+inline void zero_terms_emax(const int* ea, const int* eb, int64_t ldb, int64_t k0, int64_t n,
+                            const bool* pz, const qtensor::AccumSpec& s, int* em) {
+  for (int w = 0; w < W; ++w) {
+    if (em[w] >= s.e_zero) continue;
+    bool z = n < s.chunk || pz[w];
+    for (int64_t k = k0; k < k0 + n && !z; ++k)
+      z = ea[k] == qtensor::kAccZeroExp || eb[k * ldb + w] == qtensor::kAccZeroExp;
+    if (z) em[w] = s.e_zero;
+  }
+}
+
 // The two loops over a chunk's K-elements. em[w] = max(em[w], ea[k] + eb[k][w]);
 // S[w] = sum_k round(a[k] * b[k][w] * sc[w]) (integers below 2^53: exact in any order).
 #ifdef QT_ACCUM_AVX2
@@ -268,7 +282,10 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
         const vsi e32 = __builtin_convertvector(e[r][v], vsi);
         std::memcpy(em[r] + DV * v, &e32, sizeof e32);
       }
+      bool pz[W];  // p is a zero term
+      for (int w = 0; w < W; ++w) pz[w] = s.acc_in_alignment && em[r][w] == kAccZeroExp;
       chunk_emax(ea + r * lda, eb, ldb, k0, k0 + n, em[r]);
+      if (s.e_zero != kAccZeroExp) zero_terms_emax(ea + r * lda, eb, ldb, k0, n, pz, s, em[r]);
       for (int v = 0; v < NV; ++v) {
         vsi e32;
         std::memcpy(&e32, em[r] + DV * v, sizeof e32);
@@ -319,7 +336,20 @@ inline void group_chunk(const double* g, int64_t ng, RowLanes<V>& L, const float
     // a zero's exponent reads -1023 (a nonzero sum of float32 products is at least 2^-298): where
     // all terms are zero any scale will do; inf or NaN (1024) make S non-finite
     const vi<V> eg = expv<V>((vd<V>)m[v]);
+    const vi<V> pe = e[v];
     e[v] = eg > e[v] ? eg : e[v];
+    if (s.e_zero != qtensor::kAccZeroExp) {  // zero terms at e_zero (rare: tiny groups)
+      int64_t ev[V], pv[V];
+      std::memcpy(ev, &e[v], sizeof ev);
+      std::memcpy(pv, &pe, sizeof pv);
+      for (int w = 0; w < V; ++w) {
+        if (ev[w] >= s.e_zero) continue;
+        bool z = n < s.chunk || (s.acc_in_alignment && pv[w] == qtensor::kAccZeroExp);
+        for (int64_t j = 0; j < ng && !z; ++j) z = g[j * L.N + v * V + w] == 0.0;
+        if (z) ev[w] = s.e_zero;
+      }
+      std::memcpy(&e[v], ev, sizeof ev);
+    }
     e[v] = e[v] < -1022 ? vi<V>{} : e[v];
     sc[v] = pow2v<V>(s.frac_bits - e[v]);
     S[v] = vd<V>{};
@@ -391,7 +421,10 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
     const int64_t n = K - k0 < s.chunk ? K - k0 : s.chunk;
     L.p_exps(s, em);
+    bool pz[W];  // p is a zero term
+    for (int w = 0; w < W; ++w) pz[w] = s.acc_in_alignment && em[w] == kAccZeroExp;
     chunk_emax(ea, eb, ldb, k0, k0 + n, em);
+    if (s.e_zero != kAccZeroExp) zero_terms_emax(ea, eb, ldb, k0, n, pz, s, em);
     for (int w = 0; w < W; ++w) {  // all-zero and non-finite lanes: any scale will do
       em[w] = em[w] < kAccZeroExp / 2 || em[w] > kAccBadExp / 2 ? 0 : em[w];
       sc[w] = acc_pow2(s.frac_bits - em[w]);
@@ -417,10 +450,12 @@ inline void group_chunk(const double* g, int64_t ng, Lanes& L, const float* a, c
   double sc[W], S[W];
   L.p_exps(s, em);
   for (int w = 0; w < W; ++w) {
+    bool z = n < s.chunk || (s.acc_in_alignment && em[w] == kAccZeroExp);
     for (int64_t j = 0; j < ng; ++j) {  // inf or NaN (1024) make S non-finite
       const double t = g[j * W + w];
-      if (t != 0.0) em[w] = std::max(em[w], acc_exp_f64(t));
+      if (t != 0.0) em[w] = std::max(em[w], acc_exp_f64(t)); else z = true;
     }
+    if (z && em[w] < s.e_zero) em[w] = s.e_zero;  // a zero term at e_zero
     em[w] = em[w] < kAccZeroExp / 2 ? 0 : em[w];  // all terms zero: any scale will do
     sc[w] = acc_pow2(s.frac_bits - em[w]);
     S[w] = 0.0;

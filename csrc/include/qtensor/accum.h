@@ -25,6 +25,8 @@ struct AccumSpec {
   int acc_man;           // fractional bits of the accumulator format
   int acc_round;         // 0 toward_zero, 2 nearest
   int promote;           // chunks per promotion into FP32; 0: never
+  int e_zero;            // the alignment exponent of a zero term (kAccZeroExp: none take part)
+  int a_emin, b_emin;    // the operands' input formats' minimum normal exponents (the clamp)
 };
 
 constexpr int kAccExpMin = -126;       // float32's minimum normal exponent
@@ -33,12 +35,20 @@ constexpr int kAccBadExp = 1 << 20;    // the exponent of inf/NaN: any product w
 
 QT_HD double acc_pow2(int e) { return u2d((uint64_t)(int64_t)(e + 1023) << 52); }
 
-// The alignment exponent of a float32 operand: floor(log2|x|) clamped at -126; kAccZeroExp for
-// zero, kAccBadExp for inf and NaN.
-QT_HD int acc_exp_f32(float x) {
+// The alignment exponent of a float32 operand: floor(log2|x|) clamped at emin (the minimum
+// normal exponent of its input format: MMA-Sim aligns a subnormal there); kAccZeroExp for zero,
+// kAccBadExp for inf and NaN.
+QT_HD int acc_exp_f32(float x, int emin = kAccExpMin) {
   const uint32_t u = f2u(x) & F32::ABS;
   const int be = (int)(u >> 23);
-  return u == 0 ? kAccZeroExp : (be == 255 ? kAccBadExp : (be == 0 ? kAccExpMin : be - 127));
+  if (u == 0) return kAccZeroExp;
+  if (be == 255) return kAccBadExp;
+  int e = be - 127;
+  if (be == 0) {  // a float32 subnormal: its own exponent, below -126
+    e = -127;
+    for (uint32_t m = u << 9; !(m & 0x80000000u); m <<= 1) --e;
+  }
+  return e < emin ? emin : e;
 }
 
 // floor(log2|x|) of a finite nonzero double, subnormals included.
@@ -82,10 +92,22 @@ QT_HD double acc_finish(double S, int emax, double p, const AccumSpec& s) {
   return s.acc_in_alignment ? v : (double)((float)p + (float)v);
 }
 
+// Whether a chunk has a zero term (MMA-Sim's e_zero): a padding slot (n < chunk), a zero partial
+// that takes part in the alignment, or a zero product (ea, eb: acc_exp_f32's exponents).
+QT_HD bool acc_has_zero(const int* ea, const int* eb, int64_t n, double p, const AccumSpec& s) {
+  if (n < s.chunk || (s.acc_in_alignment && p == 0.0)) return true;
+  for (int64_t k = 0; k < n; ++k)
+    if (ea[k] == kAccZeroExp || eb[k] == kAccZeroExp) return true;
+  return false;
+}
+
 // One chunk's aligned, rounded, summed and normalized result (the new p). a, b: the chunk's
-// operands (n <= chunk), ea, eb their exponents (acc_exp_f32).
+// operands (n <= chunk), ea, eb their exponents (acc_exp_f32). ga, gb: with groups, each group's
+// exponents (its alignment exponent is ga[j] + gb[j], e_zero where its products are all zero;
+// nullptr: the group sum's own exponent).
 QT_HD double acc_chunk(const float* a, const float* b, const int* ea, const int* eb, int64_t n,
-                       double p, const AccumSpec& s) {
+                       double p, const AccumSpec& s, const int* ga = nullptr,
+                       const int* gb = nullptr) {
   const bool p_ok = isfinite(p);
   const double pt = s.acc_in_alignment ? p : 0.0;
   int emax = kAccZeroExp;  // p's alignment exponent (clamped at -126 like an operand's)
@@ -99,6 +121,8 @@ QT_HD double acc_chunk(const float* a, const float* b, const int* ea, const int*
     }
     if (em > kAccBadExp / 2 || !p_ok) return acc_nonfinite(a, b, 1, n, p);
     emax = em > emax ? em : emax;
+    // a zero term at e_zero: it moves emax only where every other term is below it
+    if (emax < s.e_zero && acc_has_zero(ea, eb, n, p, s)) emax = s.e_zero;
     if (emax < kAccZeroExp / 2) emax = 0;
     const double sc = acc_pow2(s.frac_bits - emax);
     // the terms are integers below 2^53 and so is every partial sum: any order gives the same
@@ -118,18 +142,28 @@ QT_HD double acc_chunk(const float* a, const float* b, const int* ea, const int*
     double g[256];
     int eg[256];
     const int ng = (int)((n + s.group - 1) / s.group);
-    bool ok = p_ok;
+    bool ok = p_ok, zero = n < s.chunk || (s.acc_in_alignment && p == 0.0);
     for (int j = 0; j < ng; ++j) {
       const int64_t k0 = (int64_t)j * s.group;
       const int64_t k1 = k0 + s.group < n ? k0 + s.group : n;
       double t = (double)a[k0] * (double)b[k0];
-      for (int64_t k = k0 + 1; k < k1; ++k) t = t + (double)a[k] * (double)b[k];
+      bool nonzero = t != 0.0;
+      for (int64_t k = k0 + 1; k < k1; ++k) {
+        const double q = (double)a[k] * (double)b[k];
+        nonzero |= q != 0.0;
+        t = t + q;
+      }
       ok &= (bool)isfinite(t);
       g[j] = t;
-      eg[j] = t == 0.0 ? kAccZeroExp : acc_exp_f64(t);
+      if (ga != nullptr)
+        eg[j] = nonzero ? ga[j] + gb[j] : kAccZeroExp;
+      else
+        eg[j] = t == 0.0 ? kAccZeroExp : acc_exp_f64(t);
+      zero |= eg[j] == kAccZeroExp;
     }
     if (!ok) return acc_nonfinite(a, b, 1, n, p);
     for (int j = 0; j < ng; ++j) emax = eg[j] > emax ? eg[j] : emax;
+    if (emax < s.e_zero && zero) emax = s.e_zero;
     if (emax < kAccZeroExp / 2) emax = 0;
     const double sc = acc_pow2(s.frac_bits - emax);
     for (int j = 0; j < ng; ++j) S += acc_round_int(g[j] * sc, s.align_round);
@@ -138,22 +172,26 @@ QT_HD double acc_chunk(const float* a, const float* b, const int* ea, const int*
   return acc_finish(S, emax, p, s);
 }
 
-// One output element: the dot product of a[0:K] and b[0:K] through the datapath s.
+// One output element: the dot product of a[0:K] and b[0:K] through the datapath s, from the
+// initial accumulator c0. ga, gb: the groups' exponents (acc_chunk), K / group of each, or nullptr.
 QT_HD float acc_dot(const float* a, const float* b, const int* ea, const int* eb, int64_t K,
-                    const AccumSpec& s) {
+                    const AccumSpec& s, float c0 = 0.0f, const int* ga = nullptr,
+                    const int* gb = nullptr) {
   float acc = 0.0f;
-  double p = 0.0;
+  double p = (double)c0;
   int c = 0;
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
     const int64_t n = K - k0 < s.chunk ? K - k0 : s.chunk;
-    p = acc_chunk(a + k0, b + k0, ea + k0, eb + k0, n, p, s);
+    const int64_t j0 = k0 / s.group;
+    p = acc_chunk(a + k0, b + k0, ea + k0, eb + k0, n, p, s, ga ? ga + j0 : nullptr,
+                  gb ? gb + j0 : nullptr);
     if (s.promote > 0 && (++c == s.promote || k0 + n == K)) {
       acc = acc + (float)p;
       p = 0.0;
       c = 0;
     }
   }
-  const float out = s.promote > 0 ? acc : (float)p;
+  const float out = s.promote > 0 && K > 0 ? acc : (float)p;
   return isnan(out) ? u2f(F32::QNAN) : out;
 }
 
