@@ -66,6 +66,9 @@ class AccumFormat:
     e_zero: the alignment exponent of a zero term (a zero product, an all-zero group, a zero
     partial, a padding slot of a short last chunk) in the max-exponent search (MMA-Sim's
     e_zero); None: zero terms take no part.
+    acc_emin / acc_emax: the accumulator format's exponent range (float32's by default; FP16
+    output: -14, 15): its subnormal grid, the clamp of the partial's alignment exponent and the
+    overflow to inf at 2^(acc_emax + 1).
     """
 
     chunk: int
@@ -77,6 +80,8 @@ class AccumFormat:
     promote: Optional[int] = None
     group: int = 1
     e_zero: Optional[int] = None
+    acc_emin: int = -126
+    acc_emax: int = 127
     name: Optional[str] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -100,6 +105,8 @@ class AccumFormat:
                                    f"got {self.acc_rounding!r}")
         if self.e_zero is not None:
             _check_int("e_zero", self.e_zero, -1000, 128)
+        _check_int("acc_emin", self.acc_emin, -126, 0)
+        _check_int("acc_emax", self.acc_emax, 1, 127)
         if not isinstance(self.acc_in_alignment, bool):
             raise AccumFormatError(
                 f"AccumFormat.acc_in_alignment must be a bool, got {self.acc_in_alignment!r}")
@@ -132,6 +139,8 @@ class AccumFormat:
             parts.append(f"acc_rounding={self.acc_rounding}")
         if self.e_zero is not None:
             parts.append(f"e_zero={self.e_zero}")
+        if (self.acc_emin, self.acc_emax) != (-126, 127):
+            parts.append(f"acc_emin={self.acc_emin}, acc_emax={self.acc_emax}")
         parts.append(f"promote={self.promote}")
         body = f"AccumFormat({', '.join(parts)})"
         return f"{self.name}: {body}" if self.name else body
@@ -172,6 +181,22 @@ PRESETS = {p.name: p for p in (
     _preset("blackwell_mxfp4", chunk=64, frac_bits=35, group=16, e_zero=-139),
     # NVFP4 (kind::mxf4nvf4, 16-element blocks, E4M3 scales): MMA-Sim uses the same 35-bit path
     _preset("blackwell_nvfp4", chunk=64, frac_bits=35, group=16, e_zero=-139),
+    # TF32 (operands already tf32: the hardware truncates float32 inputs to tf32, so round them
+    # with qt.formats "tf32" and rounding="toward_zero" to match it). mma.m16n8k8 .tf32 on Ampere
+    # fuses 16 bytes of operands (4 K-elements), 24 bits; wgmma/tcgen05 k8 .tf32: 8, 25 bits
+    _preset("ampere_tf32", chunk=4, frac_bits=24, e_zero=-132),           # mma.m16n8k8.tf32
+    _preset("hopper_tf32", chunk=8, frac_bits=25, e_zero=-133),           # wgmma k8 tf32
+    _preset("blackwell_tf32", chunk=8, frac_bits=25, e_zero=-133),        # tcgen05 kind::tf32
+    # Ada Lovelace mma.m16n8k32 e4m3/e5m2: 16 K-elements fused, 13 bits, output RZ to e8m13
+    _preset("ada_fp8", chunk=16, frac_bits=13, acc_man=13, e_zero=-132),
+    # tcgen05 kind::f8f6f4 (FP8/FP6/FP4 operands without block scales): 32 K-elements, 25 bits;
+    # FP6/FP4 subnormals align at their formats' minimum normal exponents (a_emin/b_emin)
+    _preset("blackwell_f8f6f4", chunk=32, frac_bits=25, e_zero=-133),
+    # wgmma k32 FP8 with an FP16 accumulator (.f16 D/C): 13 bits, each result rounded to
+    # nearest FP16 (MMA-Sim's RNE-FP16), zero terms at -21; the FP16 partial is the next
+    # instruction's C
+    _preset("hopper_fp8_f16", chunk=32, frac_bits=13, acc_man=10, acc_rounding="nearest",
+            acc_emin=-14, acc_emax=15, e_zero=-21),
 )}
 globals().update(PRESETS)
 
@@ -240,9 +265,9 @@ def _round(x: torch.Tensor, mode: str) -> torch.Tensor:
 
 def _to_acc(v: torch.Tensor, f: AccumFormat) -> torch.Tensor:
     """Step 4: the exact float64 value v rounded to the accumulator format (float64 out)."""
-    q = _pow2(_exponent(v, _EXP_MIN).clamp(min=_EXP_MIN) - f.acc_man)
+    q = _pow2(_exponent(v, f.acc_emin).clamp(min=f.acc_emin) - f.acc_man)
     r = _round(v / q, f.acc_rounding) * q + 0.0  # + 0.0: a zero result is +0
-    return torch.where(r.abs() >= 2.0 ** 128, r.sign() * math.inf, r)
+    return torch.where(r.abs() >= 2.0 ** (f.acc_emax + 1), r.sign() * math.inf, r)
 
 
 def _nonfinite(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -334,7 +359,7 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=No
         emax = et.amax(-2)
         if f.acc_in_alignment:
             pe = torch.where(finite, p, 0.0)
-            emax = torch.maximum(emax, _exponent(pe, _EXP_MIN))
+            emax = torch.maximum(emax, _exponent(pe, f.acc_emin))
             zero = zero | (pe == 0)
         if ez is not None:
             emax = torch.where(zero, torch.clamp(emax, min=ez), emax)
@@ -385,7 +410,7 @@ def op_args(f: AccumFormat, a_emin: int = _EXP_MIN, b_emin: int = _EXP_MIN) -> t
     """The integer arguments of ``qtensor::accum_matmul`` after a and b (then a_gexp, b_gexp, c)."""
     return (f.chunk, f.frac_bits, f.group, _ROUND_CODE[f.align_rounding], f.acc_in_alignment,
             f.acc_man, _ROUND_CODE[f.acc_rounding], 0 if f.promote is None else f.promote,
-            _ZERO_EXP if f.e_zero is None else f.e_zero, a_emin, b_emin)
+            _ZERO_EXP if f.e_zero is None else f.e_zero, a_emin, b_emin, f.acc_emin, f.acc_emax)
 
 
 def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
@@ -450,44 +475,62 @@ CONTRACTIONS = ("mm", "bmm", "addmm", "_addmm_activation", "baddbmm", "addbmm", 
                 "dot", "vdot", "linear", "convolution", "_convolution", "convolution_backward")
 
 
-def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
-    """The contraction ``packet`` (an aten op name) summed by ``f``; the payload dtype out."""
+def _emin_of(x) -> Optional[int]:
+    """The minimum normal exponent of an operand's input format (a QTensor's operand format: its
+    mm_fmt, else its fmt), where it is one float format; None: from the payload's dtype."""
+    from .formats import FloatFormat
+    fmt = getattr(x, "mm_fmt", None) or getattr(x, "fmt", None)
+    if isinstance(fmt, FloatFormat) and fmt.subnormals:
+        return max(min(fmt.emin, 127), -1000)
+    return None
+
+
+def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.Tensor:
+    """The contraction ``packet`` (an aten op name) summed by ``f``; the payload dtype out.
+
+    qargs: the op's original arguments (QTensors among them), whose formats give each operand's
+    minimum normal exponent (MMA-Sim aligns a subnormal operand there)."""
     if packet not in CONTRACTIONS:
         raise NotImplementedError(
             f"qt.accum: {packet} has no accumulator emulation (supported: "
             f"{', '.join(CONTRACTIONS)}; matmul, einsum, F.linear, F.conv*d and "
             "F.conv_transpose*d decompose into these); drop the QTensor's .accum (or the "
             "Recipe's accumulate=) for it")
+    q = list(qargs) if qargs is not None else []
+    em = [_emin_of(q[i]) if i < len(q) else None for i in range(3)]
     if packet in ("convolution", "_convolution"):
-        return _conv_forward(uargs, ukwargs, f)
+        return _conv_forward(uargs, ukwargs, f, em)
     if packet == "convolution_backward":
-        return _conv_backward(uargs, ukwargs, f)
+        return _conv_backward(uargs, ukwargs, f, em)
     out = ukwargs.get("out")
     ukwargs = {k: v for k, v in ukwargs.items() if k != "out"}
     t = [_f32(x, packet) if isinstance(x, torch.Tensor) else x for x in uargs]
     dtype = next(x.dtype for x in uargs if isinstance(x, torch.Tensor))
+    e01 = dict(a_emin=em[0], b_emin=em[1])
     if packet in ("mm", "bmm"):
-        res = accum_matmul(t[0], t[1], f)
+        res = accum_matmul(t[0], t[1], f, **e01)
     elif packet in ("dot", "vdot"):
-        res = accum_matmul(t[0][None], t[1][:, None], f)[0, 0]
+        res = accum_matmul(t[0][None], t[1][:, None], f, **e01)[0, 0]
     elif packet == "mv":
-        res = accum_matmul(t[0], t[1][:, None], f)[:, 0]
+        res = accum_matmul(t[0], t[1][:, None], f, **e01)[:, 0]
     elif packet == "linear":
         x, w = t[0], t[1]
         bias = _arg(t, ukwargs, 2, "bias", None)
-        res = accum_matmul(x[None] if x.dim() == 1 else x, w.t(), f)
+        res = accum_matmul(x[None] if x.dim() == 1 else x, w.t(), f, **e01)
         res = _epilogue(res[0] if x.dim() == 1 else res, bias, 1, 1)
     else:  # an added term: (self, mat1, mat2, *, beta, alpha)
         bias, a, b = t[0], t[1], t[2]
         beta = _arg(t, ukwargs, 3, "beta", 1)
         alpha = _arg(t, ukwargs, 4, "alpha", 1)
+        e12 = dict(a_emin=em[1], b_emin=em[2])
         if packet == "addmv":
-            prod = accum_matmul(a, b[:, None], f)[:, 0]
+            prod = accum_matmul(a, b[:, None], f, **e12)[:, 0]
         elif packet == "addbmm":  # the sum over the batch is one longer contraction
             B, M, K = a.shape
-            prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f)
+            prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f,
+                                **e12)
         else:
-            prod = accum_matmul(a, b, f)
+            prod = accum_matmul(a, b, f, **e12)
         res = _epilogue(prod, bias, beta, alpha)
         if packet == "_addmm_activation":  # ATen's GELU: exact on CPU, tanh (cuBLASLt) on CUDA
             gelu = _arg(t, ukwargs, 5, "use_gelu", False)
@@ -544,23 +587,25 @@ def _cols(xp, k, stride, dilation, groups, size):
     return win.reshape(N, groups, L, P * (C // groups))
 
 
-def _gemm_conv(xp, w, stride, dilation, groups, size, f):
+def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None)):
     """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size)."""
     (O, Cg, *k), N, L = w.shape, xp.shape[0], math.prod(size)
     K = math.prod(k) * Cg
     cols = _cols(xp, k, stride, dilation, groups, size)  # (N, g, L, K)
     b = cols.permute(1, 3, 0, 2).reshape(groups, K, N * L)  # one GEMM per group
     wm = w.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(groups, O // groups, K)
-    out = accum_matmul(wm, b, f).reshape(groups, O // groups, N, L)
+    out = accum_matmul(wm, b, f, a_emin=em[1], b_emin=em[0]).reshape(groups, O // groups, N, L)
     return out.permute(2, 0, 1, 3).reshape(N, O, *size)
 
 
-def _conv(x, w, geo, size, f):
+def _conv(x, w, geo, size, f, em=(None, None)):
+    """em: the minimum normal exponents of (x, w)."""
     stride, padding, dilation, groups = geo
-    return _gemm_conv(_pad(x, [(p, p) for p in padding]), w, stride, dilation, groups, size, f)
+    return _gemm_conv(_pad(x, [(p, p) for p in padding]), w, stride, dilation, groups, size, f,
+                      em)
 
 
-def _conv_transpose(x, w, geo, size, f):
+def _conv_transpose(x, w, geo, size, f, em=(None, None)):
     """The transposed convolution of x (N, C, *S) with w (C, O/groups, *k) to spatial ``size``,
     as the forward convolution over the zero-inserted x (the section comment)."""
     stride, padding, dilation, groups = geo
@@ -574,10 +619,10 @@ def _conv_transpose(x, w, geo, size, f):
         pads.append((lo, size[i] + d * (kk - 1) - z.shape[2 + i] - lo))
     wf = w.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)  # (O, C/groups, *k)
     wf = wf.flip(list(range(2, wf.dim())))
-    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f)
+    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f, em)
 
 
-def _conv_weight_grad(x, go, k, geo, f):
+def _conv_weight_grad(x, go, k, geo, f, em=(None, None)):
     """The weight gradient (O, C/groups, *k) of the forward convolution of x (N, C, *S) whose
     output gradient is go (N, O, *So): a contraction over (batch, output position)."""
     stride, padding, dilation, groups = geo
@@ -587,14 +632,15 @@ def _conv_weight_grad(x, go, k, geo, f):
     b = cols.transpose(0, 1).reshape(groups, N * L, P * Cg)
     a = go.reshape(N, groups, O // groups, L).permute(1, 2, 0, 3)  # (g, O/g, N, L)
     a = a.reshape(groups, O // groups, N * L)
-    return accum_matmul(a, b, f).reshape(O, P, Cg).transpose(1, 2).reshape(O, Cg, *k)
+    out = accum_matmul(a, b, f, a_emin=em[1], b_emin=em[0])  # em: of (x, go)
+    return out.reshape(O, P, Cg).transpose(1, 2).reshape(O, Cg, *k)
 
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
               "output_padding", "groups")
 
 
-def _conv_forward(uargs, ukwargs, f):
+def _conv_forward(uargs, ukwargs, f, em=(None, None, None)):
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = (
         _arg(uargs, ukwargs, i, n, None) for i, n in enumerate(_CONV_ARGS))
     # torch's own checks (channels, groups, sizes) and output size, on an empty batch
@@ -603,13 +649,13 @@ def _conv_forward(uargs, ukwargs, f):
     nd = w.dim() - 2
     geo = _geometry(stride, padding, dilation, groups, nd)
     x32, w32 = _f32(x, "convolution"), _f32(w, "convolution")
-    out = (_conv_transpose if transposed else _conv)(x32, w32, geo, size, f)
+    out = (_conv_transpose if transposed else _conv)(x32, w32, geo, size, f, (em[0], em[1]))
     if bias is not None:
         out = out + bias.view(-1, *[1] * nd)
     return out.to(x.dtype)
 
 
-def _conv_backward(uargs, ukwargs, f):
+def _conv_backward(uargs, ukwargs, f, em=(None, None, None)):
     (go, x, w, _bias_sizes, stride, padding, dilation, transposed, _output_padding, groups,
      mask) = uargs[:11]
     nd = w.dim() - 2
@@ -617,11 +663,13 @@ def _conv_backward(uargs, ukwargs, f):
     go32, x32, w32 = (_f32(t, "convolution_backward") for t in (go, x, w))
     gi = gw = gb = None
     if mask[0]:  # the adjoint of the forward map: a transposed convolution, or the converse
-        gi = (_conv if transposed else _conv_transpose)(go32, w32, geo, x.shape[2:], f)
+        gi = (_conv if transposed else _conv_transpose)(go32, w32, geo, x.shape[2:], f,
+                                                        (em[0], em[2]))
         gi = gi.to(go.dtype)
     if mask[1]:  # a transposed convolution's weight is that of the forward map go -> x
         a, b = (go32, x32) if transposed else (x32, go32)
-        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f).to(go.dtype)
+        eab = (em[0], em[1]) if transposed else (em[1], em[0])
+        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f, eab).to(go.dtype)
     if mask[2]:  # grad_bias: a sum of grad_output values, not a contraction
         gb = go.sum([0, *range(2, go.dim())])
     return (gi, gw, gb)

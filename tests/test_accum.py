@@ -38,13 +38,14 @@ def _rnd(x: Fraction, mode: str) -> int:
     return round(x)  # Fraction rounds half to even
 
 
-def _to_grid(v: Fraction, man: int, mode: str) -> float:
-    """v rounded to man fractional bits, float32 exponent range (2^-126 floor); inf >= 2^128."""
+def _to_grid(v: Fraction, man: int, mode: str, emin=-126, emax=127) -> float:
+    """v rounded to man fractional bits, exponents from emin (the subnormal grid's), inf from
+    2^(emax + 1) (float32's range by default)."""
     if v == 0:
         return 0.0
-    q = Fraction(2) ** (max(_flog2(v), -126) - man)
+    q = Fraction(2) ** (max(_flog2(v), emin) - man)
     r = _rnd(v / q, mode) * q
-    if abs(r) >= 2 ** 128:
+    if abs(r) >= Fraction(2) ** (emax + 1):
         return math.copysign(math.inf, r)
     return float(r)
 
@@ -90,9 +91,11 @@ def oracle_dot(row, col, f: AccumFormat, a_emin=-126, b_emin=-126, ga=None, gb=N
                     terms.append((s, _flog2(s)))
                 else:
                     zero = True
-        if f.acc_in_alignment:
+        if math.isinf(p):  # an overflowed partial (FP16 accumulators) stays inf
+            terms, zero = [], False
+        elif f.acc_in_alignment:
             if p != 0:
-                terms.append((Fraction(p), e(p)))
+                terms.append((Fraction(p), e(p, f.acc_emin)))
             else:
                 zero = True
         if terms:
@@ -101,10 +104,11 @@ def oracle_dot(row, col, f: AccumFormat, a_emin=-126, b_emin=-126, ga=None, gb=N
                 emax = max(emax, f.e_zero)
             S = sum(_rnd(t * Fraction(2) ** (f.frac_bits - emax), f.align_rounding)
                     for t, _ in terms)
-            chunk = _to_grid(S * Fraction(2) ** (emax - f.frac_bits), f.acc_man, f.acc_rounding)
+            chunk = _to_grid(S * Fraction(2) ** (emax - f.frac_bits), f.acc_man, f.acc_rounding,
+                             f.acc_emin, f.acc_emax)
         else:
-            chunk = 0.0
-        p = chunk if f.acc_in_alignment else _f32_add(p, chunk)
+            chunk = p if math.isinf(p) else 0.0
+        p = chunk if f.acc_in_alignment or math.isinf(p) else _f32_add(p, chunk)
         if f.promote is not None and ((ci + 1) % f.promote == 0 or k1 == K):
             acc, p = _f32_add(acc, p), 0.0
     return p if f.promote is None or K == 0 else acc
@@ -361,8 +365,13 @@ def test_kernel_large_and_strided():
 @needs_kernel
 def test_kernel_opcheck_and_fake():
     a, b = torch.randn(2, 3, 40), torch.randn(2, 40, 5)
-    args = (a, b, *accum.op_args(accum.hopper_fp8))
+    args = (a, b, *accum.op_args(accum.hopper_fp8), None, None, None)
     torch.library.opcheck(torch.ops.qtensor.accum_matmul.default, args)
+    # with group exponents and an initial accumulator (the scalar path)
+    ga, gb = torch.zeros(2, 3, 3, dtype=torch.int32), torch.zeros(2, 3, 5, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.qtensor.accum_matmul.default,
+                          (a, b, *accum.op_args(accum.blackwell_mxfp4), ga, gb,
+                           torch.randn(2, 3, 5)))
     with torch._subclasses.fake_tensor.FakeTensorMode():
         out = torch.ops.qtensor.accum_matmul(torch.empty(2, 3, 40), torch.empty(2, 40, 5),
                                              *args[2:])
@@ -372,7 +381,7 @@ def test_kernel_opcheck_and_fake():
 @needs_kernel
 def test_kernel_argument_errors():
     a, b = torch.randn(1, 3, 8), torch.randn(1, 8, 2)
-    good = list(accum.op_args(accum.hopper_fp16))
+    good = list(accum.op_args(accum.hopper_fp16)) + [None, None, None]
     with pytest.raises(RuntimeError, match=r"frac_bits must be in \[0, 46\] for chunk=16, "
                                            r"group=1, got 60"):
         torch.ops.qtensor.accum_matmul(a, b, *good[:1], 60, *good[2:])

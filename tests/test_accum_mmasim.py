@@ -20,7 +20,8 @@ from mmasim import nv_ptx  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 F16, BF16 = torch.float16, torch.bfloat16
-EMIN = {F16: -14, BF16: -126, E4M3: -6, E5M2: -14}  # minimum normal exponents
+TF32 = torch.float32  # tf32 values (the low 13 mantissa bits zero) in float32
+EMIN = {F16: -14, BF16: -126, E4M3: -6, E5M2: -14, TF32: -126}  # minimum normal exponents
 PTX = {F16: "f16", BF16: "bf16", E4M3: "e4m3", E5M2: "e5m2"}
 
 
@@ -43,6 +44,17 @@ def _cases():
     for name in ("hopper_fp8", "hopper_fp8_fast"):
         c[name] = [(x, y, _nv("Hopper", "WGMMA", f"m64n8k32.f32.{PTX[x]}.{PTX[y]}"))
                    for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    c["ada_fp8"] = [(x, y, _nv("Ada Lovelace", "MMA", f"m16n8k32.f32.{PTX[x]}.{PTX[y]}.f32"))
+                    for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    c["blackwell_f8f6f4"] = [
+        (x, y, _nv("Blackwell", "TCGen05MMA", f"m64n8k32.kind::f8f6f4.f32.{PTX[x]}.{PTX[y]}"))
+        for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    c["hopper_fp8_f16"] = [(x, y, _nv("Hopper", "WGMMA", f"m64n8k32.f16.{PTX[x]}.{PTX[y]}"))
+                           for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    c["ampere_tf32"] = [(TF32, TF32, _nv("Ampere", "MMA", "m16n8k8.f32.tf32.tf32.f32"))]
+    c["hopper_tf32"] = [(TF32, TF32, _nv("Hopper", "WGMMA", "m64n8k8.f32.tf32.tf32"))]
+    c["blackwell_tf32"] = [(TF32, TF32, _nv("Blackwell", "TCGen05MMA",
+                                            "m64n8k8.kind::tf32.f32.tf32.tf32"))]
     return c
 
 
@@ -51,9 +63,9 @@ CASES = _cases()
 
 def draw(g, dtype, shape, nonfinite=True):
     """Codes of dtype: a mixture of the whole code range, moderate values, zeros, subnormals."""
-    nbits = 8 if dtype in (E4M3, E5M2) else 16
-    man = {F16: 10, BF16: 7, E4M3: 3, E5M2: 2}[dtype]
-    codes = torch.randint(0, 1 << nbits, shape, generator=g)
+    nbits = 8 if dtype in (E4M3, E5M2) else (32 if dtype == TF32 else 16)
+    man = {F16: 10, BF16: 7, E4M3: 3, E5M2: 2, TF32: 23}[dtype]
+    codes = torch.randint(0, 1 << nbits, shape, generator=g, dtype=torch.int64)
     if not nonfinite:  # keep the exponent field below all-ones
         x = _view(codes, dtype)
         codes = torch.where(torch.isfinite(x.float()), codes, codes & ~(1 << (nbits - 2)))
@@ -65,18 +77,23 @@ def draw(g, dtype, shape, nonfinite=True):
     codes = torch.where(u < 0.45, moderate, codes)
     codes = torch.where((u >= 0.45) & (u < 0.6), sub, codes)
     codes = torch.where((u >= 0.6) & (u < 0.72), 0, codes)
+    if dtype == TF32:  # tf32: the low 13 mantissa bits zero
+        codes = codes & ~0x1FFF
     return _view(codes, dtype)
 
 
 def _view(codes, dtype):
     if dtype in (E4M3, E5M2):
         return codes.to(torch.uint8).view(dtype)
+    if dtype == TF32:  # wraps to the 32-bit pattern
+        signed = (codes + (1 << 31)) % (1 << 32) - (1 << 31)
+        return signed.to(torch.int32).view(torch.float32)
     return codes.to(torch.int32).to(torch.int16).view(dtype)  # wraps to the 16-bit pattern
 
 
 def _codes(x, nbits):
-    return (x.view(torch.uint8) if nbits == 8 else x.view(torch.int16)).to(torch.int64) & (
-        (1 << nbits) - 1)
+    v = {8: torch.uint8, 16: torch.int16, 32: torch.int32}[nbits]
+    return x.view(v).to(torch.int64) & ((1 << nbits) - 1)
 
 
 def operands(g, ta, tb, M, K, N, nonfinite=True):
@@ -100,8 +117,9 @@ def mmasim_chain(make, a, b, f, c=None):
     op = make()
     av = a[:, None, :].expand(M, N, -1)
     bv = b.t()[None, :, :].expand(M, N, -1)
+    out = torch.float16 if f.acc_emax == 15 else torch.float32  # the instruction's D type
     acc = torch.zeros(M, N)
-    p = torch.zeros(M, N) if c is None else c.clone()
+    p = torch.zeros(M, N, dtype=out) if c is None else c.to(out)
     nk = a.shape[1] // f.chunk
     for i in range(nk):
         k0 = i * f.chunk
@@ -257,3 +275,115 @@ def test_cancelled_group_still_aligns():
     assert same_bits(got, mmasim_block_chain(BLOCK_CASES["blackwell_mxfp4"][1], 32, a, b, xa, xb))
     ad = a * sa.repeat_interleave(32, 1)
     assert accum.accum_matmul_reference(ad, b, f).item() == 2.25  # without group exponents
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled kernel (every CPU path: the float32/int32 fast path takes the FP8 operands, the
+# double lanes the wide ones, the scalar path group exponents and c) and the initial accumulator
+
+needs_kernel = pytest.mark.skipif(not accum._kernel_ready(torch.empty(0)),
+                                  reason="the compiled extension is not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name, i", PRESET_CASES)
+def test_kernel_equals_mmasim(name, i):
+    f = accum.PRESETS[name]
+    ta, tb, make = CASES[name][i]
+    for K in _ks(f):
+        for nonfinite in (False, True):
+            g = torch.Generator().manual_seed(zlib.crc32(f"k{name}{i}{K}{nonfinite}".encode()))
+            a, b = operands(g, ta, tb, 9, K, 11, nonfinite)
+            want = mmasim_chain(make, a, b, f)
+            assert same_bits(ours(a, b, f, accum.accum_matmul), want), (name, ta, tb, K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_block_scaled_kernel_equals_mmasim(name):
+    kind, shape = BLOCK_CASES[name]
+    for K in (64, 320):
+        g = torch.Generator().manual_seed(zlib.crc32(f"k{name}{K}".encode()))
+        a, b, (sa, ea, xa), (sb, eb, xb) = block_operands(g, kind, 7, K, 9)
+        want = mmasim_block_chain(shape, kind, a, b, xa, xb)
+        got = block_ours(name, kind, a, b, sa, ea, sb, eb, fn=accum.accum_matmul)
+        assert same_bits(got, want), (name, K)
+
+
+def _acc_init(g, M, N):
+    """Initial accumulators: moderate, huge, tiny, subnormal and zero float32 values."""
+    c = torch.randn(M, N, generator=g) * 2.0 ** torch.randint(-140, 40, (M, N), generator=g)
+    return torch.where(torch.rand(M, N, generator=g) < 0.2, 0.0, c)
+
+
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+@pytest.mark.parametrize("name", ["volta_fp16", "ampere_bf16", "hopper_fp16", "hopper_fp8",
+                                  "blackwell_bf16"])
+def test_initial_accumulator_equals_mmasim(name, fn):
+    """C fed into the first instruction as its accumulator input (mma's C operand)."""
+    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+        pytest.skip("the compiled extension is not built")
+    f = accum.PRESETS[name]
+    ta, tb, make = CASES[name][0]
+    g = torch.Generator().manual_seed(zlib.crc32(f"c{name}".encode()))
+    a, b = operands(g, ta, tb, 6, 3 * f.chunk, 5, nonfinite=False)
+    c = _acc_init(g, 6, 5)
+    want = mmasim_chain(make, a, b, f, c=c)
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    assert same_bits(ours(a, b, f, run, c=c), want)
+
+
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_block_scaled_initial_accumulator_equals_mmasim(name, fn):
+    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+        pytest.skip("the compiled extension is not built")
+    kind, shape = BLOCK_CASES[name]
+    g = torch.Generator().manual_seed(zlib.crc32(f"c{name}".encode()))
+    a, b, (sa, ea, xa), (sb, eb, xb) = block_operands(g, kind, 4, 128, 3)
+    c = _acc_init(g, 4, 3)
+    want = mmasim_block_chain(shape, kind, a, b, xa, xb, c=c)
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    assert same_bits(block_ours(name, kind, a, b, sa, ea, sb, eb, fn=run, c=c), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blackwell kind::f8f6f4 with FP6/FP4 operands (one code per byte for MMA-Sim)
+
+SMALL = {"e3m2": ("fp6_e3m2", 6), "e2m3": ("fp6_e2m3", 6), "e2m1": ("fp4_e2m1", 4)}
+
+
+def small_operand(g, t, shape):
+    """(uint8 codes as MMA-Sim takes them, float32 values, the format's minimum normal exp)."""
+    from oracles import decode_float
+
+    import qtensor as qt
+    fmt = qt.formats.format(SMALL[t][0])
+    nb = SMALL[t][1]
+    codes = torch.randint(0, 1 << nb, shape, generator=g)
+    codes = torch.where(torch.rand(shape, generator=g) < 0.15, 0, codes)
+    table = torch.tensor([decode_float(c, fmt) for c in range(1 << nb)], dtype=torch.float32)
+    vals = table[codes]
+    raw = (codes << 2 if nb == 4 else codes).to(torch.uint8)
+    return raw, vals, fmt.emin
+
+
+@pytest.mark.parametrize("ta", ["e4m3", "e3m2", "e2m3", "e2m1"])
+@pytest.mark.parametrize("tb", ["e5m2", "e3m2", "e2m1"])
+def test_blackwell_f8f6f4_small_types_equal_mmasim(ta, tb):
+    f = accum.blackwell_f8f6f4
+    g = torch.Generator().manual_seed(zlib.crc32(f"{ta}{tb}".encode()))
+    K = 96
+    ops = []
+    for t, shape in ((ta, (6, K)), (tb, (K, 5))):
+        if t in SMALL:
+            ops.append(small_operand(g, t, shape))
+        else:
+            dt = {"e4m3": E4M3, "e5m2": E5M2}[t]
+            x = draw(g, dt, shape, nonfinite=False)
+            ops.append((x, x.float(), EMIN[dt]))
+    (ra, va, ea), (rb, vb, eb) = ops
+    make = _nv("Blackwell", "TCGen05MMA", f"m64n8k32.kind::f8f6f4.f32.{ta}.{tb}")
+    want = mmasim_chain(make, ra, rb, f)
+    for fn in (accum.accum_matmul_reference, accum.accum_matmul):
+        assert same_bits(fn(va, vb, f, a_emin=ea, b_emin=eb), want), fn

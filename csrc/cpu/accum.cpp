@@ -255,15 +255,18 @@ Range scan(const FastKernels& fk, const at::Tensor& x) {  // x float32 contiguou
 at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk, int64_t frac_bits,
                         int64_t group, int64_t align_rounding, bool acc_in_alignment,
                         int64_t acc_man, int64_t acc_rounding, int64_t promote, int64_t e_zero,
-                        int64_t a_emin, int64_t b_emin, const c10::optional<at::Tensor>& a_gexp,
+                        int64_t a_emin, int64_t b_emin, int64_t acc_emin, int64_t acc_emax,
+                        const c10::optional<at::Tensor>& a_gexp,
                         const c10::optional<at::Tensor>& b_gexp,
                         const c10::optional<at::Tensor>& c) {
   const qtensor::AccumSpec s =
       make_spec(chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man, acc_rounding,
-                promote, e_zero, a_emin, b_emin);
+                promote, e_zero, a_emin, b_emin, acc_emin, acc_emax);
   check_operands(a, b);
   const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
-  if (a_gexp || b_gexp || c) return scalar_path(a, b, s, a_gexp, b_gexp, c);
+  // the vector paths have float32 accumulators, no group exponents and no c
+  if (a_gexp || b_gexp || c || s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127)
+    return scalar_path(a, b, s, a_gexp, b_gexp, c);
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
   const at::Tensor ac = a.contiguous();
@@ -370,7 +373,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
 TORCH_LIBRARY_FRAGMENT(qtensor, m) {
   m.def("accum_matmul(Tensor a, Tensor b, int chunk, int frac_bits, int group, "
         "int align_rounding, bool acc_in_alignment, int acc_man, int acc_rounding, int promote, "
-        "int e_zero, int a_emin, int b_emin, Tensor? a_gexp, Tensor? b_gexp, Tensor? c) "
+        "int e_zero, int a_emin, int b_emin, int acc_emin, int acc_emax, Tensor? a_gexp, "
+        "Tensor? b_gexp, Tensor? c) "
         "-> Tensor");
 }
 

@@ -24,13 +24,14 @@ at::Tensor accum_matmul_cuda(const at::Tensor& a, const at::Tensor& b, int64_t c
                              int64_t frac_bits, int64_t group, int64_t align_rounding,
                              bool acc_in_alignment, int64_t acc_man, int64_t acc_rounding,
                              int64_t promote, int64_t e_zero, int64_t a_emin, int64_t b_emin,
+                             int64_t acc_emin, int64_t acc_emax,
                              const c10::optional<at::Tensor>& a_gexp,
                              const c10::optional<at::Tensor>& b_gexp,
                              const c10::optional<at::Tensor>& c) {
   using namespace qtensor_accum;
   const qtensor::AccumSpec s =
       make_spec(chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man, acc_rounding,
-                promote, e_zero, a_emin, b_emin);
+                promote, e_zero, a_emin, b_emin, acc_emin, acc_emax);
   check_operands(a, b);
   TORCH_CHECK(!a_gexp == !b_gexp && (!a_gexp || group > 1), "qtensor::accum_matmul: a_gexp and "
               "b_gexp go together, with group > 1");

@@ -27,6 +27,7 @@ struct AccumSpec {
   int promote;           // chunks per promotion into FP32; 0: never
   int e_zero;            // the alignment exponent of a zero term (kAccZeroExp: none take part)
   int a_emin, b_emin;    // the operands' input formats' minimum normal exponents (the clamp)
+  int acc_emin, acc_emax;  // the accumulator format's exponent range (float32: -126, 127)
 };
 
 constexpr int kAccExpMin = -126;       // float32's minimum normal exponent
@@ -65,13 +66,15 @@ QT_HD double acc_round_int(double x, int mode) {
   return mode == 0 ? trunc(x) : (mode == 1 ? floor(x) : rint(x));
 }
 
-// The exact value v (nonzero or zero, finite) rounded to the accumulator format.
-QT_HD double acc_normalize(double v, int acc_man, int mode) {
+// The exact value v (nonzero or zero, finite) rounded to the accumulator format (acc_man
+// fractional bits, exponents in [emin, emax]: subnormals below, inf from 2^(emax + 1)).
+QT_HD double acc_normalize(double v, int acc_man, int mode, int emin = kAccExpMin,
+                           int emax = 127) {
   if (v == 0.0) return 0.0;
   int e = acc_exp_f64(v);
-  e = e < kAccExpMin ? kAccExpMin : e;
+  e = e < emin ? emin : e;
   const double r = acc_round_int(v * acc_pow2(acc_man - e), mode) * acc_pow2(e - acc_man) + 0.0;
-  return fabs(r) >= 0x1p128 ? (r > 0 ? (double)INFINITY : -(double)INFINITY) : r;
+  return fabs(r) >= acc_pow2(emax + 1) ? (r > 0 ? (double)INFINITY : -(double)INFINITY) : r;
 }
 
 // The IEEE result of a chunk with a non-finite product or partial (b with stride ldb).
@@ -88,7 +91,8 @@ QT_HD double acc_nonfinite(const float* a, const float* b, int64_t ldb, int64_t 
 
 // The new partial from a chunk's exact sum S of scaled terms (units of 2^(emax - frac_bits)).
 QT_HD double acc_finish(double S, int emax, double p, const AccumSpec& s) {
-  const double v = acc_normalize(S * acc_pow2(emax - s.frac_bits), s.acc_man, s.acc_round);
+  const double v = acc_normalize(S * acc_pow2(emax - s.frac_bits), s.acc_man, s.acc_round,
+                                 s.acc_emin, s.acc_emax);
   return s.acc_in_alignment ? v : (double)((float)p + (float)v);
 }
 
@@ -110,8 +114,8 @@ QT_HD double acc_chunk(const float* a, const float* b, const int* ea, const int*
                        const int* gb = nullptr) {
   const bool p_ok = isfinite(p);
   const double pt = s.acc_in_alignment ? p : 0.0;
-  int emax = kAccZeroExp;  // p's alignment exponent (clamped at -126 like an operand's)
-  if (pt != 0.0) emax = acc_exp_f64(pt) < kAccExpMin ? kAccExpMin : acc_exp_f64(pt);
+  int emax = kAccZeroExp;  // p's alignment exponent (clamped at the accumulator's emin)
+  if (pt != 0.0) emax = acc_exp_f64(pt) < s.acc_emin ? s.acc_emin : acc_exp_f64(pt);
   double S = 0.0;
   if (s.group == 1) {
     int em = kAccZeroExp;
