@@ -446,9 +446,11 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
 
 # ---------------------------------------------------------------------------------------------
 # Contractions of QTensor (qtensor/dispatch.py): the aten contraction ``packet`` on unwrapped,
-# operand-rounded arguments, with the products summed by ``f``. Added terms (bias, beta, alpha,
-# the activation of _addmm_activation) are applied afterwards in the payload precision, as a
-# GEMM epilogue does in FP32.
+# operand-rounded arguments, with the products summed by ``f``. The added term beta * C of
+# addmm, baddbmm, addbmm, addmv and _addmm_activation, where C has the output's full shape and
+# alpha == 1, is the datapath's initial accumulator; a broadcast C (a bias), alpha != 1, linear's
+# bias and the activation of _addmm_activation are applied afterwards in the payload precision,
+# as a GEMM epilogue does.
 
 def _f32(x: torch.Tensor, packet: str) -> torch.Tensor:
     if x.dtype == torch.float64:
@@ -523,6 +525,16 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
         beta = _arg(t, ukwargs, 3, "beta", 1)
         alpha = _arg(t, ukwargs, 4, "alpha", 1)
         e12 = dict(a_emin=em[1], b_emin=em[2])
+        # a C of the output's full shape is an accumulator: beta * C (rounded to float32 once)
+        # is the first instruction's accumulator input (an mma's C operand). A broadcast C (a
+        # bias: nn.Linear's addmm) and alpha != 1 stay in the epilogue (cuBLASLt's bias epilogue)
+        oshape = (a.shape[0],) if packet == "addmv" else (
+            (a.shape[1], b.shape[2]) if packet == "addbmm" else (*a.shape[:-1], b.shape[-1]))
+        fed = (alpha == 1 and beta != 0 and isinstance(bias, torch.Tensor)
+               and tuple(bias.shape) == oshape)
+        if fed:
+            c = (bias if beta == 1 else bias * beta).float()
+            e12["c"] = c[:, None] if packet == "addmv" else c
         if packet == "addmv":
             prod = accum_matmul(a, b[:, None], f, **e12)[:, 0]
         elif packet == "addbmm":  # the sum over the batch is one longer contraction
@@ -531,7 +543,7 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
                                 **e12)
         else:
             prod = accum_matmul(a, b, f, **e12)
-        res = _epilogue(prod, bias, beta, alpha)
+        res = prod if fed else _epilogue(prod, bias, beta, alpha)
         if packet == "_addmm_activation":  # ATen's GELU: exact on CPU, tanh (cuBLASLt) on CUDA
             gelu = _arg(t, ukwargs, 5, "use_gelu", False)
             approx = "tanh" if res.is_cuda else "none"

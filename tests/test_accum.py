@@ -286,8 +286,10 @@ def test_zero_and_empty():
 def test_format_is_frozen_hashable_readable():
     f = accum.hopper_fp8
     assert hash(f) == hash(f.replace())
-    assert f == AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=4)
-    assert str(f) == "hopper_fp8: AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=4)"
+    # e_zero: the exponent MMA-Sim gives zero terms on Hopper (-133)
+    assert f == AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=4, e_zero=-133)
+    assert str(f) == ("hopper_fp8: AccumFormat(chunk=32, frac_bits=13, acc_man=13, e_zero=-133, "
+                      "promote=4)")
     with pytest.raises(dataclasses.FrozenInstanceError):
         f.chunk = 3
 
@@ -298,6 +300,9 @@ def test_format_is_frozen_hashable_readable():
     (dict(chunk=8, frac_bits=60), r"frac_bits=60 is too wide .* at most 47"),
     (dict(chunk=8, frac_bits=4, acc_man=24), r"acc_man must be in \[0, 23\], got 24"),
     (dict(chunk=8, frac_bits=4, promote=0), r"promote must be >= 1, got 0"),
+    (dict(chunk=8, frac_bits=4, e_zero=-2000), r"e_zero must be in \[-1000, 128\], got -2000"),
+    (dict(chunk=8, frac_bits=4, acc_emin=-127), r"acc_emin must be in \[-126, 0\], got -127"),
+    (dict(chunk=8, frac_bits=4, acc_emax=128), r"acc_emax must be in \[1, 127\], got 128"),
     (dict(chunk=8, frac_bits=4, align_rounding="up"), r"align_rounding must be one of"),
     (dict(chunk=8, frac_bits=4, acc_rounding="floor"), r"acc_rounding must be one of"),
     (dict(chunk=8.0, frac_bits=4), r"chunk must be an int, got 8.0"),
@@ -473,9 +478,10 @@ def test_qtensor_mm_uses_its_accumulator():
     plain = torch.mm(qa, qb)
     qb.accum = accum.hopper_fp8_fast
     out = torch.mm(qa, qb)
+    # the operands' format is fp8_e4m3: its subnormals align at its minimum normal exponent -6
     want = qt.quantize(accum.accum_matmul(qt.quantize(qa.dequantize(), "fp8_e4m3"),
                                           qt.quantize(qb.dequantize(), "fp8_e4m3"),
-                                          accum.hopper_fp8_fast), "bf16")
+                                          accum.hopper_fp8_fast, a_emin=-6, b_emin=-6), "bf16")
     assert _bits_eq(out, want)
     assert not _bits_eq(out, plain)  # the accumulator changed the result
     assert out.accum is accum.hopper_fp8_fast  # results carry it on
@@ -484,6 +490,30 @@ def test_qtensor_mm_uses_its_accumulator():
     assert _bits_eq(torch.einsum("ik,kj->ij", qa, qb), want)
     assert _bits_eq(torch.nn.functional.linear(qa, qb.t()), want)
     assert (qb.t()).accum is accum.hopper_fp8_fast  # views keep it
+
+
+def test_addmm_and_baddbmm_feed_c_into_the_datapath():
+    """beta * C of the output's shape is the first instruction's accumulator input (a term of
+    its alignment), not an FP32 add afterwards; a broadcast bias stays in the epilogue."""
+    f = accum.hopper_fp16
+    g = torch.Generator().manual_seed(3)
+    a = qt.quantize(torch.randn(4, 48, generator=g), "fp16")
+    b = qt.quantize(torch.randn(48, 5, generator=g), "fp16")
+    c = torch.randn(4, 5, generator=g) * 2.0 ** 20  # large: it truncates the products' sum
+    qa, qb = (qt.as_qtensor(x, "fp32", mm_fmt="fp16") for x in (a, b))  # fp32 results
+    qa.accum = f
+    got = torch.addmm(c, qa, qb)
+    fed = accum.accum_matmul(a, b, f, a_emin=-14, b_emin=-14, c=c)
+    assert _bits_eq(got, fed)
+    assert not _bits_eq(got, accum.accum_matmul(a, b, f, a_emin=-14, b_emin=-14) + c)  # old
+    assert torch.equal(bits(fed), bits(oracle(a, b, f, a_emin=-14, b_emin=-14, c=c)))
+    got = torch.baddbmm(c[None], qa[None], qb[None], beta=2.0)
+    assert _bits_eq(got, accum.accum_matmul(a, b, f, a_emin=-14, b_emin=-14, c=2 * c)[None])
+    bias = c[0]  # (N,): a bias, added after the accumulation
+    prod = accum.accum_matmul(a, b, f, a_emin=-14, b_emin=-14)
+    assert _bits_eq(torch.addmm(bias, qa, qb), prod + bias)
+    got = torch.addmm(c, qa, qb, alpha=0.5)  # alpha != 1: the epilogue
+    assert _bits_eq(got, prod * 0.5 + c)
 
 
 def _linear_model(K=300, N=5):
