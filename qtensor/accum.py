@@ -487,6 +487,35 @@ def _emin_of(x) -> Optional[int]:
     return None
 
 
+def _block_gexp(x: torch.Tensor, q, kdim: int, group: int):
+    """The group exponents of the operand x (K along kdim) of a QTensor q whose operand format
+    has power-of-two block scales by the floor rule (MX): each block's scale exponent, recovered
+    from its largest magnitude, whose element has the element format's top exponent (exact
+    unless the scale was clamped to its format's range). None for other formats (NVFP4's E4M3
+    scales cannot be recovered from the values)."""
+    from .formats import BlockFormat, FloatFormat
+    fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
+    if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
+            and fmt.block_size % group == 0 and isinstance(fmt.elem, FloatFormat)):
+        return None
+    bs = fmt.block_size
+    xk = x.movedim(kdim, -1)
+    K = xk.shape[-1]
+    amax = torch.nn.functional.pad(xk.abs(), (0, -K % bs)).unflatten(-1, (-1, bs)).amax(-1)
+    e = torch.frexp(amax.double()).exponent.to(torch.int64) - 1 - fmt.elem.emax
+    e = torch.where(amax == 0, 0, e).repeat_interleave(bs // group, -1)[..., :-(-K // group)]
+    return e.movedim(-1, kdim)
+
+
+def _gexps(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2) -> dict:
+    """a_gexp/b_gexp for accum_matmul where f has groups and both operands' block scales are
+    known (blackwell_mxfp4 on MXFP4 operands); else none (each group aligned by its sum)."""
+    if f.group == 1:
+        return {}
+    ga, gb = _block_gexp(a, qa, a_kdim, f.group), _block_gexp(b, qb, b_kdim, f.group)
+    return {} if ga is None or gb is None else dict(a_gexp=ga, b_gexp=gb)
+
+
 def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.Tensor:
     """The contraction ``packet`` (an aten op name) summed by ``f``; the payload dtype out.
 
@@ -509,8 +538,9 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
     t = [_f32(x, packet) if isinstance(x, torch.Tensor) else x for x in uargs]
     dtype = next(x.dtype for x in uargs if isinstance(x, torch.Tensor))
     e01 = dict(a_emin=em[0], b_emin=em[1])
+    qq = q + [None] * (3 - len(q))
     if packet in ("mm", "bmm"):
-        res = accum_matmul(t[0], t[1], f, **e01)
+        res = accum_matmul(t[0], t[1], f, **e01, **_gexps(f, t[0], qq[0], t[1], qq[1]))
     elif packet in ("dot", "vdot"):
         res = accum_matmul(t[0][None], t[1][:, None], f, **e01)[0, 0]
     elif packet == "mv":
@@ -518,7 +548,8 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
     elif packet == "linear":
         x, w = t[0], t[1]
         bias = _arg(t, ukwargs, 2, "bias", None)
-        res = accum_matmul(x[None] if x.dim() == 1 else x, w.t(), f, **e01)
+        res = accum_matmul(x[None] if x.dim() == 1 else x, w.t(), f, **e01,
+                           **_gexps(f, x[None] if x.dim() == 1 else x, qq[0], w.t(), qq[1]))
         res = _epilogue(res[0] if x.dim() == 1 else res, bias, 1, 1)
     else:  # an added term: (self, mat1, mat2, *, beta, alpha)
         bias, a, b = t[0], t[1], t[2]
@@ -542,7 +573,7 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
             prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f,
                                 **e12)
         else:
-            prod = accum_matmul(a, b, f, **e12)
+            prod = accum_matmul(a, b, f, **e12, **_gexps(f, a, qq[1], b, qq[2]))
         res = prod if fed else _epilogue(prod, bias, beta, alpha)
         if packet == "_addmm_activation":  # ATen's GELU: exact on CPU, tanh (cuBLASLt) on CUDA
             gelu = _arg(t, ukwargs, 5, "use_gelu", False)

@@ -387,3 +387,53 @@ def test_blackwell_f8f6f4_small_types_equal_mmasim(ta, tb):
     want = mmasim_chain(make, ra, rb, f)
     for fn in (accum.accum_matmul_reference, accum.accum_matmul):
         assert same_bits(fn(va, vb, f, a_emin=ea, b_emin=eb), want), fn
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_kernel_equals_mmasim_on_other_isas(isa):
+    """The baseline and AVX2 copies of the lanes (their e_zero and emin handling) too."""
+    import os
+    import subprocess
+    import sys
+    if os.environ.get("QTENSOR_CPU_ISA"):
+        pytest.skip("already under a capped ISA")
+    sel = "kernel_equals_mmasim and (ampere_bf16 or hopper_fp8-0 or volta or f8f6f4-1)"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", sel],
+                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), capture_output=True,
+                       text=True, timeout=900,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_qtensor_mxfp4_contraction_equals_mmasim():
+    """torch.mm of QTensors with MXFP4 operand formats and blackwell_mxfp4: the block scales,
+    recovered from the rounded operands, align the groups as tcgen05 kind::mxf4 does."""
+    import qtensor as qt
+    g = torch.Generator().manual_seed(11)
+    M, K, N = 5, 256, 4
+    a = torch.randn(M, K, generator=g) * 2.0 ** torch.randint(-20, 20, (M, 1), generator=g)
+    b = torch.randn(K, N, generator=g)
+    b[64:96] *= 2.0 ** 34  # one block of b far above the rest: 35 bits below it, the rest
+    a[:, 64:72] = 1.0  # truncate; in it a group whose products cancel exactly
+    a[:, 72:80] = -1.0
+    b[72:80] = b[64:72]
+    a[:, 130:140] = 0.0
+    qa = qt.as_qtensor(a, "fp32", mm_fmt="mxfp4")
+    qb = qt.as_qtensor(b, "fp32", mm_fmt="mxfp4")
+    qa.accum = accum.blackwell_mxfp4
+    got = torch.mm(qa, qb)
+
+    def split(x):  # (values rounded to MXFP4 along the last dim, elements, scale exponents)
+        xq = qt.quantize(x, "mxfp4")
+        amax = x.abs().unflatten(-1, (-1, 32)).amax(-1)
+        e = torch.frexp(amax).exponent.to(torch.int64) - 1 - 2  # OCP MX: floor(log2 amax) - 2
+        elem = xq / torch.exp2(e.float()).repeat_interleave(32, -1)
+        return elem, e
+    ea_el, ea = split(a)
+    eb_el, eb = split(b.t())
+    xa = (ea + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    xb = (eb + 127).to(torch.uint8).view(torch.float8_e8m0fnu).t()
+    want = mmasim_block_chain(BLOCK_CASES["blackwell_mxfp4"][1], 32, ea_el, eb_el.t(), xa, xb)
+    assert same_bits(got.dequantize() if hasattr(got, "dequantize") else got, want)
