@@ -6,8 +6,10 @@ largest exponent, keeps ``frac_bits`` fractional bits of each, and normalizes th
 accumulator format; libraries add that partial sum into an FP32 accumulator every ``promote``
 instructions. :class:`AccumFormat` describes such a datapath (presets from Volta to Blackwell);
 :func:`accum_matmul` computes a matrix product with it (fused C++ kernel), bit for bit equal to
-:func:`accum_matmul_reference`, the pure-PyTorch statement of the model (MMA-Sim's
-``fused_dot_add``), in which every step is exact in float64.
+:func:`accum_matmul_reference`, the pure-PyTorch statement of the model (MMA-Sim v2's
+``t_fdpa``/``gst_fdpa``: subnormal operands aligned at their format's minimum normal exponent,
+zero terms at ``e_zero``, block-scaled groups at their scales' exponents), in which every step is
+exact in float64; tests/test_accum_mmasim.py checks every preset against ``mmasim``.
 
 Use: ``qt.Recipe(..., accumulate=qt.accum.hopper_fp8)`` or ``t.accum = ...``: every contraction
 with an operand that carries an accumulator sums its products with it, convolutions of every kind
@@ -149,10 +151,12 @@ class AccumFormat:
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets. Sources: MMA-Sim (microsoft/MMA-Sim, mmasim/simulator/nv.py: arch_accum_fractional_bits
+# Presets. Sources: MMA-Sim v2 (microsoft/MMA-Sim, mmasim/nv_ptx/sim.py: _mma_F_bits
 # Volta 23, Turing/Ampere/Ada 24, Hopper/Blackwell 25; FP8 on Hopper (wgmma) and Ada: 13
 # fractional bits and an output truncated to e8m13; kind::mxf4: 35 bits, 16-product groups;
-# split-k halves of Ampere's m16n8k16; every normalization truncates), arXiv 2511.10909, and the
+# split-k halves of Ampere's m16n8k16; a chunk is _mma_L_max_bytes of operands (Volta 8, Turing
+# to Ada 16, Hopper/Blackwell 32); FP32 normalizations truncate, FP16 outputs round to nearest;
+# e_zero per architecture and output type), arXiv 2511.10909v2, and the
 # DeepSeek-V3 report, sec. 3.5.2 (Hopper FP8 keeps ~14 bits; promotion to FP32 every 128
 # elements = 4 WGMMAs, CUTLASS's default interval). Instruction K: PTX ISA (mma.m8n8k4 on Volta,
 # wgmma k16 for f16/bf16 and k32 for FP8, tcgen05 kind::mxf4 k64).

@@ -264,8 +264,9 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
                 promote, e_zero, a_emin, b_emin, acc_emin, acc_emax);
   check_operands(a, b);
   const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
-  // the vector paths have float32 accumulators, no group exponents and no c
-  if (a_gexp || b_gexp || c || s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127)
+  // the vector paths have float32 accumulators and no c; group exponents: the group tiles
+  if (c || s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127 || (a_gexp && s.group == 1) ||
+      !a_gexp != !b_gexp)
     return scalar_path(a, b, s, a_gexp, b_gexp, c);
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
@@ -348,6 +349,22 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
                             .permute({0, 2, 1, 3})
                             .contiguous();  // (B, ldb / C, K, C)
   const float* pb = bp.data_ptr<float>();
+  // the group exponents: a's (B, M, NG), b's in panels like b, (B, ldb / C, NG, C)
+  const int64_t NG = (K + s.group - 1) / s.group;
+  at::Tensor gac, gbp;
+  if (a_gexp) {
+    TORCH_CHECK(a_gexp->sizes() == at::IntArrayRef({B, M, NG}) &&
+                b_gexp->sizes() == at::IntArrayRef({B, NG, N}),
+                "qtensor::accum_matmul: a_gexp must be (", B, ", ", M, ", ", NG, ") and b_gexp (",
+                B, ", ", NG, ", ", N, "), got ", a_gexp->sizes(), " and ", b_gexp->sizes());
+    gac = a_gexp->to(at::kInt).contiguous();
+    gbp = at::constant_pad_nd(b_gexp->to(at::kInt), {0, ldb - N})
+              .reshape({B, NG, ldb / C, C})
+              .permute({0, 2, 1, 3})
+              .contiguous();
+  }
+  const int* pga = a_gexp ? gac.data_ptr<int>() : nullptr;
+  const int* pgb = a_gexp ? gbp.data_ptr<int>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, R * ldb * K));
   at::parallel_for(0, B * tm, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
@@ -355,14 +372,16 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
       const float* a3 = pa + bi * M * K;
       const float* b3 = pb + bi * K * ldb;
       float* o3 = po + bi * M * N;
+      const int* ga3 = pga ? pga + bi * M * NG : nullptr;
+      const int* gb3 = pgb ? pgb + bi * NG * ldb : nullptr;
 #if defined(QT_ACCUM_AVX2)
       if (isa == 2)
-        accum_avx512::rows_groups<8>(a3, b3, K, N, i0, i1, s, o3);
+        accum_avx512::rows_groups<8>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
       else if (isa == 1)
-        accum_avx2::rows_groups<4>(a3, b3, K, N, i0, i1, s, o3);
+        accum_avx2::rows_groups<4>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
       else
 #endif
-        accum_base::rows_groups<2>(a3, b3, K, N, i0, i1, s, o3);
+        accum_base::rows_groups<2>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
     }
   });
   return out;

@@ -20,6 +20,28 @@
 // 0.29 -> ~0.15-0.17 (the AVX2 copy unchanged: 0.38, 0.29); the emax loop and finish_chunk are
 // still about half of it at chunk 16.
 
+// With group exponents (ga, gb: Blackwell's block-scale exponents): lane w's emax over a chunk's
+// ng groups, each at ga[j] + gb[j * ldg + w] unless its products are all zero (a zero group sum
+// g[j * gs + w] is checked on the operands a[0:n], b (row stride ldb)), then at e_zero; pe: p's
+// exponent (kAccZeroExp: none, or zero in the alignment).
+inline int64_t group_emax_gexp(const double* g, int64_t gs, int64_t ng, int w, const int* ga,
+                               const int* gb, int64_t ldg, const float* a, const float* b,
+                               int64_t ldb, int64_t n, int64_t pe, const qtensor::AccumSpec& s) {
+  int64_t em = pe;
+  bool z = n < s.chunk || (s.acc_in_alignment && pe == qtensor::kAccZeroExp);
+  for (int64_t j = 0; j < ng; ++j) {
+    bool nonzero = g[j * gs + w] != 0.0;
+    const int64_t k1 = std::min<int64_t>((j + 1) * s.group, n);
+    for (int64_t k = j * s.group; k < k1 && !nonzero; ++k)
+      nonzero = a[k] != 0.0f && b[k * ldb + w] != 0.0f;
+    if (nonzero)
+      em = std::max<int64_t>(em, (int64_t)ga[j] + gb[j * ldg + w]);
+    else
+      z = true;
+  }
+  return z && em < s.e_zero ? s.e_zero : em;
+}
+
 // MMA-Sim's e_zero in a chunk's emax em[0:W] (lanes of columns w, b with row stride ldb): where
 // em is below e_zero (rare: every nonzero term tiny) and the lane has a zero term (a padding slot,
 // a zero partial in the alignment: pz, a zero product), em = e_zero. Called where s.e_zero is set.
@@ -319,7 +341,8 @@ using RowLanes = Lanes<V, group_cols(V) / V>;
 template <int MODE, int V>
 inline void group_chunk(const double* g, int64_t ng, RowLanes<V>& L, const float* a,
                         const float* b, int64_t ldb, int64_t n, bool last,
-                        const qtensor::AccumSpec& s) {
+                        const qtensor::AccumSpec& s, const int* ga = nullptr,
+                        const int* gb = nullptr) {
   constexpr int NV = RowLanes<V>::N / V;
   vi<V> m[NV], e[NV];  // the largest |g| (as bits): its exponent is the groups'
   vd<V> sc[NV], S[NV];
@@ -332,7 +355,19 @@ inline void group_chunk(const double* g, int64_t ng, RowLanes<V>& L, const float
       m[v] = x > m[v] ? x : m[v];
     }
   L.p_exps(s, e);
-  for (int v = 0; v < NV; ++v) {
+  if (ga != nullptr) {  // the groups at their block-scale exponents (group_emax_gexp)
+    for (int v = 0; v < NV; ++v) {
+      int64_t ev[V];
+      std::memcpy(ev, &e[v], sizeof ev);
+      for (int w = 0; w < V; ++w)
+        ev[w] = group_emax_gexp(g, L.N, ng, v * V + w, ga, gb, L.N, a, b, ldb, n, ev[w], s);
+      std::memcpy(&e[v], ev, sizeof ev);
+      e[v] = e[v] < -1022 ? vi<V>{} : e[v];  // all terms zero: any scale will do
+      sc[v] = pow2v<V>(s.frac_bits - e[v]);
+      S[v] = vd<V>{};
+    }
+  }
+  for (int v = 0; v < NV && ga == nullptr; ++v) {
     // a zero's exponent reads -1023 (a nonzero sum of float32 products is at least 2^-298): where
     // all terms are zero any scale will do; inf or NaN (1024) make S non-finite
     const vi<V> eg = expv<V>((vd<V>)m[v]);
@@ -443,13 +478,22 @@ using RowLanes = Lanes;
 // groups (floor(log2|g|), unclamped) and p, the rounded scaled terms' sum, finish_chunk.
 template <int MODE, int V>
 inline void group_chunk(const double* g, int64_t ng, Lanes& L, const float* a, const float* b,
-                        int64_t ldb, int64_t n, bool last, const qtensor::AccumSpec& s) {
+                        int64_t ldb, int64_t n, bool last, const qtensor::AccumSpec& s,
+                        const int* ga = nullptr, const int* gb = nullptr) {
   using namespace qtensor;
   static_assert(group_cols(V) == W, "one Lanes per row");
   int em[W];
   double sc[W], S[W];
   L.p_exps(s, em);
   for (int w = 0; w < W; ++w) {
+    if (ga != nullptr) {  // the groups at their block-scale exponents
+      em[w] = (int)group_emax_gexp(g, W, ng, w, ga, gb, W, a, b, ldb, n, em[w], s);
+      em[w] = em[w] < kAccZeroExp / 2 ? 0 : em[w];
+      sc[w] = acc_pow2(s.frac_bits - em[w]);
+      S[w] = 0.0;
+      for (int64_t j = 0; j < ng; ++j) S[w] += acc_round_int(g[j * W + w] * sc[w], MODE);
+      continue;
+    }
     bool z = n < s.chunk || (s.acc_in_alignment && em[w] == kAccZeroExp);
     for (int64_t j = 0; j < ng; ++j) {  // inf or NaN (1024) make S non-finite
       const double t = g[j * W + w];
@@ -579,7 +623,8 @@ inline void group_sums(const double* a, int64_t lda, const float* b, int64_t n, 
 
 template <int V, int MODE>
 void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int64_t i0,
-                      int64_t i1, const qtensor::AccumSpec& s, float* out) {
+                      int64_t i1, const qtensor::AccumSpec& s, float* out, const int* ga,
+                      const int* gb) {
   constexpr int R = group_rows(V), C = group_cols(V);
   // the tile's rows of a in double (zero rows past i1), then the group sums of a chunk; kept
   // per thread: a fresh large allocation per task would fault its pages in every time
@@ -590,6 +635,8 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
   for (int64_t r = 0; r < R; ++r)
     for (int64_t k = 0; k < K; ++k) ad[r * K + k] = i0 + r < i1 ? (double)a[(i0 + r) * K + k] : 0.0;
   float tmp[C];
+  // the group exponents: ga (M, NG) rows, gb (panels, NG, C)
+  const int64_t NG = (K + s.group - 1) / s.group;
   for (int64_t j0 = 0; j0 < N; j0 += C) {
     const float* bj = b + j0 * K;  // the panel of columns j0 .. j0 + C - 1
     RowLanes<V> L[R];
@@ -598,7 +645,8 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
       group_sums<V>(ad + k0, K, bj + k0 * C, n, s.group, G);
       for (int64_t r = 0; r < i1 - i0; ++r)
         group_chunk<MODE, V>(G + r * ng * C, ng, L[r], a + (i0 + r) * K + k0, bj + k0 * C, C, n,
-                             k0 + n == K, s);
+                             k0 + n == K, s, ga ? ga + (i0 + r) * NG + k0 / s.group : nullptr,
+                             ga ? gb + (j0 / C * NG + k0 / s.group) * C : nullptr);
     }
     for (int64_t r = 0; r < i1 - i0; ++r) {
       L[r].store(tmp, s);
@@ -612,10 +660,11 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
 // panels of group_cols(V) columns, each (K, C) contiguous (zero columns pad the last one).
 template <int V>
 void rows_groups(const float* a, const float* b, int64_t K, int64_t N, int64_t i0, int64_t i1,
-                 const qtensor::AccumSpec& s, float* out) {
+                 const qtensor::AccumSpec& s, float* out, const int* ga = nullptr,
+                 const int* gb = nullptr) {
   switch (s.align_round) {
-    case 0: rows_groups_mode<V, 0>(a, b, K, N, i0, i1, s, out); break;
-    case 1: rows_groups_mode<V, 1>(a, b, K, N, i0, i1, s, out); break;
-    default: rows_groups_mode<V, 2>(a, b, K, N, i0, i1, s, out); break;
+    case 0: rows_groups_mode<V, 0>(a, b, K, N, i0, i1, s, out, ga, gb); break;
+    case 1: rows_groups_mode<V, 1>(a, b, K, N, i0, i1, s, out, ga, gb); break;
+    default: rows_groups_mode<V, 2>(a, b, K, N, i0, i1, s, out, ga, gb); break;
   }
 }
