@@ -399,7 +399,7 @@ def test_kernel_equals_mmasim_on_other_isas(isa):
     if os.environ.get("QTENSOR_CPU_ISA"):
         pytest.skip("already under a capped ISA")
     sel = ("kernel_equals_mmasim and (ampere_bf16 or hopper_fp8-0 or volta or f8f6f4-1 or "
-           "blackwell_mxfp4 or blackwell_nvfp4) or qtensor_mxfp4")
+           "blackwell_mxfp4 or blackwell_nvfp4 or hopper_fp8_f16-0) or qtensor_mxfp4")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.abspath(__file__), "-k", sel],
                        env=dict(os.environ, QTENSOR_CPU_ISA=isa), capture_output=True,

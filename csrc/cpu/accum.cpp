@@ -197,6 +197,7 @@ at::Tensor scalar_path(const at::Tensor& a, const at::Tensor& b, const qtensor::
 bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
                   FastLimits* lim) {
   if (s.group != 1 || !ra.normal || !rb.normal || ra.bits() + rb.bits() > 24) return false;
+  if (s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127) return false;  // float32 partials
   const int F = s.frac_bits;
   lim->emax = F + 96;
   lim->sums = INT32_MAX;
@@ -264,9 +265,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
                 promote, e_zero, a_emin, b_emin, acc_emin, acc_emax);
   check_operands(a, b);
   const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
-  // the vector paths have float32 accumulators and no c; group exponents: the group tiles
-  if (c || s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127 || (a_gexp && s.group == 1) ||
-      !a_gexp != !b_gexp)
+  // the vector paths take no c; group exponents: the group tiles
+  if (c || (a_gexp && s.group == 1) || !a_gexp != !b_gexp)
     return scalar_path(a, b, s, a_gexp, b_gexp, c);
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;

@@ -201,13 +201,13 @@ inline vd<V> finish_v(vd<V> S, vi<V> em, vd<V> sc, vd<V> p, const qtensor::Accum
   if (s.acc_in_alignment) S = S + round_v<MODE, V>(p * sc);
   const vd<V> v = S * pow2v<V>(em - s.frac_bits);
   vi<V> e = expv<V>(v);
-  e = e < qtensor::kAccExpMin ? splat_i<V>(qtensor::kAccExpMin) : e;
+  e = e < s.acc_emin ? splat_i<V>(s.acc_emin) : e;  // the accumulator's subnormal grid
   vd<V> y = v * pow2v<V>(s.acc_man - e);
   y = s.acc_round == 0 ? round_v<0, V>(y) : round_v<2, V>(y);
   const vd<V> r = y * pow2v<V>(e - s.acc_man) + 0.0;  // + 0: a zero result is +0
   const vi<V> mag = (vi<V>)r & INT64_MAX, inf = splat_i<V>(0x7ff0000000000000);
-  const vd<V> out = (vd<V>)(mag >= splat_i<V>(int64_t{1023 + 128} << 52)
-                                ? ((vi<V>)r & INT64_MIN) | inf : (vi<V>)r);  // >= 2^128: inf
+  const vd<V> out = (vd<V>)(mag >= splat_i<V>(int64_t{1024 + s.acc_emax} << 52)
+                                ? ((vi<V>)r & INT64_MIN) | inf : (vi<V>)r);  // 2^(emax+1): inf
   if (s.acc_in_alignment) return out;
   return __builtin_convertvector(
       __builtin_convertvector(p, vf<V>) + __builtin_convertvector(out, vf<V>), vd<V>);
@@ -226,11 +226,12 @@ struct Lanes {
     for (int v = 0; v < NV; ++v) { p[v] = vd<V>{}; acc[v] = vf<V>{}; }
   }
 
-  // p's alignment exponents (clamped at -126) where p is a nonzero term, else kAccZeroExp
+  // p's alignment exponents (clamped at the accumulator's emin) where p is a nonzero term, else
+  // kAccZeroExp
   void p_exps(const qtensor::AccumSpec& s, vi<V>* e) const {
     for (int v = 0; v < NV; ++v) {
       vi<V> ep = expv<V>(p[v]);
-      ep = ep < qtensor::kAccExpMin ? splat_i<V>(qtensor::kAccExpMin) : ep;
+      ep = ep < s.acc_emin ? splat_i<V>(s.acc_emin) : ep;
       const vi<V> none = splat_i<V>(qtensor::kAccZeroExp);
       e[v] = s.acc_in_alignment ? (p[v] == 0.0 ? none : ep) : none;
     }
@@ -411,7 +412,7 @@ struct Lanes {
     for (int w = 0; w < W; ++w) {
       const double pt = s.acc_in_alignment ? p[w] : 0.0;
       const int e = pt == 0.0 ? qtensor::kAccZeroExp : qtensor::acc_exp_f64(pt);
-      em[w] = pt != 0.0 && e < qtensor::kAccExpMin ? qtensor::kAccExpMin : e;
+      em[w] = pt != 0.0 && e < s.acc_emin ? s.acc_emin : e;
     }
   }
 
