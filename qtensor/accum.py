@@ -40,7 +40,9 @@ _ZERO_EXP = -100000      # the alignment exponent of a zero term: below every re
 # the minimum normal exponent of an operand's input format (MMA-Sim's dtype_subnormal_exponent):
 # a subnormal operand aligns as if its exponent were this one
 _DTYPE_EMIN = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14,
-               torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
+               torch.float8_e4m3fn: -6, torch.float8_e5m2: -14,
+               torch.float8_e4m3fnuz: -7, torch.float8_e5m2fnuz: -15}  # fnuz: AMD CDNA3's FP8
+STAGES = ("fused", "cdna3", "cdna3_fp8")
 
 
 class AccumFormatError(ValueError):
@@ -71,6 +73,11 @@ class AccumFormat:
     acc_emin / acc_emax: the accumulator format's exponent range (float32's by default; FP16
     output: -14, 15): its subnormal grid, the clamp of the partial's alignment exponent and the
     overflow to inf at 2^(acc_emax + 1).
+    stages: ``fused`` (the one-stage alignment above: NVIDIA), or AMD CDNA3's two stages (MMA-Sim's
+    MMA_TR_FDPA, ``cdna3``; MMA_GTR_FDPA, ``cdna3_fp8``, whose products are fused as two
+    interleaved halves): the products fused with frac_bits bits (truncated), the partial added
+    in a second alignment with floor at 32 / frac_bits bits, the sum floored to 31 bits and
+    rounded to nearest FP32 (the other fields keep their defaults; reference only, no kernel).
     """
 
     chunk: int
@@ -84,6 +91,7 @@ class AccumFormat:
     e_zero: Optional[int] = None
     acc_emin: int = -126
     acc_emax: int = 127
+    stages: str = "fused"
     name: Optional[str] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -107,6 +115,11 @@ class AccumFormat:
                                    f"got {self.acc_rounding!r}")
         if self.e_zero is not None:
             _check_int("e_zero", self.e_zero, -1000, 128)
+        if self.stages not in STAGES:
+            raise AccumFormatError(f"AccumFormat.stages must be one of {STAGES}, got "
+                                   f"{self.stages!r}")
+        if self.stages != "fused" and self.group != 1:
+            raise AccumFormatError("AccumFormat: the CDNA3 stages take no groups")
         _check_int("acc_emin", self.acc_emin, -126, 0)
         _check_int("acc_emax", self.acc_emax, 1, 127)
         if not isinstance(self.acc_in_alignment, bool):
@@ -141,6 +154,8 @@ class AccumFormat:
             parts.append(f"acc_rounding={self.acc_rounding}")
         if self.e_zero is not None:
             parts.append(f"e_zero={self.e_zero}")
+        if self.stages != "fused":
+            parts.append(f"stages={self.stages}")
         if (self.acc_emin, self.acc_emax) != (-126, 127):
             parts.append(f"acc_emin={self.acc_emin}, acc_emax={self.acc_emax}")
         parts.append(f"promote={self.promote}")
@@ -201,6 +216,13 @@ PRESETS = {p.name: p for p in (
     # instruction's C
     _preset("hopper_fp8_f16", chunk=32, frac_bits=13, acc_man=10, acc_rounding="nearest",
             acc_emin=-14, acc_emax=15, e_zero=-21),
+    # AMD CDNA3 (MI300) v_mfma_f32_*_f16/bf16: 8 products fused with 24 bits, then the partial
+    # in a second stage (MMA-Sim amd/sim.py: MMA_TR_FDPA(F=24, F2=31, RNE-FP32, L_max=8))
+    _preset("cdna3_fp16", chunk=8, frac_bits=24, stages="cdna3"),
+    _preset("cdna3_bf16", chunk=8, frac_bits=24, stages="cdna3"),
+    # v_mfma_f32_*_fp8/bf8 (e4m3fnuz/e5m2fnuz): 16 products as two interleaved halves of 8
+    # (MMA_GTR_FDPA(F=24, F2=31, RNE-FP32, L_max=16))
+    _preset("cdna3_fp8", chunk=16, frac_bits=24, stages="cdna3_fp8"),
 )}
 globals().update(PRESETS)
 
@@ -283,6 +305,51 @@ def _nonfinite(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.where(nan | (pos & neg), math.nan, out).to(t.dtype)
 
 
+def _trunc_fuse(t, et, F):
+    """MMA-Sim's truncated fused sum of the nonzero terms t (dim -2) at alignment exponents et:
+    (the integer sum of trunc(t * 2^(F - emax)), emax); emax -999 where all are zero."""
+    et = torch.where(t == 0, -999, et)
+    emax = et.amax(-2)
+    return torch.trunc(t * _pow2(F - emax)[..., None, :]).sum(-2), emax
+
+
+def _cdna3_chunk(a, b, ea, eb, p, f):
+    """One CDNA3 MFMA step (stages ``cdna3``/``cdna3_fp8``): the new partial from the chunk's
+    operands a (..., M, k), b (..., k, N) (float64, alignment exponents ea, eb) and p."""
+    F, F2 = f.frac_bits, 31
+    t = a[..., :, :, None] * b[..., None, :, :]
+    et = ea[..., :, :, None] + eb[..., None, :, :]
+    if f.stages == "cdna3":  # a product of 2^128 or more (its significand in [1, 4)) is inf
+        over = (et + (t.abs() >= _pow2(et + 1)).long()) >= 128
+        t = torch.where(over & torch.isfinite(t), t.sign() * math.inf, t)
+    tbad = ~torch.isfinite(t).all(-2)
+    pbad = ~torch.isfinite(p)
+    tf = torch.where(torch.isfinite(t), t, 0.0)
+    if f.stages == "cdna3":
+        D, ed = _trunc_fuse(tf, et, F)  # the products' sum: D * 2^(ed - F)
+    else:  # two interleaved halves, each fused, then added at F bits of the larger exponent
+        De, ee = _trunc_fuse(tf[..., 0::2, :], et[..., 0::2, :], F)
+        Do, eo = _trunc_fuse(tf[..., 1::2, :], et[..., 1::2, :], F)
+        ed = torch.maximum(ee, eo)
+        D = (torch.floor(De * _pow2(ee - ed)) + torch.floor(Do * _pow2(eo - ed)))
+    pf = torch.where(pbad, 0.0, p)
+    ec = torch.where(pf == 0, -126, _exponent(pf, -126))
+    ec = torch.where(pbad, -1, ec)  # an inf/NaN partial aligns at -1 (frexp's exponent 0)
+    em = torch.maximum(ed, ec)
+    if f.stages == "cdna3_fp8":  # a partial 25 or more binades below the products is dropped,
+        pbad = pbad & ~(ec < em - F - 1)  # an inf/NaN one too (as MMA-Sim's MMA_GTR_FDPA)
+    bad = tbad | pbad
+    sd = torch.floor(D * _pow2(ed - F) * _pow2(F2 + 1 - em))   # at 2^(em - 32)
+    sc = torch.floor(pf * _pow2(F - em))                      # at 2^(em - F)
+    if f.stages == "cdna3_fp8":
+        sc = torch.where(ec < em - F - 1, 0.0, sc)
+    v = sd * _pow2(em - F2 - 1) + sc * _pow2(em - F)
+    ev = torch.where(v == 0, 0, _exponent(v, -126))
+    r = torch.floor(v * _pow2(F2 - ev)) * _pow2(ev - F2)
+    new = r.float().double() + 0.0  # to nearest FP32 (inf from 2^128)
+    return torch.where(bad, _nonfinite(t, torch.where(pbad, p, 0.0)), new)
+
+
 def _group_exps(x, want, name):
     """A group-exponent tensor (int) of the shape ``want``, as int64 (None stays None)."""
     if x is None:
@@ -332,6 +399,12 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=No
     ez = f.e_zero
     for ci, k0 in enumerate(range(0, K, f.chunk)):
         k1 = min(k0 + f.chunk, K)
+        if f.stages != "fused":
+            p = _cdna3_chunk(a[..., :, k0:k1], b[..., k0:k1, :], ea[..., :, k0:k1],
+                             eb[..., k0:k1, :], p, f)
+            if f.promote is not None and ((ci + 1) % f.promote == 0 or k1 == K):
+                acc, p = acc + p.float(), torch.zeros_like(p)
+            continue
         # 1. the exact products, (..., M, k, N), and their alignment exponents e(a) + e(b)
         t = a[..., :, k0:k1, None] * b[..., None, k0:k1, :]
         et = ea[..., :, k0:k1, None] + eb[..., None, k0:k1, :]
@@ -428,7 +501,7 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul")
     kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
-    if not _kernel_ready(a):
+    if not _kernel_ready(a) or f.stages != "fused":  # the kernel has one alignment stage
         return accum_matmul_reference(a, b, f, **kw)
     a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])

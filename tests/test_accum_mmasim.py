@@ -21,7 +21,8 @@ from mmasim import nv_ptx  # noqa: E402
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 F16, BF16 = torch.float16, torch.bfloat16
 TF32 = torch.float32  # tf32 values (the low 13 mantissa bits zero) in float32
-EMIN = {F16: -14, BF16: -126, E4M3: -6, E5M2: -14, TF32: -126}  # minimum normal exponents
+E4Z, E5Z = torch.float8_e4m3fnuz, torch.float8_e5m2fnuz  # AMD CDNA3's FP8
+EMIN = {F16: -14, BF16: -126, E4M3: -6, E5M2: -14, TF32: -126, E4Z: -7, E5Z: -15}
 PTX = {F16: "f16", BF16: "bf16", E4M3: "e4m3", E5M2: "e5m2"}
 
 
@@ -51,6 +52,12 @@ def _cases():
         for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
     c["hopper_fp8_f16"] = [(x, y, _nv("Hopper", "WGMMA", f"m64n8k32.f16.{PTX[x]}.{PTX[y]}"))
                            for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    from mmasim import amd
+    c["cdna3_fp16"] = [(F16, F16, lambda: amd.MFMA("CDNA3", "f32_16x16x16_f16"))]
+    c["cdna3_bf16"] = [(BF16, BF16, lambda: amd.MFMA("CDNA3", "f32_16x16x16_bf16"))]
+    c["cdna3_fp8"] = [(x, y, (lambda nx=nx, ny=ny: amd.MFMA("CDNA3", f"f32_16x16x32_{nx}_{ny}")))
+                      for x, nx in ((E4Z, "fp8"), (E5Z, "bf8")) for y, ny in ((E4Z, "fp8"),
+                                                                              (E5Z, "bf8"))]
     c["ampere_tf32"] = [(TF32, TF32, _nv("Ampere", "MMA", "m16n8k8.f32.tf32.tf32.f32"))]
     c["hopper_tf32"] = [(TF32, TF32, _nv("Hopper", "WGMMA", "m64n8k8.f32.tf32.tf32"))]
     c["blackwell_tf32"] = [(TF32, TF32, _nv("Blackwell", "TCGen05MMA",
@@ -63,8 +70,8 @@ CASES = _cases()
 
 def draw(g, dtype, shape, nonfinite=True):
     """Codes of dtype: a mixture of the whole code range, moderate values, zeros, subnormals."""
-    nbits = 8 if dtype in (E4M3, E5M2) else (32 if dtype == TF32 else 16)
-    man = {F16: 10, BF16: 7, E4M3: 3, E5M2: 2, TF32: 23}[dtype]
+    nbits = 8 if dtype in (E4M3, E5M2, E4Z, E5Z) else (32 if dtype == TF32 else 16)
+    man = {F16: 10, BF16: 7, E4M3: 3, E5M2: 2, TF32: 23, E4Z: 3, E5Z: 2}[dtype]
     codes = torch.randint(0, 1 << nbits, shape, generator=g, dtype=torch.int64)
     if not nonfinite:  # keep the exponent field below all-ones
         x = _view(codes, dtype)
@@ -79,11 +86,13 @@ def draw(g, dtype, shape, nonfinite=True):
     codes = torch.where((u >= 0.6) & (u < 0.72), 0, codes)
     if dtype == TF32:  # tf32: the low 13 mantissa bits zero
         codes = codes & ~0x1FFF
+    if dtype in (E4Z, E5Z) and not nonfinite:  # fnuz: 0x80 is the only NaN
+        codes = torch.where(codes == 0x80, 0, codes)
     return _view(codes, dtype)
 
 
 def _view(codes, dtype):
-    if dtype in (E4M3, E5M2):
+    if dtype in (E4M3, E5M2, E4Z, E5Z):
         return codes.to(torch.uint8).view(dtype)
     if dtype == TF32:  # wraps to the 32-bit pattern
         signed = (codes + (1 << 31)) % (1 << 32) - (1 << 31)
