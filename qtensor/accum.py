@@ -211,6 +211,11 @@ PRESETS = {p.name: p for p in (
     # tcgen05 kind::f8f6f4 (FP8/FP6/FP4 operands without block scales): 32 K-elements, 25 bits;
     # FP6/FP4 subnormals align at their formats' minimum normal exponents (a_emin/b_emin)
     _preset("blackwell_f8f6f4", chunk=32, frac_bits=25, e_zero=-133),
+    # tcgen05 kind::mxf8f6f4 block32 (MXFP8/MXFP6/MXFP4 operands, E8M0 scales): the same 25-bit
+    # path, each product at its elements' and scales' exponents (MMA-Sim's MMA_ST_FDPA): on the
+    # dequantized operands, an element's clamp is its format's emin plus its block's scale
+    # exponent (per-element a_emin/b_emin, from the MX operand format in QTensor contractions)
+    _preset("blackwell_mxf8f6f4", chunk=32, frac_bits=25, e_zero=-133),
     # wgmma k32 FP8 with an FP16 accumulator (.f16 D/C): 13 bits, each result rounded to
     # nearest FP16 (MMA-Sim's RNE-FP16), zero terms at -21; the FP16 partial is the next
     # instruction's C
@@ -272,10 +277,15 @@ def _exponent(x: torch.Tensor, emin) -> torch.Tensor:
     return torch.where(x == 0, _ZERO_EXP, e)
 
 
-def _operand_emin(x: torch.Tensor, emin) -> int:
-    """The clamp of an operand's alignment exponent: emin, else its dtype's minimum normal one."""
+def _operand_emin(x: torch.Tensor, emin):
+    """The clamp of an operand's alignment exponent: emin (an int, or an int tensor broadcast to
+    x: per-element clamps, as a block format's), else its dtype's minimum normal one."""
     if emin is None:
         return _DTYPE_EMIN[x.dtype]
+    if isinstance(emin, torch.Tensor):
+        if emin.dtype.is_floating_point or emin.dtype == torch.bool:
+            raise ValueError(f"an operand's emin tensor must have an integer dtype, got {emin.dtype}")
+        return emin.to(torch.int64).to(x.device).expand(x.shape)
     if isinstance(emin, bool) or not isinstance(emin, int) or not -1000 <= emin <= 127:
         raise ValueError(f"an operand's emin must be an int in [-1000, 127], got {emin!r}")
     return emin
@@ -388,6 +398,10 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=No
     b_gexp = _group_exps(b_gexp, (*batch, G, N), "b_gexp")
     a = a.float().expand(*batch, M, K).double()
     b = b.float().expand(*batch, K, N).double()
+    if isinstance(a_emin, torch.Tensor):
+        a_emin = a_emin.expand(*batch, M, K)
+    if isinstance(b_emin, torch.Tensor):
+        b_emin = b_emin.expand(*batch, K, N)
     ea = _exponent(a, a_emin)
     eb = _exponent(b, b_emin)
     shape = (*batch, M, N)
@@ -501,9 +515,12 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul")
     kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
-    if not _kernel_ready(a) or f.stages != "fused":  # the kernel has one alignment stage
+    tensors = isinstance(a_emin, torch.Tensor) or isinstance(b_emin, torch.Tensor)
+    if (not _kernel_ready(a) or f.stages != "fused"  # the kernel has one alignment stage
+            or (tensors and a.device.type != "cpu")):  # per-element clamps: the CPU kernel
         return accum_matmul_reference(a, b, f, **kw)
     a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
+    a_emins = b_emins = None
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     B = math.prod(batch)  # not -1: a zero-size operand leaves -1 ambiguous
@@ -515,9 +532,14 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
         b_gexp = _group_exps(b_gexp, (*batch, G, N), "b_gexp").reshape(B, G, N).to(a.device)
     if c is not None:
         c = c.float().expand(*batch, M, N).reshape(B, M, N)
+    if isinstance(a_emin, torch.Tensor):  # per-element clamps (the scalar one: none)
+        a_emins, a_emin = a_emin.expand(*batch, M, K).reshape(B, M, K).int(), -1000
+    if isinstance(b_emin, torch.Tensor):
+        b_emins, b_emin = b_emin.expand(*batch, K, N).reshape(B, K, N).int(), -1000
     a3 = a.float().expand(*batch, M, K).reshape(B, M, K)
     b3 = b.float().expand(*batch, K, N).reshape(B, K, N)
-    out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp, c)
+    out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp, c,
+                                         a_emins, b_emins)
     return out.reshape(*batch, M, N)
 
 
@@ -584,11 +606,49 @@ def _block_gexp(x: torch.Tensor, q, kdim: int, group: int):
     return e.movedim(-1, kdim)
 
 
+def _mx_scale_exps(x: torch.Tensor, fmt, kdim: int):
+    """Each element's block-scale exponent (x's shape) of x, rounded to the MX format fmt along
+    kdim (as _block_gexp recovers it), or None for other formats."""
+    from .formats import BlockFormat, FloatFormat
+    if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
+            and isinstance(fmt.elem, FloatFormat)):
+        return None
+    bs = fmt.block_size
+    xk = x.movedim(kdim, -1)
+    K = xk.shape[-1]
+    amax = torch.nn.functional.pad(xk.abs(), (0, -K % bs)).unflatten(-1, (-1, bs)).amax(-1)
+    e = torch.frexp(amax.double()).exponent.to(torch.int64) - 1 - fmt.elem.emax
+    e = torch.where(amax == 0, 0, e).repeat_interleave(bs, -1)[..., :K]
+    return e.movedim(-1, kdim)
+
+
+def _mx_emin(x: torch.Tensor, q, kdim: int):
+    """Per-element clamps of an MX operand (the element format's minimum normal exponent plus
+    the block's scale exponent) where one of its elements is subnormal in its format, else None
+    (then its float32 exponents are already the hardware's: no clamp binds)."""
+    fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
+    e = _mx_scale_exps(x, fmt, kdim)
+    if e is None:
+        return None
+    em = e + fmt.elem.emin
+    if torch.compiler.is_compiling():  # no data-dependent branch in a graph
+        return em
+    if not ((x != 0) & (x.abs() < torch.exp2(em.double()))).any():
+        return None
+    return em
+
+
 def _gexps(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2) -> dict:
     """a_gexp/b_gexp for accum_matmul where f has groups and both operands' block scales are
     known (blackwell_mxfp4 on MXFP4 operands); else none (each group aligned by its sum)."""
-    if f.group == 1:
-        return {}
+    if f.group == 1:  # MX elements: their subnormals clamp at the block's minimum normal
+        out = {}
+        ea, eb = _mx_emin(a, qa, a_kdim), _mx_emin(b, qb, b_kdim)
+        if ea is not None:
+            out["a_emin"] = ea
+        if eb is not None:
+            out["b_emin"] = eb
+        return out
     ga, gb = _block_gexp(a, qa, a_kdim, f.group), _block_gexp(b, qb, b_kdim, f.group)
     return {} if ga is None or gb is None else dict(a_gexp=ga, b_gexp=gb)
 
@@ -617,7 +677,7 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
     e01 = dict(a_emin=em[0], b_emin=em[1])
     qq = q + [None] * (3 - len(q))
     if packet in ("mm", "bmm"):
-        res = accum_matmul(t[0], t[1], f, **e01, **_gexps(f, t[0], qq[0], t[1], qq[1]))
+        res = accum_matmul(t[0], t[1], f, **{**e01, **_gexps(f, t[0], qq[0], t[1], qq[1])})
     elif packet in ("dot", "vdot"):
         res = accum_matmul(t[0][None], t[1][:, None], f, **e01)[0, 0]
     elif packet == "mv":
@@ -625,8 +685,8 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
     elif packet == "linear":
         x, w = t[0], t[1]
         bias = _arg(t, ukwargs, 2, "bias", None)
-        res = accum_matmul(x[None] if x.dim() == 1 else x, w.t(), f, **e01,
-                           **_gexps(f, x[None] if x.dim() == 1 else x, qq[0], w.t(), qq[1]))
+        x2 = x[None] if x.dim() == 1 else x
+        res = accum_matmul(x2, w.t(), f, **{**e01, **_gexps(f, x2, qq[0], w.t(), qq[1])})
         res = _epilogue(res[0] if x.dim() == 1 else res, bias, 1, 1)
     else:  # an added term: (self, mat1, mat2, *, beta, alpha)
         bias, a, b = t[0], t[1], t[2]
@@ -650,7 +710,7 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
             prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f,
                                 **e12)
         else:
-            prod = accum_matmul(a, b, f, **e12, **_gexps(f, a, qq[1], b, qq[2]))
+            prod = accum_matmul(a, b, f, **{**e12, **_gexps(f, a, qq[1], b, qq[2])})
         res = prod if fed else _epilogue(prod, bias, beta, alpha)
         if packet == "_addmm_activation":  # ATen's GELU: exact on CPU, tanh (cuBLASLt) on CUDA
             gelu = _arg(t, ukwargs, 5, "use_gelu", False)

@@ -447,3 +447,73 @@ def test_qtensor_mxfp4_contraction_equals_mmasim():
     xb = (eb + 127).to(torch.uint8).view(torch.float8_e8m0fnu).t()
     want = mmasim_block_chain(BLOCK_CASES["blackwell_mxfp4"][1], 32, ea_el, eb_el.t(), xa, xb)
     assert same_bits(got.dequantize() if hasattr(got, "dequantize") else got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blackwell kind::mxf8f6f4 block32 (MXFP8 operands, E8M0 scales): each product at its elements'
+# (clamped at the element format's minimum normal exponent) and scales' exponents
+
+@pytest.mark.parametrize("ta", [E4M3, E5M2])
+@pytest.mark.parametrize("tb", [E4M3, E5M2])
+def test_blackwell_mxf8f6f4_block_scaled_equals_mmasim(ta, tb):
+    f = accum.blackwell_mxf8f6f4
+    g = torch.Generator().manual_seed(zlib.crc32(f"mx{ta}{tb}".encode()))
+    M, K, N = 6, 128, 5
+    a, b = operands(g, ta, tb, M, K, N, nonfinite=False)
+    sa = torch.randint(-20, 20, (M, K // 32), generator=g)
+    sb = torch.randint(-20, 20, (K // 32, N), generator=g)
+    op = nv_ptx.TCGen05MMABlockScale(
+        "Blackwell", f"m128n8k32.kind::mxf8f6f4.block32.f32.{PTX[ta]}.{PTX[tb]}.ue8m0")
+    av = a[:, None, :].expand(M, N, K)
+    bv = b.t()[None, :, :].expand(M, N, K)
+    al = (sa + 127).to(torch.uint8).view(torch.float8_e8m0fnu)[:, None, :].expand(M, N, -1)
+    be = (sb + 127).to(torch.uint8).view(torch.float8_e8m0fnu).t()[None, :, :].expand(M, N, -1)
+    want = torch.zeros(M, N)
+    for k0 in range(0, K, 32):
+        want = op.dpa(av[..., k0:k0 + 32], bv[..., k0:k0 + 32], want,
+                      al[..., k0 // 32:k0 // 32 + 1], be[..., k0 // 32:k0 // 32 + 1])
+    ea, eb = sa.repeat_interleave(32, 1), sb.repeat_interleave(32, 0)
+    ad, bd = a.float() * torch.exp2(ea.float()), b.float() * torch.exp2(eb.float())
+    for fn in (accum.accum_matmul_reference, accum.accum_matmul):
+        got = fn(ad, bd, f, a_emin=ea + EMIN[ta], b_emin=eb + EMIN[tb])
+        assert same_bits(got, want), fn
+    if (ta, tb) == (E4M3, E5M2):  # here the scalar clamps (the old model) differ
+        assert not same_bits(accum.accum_matmul_reference(ad, bd, f), want)
+
+
+def test_qtensor_mxfp8_contraction_equals_mmasim():
+    """torch.mm of QTensors with MXFP8 operand formats and blackwell_mxf8f6f4 equals
+    kind::mxf8f6f4: the per-element clamps (the block's minimum normal exponent) reach the
+    kernel. (These operands do not make the clamps change a bit; the test above does.)"""
+    import qtensor as qt
+    g = torch.Generator().manual_seed(12)
+    M, K, N = 5, 128, 4
+    a = torch.randn(M, K, generator=g)
+    a[:, ::7] *= 2.0 ** -15  # elements far below their block's maximum: E4M3 subnormals
+    b = torch.randn(K, N, generator=g)
+    keep = torch.zeros(K, 1, dtype=torch.bool)
+    keep[::7] = True
+    b[:64] = torch.where(keep[:64], b[:64], 0.0)  # two chunks of only subnormal-element products
+    qa = qt.as_qtensor(a, "fp32", mm_fmt="mxfp8_e4m3")
+    qb = qt.as_qtensor(b, "fp32", mm_fmt="mxfp8_e4m3")
+    qa.accum = accum.blackwell_mxf8f6f4
+    got = torch.mm(qa, qb)
+    assert accum._mx_emin(qt.quantize(a, "mxfp8_e4m3"), qa, -1) is not None  # subnormals
+
+    def split(x):  # elements (e4m3) and scale exponents of x rounded to MXFP8 along the last dim
+        xq = qt.quantize(x, "mxfp8_e4m3")
+        amax = x.abs().unflatten(-1, (-1, 32)).amax(-1)
+        e = torch.frexp(amax).exponent.to(torch.int64) - 1 - 8  # floor(log2 amax) - emax(e4m3)
+        return (xq / torch.exp2(e.float()).repeat_interleave(32, -1)).to(E4M3), e
+    ael, ea = split(a)
+    bel, eb = split(b.t())
+    op = nv_ptx.TCGen05MMABlockScale("Blackwell",
+                                     "m128n8k32.kind::mxf8f6f4.block32.f32.e4m3.e4m3.ue8m0")
+    av, bv = ael[:, None, :].expand(M, N, K), bel[None, :, :].expand(M, N, K)
+    al = (ea + 127).to(torch.uint8).view(torch.float8_e8m0fnu)[:, None, :].expand(M, N, -1)
+    be = (eb + 127).to(torch.uint8).view(torch.float8_e8m0fnu)[None, :, :].expand(M, N, -1)
+    want = torch.zeros(M, N)
+    for k0 in range(0, K, 32):
+        want = op.dpa(av[..., k0:k0 + 32], bv[..., k0:k0 + 32], want,
+                      al[..., k0 // 32:k0 // 32 + 1], be[..., k0 // 32:k0 // 32 + 1])
+    assert same_bits(got, want)

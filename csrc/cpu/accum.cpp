@@ -126,25 +126,40 @@ int accum_isa() {
 #endif
 }
 
-at::Tensor exponents(const at::Tensor& x, int emin) {  // x float32 contiguous
+// x float32 contiguous; ev: per-element clamps (int32, x's layout; undefined: emin for all)
+at::Tensor exponents(const at::Tensor& x, int emin, const at::Tensor& ev = at::Tensor()) {
   at::Tensor e = at::empty(x.sizes(), x.options().dtype(at::kInt));
   const float* px = x.data_ptr<float>();
+  const int* pv = ev.defined() ? ev.data_ptr<int>() : nullptr;
   int* pe = e.data_ptr<int>();
   at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i], emin);
+    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i], pv ? pv[i] : emin);
   });
   return e;
+}
+
+// Per-element clamps of an operand's exponents (block formats: the element format's minimum
+// normal exponent plus the block's scale exponent), int32 in x's (B, R, C) shape, or undefined.
+at::Tensor elem_emins(const c10::optional<at::Tensor>& v, const at::Tensor& x, const char* name) {
+  if (!v) return at::Tensor();
+  TORCH_CHECK(v->sizes() == x.sizes() && !at::isFloatingType(v->scalar_type()),
+              "qtensor::accum_matmul: ", name, " must be an integer tensor of shape ", x.sizes(),
+              ", got ", v->sizes());
+  return v->to(at::kInt).contiguous();
 }
 
 // The scalar path (include/qtensor/accum.h's acc_dot per output) of an initial accumulator c
 // (B, M, N) or group exponents ga (B, M, G), gb (B, G, N); a (B, M, K), b (B, K, N).
 at::Tensor scalar_path(const at::Tensor& a, const at::Tensor& b, const qtensor::AccumSpec& s,
                        const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gb,
-                       const c10::optional<at::Tensor>& c) {
+                       const c10::optional<at::Tensor>& c, const at::Tensor& eav,
+                       const at::Tensor& ebv) {
   const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
   const int64_t G = (K + s.group - 1) / s.group;
   const at::Tensor ac = a.contiguous(), bt = b.transpose(1, 2).contiguous();
-  const at::Tensor ea = exponents(ac, s.a_emin), eb = exponents(bt, s.b_emin);
+  const at::Tensor ea = exponents(ac, s.a_emin, eav);
+  const at::Tensor eb = exponents(bt, s.b_emin,
+                                  ebv.defined() ? ebv.transpose(1, 2).contiguous() : ebv);
   at::Tensor gac, gbt, cc;
   if (ga) {
     TORCH_CHECK(gb && s.group > 1, "qtensor::accum_matmul: a_gexp and b_gexp go together, with "
@@ -259,15 +274,18 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
                         int64_t a_emin, int64_t b_emin, int64_t acc_emin, int64_t acc_emax,
                         const c10::optional<at::Tensor>& a_gexp,
                         const c10::optional<at::Tensor>& b_gexp,
-                        const c10::optional<at::Tensor>& c) {
+                        const c10::optional<at::Tensor>& c,
+                        const c10::optional<at::Tensor>& a_emins,
+                        const c10::optional<at::Tensor>& b_emins) {
   const qtensor::AccumSpec s =
       make_spec(chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man, acc_rounding,
                 promote, e_zero, a_emin, b_emin, acc_emin, acc_emax);
   check_operands(a, b);
   const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  const at::Tensor eav = elem_emins(a_emins, a, "a_emins"), ebv = elem_emins(b_emins, b, "b_emins");
   // the vector paths take no c; group exponents: the group tiles
   if (c || (a_gexp && s.group == 1) || !a_gexp != !b_gexp)
-    return scalar_path(a, b, s, a_gexp, b_gexp, c);
+    return scalar_path(a, b, s, a_gexp, b_gexp, c, eav, ebv);
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
   const at::Tensor ac = a.contiguous();
@@ -283,7 +301,9 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
 #if defined(QT_ACCUM_AVX2)
     const FastKernels& fk =
         isa == 2 ? accum_avx512::kFastKernels : accum_avx2::kFastKernels;
-    fast = isa > 0 && fast_path_ok(s, ra = scan(fk, ac), rb = scan(fk, bc), &lim);
+    // per-element clamps: the double lanes
+    fast = isa > 0 && !eav.defined() && !ebv.defined() &&
+           fast_path_ok(s, ra = scan(fk, ac), rb = scan(fk, bc), &lim);
     // the int8 exponents' offsets: the largest clamped exponent of each operand
     const int atop = std::max(ra.top(), s.a_emin), btop = std::max(rb.top(), s.b_emin);
     if (fast) P = fk.FW;
@@ -303,8 +323,14 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     }
 #endif
     if (!fast) {
-      ea = exponents(ac, s.a_emin);
-      eb = exponents(bp, s.b_emin);
+      ea = exponents(ac, s.a_emin, eav);
+      at::Tensor ebp;  // b's clamps in b's panels
+      if (ebv.defined()) {
+        ebp = at::full({B, K, ldb}, s.b_emin, ebv.options());
+        ebp.narrow(2, 0, N).copy_(ebv);
+        ebp = ebp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();
+      }
+      eb = exponents(bp, s.b_emin, ebp);
     }
     constexpr int64_t TM = 8;  // rows per task (a fast tile): their operands stay in cache
 #if defined(QT_ACCUM_AVX2)
@@ -393,7 +419,7 @@ TORCH_LIBRARY_FRAGMENT(qtensor, m) {
   m.def("accum_matmul(Tensor a, Tensor b, int chunk, int frac_bits, int group, "
         "int align_rounding, bool acc_in_alignment, int acc_man, int acc_rounding, int promote, "
         "int e_zero, int a_emin, int b_emin, int acc_emin, int acc_emax, Tensor? a_gexp, "
-        "Tensor? b_gexp, Tensor? c) "
+        "Tensor? b_gexp, Tensor? c, Tensor? a_emins=None, Tensor? b_emins=None) "
         "-> Tensor");
 }
 

@@ -27,7 +27,11 @@ at::Tensor accum_matmul_cuda(const at::Tensor& a, const at::Tensor& b, int64_t c
                              int64_t acc_emin, int64_t acc_emax,
                              const c10::optional<at::Tensor>& a_gexp,
                              const c10::optional<at::Tensor>& b_gexp,
-                             const c10::optional<at::Tensor>& c) {
+                             const c10::optional<at::Tensor>& c,
+                             const c10::optional<at::Tensor>& a_emins,
+                             const c10::optional<at::Tensor>& b_emins) {
+  TORCH_CHECK(!a_emins && !b_emins, "qtensor::accum_matmul: per-element a_emins/b_emins are not "
+              "implemented on CUDA (qtensor.accum runs the reference for them)");
   using namespace qtensor_accum;
   const qtensor::AccumSpec s =
       make_spec(chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man, acc_rounding,
