@@ -14,9 +14,10 @@ from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# qtorch (QPyTorch 0.3.0) and gfloat are independent oracles for the compat and reference tests
+# qtorch (QPyTorch 0.3.0) and gfloat are independent oracles for the compat and reference tests;
+# mmasim (MMA-Sim: bit-accurate tensor-core models, needs torch>=2.9) for tests/test_accum_mmasim.py
 TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja", "qtorch==0.3.0",
-        "gfloat"]
+        "gfloat", "mmasim==2.1.1"]
 EXAMPLES = ["tqdm", "matplotlib", "scikit-learn"]
 # qtensor.hf and the safetensors helpers (tests skip without them); neither pulls a torch
 HF = ["safetensors", "transformers"]

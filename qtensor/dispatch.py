@@ -174,7 +174,7 @@ def _convolution_backward(func, args, uargs, ukwargs, acc=None):
     has = [isinstance(t, QTensor) and t.mm_fmt is not None for t in (go, inp, w)]
     if acc is not None:
         def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
-            return _accum.contract("convolution_backward", list(a), kw, acc)
+            return _accum.contract("convolution_backward", list(a), kw, acc, args)
     if not any(has):
         return func(*uargs, **ukwargs)
     uargs = list(uargs)
@@ -607,7 +607,7 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
     for pos, axis in operands:
         _round_operand(args, uargs, pos, axis)
     if acc is not None:  # the products summed by the operands' accumulator
-        return _accum.contract(func._opname, uargs, ukwargs, acc)
+        return _accum.contract(func._opname, uargs, ukwargs, acc, args)
     return func(*uargs, **ukwargs)
 
 
