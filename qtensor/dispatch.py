@@ -773,30 +773,51 @@ def _collective(func, args, kwargs):
     sums (or averages) the payloads in their precision (float32) and rounds the result once;
     a gather, broadcast or all-to-all moves values already in format (rounding them again
     changes nothing, unless blocks were regrouped). Outputs keep the formats of the first
-    QTensor input; in-place destinations (c10d's ops, all_reduce_) keep their own. An async
-    collective is thus complete on return (its later wait is a no-op)."""
+    QTensor input; in-place destinations keep their own. An async collective is thus complete on
+    return (its later wait is a no-op)."""
     if func._opname == "wait_tensor":  # the output was waited on when it was made
         a = args[0] if args else kwargs["tensor"]
         if isinstance(a, QTensor):
             func(a._data)
         return a
     qs = []
-    uargs, ukwargs, _plain = _unwrap(args, kwargs, qs)
-    out = func(*uargs, **ukwargs)
-    _wait_all(out)
+    if func.namespace == "c10d":
+        # c10d's ops write into their tensor lists, and some backends' Work copies its result
+        # into them again on every wait() (gloo's reduce-scatter): they get copies of the
+        # payloads, and the payloads get the rounded results once
+        pairs = []
+
+        def copy_of(a):
+            if isinstance(a, QTensor):
+                pairs.append((a, a._data.clone()))
+                return pairs[-1][1]
+            return a
+        uargs = [type(a)(copy_of(x) for x in a) if isinstance(a, (list, tuple)) else copy_of(a)
+                 for a in args]
+        out = func(*uargs, **(kwargs or {}))
+        _wait_all(out)
+        for q, c in pairs:
+            q._data.copy_(quantize(c, q.fmt))
+        qs = [q for q, _c in pairs]
+        alias = {id(c): q for q, c in pairs}
+    else:
+        uargs, ukwargs, _plain = _unwrap(args, kwargs, qs)
+        out = func(*uargs, **ukwargs)
+        _wait_all(out)
+        if func._opname.endswith("_"):  # all_reduce_, broadcast_: in place
+            for q in qs:
+                _round_inplace(q)
+        alias = {id(q._data): q for q in qs}
     src = qs[0]
-    if func.namespace == "c10d" or func._opname.endswith("_"):
-        for q in qs:  # destinations written in place (c10d's ops write into their tensor lists;
-            _round_inplace(q)  # its inputs are in format already: no change to them)
 
     def wrap(o):
         if isinstance(o, (tuple, list)):
             return type(o)(wrap(x) for x in o)
         if not isinstance(o, torch.Tensor) or o.dtype not in FLOAT_DTYPES:
             return o
-        for q in qs:  # an output that is an input's payload is that QTensor
-            if o is q._data:
-                return q
+        q = alias.get(id(o))
+        if q is not None:  # an output that is an input's payload (or its copy) is that QTensor
+            return q
         w = QTensor._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
         if src.accum is not None:
             w._accum = src.accum

@@ -1,0 +1,201 @@
+"""Converted models under torch.distributed: collectives, DDP, FSDP2, DTensor/TP, DCP.
+
+Two gloo processes on the CPU, started once for the module (a pool that runs one scenario per
+test: starting Python and torch twice per test would cost most of the file's time). Each scenario
+runs on both ranks and returns picklable results; the single-process reference runs in the test
+process itself. The reduction rule and wrap orders under test: docs/distributed.md.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qtensor as qt
+
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available")
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool of ranks
+
+def _worker(rank, world, store_path, tasks, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    import sys
+    scenarios = sys.modules[__name__]
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        name, args = task
+        try:
+            torch.manual_seed(0)
+            results.put((rank, True, getattr(scenarios, name)(rank, world, *args)))
+        except BaseException:  # noqa: BLE001 (reported to the test)
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.dir = tempfile.TemporaryDirectory()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        store = os.path.join(self.dir.name, "store")  # a fresh file: no port to collide on
+        self.procs = [ctx.Process(target=_worker, args=(r, world, store, self.tasks[r],
+                                                        self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, name, *args, timeout=120):
+        for q in self.tasks:
+            q.put((name, args))
+        out, errors = {}, []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"scenario {name}: no answer within {timeout} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise AssertionError(f"scenario {name} failed\n" + "\n".join(errors))
+        return [out[r] for r in range(self.world)]
+
+    def close(self):
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+        self.dir.cleanup()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    pool = _Pool(WORLD)
+    yield pool
+    pool.close()
+
+
+def _bits(t):
+    t = t.dequantize() if isinstance(t, qt.QTensor) else t
+    t = t.detach().contiguous().to(torch.float32)
+    return t.view(torch.int32)
+
+
+def _assert_bits_equal(a, b, what=""):
+    assert torch.equal(_bits(a), _bits(b)), (
+        f"{what}: differ in {(_bits(a) != _bits(b)).sum().item()} of {a.numel()} elements, "
+        f"max |diff| {(qt_plain(a) - qt_plain(b)).abs().max().item()}")
+
+
+def qt_plain(t):
+    return (t.dequantize() if isinstance(t, qt.QTensor) else t).detach().float()
+
+
+def _fmt(t):
+    t = getattr(t, "_local_tensor", t)  # a DTensor's local tensor
+    return (str(t.fmt), None if t.mm_fmt is None else str(t.mm_fmt)) if isinstance(
+        t, qt.QTensor) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Collectives
+
+def _sc_functional_collectives(rank, world):
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+    q = qt.as_qtensor(torch.full((65536,), rank + 1.0), qt.bf16)
+    out = {}
+    gathered = funcol.all_gather_tensor(q, 0, g)
+    out["all_gather"] = (_fmt(gathered), qt_plain(gathered))
+    # 1 + 2**-10 is no bf16 value: the sum is rounded once (to 1), on both ranks
+    x = qt.as_qtensor(torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]) if rank == 0
+                      else torch.tensor([2.0 ** -10, 5.0, 1.0, 0.25]), qt.bf16)
+    r = funcol.all_reduce(x, "sum", g)
+    out["all_reduce"] = (_fmt(r), qt_plain(r))
+    rs = funcol.reduce_scatter_tensor(x, "sum", 0, g)
+    out["reduce_scatter"] = (_fmt(rs), qt_plain(rs))
+    return out
+
+
+def test_functional_collectives_wait_and_keep_the_format(ranks):
+    res = ranks.run("_sc_functional_collectives")
+    full = torch.cat([torch.full((65536,), 1.0), torch.full((65536,), 2.0)])
+    reduced = torch.tensor([1.0, 8.0, 1.0, 0.75])  # 1 + 2**-10 rounds to 1 in bf16
+    for rank, out in enumerate(res):
+        assert out["all_gather"][0] == ("bf16", None)
+        _assert_bits_equal(out["all_gather"][1], full, f"rank {rank} all_gather")
+        assert out["all_reduce"][0] == ("bf16", None)
+        _assert_bits_equal(out["all_reduce"][1], reduced, f"rank {rank} all_reduce")
+        assert out["reduce_scatter"][0] == ("bf16", None)
+        _assert_bits_equal(out["reduce_scatter"][1], reduced[2 * rank:2 * rank + 2],
+                           f"rank {rank} reduce_scatter")
+
+
+def _sc_c10d_collectives(rank, world):
+    vals = (torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]) if rank == 0
+            else torch.tensor([2.0 ** -10, 5.0, 1.0, 0.25]))
+    out = {}
+    x = qt.as_qtensor(vals, qt.bf16)
+    dist.all_reduce(x)
+    out["all_reduce"] = (_fmt(x), qt_plain(x))
+    x = qt.as_qtensor(vals, qt.bf16)
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()
+    out["all_reduce_async"] = (_fmt(x), qt_plain(x))
+    x = qt.as_qtensor(vals, qt.bf16)
+    dst = qt.as_qtensor(torch.zeros(8), qt.bf16)
+    dist.all_gather_into_tensor(dst, x)
+    out["all_gather_into_tensor"] = (_fmt(dst), qt_plain(dst))
+    lst = [qt.as_qtensor(torch.zeros(4), qt.bf16) for _ in range(world)]
+    dist.all_gather(lst, x)
+    out["all_gather"] = ([_fmt(t) for t in lst], torch.cat([qt_plain(t) for t in lst]))
+    rs = qt.as_qtensor(torch.zeros(2), qt.bf16)
+    dist.reduce_scatter_tensor(rs, x)
+    out["reduce_scatter"] = (_fmt(rs), qt_plain(rs))
+    b = qt.as_qtensor(vals, qt.bf16)
+    dist.broadcast(b, src=1)
+    out["broadcast"] = (_fmt(b), qt_plain(b))
+    return out
+
+
+def test_c10d_collectives_sync_and_async_round_once(ranks):
+    res = ranks.run("_sc_c10d_collectives")
+    v0, v1 = torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]), torch.tensor([2.0 ** -10, 5.0, 1.0, 0.25])
+    reduced = torch.tensor([1.0, 8.0, 1.0, 0.75])
+    for rank, out in enumerate(res):
+        for key in ("all_reduce", "all_reduce_async"):
+            assert out[key][0] == ("bf16", None), key
+            _assert_bits_equal(out[key][1], reduced, f"rank {rank} {key}")
+        assert out["all_gather_into_tensor"][0] == ("bf16", None)
+        _assert_bits_equal(out["all_gather_into_tensor"][1], torch.cat([v0, v1]),
+                           f"rank {rank} all_gather_into_tensor")
+        assert out["all_gather"][0] == [("bf16", None)] * 2
+        _assert_bits_equal(out["all_gather"][1], torch.cat([v0, v1]), f"rank {rank} all_gather")
+        assert out["reduce_scatter"][0] == ("bf16", None)
+        _assert_bits_equal(out["reduce_scatter"][1], reduced[2 * rank:2 * rank + 2],
+                           f"rank {rank} reduce_scatter")
+        _assert_bits_equal(out["broadcast"][1], v1, f"rank {rank} broadcast")
