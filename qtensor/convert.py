@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import training
+from . import distributed, training
 from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
@@ -570,6 +570,7 @@ def convert(model: nn.Module, spec) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"qt.convert expects an nn.Module, got {type(model).__name__}")
+    distributed.check_unwrapped(model)  # DDP(model), fully_shard(model): convert, then wrap
     recipe = as_recipe(spec)
     existing = getattr(model, "_qt_conversion", None)
     if existing is not None:

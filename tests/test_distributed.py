@@ -199,3 +199,145 @@ def test_c10d_collectives_sync_and_async_round_once(ranks):
         _assert_bits_equal(out["reduce_scatter"][1], reduced[2 * rank:2 * rank + 2],
                            f"rank {rank} reduce_scatter")
         _assert_bits_equal(out["broadcast"][1], v1, f"rank {rank} broadcast")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. DDP: the reduction rule
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _data(steps, batch=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 8, generator=g), torch.randn(batch, 4, generator=g))
+            for _ in range(steps)]
+
+
+def _spec(name):
+    return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3}[name]
+
+
+def _state(model):
+    """name -> (formats of value and gradient, plain value, plain gradient)."""
+    out = {}
+    for n, p in model.named_parameters():
+        n = n.removeprefix("module.")
+        out[n] = (_fmt(p), _fmt(p.grad), qt_plain(p), None if p.grad is None else qt_plain(p.grad))
+    return out
+
+
+def _sc_ddp(rank, world, spec, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(qt.convert(_mlp(), _spec(spec)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _data(steps):
+        n = len(x) // world
+        loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+                          y[rank * n:(rank + 1) * n])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _state(model)
+
+
+def qt_plain_grad(t):  # the loss in FP32 of the emulated output (differentiable)
+    return t.dequantize() if isinstance(t, qt.QTensor) else t
+
+
+def _reduced_reference(spec, steps, world=WORLD):
+    """One process, the same global batches, by the reduction rule: each rank's gradient (its
+    micro-batch's, in the grad format), their mean in FP32, rounded once to the grad format."""
+    model = qt.convert(_mlp(), _spec(spec))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = list(model.parameters())
+    for x, y in _data(steps):
+        n = len(x) // world
+        grads = []
+        for r in range(world):
+            opt.zero_grad()
+            loss = F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n])
+            loss.backward()
+            grads.append([qt_plain(p.grad) for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                mean = sum(g[i] for g in grads) / world  # FP32
+                p.grad.copy_(mean)  # rounded once, into the gradient's format
+        opt.step()
+    return _state(model)
+
+
+def _accumulated_reference(spec, steps, world=WORLD):
+    """One process, the same global batches: gradient accumulation over the ranks' micro-batches
+    (each loss divided by the world size): the same as the rule where dividing a gradient by the
+    world size is exact in its format (no underflow: bf16 here, not fp8)."""
+    model = qt.convert(_mlp(), _spec(spec))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _data(steps):
+        n = len(x) // world
+        opt.zero_grad()
+        for r in range(world):
+            loss = F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n])
+            (loss / world).backward()
+        opt.step()
+    return _state(model)
+
+
+def _assert_states_equal(state, ref, who):
+    assert state.keys() == ref.keys()
+    for n, (fmts, gfmts, value, grad) in state.items():
+        rf, rg, rv, rgrad = ref[n]
+        assert fmts == rf and gfmts == rg, (who, n, fmts, gfmts, rf, rg)
+        _assert_bits_equal(value, rv, f"{who} {n}")
+        _assert_bits_equal(grad, rgrad, f"{who} {n}.grad")
+
+
+@pytest.mark.parametrize("spec", ["bf16", "mxfp6", "fp8"])
+def test_ddp_follows_the_reduction_rule_bit_for_bit(ranks, spec):
+    res = ranks.run("_sc_ddp", spec, 3)
+    ref = _reduced_reference(spec, 3)
+    for rank, state in enumerate(res):
+        _assert_states_equal(state, ref, f"rank {rank}")
+    if spec == "bf16":  # and so gradient accumulation in one process, where the division is exact
+        _assert_states_equal(res[0], _accumulated_reference(spec, 3), "accumulation")
+
+
+def _sc_convert_wrapped(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = {}
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    ddp = DDP(model)
+    try:
+        qt.convert(ddp, qt.bf16)
+        out["ddp"] = None
+    except TypeError as e:
+        out["ddp"] = str(e)
+    out["ddp_untouched"] = (all(not isinstance(p, qt.QTensor) for p in model.parameters())
+                            and all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    converted = DDP(qt.convert(_mlp(), qt.bf16))
+    try:
+        qt.convert(converted, qt.bf16)
+        out["ddp_of_converted"] = None
+    except TypeError as e:
+        out["ddp_of_converted"] = str(e)
+    sharded = _mlp()
+    fully_shard(sharded)
+    try:
+        qt.convert(sharded, qt.bf16)
+        out["fsdp"] = None
+    except TypeError as e:
+        out["fsdp"] = str(e)
+    return out
+
+
+def test_convert_of_a_wrapped_model_is_refused(ranks):
+    for out in ranks.run("_sc_convert_wrapped"):
+        assert out["ddp"] is not None and "convert, then wrap" in out["ddp"]
+        assert "DistributedDataParallel" in out["ddp"]
+        assert out["ddp_untouched"]
+        assert "converted already" in out["ddp_of_converted"]
+        assert out["fsdp"] is not None and "convert, then wrap" in out["fsdp"]
+        assert "fully_shard" in out["fsdp"]
