@@ -341,3 +341,81 @@ def test_convert_of_a_wrapped_model_is_refused(ranks):
         assert "converted already" in out["ddp_of_converted"]
         assert out["fsdp"] is not None and "convert, then wrap" in out["fsdp"]
         assert "fully_shard" in out["fsdp"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. FSDP2
+
+def _full_state(model):
+    """name -> (formats of the local value and gradient shards, full value, full gradient)."""
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        out[n] = (_fmt(p), _fmt(g), qt_plain(p.full_tensor()),
+                  None if g is None else qt_plain(g.full_tensor()))
+    return out
+
+
+def _sc_fsdp(rank, world, spec, steps):
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(), _spec(spec))
+    seen = {}
+
+    def record(mod, args):  # what forward sees: the unsharded parameters
+        for n, p in mod.named_parameters(recurse=False):
+            seen[f"{mod._name}.{n}"] = (type(p).__name__, _fmt(p))
+    for name in ("0", "2"):
+        model[int(name)]._name = name
+        model[int(name)].register_forward_pre_hook(record)
+        fully_shard(model[int(name)])
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x, y in _data(steps):
+        n = len(x) // world
+        loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+                          y[rank * n:(rank + 1) * n])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = {k: (type(v).__name__, _fmt(v.to_local())) for k, v in opt.state_dict()["state"][0].items()
+             if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return _full_state(model), seen, state
+
+
+def _reduced_reference_adam(spec, steps, world=WORLD):
+    model = qt.convert(_mlp(), _spec(spec))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    for x, y in _data(steps):
+        n = len(x) // world
+        grads = []
+        for r in range(world):
+            opt.zero_grad()
+            loss = F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n])
+            loss.backward()
+            grads.append([qt_plain(p.grad) for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.grad.copy_(sum(g[i] for g in grads) / world)
+        opt.step()
+    return _state(model)
+
+
+@pytest.mark.parametrize("spec", ["mxfp6", "bf16"])
+def test_fsdp2_keeps_formats_and_follows_the_reduction_rule(ranks, spec):
+    res = ranks.run("_sc_fsdp", spec, 3)
+    ref = _reduced_reference_adam(spec, 3)
+    for rank, (state, seen, opt_state) in enumerate(res):
+        assert state.keys() == ref.keys()
+        for n, (fmts, gfmts, value, grad) in state.items():
+            rf, rg, rv, rgrad = ref[n]
+            assert seen[n] == ("QTensor", rf), (rank, n, seen[n])  # forward's weights
+            _assert_bits_equal(value, rv, f"rank {rank} {n}")
+            _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
+            assert fmts == rf and gfmts == rg, (rank, n, fmts, gfmts, rf, rg)
+        # Adam's state: in the weight's format, FP32 for mxfp6 (whose FP32 weights are their
+        # own masters), bf16 for bf16 (the recipe's optimizer_state); they carry the weight's
+        # mm_fmt (zeros_like), which no elementwise op uses
+        state_fmt = "fp32" if spec == "mxfp6" else "bf16"
+        assert {k: (t, f[0]) for k, (t, f) in opt_state.items()} == {
+            "exp_avg": ("DTensor", state_fmt), "exp_avg_sq": ("DTensor", state_fmt)}, opt_state
