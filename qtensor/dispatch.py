@@ -787,13 +787,14 @@ def _collective(func, args, kwargs):
         # payloads, and the payloads get the rounded results once
         pairs = []
 
-        def copy_of(a):
+        def copy_of(a):  # (scatter, gather, alltoall take lists of lists)
+            if isinstance(a, (list, tuple)):
+                return type(a)(copy_of(x) for x in a)
             if isinstance(a, QTensor):
                 pairs.append((a, a._data.clone()))
                 return pairs[-1][1]
             return a
-        uargs = [type(a)(copy_of(x) for x in a) if isinstance(a, (list, tuple)) else copy_of(a)
-                 for a in args]
+        uargs = [copy_of(a) for a in args]
         out = func(*uargs, **(kwargs or {}))
         _wait_all(out)
         for q, c in pairs:

@@ -419,3 +419,73 @@ def test_fsdp2_keeps_formats_and_follows_the_reduction_rule(ranks, spec):
         state_fmt = "fp32" if spec == "mxfp6" else "bf16"
         assert {k: (t, f[0]) for k, (t, f) in opt_state.items()} == {
             "exp_avg": ("DTensor", state_fmt), "exp_avg_sq": ("DTensor", state_fmt)}, opt_state
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. DTensor and tensor parallelism
+
+def _sc_dtensor(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh = init_device_mesh("cpu", (world,))
+    local = qt.as_qtensor(torch.arange(8.0).reshape(4, 2) * (rank + 1) + 0.1, qt.bf16,
+                          mm_fmt=qt.mxfp8_e4m3)
+    d = DTensor.from_local(local, mesh, [Shard(0)])
+    out = {"full": d.full_tensor(),
+           "replicate": d.redistribute(mesh, [Replicate()]).to_local(),
+           "shard1": d.redistribute(mesh, [Shard(1)]).to_local()}
+    return {k: (_fmt(v), qt_plain(v)) for k, v in out.items()}
+
+
+def test_dtensor_of_qtensors_keeps_the_format(ranks):
+    res = ranks.run("_sc_dtensor")
+    full = torch.cat([qt_plain(qt.as_qtensor(torch.arange(8.0).reshape(4, 2) * (r + 1) + 0.1,
+                                             qt.bf16)) for r in range(WORLD)])
+    for rank, out in enumerate(res):
+        for key in ("full", "replicate", "shard1"):
+            assert out[key][0] == ("bf16", "mxfp8_e4m3"), (rank, key, out[key][0])
+        _assert_bits_equal(out["full"][1], full, f"rank {rank} full_tensor")
+        _assert_bits_equal(out["replicate"][1], full, f"rank {rank} redistribute(Replicate)")
+        _assert_bits_equal(out["shard1"][1], full[:, rank:rank + 1],
+                           f"rank {rank} redistribute(Shard(1))")
+
+
+def _tp_model(plan_name):
+    torch.manual_seed(0)
+    if plan_name == "col":
+        return qt.convert(nn.Linear(8, 64), qt.recipes.mxfp6)
+    return qt.convert(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)),
+                      qt.recipes.mxfp6)
+
+
+def _sc_tensor_parallel(rank, world, plan_name):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = init_device_mesh("cpu", (world,))
+    model = _tp_model(plan_name)
+    if plan_name == "col":  # its output all-gathered (Replicate), as a local tensor
+        parallelize_module(model, mesh, ColwiseParallel(output_layouts=Replicate()))
+    else:
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    y = model(_data(1)[0][0])
+    return _fmt(y), qt_plain(y), {n: _fmt(p) for n, p in model.named_parameters()}
+
+
+def test_tensor_parallel_linear_gives_the_single_process_result(ranks):
+    x = _data(1)[0][0]
+    # column parallel: each rank computes whole output columns over the whole reduction: exact
+    ref = _tp_model("col")(x)
+    for rank, (fmt, y, fmts) in enumerate(ranks.run("_sc_tensor_parallel", "col")):
+        assert fmt == _fmt(ref) == ("bf16", "mxfp6_e3m2")
+        assert fmts["weight"] == ("fp32", "mxfp6_e3m2"), fmts
+        _assert_bits_equal(y, ref, f"rank {rank} column-parallel output")
+    ref = _tp_model("colrow")(x)
+    for rank, (fmt, y, fmts) in enumerate(ranks.run("_sc_tensor_parallel", "colrow")):
+        assert fmt == _fmt(ref) == ("bf16", "mxfp6_e3m2")
+        assert fmts["2.weight"] == ("fp32", "mxfp6_e3m2"), fmts
+        # row parallel: each rank rounds its partial result (bf16) before the all-reduce, as a
+        # TP device does: within 2**-6 of the output's largest magnitude, not bit for bit
+        err = (y - qt_plain(ref)).abs().max()
+        assert err <= 2.0 ** -6 * qt_plain(ref).abs().max(), (rank, err)
