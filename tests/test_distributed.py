@@ -489,3 +489,73 @@ def test_tensor_parallel_linear_gives_the_single_process_result(ranks):
         # TP device does: within 2**-6 of the output's largest magnitude, not bit for bit
         err = (y - qt_plain(ref)).abs().max()
         assert err <= 2.0 ** -6 * qt_plain(ref).abs().max(), (rank, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Distributed checkpoints
+
+def _sc_dcp(rank, world, spec, ckpt):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        model = qt.convert(_mlp(), _spec(spec))
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def train(model, opt, batches):
+        for x, y in batches:
+            n = len(x) // world
+            loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+                              y[rank * n:(rank + 1) * n])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def opt_formats(model, opt):
+        sd = get_optimizer_state_dict(model, opt)["state"]
+        return {k: {s: _fmt(v) for s, v in st.items() if getattr(v, "dim", lambda: 0)()}
+                for k, st in sd.items()}
+
+    batches = _data(4)
+    model, opt = build()
+    train(model, opt, batches[:2])
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=ckpt)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    full = {k: (_fmt(v), qt_plain(v)) for k, v in full.items()}
+    saved_formats = opt_formats(model, opt)
+    train(model, opt, batches[2:])
+    uninterrupted = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+
+    model, opt = build()  # a fresh run: initial weights, no optimizer state
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+    loaded_formats = ({n: _fmt(p) for n, p in model.named_parameters()}, opt_formats(model, opt))
+    train(model, opt, batches[2:])
+    resumed = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+    return full, saved_formats, loaded, loaded_formats, uninterrupted, resumed
+
+
+@pytest.mark.parametrize("spec", ["mxfp6", "bf16"])
+def test_dcp_resumes_bit_identical(ranks, spec, tmp_path):
+    res = ranks.run("_sc_dcp", spec, str(tmp_path / "ckpt"))
+    after2 = _reduced_reference_adam(spec, 2)
+    for rank, (full, saved_formats, loaded, loaded_formats, uninterrupted, resumed) in \
+            enumerate(res):
+        for n, (fmts, _g, value, _grad) in after2.items():
+            assert full[n][0] == fmts, (rank, n, full[n][0], fmts)  # full state dict: QTensors
+            _assert_bits_equal(full[n][1], value, f"rank {rank} full state dict {n}")
+            _assert_bits_equal(loaded[n], value, f"rank {rank} loaded {n}")
+            assert loaded_formats[0][n] == fmts, (rank, n, loaded_formats[0][n])
+            _assert_bits_equal(resumed[n], uninterrupted[n], f"rank {rank} resumed {n}")
+        assert loaded_formats[1] == saved_formats, (rank, loaded_formats[1], saved_formats)
