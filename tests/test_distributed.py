@@ -330,6 +330,20 @@ def _sc_convert_wrapped(rank, world):
         out["fsdp"] = None
     except TypeError as e:
         out["fsdp"] = str(e)
+    # what FSDP2 cannot do with a converted model is refused at the first all-gather
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    for key, spec, policy in (
+            ("fsdp_fp8_masters", qt.fp8_e4m3, None),
+            ("fsdp_param_dtype", qt.recipes.mxfp6, MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+            ("fsdp_reduce_dtype", qt.recipes.mxfp6,
+             MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))):
+        model = qt.convert(_mlp(), spec)
+        fully_shard(model, **({} if policy is None else {"mp_policy": policy}))
+        try:
+            model(torch.ones(2, 8))
+            out[key] = None
+        except (NotImplementedError, TypeError) as e:
+            out[key] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -341,6 +355,12 @@ def test_convert_of_a_wrapped_model_is_refused(ranks):
         assert "converted already" in out["ddp_of_converted"]
         assert out["fsdp"] is not None and "convert, then wrap" in out["fsdp"]
         assert "fully_shard" in out["fsdp"]
+        assert out["fsdp_fp8_masters"].startswith("NotImplementedError")
+        assert "master_weights=True" in out["fsdp_fp8_masters"]
+        assert out["fsdp_param_dtype"].startswith("TypeError") and "param_dtype" in \
+            out["fsdp_param_dtype"]
+        assert out["fsdp_reduce_dtype"].startswith("TypeError") and "reduce_dtype" in \
+            out["fsdp_reduce_dtype"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,3 +579,22 @@ def test_dcp_resumes_bit_identical(ranks, spec, tmp_path):
             assert loaded_formats[0][n] == fmts, (rank, n, loaded_formats[0][n])
             _assert_bits_equal(resumed[n], uninterrupted[n], f"rank {rank} resumed {n}")
         assert loaded_formats[1] == saved_formats, (rank, loaded_formats[1], saved_formats)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The guide's example, as written (torchrun, 2 processes), a few steps
+
+def test_fsdp_example_runs_and_matches_one_process(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(root / "examples" / "fsdp_training.py"), "--steps", "2", "--check",
+           "--max-bytes", "200000"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "head.weight: DTensor of QTensor(fmt=fp32, mm_fmt=mxfp6_e3m2)" in run.stdout
+    assert "gradient shard fmt=bf16" in run.stdout
+    assert "single-process check: 30/30 parameters bit-identical" in run.stdout, run.stdout
