@@ -636,6 +636,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]
+        mod.__dict__.pop(distributed.PLANS_ATTR, None)
     replaced, moved = [], {}
     with _FlatWeights(model):
         for mod, local, qual in conv.converted_params:

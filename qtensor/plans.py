@@ -246,7 +246,7 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tens
     A DTensor (tensor parallelism) is rounded shard by shard: the same placements, its local
     tensor in ``role`` (a Partial one's partial values each, as a TP device rounds its outputs
     before the reduction; docs/distributed.md)."""
-    dtensor = _dtensor_class()
+    dtensor = None if torch.compiler.is_dynamo_compiling() else _dtensor_class()
     if dtensor is not None and type(x) is dtensor:
         local = round_to(x.to_local(), role, name=name)
         return dtensor.from_local(local, x.device_mesh, x.placements, run_check=False,
