@@ -391,10 +391,10 @@ class QTensor(torch.Tensor):
         """The unsharded parameter: the gathered payloads as they were sent (no rounding: they
         are in format), with the formats. With ``out`` (every all-gather after the first) FSDP2
         has gathered into the same storage again: out holds the new values already."""
-        (data,) = all_gather_outputs
-        fmt, mm_fmt, accum = metadata
         if out is not None:
             return None
+        (data,) = all_gather_outputs
+        fmt, mm_fmt, accum = metadata
         return QTensor._wrap(data, fmt, mm_fmt, accum=accum), (data,)
 
     # -- serialization -------------------------------------------------------------------------

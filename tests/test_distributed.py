@@ -204,9 +204,9 @@ def test_c10d_collectives_sync_and_async_round_once(ranks):
 # ---------------------------------------------------------------------------------------------
 # 2. DDP: the reduction rule
 
-def _mlp():
+def _mlp(hidden=16, out=4):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, out))
 
 
 def _data(steps, batch=8):
@@ -376,9 +376,9 @@ def _full_state(model):
     return out
 
 
-def _sc_fsdp(rank, world, spec, steps):
+def _sc_fsdp(rank, world, spec, steps, hidden=16):
     from torch.distributed.fsdp import fully_shard
-    model = qt.convert(_mlp(), _spec(spec))
+    model = qt.convert(_mlp(hidden), _spec(spec))
     seen = {}
 
     def record(mod, args):  # what forward sees: the unsharded parameters
@@ -402,8 +402,8 @@ def _sc_fsdp(rank, world, spec, steps):
     return _full_state(model), seen, state
 
 
-def _reduced_reference_adam(spec, steps, world=WORLD):
-    model = qt.convert(_mlp(), _spec(spec))
+def _reduced_reference_adam(spec, steps, world=WORLD, hidden=16):
+    model = qt.convert(_mlp(hidden), _spec(spec))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     params = list(model.parameters())
     for x, y in _data(steps):
@@ -421,10 +421,11 @@ def _reduced_reference_adam(spec, steps, world=WORLD):
     return _state(model)
 
 
-@pytest.mark.parametrize("spec", ["mxfp6", "bf16"])
-def test_fsdp2_keeps_formats_and_follows_the_reduction_rule(ranks, spec):
-    res = ranks.run("_sc_fsdp", spec, 3)
-    ref = _reduced_reference_adam(spec, 3)
+@pytest.mark.parametrize("spec,hidden", [("mxfp6", 16), ("bf16", 16), ("mxfp6", 15)])
+def test_fsdp2_keeps_formats_and_follows_the_reduction_rule(ranks, spec, hidden):
+    # hidden=15: uneven shards (8 and 7 rows), which FSDP2 pads
+    res = ranks.run("_sc_fsdp", spec, 3, hidden)
+    ref = _reduced_reference_adam(spec, 3, hidden=hidden)
     for rank, (state, seen, opt_state) in enumerate(res):
         assert state.keys() == ref.keys()
         for n, (fmts, gfmts, value, grad) in state.items():
