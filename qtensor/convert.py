@@ -193,7 +193,9 @@ class _RoundActivation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, act: Role, grad: Role):
-        ctx.grad_role, ctx.plain_input = grad, not _is_q(x)
+        # (a DTensor of QTensors, under tensor parallelism, is no plain input)
+        ctx.grad_role = grad
+        ctx.plain_input = not (_is_q(x) or _is_q(getattr(x, "_local_tensor", None)))
         ctx.accum = _accum_of(x)
         if act.full_precision:  # values left as they are (a copy: never a view)
             return x.clone()
@@ -203,7 +205,7 @@ class _RoundActivation(torch.autograd.Function):
     def backward(ctx, g):
         q = grad_with_accum(round_to(g, ctx.grad_role), ctx.accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
-        return (q.dequantize() if ctx.plain_input else q), None, None
+        return (_plain(q) if ctx.plain_input else q), None, None  # (a DTensor too)
 
 
 def _to_plain(x):

@@ -232,13 +232,20 @@ def _is_q(x) -> bool:
     return isinstance(x, QTensor)
 
 
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    return x.dequantize() if _is_q(x) else x
-
-
 def _dtensor_class():
     mod = sys.modules.get("torch.distributed.tensor")  # not imported: there is no DTensor
     return None if mod is None else mod.DTensor
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    if _is_q(x):
+        return x.dequantize()
+    dtensor = None if torch.compiler.is_dynamo_compiling() else _dtensor_class()
+    if dtensor is not None and type(x) is dtensor and _is_q(x._local_tensor):
+        # a DTensor of QTensors (tensor parallelism): the same placements, plain local values
+        return dtensor.from_local(x.to_local().dequantize(), x.device_mesh, x.placements,
+                                  run_check=False, shape=x.shape, stride=x.stride())
+    return x
 
 
 def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tensor:

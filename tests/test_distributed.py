@@ -491,19 +491,27 @@ def _sc_tensor_parallel(rank, world, plan_name):
     else:
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     y = model(_data(1)[0][0])
-    return _fmt(y), qt_plain(y), {n: _fmt(p) for n, p in model.named_parameters()}
+    qt_plain_grad(y).square().sum().backward()
+    grads = {n: (_fmt(p.grad), qt_plain(p.grad.full_tensor())) for n, p in model.named_parameters()}
+    return _fmt(y), qt_plain(y), {n: _fmt(p) for n, p in model.named_parameters()}, grads
 
 
 def test_tensor_parallel_linear_gives_the_single_process_result(ranks):
     x = _data(1)[0][0]
     # column parallel: each rank computes whole output columns over the whole reduction: exact
-    ref = _tp_model("col")(x)
-    for rank, (fmt, y, fmts) in enumerate(ranks.run("_sc_tensor_parallel", "col")):
+    model = _tp_model("col")
+    ref = model(x)
+    qt_plain_grad(ref).square().sum().backward()
+    for rank, (fmt, y, fmts, grads) in enumerate(ranks.run("_sc_tensor_parallel", "col")):
         assert fmt == _fmt(ref) == ("bf16", "mxfp6_e3m2")
         assert fmts["weight"] == ("fp32", "mxfp6_e3m2"), fmts
         _assert_bits_equal(y, ref, f"rank {rank} column-parallel output")
+        # and its backward: each rank's gradient rows are whole: exact, in the grad role
+        for n, p in model.named_parameters():
+            assert grads[n][0] == _fmt(p.grad), (rank, n, grads[n][0], _fmt(p.grad))
+            _assert_bits_equal(grads[n][1], p.grad, f"rank {rank} column-parallel {n}.grad")
     ref = _tp_model("colrow")(x)
-    for rank, (fmt, y, fmts) in enumerate(ranks.run("_sc_tensor_parallel", "colrow")):
+    for rank, (fmt, y, fmts, _grads) in enumerate(ranks.run("_sc_tensor_parallel", "colrow")):
         assert fmt == _fmt(ref) == ("bf16", "mxfp6_e3m2")
         assert fmts["2.weight"] == ("fp32", "mxfp6_e3m2"), fmts
         # row parallel: each rank rounds its partial result (bf16) before the all-reduce, as a
