@@ -600,3 +600,34 @@ def test_fsdp_example_runs_and_matches_one_process(tmp_path):
     assert "head.weight: DTensor of QTensor(fmt=fp32, mm_fmt=mxfp6_e3m2)" in run.stdout
     assert "gradient shard fmt=bf16" in run.stdout
     assert "single-process check: 30/30 parameters bit-identical" in run.stdout, run.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# 4 ranks (cheap enough: one pool, one test)
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    pool = _Pool(4)
+    yield pool
+    pool.close()
+
+
+def _sc_four(rank, world):
+    return _sc_ddp(rank, world, "bf16", 2), _sc_fsdp(rank, world, "mxfp6", 2)[0]
+
+
+def test_four_ranks_agree_and_follow_the_rule(four_ranks):
+    res = four_ranks.run("_sc_four")
+    for which, ref in ((0, _reduced_reference("bf16", 2, world=4)),
+                       (1, _reduced_reference("mxfp6", 2, world=4, optim="adam"))):
+        first = res[0][which]
+        for rank, both in enumerate(res):
+            state = both[which]
+            for n, (fmts, gfmts, value, grad) in state.items():  # the ranks agree bit for bit
+                assert (fmts, gfmts) == first[n][:2]
+                _assert_bits_equal(value, first[n][2], f"rank {rank} vs rank 0 {n}")
+                _assert_bits_equal(grad, first[n][3], f"rank {rank} vs rank 0 {n}.grad")
+        # with 4 ranks the FP32 sum's order is the backend's; here it still equals the oracle's
+        for n, (fmts, gfmts, value, grad) in first.items():
+            assert (fmts, gfmts) == ref[n][:2], (which, n, fmts, gfmts, ref[n][:2])
+            _assert_bits_equal(value, ref[n][2], f"{['ddp', 'fsdp'][which]} 4 ranks {n}")
