@@ -405,7 +405,7 @@ def _attach(conv: _Conversion) -> None:
     training.bump_epoch()
     for mod, local, plan in conv.hooked_params:
         p = mod._parameters[local]
-        mod.__dict__.setdefault(distributed.PLANS_ATTR, {})[local] = plan  # FSDP2's shards
+        distributed.remember_plan(mod, local, plan)  # for FSDP2's sharded parameters
         if not plan.value.full_precision:
             p._qt_plan = plan
         if p.requires_grad:

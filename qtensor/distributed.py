@@ -11,20 +11,25 @@ model as a whole:
 
 - FSDP2 (``fully_shard`` of a converted model): the sharded parameters are DTensors whose local
   tensors are QTensor shards; ``QTensor.fsdp_pre_all_gather``/``fsdp_post_all_gather`` (in
-  qtensor.tensor) all-gather their payloads and give the unsharded parameter its formats. Before
-  the first all-gather :func:`on_fsdp_all_gather` finds the sharded parameter and its plan, and
-  hooks it (``register_post_accumulate_grad_hook``, which FSDP2 runs after the reduce-scatter):
-  the reduced gradient shard, an FP32 mean, is rounded once into the parameter's grad role.
+  qtensor.tensor) all-gather their payloads and give the unsharded parameter its formats.
+  qt.convert leaves each module a table of its parameters' plans (:func:`remember_plan`); before
+  the first all-gather (:func:`on_fsdp_all_gather`) or the first optimizer step
+  (:func:`sharded_plan`, for qtensor.training), whichever comes first, the sharded parameter
+  gets its plan (so the step hooks keep FP32 masters and optimizer state as in one process) and
+  a hook (``register_post_accumulate_grad_hook``, which FSDP2 runs after the reduce-scatter)
+  that rounds the reduced gradient shard, an FP32 mean, once into its grad role.
 
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 from torch import nn
 
+from . import training
 from .plans import round_to
 from .tensor import QTensor, register_fsdp_hook
 
@@ -77,6 +82,13 @@ def check_unwrapped(model: nn.Module) -> None:
 # FSDP2
 
 PLANS_ATTR = "_qt_param_plans"  # on each converted module: {parameter name: TensorPlan}
+_planned = weakref.WeakSet()  # the modules that have such a table
+
+
+def remember_plan(module: nn.Module, name: str, plan) -> None:
+    """qt.convert: ``module.<name>`` has ``plan`` (FSDP2 replaces the parameter object later)."""
+    module.__dict__.setdefault(PLANS_ATTR, {})[name] = plan
+    _planned.add(module)
 
 
 class _RoundReducedGrad:
@@ -99,23 +111,15 @@ class _RoundReducedGrad:
                                     shape=g.shape, stride=g.stride())
 
 
-def _check_fsdp_plan(plan) -> None:
-    """Refuse what the sharded parameters cannot do yet: qtensor.training's step hooks (FP32
-    master copies, optimizer state in its own role) act on QTensor parameters, not on DTensors;
-    the optimizer steps the shards in place, in the weight's format."""
-    fp32_weight = plan.value.full_precision or str(plan.value.fmt) == "fp32"
-    state = plan.optimizer_state
-    same_state = (state.full_precision and fp32_weight) or (
-        not state.full_precision and plan.value.fmt == state.fmt)
-    if (plan.master and not fp32_weight) or not same_state:
-        raise NotImplementedError(
-            f"fully_shard of a converted model: parameter {plan.name} has weight {plan.value}, "
-            f"optimizer_state {state}, master_weights={plan.master}. Under FSDP2 the optimizer "
-            "steps the sharded QTensor parameters in place (qt.training's FP32 master copies and "
-            "optimizer-state formats do not reach DTensor parameters yet), so this is supported "
-            "only where that is the same: FP32 weights (mm_fmt any: qt.recipes.mxfp6, "
-            "mxfp4_weights), or master_weights=False with optimizer_state in the weight's format "
-            "(qt.convert(model, 'bf16'), qt.recipes.mx_all_*). See docs/distributed.md.")
+def _attach_sharded(p, plan) -> None:
+    """Hook FSDP2's sharded parameter ``p`` of a converted one (once)."""
+    if p.__dict__.get("_qt_reduced_grad_hook"):
+        return
+    p.register_post_accumulate_grad_hook(_RoundReducedGrad(plan))
+    p._qt_reduced_grad_hook = True
+    if not plan.value.full_precision:  # qt.training's step hooks: masters, optimizer state
+        p._qt_plan = plan
+        training.bump_epoch()
 
 
 def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
@@ -126,17 +130,31 @@ def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
         return
     for name, p in module._parameters.items():
         if getattr(p, "_local_tensor", None) is local:
-            break
-    else:
-        return  # (not a parameter of module: shared elsewhere)
-    if getattr(p, "_qt_reduced_grad_hook", False):
-        return
-    plan = plans.get(name)
-    if plan is None:
-        return
-    _check_fsdp_plan(plan)
-    p.register_post_accumulate_grad_hook(_RoundReducedGrad(plan))
-    p._qt_reduced_grad_hook = True
+            plan = plans.get(name)
+            if plan is not None:
+                _attach_sharded(p, plan)
+            return
+
+
+def sharded_plan(p):
+    """The plan of ``p`` if it is FSDP2's sharded parameter of a converted one (hooked now),
+    else None: for qt.training, when an optimizer steps it before any all-gather (DCP's
+    get_optimizer_state_dict initializes the state with a step)."""
+    if p.__dict__.get("_qt_not_sharded_plan") or not isinstance(p._local_tensor, QTensor):
+        return None
+    for module in list(_planned):
+        for name, plan in module.__dict__.get(PLANS_ATTR, {}).items():
+            if module._parameters.get(name) is p:
+                _attach_sharded(p, plan)
+                break
+        else:
+            continue
+        break
+    found = getattr(p, "_qt_plan", None)
+    if found is None:  # not one, or left in full precision: not looked up again
+        p._qt_not_sharded_plan = True
+    return found
 
 
 register_fsdp_hook(on_fsdp_all_gather)
+training.register_sharded_plan_lookup(sharded_plan)
