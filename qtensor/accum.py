@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from . import ops as _ops
+from . import selfcheck
 
 __all__ = ["AccumFormat", "AccumFormatError", "accum_matmul", "accum_matmul_reference",
            "as_accum", "contract", "PRESETS", "ALIGN_ROUNDINGS", "ACC_ROUNDINGS"]
@@ -84,6 +85,10 @@ class AccumFormat:
         _check_int("acc_man", self.acc_man, 0, 23)
         if self.promote is not None:
             _check_int("promote", self.promote, 1)
+            if self.promote > 2 ** 31 - 1:  # the kernels' int (a longer interval than K: None)
+                raise AccumFormatError(
+                    f"AccumFormat.promote must be at most 2**31 - 1 (the kernels take an int; "
+                    f"for no promotion before the end use promote=None), got {self.promote}")
         if self.align_rounding not in ALIGN_ROUNDINGS:
             raise AccumFormatError(f"AccumFormat.align_rounding must be one of "
                                    f"{ALIGN_ROUNDINGS}, got {self.align_rounding!r}")
@@ -312,6 +317,29 @@ def _kernel_ready(a: torch.Tensor) -> bool:
         "qtensor::accum_matmul", "CUDA"))
 
 
+def _sample_check(device: torch.device) -> Optional[str]:
+    """The accumulator kernel's first-use check (qtensor/selfcheck.py): every preset, on FP8,
+    FP4 and float32 operands with rows of very different ranges, kernel vs reference."""
+    g = torch.Generator().manual_seed(0)  # its own generator: the user's stream is untouched
+    a = torch.randn(2, 5, 200, generator=g) * torch.exp2(torch.randint(-20, 20, (2, 5, 1),
+                                                                        generator=g).float())
+    b = torch.randn(2, 200, 7, generator=g)
+    a[0, 0, 7], b[1, 3, 2] = math.inf, math.nan
+    operands = [(_ops.quantize(a, e), _ops.quantize(b, e)) for e in ("fp8_e4m3", "fp4_e2m1")]
+    for x, y in operands + [(a, b)]:
+        x, y = x.to(device), y.to(device)
+        for f in PRESETS.values():
+            got = torch.ops.qtensor.accum_matmul(x, y, *op_args(f))
+            found = selfcheck.difference(got, accum_matmul_reference(x, y, f))
+            if found is not None:
+                return f"accumulator {f.name}: {found}"
+    return None
+
+
+if _ops._C is not None:
+    selfcheck.register("accumulator", _sample_check)
+
+
 def op_args(f: AccumFormat) -> tuple:
     """The arguments of ``qtensor::accum_matmul`` after a and b."""
     return (f.chunk, f.frac_bits, f.group, _ROUND_CODE[f.align_rounding], f.acc_in_alignment,
@@ -326,7 +354,8 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul")
-    if not _kernel_ready(a):
+    # CUDA: the kernel must first agree with the reference there (qtensor/selfcheck.py)
+    if not _kernel_ready(a) or not selfcheck.trusted(a.device.type, "accumulator", a.device):
         return accum_matmul_reference(a, b, f)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]

@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import accum as _accum
+from . import block_specials as _block_specials
 from . import ops as _ops
 from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
 from .formats import PRESETS as _PRESETS, BlockFormat, Format
@@ -478,17 +479,25 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
         op, args = _kernel_call(fmt)
         return op(x, *args)
     if fmt.rounding == "stochastic" and type(x) is not torch.Tensor:
-        raise NotImplementedError(
-            f"QTensor: stochastic rounding ({fmt}) under torch.compile/tracing is not supported: "
-            "each rounding draws its seed eagerly from torch's generator, which a traced graph "
-            "would freeze into a constant; run stochastic formats eagerly")
+        raise _ops.stochastic_under_tracing(fmt)
     return _ops.quantize(x, fmt)
 
 
-def _round_inplace(q) -> None:
+def _round_inplace(q, func=None) -> None:
     """Round a QTensor's payload in place to its own format (after an in-place op)."""
     data = q._data
     fmt = fit_format(q.fmt, data.dim())
+    if (type(fmt) is BlockFormat and _block_specials.watching() and type(data) is torch.Tensor
+            and data.numel() and not torch.compiler.is_compiling()
+            and not torch.isfinite(data.sum())):  # an Inf or NaN may spread over its block
+        before = data.clone()
+        _round_inplace_to(data, fmt)
+        _block_specials.check(before, data, fmt, op=func)
+        return
+    _round_inplace_to(data, fmt)
+
+
+def _round_inplace_to(data, fmt) -> None:
     dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
     if dt is not None:
         data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
@@ -611,16 +620,23 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
 # ---------------------------------------------------------------------------------------------
 # Output wrapping
 
-def _wrap_out(out, fmt, mm_fmt, rnd):
+def _wrap_out(out, fmt, mm_fmt, rnd, func=None):
     """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd."""
     if isinstance(out, torch.Tensor):
         if out.dtype in FLOAT_DTYPES and out.layout == torch.strided:  # sparse stays plain
+            if out.is_nested:  # a QTensor cannot hold one; plain, it would compute in FP32
+                raise NotImplementedError(
+                    f"QTensor: an op made a nested tensor of QTensor values ({fmt}); nested "
+                    "tensors cannot carry a number format. Pad the values instead (a "
+                    "converted nn.TransformerEncoder does: it skips its nested fast path)")
             if rnd:
-                out = quantize(out, fmt)
+                before, out = out, quantize(out, fmt)
+                if type(fmt) is BlockFormat:
+                    _block_specials.check(before, out, fmt, op=func)
             return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd) for o in out)
+        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func) for o in out)
     return out
 
 
@@ -667,7 +683,7 @@ def dispatch(func, args, kwargs):
 
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
-    out = _wrap_out(out, fmt, mm_fmt, rnd)
+    out = _wrap_out(out, fmt, mm_fmt, rnd, func)
     acc = _accum_of(qs)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
         _set_accum(out, acc)
@@ -720,7 +736,7 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
                         f"{func}: out= QTensor of shape {tuple(d.shape)} would have to be resized "
                         f"to {tuple(d._data.shape)}; pass an out tensor of the result's shape")
                 if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs)):
-                    _round_inplace(d)
+                    _round_inplace(d, func)
     if rule.inplace_view:
         if isinstance(args[0], QTensor):  # t_, unsqueeze_, ...: the block axis moves
             args[0].fmt = fmt
@@ -728,7 +744,7 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
     if rule.returns_void:
         return None
     if rule.out_alias is None:  # fresh outputs besides the mutation (e.g. batch-norm stats)
-        return _wrap_out(out, fmt, mm_fmt, rnd)
+        return _wrap_out(out, fmt, mm_fmt, rnd, func)
     res = []
     outs = out if isinstance(out, (tuple, list)) else (out,)
     for o, alias in zip(outs, rule.out_alias):

@@ -170,7 +170,7 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         idx = index.movedim(axis, -1) if index is not None else None
     n = moved.shape[-1]
     bs = fmt.block_size if (fmt.block_size is not None and fmt.axis is not None) else n
-    bs = max(bs, 1)
+    bs = max(min(bs, n), 1)  # a block longer than the axis is the axis (no padding to 2**62)
     pad = (-n) % bs
     if pad:
         moved = torch.nn.functional.pad(moved, (0, pad))
@@ -195,8 +195,8 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         scale = _pow2(k)
     else:  # amax: the scale is the scale format's nearest value to amax / max_elem
         if fmt.tensor_scale:
-            finite_all = x64[torch.isfinite(x64)].abs()
-            amax_t = finite_all.max() if finite_all.numel() else x64.new_zeros(())
+            # the largest finite |x| (0 if none): no boolean indexing, so no device sync
+            amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
             tensor_scale = (amax_t / (max_elem * fmt.scale.max)).to(torch.float32).to(torch.float64)
             denom = max_elem * tensor_scale
             ratio = torch.where(denom > 0, amax_f / denom, torch.zeros_like(amax_f))
