@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import training
+from . import distributed, training
 from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
@@ -229,7 +229,9 @@ class _RoundActivation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, act: Role, grad: Role, name: str = "tensor"):
-        ctx.grad_role, ctx.plain_input = grad, not _is_q(x)
+        # (a DTensor of QTensors, under tensor parallelism, is no plain input)
+        ctx.grad_role = grad
+        ctx.plain_input = not (_is_q(x) or _is_q(getattr(x, "_local_tensor", None)))
         ctx.accum = _accum_of(x)
         if act.full_precision:  # values left as they are (a copy: never a view)
             return x.clone()
@@ -239,7 +241,7 @@ class _RoundActivation(torch.autograd.Function):
     def backward(ctx, g):
         q = grad_with_accum(round_to(g, ctx.grad_role), ctx.accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
-        return (q.dequantize() if ctx.plain_input else q), None, None, None
+        return (_plain(q) if ctx.plain_input else q), None, None, None  # (a DTensor too)
 
 
 def _to_plain(x):
@@ -444,6 +446,7 @@ def _attach(conv: _Conversion) -> None:
     training.bump_epoch()
     for mod, local, plan in conv.hooked_params:
         p = mod._parameters[local]
+        distributed.remember_plan(mod, local, plan)  # for FSDP2's sharded parameters
         if not plan.value.full_precision:
             p._qt_plan = plan
         if p.requires_grad:
@@ -617,6 +620,7 @@ def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"qt.convert expects an nn.Module, got {type(model).__name__}")
+    distributed.check_unwrapped(model)  # DDP(model), fully_shard(model): convert, then wrap
     recipe = as_recipe(spec)
     existing = getattr(model, "_qt_conversion", None)
     if existing is not None:
@@ -694,6 +698,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]
+        mod.__dict__.pop(distributed.PLANS_ATTR, None)
     for mod in conv.nested_off:
         mod.use_nested_tensor = True
     replaced, moved = [], {}

@@ -37,7 +37,10 @@ aten = torch.ops.aten
 __all__ = ["dispatch", "OPS", "OpRule", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
 
 # Op kinds.
-COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH, DECOMPOSE = 0, 1, 2, 3, 4
+COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH, DECOMPOSE, COLLECTIVE = 0, 1, 2, 3, 4, 5
+
+# torch.distributed's op namespaces: functional collectives (DTensor, FSDP2) and c10d's
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d"})
 
 # How an op's output keeps the block axis of a BlockFormat (OpRule.block).
 KEEP, TRANSPOSE, STACK = "keep", "transpose", "stack"
@@ -239,6 +242,8 @@ class Rule:
             # eager decomposes it before dispatch (conv2d into convolution, ...); it reaches us
             # only where torch.export keeps it (run_decompositions): decompose it the same way
             kind = DECOMPOSE
+        if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
+            kind = COLLECTIVE
         self.moves = kind == MOVE_KIND  # _foreach_copy_ too, whose kind is FOREACH
         self.kind = FOREACH if packet.startswith("_foreach_") else kind
         # mutated arguments: (position, name); outputs that alias them
@@ -644,6 +649,8 @@ def dispatch(func, args, kwargs):
         return _dispatch_foreach(func, rule, args, kwargs)
     if rule.kind == DECOMPOSE:
         return func.decompose(*args, **(kwargs or {}))
+    if rule.kind == COLLECTIVE:
+        return _collective(func, args, kwargs)
     qs = []
     uargs, ukwargs, plain = _unwrap(args, kwargs, qs)
     try:
@@ -759,6 +766,80 @@ def _needs_round_into(dst, args, kwargs) -> bool:
             elif isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES:
                 return True
     return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives (torch.distributed): the values that arrive are the values sent, in format
+
+def _wait_all(out) -> None:
+    """Wait for the collective that produces ``out`` (its payloads, or a c10d Work)."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    for o in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(o, (tuple, list)):
+            _wait_all(o)
+        elif isinstance(o, torch.Tensor):
+            wait(o)
+        elif hasattr(o, "wait"):  # a c10d Work (async_op=True, or the sync API before its wait)
+            o.wait()
+
+
+def _collective(func, args, kwargs):
+    """A collective on QTensors: run on the payloads, wait for it here (its results must not be
+    read, nor rounded, before they have arrived), then round once into the format: a reduction
+    sums (or averages) the payloads in their precision (float32) and rounds the result once;
+    a gather, broadcast or all-to-all moves values already in format (rounding them again
+    changes nothing, unless blocks were regrouped). Outputs keep the formats of the first
+    QTensor input; in-place destinations keep their own. An async collective is thus complete on
+    return (its later wait is a no-op)."""
+    if func._opname == "wait_tensor":  # the output was waited on when it was made
+        a = args[0] if args else kwargs["tensor"]
+        if isinstance(a, QTensor):
+            func(a._data)
+        return a
+    qs = []
+    if func.namespace == "c10d":
+        # c10d's ops write into their tensor lists, and some backends' Work copies its result
+        # into them again on every wait() (gloo's reduce-scatter): they get copies of the
+        # payloads, and the payloads get the rounded results once
+        pairs = []
+
+        def copy_of(a):  # (scatter, gather, alltoall take lists of lists)
+            if isinstance(a, (list, tuple)):
+                return type(a)(copy_of(x) for x in a)
+            if isinstance(a, QTensor):
+                pairs.append((a, a._data.clone()))
+                return pairs[-1][1]
+            return a
+        uargs = [copy_of(a) for a in args]
+        out = func(*uargs, **(kwargs or {}))
+        _wait_all(out)
+        for q, c in pairs:
+            q._data.copy_(quantize(c, q.fmt))
+        qs = [q for q, _c in pairs]
+        alias = {id(c): q for q, c in pairs}
+    else:
+        uargs, ukwargs, _plain = _unwrap(args, kwargs, qs)
+        out = func(*uargs, **ukwargs)
+        _wait_all(out)
+        if func._opname.endswith("_"):  # all_reduce_, broadcast_: in place
+            for q in qs:
+                _round_inplace(q)
+        alias = {id(q._data): q for q in qs}
+    src = qs[0]
+
+    def wrap(o):
+        if isinstance(o, (tuple, list)):
+            return type(o)(wrap(x) for x in o)
+        if not isinstance(o, torch.Tensor) or o.dtype not in FLOAT_DTYPES:
+            return o
+        q = alias.get(id(o))
+        if q is not None:  # an output that is an input's payload (or its copy) is that QTensor
+            return q
+        w = QTensor._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
+        if src.accum is not None:
+            w._accum = src.accum
+        return w
+    return wrap(out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -265,12 +266,32 @@ def _is_q(x) -> bool:
     return isinstance(x, QTensor)
 
 
+def _dtensor_class():
+    mod = sys.modules.get("torch.distributed.tensor")  # not imported: there is no DTensor
+    return None if mod is None else mod.DTensor
+
+
 def _plain(x: torch.Tensor) -> torch.Tensor:
-    return x.dequantize() if _is_q(x) else x
+    if _is_q(x):
+        return x.dequantize()
+    dtensor = None if torch.compiler.is_dynamo_compiling() else _dtensor_class()
+    if dtensor is not None and type(x) is dtensor and _is_q(x._local_tensor):
+        # a DTensor of QTensors (tensor parallelism): the same placements, plain local values
+        return dtensor.from_local(x.to_local().dequantize(), x.device_mesh, x.placements,
+                                  run_check=False, shape=x.shape, stride=x.stride())
+    return x
 
 
 def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tensor:
-    """x as a QTensor in ``role`` (returned as is when it already has exactly those formats)."""
+    """x as a QTensor in ``role`` (returned as is when it already has exactly those formats).
+    A DTensor (tensor parallelism) is rounded shard by shard: the same placements, its local
+    tensor in ``role`` (a Partial one's partial values each, as a TP device rounds its outputs
+    before the reduction; docs/distributed.md)."""
+    dtensor = None if torch.compiler.is_dynamo_compiling() else _dtensor_class()
+    if dtensor is not None and type(x) is dtensor:
+        local = round_to(x.to_local(), role, name=name)
+        return dtensor.from_local(local, x.device_mesh, x.placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())
     if role.full_precision:
         return _plain(x)
     if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:

@@ -452,6 +452,29 @@ class QTensor(torch.Tensor):
             parts.append("requires_grad=True")
         return "QTensor(" + ", ".join(parts) + ")"
 
+    # -- FSDP2 (torch.distributed.fsdp.fully_shard): its extension points for tensor subclasses --
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """The sharded parameter's all-gather input: its payload (already in format; FSDP2 pads
+        an uneven last shard, so this does too); the formats travel as metadata."""
+        _check_fsdp_policy(mp_policy, self)
+        if _fsdp_hook is not None:  # qtensor.distributed: the sharded parameter's gradient
+            _fsdp_hook(self, module)
+        data = self._data
+        rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
+        if data.dim() and data.shape[0] < rows:
+            data = torch.cat([data, data.new_zeros((rows - data.shape[0], *data.shape[1:]))])
+        return (data,), (self.fmt, self.mm_fmt, self._accum)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded parameter: the gathered payloads as they were sent (no rounding: they
+        are in format), with the formats. With ``out`` (every all-gather after the first) FSDP2
+        has gathered into the same storage again: out holds the new values already."""
+        if out is not None:
+            return None
+        (data,) = all_gather_outputs
+        fmt, mm_fmt, accum = metadata
+        return QTensor._wrap(data, fmt, mm_fmt, accum=accum), (data,)
+
     # -- serialization -------------------------------------------------------------------------
     def __reduce_ex__(self, protocol):
         # the accumulator as a dict of its fields (plain values: loadable with weights_only)
@@ -477,6 +500,32 @@ class QTensor(torch.Tensor):
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
         return new
+
+
+_fsdp_hook = None  # called with (sharded QTensor, its module) before each FSDP2 all-gather
+
+
+def register_fsdp_hook(hook) -> None:
+    """qtensor.distributed's hook on FSDP2's sharded QTensor parameters (it sits above this
+    module: it finds the sharded parameter and its plan, and rounds its reduced gradient)."""
+    global _fsdp_hook
+    _fsdp_hook = hook
+
+
+def _check_fsdp_policy(mp_policy, t) -> None:
+    if mp_policy is None:
+        return
+    pd, rd = getattr(mp_policy, "param_dtype", None), getattr(mp_policy, "reduce_dtype", None)
+    if pd is not None and pd != t.dtype:
+        raise TypeError(
+            f"fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype={pd})) on a converted "
+            f"model: its parameters carry their number formats (here {t.fmt}); a param_dtype "
+            "would cast them. Leave param_dtype=None: the recipe's formats are the precision")
+    if rd is not None and rd != torch.float32:
+        raise TypeError(
+            f"fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype={rd})) on a converted "
+            "model: gradients are reduced in FP32 and rounded once to their format "
+            "(docs/distributed.md); leave reduce_dtype=None or torch.float32")
 
 
 def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=None):

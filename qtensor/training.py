@@ -46,8 +46,21 @@ def install_optimizer_hooks() -> None:
         _installed = True
 
 
+_sharded_plan = None  # qtensor.distributed's lookup of an FSDP2 sharded parameter's plan
+
+
+def register_sharded_plan_lookup(lookup) -> None:
+    """qtensor.distributed (above this module): the plan of a DTensor parameter that FSDP2 made
+    of a converted one (the optimizer may step it before any forward: DCP's state init)."""
+    global _sharded_plan
+    _sharded_plan = lookup
+
+
 def _plan(p):
-    return getattr(p, "_qt_plan", None)
+    plan = getattr(p, "_qt_plan", None)
+    if plan is None and _sharded_plan is not None and hasattr(p, "_local_tensor"):
+        plan = _sharded_plan(p)
+    return plan
 
 
 _epoch = [0]  # bumped whenever parameters gain or lose plans (convert, unconvert, re-attach)
@@ -189,7 +202,10 @@ def _pre_step(optimizer, args, kwargs):
 
 
 def _state_zeros(p, plan, zero=0.0):
-    zeros = torch.full(p.shape, zero, dtype=p.dtype, device=p.device)
+    if hasattr(p, "_local_tensor"):  # a DTensor (FSDP2's sharded parameter): its placements
+        zeros = torch.full_like(_plain(p.detach()), zero)
+    else:
+        zeros = torch.full(p.shape, zero, dtype=p.dtype, device=p.device)
     return round_to(zeros, plan.optimizer_state, name=f"optimizer state of {plan.name}")
 
 
