@@ -728,8 +728,9 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
         # bias: nn.Linear's addmm) and alpha != 1 stay in the epilogue (cuBLASLt's bias epilogue)
         oshape = (a.shape[0],) if packet == "addmv" else (
             (a.shape[1], b.shape[2]) if packet == "addbmm" else (*a.shape[:-1], b.shape[-1]))
+        # (the ranks first: a tuple == compares items first, a guard on a dynamic batch size)
         fed = (alpha == 1 and beta != 0 and isinstance(bias, torch.Tensor)
-               and tuple(bias.shape) == oshape)
+               and bias.dim() == len(oshape) and tuple(bias.shape) == oshape)
         if fed:
             c = (bias if beta == 1 else bias * beta).float()
             e12["c"] = c[:, None] if packet == "addmv" else c

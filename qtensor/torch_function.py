@@ -24,12 +24,17 @@ def register_to_handler(handler) -> None:
 
 class TorchFunctionTarget:
     """Mixin: torch calls given an instance (``model.to(fmt)``, ``t.to(fmt)``) reach the handler;
-    every other torch function refuses it (NotImplemented: torch's TypeError)."""
+    every other torch function runs as if the instance were a plain Python object (a format is an
+    argument of an autograd Function under torch.func, of a higher-order op, of gradcheck...)."""
 
     __slots__ = ()
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if _handler is None:
-            return NotImplemented
-        return _handler(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        out = NotImplemented if _handler is None else _handler(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+        import torch  # (lazy: this module imports nothing at the top, see above)
+        with torch._C.DisableTorchFunctionSubclass():  # torch's default __torch_function__
+            return func(*args, **kwargs)
