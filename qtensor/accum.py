@@ -627,13 +627,7 @@ def _block_gexp(x: torch.Tensor, q, kdim: int, group: int):
     if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
             and fmt.block_size % group == 0 and isinstance(fmt.elem, FloatFormat)):
         return None
-    bs = fmt.block_size
-    xk = x.movedim(kdim, -1)
-    K = xk.shape[-1]
-    amax = torch.nn.functional.pad(xk.abs(), (0, -K % bs)).unflatten(-1, (-1, bs)).amax(-1)
-    e = torch.frexp(amax.double()).exponent.to(torch.int64) - 1 - fmt.elem.emax
-    e = torch.where(amax == 0, 0, e).repeat_interleave(bs // group, -1)[..., :-(-K // group)]
-    return e.movedim(-1, kdim)
+    return _block_exps(x, fmt, kdim, group)
 
 
 def _mx_scale_exps(x: torch.Tensor, fmt, kdim: int):
@@ -643,12 +637,18 @@ def _mx_scale_exps(x: torch.Tensor, fmt, kdim: int):
     if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
             and isinstance(fmt.elem, FloatFormat)):
         return None
+    return _block_exps(x, fmt, kdim, 1)
+
+
+def _block_exps(x: torch.Tensor, fmt, kdim: int, group: int) -> torch.Tensor:
+    """Each block's scale exponent (recovered from its largest magnitude, whose element has the
+    element format's top exponent) of x along kdim, repeated for each group of ``group``."""
     bs = fmt.block_size
     xk = x.movedim(kdim, -1)
     K = xk.shape[-1]
     amax = torch.nn.functional.pad(xk.abs(), (0, -K % bs)).unflatten(-1, (-1, bs)).amax(-1)
     e = torch.frexp(amax.double()).exponent.to(torch.int64) - 1 - fmt.elem.emax
-    e = torch.where(amax == 0, 0, e).repeat_interleave(bs, -1)[..., :K]
+    e = torch.where(amax == 0, 0, e).repeat_interleave(bs // group, -1)[..., :-(-K // group)]
     return e.movedim(-1, kdim)
 
 
