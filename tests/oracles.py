@@ -248,7 +248,41 @@ def quantize_block(values: List[float], fmt, mode: Optional[str] = None) -> list
         return [zero(v) for v in values]
     X = block_scale(amax, fmt)
     elem = fmt.elem.replace(saturate=True)
+    if fmt.scale_rule == "amax" and mode != "stochastic":
+        # the scale of the rounded block's own amax must be X: else round again with it
+        while X > 0:
+            rmax = max(abs(Fraction(round_scalar(Fraction(v) / X, elem, mode))) for v in values) * X
+            X2 = block_scale(rmax, fmt) if rmax > 0 else Fraction(0)
+            if X2 >= X:
+                break
+            X = X2
 
+    if fmt.scale_rule == "amax" and mode == "stochastic":
+        # every scale the re-rounding can reach; an element's candidates at each of them
+        scales, todo = {X}, [X]
+        while todo:
+            S = todo.pop()
+            if S == 0:
+                continue
+            cands = [round_scalar(Fraction(v) / S, elem, mode) for v in values]
+            cands = [c if isinstance(c, tuple) else (c,) for c in cands]
+            floor_max = max(min(abs(Fraction(c)) for c in cs) for cs in cands)
+            for cs in cands:
+                for c in cs:
+                    if abs(Fraction(c)) >= floor_max:
+                        S2 = block_scale(abs(Fraction(c)) * S, fmt) if c != 0 else Fraction(0)
+                        if S2 < S and S2 not in scales:
+                            scales.add(S2)
+                            todo.append(S2)
+        per_scale = [_block_at(values, S, elem, mode, zero) for S in sorted(scales)]
+        return [tuple(sorted(set(c for q in qs for c in (q if isinstance(q, tuple) else (q,))),
+                             key=lambda c: (c, math.copysign(1, c))))
+                for qs in zip(*per_scale)]
+    return _block_at(values, X, elem, mode, zero)
+
+
+def _block_at(values, X, elem, mode, zero) -> list:
+    """One block's elements rounded with the scale X."""
     def back(r, v):
         if r == 0:
             return zero(v)

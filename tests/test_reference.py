@@ -1055,24 +1055,47 @@ def test_format_default_rounding_is_used(quantize):
     assert quantize(t32([2.5, 3.5]), FixedFormat(8, 0)).tolist() == [2.0, 4.0]
 
 
+def _tensor_scale_oracle(amax: Fraction, fmt) -> Fraction:
+    """s = amax / (max_elem * max_scale) rounded down to fmt.tensor_scale_bits significant bits
+    (and to a multiple of 2^(-149 - min_quantum_exp + 1)), exactly."""
+    t = amax / (Fraction(fmt.elem.max) * Fraction(fmt.scale.max))
+    if t == 0:
+        return Fraction(0)
+    e = oracles.floor_log2(t) + 1  # t = m 2^e, m in [1/2, 1)
+    j = max(e - fmt.tensor_scale_bits, -149 - fmt.min_quantum_exp + 1)
+    return Fraction(math.floor(t / Fraction(2) ** j)) * Fraction(2) ** j
+
+
 def _nvfp4_tensor_scale_oracle(x: torch.Tensor) -> torch.Tensor:
-    """NVFP4 with its per-tensor scale, exactly: s = fp32(amax_tensor / (6 * 448)); per block
-    X = RNE_e4m3(amax_block / (6 s)); q = fp32(s X Q_fp4(x / (s X))) with x / (s X) exact."""
+    """NVFP4 with its per-tensor scale, exactly: s = RD_17bits(amax_tensor / (6 * 448)); per
+    block X = RNE_e4m3(amax_block / (6 s)), saturating; q = s X Q_fp4(x / (s X)) with x / (s X)
+    exact; then X again from the rounded block's amax until it repeats."""
+    fmt = qt.BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="amax", tensor_scale=True)
     vals = x.double().tolist()
-    s = float(np.float32(Fraction(max(abs(v) for v in vals)) / (6 * 448)))
+    s = _tensor_scale_oracle(max(abs(Fraction(v)) for v in vals), fmt)
     out = []
+
+    def scale_of(amax):
+        if s == 0 or amax == 0:
+            return Fraction(0)
+        return Fraction(oracles.round_float(amax / (6 * s), qt.fp8_e4m3, "nearest")) * s
+
     for b in range(0, len(vals), 16):
         block = vals[b:b + 16]
-        amax = max(abs(Fraction(v)) for v in block)
-        X = Fraction(oracles.round_float(amax / (6 * Fraction(s)), qt.fp8_e4m3, "nearest"))
-        S = X * Fraction(s)
+        S = scale_of(max(abs(Fraction(v)) for v in block))
+        while S > 0:
+            rmax = max(abs(Fraction(oracles.round_float(Fraction(v) / S, qt.fp4_e2m1, "nearest")))
+                       for v in block) * S
+            S2 = scale_of(rmax)
+            if S2 >= S:
+                break
+            S = S2
         for v in block:
             if S == 0 or v == 0:
                 out.append(math.copysign(0.0, v))
                 continue
             r = oracles.round_float(Fraction(v) / S, qt.fp4_e2m1, "nearest")
-            out.append(float(np.float32(float(Fraction(r) * S))) if r != 0
-                       else math.copysign(0.0, v))
+            out.append(float(Fraction(r) * S) if r != 0 else math.copysign(0.0, v))
     return t32(out)
 
 
@@ -1082,7 +1105,7 @@ def test_nvfp4_tensor_scale(quantize):
     fmt = BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="amax", tensor_scale=True)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4]).repeat_interleave(16)
-    s = float(np.float32(Fraction(float(x.abs().max())) / (6 * 448)))
+    s = float(_tensor_scale_oracle(Fraction(float(x.abs().max())), fmt))
     # search block 1 for an x whose float32 quotient lands on a tie that the exact one misses
     amax1 = max(abs(Fraction(v)) for v in x[16:32].double().tolist())
     S = Fraction(oracles.round_float(amax1 / (6 * Fraction(s)), qt.fp8_e4m3)) * Fraction(s)
@@ -1096,7 +1119,7 @@ def test_nvfp4_tensor_scale(quantize):
                 break
         if found is not None:
             break
-    assert found is not None, "no float32 division tie for this scale"
-    x[20] = found
+    if found is not None:  # (with a 17-bit tensor scale, S * tie is a float32: rarely any)
+        x[20] = found
     expected = _nvfp4_tensor_scale_oracle(x)
     assert_bits_equal(quantize(x, fmt), expected, "nvfp4 tensor scale", inputs=x)
