@@ -288,8 +288,9 @@ class BlockFormat(Format):
     scale: the scale's format (``e8m0`` for MX, ``fp8_e4m3`` for NVFP4).
     scale_rule: ``floor`` (OCP MX: 2^(floor(log2 amax) - emax_elem)), ``ceil`` (the smallest power
     of two with amax/X <= max_elem), ``amax`` (X = scale-format rounding of amax / max_elem).
-    tensor_scale: an extra per-tensor float32 scale amax_tensor / (max_elem * max_scale)
-    (NVFP4's two-level scaling; needs a second pass over the tensor).
+    tensor_scale: an extra per-tensor scale amax_tensor / (max_elem * max_scale), rounded down to
+    ``tensor_scale_bits`` significant bits (NVFP4's two-level scaling; needs a second pass over
+    the tensor). The amax rule is idempotent: docs/formats.md.
     The element format always saturates; its rounding is the block's rounding.
     """
 
@@ -446,7 +447,10 @@ def _presets() -> dict:
         "mxfp6_e2m3": BlockFormat(fp6_e2m3, 32, scale=e8m0),
         "mxfp4_e2m1": BlockFormat(fp4_e2m1, 32, scale=e8m0),
         "mxint8": BlockFormat(int8_mx, 32, scale=e8m0),
-        "nvfp4": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax"),
+        # NVIDIA's NVFP4 (Transformer Engine, arXiv 2509.25149): E4M3 scales of 16 elements
+        # under a per-tensor FP32 scale from the tensor's amax; nvfp4_single without the latter
+        "nvfp4": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax", tensor_scale=True),
+        "nvfp4_single": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax"),
     }
 
 

@@ -585,9 +585,14 @@ def block_oracle(x: torch.Tensor, fmt: BlockFormat, mode=None) -> torch.Tensor:
     bs = n if (fmt.block_size is None or fmt.axis is None) else fmt.block_size
     rows = moved.reshape(-1, n)
     out = np.empty(rows.shape, dtype=np.float64)
+    ts = None
+    if fmt.tensor_scale:
+        finite = a[np.isfinite(a)]
+        ts = _tensor_scale_oracle(Fraction(float(np.abs(finite).max())) if finite.size else
+                                  Fraction(0), fmt)
     for r in range(rows.shape[0]):
         for s in range(0, n, max(bs, 1)):
-            out[r, s:s + bs] = oracles.quantize_block(rows[r, s:s + bs].tolist(), fmt, mode)
+            out[r, s:s + bs] = oracles.quantize_block(rows[r, s:s + bs].tolist(), fmt, mode, ts)
     out = out.reshape(moved.shape)
     if not (fmt.axis is None or a.ndim == 0):
         out = np.moveaxis(out, -1, fmt.axis)
@@ -595,7 +600,7 @@ def block_oracle(x: torch.Tensor, fmt: BlockFormat, mode=None) -> torch.Tensor:
 
 
 BLOCK_PRESETS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1", "mxint8",
-                 "nvfp4"]
+                 "nvfp4", "nvfp4_single"]
 
 
 def _block_inputs(rows, cols, seed):
@@ -640,10 +645,14 @@ def test_block_stochastic_candidates(quantize, name):
 
 def block_oracle_candidates(x, fmt):
     rows = x.double().numpy()
+    ts = None
+    if fmt.tensor_scale:
+        ts = _tensor_scale_oracle(Fraction(float(np.abs(rows).max())), fmt)
     out = []
     for r in rows:
         for s in range(0, len(r), fmt.block_size):
-            out += oracles.quantize_block(r[s:s + fmt.block_size].tolist(), fmt, "stochastic")
+            out += oracles.quantize_block(r[s:s + fmt.block_size].tolist(), fmt, "stochastic",
+                                          ts)
     return out
 
 
@@ -776,23 +785,23 @@ def test_block_ceil_rule(quantize):
 
 
 def test_nvfp4(quantize):
-    """NVFP4: X = RNE_e4m3(amax / 6), elements Q_fp4(x / X) with x / X exact."""
+    """single-level NVFP4: X = RNE_e4m3(amax / 6), elements Q_fp4(x / X) with x / X exact."""
     # amax 6: X = 1, plain fp4
     x = t32([6.0, 2.5, -1.25, 0.2] + [0.0] * 12)
-    assert_bits_equal(quantize(x, "nvfp4"), t32([6.0, 2.0, -1.0, 0.0] + [0.0] * 12), "X=1")
+    assert_bits_equal(quantize(x, "nvfp4_single"), t32([6.0, 2.0, -1.0, 0.0] + [0.0] * 12), "X=1")
     # amax / 6 = 3.3 / 6 = 0.55 -> e4m3 0.5625; elements x / 0.5625 exactly
     x = t32([3.3, 1.0, -0.7] + [0.0] * 13)
-    assert_bits_equal(quantize(x, "nvfp4"), block_oracle(x, qt.nvfp4), "X=0.5625", x)
+    assert_bits_equal(quantize(x, "nvfp4_single"), block_oracle(x, qt.nvfp4_single), "X=0.5625", x)
     # amax / 6 in E4M3's subnormal range (torchao's scale differs there)
     for amax in [0.05, 0.01, 0.003, 0.0015, 2.0 ** -9 * 6, 2.0 ** -10 * 6, 1e-4]:
         x = t32([amax, amax / 2, -amax / 7, amax / 3] + [0.0] * 12)
-        assert_bits_equal(quantize(x, "nvfp4"), block_oracle(x, qt.nvfp4), f"amax {amax}", x)
+        assert_bits_equal(quantize(x, "nvfp4_single"), block_oracle(x, qt.nvfp4_single), f"amax {amax}", x)
     # amax / 6 below half of e4m3's smallest subnormal 2^-9: the scale is 0, all signed zeros
     x = t32([2.0 ** -14, -(2.0 ** -15)] + [0.0] * 14)
-    assert_bits_equal(quantize(x, "nvfp4"), t32([0.0, -0.0] + [0.0] * 14), "zero scale")
+    assert_bits_equal(quantize(x, "nvfp4_single"), t32([0.0, -0.0] + [0.0] * 14), "zero scale")
     # huge amax: the scale saturates at 448 and elements at 6 * 448
     x = t32([1e6, 3e5] + [0.0] * 14)
-    assert_bits_equal(quantize(x, "nvfp4"), block_oracle(x, qt.nvfp4), "saturated scale", x)
+    assert_bits_equal(quantize(x, "nvfp4_single"), block_oracle(x, qt.nvfp4_single), "saturated scale", x)
 
 
 def test_nvfp4_division_tie(quantize):
@@ -816,11 +825,11 @@ def test_nvfp4_division_tie(quantize):
         assert abs(Fraction(xv) / X) < abs(tie)         # the exact quotient is below it
     x = t32([11.25] + xs + [0.0] * 12)
     expected = t32([11.25, 0.9375, 2.8125, -0.9375] + [0.0] * 12)
-    assert_bits_equal(quantize(x, "nvfp4"), expected, "division tie", x)
-    assert_bits_equal(expected, block_oracle(x, qt.nvfp4), "oracle agrees")
+    assert_bits_equal(quantize(x, "nvfp4_single"), expected, "division tie", x)
+    assert_bits_equal(expected, block_oracle(x, qt.nvfp4_single), "oracle agrees")
     # and the mirror case: just above a tie, a float32 shortcut that lands on it would go down
     for mode in ("nearest_away", "toward_zero"):
-        assert_bits_equal(quantize(x, "nvfp4", rounding=mode), block_oracle(x, qt.nvfp4, mode),
+        assert_bits_equal(quantize(x, "nvfp4_single", rounding=mode), block_oracle(x, qt.nvfp4_single, mode),
                           f"division tie {mode}", x)
 
 
