@@ -171,27 +171,26 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   // the scale: float32 amax / max_elem rounds (nearest) to the same scale as the reference's
   // double quotient (see block_amax_fast32 below); a NaN scale (a NaN-on-overflow scale format)
   // means "no scale" (signed zeros), which X = 0 gives.
-  // With a tensor scale s (17 significant bits, formats.py), the scale X_b * s is computed in
-  // double as the reference and is a float32 exactly, as are its products with the boundaries.
+  // With a tensor scale s (tensor_scale_bits = 17 significant bits, formats.py) the divisor is
+  // D = 6 s (19 bits: a midpoint of the scale format times D still has at most 24, so the same
+  // argument holds), and X * s (21 bits) and its products with the boundaries are exact.
   const qtensor::FastGrid g = sg;
-  if (a.tensor_scale) {
-    for (int64_t b = 0; b < nblk; ++b)
-      X[b] = (float)qtensor::amax_block_scale(amax[b], a.amax_spec, true, a.ts);
-  } else {
-    for (int64_t b = 0; b < nblk; ++b) {
-      const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / elem_max), g,
-                                                               smax, sovf, 0u));
-      X[b] = s == s ? s : 0.0f;
-    }
-  }
-  // Idempotence: a block whose amax does not round to elem_max * X (a scale in E4M3's subnormal
-  // range, toward_zero) takes the scale of its rounded amax (round.h, settle_amax_scale): rare.
+  const float ts = a.tensor_scale ? (float)a.ts : 1.0f;
+  const float div = a.tensor_scale ? (float)(a.elem_max * a.ts) : elem_max;
   for (int64_t b = 0; b < nblk; ++b) {
-    const float Xb = X[b];
-    const qtensor::Fp4Bounds bd = qtensor::fp4_bounds<MODE>(Xb);
+    const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / div), g, smax,
+                                                             sovf, 0u));
+    X[b] = s == s ? s * ts : 0.0f;
+  }
+  // Idempotence: a block whose amax does not round to 6 X (a scale in E4M3's subnormal range,
+  // toward_zero) takes the scale of its rounded amax (round.h, settle_amax_scale): rare. The
+  // amax rounds to 6 iff it is past the boundary 5 X (toward_zero: 6 X), exact in float32.
+  for (int64_t b = 0; b < nblk; ++b) {
+    const float Xb = X[b], am = u2f(amax[b]);
+    const float top = (MODE == kTowardZero ? 6.0f : 5.0f) * Xb;
     const bool settled = amax[b] >= kInfBits || !(Xb > 0.0f) ||
-                         qtensor::fp4_round_scaled<MODE>(u2f(amax[b]), bd, Xb) == 6.0f * Xb;
-    if (!settled) {
+                         (MODE == kNearest ? am > top : am >= top);
+    if (__builtin_expect(!settled, 0)) {
       const qtensor::AmaxBlockSpec& sp = a.amax_spec;
       X[b] = (float)qtensor::settle_amax_scale(
           (double)Xb, sp, a.tensor_scale, a.ts, [&](double sc) {
@@ -256,20 +255,18 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   p.grain = std::max<int64_t>(1, kGrain / p.bs);
   p.unit_stride = p.sax == 1 && p.say == 1;
   const auto& ssp = a.amax_spec.scale;
-  const bool amax_fast32_scale =
-      a.scale_rule == kRuleAmax && !a.tensor_scale && MODE != kStochastic && !a.elem_fixed &&
+  const bool scale_grid =
+      a.scale_rule == kRuleAmax && MODE != kStochastic && !a.elem_fixed &&
       a.man + ssp.man <= 21 && !ssp.is_unsigned &&
       qtensor::make_fast_grid(p.sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
+  const bool amax_fast32_scale = scale_grid && !a.tensor_scale;
   p.amax_fast32 = amax_fast32_scale &&  // the elements' grid (amax rule: unshifted)
       qtensor::make_fast_grid(p.eg, a.man, a.emin, a.qlow,
                               a.emin == -126 && a.qlow == a.emin - a.man, false, false);
   p.smax = f2u((float)qtensor::u2d(ssp.max_bits));
   // a tensor scale keeps the fp4 path (the block scales in double, see fp4_block_run)
-  const bool fp4_scales =
-      p.amax_fast32 ||
-      (a.scale_rule == kRuleAmax && a.tensor_scale && MODE != kStochastic && !a.elem_fixed &&
-       !ssp.is_unsigned);
+  const bool fp4_scales = p.amax_fast32 || (scale_grid && a.tensor_scale);
   p.fp4_rows = fp4_scales && p.inner == 1 && p.unit_stride && a.man == 1 && a.emin == 0 &&
                a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 && ssp.qlow >= -147 &&
                qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
