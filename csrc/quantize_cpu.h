@@ -123,11 +123,15 @@ uint32_t amax_bits(const T* x, const Layout& L) {
           c.size[d] = L.sizes[d]; c.sx[d] = L.xs[d]; c.sy[d] = 0; c.sl[d] = 0;
         }
         if (L.contiguous) {
+          // |x|'s bits as int32 (non-negative, ordered like the values): gcc vectorizes a signed
+          // max reduction (vpmaxsd), not the unsigned one (NVFP4's tensor scale pass)
+          int32_t m = (int32_t)acc;
           for (int64_t i = b; i < e; ++i) {
-            uint32_t a = load_bits<T>(x + i) & kAbsMask;
-            acc = ((!FINITE || a < kInfBits) && a > acc) ? a : acc;
+            int32_t a = (int32_t)(load_bits<T>(x + i) & kAbsMask);
+            a = (!FINITE || a < (int32_t)kInfBits) ? a : 0;
+            m = a > m ? a : m;
           }
-          return acc;
+          return (uint32_t)m;
         }
         c.set(b);
         for (int64_t i = b; i < e; ++i) {

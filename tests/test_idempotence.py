@@ -23,9 +23,9 @@ BLOCK_PRESETS = [n for n, f in qt.PRESETS.items() if isinstance(f, BlockFormat)]
 NVFP4_SINGLE = BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="amax")
 
 
-def wide_blocks(rows, cols, seed, lo=-140, hi=100):
+def wide_blocks(rows, cols, seed, lo=-140, hi=100, specials=True):
     """Blocks with their own exponent offsets (down to scales in the subnormal range and below)
-    and spreads, signed zeros, a NaN block and an Inf."""
+    and spreads, signed zeros, a NaN block and an Inf (``specials``)."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(rows, cols, generator=g, dtype=torch.float64)
     spread = torch.randint(-12, 13, (rows, cols), generator=g).double()
@@ -34,8 +34,9 @@ def wide_blocks(rows, cols, seed, lo=-140, hi=100):
                                                         dtype=torch.float64) / 4)).float()
     x[0, :3] = torch.tensor([0.0, -0.0, 0.0])
     if rows > 3:
-        x[1, 4] = float("nan")
-        x[2, 7] = float("inf")
+        if specials:
+            x[1, 4] = float("nan")
+            x[2, 7] = float("inf")
         x[3] = 0.0
     return x
 
@@ -52,6 +53,7 @@ def assert_idempotent(quantize, x, fmt, mode):
 @pytest.mark.parametrize("name", BLOCK_PRESETS + ["nvfp4_single"])
 def test_block_presets_idempotent(quantize, name, mode):
     fmt = NVFP4_SINGLE if name == "nvfp4_single" else qt.format(name)
+    # (the NaN and the Inf lie away from the block of the tensor's finite amax)
     assert_idempotent(quantize, wide_blocks(48, 64, seed=len(name)), fmt, mode)
     # small values: the amax rule's scales in E4M3's subnormal range (NVFP4 single-level)
     assert_idempotent(quantize, wide_blocks(48, 64, seed=7, lo=-12, hi=-4), fmt, mode)
@@ -138,7 +140,9 @@ def value_bits(fmt) -> int:
 def test_custom_block_formats_idempotent(fmt, mode, seed, lo, dtype):
     if dtype == torch.bfloat16:  # a bfloat16 carrier holds values of at most 8 significant bits
         assume(value_bits(fmt) <= 8 and fmt.min_quantum_exp >= -133)
-    x = wide_blocks(6, 40, seed, lo=lo, hi=lo + 30).to(dtype)
+    # (tensor scale: a NaN or Inf in the block of the tensor's finite amax makes that block NaN,
+    # and the tensor scale derived again smaller; docs/formats.md)
+    x = wide_blocks(6, 40, seed, lo=lo, hi=lo + 30, specials=not fmt.tensor_scale).to(dtype)
     for quantize in (qt.quantize, qt.reference.quantize):
         q = assert_idempotent(quantize, x, fmt, mode)
         if quantize is qt.quantize:
