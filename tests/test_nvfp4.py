@@ -51,6 +51,8 @@ def test_nvfp4_gradient_operands_keep_the_gradients():
 
 @pytest.mark.parametrize("operand", ["nvfp4"])
 def test_nvfp4_model_trains(operand):
+    """30 Adam steps memorize 64 random labels (3.46 -> ~0.02); with single-level NVFP4
+    operands the loss stalls near 1.2 (most gradient operands flush to zero)."""
     model = _model(qt.format(operand))
     x, y = _data()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -60,8 +62,8 @@ def test_nvfp4_model_trains(operand):
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
-    assert losses[-1] < 0.5 * losses[0], losses
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.1 < losses[0], losses
 
 
 def test_nvfp4_tensor_scale_values():
