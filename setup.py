@@ -14,10 +14,13 @@ from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# qtorch (QPyTorch 0.3.0) and gfloat are independent oracles for the compat and reference tests
+# qtorch (QPyTorch 0.3.0) and gfloat are independent oracles for the compat and reference tests;
+# mmasim (MMA-Sim: bit-accurate tensor-core models, needs torch>=2.9) for tests/test_accum_mmasim.py
 TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja", "qtorch==0.3.0",
-        "gfloat"]
+        "gfloat", "mmasim==2.1.1"]
 EXAMPLES = ["tqdm", "matplotlib", "scikit-learn"]
+# qtensor.hf and the safetensors helpers (tests skip without them); neither pulls a torch
+HF = ["safetensors", "transformers"]
 
 
 def version():
@@ -69,7 +72,7 @@ setup(
     package_data={"qtensor": ["py.typed"]},  # PEP 561: the package's annotations are for users
     python_requires=">=3.9",
     install_requires=["torch"],
-    extras_require={"test": TEST + EXAMPLES, "examples": EXAMPLES},
+    extras_require={"test": TEST + EXAMPLES + HF, "examples": EXAMPLES, "hf": HF},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

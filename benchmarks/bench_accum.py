@@ -9,7 +9,10 @@ torch.mm (FP32, BLAS), the accum path with the fused C++ kernel emulating the da
 (hopper_fp8: 32-product chunks, 13 bits, promotion every 128; hopper_bf16: 16-product chunks, 25
 bits; blackwell_mxfp4: 64-product chunks of 16-product groups, 35 bits). FP8 operands take the
 kernel's float32/int32 fast path on AVX2/AVX-512 CPUs (csrc/cpu/accum_fast.h); the groups take
-the double tiles of csrc/cpu/accum_lanes.h (rows_groups). The "fp32 operands" rows: hopper_bf16
+the double tiles of csrc/cpu/accum_lanes.h (rows_groups); "mxfp4+blockexp": blackwell_mxfp4 on
+MXFP4 operands with the block-scale exponents (the exact mode QTensor contractions use). New
+presets: ada_fp8, blackwell_f8f6f4 (FP8 operands, fast path), hopper_tf32 (tf32 operands: the
+double lanes), hopper_fp8_f16 (FP16 accumulator: the scalar path). The "fp32 operands" rows: hopper_bf16
 on the unrounded float32 operands (products exact in double only: accum_lanes.h's dot_lanes),
 against their torch.mm. Prints the time of each, the
 ratio accum / plain measured in the same run, and the accum time per product (quantization
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 
 import torch
 
@@ -49,17 +53,30 @@ def main():
         a, b = torch.randn(M, K), torch.randn(K, N)
 
         for f, fmt in ((accum.hopper_fp8, "fp8_e4m3"), (accum.hopper_bf16, "fp8_e4m3"),
-                       (accum.blackwell_mxfp4, "fp4_e2m1"), (accum.hopper_bf16, "fp32")):
+                       (accum.blackwell_mxfp4, "fp4_e2m1"), (accum.blackwell_mxfp4, "mxfp4"),
+                       (accum.ada_fp8, "fp8_e4m3"), (accum.blackwell_f8f6f4, "fp8_e4m3"),
+                       (accum.hopper_tf32, "tf32"), (accum.hopper_fp8_f16, "fp8_e4m3"),
+                       (accum.hopper_bf16, "fp32")):
+            def rounded(fmt):  # MX blocks along K: b's columns
+                if fmt == "mxfp4":
+                    return qt.quantize(a, fmt), qt.quantize(b.t(), fmt).t()
+                return qt.quantize(a, fmt), qt.quantize(b, fmt)
+
             def plain(fmt=fmt):
-                return qt.quantize(a, fmt) @ qt.quantize(b, fmt)
+                qa, qb = rounded(fmt)
+                return qa @ qb
 
             def acc(f=f, fmt=fmt):
-                return accum.accum_matmul(qt.quantize(a, fmt), qt.quantize(b, fmt), f)
+                qa, qb = rounded(fmt)
+                if fmt == "mxfp4":  # the block-scale exponents (as QTensor contractions do)
+                    o = types.SimpleNamespace(mm_fmt=qt.formats.format(fmt))
+                    return accum.accum_matmul(qa, qb, f, **accum._gexps(f, qa, o, qb, o))
+                return accum.accum_matmul(qa, qb, f)
             t_plain = t_acc = float("inf")
             for _ in range(repeat):  # alternately, so that both see the same load
                 t_plain = min(t_plain, timeit(plain, 1, number))
                 t_acc = min(t_acc, timeit(acc, 1, number))
-            name = "fp32 operands" if fmt == "fp32" else f.name
+            name = {"fp32": "fp32 operands", "mxfp4": "mxfp4+blockexp"}.get(fmt, f.name)
             print(f"{f'{M}x{K}x{N}':>18} {name:>15} {t_plain * 1e3:9.2f} {t_acc * 1e3:9.2f} "
                   f"{t_acc / t_plain:6.1f} {t_acc / (M * K * N) * 1e9:10.3f}")
 

@@ -16,7 +16,18 @@ namespace qtensor_glue {
 
 using namespace qtensor;
 
+// A tensor whose data the kernels can address: not a wrapper without storage (a torch.func
+// transform's TensorWrapper or BatchedTensor reaching a kernel from below the transform), whose
+// storage the overlap checks would dereference (a segfault) and whose data pointer is refused.
+inline void check_storage(const at::Tensor& t, const char* what, const char* op) {
+  TORCH_CHECK(t.has_storage(), "qtensor::", op, ": ", what,
+              " has no storage (a torch.func transform's wrapper, or another tensor whose data "
+              "cannot be addressed): the kernels read and write memory; QTensor code does not "
+              "support torch.func transforms (grad, vmap, jacrev); qt.quantize does");
+}
+
 inline void check_input(const at::Tensor& x, const char* op) {
+  check_storage(x, "x", op);
   const auto t = x.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, "qtensor::", op,
               ": unsupported dtype ", t,
@@ -33,6 +44,7 @@ inline void check_out(const at::Tensor& x, const at::Tensor& out, const char* op
               out.scalar_type(), " but x has dtype ", x.scalar_type());
   TORCH_CHECK(out.sizes() == x.sizes(), "qtensor::", op, ": out has shape ", out.sizes(),
               " but x has shape ", x.sizes());
+  check_storage(out, "out", op);
   if (out.numel() > 0) {
     at::assert_no_internal_overlap(out);
     at::assert_no_partial_overlap(out, x);

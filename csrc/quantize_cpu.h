@@ -259,9 +259,13 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   p.grain = std::max<int64_t>(1, kGrain / p.bs);
   p.unit_stride = p.sax == 1 && p.say == 1;
   const auto& ssp = a.amax_spec.scale;
+  // qlow >= -124 (scale and elements): the float32 quotients amax / max_elem and x / X decide as
+  // the exact ones only where the grids' rounding thresholds (midpoints, or for toward_zero grid
+  // points, >= 2^(qlow-1)) are float32 normals: below 2^-126 the division's error is absolute
+  // (2^-150), not relative, and a quotient can round onto a threshold (a bf16 scale's tie).
   const bool scale_grid =
       a.scale_rule == kRuleAmax && MODE != kStochastic && !a.elem_fixed &&
-      a.man + ssp.man <= 21 && !ssp.is_unsigned &&
+      a.man + ssp.man <= 21 && !ssp.is_unsigned && ssp.qlow >= -124 && a.qlow >= -124 &&
       qtensor::make_fast_grid(p.sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
   const bool amax_fast32_scale = scale_grid && !a.tensor_scale;
@@ -269,10 +273,10 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
       qtensor::make_fast_grid(p.eg, a.man, a.emin, a.qlow,
                               a.emin == -126 && a.qlow == a.emin - a.man, false, false);
   p.smax = f2u((float)qtensor::u2d(ssp.max_bits));
-  // a tensor scale keeps the fp4 path (the block scales in double, see fp4_block_run)
+  // a tensor scale keeps the fp4 path (the block scales in float32, see fp4_block_run)
   const bool fp4_scales = p.amax_fast32 || (scale_grid && a.tensor_scale);
   p.fp4_rows = fp4_scales && p.inner == 1 && p.unit_stride && a.man == 1 && a.emin == 0 &&
-               a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 && ssp.qlow >= -147 &&
+               a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 &&
                qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
   p.sovf = ssp.ovf_bits == ssp.max_bits ? p.smax
          : (ssp.ovf_bits == qtensor::Carrier<uint64_t>::INF ? kInfBits : kNaNBits);

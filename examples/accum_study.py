@@ -212,14 +212,16 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--models", default="digits,gpt,kscan")
-    p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="output folder (default examples/results/local, git-ignored; nothing "
+                        "written with --quick; --out examples/results: the committed results)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.gpt_steps = 3, 2
     common.setup(args.threads, args.seed)
-    sections, out_dir = [], args.out
+    sections, out_dir = [], common.output_dir(args.out, args.quick)
     models = args.models.split(",")
     if "digits" in models:
         data = common.load_digits_split()

@@ -21,7 +21,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"  # the committed results
+LOCAL_RESULTS_DIR = RESULTS_DIR / "local"  # where a run writes by default (git-ignored)
+
+
+def output_dir(out: Optional[pathlib.Path], quick: bool) -> Optional[pathlib.Path]:
+    """Where a script writes its tables and plots: ``--out DIR`` if given, else the git-ignored
+    examples/results/local/ (nothing with --quick), so that a run never overwrites the committed
+    results; regenerating those is an explicit ``--out examples/results``."""
+    if out is not None:
+        return out
+    return None if quick else LOCAL_RESULTS_DIR
 
 try:  # run from a source checkout without installing: the repository root holds qtensor/
     import qtensor  # noqa: F401

@@ -141,12 +141,13 @@ def main(argv=None):
     p.add_argument("--models", default="cnn,gpt", help="cnn, gpt or both")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--out", type=pathlib.Path, default=None,
-                   help="output folder (default examples/results; nothing written with --quick)")
+                   help="output folder (default examples/results/local, git-ignored; nothing "
+                        "written with --quick; --out examples/results: the committed results)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.names = [n.strip() for n in args.formats.split(",") if n.strip()]
-    out = args.out if args.out is not None else (None if args.quick else common.RESULTS_DIR)
+    out = common.output_dir(args.out, args.quick)
 
     common.setup(args.threads, args.seed)
     models = [m.strip() for m in args.models.split(",")]

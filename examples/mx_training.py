@@ -207,7 +207,8 @@ def main(argv=None):
     p.add_argument("--evals", type=int, default=8, help="validation points on the curve")
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--out", type=pathlib.Path, default=None,
-                   help="output folder (default examples/results; nothing written with --quick)")
+                   help="output folder (default examples/results/local, git-ignored; nothing "
+                        "written with --quick; --out examples/results: the committed results)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -215,7 +216,7 @@ def main(argv=None):
         args.steps = args.steps or 4
         args.d, args.context, args.batch, args.eval_batches, args.evals = 32, 16, 8, 1, 1
     args.steps = args.steps or DEFAULTS["steps"]
-    out = args.out if args.out is not None else (None if args.quick else common.RESULTS_DIR)
+    out = common.output_dir(args.out, args.quick)
 
     common.setup(args.threads, args.seed)
     corpus = Corpus(max_bytes=200_000 if args.quick else None)

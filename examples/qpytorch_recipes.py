@@ -144,14 +144,15 @@ def main(argv=None):
                         "rounding); default 3, 1 with --quick")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--out", type=pathlib.Path, default=None,
-                   help="output folder (default examples/results; nothing written with --quick)")
+                   help="output folder (default examples/results/local, git-ignored; nothing "
+                        "written with --quick; --out examples/results: the committed results)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="first training seed")
     args = p.parse_args(argv)
     steps = args.steps or (6 if args.quick else 300)
     n_seeds = args.seeds or (1 if args.quick else 3)
     seeds = [args.seed + k for k in range(n_seeds)]
-    out = args.out if args.out is not None else (None if args.quick else common.RESULTS_DIR)
+    out = common.output_dir(args.out, args.quick)
 
     common.setup(args.threads, args.seed)
     data = common.load_digits_split()  # the same train/test split for every seed

@@ -11,6 +11,10 @@ from .ops import quantize, quantize_  # noqa: E402
 from .tensor import QTensor, as_qtensor, quantize_grad  # noqa: E402
 from .convert import Recipe, Role, convert, describe, unconvert  # noqa: E402
 from . import recipes  # noqa: E402
+from . import to_format  # noqa: E402,F401  (model.to(fmt), tensor.to(fmt))
+from .serialization import (load_plain_state_dict, load_safetensors, plain_state_dict,  # noqa: E402
+                            qtensor_state_dict, save_safetensors)
+from . import hf  # noqa: E402,F401  (qt.hf.save_pretrained / from_pretrained)
 from .training import LossScaler, master_weight  # noqa: E402
 from .leaks import Finding, LeakError, LeakReport, LeakWarning, leak_check  # noqa: E402
 from . import compat  # noqa: E402,F401  (qt.compat.qtorch, qt.compat.mx)

@@ -6,8 +6,10 @@ largest exponent, keeps ``frac_bits`` fractional bits of each, and normalizes th
 accumulator format; libraries add that partial sum into an FP32 accumulator every ``promote``
 instructions. :class:`AccumFormat` describes such a datapath (presets from Volta to Blackwell);
 :func:`accum_matmul` computes a matrix product with it (fused C++ kernel), bit for bit equal to
-:func:`accum_matmul_reference`, the pure-PyTorch statement of the model (MMA-Sim's
-``fused_dot_add``), in which every step is exact in float64.
+:func:`accum_matmul_reference`, the pure-PyTorch statement of the model (MMA-Sim v2's
+``t_fdpa``/``gst_fdpa``: subnormal operands aligned at their format's minimum normal exponent,
+zero terms at ``e_zero``, block-scaled groups at their scales' exponents), in which every step is
+exact in float64; tests/test_accum_mmasim.py checks every preset against ``mmasim``.
 
 Use: ``qt.Recipe(..., accumulate=qt.accum.hopper_fp8)`` or ``t.accum = ...``: every contraction
 with an operand that carries an accumulator sums its products with it, convolutions of every kind
@@ -26,6 +28,7 @@ from typing import Optional
 import torch
 
 from . import ops as _ops
+from . import selfcheck
 
 __all__ = ["AccumFormat", "AccumFormatError", "accum_matmul", "accum_matmul_reference",
            "as_accum", "contract", "PRESETS", "ALIGN_ROUNDINGS", "ACC_ROUNDINGS"]
@@ -35,6 +38,12 @@ ACC_ROUNDINGS = ("toward_zero", "nearest")
 _ROUND_CODE = {"toward_zero": 0, "floor": 1, "nearest": 2}
 _EXP_MIN = -126          # float32's minimum normal exponent: the clamp of e(x)
 _ZERO_EXP = -100000      # the alignment exponent of a zero term: below every real one
+# the minimum normal exponent of an operand's input format (MMA-Sim's dtype_subnormal_exponent):
+# a subnormal operand aligns as if its exponent were this one
+_DTYPE_EMIN = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14,
+               torch.float8_e4m3fn: -6, torch.float8_e5m2: -14,
+               torch.float8_e4m3fnuz: -7, torch.float8_e5m2fnuz: -15}  # fnuz: AMD CDNA3's FP8
+STAGES = ("fused", "cdna3", "cdna3_fp8")
 
 
 class AccumFormatError(ValueError):
@@ -59,6 +68,17 @@ class AccumFormat:
     acc_man / acc_rounding: the format each instruction's result is normalized to (float32's
     exponent range, ``acc_man`` fractional bits). promote: instructions between additions into
     an FP32 accumulator (None: never). group: products summed exactly before alignment.
+    e_zero: the alignment exponent of a zero term (a zero product, an all-zero group, a zero
+    partial, a padding slot of a short last chunk) in the max-exponent search (MMA-Sim's
+    e_zero); None: zero terms take no part.
+    acc_emin / acc_emax: the accumulator format's exponent range (float32's by default; FP16
+    output: -14, 15): its subnormal grid, the clamp of the partial's alignment exponent and the
+    overflow to inf at 2^(acc_emax + 1).
+    stages: ``fused`` (the one-stage alignment above: NVIDIA), or AMD CDNA3's two stages (MMA-Sim's
+    MMA_TR_FDPA, ``cdna3``; MMA_GTR_FDPA, ``cdna3_fp8``, whose products are fused as two
+    interleaved halves): the products fused with frac_bits bits (truncated), the partial added
+    in a second alignment with floor at 32 / frac_bits bits, the sum floored to 31 bits and
+    rounded to nearest FP32 (the other fields keep their defaults; reference only, no kernel).
     """
 
     chunk: int
@@ -69,6 +89,10 @@ class AccumFormat:
     acc_rounding: str = "toward_zero"
     promote: Optional[int] = None
     group: int = 1
+    e_zero: Optional[int] = None
+    acc_emin: int = -126
+    acc_emax: int = 127
+    stages: str = "fused"
     name: Optional[str] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -84,12 +108,25 @@ class AccumFormat:
         _check_int("acc_man", self.acc_man, 0, 23)
         if self.promote is not None:
             _check_int("promote", self.promote, 1)
+            if self.promote > 2 ** 31 - 1:  # the kernels' int (a longer interval than K: None)
+                raise AccumFormatError(
+                    f"AccumFormat.promote must be at most 2**31 - 1 (the kernels take an int; "
+                    f"for no promotion before the end use promote=None), got {self.promote}")
         if self.align_rounding not in ALIGN_ROUNDINGS:
             raise AccumFormatError(f"AccumFormat.align_rounding must be one of "
                                    f"{ALIGN_ROUNDINGS}, got {self.align_rounding!r}")
         if self.acc_rounding not in ACC_ROUNDINGS:
             raise AccumFormatError(f"AccumFormat.acc_rounding must be one of {ACC_ROUNDINGS}, "
                                    f"got {self.acc_rounding!r}")
+        if self.e_zero is not None:
+            _check_int("e_zero", self.e_zero, -1000, 128)
+        if self.stages not in STAGES:
+            raise AccumFormatError(f"AccumFormat.stages must be one of {STAGES}, got "
+                                   f"{self.stages!r}")
+        if self.stages != "fused" and self.group != 1:
+            raise AccumFormatError("AccumFormat: the CDNA3 stages take no groups")
+        _check_int("acc_emin", self.acc_emin, -126, 0)
+        _check_int("acc_emax", self.acc_emax, 1, 127)
         if not isinstance(self.acc_in_alignment, bool):
             raise AccumFormatError(
                 f"AccumFormat.acc_in_alignment must be a bool, got {self.acc_in_alignment!r}")
@@ -120,6 +157,12 @@ class AccumFormat:
             parts.append(f"acc_man={self.acc_man}")
         if self.acc_rounding != "toward_zero":
             parts.append(f"acc_rounding={self.acc_rounding}")
+        if self.e_zero is not None:
+            parts.append(f"e_zero={self.e_zero}")
+        if self.stages != "fused":
+            parts.append(f"stages={self.stages}")
+        if (self.acc_emin, self.acc_emax) != (-126, 127):
+            parts.append(f"acc_emin={self.acc_emin}, acc_emax={self.acc_emax}")
         parts.append(f"promote={self.promote}")
         body = f"AccumFormat({', '.join(parts)})"
         return f"{self.name}: {body}" if self.name else body
@@ -128,10 +171,12 @@ class AccumFormat:
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets. Sources: MMA-Sim (microsoft/MMA-Sim, mmasim/simulator/nv.py: arch_accum_fractional_bits
+# Presets. Sources: MMA-Sim v2 (microsoft/MMA-Sim, mmasim/nv_ptx/sim.py: _mma_F_bits
 # Volta 23, Turing/Ampere/Ada 24, Hopper/Blackwell 25; FP8 on Hopper (wgmma) and Ada: 13
 # fractional bits and an output truncated to e8m13; kind::mxf4: 35 bits, 16-product groups;
-# split-k halves of Ampere's m16n8k16; every normalization truncates), arXiv 2511.10909, and the
+# split-k halves of Ampere's m16n8k16; a chunk is _mma_L_max_bytes of operands (Volta 8, Turing
+# to Ada 16, Hopper/Blackwell 32); FP32 normalizations truncate, FP16 outputs round to nearest;
+# e_zero per architecture and output type), arXiv 2511.10909v2, and the
 # DeepSeek-V3 report, sec. 3.5.2 (Hopper FP8 keeps ~14 bits; promotion to FP32 every 128
 # elements = 4 WGMMAs, CUTLASS's default interval). Instruction K: PTX ISA (mma.m8n8k4 on Volta,
 # wgmma k16 for f16/bf16 and k32 for FP8, tcgen05 kind::mxf4 k64).
@@ -140,24 +185,54 @@ def _preset(name, **kw):
 
 
 PRESETS = {p.name: p for p in (
-    _preset("volta_fp16", chunk=4, frac_bits=23),                         # mma.m8n8k4
-    _preset("ampere_fp16", chunk=8, frac_bits=24),  # m16n8k16 runs as two k8 halves (MMA-Sim)
-    _preset("ampere_bf16", chunk=8, frac_bits=24),
-    _preset("hopper_fp16", chunk=16, frac_bits=25),                       # wgmma k16
-    _preset("hopper_bf16", chunk=16, frac_bits=25),
+    # e_zero: MMA-Sim's nv_ptx/sim.py, _mma_e_zero_for_fp32 (Volta -131, Turing/Ampere/Ada -132,
+    # Hopper/Blackwell -133; wgmma and tcgen05 -133) and MMA_GST_FDPA's -139 (kind::mxf4)
+    _preset("volta_fp16", chunk=4, frac_bits=23, e_zero=-131),            # mma.m8n8k4
+    # m16n8k16 runs as two k8 halves (MMA-Sim)
+    _preset("ampere_fp16", chunk=8, frac_bits=24, e_zero=-132),
+    _preset("ampere_bf16", chunk=8, frac_bits=24, e_zero=-132),
+    _preset("hopper_fp16", chunk=16, frac_bits=25, e_zero=-133),          # wgmma k16
+    _preset("hopper_bf16", chunk=16, frac_bits=25, e_zero=-133),
     # wgmma k32 e4m3/e5m2, 13 fractional bits, result truncated to e8m13; CUTLASS promotes the
     # partial into FP32 every 4 instructions (128 K-elements; DeepSeek-V3 sec. 3.5.2)
-    _preset("hopper_fp8", chunk=32, frac_bits=13, acc_man=13, promote=4),
+    _preset("hopper_fp8", chunk=32, frac_bits=13, acc_man=13, promote=4, e_zero=-133),
     # the same without promotion ("fast accumulation": the whole K in the tensor core)
-    _preset("hopper_fp8_fast", chunk=32, frac_bits=13, acc_man=13),
-    _preset("blackwell_fp16", chunk=16, frac_bits=25),                    # tcgen05 k16
-    _preset("blackwell_bf16", chunk=16, frac_bits=25),
+    _preset("hopper_fp8_fast", chunk=32, frac_bits=13, acc_man=13, e_zero=-133),
+    _preset("blackwell_fp16", chunk=16, frac_bits=25, e_zero=-133),       # tcgen05 k16
+    _preset("blackwell_bf16", chunk=16, frac_bits=25, e_zero=-133),
     # tcgen05 kind::mxf4 k64: groups of 16 FP4 products summed exactly, scaled, fused with 35
-    # bits. Approximate: see the module doc (alignment by the group sum's own exponent)
-    _preset("blackwell_mxfp4", chunk=64, frac_bits=35, group=16),
-    # NVFP4 (kind::mxf4nvf4, 16-element blocks, E4M3 scales): MMA-Sim uses the same 35-bit path;
-    # same approximation as above
-    _preset("blackwell_nvfp4", chunk=64, frac_bits=35, group=16),
+    # bits; each group aligned at its block-scale exponent (accum_matmul's group exponents)
+    _preset("blackwell_mxfp4", chunk=64, frac_bits=35, group=16, e_zero=-139),
+    # NVFP4 (kind::mxf4nvf4, 16-element blocks, E4M3 scales): MMA-Sim uses the same 35-bit path
+    _preset("blackwell_nvfp4", chunk=64, frac_bits=35, group=16, e_zero=-139),
+    # TF32 (operands already tf32: the hardware truncates float32 inputs to tf32, so round them
+    # with qt.formats "tf32" and rounding="toward_zero" to match it). mma.m16n8k8 .tf32 on Ampere
+    # fuses 16 bytes of operands (4 K-elements), 24 bits; wgmma/tcgen05 k8 .tf32: 8, 25 bits
+    _preset("ampere_tf32", chunk=4, frac_bits=24, e_zero=-132),           # mma.m16n8k8.tf32
+    _preset("hopper_tf32", chunk=8, frac_bits=25, e_zero=-133),           # wgmma k8 tf32
+    _preset("blackwell_tf32", chunk=8, frac_bits=25, e_zero=-133),        # tcgen05 kind::tf32
+    # Ada Lovelace mma.m16n8k32 e4m3/e5m2: 16 K-elements fused, 13 bits, output RZ to e8m13
+    _preset("ada_fp8", chunk=16, frac_bits=13, acc_man=13, e_zero=-132),
+    # tcgen05 kind::f8f6f4 (FP8/FP6/FP4 operands without block scales): 32 K-elements, 25 bits;
+    # FP6/FP4 subnormals align at their formats' minimum normal exponents (a_emin/b_emin)
+    _preset("blackwell_f8f6f4", chunk=32, frac_bits=25, e_zero=-133),
+    # tcgen05 kind::mxf8f6f4 block32 (MXFP8/MXFP6/MXFP4 operands, E8M0 scales): the same 25-bit
+    # path, each product at its elements' and scales' exponents (MMA-Sim's MMA_ST_FDPA): on the
+    # dequantized operands, an element's clamp is its format's emin plus its block's scale
+    # exponent (per-element a_emin/b_emin, from the MX operand format in QTensor contractions)
+    _preset("blackwell_mxf8f6f4", chunk=32, frac_bits=25, e_zero=-133),
+    # wgmma k32 FP8 with an FP16 accumulator (.f16 D/C): 13 bits, each result rounded to
+    # nearest FP16 (MMA-Sim's RNE-FP16), zero terms at -21; the FP16 partial is the next
+    # instruction's C
+    _preset("hopper_fp8_f16", chunk=32, frac_bits=13, acc_man=10, acc_rounding="nearest",
+            acc_emin=-14, acc_emax=15, e_zero=-21),
+    # AMD CDNA3 (MI300) v_mfma_f32_*_f16/bf16: 8 products fused with 24 bits, then the partial
+    # in a second stage (MMA-Sim amd/sim.py: MMA_TR_FDPA(F=24, F2=31, RNE-FP32, L_max=8))
+    _preset("cdna3_fp16", chunk=8, frac_bits=24, stages="cdna3"),
+    _preset("cdna3_bf16", chunk=8, frac_bits=24, stages="cdna3"),
+    # v_mfma_f32_*_fp8/bf8 (e4m3fnuz/e5m2fnuz): 16 products as two interleaved halves of 8
+    # (MMA_GTR_FDPA(F=24, F2=31, RNE-FP32, L_max=16))
+    _preset("cdna3_fp8", chunk=16, frac_bits=24, stages="cdna3_fp8"),
 )}
 globals().update(PRESETS)
 
@@ -177,9 +252,10 @@ def _check_operands(a, b, op):
     for n, x in (("a", a), ("b", b)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: {n} must be a tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if x.dtype not in _DTYPE_EMIN:
             raise TypeError(f"{op}: {n} has dtype {x.dtype}; the accumulator model takes "
-                            "float32, float16 or bfloat16 values (float32 carriers)")
+                            "float32, float16, bfloat16 or float8 (e4m3fn, e5m2) values "
+                            "(float32 carriers)")
         if x.dim() < 2:
             raise ValueError(f"{op}: {n} must have at least 2 dims (..., rows, cols), got shape "
                              f"{tuple(x.shape)}")
@@ -198,12 +274,26 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e + 1023) << 52).view(torch.float64)
 
 
-def _exponent(x: torch.Tensor, clamp: bool) -> torch.Tensor:
-    """floor(log2|x|) (clamped below at -126 if clamp); _ZERO_EXP for zeros. x float64."""
+def _exponent(x: torch.Tensor, emin) -> torch.Tensor:
+    """floor(log2|x|), clamped below at emin (None: no clamp); _ZERO_EXP for zeros. x float64."""
     e = torch.frexp(x).exponent.to(torch.int64) - 1
-    if clamp:
-        e = e.clamp(min=_EXP_MIN)
+    if emin is not None:
+        e = e.clamp(min=emin)
     return torch.where(x == 0, _ZERO_EXP, e)
+
+
+def _operand_emin(x: torch.Tensor, emin):
+    """The clamp of an operand's alignment exponent: emin (an int, or an int tensor broadcast to
+    x: per-element clamps, as a block format's), else its dtype's minimum normal one."""
+    if emin is None:
+        return _DTYPE_EMIN[x.dtype]
+    if isinstance(emin, torch.Tensor):
+        if emin.dtype.is_floating_point or emin.dtype == torch.bool:
+            raise ValueError(f"an operand's emin tensor must have an integer dtype, got {emin.dtype}")
+        return emin.to(torch.int64).to(x.device).expand(x.shape)
+    if isinstance(emin, bool) or not isinstance(emin, int) or not -1000 <= emin <= 127:
+        raise ValueError(f"an operand's emin must be an int in [-1000, 127], got {emin!r}")
+    return emin
 
 
 def _round(x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -216,9 +306,9 @@ def _round(x: torch.Tensor, mode: str) -> torch.Tensor:
 
 def _to_acc(v: torch.Tensor, f: AccumFormat) -> torch.Tensor:
     """Step 4: the exact float64 value v rounded to the accumulator format (float64 out)."""
-    q = _pow2(_exponent(v, clamp=True).clamp(min=_EXP_MIN) - f.acc_man)
+    q = _pow2(_exponent(v, f.acc_emin).clamp(min=f.acc_emin) - f.acc_man)
     r = _round(v / q, f.acc_rounding) * q + 0.0  # + 0.0: a zero result is +0
-    return torch.where(r.abs() >= 2.0 ** 128, r.sign() * math.inf, r)
+    return torch.where(r.abs() >= 2.0 ** (f.acc_emax + 1), r.sign() * math.inf, r)
 
 
 def _nonfinite(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -230,45 +320,145 @@ def _nonfinite(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.where(nan | (pos & neg), math.nan, out).to(t.dtype)
 
 
-def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
+def _trunc_fuse(t, et, F):
+    """MMA-Sim's truncated fused sum of the nonzero terms t (dim -2) at alignment exponents et:
+    (the integer sum of trunc(t * 2^(F - emax)), emax); emax -999 where all are zero."""
+    et = torch.where(t == 0, -999, et)
+    emax = et.amax(-2)
+    return torch.trunc(t * _pow2(F - emax)[..., None, :]).sum(-2), emax
+
+
+def _cdna3_chunk(a, b, ea, eb, p, f):
+    """One CDNA3 MFMA step (stages ``cdna3``/``cdna3_fp8``): the new partial from the chunk's
+    operands a (..., M, k), b (..., k, N) (float64, alignment exponents ea, eb) and p."""
+    F, F2 = f.frac_bits, 31
+    t = a[..., :, :, None] * b[..., None, :, :]
+    et = ea[..., :, :, None] + eb[..., None, :, :]
+    if f.stages == "cdna3":  # a product of 2^128 or more (its significand in [1, 4)) is inf
+        over = (et + (t.abs() >= _pow2(et + 1)).long()) >= 128
+        t = torch.where(over & torch.isfinite(t), t.sign() * math.inf, t)
+    tbad = ~torch.isfinite(t).all(-2)
+    pbad = ~torch.isfinite(p)
+    tf = torch.where(torch.isfinite(t), t, 0.0)
+    if f.stages == "cdna3":
+        D, ed = _trunc_fuse(tf, et, F)  # the products' sum: D * 2^(ed - F)
+    else:  # two interleaved halves, each fused, then added at F bits of the larger exponent
+        De, ee = _trunc_fuse(tf[..., 0::2, :], et[..., 0::2, :], F)
+        Do, eo = _trunc_fuse(tf[..., 1::2, :], et[..., 1::2, :], F)
+        ed = torch.maximum(ee, eo)
+        D = (torch.floor(De * _pow2(ee - ed)) + torch.floor(Do * _pow2(eo - ed)))
+    pf = torch.where(pbad, 0.0, p)
+    ec = torch.where(pf == 0, -126, _exponent(pf, -126))
+    ec = torch.where(pbad, -1, ec)  # an inf/NaN partial aligns at -1 (frexp's exponent 0)
+    em = torch.maximum(ed, ec)
+    if f.stages == "cdna3_fp8":  # a partial 25 or more binades below the products is dropped,
+        pbad = pbad & ~(ec < em - F - 1)  # an inf/NaN one too (as MMA-Sim's MMA_GTR_FDPA)
+    bad = tbad | pbad
+    sd = torch.floor(D * _pow2(ed - F) * _pow2(F2 + 1 - em))   # at 2^(em - 32)
+    sc = torch.floor(pf * _pow2(F - em))                      # at 2^(em - F)
+    if f.stages == "cdna3_fp8":
+        sc = torch.where(ec < em - F - 1, 0.0, sc)
+    v = sd * _pow2(em - F2 - 1) + sc * _pow2(em - F)
+    ev = torch.where(v == 0, 0, _exponent(v, -126))
+    r = torch.floor(v * _pow2(F2 - ev)) * _pow2(ev - F2)
+    new = r.float().double() + 0.0  # to nearest FP32 (inf from 2^128)
+    return torch.where(bad, _nonfinite(t, torch.where(pbad, p, 0.0)), new)
+
+
+def _group_exps(x, want, name):
+    """A group-exponent tensor (int) of the shape ``want``, as int64 (None stays None)."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype == torch.bool:
+        raise TypeError(f"accum_matmul: {name} must be an integer tensor, got {x!r:.80}")
+    try:
+        return x.to(torch.int64).expand(want)
+    except RuntimeError:
+        raise ValueError(f"accum_matmul: {name} has shape {tuple(x.shape)}, expected "
+                         f"{tuple(want)} (one exponent per group of K)") from None
+
+
+def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
+                           a_gexp=None, b_gexp=None, c=None) -> torch.Tensor:
     """a @ b (batched over leading dims) with the accumulator ``accum``: float32 out.
 
     The statement of the model (module doc); the compiled kernel gives the same bits.
+    a_emin, b_emin: the minimum normal exponent of each operand's input format (a subnormal
+    operand aligns at it; default: from the dtype, -126 for float32 carriers). a_gexp (..., M,
+    G) and b_gexp (..., G, N), G = ceil(K / group): with ``group`` > 1, each group's alignment
+    exponent is a_gexp + b_gexp (the block scales' exponents, as Blackwell's block-scaled MMA),
+    a group whose products are all zero takes e_zero; None: the group sum's own exponent.
+    c: the initial accumulator (float32, broadcast to the output): the first instruction's
+    accumulator input.
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul_reference")
+    a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    G = -(-K // f.group)
+    if (a_gexp is None) != (b_gexp is None) or (a_gexp is not None and f.group == 1):
+        raise ValueError("accum_matmul: a_gexp and b_gexp go together, with a group format")
+    a_gexp = _group_exps(a_gexp, (*batch, M, G), "a_gexp")
+    b_gexp = _group_exps(b_gexp, (*batch, G, N), "b_gexp")
     a = a.float().expand(*batch, M, K).double()
     b = b.float().expand(*batch, K, N).double()
-    ea = _exponent(a, clamp=True)
-    eb = _exponent(b, clamp=True)
+    if isinstance(a_emin, torch.Tensor):
+        a_emin = a_emin.expand(*batch, M, K)
+    if isinstance(b_emin, torch.Tensor):
+        b_emin = b_emin.expand(*batch, K, N)
+    ea = _exponent(a, a_emin)
+    eb = _exponent(b, b_emin)
     shape = (*batch, M, N)
     acc = torch.zeros(shape, dtype=torch.float32, device=a.device)   # the FP32 accumulator
     p = torch.zeros(shape, dtype=torch.float64, device=a.device)     # the instruction partial
+    if c is not None:
+        p = p + c.float().double().expand(shape)
     F = f.frac_bits
-    for c, k0 in enumerate(range(0, K, f.chunk)):
+    ez = f.e_zero
+    for ci, k0 in enumerate(range(0, K, f.chunk)):
         k1 = min(k0 + f.chunk, K)
+        if f.stages != "fused":
+            p = _cdna3_chunk(a[..., :, k0:k1], b[..., k0:k1, :], ea[..., :, k0:k1],
+                             eb[..., k0:k1, :], p, f)
+            if f.promote is not None and ((ci + 1) % f.promote == 0 or k1 == K):
+                acc, p = acc + p.float(), torch.zeros_like(p)
+            continue
         # 1. the exact products, (..., M, k, N), and their alignment exponents e(a) + e(b)
         t = a[..., :, k0:k1, None] * b[..., None, k0:k1, :]
         et = ea[..., :, k0:k1, None] + eb[..., None, k0:k1, :]
+        zero = (t == 0).any(-2) | (k1 - k0 < f.chunk)  # a zero term (padding slots included)
         if f.group > 1:  # exact group sums (sequential float64 adds, exact for FP4 operands)
             k = k1 - k0
             g = -(-k // f.group) * f.group
             if g != k:
                 t = torch.nn.functional.pad(t, (0, 0, 0, g - k))
             t = t.unflatten(-2, (g // f.group, f.group))
+            allzero = (t == 0).all(-2)
             s = t[..., 0, :]
             for j in range(1, f.group):
                 s = s + t[..., j, :]
             t = s
-            et = _exponent(t, clamp=False)
+            if a_gexp is None:
+                et = _exponent(t, None)
+                zero = (t == 0).any(-2) | (k1 - k0 < f.chunk)
+            else:
+                g0 = k0 // f.group
+                gn = t.shape[-2]
+                et = a_gexp[..., :, g0:g0 + gn, None] + b_gexp[..., None, g0:g0 + gn, :]
+                et = torch.where(allzero, _ZERO_EXP, et)
+                zero = allzero.any(-2) | (k1 - k0 < f.chunk)
         finite = torch.isfinite(t).all(-2) & torch.isfinite(p)
         t = torch.where(finite[..., None, :], t, 0.0)
-        # 2. emax over the nonzero terms (p included when it takes part in the alignment)
+        # 2. emax over the nonzero terms (p included when it takes part in the alignment); zero
+        # terms at e_zero
         emax = et.amax(-2)
         if f.acc_in_alignment:
-            emax = torch.maximum(emax, _exponent(torch.where(finite, p, 0.0), clamp=True))
+            pe = torch.where(finite, p, 0.0)
+            emax = torch.maximum(emax, _exponent(pe, f.acc_emin))
+            zero = zero | (pe == 0)
+        if ez is not None:
+            emax = torch.where(zero, torch.clamp(emax, min=ez), emax)
         emax = torch.where(emax < _ZERO_EXP // 2, 0, emax)  # all terms zero: any scale will do
         # 3. each term to F fractional bits of 2^emax, rounded to an integer; 4. summed exactly
         scale = _pow2(F - emax)
@@ -282,10 +472,10 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Ten
             a[..., :, k0:k1, None] * b[..., None, k0:k1, :], p)
         p = torch.where(finite, new, nonfinite)
         # 6. promotion into the FP32 accumulator
-        if f.promote is not None and ((c + 1) % f.promote == 0 or k1 == K):
+        if f.promote is not None and ((ci + 1) % f.promote == 0 or k1 == K):
             acc = acc + p.float()
             p = torch.zeros_like(p)
-    out = p.float() if f.promote is None else acc
+    out = p.float() if f.promote is None or K == 0 else acc  # K == 0: c (or 0) unchanged
     return torch.where(torch.isnan(out), math.nan, out)  # one NaN encoding
 
 
@@ -312,36 +502,84 @@ def _kernel_ready(a: torch.Tensor) -> bool:
         "qtensor::accum_matmul", "CUDA"))
 
 
-def op_args(f: AccumFormat) -> tuple:
-    """The arguments of ``qtensor::accum_matmul`` after a and b."""
+def _sample_check(device: torch.device) -> Optional[str]:
+    """The accumulator kernel's first-use check (qtensor/selfcheck.py): every preset, on FP8,
+    FP4 and float32 operands with rows of very different ranges, kernel vs reference."""
+    g = torch.Generator().manual_seed(0)  # its own generator: the user's stream is untouched
+    a = torch.randn(2, 5, 200, generator=g) * torch.exp2(torch.randint(-20, 20, (2, 5, 1),
+                                                                        generator=g).float())
+    b = torch.randn(2, 200, 7, generator=g)
+    a[0, 0, 7], b[1, 3, 2] = math.inf, math.nan
+    operands = [(_ops.quantize(a, e), _ops.quantize(b, e)) for e in ("fp8_e4m3", "fp4_e2m1")]
+    for x, y in operands + [(a, b)]:
+        x, y = x.to(device), y.to(device)
+        for f in (p for p in PRESETS.values() if p.stages == "fused"):  # (the kernel's)
+            got = torch.ops.qtensor.accum_matmul(x, y, *op_args(f), None, None, None, None, None)
+            found = selfcheck.difference(got, accum_matmul_reference(x, y, f))
+            if found is not None:
+                return f"accumulator {f.name}: {found}"
+    return None
+
+
+if _ops._C is not None:
+    selfcheck.register("accumulator", _sample_check)
+
+
+def op_args(f: AccumFormat, a_emin: int = _EXP_MIN, b_emin: int = _EXP_MIN) -> tuple:
+    """The integer arguments of ``qtensor::accum_matmul`` after a and b (then a_gexp, b_gexp, c)."""
     return (f.chunk, f.frac_bits, f.group, _ROUND_CODE[f.align_rounding], f.acc_in_alignment,
-            f.acc_man, _ROUND_CODE[f.acc_rounding], 0 if f.promote is None else f.promote)
+            f.acc_man, _ROUND_CODE[f.acc_rounding], 0 if f.promote is None else f.promote,
+            _ZERO_EXP if f.e_zero is None else f.e_zero, a_emin, b_emin, f.acc_emin, f.acc_emax)
 
 
-def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum) -> torch.Tensor:
+def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
+                 a_gexp=None, b_gexp=None, c=None) -> torch.Tensor:
     """a @ b (batched over broadcast leading dims) summed by the datapath ``accum``.
 
     Float32 result; the fused C++ kernel on CPU (and the CUDA kernel where built), the reference
-    elsewhere (same bits).
+    elsewhere (same bits). a_emin, b_emin, a_gexp, b_gexp, c: as accum_matmul_reference (the
+    kernel's vector paths take neither group exponents nor c: those run its scalar path).
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul")
-    if not _kernel_ready(a):
-        return accum_matmul_reference(a, b, f)
+    kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
+    tensors = isinstance(a_emin, torch.Tensor) or isinstance(b_emin, torch.Tensor)
+    # CUDA: the kernel must first agree with the reference there (qtensor/selfcheck.py)
+    if (not _kernel_ready(a) or f.stages != "fused"  # the kernel has one alignment stage
+            or (tensors and a.device.type != "cpu")  # per-element clamps: the CPU kernel
+            or not selfcheck.trusted(a.device.type, "accumulator", a.device)):
+        return accum_matmul_reference(a, b, f, **kw)
+    a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
+    a_emins = b_emins = None
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     B = math.prod(batch)  # not -1: a zero-size operand leaves -1 ambiguous
+    G = -(-K // f.group)
+    if (a_gexp is None) != (b_gexp is None) or (a_gexp is not None and f.group == 1):
+        raise ValueError("accum_matmul: a_gexp and b_gexp go together, with a group format")
+    if a_gexp is not None:
+        a_gexp = _group_exps(a_gexp, (*batch, M, G), "a_gexp").reshape(B, M, G).to(a.device)
+        b_gexp = _group_exps(b_gexp, (*batch, G, N), "b_gexp").reshape(B, G, N).to(a.device)
+    if c is not None:
+        c = c.float().expand(*batch, M, N).reshape(B, M, N)
+    if isinstance(a_emin, torch.Tensor):  # per-element clamps (the scalar one: none)
+        a_emins, a_emin = a_emin.expand(*batch, M, K).reshape(B, M, K).int(), -1000
+    if isinstance(b_emin, torch.Tensor):
+        b_emins, b_emin = b_emin.expand(*batch, K, N).reshape(B, K, N).int(), -1000
     a3 = a.float().expand(*batch, M, K).reshape(B, M, K)
     b3 = b.float().expand(*batch, K, N).reshape(B, K, N)
-    out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f))
+    out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp, c,
+                                         a_emins, b_emins)
     return out.reshape(*batch, M, N)
 
 
 # ---------------------------------------------------------------------------------------------
 # Contractions of QTensor (qtensor/dispatch.py): the aten contraction ``packet`` on unwrapped,
-# operand-rounded arguments, with the products summed by ``f``. Added terms (bias, beta, alpha,
-# the activation of _addmm_activation) are applied afterwards in the payload precision, as a
-# GEMM epilogue does in FP32.
+# operand-rounded arguments, with the products summed by ``f``. The added term beta * C of
+# addmm, baddbmm, addbmm, addmv and _addmm_activation, where C has the output's full shape and
+# alpha == 1, is the datapath's initial accumulator; a broadcast C (a bias), alpha != 1, linear's
+# bias and the activation of _addmm_activation are applied afterwards in the payload precision,
+# as a GEMM epilogue does.
 
 def _f32(x: torch.Tensor, packet: str) -> torch.Tensor:
     if x.dtype == torch.float64:
@@ -368,45 +606,142 @@ CONTRACTIONS = ("mm", "bmm", "addmm", "_addmm_activation", "baddbmm", "addbmm", 
                 "dot", "vdot", "linear", "convolution", "_convolution", "convolution_backward")
 
 
-def contract(packet: str, uargs, ukwargs, f: AccumFormat) -> torch.Tensor:
-    """The contraction ``packet`` (an aten op name) summed by ``f``; the payload dtype out."""
+def _emin_of(x) -> Optional[int]:
+    """The minimum normal exponent of an operand's input format (a QTensor's operand format: its
+    mm_fmt, else its fmt), where it is one float format; None: from the payload's dtype."""
+    from .formats import FloatFormat
+    fmt = getattr(x, "mm_fmt", None) or getattr(x, "fmt", None)
+    if isinstance(fmt, FloatFormat) and fmt.subnormals:
+        return max(min(fmt.emin, 127), -1000)
+    return None
+
+
+def _block_gexp(x: torch.Tensor, q, kdim: int, group: int):
+    """The group exponents of the operand x (K along kdim) of a QTensor q whose operand format
+    has power-of-two block scales by the floor rule (MX): each block's scale exponent, recovered
+    from its largest magnitude, whose element has the element format's top exponent (exact
+    unless the scale was clamped to its format's range). None for other formats (NVFP4's E4M3
+    scales cannot be recovered from the values)."""
+    from .formats import BlockFormat, FloatFormat
+    fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
+    if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
+            and fmt.block_size % group == 0 and isinstance(fmt.elem, FloatFormat)):
+        return None
+    bs = fmt.block_size
+    xk = x.movedim(kdim, -1)
+    K = xk.shape[-1]
+    amax = torch.nn.functional.pad(xk.abs(), (0, -K % bs)).unflatten(-1, (-1, bs)).amax(-1)
+    e = torch.frexp(amax.double()).exponent.to(torch.int64) - 1 - fmt.elem.emax
+    e = torch.where(amax == 0, 0, e).repeat_interleave(bs // group, -1)[..., :-(-K // group)]
+    return e.movedim(-1, kdim)
+
+
+def _mx_scale_exps(x: torch.Tensor, fmt, kdim: int):
+    """Each element's block-scale exponent (x's shape) of x, rounded to the MX format fmt along
+    kdim (as _block_gexp recovers it), or None for other formats."""
+    from .formats import BlockFormat, FloatFormat
+    if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
+            and isinstance(fmt.elem, FloatFormat)):
+        return None
+    bs = fmt.block_size
+    xk = x.movedim(kdim, -1)
+    K = xk.shape[-1]
+    amax = torch.nn.functional.pad(xk.abs(), (0, -K % bs)).unflatten(-1, (-1, bs)).amax(-1)
+    e = torch.frexp(amax.double()).exponent.to(torch.int64) - 1 - fmt.elem.emax
+    e = torch.where(amax == 0, 0, e).repeat_interleave(bs, -1)[..., :K]
+    return e.movedim(-1, kdim)
+
+
+def _mx_emin(x: torch.Tensor, q, kdim: int):
+    """Per-element clamps of an MX operand (the element format's minimum normal exponent plus
+    the block's scale exponent) where one of its elements is subnormal in its format, else None
+    (then its float32 exponents are already the hardware's: no clamp binds)."""
+    fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
+    e = _mx_scale_exps(x, fmt, kdim)
+    if e is None:
+        return None
+    em = e + fmt.elem.emin
+    if torch.compiler.is_compiling():  # no data-dependent branch in a graph
+        return em
+    if not ((x != 0) & (x.abs() < torch.exp2(em.double()))).any():
+        return None
+    return em
+
+
+def _gexps(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2) -> dict:
+    """a_gexp/b_gexp for accum_matmul where f has groups and both operands' block scales are
+    known (blackwell_mxfp4 on MXFP4 operands); else none (each group aligned by its sum)."""
+    if f.group == 1:  # MX elements: their subnormals clamp at the block's minimum normal
+        out = {}
+        ea, eb = _mx_emin(a, qa, a_kdim), _mx_emin(b, qb, b_kdim)
+        if ea is not None:
+            out["a_emin"] = ea
+        if eb is not None:
+            out["b_emin"] = eb
+        return out
+    ga, gb = _block_gexp(a, qa, a_kdim, f.group), _block_gexp(b, qb, b_kdim, f.group)
+    return {} if ga is None or gb is None else dict(a_gexp=ga, b_gexp=gb)
+
+
+def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.Tensor:
+    """The contraction ``packet`` (an aten op name) summed by ``f``; the payload dtype out.
+
+    qargs: the op's original arguments (QTensors among them), whose formats give each operand's
+    minimum normal exponent (MMA-Sim aligns a subnormal operand there)."""
     if packet not in CONTRACTIONS:
         raise NotImplementedError(
             f"qt.accum: {packet} has no accumulator emulation (supported: "
             f"{', '.join(CONTRACTIONS)}; matmul, einsum, F.linear, F.conv*d and "
             "F.conv_transpose*d decompose into these); drop the QTensor's .accum (or the "
             "Recipe's accumulate=) for it")
+    q = list(qargs) if qargs is not None else []
+    em = [_emin_of(q[i]) if i < len(q) else None for i in range(3)]
     if packet in ("convolution", "_convolution"):
-        return _conv_forward(uargs, ukwargs, f)
+        return _conv_forward(uargs, ukwargs, f, em)
     if packet == "convolution_backward":
-        return _conv_backward(uargs, ukwargs, f)
+        return _conv_backward(uargs, ukwargs, f, em)
     out = ukwargs.get("out")
     ukwargs = {k: v for k, v in ukwargs.items() if k != "out"}
     t = [_f32(x, packet) if isinstance(x, torch.Tensor) else x for x in uargs]
     dtype = next(x.dtype for x in uargs if isinstance(x, torch.Tensor))
+    e01 = dict(a_emin=em[0], b_emin=em[1])
+    qq = q + [None] * (3 - len(q))
     if packet in ("mm", "bmm"):
-        res = accum_matmul(t[0], t[1], f)
+        res = accum_matmul(t[0], t[1], f, **{**e01, **_gexps(f, t[0], qq[0], t[1], qq[1])})
     elif packet in ("dot", "vdot"):
-        res = accum_matmul(t[0][None], t[1][:, None], f)[0, 0]
+        res = accum_matmul(t[0][None], t[1][:, None], f, **e01)[0, 0]
     elif packet == "mv":
-        res = accum_matmul(t[0], t[1][:, None], f)[:, 0]
+        res = accum_matmul(t[0], t[1][:, None], f, **e01)[:, 0]
     elif packet == "linear":
         x, w = t[0], t[1]
         bias = _arg(t, ukwargs, 2, "bias", None)
-        res = accum_matmul(x[None] if x.dim() == 1 else x, w.t(), f)
+        x2 = x[None] if x.dim() == 1 else x
+        res = accum_matmul(x2, w.t(), f, **{**e01, **_gexps(f, x2, qq[0], w.t(), qq[1])})
         res = _epilogue(res[0] if x.dim() == 1 else res, bias, 1, 1)
     else:  # an added term: (self, mat1, mat2, *, beta, alpha)
         bias, a, b = t[0], t[1], t[2]
         beta = _arg(t, ukwargs, 3, "beta", 1)
         alpha = _arg(t, ukwargs, 4, "alpha", 1)
+        e12 = dict(a_emin=em[1], b_emin=em[2])
+        # a C of the output's full shape is an accumulator: beta * C (rounded to float32 once)
+        # is the first instruction's accumulator input (an mma's C operand). A broadcast C (a
+        # bias: nn.Linear's addmm) and alpha != 1 stay in the epilogue (cuBLASLt's bias epilogue)
+        oshape = (a.shape[0],) if packet == "addmv" else (
+            (a.shape[1], b.shape[2]) if packet == "addbmm" else (*a.shape[:-1], b.shape[-1]))
+        fed = (alpha == 1 and beta != 0 and isinstance(bias, torch.Tensor)
+               and tuple(bias.shape) == oshape)
+        if fed:
+            c = (bias if beta == 1 else bias * beta).float()
+            e12["c"] = c[:, None] if packet == "addmv" else c
         if packet == "addmv":
-            prod = accum_matmul(a, b[:, None], f)[:, 0]
+            prod = accum_matmul(a, b[:, None], f, **e12)[:, 0]
         elif packet == "addbmm":  # the sum over the batch is one longer contraction
             B, M, K = a.shape
-            prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f)
+            prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f,
+                                **e12)
         else:
-            prod = accum_matmul(a, b, f)
-        res = _epilogue(prod, bias, beta, alpha)
+            prod = accum_matmul(a, b, f, **{**e12, **_gexps(f, a, qq[1], b, qq[2])})
+        res = prod if fed else _epilogue(prod, bias, beta, alpha)
         if packet == "_addmm_activation":  # ATen's GELU: exact on CPU, tanh (cuBLASLt) on CUDA
             gelu = _arg(t, ukwargs, 5, "use_gelu", False)
             approx = "tanh" if res.is_cuda else "none"
@@ -462,23 +797,25 @@ def _cols(xp, k, stride, dilation, groups, size):
     return win.reshape(N, groups, L, P * (C // groups))
 
 
-def _gemm_conv(xp, w, stride, dilation, groups, size, f):
+def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None)):
     """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size)."""
     (O, Cg, *k), N, L = w.shape, xp.shape[0], math.prod(size)
     K = math.prod(k) * Cg
     cols = _cols(xp, k, stride, dilation, groups, size)  # (N, g, L, K)
     b = cols.permute(1, 3, 0, 2).reshape(groups, K, N * L)  # one GEMM per group
     wm = w.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(groups, O // groups, K)
-    out = accum_matmul(wm, b, f).reshape(groups, O // groups, N, L)
+    out = accum_matmul(wm, b, f, a_emin=em[1], b_emin=em[0]).reshape(groups, O // groups, N, L)
     return out.permute(2, 0, 1, 3).reshape(N, O, *size)
 
 
-def _conv(x, w, geo, size, f):
+def _conv(x, w, geo, size, f, em=(None, None)):
+    """em: the minimum normal exponents of (x, w)."""
     stride, padding, dilation, groups = geo
-    return _gemm_conv(_pad(x, [(p, p) for p in padding]), w, stride, dilation, groups, size, f)
+    return _gemm_conv(_pad(x, [(p, p) for p in padding]), w, stride, dilation, groups, size, f,
+                      em)
 
 
-def _conv_transpose(x, w, geo, size, f):
+def _conv_transpose(x, w, geo, size, f, em=(None, None)):
     """The transposed convolution of x (N, C, *S) with w (C, O/groups, *k) to spatial ``size``,
     as the forward convolution over the zero-inserted x (the section comment)."""
     stride, padding, dilation, groups = geo
@@ -492,10 +829,10 @@ def _conv_transpose(x, w, geo, size, f):
         pads.append((lo, size[i] + d * (kk - 1) - z.shape[2 + i] - lo))
     wf = w.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)  # (O, C/groups, *k)
     wf = wf.flip(list(range(2, wf.dim())))
-    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f)
+    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f, em)
 
 
-def _conv_weight_grad(x, go, k, geo, f):
+def _conv_weight_grad(x, go, k, geo, f, em=(None, None)):
     """The weight gradient (O, C/groups, *k) of the forward convolution of x (N, C, *S) whose
     output gradient is go (N, O, *So): a contraction over (batch, output position)."""
     stride, padding, dilation, groups = geo
@@ -505,14 +842,15 @@ def _conv_weight_grad(x, go, k, geo, f):
     b = cols.transpose(0, 1).reshape(groups, N * L, P * Cg)
     a = go.reshape(N, groups, O // groups, L).permute(1, 2, 0, 3)  # (g, O/g, N, L)
     a = a.reshape(groups, O // groups, N * L)
-    return accum_matmul(a, b, f).reshape(O, P, Cg).transpose(1, 2).reshape(O, Cg, *k)
+    out = accum_matmul(a, b, f, a_emin=em[1], b_emin=em[0])  # em: of (x, go)
+    return out.reshape(O, P, Cg).transpose(1, 2).reshape(O, Cg, *k)
 
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
               "output_padding", "groups")
 
 
-def _conv_forward(uargs, ukwargs, f):
+def _conv_forward(uargs, ukwargs, f, em=(None, None, None)):
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = (
         _arg(uargs, ukwargs, i, n, None) for i, n in enumerate(_CONV_ARGS))
     # torch's own checks (channels, groups, sizes) and output size, on an empty batch
@@ -521,13 +859,13 @@ def _conv_forward(uargs, ukwargs, f):
     nd = w.dim() - 2
     geo = _geometry(stride, padding, dilation, groups, nd)
     x32, w32 = _f32(x, "convolution"), _f32(w, "convolution")
-    out = (_conv_transpose if transposed else _conv)(x32, w32, geo, size, f)
+    out = (_conv_transpose if transposed else _conv)(x32, w32, geo, size, f, (em[0], em[1]))
     if bias is not None:
         out = out + bias.view(-1, *[1] * nd)
     return out.to(x.dtype)
 
 
-def _conv_backward(uargs, ukwargs, f):
+def _conv_backward(uargs, ukwargs, f, em=(None, None, None)):
     (go, x, w, _bias_sizes, stride, padding, dilation, transposed, _output_padding, groups,
      mask) = uargs[:11]
     nd = w.dim() - 2
@@ -535,11 +873,13 @@ def _conv_backward(uargs, ukwargs, f):
     go32, x32, w32 = (_f32(t, "convolution_backward") for t in (go, x, w))
     gi = gw = gb = None
     if mask[0]:  # the adjoint of the forward map: a transposed convolution, or the converse
-        gi = (_conv if transposed else _conv_transpose)(go32, w32, geo, x.shape[2:], f)
+        gi = (_conv if transposed else _conv_transpose)(go32, w32, geo, x.shape[2:], f,
+                                                        (em[0], em[2]))
         gi = gi.to(go.dtype)
     if mask[1]:  # a transposed convolution's weight is that of the forward map go -> x
         a, b = (go32, x32) if transposed else (x32, go32)
-        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f).to(go.dtype)
+        eab = (em[0], em[1]) if transposed else (em[1], em[0])
+        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f, eab).to(go.dtype)
     if mask[2]:  # grad_bias: a sum of grad_output values, not a contraction
         gb = go.sum([0, *range(2, go.dim())])
     return (gi, gw, gb)

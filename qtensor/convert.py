@@ -11,7 +11,7 @@ preset in ``qt.recipes`` (a name that is also a format, ``"mxfp6"`` or ``"fp16"`
   gradients and every converted parameter's gradient to the grad role (module and tensor hooks).
 - Optimizer state and FP32 master weights are kept by the step hooks of qtensor.training.
 - ``rules`` override roles by qualified name (exact name, then pattern, then enclosing module,
-  then the role's default); a rule that matches nothing is an error.
+  then the role's default); a rule that matches nothing is a warning (strict=True: an error).
 - Converting twice with the same spec does nothing; with another spec it is an error.
 
 Roles, rules, precedence and every detail: docs/convert.md.
@@ -29,13 +29,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import training
+from . import distributed, training
 from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
                     round_to)
 from .spec import as_recipe
-from .tensor import _accum_of, grad_with_accum
+from .tensor import _accum_of, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
@@ -66,28 +66,53 @@ def _enclosing(name: str) -> List[str]:
     return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
-def _find_rule(rules: dict, name: str) -> Optional[Tuple[str, Any, bool]]:
-    """(pattern, spec, matched_name_itself) of the rule deciding ``name``, per the precedence."""
+def _ranked_rule(rules: dict, name: str) -> Optional[Tuple[tuple, Tuple[str, Any, bool]]]:
+    """(rank, (pattern, spec, matched_name_itself)) of the rule deciding ``name``, per the
+    precedence; a smaller rank is a more specific rule (it compares the names of tied tensors)."""
     if not rules:
         return None
+    order = {pattern: i for i, pattern in enumerate(rules)}
     scopes = [name] + _enclosing(name)
-    for scope in scopes:  # 1. exact names, innermost first
+    for depth, scope in enumerate(scopes):  # 1. exact names, innermost first
         if scope in rules and not scope.startswith("re:"):
-            return scope, rules[scope], scope == name
+            return (1, depth, order[scope]), (scope, rules[scope], scope == name)
     for pattern, spec in rules.items():  # 2. patterns on the name itself, in order
         if _is_pattern(pattern) and _matches(pattern, name):
-            return pattern, spec, True
-    for scope in scopes[1:]:  # 3. patterns on enclosing modules, innermost first
+            return (2, 0, order[pattern]), (pattern, spec, True)
+    for depth, scope in enumerate(scopes[1:], 1):  # 3. patterns on enclosing modules
         for pattern, spec in rules.items():
             if _is_pattern(pattern) and _matches(pattern, scope):
-                return pattern, spec, False
+                return (3, depth, order[pattern]), (pattern, spec, False)
     return None
 
 
-def _tensor_plan(recipe: Recipe, name: str, kind: str, is_buffer: bool) -> TensorPlan:
+def _find_rule(rules: dict, name: str) -> Optional[Tuple[str, Any, bool]]:
+    """(pattern, spec, matched_name_itself) of the rule deciding ``name``, per the precedence."""
+    ranked = _ranked_rule(rules, name)
+    return None if ranked is None else ranked[1]
+
+
+def _find_rule_tied(rules: dict, name: str, aliases) -> Optional[Tuple[str, Any, bool]]:
+    """The rule deciding a tensor known by several names (tied weights: ``lm_head.weight`` is
+    ``wte.weight``): the most specific rule over all its names, by the precedence; between
+    equally specific rules, the earlier one in ``rules``. Disagreeing rules are warned about."""
+    ranked = [(r, n) for n in [name, *aliases] for r in [_ranked_rule(rules, n)] if r is not None]
+    if not ranked:
+        return None
+    (_rank, best), best_name = min(ranked, key=lambda item: item[0][0])
+    losers = sorted({r[1][0] for r, _n in ranked if r[1][1] != best[1]})
+    if losers:
+        _warn(f"qt.convert: {name} is tied to {', '.join(aliases)}, and rules disagree on it: "
+              f"{best[0]!r} (for {best_name}) applies, not {', '.join(map(repr, losers))} (the "
+              "most specific rule over all its names wins; between equals, the earlier rule)")
+    return best
+
+
+def _tensor_plan(recipe: Recipe, name: str, kind: str, is_buffer: bool,
+                 aliases=()) -> TensorPlan:
     default_value = Role(recipe.weight.fmt) if is_buffer else getattr(recipe, kind)
     value, grad, state = default_value, recipe.grad, recipe.optimizer_state
-    found = _find_rule(recipe.rules, name)
+    found = _find_rule_tied(recipe.rules, name, aliases)
     pattern = None
     if found is not None:
         pattern, spec, _own = found
@@ -138,7 +163,10 @@ def _module_plan(recipe: Recipe, name: str) -> ModulePlan:
     return ModulePlan(name, act, grad, pattern, plain)
 
 
-def _check_rules_match(recipe: Recipe, names: List[str]) -> None:
+def _check_rules_match(recipe: Recipe, names: List[str], strict: bool) -> None:
+    """Rules that match no name: an error with strict=True, else one warning (so that one
+    recipe serves models that lack some of the names it has rules for)."""
+    unmatched = []
     for pattern in recipe.rules:
         if any(_matches(pattern, n) if _is_pattern(pattern) else pattern == n for n in names):
             continue
@@ -146,9 +174,15 @@ def _check_rules_match(recipe: Recipe, names: List[str]) -> None:
         near = difflib.get_close_matches(probe, names, n=6, cutoff=0.3)
         if not near:
             near = names[:6]
-        raise ValueError(
-            f"qt.convert: rule {pattern!r} matches no parameter, buffer or module of the model; "
+        unmatched.append(
+            f"rule {pattern!r} matches no parameter, buffer or module of the model; "
             f"nearest names: {', '.join(near) if near else '(the model has no names)'}")
+    if not unmatched:
+        return
+    if strict:
+        raise ValueError("qt.convert: " + "; ".join(unmatched))
+    _warn("qt.convert: " + "; ".join(unmatched) + " (left unused; qt.convert(..., strict=True) "
+          "makes this an error)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,10 +191,11 @@ def _check_rules_match(recipe: Recipe, names: List[str]) -> None:
 _ACT_TAG = "_qt_act"
 
 
-def _round_activation(x, plan: ModulePlan):
+def _round_activation(x, plan: ModulePlan, what: str = "output"):
     """Round one floating tensor of a module's inputs/outputs to the activation and grad roles."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return x
+    refuse_transformed(x, f"the output of {plan.name or 'the model'} (or its input)")
     key = (plan.activation, plan.grad)
     # dynamo cannot compare versions (data-dependent): it rounds again, which changes nothing
     tag = None if torch.compiler.is_dynamo_compiling() else getattr(x, _ACT_TAG, None)
@@ -173,10 +208,11 @@ def _round_activation(x, plan: ModulePlan):
     grad = plan.grad
     if grad.full_precision and not plan.activation.full_precision:
         grad = Role(_FP32)
+    name = f"{what} of {plan.name or 'the model'}"
     if not grad.full_precision and torch.is_grad_enabled() and x.requires_grad:
-        y = _RoundActivation.apply(x, plan.activation, grad)
+        y = _RoundActivation.apply(x, plan.activation, grad, name)
     elif not plan.activation.full_precision:
-        y = round_to(x, plan.activation, name=f"output of {plan.name or 'the model'}")
+        y = round_to(x, plan.activation, name=name)
     if y is not x:
         try:
             setattr(y, _ACT_TAG, (key, y._version))
@@ -192,18 +228,20 @@ class _RoundActivation(torch.autograd.Function):
     instead of as_qtensor + quantize_grad."""
 
     @staticmethod
-    def forward(ctx, x, act: Role, grad: Role):
-        ctx.grad_role, ctx.plain_input = grad, not _is_q(x)
+    def forward(ctx, x, act: Role, grad: Role, name: str = "tensor"):
+        # (a DTensor of QTensors, under tensor parallelism, is no plain input)
+        ctx.grad_role = grad
+        ctx.plain_input = not (_is_q(x) or _is_q(getattr(x, "_local_tensor", None)))
         ctx.accum = _accum_of(x)
         if act.full_precision:  # values left as they are (a copy: never a view)
             return x.clone()
-        return round_to(x.detach(), act)
+        return round_to(x.detach(), act, name=name)
 
     @staticmethod
     def backward(ctx, g):
         q = grad_with_accum(round_to(g, ctx.grad_role), ctx.accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
-        return (q.dequantize() if ctx.plain_input else q), None, None
+        return (_plain(q) if ctx.plain_input else q), None, None, None  # (a DTensor too)
 
 
 def _to_plain(x):
@@ -215,17 +253,21 @@ def _to_plain(x):
 # (torch.save(model)) and deep-copies.
 
 class _OutputHook:
+    what = "output"
+
     def __init__(self, plan: ModulePlan):
         self.plan = plan
 
     def _one(self, t):
-        return _to_plain(t) if self.plan.plain else _round_activation(t, self.plan)
+        return _to_plain(t) if self.plan.plain else _round_activation(t, self.plan, self.what)
 
     def __call__(self, module, args, output):
         return tree_map(self._one, output)
 
 
 class _InputHook(_OutputHook):
+    what = "input"
+
     def __call__(self, module, args, kwargs):
         return tree_map(self._one, args), tree_map(self._one, kwargs)
 
@@ -311,8 +353,9 @@ class _Conversion:
     hooked_params: list = field(default_factory=list)      # (module, name, plan): floating params
     param_handles: list = field(default_factory=list)      # their handles
     converted_buffers: list = field(default_factory=list)  # (module, name)
-    skipped: List[str] = field(default_factory=list)       # non-floating tensors left alone
+    skipped: List[str] = field(default_factory=list)       # non-floating tensors rules name
     dtypes: Dict[str, torch.dtype] = field(default_factory=dict)  # original dtypes, by name
+    nested_off: list = field(default_factory=list)  # TransformerEncoders: their use_nested_tensor
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -403,6 +446,7 @@ def _attach(conv: _Conversion) -> None:
     training.bump_epoch()
     for mod, local, plan in conv.hooked_params:
         p = mod._parameters[local]
+        distributed.remember_plan(mod, local, plan)  # for FSDP2's sharded parameters
         if not plan.value.full_precision:
             p._qt_plan = plan
         if p.requires_grad:
@@ -441,16 +485,19 @@ def _check_convertible(model: nn.Module) -> None:
 
 def _plan_tensors(conv: _Conversion, owners_by_id, is_buffer: bool) -> list:
     """Plan every floating parameter (or buffer) into ``conv``; return [(owners, plan)] of those
-    whose values change (non-floating ones are recorded as skipped)."""
+    whose values change (non-floating ones that a rule names are recorded as skipped)."""
     todo = []
     for owners in owners_by_id.values():
         mod, local, qual = owners[0]
         t = (mod._buffers if is_buffer else mod._parameters)[local]
         if not t.is_floating_point():
-            conv.skipped.append(qual)
+            # left alone silently (num_batches_tracked, bool masks), unless a rule names it
+            if any(q in conv.recipe.rules for _m, _l, q in owners):
+                conv.skipped.append(qual)
             continue
         kind = "buffer" if is_buffer else _kind(qual)
-        plan = _tensor_plan(conv.recipe, qual, kind, is_buffer=is_buffer)
+        aliases = [q for _m, _l, q in owners[1:]]  # tied tensors: every other name
+        plan = _tensor_plan(conv.recipe, qual, kind, is_buffer=is_buffer, aliases=aliases)
         conv.tensor_plans[qual] = plan
         conv.dtypes[qual] = t.dtype
         if not plan.value.full_precision:
@@ -458,13 +505,14 @@ def _plan_tensors(conv: _Conversion, owners_by_id, is_buffer: bool) -> list:
     return todo
 
 
-def _plan(model: nn.Module, recipe: Recipe, params, buffers) -> Tuple[_Conversion, list, list]:
+def _plan(model: nn.Module, recipe: Recipe, params, buffers,
+          strict: bool = False) -> Tuple[_Conversion, list, list]:
     """Every plan of the conversion, computed before the model is touched (a bad rule leaves it
     unchanged): the _Conversion and the parameters and buffers whose values change."""
     module_names = [n for n, _ in model.named_modules() if n]
-    tensor_names = [owners[0][2] for owners in params.values()] + \
-                   [owners[0][2] for owners in buffers.values()]
-    _check_rules_match(recipe, tensor_names + module_names)
+    tensor_names = [q for owners in [*params.values(), *buffers.values()]
+                    for _m, _l, q in owners]  # every name of a tied tensor
+    _check_rules_match(recipe, tensor_names + module_names, strict)
     conv = _Conversion(recipe, {}, {})
     todo_params = _plan_tensors(conv, params, is_buffer=False)
     todo_buffers = _plan_tensors(conv, buffers, is_buffer=True)
@@ -527,7 +575,8 @@ def _swap_buffers(conv: _Conversion, new_buffers: list) -> None:
     for mod, names in by_module.values():
         conv.handles.append(mod.register_forward_hook(_BufferHook(names)))
     if conv.skipped:
-        _warn_once("qt.convert: non-floating tensors are left alone: " + ", ".join(conv.skipped))
+        _warn_once("qt.convert: non-floating tensors are left alone, although a rule names "
+                   "them: " + ", ".join(conv.skipped))
 
 
 def _attach_grad_hooks(model: nn.Module, conv: _Conversion, params) -> None:
@@ -563,13 +612,15 @@ def _attach_activation_hooks(model: nn.Module, conv: _Conversion) -> None:
         conv.handles.append(mod.register_forward_hook(_OutputHook(mplan)))
 
 
-def convert(model: nn.Module, spec) -> nn.Module:
+def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:
     """Convert ``model`` in place to the formats of ``spec`` (a format, a string or a Recipe).
 
-    Returns the model. Roles, rules, precedence and hooks: docs/convert.md.
+    Returns the model. A rule that matches no name of the model is a warning (an error with
+    ``strict=True``). Roles, rules, precedence and hooks: docs/convert.md.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"qt.convert expects an nn.Module, got {type(model).__name__}")
+    distributed.check_unwrapped(model)  # DDP(model), fully_shard(model): convert, then wrap
     recipe = as_recipe(spec)
     existing = getattr(model, "_qt_conversion", None)
     if existing is not None:
@@ -582,18 +633,31 @@ def convert(model: nn.Module, spec) -> nn.Module:
     _check_convertible(model)
 
     params = _owners(model, "_parameters")
-    conv, todo_params, todo_buffers = _plan(model, recipe, params, _owners(model, "_buffers"))
+    conv, todo_params, todo_buffers = _plan(model, recipe, params, _owners(model, "_buffers"),
+                                            strict)
     new_params, new_buffers = _round_values(recipe, todo_params, todo_buffers)
     _swap_params(model, conv, new_params)
     _swap_buffers(conv, new_buffers)
     _attach_grad_hooks(model, conv, params)
     _attach_activation_hooks(model, conv)
 
+    _disable_nested_fast_path(model, conv)
     for mod in model.modules():
         mod._apply = _NoDtypeCast(mod)
     model._qt_conversion = conv
     training.install_optimizer_hooks()
     return model
+
+
+def _disable_nested_fast_path(model: nn.Module, conv: _Conversion) -> None:
+    """nn.TransformerEncoder's inference fast path (eval, no_grad, src_key_padding_mask) packs
+    its input into a nested tensor and runs every layer as one fused kernel: no QTensor can hold
+    a nested tensor, and the fused kernels would skip the emulated ops. A converted encoder takes
+    its ordinary path (the padding mask goes to each layer), as in training."""
+    for mod in model.modules():
+        if isinstance(mod, nn.TransformerEncoder) and getattr(mod, "use_nested_tensor", False):
+            conv.nested_off.append(mod)
+            mod.use_nested_tensor = False
 
 
 class _NoDtypeCast:
@@ -634,6 +698,9 @@ def unconvert(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]
+        mod.__dict__.pop(distributed.PLANS_ATTR, None)
+    for mod in conv.nested_off:
+        mod.use_nested_tensor = True
     replaced, moved = [], {}
     with _FlatWeights(model):
         for mod, local, qual in conv.converted_params:
@@ -692,24 +759,72 @@ def _total_bits(t: torch.Tensor) -> float:
     return float(n * fmt.elem.bits + blocks * fmt.scale.bits + (32 if fmt.tensor_scale else 0))
 
 
+def _rule_of(plan, recipe: Recipe, roles: Tuple[str, ...]) -> str:
+    """Which rule chose a plan's formats (per role where a rule gives only some), else the
+    recipe's default for the role."""
+    if plan is None:
+        return "-"
+    if plan.rule is None:
+        return f"default ({roles[0]})"
+    spec = recipe.rules.get(plan.rule)
+    if not isinstance(spec, dict):
+        return f"rule {plan.rule!r}"
+    own = [r for r in roles if r in spec]
+    rest = [r for r in roles if r not in spec]
+    if not rest:
+        return f"rule {plan.rule!r}"
+    return (f"rule {plan.rule!r} ({', '.join(own)}); " if own else
+            f"rule {plan.rule!r} sets no role of it; ") + f"default ({', '.join(rest)})"
+
+
+def _table(rows) -> List[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _module_rows(model: nn.Module, conv: _Conversion) -> List[Tuple[str, ...]]:
+    """One row per module: its activation (output) and gradient formats and what chose them."""
+    rows = [("module", "type", "activation", "gradient", "chosen by")]
+    for mname, mod in model.named_modules():
+        plan = conv.module_plans.get(mname)
+        if plan is None:
+            continue
+        act = "plain (kept full precision)" if plan.plain else str(plan.activation)
+        grad = "plain" if plan.plain else str(plan.grad)
+        rows.append((mname or "(model: inputs and outputs)", type(mod).__name__, act, grad,
+                     _rule_of(plan, conv.recipe, ("activation", "grad"))))
+    return rows
+
+
 def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Optional[str]:
     """Print a table of every parameter and buffer (to ``file``, default stdout; returns None,
     so the REPL shows it once), or return it as a string with ``print_table=False``: name,
     shape, value format, operand (mm) format, bits per value, and the model's total size in
-    bits against FP32.
+    bits against FP32. For a converted model also: which rule (or the role's default) chose
+    each tensor's formats, and a second table, per module, of the activation and gradient
+    formats of its outputs and what chose them.
 
     Bits per value are the value format's (the operand format costs no storage), with block
     scales counted per block present; non-floating buffers count at their dtype's width in both
     totals."""
-    rows = [("name", "shape", "format", "mm format", "bits")]
+    conv = getattr(model, "_qt_conversion", None)
+    head = ("name", "shape", "format", "mm format", "bits") + (("chosen by",) if conv else ())
+    rows = [head]
     total = fp32_total = 0.0
     seen = set()
-    entries = [(n, t, "param") for n, t in model.named_parameters()] + \
-              [(n, t, "buffer") for n, t in model.named_buffers()]
+    entries = [(n, t, "param") for n, t in model.named_parameters(remove_duplicate=False)] + \
+              [(n, t, "buffer") for n, t in model.named_buffers(remove_duplicate=False)]
+    names: Dict[int, List[str]] = {}
+    for name, t, _what in entries:
+        names.setdefault(id(t), []).append(name)
     for name, t, _what in entries:
         if id(t) in seen:
             continue
         seen.add(id(t))
+        if len(names[id(t)]) > 1:  # tied: one tensor, counted once, shown with its other names
+            name = f"{name} (= {', '.join(names[id(t)][1:])})"
         n = t.numel()
         size = _total_bits(t)
         bits = size / n if n else 0.0
@@ -719,20 +834,26 @@ def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Option
             fmt, mm = f"plain {str(t.dtype).replace('torch.', '')}", "-"
         total += size
         fp32_total += 32 * n if t.is_floating_point() else size
-        rows.append((name, "x".join(map(str, t.shape)) or "scalar", fmt, mm, f"{bits:.4g}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+        row = (name, "x".join(map(str, t.shape)) or "scalar", fmt, mm, f"{bits:.4g}")
+        if conv is not None:
+            plan = conv.tensor_plans.get(name)
+            roles = (("weight",) if plan is None or plan.kind == "buffer"  # (no gradient)
+                     else (plan.kind, "grad", "optimizer_state"))
+            row += ("not floating: left alone" if plan is None and not t.is_floating_point()
+                    else _rule_of(plan, conv.recipe, roles),)
+        rows.append(row)
+    lines = _table(rows)
     ratio = total / fp32_total if fp32_total else 1.0
     lines.append(f"total: {total:,.0f} bits ({total / 8 / 2**20:.3f} MiB) vs FP32 "
                  f"{fp32_total:,.0f} bits ({fp32_total / 8 / 2**20:.3f} MiB): {ratio:.3f}x")
-    conv = getattr(model, "_qt_conversion", None)
     if conv is not None:
         root = conv.module_plans.get("")
         if root is not None:
             lines.append(f"activations: {root.activation}; gradients: {conv.recipe.grad}; "
                          f"optimizer state: {conv.recipe.optimizer_state}; "
                          f"master weights: {conv.recipe.master_weights}")
+        lines.append("")
+        lines.extend(_table(_module_rows(model, conv)))
     text = "\n".join(lines)
     if print_table:
         print(text, file=file)

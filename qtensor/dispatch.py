@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import accum as _accum
+from . import block_specials as _block_specials
 from . import ops as _ops
 from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
 from .formats import PRESETS as _PRESETS, BlockFormat, Format
@@ -36,7 +37,10 @@ aten = torch.ops.aten
 __all__ = ["dispatch", "OPS", "OpRule", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
 
 # Op kinds.
-COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH, DECOMPOSE = 0, 1, 2, 3, 4
+COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH, DECOMPOSE, COLLECTIVE = 0, 1, 2, 3, 4, 5
+
+# torch.distributed's op namespaces: functional collectives (DTensor, FSDP2) and c10d's
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d"})
 
 # How an op's output keeps the block axis of a BlockFormat (OpRule.block).
 KEEP, TRANSPOSE, STACK = "keep", "transpose", "stack"
@@ -173,7 +177,7 @@ def _convolution_backward(func, args, uargs, ukwargs, acc=None):
     has = [isinstance(t, QTensor) and t.mm_fmt is not None for t in (go, inp, w)]
     if acc is not None:
         def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
-            return _accum.contract("convolution_backward", list(a), kw, acc)
+            return _accum.contract("convolution_backward", list(a), kw, acc, args)
     if not any(has):
         return func(*uargs, **ukwargs)
     uargs = list(uargs)
@@ -238,6 +242,8 @@ class Rule:
             # eager decomposes it before dispatch (conv2d into convolution, ...); it reaches us
             # only where torch.export keeps it (run_decompositions): decompose it the same way
             kind = DECOMPOSE
+        if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
+            kind = COLLECTIVE
         self.moves = kind == MOVE_KIND  # _foreach_copy_ too, whose kind is FOREACH
         self.kind = FOREACH if packet.startswith("_foreach_") else kind
         # mutated arguments: (position, name); outputs that alias them
@@ -473,17 +479,25 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
         op, args = _kernel_call(fmt)
         return op(x, *args)
     if fmt.rounding == "stochastic" and type(x) is not torch.Tensor:
-        raise NotImplementedError(
-            f"QTensor: stochastic rounding ({fmt}) under torch.compile/tracing is not supported: "
-            "each rounding draws its seed eagerly from torch's generator, which a traced graph "
-            "would freeze into a constant; run stochastic formats eagerly")
+        raise _ops.stochastic_under_tracing(fmt)
     return _ops.quantize(x, fmt)
 
 
-def _round_inplace(q) -> None:
+def _round_inplace(q, func=None) -> None:
     """Round a QTensor's payload in place to its own format (after an in-place op)."""
     data = q._data
     fmt = fit_format(q.fmt, data.dim())
+    if (type(fmt) is BlockFormat and _block_specials.watching() and type(data) is torch.Tensor
+            and data.numel() and not torch.compiler.is_compiling()
+            and not torch.isfinite(data.sum())):  # an Inf or NaN may spread over its block
+        before = data.clone()
+        _round_inplace_to(data, fmt)
+        _block_specials.check(before, data, fmt, op=func)
+        return
+    _round_inplace_to(data, fmt)
+
+
+def _round_inplace_to(data, fmt) -> None:
     dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
     if dt is not None:
         data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
@@ -598,7 +612,7 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
     for pos, axis in operands:
         _round_operand(args, uargs, pos, axis)
     if acc is not None:  # the products summed by the operands' accumulator
-        return _accum.contract(func._opname, uargs, ukwargs, acc)
+        return _accum.contract(func._opname, uargs, ukwargs, acc, args)
     return func(*uargs, **ukwargs)
 
 
@@ -606,16 +620,23 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
 # ---------------------------------------------------------------------------------------------
 # Output wrapping
 
-def _wrap_out(out, fmt, mm_fmt, rnd):
+def _wrap_out(out, fmt, mm_fmt, rnd, func=None):
     """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd."""
     if isinstance(out, torch.Tensor):
         if out.dtype in FLOAT_DTYPES and out.layout == torch.strided:  # sparse stays plain
+            if out.is_nested:  # a QTensor cannot hold one; plain, it would compute in FP32
+                raise NotImplementedError(
+                    f"QTensor: an op made a nested tensor of QTensor values ({fmt}); nested "
+                    "tensors cannot carry a number format. Pad the values instead (a "
+                    "converted nn.TransformerEncoder does: it skips its nested fast path)")
             if rnd:
-                out = quantize(out, fmt)
+                before, out = out, quantize(out, fmt)
+                if type(fmt) is BlockFormat:
+                    _block_specials.check(before, out, fmt, op=func)
             return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd) for o in out)
+        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func) for o in out)
     return out
 
 
@@ -628,6 +649,8 @@ def dispatch(func, args, kwargs):
         return _dispatch_foreach(func, rule, args, kwargs)
     if rule.kind == DECOMPOSE:
         return func.decompose(*args, **(kwargs or {}))
+    if rule.kind == COLLECTIVE:
+        return _collective(func, args, kwargs)
     qs = []
     uargs, ukwargs, plain = _unwrap(args, kwargs, qs)
     try:
@@ -660,7 +683,7 @@ def dispatch(func, args, kwargs):
 
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
-    out = _wrap_out(out, fmt, mm_fmt, rnd)
+    out = _wrap_out(out, fmt, mm_fmt, rnd, func)
     acc = _accum_of(qs)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
         _set_accum(out, acc)
@@ -713,7 +736,7 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
                         f"{func}: out= QTensor of shape {tuple(d.shape)} would have to be resized "
                         f"to {tuple(d._data.shape)}; pass an out tensor of the result's shape")
                 if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs)):
-                    _round_inplace(d)
+                    _round_inplace(d, func)
     if rule.inplace_view:
         if isinstance(args[0], QTensor):  # t_, unsqueeze_, ...: the block axis moves
             args[0].fmt = fmt
@@ -721,7 +744,7 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
     if rule.returns_void:
         return None
     if rule.out_alias is None:  # fresh outputs besides the mutation (e.g. batch-norm stats)
-        return _wrap_out(out, fmt, mm_fmt, rnd)
+        return _wrap_out(out, fmt, mm_fmt, rnd, func)
     res = []
     outs = out if isinstance(out, (tuple, list)) else (out,)
     for o, alias in zip(outs, rule.out_alias):
@@ -743,6 +766,80 @@ def _needs_round_into(dst, args, kwargs) -> bool:
             elif isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES:
                 return True
     return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives (torch.distributed): the values that arrive are the values sent, in format
+
+def _wait_all(out) -> None:
+    """Wait for the collective that produces ``out`` (its payloads, or a c10d Work)."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    for o in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(o, (tuple, list)):
+            _wait_all(o)
+        elif isinstance(o, torch.Tensor):
+            wait(o)
+        elif hasattr(o, "wait"):  # a c10d Work (async_op=True, or the sync API before its wait)
+            o.wait()
+
+
+def _collective(func, args, kwargs):
+    """A collective on QTensors: run on the payloads, wait for it here (its results must not be
+    read, nor rounded, before they have arrived), then round once into the format: a reduction
+    sums (or averages) the payloads in their precision (float32) and rounds the result once;
+    a gather, broadcast or all-to-all moves values already in format (rounding them again
+    changes nothing, unless blocks were regrouped). Outputs keep the formats of the first
+    QTensor input; in-place destinations keep their own. An async collective is thus complete on
+    return (its later wait is a no-op)."""
+    if func._opname == "wait_tensor":  # the output was waited on when it was made
+        a = args[0] if args else kwargs["tensor"]
+        if isinstance(a, QTensor):
+            func(a._data)
+        return a
+    qs = []
+    if func.namespace == "c10d":
+        # c10d's ops write into their tensor lists, and some backends' Work copies its result
+        # into them again on every wait() (gloo's reduce-scatter): they get copies of the
+        # payloads, and the payloads get the rounded results once
+        pairs = []
+
+        def copy_of(a):  # (scatter, gather, alltoall take lists of lists)
+            if isinstance(a, (list, tuple)):
+                return type(a)(copy_of(x) for x in a)
+            if isinstance(a, QTensor):
+                pairs.append((a, a._data.clone()))
+                return pairs[-1][1]
+            return a
+        uargs = [copy_of(a) for a in args]
+        out = func(*uargs, **(kwargs or {}))
+        _wait_all(out)
+        for q, c in pairs:
+            q._data.copy_(quantize(c, q.fmt))
+        qs = [q for q, _c in pairs]
+        alias = {id(c): q for q, c in pairs}
+    else:
+        uargs, ukwargs, _plain = _unwrap(args, kwargs, qs)
+        out = func(*uargs, **ukwargs)
+        _wait_all(out)
+        if func._opname.endswith("_"):  # all_reduce_, broadcast_: in place
+            for q in qs:
+                _round_inplace(q)
+        alias = {id(q._data): q for q in qs}
+    src = qs[0]
+
+    def wrap(o):
+        if isinstance(o, (tuple, list)):
+            return type(o)(wrap(x) for x in o)
+        if not isinstance(o, torch.Tensor) or o.dtype not in FLOAT_DTYPES:
+            return o
+        q = alias.get(id(o))
+        if q is not None:  # an output that is an input's payload (or its copy) is that QTensor
+            return q
+        w = QTensor._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
+        if src.accum is not None:
+            w._accum = src.accum
+        return w
+    return wrap(out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ import types
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .torch_function import TorchFunctionTarget
+
 __all__ = [
     "ROUNDING_MODES", "SPECIALS", "SCALE_RULES", "Format", "FormatError", "FloatFormat",
     "FixedFormat", "BlockFormat", "format", "PRESETS", "ALIASES",
@@ -35,6 +37,9 @@ SCALE_RULES = ("floor", "ceil", "amax")
 _F32_MAN = 23
 _F32_EMAX = 127
 _F32_MIN_QUANTUM_EXP = -149  # exponent of the smallest float32 subnormal
+_F32_EXP = 8  # more exponent bits give more binades than float32's 2^-149..2^127
+# A block size or axis beyond any tensor's (the kernels take int64 and add sizes to block sizes)
+_MAX_INDEX = 2 ** 62
 
 
 class FormatError(ValueError):
@@ -59,14 +64,31 @@ def _check_int(name: str, value) -> None:
         raise FormatError(f"{name} must be an int, got {value!r}")
 
 
+def _int_str(v: int) -> str:
+    """An int for a message, huge ones as 2**k + d or about 10**k (2**63, 10**30 stay readable)."""
+    a = abs(v)
+    if a < 10 ** 12:
+        return str(v)
+    for k in (a.bit_length() - 1, a.bit_length()):
+        d = a - 2 ** k
+        if abs(d) < 10 ** 6:
+            text = f"2**{k}" + (f" {'+-'[d < 0]} {abs(d)}" if d else "")
+            break
+    else:
+        n = len(str(a)) - 1
+        text = f"10**{n}" if a == 10 ** n else f"about 10**{n}"
+    return text if v >= 0 else (f"-{text}" if text.startswith("2**") and "+" not in text
+                                and " - " not in text else f"-({text})")
+
+
 def _check_bool(name: str, value) -> None:
     # only True/False: a truthy "no", "FALSE" or 0/1 would silently flip the flag's meaning
     if not isinstance(value, bool):
         raise FormatError(f"{name} must be True or False, got {value!r}")
 
 
-class Format:
-    """Common behaviour of all formats."""
+class Format(TorchFunctionTarget):
+    """Common behaviour of all formats (``model.to(fmt)``, ``t.to(fmt)``: qtensor.torch_function)."""
 
     def replace(self, **changes) -> "Format":
         """A copy with some fields changed, validated like a new format."""
@@ -105,12 +127,17 @@ class FloatFormat(Format):
         if self.saturate is not None:  # None: the default for the specials
             _check_bool("saturate", self.saturate)
         if self.exp < 1:
-            raise FormatError(f"exp must be >= 1, got exp={self.exp}")
+            raise FormatError(f"exp must be >= 1, got exp={_int_str(self.exp)}")
+        if self.exp > _F32_EXP:  # before 2 ** (exp - 1) below, which is huge for an absurd exp
+            raise FormatError(
+                f"exp={_int_str(self.exp)} does not fit the float32 carrier (at most "
+                f"{_F32_EXP} exponent bits: more give more binades than float32's 2^-149..2^127)")
         if self.man < 0:
-            raise FormatError(f"man must be >= 0, got man={self.man}")
+            raise FormatError(f"man must be >= 0, got man={_int_str(self.man)}")
         if self.man > _F32_MAN:
             raise FormatError(
-                f"man={self.man} does not fit the float32 carrier (at most {_F32_MAN} mantissa bits)")
+                f"man={_int_str(self.man)} does not fit the float32 carrier (at most {_F32_MAN} "
+                "mantissa bits)")
         if self.bias is None:
             object.__setattr__(self, "bias", 2 ** (self.exp - 1) - 1)
         _check_int("bias", self.bias)
@@ -130,15 +157,17 @@ class FloatFormat(Format):
                     "signed=False describes exponent-only scale formats (as E8M0): it requires "
                     "man=0, subnormals=False, specials='fn'")
         if self.emax < self.emin:
-            raise FormatError(f"e{self.exp}m{self.man} with bias={self.bias} has no normal numbers")
+            raise FormatError(
+                f"e{self.exp}m{self.man} with bias={_int_str(self.bias)} has no normal numbers")
         if self.emax > _F32_EMAX:
             raise FormatError(
-                f"e{self.exp}m{self.man} with bias={self.bias} has emax={self.emax}: its largest "
-                f"values do not fit the float32 carrier (emax <= {_F32_EMAX})")
+                f"e{self.exp}m{self.man} with bias={_int_str(self.bias)} has "
+                f"emax={_int_str(self.emax)}: its largest values do not fit the float32 carrier "
+                f"(emax <= {_F32_EMAX})")
         if self.min_quantum_exp < _F32_MIN_QUANTUM_EXP:
             raise FormatError(
-                f"e{self.exp}m{self.man} with bias={self.bias} has values down to "
-                f"2^{self.min_quantum_exp}, below float32's smallest subnormal 2^-149")
+                f"e{self.exp}m{self.man} with bias={_int_str(self.bias)} has values down to "
+                f"2^{_int_str(self.min_quantum_exp)}, below float32's smallest subnormal 2^-149")
 
     @property
     def emin(self) -> int:
@@ -224,16 +253,16 @@ class FixedFormat(Format):
             _check_bool(name, getattr(self, name))
         if not 1 <= self.wl <= 24:
             raise FormatError(
-                f"wl={self.wl}: fixed-point word length must be 1..24 (the float32 carrier holds "
-                "integers of at most 24 bits exactly)")
+                f"wl={_int_str(self.wl)}: fixed-point word length must be 1..24 (the float32 "
+                "carrier holds integers of at most 24 bits exactly)")
         if self.signed and self.symmetric and self.wl < 2:
             raise FormatError("a symmetric signed fixed-point format needs wl >= 2")
         if self.symmetric and not self.signed:
             raise FormatError("symmetric=True only applies to signed fixed-point formats")
         if -self.fl < _F32_MIN_QUANTUM_EXP or self.wl - self.fl > _F32_EMAX:
             raise FormatError(
-                f"fixed point wl={self.wl}, fl={self.fl}: values k*2^-{self.fl} do not fit the "
-                "float32 carrier")
+                f"fixed point wl={self.wl}, fl={_int_str(self.fl)}: values "
+                f"k*2^{_int_str(-self.fl)} do not fit the float32 carrier")
         _check_rounding(self.rounding)
 
     @property
@@ -325,9 +354,18 @@ class BlockFormat(Format):
         if self.block_size is not None:
             _check_int("block_size", self.block_size)
             if self.block_size < 1:
-                raise FormatError(f"block_size must be >= 1 (or None), got {self.block_size}")
+                raise FormatError(
+                    f"block_size must be >= 1 (or None), got {_int_str(self.block_size)}")
+            if self.block_size > _MAX_INDEX:
+                raise FormatError(
+                    f"block_size={_int_str(self.block_size)} is longer than any tensor axis can "
+                    "be (at most 2**62); for one block per axis use block_size=None")
         if self.axis is not None:
             _check_int("axis", self.axis)
+            if not -_MAX_INDEX <= self.axis < _MAX_INDEX:
+                raise FormatError(
+                    f"axis={_int_str(self.axis)} is no tensor's dim (a dim index, negative from "
+                    "the end, or None for the whole tensor)")
         _check_bool("tensor_scale", self.tensor_scale)
         if self.scale_rule not in SCALE_RULES:
             raise FormatError(
@@ -458,8 +496,19 @@ PRESETS = _presets()
 _PRESET_NAMES = {f: name for name, f in PRESETS.items()}
 ALIASES = {
     "float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-    "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "float8_e8m0fnu": "e8m0",
+    "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
     "mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e3m2", "mxfp4": "mxfp4_e2m1",
+    # the OCP names as everyone writes them (an IEEE-style e4m3 would be max 240, e2m1 max 3)
+    "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2", "e3m2": "fp6_e3m2", "e2m3": "fp6_e2m3",
+    "e2m1": "fp4_e2m1",
+}
+# Names refused with a reason: they would look like a format but round differently.
+_REFUSED = {
+    "float8_e8m0fnu": (
+        "torch's cast to torch.float8_e8m0fnu is not a rounding qtensor has: it drops the sign, "
+        "turns 0 into 2^-127 and rounds every value in (2^-127, 2^-126) up to 2^-126; qtensor's "
+        "E8M0 scale format is 'e8m0' (qt.e8m0: round to nearest, 0, negative values and NaN "
+        "give NaN)"),
 }
 
 
@@ -492,8 +541,9 @@ def _to_string(f: Format) -> str:
         canonical = types.SimpleNamespace(
             bias=2 ** (f.exp - 1) - 1, subnormals=True, specials="ieee", saturate=False,
             rounding="nearest", signed=True)
-        if base in PRESETS:  # "e8m0" names the scale preset: spell out the differences from it
-            canonical = PRESETS[base]
+        named = PRESETS.get(ALIASES.get(base, base))
+        if named is not None:  # "e8m0", "e4m3" name presets: spell out the differences from it
+            canonical = named
         skip, always = ("exp", "man"), ()
     elif isinstance(f, FixedFormat):
         canonical = FixedFormat(f.wl, f.fl)
@@ -561,7 +611,7 @@ def _parse_value(key: str, text: str):
 
 
 def _known_names() -> str:
-    return ", ".join(list(PRESETS) + ["eXmY (e.g. e4m3)", "fixedWL.FL (e.g. fixed8.4)",
+    return ", ".join(list(PRESETS) + ["eXmY (e.g. e3m4)", "fixedWL.FL (e.g. fixed8.4)",
                                       "fixed(wl=..., fl=...)", "block(elem=..., block_size=...)"])
 
 
@@ -572,15 +622,21 @@ def format(spec) -> Format:
     ``"fp8_e4m3(rounding=stochastic)"``, ``"block(elem=fixed8.6(symmetric=True), block_size=16)"``.
 
     The grammar: ``NAME`` or ``NAME(key=value, ...)`` with keys the fields of the format. NAME is
-    case-insensitive and is a preset, an alias, ``eXmY`` (``FloatFormat(X, Y)``), ``fixedWL.FL``
+    case-insensitive and is a preset (keys change its fields), an alias, ``eXmY``
+    (``FloatFormat(X, Y)``: IEEE-style, except the OCP names below), ``fixedWL.FL``
     (``FixedFormat(WL, FL)``, only for FL <= WL: ``fixed8.9`` would read as Q8.9, so a word
     shorter than its fraction is spelled ``fixed(wl=8, fl=9)``), ``fixed(wl=..., fl=...)`` or
     ``block(elem=..., ...)``. Values: ints, names, formats, and for the flags exactly
     ``True``/``true`` or ``False``/``false``. Aliases, each exactly the format named: the torch
     dtype names ``float32``/``float`` (fp32), ``bfloat16`` (bf16), ``float16``/``half`` (fp16),
-    ``float8_e4m3fn`` (fp8_e4m3, saturating as torch's cast), ``float8_e5m2`` (fp8_e5m2),
-    ``float8_e8m0fnu`` (e8m0); and ``mxfp8``, ``mxfp6``, ``mxfp4`` for the MX variants
-    mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1.
+    ``float8_e4m3fn`` (fp8_e4m3, saturating as torch's cast), ``float8_e5m2`` (fp8_e5m2), which
+    round as torch's casts from float32, float16 and bfloat16 (from float64 torch casts through
+    float32, rounding twice; qtensor rounds once); ``mxfp8``, ``mxfp6``, ``mxfp4`` for the MX
+    variants mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1; and the OCP element names ``e4m3``
+    (fp8_e4m3, max 448), ``e5m2`` (fp8_e5m2), ``e3m2`` (fp6_e3m2), ``e2m3`` (fp6_e2m3),
+    ``e2m1`` (fp4_e2m1, max 6), with keys changing the preset (``e4m3(rounding=stochastic)``);
+    the IEEE-style ``FloatFormat(4, 3)`` (max 240) is spelled ``e4m3(specials=ieee,
+    saturate=False)``. ``float8_e8m0fnu`` is refused: torch's cast to it differs from ``e8m0``.
     """
     if isinstance(spec, Format):
         return spec
@@ -589,6 +645,8 @@ def format(spec) -> Format:
         name = str(spec).removeprefix("torch.") if type(spec).__module__ == "torch" else None
         if name in ALIASES:  # a torch dtype: point at the format that is exactly it
             hint = f"; for {spec} use qt.{ALIASES[name]} (or the string {name!r})"
+        elif name in _REFUSED:
+            hint = f"; {_REFUSED[name]}"
         raise FormatError(
             f"a format must be a format object or a string, got {type(spec).__name__}{hint}")
     text = spec.strip()
@@ -603,6 +661,8 @@ def format(spec) -> Format:
         key, value = (s.strip() for s in arg.split("=", 1))
         kwargs[key] = _parse_value(key, value)
     lower = base.lower()
+    if lower in _REFUSED:
+        raise FormatError(f"format {spec!r}: {_REFUSED[lower]}")
     lower = ALIASES.get(lower, lower)
     try:
         if lower in PRESETS:

@@ -5,8 +5,9 @@ family: ``qtensor::quantize_float``, ``quantize_fixed``, ``quantize_block``, eac
 in-place ``_`` variants; CPU and CUDA kernels). This module registers their fake (meta)
 implementations so that torch.compile and FakeTensor work, and routes ``quantize`` to them when
 they can take the input (float32/float16/bfloat16 on a device with kernels); everything else
-(float64, no compiled extension) goes through :mod:`qtensor.reference`, which the kernels match
-bit for bit, stochastic rounding included.
+(float64, no compiled extension, a CUDA kernel family that failed its first-use check in
+:mod:`qtensor.selfcheck`) goes through :mod:`qtensor.reference`, which the kernels match bit for
+bit, stochastic rounding included.
 """
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
-from . import reference
+from . import reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
 from .checks import resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format
 
-__all__ = ["quantize", "quantize_", "kernels_available", "op_args"]
+__all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
 
 _ROUNDING_CODE = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "stochastic": 3}
 _SCALE_RULE_CODE = {"floor": 0, "ceil": 1, "amax": 2}
@@ -147,18 +149,56 @@ if _C is not None:
 # ---------------------------------------------------------------------------------------------
 # Entry points
 
-def _use_kernel(x: torch.Tensor) -> bool:
+def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if _C is None or x.dtype not in KERNEL_DTYPES:
         return False
     if x.device.type == "meta":
         return True
-    return kernels_available(x.device)
+    # CUDA: the kernel family must first agree with the reference there (qtensor/selfcheck.py)
+    return kernels_available(x.device) and selfcheck.trusted(
+        x.device.type, selfcheck.family(fmt, rounding), x.device)
 
 
-def _seed(generator: Optional[torch.Generator], rounding: str) -> int:
+def _sample_check(family: str):
+    """The first-use check of a quantization kernel family: its sample, kernel vs reference."""
+    def check(device: torch.device) -> Optional[str]:
+        for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
+            name, args = op_args(fmt)
+            got = getattr(torch.ops.qtensor, name)(x, *args, _ROUNDING_CODE[rounding],
+                                                   _seed_arg(seed))
+            found = selfcheck.difference(got, reference.quantize_with_seed(x, fmt, rounding, seed))
+            if found is not None:
+                return f"{fmt} with rounding={rounding} on {x.dtype}: {found}"
+        return None
+    return check
+
+
+if _C is not None:
+    for _family in ("scalar", "block", "stochastic"):
+        selfcheck.register(_family, _sample_check(_family))
+
+
+def stochastic_under_tracing(fmt) -> NotImplementedError:
+    """The error for stochastic rounding inside torch.compile/torch.export tracing."""
+    return NotImplementedError(
+        f"QTensor: stochastic rounding ({fmt}) under torch.compile/tracing is not supported: "
+        "each rounding draws its seed eagerly from torch's generator, which a traced graph "
+        "would freeze into a constant; run stochastic formats eagerly")
+
+
+def _seed(generator: Optional[torch.Generator], rounding: str, fmt=None) -> int:
     """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way."""
     check_generator(generator)
-    return reference.draw_seed(generator) if rounding == "stochastic" else 0
+    if rounding != "stochastic":
+        return 0
+    if torch.compiler.is_compiling():  # the seed would be a data-dependent symbolic int
+        raise stochastic_under_tracing(str(fmt))
+    return reference.draw_seed(generator)
+
+
+_OUT_GRAD = ("quantize(): functions with out=... arguments don't support automatic "
+             "differentiation, but one of the arguments requires grad; call it under "
+             "torch.no_grad(), or without out= (then the result has a straight-through gradient)")
 
 
 def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None, seed: int = 0, *,
@@ -169,7 +209,28 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None, see
     if out is not None:
         check_out(x, out, fmt)
     check_axis(x, fmt)
-    if not _use_kernel(x):
+    if _differentiable(x) or (out is not None and _differentiable(out)):
+        if out is not None:
+            raise RuntimeError(_OUT_GRAD)  # as torch's own out= ops
+        return _StraightThrough.apply(x, fmt, rounding, seed)
+    return _round(x, fmt, rounding, seed, out)
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    """Whether rounding x must go through autograd: x requires grad (grad mode on), is a
+    torch.func transform's wrapper (grad, jvp, vmap), or a forward-mode dual tensor."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return True
+    if torch.compiler.is_dynamo_compiling():
+        return False  # (dynamo cannot call the checks below)
+    if type(x) is torch.Tensor and torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return True
+    return _fwad._current_level >= 0 and _fwad.unpack_dual(x).tangent is not None
+
+
+def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
+    """quantize_with_seed after its checks, outside autograd."""
+    if not _use_kernel(x, fmt, rounding):
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
         return q if out is None else out.copy_(q)
     name, args = op_args(fmt)
@@ -177,8 +238,54 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None, see
     x = x.detach()
     if out is None:
         return getattr(torch.ops.qtensor, name)(x, *args)
+    if out.is_neg() or out.is_conj():
+        # a lazily negated view (complex.conj().imag): torch's math-bit fallback cannot run an
+        # out= op that returns nothing (an internal assert, then an abort); copy_ writes it
+        return out.copy_(getattr(torch.ops.qtensor, name)(x, *args))
     getattr(torch.ops.qtensor, name).out(x, *args, out=out)
     return out
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounding with a straight-through gradient: the incoming gradient passes unchanged
+    (identity), also where the format saturates or overflows, as QTensor's own roundings do.
+    In the setup_context form, with a generated vmap rule, so that torch.func transforms (grad,
+    vmap, jacrev, jvp) run it."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, fmt, rounding, seed):
+        return _round(x, fmt, rounding, seed, None)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None, None
+
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        return gx
+
+
+class _StraightThroughInplace(torch.autograd.Function):
+    """quantize_ of a tensor inside an autograd graph: recorded (the version bumps, so saved
+    values it changes are caught), with the straight-through gradient of _StraightThrough."""
+
+    @staticmethod
+    def forward(x, fmt, rounding, seed):
+        return _round_(x, fmt, rounding, seed)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None, None
 
 
 def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
@@ -190,23 +297,47 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     feeds stochastic rounding with one seed per call (default: torch's default CPU generator, so
     ``torch.manual_seed`` makes it reproducible, and CPU and CUDA give the same result). Uses the
     compiled kernels where they apply, else the reference; both give the same bits.
+
+    Autograd: for an x that requires grad the result has a straight-through gradient, the
+    identity (the gradient passes unchanged, also where the format saturates, overflows or
+    flushes to zero), as fake quantization and QTensor's own roundings do; torch.func
+    transforms (grad, vmap, jacrev, jvp) run it too. ``out=`` does not support autograd (an
+    error, as torch's out= ops).
     """
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
-    return quantize_with_seed(x, fmt, rounding, _seed(generator, rounding), out=out)
+    return quantize_with_seed(x, fmt, rounding, _seed(generator, rounding, fmt), out=out)
 
 
 def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
               generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Round x to ``fmt`` in place and return x."""
+    """Round x to ``fmt`` in place and return x.
+
+    Inside an autograd graph (x requires grad, not a leaf) the rounding is recorded, with the
+    straight-through gradient of ``quantize``; a leaf that requires grad is refused, as torch's
+    in-place ops refuse it."""
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
     check_axis(x, fmt)
-    seed = _seed(generator, rounding)
-    if not _use_kernel(x):
+    seed = _seed(generator, rounding, fmt)
+    if torch.is_grad_enabled() and x.requires_grad:
+        if x.is_leaf:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                               "operation (qt.quantize_); round it under torch.no_grad()")
+        return _StraightThroughInplace.apply(x, fmt, rounding, seed)
+    return _round_(x, fmt, rounding, seed)
+
+
+def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
+    """quantize_ after its checks, outside autograd."""
+    if not _use_kernel(x, fmt, rounding):
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))
     name, args = op_args(fmt)
     getattr(torch.ops.qtensor, name + "_")(x.detach(), *args, _ROUNDING_CODE[rounding],
                                            _seed_arg(seed))
+    if not torch.compiler.is_compiling():
+        # the op writes through x's data pointer, which autograd does not see: say so, so that
+        # a value saved for backward that this changes is an error, not a wrong gradient
+        torch.autograd.graph.increment_version(x)
     return x

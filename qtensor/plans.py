@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from .accum import as_accum
-from .formats import FloatFormat, Format, FormatError
+from . import block_specials
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor, as_qtensor
+from .torch_function import TorchFunctionTarget
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "ROLE_NAMES", "round_to", "check_scale"]
 
@@ -86,6 +89,33 @@ def _format_or_error(spec, what: str) -> Format:
         raise FormatError(f"{what}: {e}") from None
 
 
+def _unsigned_range(fmt: Format) -> Optional[str]:
+    """The range of a format that cannot hold negative values (None for signed formats)."""
+    if isinstance(fmt, BlockFormat):
+        inner = _unsigned_range(fmt.elem)
+        return None if inner is None else f"elements in {inner} times the block scale"
+    if isinstance(fmt, FloatFormat) and not fmt.signed:
+        return f"[2^{fmt.emin}, 2^{fmt.emax}] (no sign and no zero: 0 and negatives give NaN)"
+    if isinstance(fmt, FixedFormat) and not fmt.signed:
+        return (f"[0, {fmt.max:g}] (unsigned: negatives "
+                f"{'clamp to 0' if fmt.saturate else 'wrap around'})")
+    return None
+
+
+def check_signed(role: "Role", what: str) -> None:
+    """A FormatError if ``role`` has a format that cannot hold negative values: every role of a
+    model (weights, biases, activations, gradients, optimizer state) holds signed values."""
+    for fmt in (role.fmt, role.mm_fmt):
+        span = None if fmt is None else _unsigned_range(fmt)
+        if span is None:
+            continue
+        hint = (f"{fmt} is a scale format: the scale of block formats (as in mxfp8_e4m3), not a "
+                "format for values" if isinstance(fmt, FloatFormat) else
+                "use a signed format (FixedFormat(wl, fl) is signed by default)")
+        raise FormatError(
+            f"{what}: {fmt} cannot hold a model's signed values: it holds only {span}; {hint}")
+
+
 def _normalise_rule(pattern, spec):
     """A rule's spec as a Role (value/activation role) or a dict {role name: Role}."""
     if not isinstance(pattern, str) or not pattern:
@@ -108,7 +138,7 @@ def _normalise_rule(pattern, spec):
 
 
 @dataclass(frozen=True, eq=True)
-class Recipe:
+class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     """Formats for every role of a model (see the module docstring for the meaning of each).
 
     Each role takes None (full precision), a format, a format string, or a pair
@@ -136,6 +166,11 @@ class Recipe:
         if not isinstance(rules, dict):
             raise TypeError(f"Recipe.rules must be a dict {{pattern: spec}}, got {type(rules).__name__}")
         object.__setattr__(self, "rules", {p: _normalise_rule(p, s) for p, s in rules.items()})
+        for role in ROLE_NAMES:
+            check_signed(getattr(self, role), f"Recipe.{role}")
+        for pattern, spec in self.rules.items():
+            for key, role in ([("", spec)] if isinstance(spec, Role) else spec.items()):
+                check_signed(role, f"rule {pattern!r}" + (f", role {key}" if key else ""))
         if not isinstance(self.master_weights, bool):
             raise TypeError(f"Recipe.master_weights must be a bool, got {self.master_weights!r}")
         if self.master_weights and not self.optimizer_state.full_precision:
@@ -231,17 +266,42 @@ def _is_q(x) -> bool:
     return isinstance(x, QTensor)
 
 
+def _dtensor_class():
+    mod = sys.modules.get("torch.distributed.tensor")  # not imported: there is no DTensor
+    return None if mod is None else mod.DTensor
+
+
 def _plain(x: torch.Tensor) -> torch.Tensor:
-    return x.dequantize() if _is_q(x) else x
+    if _is_q(x):
+        return x.dequantize()
+    dtensor = None if torch.compiler.is_dynamo_compiling() else _dtensor_class()
+    if dtensor is not None and type(x) is dtensor and _is_q(x._local_tensor):
+        # a DTensor of QTensors (tensor parallelism): the same placements, plain local values
+        return dtensor.from_local(x.to_local().dequantize(), x.device_mesh, x.placements,
+                                  run_check=False, shape=x.shape, stride=x.stride())
+    return x
 
 
 def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tensor:
-    """x as a QTensor in ``role`` (returned as is when it already has exactly those formats)."""
+    """x as a QTensor in ``role`` (returned as is when it already has exactly those formats).
+    A DTensor (tensor parallelism) is rounded shard by shard: the same placements, its local
+    tensor in ``role`` (a Partial one's partial values each, as a TP device rounds its outputs
+    before the reduction; docs/distributed.md)."""
+    dtensor = None if torch.compiler.is_dynamo_compiling() else _dtensor_class()
+    if dtensor is not None and type(x) is dtensor:
+        local = round_to(x.to_local(), role, name=name)
+        return dtensor.from_local(local, x.device_mesh, x.placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())
     if role.full_precision:
         return _plain(x)
     if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
         return x
     try:
-        return as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)  # keeps x's accumulator
+        y = as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)  # keeps x's accumulator
+    except NotImplementedError:  # not about x (stochastic rounding while tracing): as it is
+        raise
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
+    if isinstance(role.fmt, BlockFormat):  # a mask's -inf makes its whole block NaN: say so
+        block_specials.check(x._data if _is_q(x) else x.detach(), y._data, role.fmt, what=name)
+    return y

@@ -81,17 +81,19 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
-def _tensor_scale(amax: float, fmt: BlockFormat) -> float:
-    """NVFP4's per-tensor scale: amax / (max_elem * max_scale), rounded down to
-    ``fmt.tensor_scale_bits`` significant bits and to a multiple of 2^(-149 - min_quantum_exp + 1),
-    so that every element value v * X * s and every rounding boundary (a midpoint between v's)
-    times X * s is a float32 exactly; rounded down, the tensor's amax gets the largest scale."""
+def _tensor_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """NVFP4's per-tensor scale (a 0-dim float64 tensor): amax / (max_elem * max_scale), rounded
+    down to ``fmt.tensor_scale_bits`` significant bits and to a multiple of
+    2^(-149 - min_quantum_exp + 1), so that every element value v * X * s and every rounding
+    boundary (a midpoint between v's) times X * s is a float32 exactly; rounded down, the
+    tensor's amax gets the largest scale."""
     t = amax / (fmt.elem.max * fmt.scale.max)  # the floor of this double is the exact one's
-    if not t > 0:
-        return 0.0
-    e = math.frexp(t)[1]  # t = m * 2^e, m in [1/2, 1)
-    j = max(e - fmt.tensor_scale_bits, -149 - fmt.min_quantum_exp + 1)
-    return math.floor(math.ldexp(t, -j)) * 2.0 ** j
+    positive = t > 0
+    t1 = torch.where(positive, t, torch.ones_like(t))
+    _, e = torch.frexp(t1)  # t = m * 2^e, m in [1/2, 1)
+    j = torch.clamp(e.to(torch.int64) - fmt.tensor_scale_bits, min=-149 - fmt.min_quantum_exp + 1)
+    s = torch.floor(t1 / _pow2(j)) * _pow2(j)
+    return torch.where(positive, s, torch.zeros_like(s))
 
 
 def _round_magnitude(y: torch.Tensor, rounding: str, index: Optional[torch.Tensor],
@@ -184,7 +186,7 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         idx = index.movedim(axis, -1) if index is not None else None
     n = moved.shape[-1]
     bs = fmt.block_size if (fmt.block_size is not None and fmt.axis is not None) else n
-    bs = max(bs, 1)
+    bs = max(min(bs, n), 1)  # a block longer than the axis is the axis (no padding to 2**62)
     pad = (-n) % bs
     if pad:
         moved = torch.nn.functional.pad(moved, (0, pad))
@@ -210,9 +212,9 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
     else:  # amax: the scale is the scale format's nearest value to amax / max_elem
         scale_fmt = fmt.scale.replace(rounding="nearest")
         if fmt.tensor_scale:
-            finite_all = x64[torch.isfinite(x64)].abs()
-            amax_t = finite_all.max() if finite_all.numel() else x64.new_zeros(())
-            tensor_scale = _tensor_scale(float(amax_t), fmt)
+            # the largest finite |x| (0 if none): no boolean indexing, so no device sync
+            amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
+            tensor_scale = _tensor_scale(amax_t, fmt)
             # amax_block <= amax_tensor: a ratio past the scale's max is an artefact of rounding
             # the tensor scale down, never an overflow
             scale_fmt = scale_fmt.replace(saturate=True)
@@ -220,9 +222,8 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         def amax_scale(a):  # the scale X (times the tensor scale) of a block whose amax is a
             if tensor_scale is None:
                 return _round_float(a / max_elem, scale_fmt, "nearest", None, None)
-            if tensor_scale == 0:
-                return torch.zeros_like(a)
-            ratio = a / (max_elem * tensor_scale)
+            denom = max_elem * tensor_scale
+            ratio = torch.where(denom > 0, a / denom, torch.zeros_like(a))
             return _round_float(ratio, scale_fmt, "nearest", None, None) * tensor_scale
         scale = amax_scale(amax_f)
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 from .formats import FloatFormat, Format, FormatError
 from .formats import format as _parse_format
-from .plans import Recipe, Role
+from .plans import Recipe, Role, check_signed
 from .recipes import PRESETS_BY_NAME
 
 __all__ = ["as_recipe"]
@@ -27,6 +27,7 @@ def _bare_format_recipe(spec) -> Recipe:
     the optimizer runs in FP32 on FP32 master weights when the format lacks FP32's range."""
     role = Role.of(spec, "format")
     name = str(role)
+    check_signed(role, f"qt.convert(model, {name!r})")
     if _has_fp32_range(role.fmt):
         return Recipe.uniform(role, name=name)
     return Recipe(weight=role, bias=role, activation=role, grad=role, optimizer_state=None,

@@ -79,9 +79,27 @@ def _check_floating(x: torch.Tensor, fmt) -> None:
             f"cannot give format {fmt} to a tensor of dtype {x.dtype} (shape {tuple(x.shape)}): "
             "only float32, float64, float16 and bfloat16 tensors can carry a number format")
     # dynamo bans reading .layout where it traces a backward (a grad hook's rounding, fullgraph)
-    if not torch.compiler.is_dynamo_compiling() and x.layout != torch.strided:
-        raise TypeError(f"cannot give format {fmt} to a {x.layout} tensor: only dense (strided) "
+    if not torch.compiler.is_dynamo_compiling() and (x.layout != torch.strided or x.is_nested):
+        kind = "nested" if x.is_nested else str(x.layout)
+        raise TypeError(f"cannot give format {fmt} to a {kind} tensor: only dense (strided) "
                         "tensors can carry a number format")
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def refuse_transformed(x: torch.Tensor, what: str = "the input") -> None:
+    """A clear error for a tensor wrapped by a torch.func transform: a QTensor cannot hold one
+    (its payload reaches the kernels below the transform, where such a wrapper has no data)."""
+    if torch.compiler.is_dynamo_compiling():
+        return  # (dynamo cannot call the check; it traces no transform's wrappers)
+    if type(x) is torch.Tensor and _is_functorch_wrapped(x):
+        raise NotImplementedError(
+            f"QTensor does not support torch.func transforms (grad, vmap, jacrev, jvp, "
+            f"functional_call under them): {what} is a transform's wrapper tensor. Use "
+            "torch.autograd (loss.backward(), torch.autograd.grad) for gradients and a batch "
+            "dimension instead of vmap; qt.quantize on plain tensors works under the transforms "
+            "(with a straight-through gradient)")
 
 
 _ACCUM_FIELDS = tuple(f.name for f in dataclasses.fields(AccumFormat) if f.compare)
@@ -153,7 +171,8 @@ def _teach_dynamo() -> None:
     code (fullgraph): dynamo takes such attributes for constants but builds trackers, for values
     with no source, only for the types it knows, and a frozen dataclass is not among them. Called
     where dynamo first meets a QTensor (flattening an input, or building one in the graph); a
-    torch without this private table only loses that (a graph break, as before)."""
+    torch without this private table only loses that (a graph break, as before). Also lets
+    AOTAutograd take zeros for a QTensor output's missing gradient (_accept_zero_tangents)."""
     global _dynamo_taught
     if _dynamo_taught or "torch._dynamo.variables.builder" not in sys.modules:
         return
@@ -161,11 +180,67 @@ def _teach_dynamo() -> None:
     try:
         from torch._dynamo.variables.builder import SourcelessBuilder
         from torch._dynamo.variables.user_defined import FrozenDataClassVariable
+
+        class FormatVariable(FrozenDataClassVariable):
+            """A format (an immutable value) is its own constant: the compiled code may return
+            it (dynamo rebuilds only pytree specs from a frozen dataclass's fields)."""
+
+            def as_python_constant(self):
+                return self.value
+
         for cls in (FloatFormat, FixedFormat, BlockFormat, AccumFormat):
             SourcelessBuilder._type_handlers.setdefault(
-                cls, lambda tx, value: FrozenDataClassVariable(value))
+                cls, lambda tx, value: FormatVariable(value))
     except (ImportError, AttributeError):
         pass
+    _accept_zero_tangents()
+
+
+def _accept_zero_tangents() -> None:
+    """Let a compiled graph's QTensor output that gets no gradient (an extra output the loss
+    does not use: a cache, HF's logits beside its loss) take the plain zeros that autograd
+    makes for it: AOTAutograd expects a QTensor tangent there and refused the zeros ("Expected
+    a QTensor tangent but got a plain Tensor"). Zeros are zeros in every format; any other
+    plain tangent is refused as before. A torch without this private function keeps the error."""
+    try:
+        from torch._functorch._aot_autograd.runtime_wrappers import AOTDispatchAutograd
+        from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+        process = AOTDispatchAutograd.process_runtime_tangent
+    except (ImportError, AttributeError):
+        return
+
+    def process_runtime_tangent(x, meta, *args, **kwargs):
+        if (type(x) is torch.Tensor and isinstance(meta, SubclassCreationMeta)
+                and meta.original_subclass_type is QTensor and not x.any()):
+            fmt, mm_fmt, accum = meta.meta
+            x = QTensor._wrap(x, fmt, mm_fmt, accum=accum)
+        return process(x, meta, *args, **kwargs)
+
+    AOTDispatchAutograd.process_runtime_tangent = staticmethod(process_runtime_tangent)
+
+
+def _check_not_lowering_a_dynamic_output(t) -> None:
+    """Refuse where ``ep.run_decompositions()`` flattens a program output that is a QTensor of
+    dynamic size: torch 2.13 lowers it to its payload and its symbolic sizes against an output
+    spec of one tensor, and the lowered program fails when called ("treespec.unflatten: leaves
+    has length 2 ..."). A torch whose AOTAutograd differs is not checked."""
+    if not any(isinstance(s, torch.SymInt) for s in t.shape):
+        return
+    try:  # what AOTAutograd describes a traced program's outputs with
+        from torch._functorch._aot_autograd.descriptors import AOTOutput
+    except ImportError:
+        return
+    caller = sys._getframe(2)  # torch's flatten_subclass (1 is __tensor_flatten__)
+    if caller.f_code.co_name != "flatten_subclass" or not isinstance(
+            caller.f_locals.get("desc"), AOTOutput):
+        return
+    raise NotImplementedError(
+        f"torch.export: the program's output is a QTensor of dynamic size {tuple(t.shape)} "
+        f"(fmt={t.fmt}), which run_decompositions() cannot lower in this torch (the lowered "
+        "program would return its payload and its size against an output spec of one tensor, "
+        "and fail when called). Export a model whose output is plain, e.g. a wrapper whose "
+        "forward returns model(x).dequantize(), or export with static shapes; the unlowered "
+        "program (ep.module()) computes QTensors with a dynamic batch.")
 
 
 class QTensor(torch.Tensor):
@@ -224,6 +299,7 @@ class QTensor(torch.Tensor):
             # would be a side effect applied after the graph, unseen by the contractions in it).
             return QTensor(data, str(fmt),
                            **_graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum))
+        refuse_transformed(data, "the payload")
         t = torch.Tensor._make_wrapper_subclass(
             QTensor, data.shape if outer_size is None else outer_size,
             strides=data.stride() if outer_stride is None else outer_stride,
@@ -245,6 +321,8 @@ class QTensor(torch.Tensor):
     # -- traceable subclass protocol (torch.compile) ------------------------------------------
     def __tensor_flatten__(self):
         _teach_dynamo()
+        if torch.compiler.is_exporting():
+            _check_not_lowering_a_dynamic_output(self)
         return ["_data"], (self.fmt, self.mm_fmt, self.accum)
 
     @staticmethod
@@ -374,6 +452,29 @@ class QTensor(torch.Tensor):
             parts.append("requires_grad=True")
         return "QTensor(" + ", ".join(parts) + ")"
 
+    # -- FSDP2 (torch.distributed.fsdp.fully_shard): its extension points for tensor subclasses --
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """The sharded parameter's all-gather input: its payload (already in format; FSDP2 pads
+        an uneven last shard, so this does too); the formats travel as metadata."""
+        _check_fsdp_policy(mp_policy, self)
+        if _fsdp_hook is not None:  # qtensor.distributed: the sharded parameter's gradient
+            _fsdp_hook(self, module)
+        data = self._data
+        rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
+        if data.dim() and data.shape[0] < rows:
+            data = torch.cat([data, data.new_zeros((rows - data.shape[0], *data.shape[1:]))])
+        return (data,), (self.fmt, self.mm_fmt, self._accum)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded parameter: the gathered payloads as they were sent (no rounding: they
+        are in format), with the formats. With ``out`` (every all-gather after the first) FSDP2
+        has gathered into the same storage again: out holds the new values already."""
+        if out is not None:
+            return None
+        (data,) = all_gather_outputs
+        fmt, mm_fmt, accum = metadata
+        return QTensor._wrap(data, fmt, mm_fmt, accum=accum), (data,)
+
     # -- serialization -------------------------------------------------------------------------
     def __reduce_ex__(self, protocol):
         # the accumulator as a dict of its fields (plain values: loadable with weights_only)
@@ -399,6 +500,32 @@ class QTensor(torch.Tensor):
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
         return new
+
+
+_fsdp_hook = None  # called with (sharded QTensor, its module) before each FSDP2 all-gather
+
+
+def register_fsdp_hook(hook) -> None:
+    """qtensor.distributed's hook on FSDP2's sharded QTensor parameters (it sits above this
+    module: it finds the sharded parameter and its plan, and rounds its reduced gradient)."""
+    global _fsdp_hook
+    _fsdp_hook = hook
+
+
+def _check_fsdp_policy(mp_policy, t) -> None:
+    if mp_policy is None:
+        return
+    pd, rd = getattr(mp_policy, "param_dtype", None), getattr(mp_policy, "reduce_dtype", None)
+    if pd is not None and pd != t.dtype:
+        raise TypeError(
+            f"fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype={pd})) on a converted "
+            f"model: its parameters carry their number formats (here {t.fmt}); a param_dtype "
+            "would cast them. Leave param_dtype=None: the recipe's formats are the precision")
+    if rd is not None and rd != torch.float32:
+        raise TypeError(
+            f"fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype={rd})) on a converted "
+            "model: gradients are reduced in FP32 and rounded once to their format "
+            "(docs/distributed.md); leave reduce_dtype=None or torch.float32")
 
 
 def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=None):
@@ -549,6 +676,7 @@ def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = N
         raise TypeError("as_qtensor needs a format")
     mm_fmt = _parse(mm_fmt)
     _check_floating(x, fmt)
+    refuse_transformed(x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _AsQTensor.apply(x, fmt, mm_fmt, rounding)
     q = _ops.quantize(_payload_of(x).detach(), fmt, rounding=rounding)
@@ -565,6 +693,7 @@ def quantize_grad(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] 
     fmt = _parse(fmt)
     mm_fmt = _parse(mm_fmt)
     _check_floating(x, fmt)
+    refuse_transformed(x)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return x
     return _QuantizeGrad.apply(x, fmt, mm_fmt, rounding)

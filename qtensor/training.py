@@ -6,7 +6,8 @@ a QTensor parameter rounds into its format with the format's rounding mode. This
 - optimizer state in its own format (``Recipe.optimizer_state``): process-wide ``torch.optim``
   step hooks, which touch only parameters converted by ``qt.convert``, keep every floating,
   non-scalar state tensor of a converted parameter in that role (Adam, AdamW and SGD's momentum
-  are created in it before their first step, other state is rounded after it);
+  are created in it before their first step, Adagrad's ``sum`` made in its ``__init__`` is
+  made again in it, other state is rounded after each step);
 - FP32 master weights (``Recipe(master_weights=True)``): around each ``optimizer.step()`` the
   optimizer updates FP32 copies, kept in its state under :data:`MASTER_KEY`, and the model's
   parameters are copied from them, rounded into their format;
@@ -45,8 +46,21 @@ def install_optimizer_hooks() -> None:
         _installed = True
 
 
+_sharded_plan = None  # qtensor.distributed's lookup of an FSDP2 sharded parameter's plan
+
+
+def register_sharded_plan_lookup(lookup) -> None:
+    """qtensor.distributed (above this module): the plan of a DTensor parameter that FSDP2 made
+    of a converted one (the optimizer may step it before any forward: DCP's state init)."""
+    global _sharded_plan
+    _sharded_plan = lookup
+
+
 def _plan(p):
-    return getattr(p, "_qt_plan", None)
+    plan = getattr(p, "_qt_plan", None)
+    if plan is None and _sharded_plan is not None and hasattr(p, "_local_tensor"):
+        plan = _sharded_plan(p)
+    return plan
 
 
 _epoch = [0]  # bumped whenever parameters gain or lose plans (convert, unconvert, re-attach)
@@ -112,6 +126,9 @@ def _swap_in(optimizer) -> None:
             master = state.pop(MASTER_KEY, None)
             if master is None or _set_outside(p, master):
                 master = _plain(p.detach()).to(torch.float32, copy=True)
+            for key, value in list(state.items()):
+                if _is_q(value):  # made from the parameter in __init__ (Adagrad's "sum"): FP32
+                    state[key] = _plain(value.detach()).to(master.dtype, copy=True)
             optimizer.state[master] = state
             master.grad = None if p.grad is None else \
                 _plain(p.grad.detach()).to(master.dtype, copy=True)
@@ -164,6 +181,8 @@ def _pre_step(optimizer, args, kwargs):
     if not _involved(optimizer):
         return None
     _optimizers.add(optimizer)
+    if isinstance(optimizer, torch.optim.Adagrad):
+        _init_adagrad_state(optimizer)
     _swap_in(optimizer)
     if isinstance(optimizer, torch.optim.Adam):
         _init_adam_state(optimizer)
@@ -183,7 +202,10 @@ def _pre_step(optimizer, args, kwargs):
 
 
 def _state_zeros(p, plan, zero=0.0):
-    zeros = torch.full(p.shape, zero, dtype=p.dtype, device=p.device)
+    if hasattr(p, "_local_tensor"):  # a DTensor (FSDP2's sharded parameter): its placements
+        zeros = torch.full_like(_plain(p.detach()), zero)
+    else:
+        zeros = torch.full(p.shape, zero, dtype=p.dtype, device=p.device)
     return round_to(zeros, plan.optimizer_state, name=f"optimizer state of {plan.name}")
 
 
@@ -202,6 +224,27 @@ def _init_sgd_state(optimizer) -> None:
             state = optimizer.state[p]
             if state.get("momentum_buffer") is None:
                 state["momentum_buffer"] = _state_zeros(p, plan, -0.0)
+
+
+def _init_adagrad_state(optimizer) -> None:
+    # Adagrad makes "sum" in __init__ with torch.full_like(p, initial_accumulator_value): a
+    # QTensor in the weight format (FP8: 0.1 is 0.1015625). Before its first step it is made
+    # again from the exact value, in FP32 for master weights (_swap_in moves it to the
+    # master), else in the optimizer_state role.
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            continue
+        for p in group["params"]:
+            plan = _plan(p)
+            state = optimizer.state.get(p)
+            if plan is None or not state or not _is_q(state.get("sum")):
+                continue
+            if float(state.get("step", 1)) != 0 or torch.is_complex(state["sum"]):
+                continue
+            value = torch.full(p.shape, float(group["initial_accumulator_value"]),
+                               dtype=torch.float32, device=p.device)
+            state["sum"] = value if plan.master else round_to(
+                value, plan.optimizer_state, name=f"optimizer state 'sum' of {plan.name}")
 
 
 def _init_adam_state(optimizer) -> None:

@@ -38,13 +38,14 @@ def _rnd(x: Fraction, mode: str) -> int:
     return round(x)  # Fraction rounds half to even
 
 
-def _to_grid(v: Fraction, man: int, mode: str) -> float:
-    """v rounded to man fractional bits, float32 exponent range (2^-126 floor); inf >= 2^128."""
+def _to_grid(v: Fraction, man: int, mode: str, emin=-126, emax=127) -> float:
+    """v rounded to man fractional bits, exponents from emin (the subnormal grid's), inf from
+    2^(emax + 1) (float32's range by default)."""
     if v == 0:
         return 0.0
-    q = Fraction(2) ** (max(_flog2(v), -126) - man)
+    q = Fraction(2) ** (max(_flog2(v), emin) - man)
     r = _rnd(v / q, mode) * q
-    if abs(r) >= 2 ** 128:
+    if abs(r) >= Fraction(2) ** (emax + 1):
         return math.copysign(math.inf, r)
     return float(r)
 
@@ -53,44 +54,77 @@ def _f32_add(x: float, y: float) -> float:
     return _to_grid(Fraction(x) + Fraction(y), 23, "nearest")
 
 
-def oracle_dot(row, col, f: AccumFormat) -> float:
-    """One output element: row, col lists of (finite) float32 values as Python floats."""
-    def e(x):  # alignment exponent of an operand or of p: floor(log2|x|) clamped at -126
-        return max(_flog2(Fraction(x)), -126)
+def oracle_dot(row, col, f: AccumFormat, a_emin=-126, b_emin=-126, ga=None, gb=None,
+               c=0.0) -> float:
+    """One output element: row, col lists of (finite) float32 values as Python floats.
 
-    acc, p = 0.0, 0.0
+    a_emin, b_emin: the operands' formats' minimum normal exponents (the clamp of e); ga, gb: the
+    groups' exponents (a group aligns at ga[j] + gb[j]); c: the initial accumulator.
+    """
+    def e(x, emin=-126):  # alignment exponent of an operand or of p: floor(log2|x|) clamped
+        return max(_flog2(Fraction(x)), emin)
+
+    acc, p = 0.0, c
     K = len(row)
-    for c, k0 in enumerate(range(0, K, f.chunk)):
+    for ci, k0 in enumerate(range(0, K, f.chunk)):
         k1 = min(k0 + f.chunk, K)
         terms = []  # (exact value, alignment exponent)
+        zero = k1 - k0 < f.chunk  # a zero term: the padding slots of a short chunk
         if f.group == 1:
             for k in range(k0, k1):
                 if row[k] != 0 and col[k] != 0:
-                    terms.append((Fraction(row[k]) * Fraction(col[k]), e(row[k]) + e(col[k])))
+                    terms.append((Fraction(row[k]) * Fraction(col[k]),
+                                  e(row[k], a_emin) + e(col[k], b_emin)))
+                else:
+                    zero = True
         else:
             for g0 in range(k0, k1, f.group):
-                s = sum(Fraction(row[k]) * Fraction(col[k]) for k in range(g0, min(g0 + f.group,
-                                                                                    k1)))
-                if s != 0:
+                ps = [Fraction(row[k]) * Fraction(col[k]) for k in range(g0, min(g0 + f.group,
+                                                                                 k1))]
+                s = sum(ps)
+                if ga is not None:  # aligned at the group exponent unless all products are 0
+                    if any(ps):
+                        terms.append((s, ga[g0 // f.group] + gb[g0 // f.group]))
+                    else:
+                        zero = True
+                elif s != 0:
                     terms.append((s, _flog2(s)))
-        if f.acc_in_alignment and p != 0:
-            terms.append((Fraction(p), e(p)))
+                else:
+                    zero = True
+        if math.isinf(p):  # an overflowed partial (FP16 accumulators) stays inf
+            terms, zero = [], False
+        elif f.acc_in_alignment:
+            if p != 0:
+                terms.append((Fraction(p), e(p, f.acc_emin)))
+            else:
+                zero = True
         if terms:
             emax = max(t[1] for t in terms)
+            if zero and f.e_zero is not None:  # a zero term's exponent is e_zero
+                emax = max(emax, f.e_zero)
             S = sum(_rnd(t * Fraction(2) ** (f.frac_bits - emax), f.align_rounding)
                     for t, _ in terms)
-            chunk = _to_grid(S * Fraction(2) ** (emax - f.frac_bits), f.acc_man, f.acc_rounding)
+            chunk = _to_grid(S * Fraction(2) ** (emax - f.frac_bits), f.acc_man, f.acc_rounding,
+                             f.acc_emin, f.acc_emax)
         else:
-            chunk = 0.0
-        p = chunk if f.acc_in_alignment else _f32_add(p, chunk)
-        if f.promote is not None and ((c + 1) % f.promote == 0 or k1 == K):
+            chunk = p if math.isinf(p) else 0.0
+        p = chunk if f.acc_in_alignment or math.isinf(p) else _f32_add(p, chunk)
+        if f.promote is not None and ((ci + 1) % f.promote == 0 or k1 == K):
             acc, p = _f32_add(acc, p), 0.0
-    return p if f.promote is None else acc
+    return p if f.promote is None or K == 0 else acc
 
 
-def oracle(a: torch.Tensor, b: torch.Tensor, f: AccumFormat) -> torch.Tensor:
+def oracle(a: torch.Tensor, b: torch.Tensor, f: AccumFormat, **kw) -> torch.Tensor:
     A, B = a.tolist(), b.t().tolist()
-    return torch.tensor([[oracle_dot(r, c, f) for c in B] for r in A], dtype=torch.float32)
+    ga, gb = kw.pop("a_gexp", None), kw.pop("b_gexp", None)
+    c = kw.pop("c", None)
+    rows = []
+    for i, r in enumerate(A):
+        rows.append([oracle_dot(r, col, f, ga=None if ga is None else ga[i].tolist(),
+                                gb=None if gb is None else gb[:, j].tolist(),
+                                c=0.0 if c is None else float(c[i, j]), **kw)
+                     for j, col in enumerate(B)])
+    return torch.tensor(rows, dtype=torch.float32)
 
 
 def bits(x):
@@ -149,7 +183,9 @@ CUSTOM = [
     AccumFormat(chunk=16, frac_bits=20, group=4, promote=1),
     AccumFormat(chunk=2, frac_bits=3, acc_man=5, promote=3),
 ]
-FORMATS = list(accum.PRESETS.values()) + CUSTOM
+# the one-stage (NVIDIA) datapaths; AMD CDNA3's two stages (stages="cdna3*", reference only)
+# are checked against MMA-Sim in tests/test_accum_mmasim.py
+FORMATS = [p for p in accum.PRESETS.values() if p.stages == "fused"] + CUSTOM
 INPUTS = {"random": lambda g: _random(g, 3, 70, 4),
           "fp8": lambda g: _random(g, 3, 300, 2, "fp8_e4m3"),
           "cancelling": lambda g: _cancelling(g, 3, 64, 3),
@@ -252,8 +288,10 @@ def test_zero_and_empty():
 def test_format_is_frozen_hashable_readable():
     f = accum.hopper_fp8
     assert hash(f) == hash(f.replace())
-    assert f == AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=4)
-    assert str(f) == "hopper_fp8: AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=4)"
+    # e_zero: the exponent MMA-Sim gives zero terms on Hopper (-133)
+    assert f == AccumFormat(chunk=32, frac_bits=13, acc_man=13, promote=4, e_zero=-133)
+    assert str(f) == ("hopper_fp8: AccumFormat(chunk=32, frac_bits=13, acc_man=13, e_zero=-133, "
+                      "promote=4)")
     with pytest.raises(dataclasses.FrozenInstanceError):
         f.chunk = 3
 
@@ -264,6 +302,9 @@ def test_format_is_frozen_hashable_readable():
     (dict(chunk=8, frac_bits=60), r"frac_bits=60 is too wide .* at most 47"),
     (dict(chunk=8, frac_bits=4, acc_man=24), r"acc_man must be in \[0, 23\], got 24"),
     (dict(chunk=8, frac_bits=4, promote=0), r"promote must be >= 1, got 0"),
+    (dict(chunk=8, frac_bits=4, e_zero=-2000), r"e_zero must be in \[-1000, 128\], got -2000"),
+    (dict(chunk=8, frac_bits=4, acc_emin=-127), r"acc_emin must be in \[-126, 0\], got -127"),
+    (dict(chunk=8, frac_bits=4, acc_emax=128), r"acc_emax must be in \[1, 127\], got 128"),
     (dict(chunk=8, frac_bits=4, align_rounding="up"), r"align_rounding must be one of"),
     (dict(chunk=8, frac_bits=4, acc_rounding="floor"), r"acc_rounding must be one of"),
     (dict(chunk=8.0, frac_bits=4), r"chunk must be an int, got 8.0"),
@@ -331,8 +372,13 @@ def test_kernel_large_and_strided():
 @needs_kernel
 def test_kernel_opcheck_and_fake():
     a, b = torch.randn(2, 3, 40), torch.randn(2, 40, 5)
-    args = (a, b, *accum.op_args(accum.hopper_fp8))
+    args = (a, b, *accum.op_args(accum.hopper_fp8), None, None, None)
     torch.library.opcheck(torch.ops.qtensor.accum_matmul.default, args)
+    # with group exponents and an initial accumulator (the scalar path)
+    ga, gb = torch.zeros(2, 3, 3, dtype=torch.int32), torch.zeros(2, 3, 5, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.qtensor.accum_matmul.default,
+                          (a, b, *accum.op_args(accum.blackwell_mxfp4), ga, gb,
+                           torch.randn(2, 3, 5)))
     with torch._subclasses.fake_tensor.FakeTensorMode():
         out = torch.ops.qtensor.accum_matmul(torch.empty(2, 3, 40), torch.empty(2, 40, 5),
                                              *args[2:])
@@ -342,7 +388,7 @@ def test_kernel_opcheck_and_fake():
 @needs_kernel
 def test_kernel_argument_errors():
     a, b = torch.randn(1, 3, 8), torch.randn(1, 8, 2)
-    good = list(accum.op_args(accum.hopper_fp16))
+    good = list(accum.op_args(accum.hopper_fp16)) + [None, None, None]
     with pytest.raises(RuntimeError, match=r"frac_bits must be in \[0, 46\] for chunk=16, "
                                            r"group=1, got 60"):
         torch.ops.qtensor.accum_matmul(a, b, *good[:1], 60, *good[2:])
@@ -434,9 +480,10 @@ def test_qtensor_mm_uses_its_accumulator():
     plain = torch.mm(qa, qb)
     qb.accum = accum.hopper_fp8_fast
     out = torch.mm(qa, qb)
+    # the operands' format is fp8_e4m3: its subnormals align at its minimum normal exponent -6
     want = qt.quantize(accum.accum_matmul(qt.quantize(qa.dequantize(), "fp8_e4m3"),
                                           qt.quantize(qb.dequantize(), "fp8_e4m3"),
-                                          accum.hopper_fp8_fast), "bf16")
+                                          accum.hopper_fp8_fast, a_emin=-6, b_emin=-6), "bf16")
     assert _bits_eq(out, want)
     assert not _bits_eq(out, plain)  # the accumulator changed the result
     assert out.accum is accum.hopper_fp8_fast  # results carry it on
@@ -445,6 +492,30 @@ def test_qtensor_mm_uses_its_accumulator():
     assert _bits_eq(torch.einsum("ik,kj->ij", qa, qb), want)
     assert _bits_eq(torch.nn.functional.linear(qa, qb.t()), want)
     assert (qb.t()).accum is accum.hopper_fp8_fast  # views keep it
+
+
+def test_addmm_and_baddbmm_feed_c_into_the_datapath():
+    """beta * C of the output's shape is the first instruction's accumulator input (a term of
+    its alignment), not an FP32 add afterwards; a broadcast bias stays in the epilogue."""
+    f = accum.hopper_fp16
+    g = torch.Generator().manual_seed(3)
+    a = qt.quantize(torch.randn(4, 48, generator=g), "fp16")
+    b = qt.quantize(torch.randn(48, 5, generator=g), "fp16")
+    c = torch.randn(4, 5, generator=g) * 2.0 ** 20  # large: it truncates the products' sum
+    qa, qb = (qt.as_qtensor(x, "fp32", mm_fmt="fp16") for x in (a, b))  # fp32 results
+    qa.accum = f
+    got = torch.addmm(c, qa, qb)
+    fed = accum.accum_matmul(a, b, f, a_emin=-14, b_emin=-14, c=c)
+    assert _bits_eq(got, fed)
+    assert not _bits_eq(got, accum.accum_matmul(a, b, f, a_emin=-14, b_emin=-14) + c)  # old
+    assert torch.equal(bits(fed), bits(oracle(a, b, f, a_emin=-14, b_emin=-14, c=c)))
+    got = torch.baddbmm(c[None], qa[None], qb[None], beta=2.0)
+    assert _bits_eq(got, accum.accum_matmul(a, b, f, a_emin=-14, b_emin=-14, c=2 * c)[None])
+    bias = c[0]  # (N,): a bias, added after the accumulation
+    prod = accum.accum_matmul(a, b, f, a_emin=-14, b_emin=-14)
+    assert _bits_eq(torch.addmm(bias, qa, qb), prod + bias)
+    got = torch.addmm(c, qa, qb, alpha=0.5)  # alpha != 1: the epilogue
+    assert _bits_eq(got, prod * 0.5 + c)
 
 
 def _linear_model(K=300, N=5):

@@ -61,6 +61,73 @@ def test_generator_of_another_device_feeds_the_seed():
 
 
 # ---------------------------------------------------------------------------------------------
+# out=: any tensor torch's own out= ops take, or a precise error; never a crash
+
+_NEG_OUT = """
+import torch, qtensor as qt
+ok = []
+for dtype, ctype in [(torch.float32, torch.complex64), (torch.float64, torch.complex128)]:
+    for fmt in (qt.fp8_e4m3, qt.format("fixed8.4"), qt.mxfp4_e2m1):
+        x = torch.randn(2, 32, dtype=dtype)
+        out = torch.zeros(2, 32, dtype=ctype).conj().imag  # the negative bit is set
+        assert out.is_neg()
+        r = qt.quantize(x, fmt, out=out)
+        ok.append(r is out and torch.equal(out.resolve_neg(), qt.quantize(x, fmt)))
+    ref = torch.zeros(6, dtype=ctype).conj().imag
+    torch.neg(torch.ones(6, dtype=dtype), out=ref)  # what torch does with such an out
+    ok.append(torch.equal(ref.resolve_neg(), -torch.ones(6, dtype=dtype)))
+    x = torch.randn(2, 32, dtype=ctype).conj().imag  # as the input, and in place
+    expected = qt.quantize(x.resolve_neg(), qt.mxfp4_e2m1)
+    ok.append(torch.equal(qt.quantize(x, qt.mxfp4_e2m1), expected))
+    ok.append(torch.equal(qt.quantize_(x, qt.mxfp4_e2m1).resolve_neg(), expected))
+print(ok)
+"""
+
+
+def test_quantize_out_with_the_negative_bit():
+    """An out= view with the negative bit (complex.conj().imag) hit an internal assert of
+    torch's math-bit fallback, then aborted the process: in a fresh interpreter."""
+    r = _python("-c", _NEG_OUT)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-3000:]}"
+    assert r.stdout.strip() == str([True] * 12), r.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_quantize_odd_outs(dtype):
+    x = torch.randn(6, 8).to(dtype)
+    expected = qt.quantize(x, qt.fp8_e5m2)
+    out = torch.zeros(6, 16, dtype=dtype)[:, ::2]  # non-contiguous
+    assert qt.quantize(x, qt.fp8_e5m2, out=out) is out and torch.equal(out, expected)
+    out = torch.zeros(8, 6, dtype=dtype).t()  # transposed
+    assert qt.quantize(x, qt.fp8_e5m2, out=out) is out and torch.equal(out, expected)
+    y = x.clone()  # out is x: in place
+    assert qt.quantize(y, qt.fp8_e5m2, out=y) is y and torch.equal(y, expected)
+    if dtype != torch.bfloat16:  # (a QTensor's payload is float32 or float64)
+        q = qt.as_qtensor(torch.zeros(6, 8, dtype=dtype), qt.bf16)  # rounded into its format
+        qt.quantize(x, qt.fp8_e5m2, out=q)
+        assert torch.equal(q.dequantize(), expected)
+    with pytest.raises(TypeError, match="out has dtype"):
+        qt.quantize(x, qt.fp8_e5m2, out=torch.zeros(6, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out has shape"):
+        qt.quantize(x, qt.fp8_e5m2, out=torch.zeros(6, 7, dtype=dtype))
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        qt.quantize(x, qt.fp8_e5m2, out=torch.zeros(1, dtype=dtype).expand(6, 8))
+    buf = torch.randn(49, dtype=dtype)
+    src = buf[:48].view(6, 8)
+    before = qt.quantize(src, qt.fp8_e5m2)
+    try:  # partial overlap: the kernels refuse it (as torch's out= ops); the reference's copy
+        qt.quantize(src, qt.fp8_e5m2, out=buf[1:].view(6, 8))  # gives the right values
+    except RuntimeError as e:
+        assert dtype != torch.float64 and "refer to a single memory location" in str(e)
+    else:
+        assert dtype == torch.float64 and torch.equal(buf[1:].view(6, 8), before)
+    with pytest.raises(RuntimeError, match="ZeroTensors are immutable"):
+        qt.quantize(x, qt.fp8_e5m2, out=torch._efficientzerotensor(6, 8, dtype=dtype))
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        qt.quantize(x, qt.fp8_e5m2, out=[0.0] * 48)
+
+
+# ---------------------------------------------------------------------------------------------
 # Without the compiled extension: one warning that says what happened and what to do
 
 _HIDE_EXTENSION = """

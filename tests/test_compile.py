@@ -482,3 +482,120 @@ def test_fullgraph_converted_model_returning_a_childs_output_with_own_grad_forma
     got = _accum_run(torch.compile(model, backend="aot_eager", fullgraph=True), x)
     for name, w in want.items():
         assert_bits_equal(_bits(got[name]), _bits(w), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 18: formats returned from compiled code; stochastic rounding under tracing
+
+def test_fullgraph_returns_the_formats_of_a_qtensor_built_inside():
+    """fullgraph=True code may return t.fmt, t.mm_fmt and t.accum of a QTensor it builds (dynamo
+    had no way to rebuild a format, a frozen dataclass, after the graph)."""
+    def f(x):
+        y = qt.QTensor(qt.quantize(x, "bf16"), "bf16", mm_fmt=qt.mxfp6_e3m2,
+                       accum="hopper_fp8") * 2
+        return y, y.fmt, y.mm_fmt, y.accum
+
+    x = torch.randn(4, 32)
+    y, fmt, mm_fmt, accum = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    assert (fmt, mm_fmt, accum) == (qt.bf16, qt.mxfp6_e3m2, qt.accum.hopper_fp8)
+    assert (fmt, mm_fmt, accum) == (y.fmt, y.mm_fmt, y.accum)
+    _assert_same(y, f(x)[0], "output")
+
+
+_STOCHASTIC_TRACED = r"stochastic rounding \(.*\) under torch\.compile/tracing is not supported"
+
+
+def _stochastic_model():
+    torch.manual_seed(0)
+    return qt.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                      qt.recipes.swalp)
+
+
+def test_stochastic_recipe_under_fullgraph_says_why():
+    """qt.recipes.swalp (stochastic rounding) under fullgraph=True: the error names stochastic
+    rounding (it was "Could not guard on data-dependent expression BitwiseFn_bitwise_and(u0,
+    ...)": the seed, drawn while tracing, became a symbolic int); without fullgraph the roundings
+    run eagerly (graph breaks), with eager's bits for the same torch.manual_seed."""
+    model, x = _stochastic_model(), torch.randn(3, 8)
+    with pytest.raises(Exception, match=_STOCHASTIC_TRACED) as info:
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    assert "data-dependent" not in str(info.value) and "Variable(" not in str(info.value)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    got = torch.compile(model, backend="aot_eager")(x)
+    torch.manual_seed(1)
+    _assert_same(got, model(x), "without fullgraph")
+
+
+def test_stochastic_quantize_under_fullgraph_and_export_says_why():
+    """qt.quantize with stochastic rounding in traced code, and torch.export of a stochastic model:
+    the same clear error."""
+    def f(x):
+        return qt.quantize(x, "bf16", rounding="stochastic")
+
+    with pytest.raises(Exception, match=_STOCHASTIC_TRACED):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(8))
+    with pytest.raises(Exception, match=_STOCHASTIC_TRACED):
+        torch.export.export(_stochastic_model(), (torch.randn(3, 8),))
+
+
+class _WithCache(nn.Module):
+    """Returns an extra output that the loss does not use (a key/value cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x):
+        cache = self.k(x)
+        return self.out(torch.relu(cache)), cache
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_output_without_a_gradient(fullgraph):
+    """A compiled converted model whose extra QTensor output gets no gradient: autograd gives it
+    plain zeros, which AOTAutograd refused ("Expected a QTensor tangent but got a plain Tensor").
+    Backward works, with eager's gradients bit for bit."""
+    torch.manual_seed(0)
+    model = qt.convert(_WithCache(), qt.recipes.mxfp6)
+    x = torch.randn(4, 32)
+
+    def grads(m):
+        y, cache = m(x)
+        assert isinstance(cache, qt.QTensor) and cache.requires_grad
+        y.square().sum().backward()
+        g = {n.removeprefix("_orig_mod."): p.grad for n, p in m.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return g
+
+    want = grads(model)
+    got = grads(torch.compile(model, backend="aot_eager", fullgraph=fullgraph))
+    for name, g in want.items():
+        _assert_same(got[name], g, f"grad of {name}")
+
+
+def test_compiled_hf_gpt2_with_its_default_cache():
+    """HF GPT2LMHeadModel converted with qt.recipes.mxfp6 and compiled, with its default
+    use_cache=True (the cache and the logits get no gradient from the loss it returns):
+    backward works, with eager's gradients."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: same bits
+    torch.manual_seed(0)
+    model = qt.convert(transformers.GPT2LMHeadModel(cfg), qt.recipes.mxfp6)
+    ids = torch.randint(0, 64, (2, 8))
+
+    def grads(m):
+        out = m(ids, labels=ids)
+        out.loss.backward()
+        g = {n.removeprefix("_orig_mod."): p.grad for n, p in m.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out.loss, g
+
+    loss, want = grads(model)
+    loss_c, got = grads(torch.compile(model, backend="aot_eager"))
+    _assert_same(loss_c, loss, "loss")
+    for name, g in want.items():
+        _assert_same(got[name], g, f"grad of {name}")

@@ -5,7 +5,9 @@ after forward, backward and step, and that each value is representable in its fo
 (re-quantizing the values gives the same bits).
 """
 import copy
+import importlib
 import io
+import re
 import sys
 import warnings
 
@@ -307,12 +309,33 @@ def test_rule_dict_and_enclosing_module_patterns():
 def test_rule_matching_nothing_lists_near_names():
     m = MLP()
     with pytest.raises(ValueError, match=r"fc3\.weight.*nearest names.*fc1\.weight"):
-        qt.convert(m, qt.Recipe(weight="bf16", rules={"fc3.weight": "fp8_e4m3"}))
+        qt.convert(m, qt.Recipe(weight="bf16", rules={"fc3.weight": "fp8_e4m3"}), strict=True)
     with pytest.raises(ValueError, match="re:conv"):
-        qt.convert(m, qt.Recipe(weight="bf16", rules={"re:conv.*": None}))
+        qt.convert(m, qt.Recipe(weight="bf16", rules={"re:conv.*": None}), strict=True)
     # the model is untouched by a failed conversion
     assert all(type(p) is nn.Parameter for p in m.parameters())
     assert not hasattr(m, "_qt_conversion")
+
+
+def test_one_recipe_serves_models_that_lack_some_names():
+    """A recipe with rules for names a model lacks is reusable (issue 18 item 20): one warning
+    at the caller's line, with the nearest names, and the rules that match still apply."""
+    recipe = qt.Recipe(weight="bf16", activation="bf16",
+                       rules={"head.*": "fp8_e4m3", "conv*": None, "fc1.weight": "fp8_e5m2"})
+    m = MLP()
+    with pytest.warns(UserWarning, match=r"rule 'conv\*' matches no parameter.*nearest names"
+                      r".*strict=True") as w:
+        qt.convert(m, recipe)
+    assert [x.filename for x in w if "matches no" in str(x.message)] == [__file__]
+    assert m.head.weight.fmt == qt.fp8_e4m3 and m.fc1.weight.fmt == qt.fp8_e5m2
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"'head\.\*'.*'conv\*'.*'fc1\.weight'"):
+        qt.convert(seq, recipe)
+    assert seq[0].weight.fmt == qt.bf16 and seq[2].weight.fmt == qt.bf16
+    assert isinstance(seq(torch.randn(3, 4)), qt.QTensor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every rule matches: no warning
+        qt.convert(MLP(), recipe.replace(rules={"head.*": "fp8_e4m3"}))
 
 
 def test_convert_twice():
@@ -343,6 +366,23 @@ def test_integer_buffers_left_alone_said_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qt.convert(m2, qt.Recipe(weight="bf16", rules={"bn.num_batches_tracked": "bf16"}))
+
+
+@pytest.mark.parametrize("spec", ["bf16", "fp8_e4m3", qt.recipes.mxfp6, "swalp"],
+                         ids=["bf16", "fp8_e4m3", "mxfp6", "swalp"])
+def test_no_warning_for_integer_and_bool_buffers(spec):
+    """BatchNorm's num_batches_tracked and bool mask buffers are left alone without a warning:
+    nothing unexpected happened (issue 18 item 19)."""
+    sys.modules["qtensor.warn"]._warned.clear()
+    m = CNN()
+    m.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril())
+    m.register_buffer("ids", torch.arange(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qt.convert(m, spec)
+    assert m.bn.num_batches_tracked.dtype == torch.int64 and m.mask.dtype == torch.bool
+    assert_plain(m.bn.num_batches_tracked) and assert_plain(m.mask) and assert_plain(m.ids)
+    assert isinstance(m.bn.running_mean, qt.QTensor)
 
 
 def test_tiny_parameters_and_block_formats():
@@ -518,12 +558,6 @@ def test_describe():
     assert "6.667" in qt.describe(b, print_table=False)
     plain_text = qt.describe(CNN(), print_table=False)
     assert "plain float32" in plain_text and "1.000x" in plain_text
-
-
-def test_model_to_format_is_not_supported():
-    # documented: nn.Module.to parses its arguments in C++; qt.convert is the one line
-    with pytest.raises(TypeError):
-        MLP().to(qt.bf16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -931,3 +965,271 @@ def test_forward_instance_attribute_refused_before_any_change():
         qt.convert(m, qt.bf16)
     assert m.weight is w and type(m.weight) is nn.Parameter
     assert getattr(m, "_qt_conversion", None) is None
+
+
+def test_describe_shows_module_formats_and_the_rules_that_chose_them():
+    recipe = qt.Recipe(weight=("bf16", "mxfp6_e3m2"), activation="bf16", grad="fp8_e5m2",
+                       rules={"bn": {"activation": "fp16", "grad": "bf16"}, "fc.bias": "fp16",
+                              "re:conv.*": None})
+    text = qt.describe(qt.convert(CNN(), recipe), print_table=False)
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    assert rows["conv.weight"].endswith("rule 're:conv.*'")
+    assert rows["fc.bias"].endswith("rule 'fc.bias'")
+    assert rows["fc.weight"].endswith("default (weight)")
+    assert rows["bn.weight"].endswith("rule 'bn' (grad); default (weight, optimizer_state)")
+    assert rows["bn.running_mean"].endswith("rule 'bn' sets no role of it; default (weight)")
+    assert rows["bn.num_batches_tracked"].endswith("not floating: left alone")
+    # the module table: activation and gradient formats per module, and what chose them
+    assert rows["(model:"].split()[-4:] == ["bf16", "fp8_e5m2", "default", "(activation)"]
+    assert rows["conv"].split()[1:] == ["Conv2d", "plain", "(kept", "full", "precision)",
+                                        "plain", "rule", "'re:conv.*'"]
+    assert rows["bn"].split()[1:] == ["BatchNorm2d", "fp16", "bf16", "rule", "'bn'"]
+    assert rows["fc"].split()[1:] == ["Linear", "bf16", "fp8_e5m2", "default", "(activation)"]
+    assert "chosen by" not in qt.describe(CNN(), print_table=False)  # plain: no plans
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 18: formats that cannot hold signed values (item 6)
+
+@pytest.mark.parametrize("spec, range_text", [
+    ("e8m0", r"\[2\^-127, 2\^127\]"),
+    (qt.e8m0, r"\[2\^-127, 2\^127\]"),
+    (qt.FloatFormat(5, 0, subnormals=False, specials="fn", signed=False), r"\[2\^-15, 2\^15\]"),
+    (qt.FixedFormat(8, 4, signed=False), r"\[0, 15\.9375\]"),
+    (qt.FixedFormat(8, 4, signed=False, saturate=False), r"\[0, 15\.9375\].*wrap"),
+    (qt.BlockFormat(qt.FixedFormat(6, 4, signed=False), 5), r"elements in \[0, 3\.9375\]"),
+    (("bf16", "e8m0"), r"e8m0.*\[2\^-127, 2\^127\]"),
+    (lambda: qt.Recipe(weight="bf16", activation="bf16",
+                       grad=qt.FixedFormat(8, 7, signed=False)), r"Recipe\.grad.*\[0, 1\.99219\]"),
+    (lambda: qt.Recipe(weight="bf16", optimizer_state="e8m0"), r"Recipe\.optimizer_state"),
+    (dict(weight="bf16", rules={"fc1.bias": "e8m0"}), r"rule 'fc1\.bias'"),
+    (dict(weight="bf16", rules={"fc1": {"activation": ("bf16", "e8m0")}}),
+     r"rule 'fc1', role activation.*e8m0"),
+], ids=str)
+def test_unsigned_formats_refused_with_their_range(spec, range_text):
+    """An unsigned format (E8M0, the MX scale; unsigned fixed point) cannot hold a model's signed
+    weights, activations and gradients: qt.convert refuses it, naming the format's range, and
+    leaves the model untouched (before: e8m0 made every negative weight and every output NaN)."""
+    m = MLP()
+    with pytest.raises(qt.FormatError, match="cannot hold a model's signed values") as e:
+        qt.convert(m, spec() if callable(spec) and not isinstance(spec, qt.Format) else spec)
+    assert re.search(range_text, str(e.value)), str(e.value)
+    assert all(type(p) is nn.Parameter for p in m.parameters())
+    assert getattr(m, "_qt_conversion", None) is None
+    # the same formats still work where they belong: as block scales, and in qt.quantize
+    assert qt.convert(MLP(), qt.mxfp8_e4m3).fc1.weight.fmt == qt.mxfp8_e4m3
+    assert float(qt.quantize(torch.tensor([4.0]), "e8m0")) == 4.0
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 18: tied weights named by any of their names (item 9)
+
+class TinyLM(nn.Module):
+    """GPT-2 style: lm_head.weight is the token embedding's weight (tied)."""
+
+    def __init__(self, vocab=11, d=8):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(vocab, d)
+        self.transformer.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.transformer.ln_f(self.transformer.wte(ids)))
+
+
+@pytest.mark.parametrize("rule", ["lm_head", "lm_head.weight", "lm_*", "re:lm_head\\..*",
+                                  "transformer.wte", "transformer.wte.weight"])
+def test_a_rule_naming_a_tied_weight_by_any_name_applies(rule):
+    torch.manual_seed(0)
+    m = TinyLM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "matches no parameter", no disagreement
+        qt.convert(m, qt.Recipe(weight="fp8_e4m3", activation="bf16", rules={rule: qt.bf16}))
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert_in_format(m.lm_head.weight, qt.bf16, None, "tied weight")
+    assert m.transformer.ln_f.weight.fmt == qt.fp8_e4m3  # the default for the others
+    assert plan_of(m.lm_head.weight).rule == rule
+    m(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert isinstance(m.lm_head.weight.grad, qt.QTensor)
+
+
+def test_tied_weight_rules_that_disagree_most_specific_wins_with_a_warning():
+    m = TinyLM()
+    rules = {"transformer.*": qt.fp8_e5m2, "lm_head.weight": qt.bf16}
+    with pytest.warns(UserWarning, match=r"tied to lm_head\.weight.*'lm_head\.weight'.*applies, "
+                                         r"not 'transformer\.\*'"):
+        qt.convert(m, qt.Recipe(weight="fp8_e4m3", rules=rules))
+    assert m.lm_head.weight.fmt == qt.bf16  # an exact name beats a pattern
+    assert m.transformer.ln_f.weight.fmt == qt.fp8_e5m2
+    # equally specific (two exact module names): the earlier rule wins
+    m2 = TinyLM()
+    with pytest.warns(UserWarning, match="'transformer.wte' .*applies"):
+        qt.convert(m2, qt.Recipe(weight="fp8_e4m3",
+                                 rules={"transformer.wte": qt.fp16, "lm_head": qt.bf16}))
+    assert m2.lm_head.weight.fmt == qt.fp16
+
+
+def test_describe_shows_the_aliases_of_tied_weights():
+    m = qt.convert(TinyLM(), qt.Recipe(weight="bf16"))
+    text = qt.describe(m, print_table=False)
+    row = [line for line in text.splitlines() if "transformer.wte.weight" in line]
+    assert len(row) == 1 and "(= lm_head.weight)" in row[0], text
+    assert "11x8" in row[0] and text.count("11x8") == 1  # counted once
+    plain = qt.describe(TinyLM(), print_table=False)
+    assert "transformer.wte.weight (= lm_head.weight)" in plain
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 18: a mask's -inf in a block format makes its whole block NaN: warned (item 7)
+
+class CausalAttention(nn.Module):
+    """nanoGPT-style attention: scores.masked_fill(~causal, -inf), softmax."""
+
+    def __init__(self, d=32, inplace=False):
+        super().__init__()
+        self.qkv, self.proj, self.inplace = nn.Linear(d, 3 * d), nn.Linear(d, d), inplace
+        self.register_buffer("causal", torch.ones(16, 16, dtype=torch.bool).tril())
+
+    def forward(self, x):
+        t = x.shape[1]
+        q, k, v = self.qkv(x).chunk(3, -1)
+        att = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if self.inplace:
+            att.masked_fill_(~self.causal[:t, :t], float("-inf"))
+        else:
+            att = att.masked_fill(~self.causal[:t, :t], float("-inf"))
+        return self.proj(F.softmax(att, -1) @ v)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, inplace=False):
+        super().__init__()
+        self.h = nn.ModuleList([CausalAttention(inplace=inplace), CausalAttention()])
+        self.ln_f = nn.LayerNorm(32)
+
+    def forward(self, x):
+        for block in self.h:
+            x = x + block(x)
+        return self.ln_f(x)
+
+
+@pytest.fixture
+def block_nan_warning_armed():
+    specials = importlib.import_module("qtensor.block_specials")
+    specials._said[0] = False  # said once per process: arm it for this test
+    yield
+    specials._said[0] = False
+
+
+def _nan_warnings(w):
+    return [x for x in w if "turned finite values into NaN" in str(x.message)]
+
+
+@pytest.mark.parametrize("spec", [qt.mxfp8_e4m3, "mxfp4_e2m1", qt.recipes.mx_all_mxfp8],
+                         ids=["mxfp8_e4m3", "mxfp4_e2m1", "mx_all_mxfp8"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["masked_fill", "masked_fill_"])
+def test_mask_inf_in_a_block_format_warns_once_naming_op_and_module(
+        spec, inplace, block_nan_warning_armed):
+    torch.manual_seed(0)
+    m = qt.convert(TinyGPT(inplace), spec)
+    x = torch.randn(2, 10, 32)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        y = m(x)
+        m(x)  # once per process, not per call
+    assert torch.isnan(y.dequantize()).all()  # the MX rule: every block with a -inf is NaN
+    said = _nan_warnings(w)
+    assert len(said) == 1, [str(x.message) for x in w]
+    text = str(said[0].message)
+    op = "aten.masked_fill_.Scalar" if inplace else "aten.masked_fill.Scalar"
+    assert f"{op} in module 'h.0' (CausalAttention)" in text, text
+    assert "qt.recipes.mxfp6" in text and "docs/formats.md" in text
+    assert said[0].filename == __file__  # at the user's line
+
+
+def test_mask_inf_given_as_model_input_warns(block_nan_warning_armed):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    m = qt.convert(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), qt.mxfp8_e4m3)
+    mask = nn.Transformer.generate_square_subsequent_mask(10)
+    with pytest.warns(UserWarning, match=r"input of the model: rounding to the block format "
+                                         r"mxfp8_e4m3 turned finite values into NaN") as w:
+        m(torch.randn(2, 10, 32), mask=mask)
+    assert len(_nan_warnings(w)) == 1 and _nan_warnings(w)[0].filename == __file__
+
+
+@pytest.mark.parametrize("spec", [qt.recipes.mxfp6, qt.recipes.mxfp4_weights, qt.fp8_e4m3,
+                                  qt.bf16], ids=["mxfp6", "mxfp4_weights", "fp8_e4m3", "bf16"])
+def test_recipes_that_keep_vector_ops_out_of_blocks_give_no_nan_and_no_warning(
+        spec, block_nan_warning_armed):
+    torch.manual_seed(0)
+    m = qt.convert(TinyGPT(), spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = m(torch.randn(2, 10, 32))
+        y.sum().backward()
+    assert torch.isfinite(y.dequantize()).all()
+
+
+def test_block_format_without_inf_or_with_nan_kept_gives_no_warning(block_nan_warning_armed):
+    q = qt.as_qtensor(torch.randn(4, 64), qt.mxfp8_e4m3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (q * 2).exp()  # finite: no warning
+        nan_block = torch.full((1, 32), float("nan"))  # a whole block NaN already: nothing lost
+        qt.as_qtensor(nan_block, qt.mxfp8_e4m3) + 1
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("which", ["encoder", "transformer"])
+def test_transformer_inference_with_padding_mask(which):
+    """eval() + no_grad + src_key_padding_mask is nn.TransformerEncoder's nested-tensor fast
+    path; a converted encoder crashed there ("NestedTensorImpl doesn't support sizes"). It runs
+    the emulated path: the same bits as the same model with autograd on (where torch takes no
+    fast path), the unpadded rows close to FP32. (nn.Transformer's decoder self-attention still
+    takes nn.MultiheadAttention's own fused fast path under no_grad, one op rounded once, as
+    docs/leak_check.md says: close to the emulated result there, not the same bits.)"""
+    torch.manual_seed(0)
+    kw = dict(nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    if which == "encoder":
+        model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, **kw), 2)
+    else:
+        model = nn.Transformer(16, num_encoder_layers=2, num_decoder_layers=1, **kw)
+    model.eval()
+    x, tgt = torch.randn(3, 5, 16), torch.randn(3, 4, 16)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, 3:] = mask[1, 4:] = True
+
+    def run():
+        if which == "encoder":
+            return model(x, src_key_padding_mask=mask)
+        return model(x, tgt, src_key_padding_mask=mask, memory_key_padding_mask=mask)
+
+    with torch.no_grad():
+        ref = run()
+    qt.convert(model, qt.bf16)
+    with torch.no_grad():
+        out = run()
+    emulated = run()  # parameters require grad: no fast path anywhere
+    assert isinstance(out, qt.QTensor) and out.fmt == qt.bf16
+    if which == "encoder":
+        assert_bits_equal(out.dequantize(), emulated.dequantize().detach())
+    else:
+        torch.testing.assert_close(out.dequantize(), emulated.dequantize().detach(),
+                                   atol=0.05, rtol=0.02)
+    keep = ~mask if which == "encoder" else slice(None)
+    torch.testing.assert_close(out.dequantize()[keep], ref[keep], atol=0.1, rtol=0.05)
+    encoders = [m for m in model.modules() if isinstance(m, nn.TransformerEncoder)]
+    qt.unconvert(model)
+    assert all(m.use_nested_tensor for m in encoders)  # the fast path is back
+
+
+def test_nested_tensors_refused_clearly():
+    n = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(1, 3)])
+    with pytest.raises(TypeError, match="nested tensor"):
+        qt.as_qtensor(n, qt.bf16)
+    q = qt.as_qtensor(torch.randn(2, 3, 4), qt.bf16)
+    with pytest.raises(NotImplementedError, match="nested tensor"):
+        torch._nested_tensor_from_mask(q, torch.ones(2, 3, dtype=torch.bool))

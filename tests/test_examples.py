@@ -52,12 +52,29 @@ def test_demo_quick_writes_table_and_png(tmp_path):
         assert name in rows, f"no row for {name} in:\n{out}"
         assert 0.0 <= percent(rows[name][1]) <= 100.0
         if name != "fp32":
-            assert rows[name][5] == "0", f"qt.leak_check found leaks under {name}:\n{out}"
+            assert rows[name][6] == "0", f"qt.leak_check found leaks under {name}:\n{out}"
     assert any(n.startswith("fixed") for n in rows)
     assert rows["mxfp4_e2m1"][0] == "4.25"  # bits per value, the shared scale included
     png = tmp_path / "demo.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "demo.md").read_text().count("\n|") >= 9
+
+
+def test_demo_writes_to_an_untracked_folder_by_default():
+    """`python examples/demo.py` (the README's first command) writes to the git-ignored
+    examples/results/local/, never over the committed examples/results/demo.md; every script
+    takes its output folder from the same rule."""
+    committed = (EXAMPLES / "results" / "demo.md").read_bytes()
+    out = run_example("demo.py", "--formats", "fp32,bf16", "--steps", "2", "--seeds", "2")
+    local = EXAMPLES / "results" / "local"
+    assert f"wrote {local / 'demo.md'} and {local / 'demo.png'}" in out, out
+    assert (EXAMPLES / "results" / "demo.md").read_bytes() == committed
+    assert "per seed (%)" in out and len(table_rows(out)["fp32"][2].split(" / ")) == 2
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(local / "demo.md")], cwd=ROOT)
+    assert ignored.returncode in (0, 128), "examples/results/local/ is not git-ignored"
+    for script in ("demo.py", "direct_cast.py", "mx_training.py", "qpytorch_recipes.py",
+                   "accum_study.py"):
+        assert "common.output_dir(args.out, args.quick)" in (EXAMPLES / script).read_text()
 
 
 def test_direct_cast_quick():
@@ -85,6 +102,18 @@ def test_mx_training_quick():
     for cells in rows.values():
         if cells[0] != "train loss":
             assert 0.0 < float(cells[0]) < 10.0  # a finite cross-entropy
+
+
+def test_hf_finetune_quick():
+    pytest.importorskip("transformers", reason="the Hugging Face example needs transformers")
+    pytest.importorskip("safetensors", reason="the Hugging Face example saves safetensors")
+    out = run_example("hf_finetune.py", "--quick")
+    rows = table_rows(out)
+    assert {"FP32", "qt.recipes.mxfp6"} <= set(rows)
+    for name in ("FP32", "qt.recipes.mxfp6"):
+        before, _last, after = map(float, rows[name])
+        assert 0.0 < after < before < 10.0, rows  # it learns, with finite losses
+    assert "logits identical bit for bit" in out
 
 
 def test_demo_learns_under_mxint8(tmp_path):

@@ -120,6 +120,24 @@ def test_dynamic_batch():
         _assert_same(ep.module()(x), model(x), f"{rows} rows")
 
 
+def test_lowering_a_dynamic_qtensor_output_says_what_to_do():
+    """run_decompositions() of a dynamic-batch program whose output is a QTensor refuses with
+    the documented way out (torch 2.13 would lower the output to its payload and its size, and
+    the lowered program failed when called: "treespec.unflatten: leaves has length 2 ... 1").
+    The unlowered program keeps working, and so does the documented plain-output program."""
+    model = _model("linear", None)
+    ep = torch.export.export(model, (_input("linear", 1),),
+                             dynamic_shapes=({0: torch.export.Dim("batch")},))
+    x = _input("linear", 3)[:3]
+    _assert_same(ep.module()(x), model(x), "unlowered")
+    with pytest.raises(NotImplementedError, match=r"output is a QTensor of dynamic size "
+                                                  r"(.|\n)*model\(x\)\.dequantize\(\)"):
+        ep.run_decompositions()
+    ep = torch.export.export(_Dequantized(model), (_input("linear", 1),),
+                             dynamic_shapes=({0: torch.export.Dim("batch")},))
+    assert_bits_equal(ep.run_decompositions().module()(x), model(x).dequantize(), "plain output")
+
+
 class _SetsAccum(nn.Module):
     """Its forward gives .accum to its weight, or to a QTensor it builds, and then uses it."""
 

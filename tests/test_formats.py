@@ -159,7 +159,7 @@ def test_preset_names_and_aliases():
     assert qt.format(" bf16 ") is qt.bf16
     for alias, name in [("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16"),
                         ("half", "fp16"), ("float8_e4m3fn", "fp8_e4m3"),
-                        ("float8_e5m2", "fp8_e5m2"), ("float8_e8m0fnu", "e8m0"),
+                        ("float8_e5m2", "fp8_e5m2"),
                         ("mxfp8", "mxfp8_e4m3"), ("mxfp6", "mxfp6_e3m2"), ("mxfp4", "mxfp4_e2m1")]:
         assert qt.format(alias) is getattr(qt, name)
     # a format spelled out equals the preset
@@ -289,7 +289,8 @@ def test_block_normalises_its_element():
     (lambda: FloatFormat(0, 3), r"exp must be >= 1, got exp=0"),
     (lambda: FloatFormat(4, -1), r"man must be >= 0, got man=-1"),
     (lambda: FloatFormat(8, 24), r"man=24 does not fit the float32 carrier"),
-    (lambda: FloatFormat(9, 2), r"emax=255.*do not fit the float32 carrier \(emax <= 127\)"),
+    (lambda: FloatFormat(9, 2), r"exp=9 does not fit the float32 carrier \(at most 8 exponent"),
+    (lambda: FloatFormat(8, 2, bias=100), r"emax=154.*do not fit the float32 carrier \(emax <= 127\)"),
     (lambda: FloatFormat(8, 3, bias=100), r"emax=154"),
     (lambda: FloatFormat(8, 23, bias=150), r"below float32's smallest subnormal 2\^-149"),
     (lambda: FloatFormat(3, 2, specials="none", saturate=False),
@@ -352,7 +353,7 @@ def test_unknown_name_lists_known_ones():
     ("", r"cannot parse format ''"),
     ("e4m3 e5m2", r"cannot parse format"),
     ("fp8_e4m3(rounding=up)", r"unknown rounding mode 'up'"),
-    ("e40m3", r"emax|do not fit"),
+    ("e40m3", r"emax|not fit"),
 ])
 def test_parse_errors(spec, match):
     with pytest.raises(FormatError, match=match):
@@ -404,8 +405,9 @@ def test_flags_in_string_form_accepted_spellings():
     assert qt.format("fp8_e4m3(saturate=false)") == qt.fp8_e4m3.replace(saturate=False)
     assert qt.format("fp8_e5m2(saturate=true)") == qt.fp8_e5m2.replace(saturate=True)
     assert qt.format("fixed8.4(signed=False)").signed is False
-    assert str(qt.fp8_e4m3.replace(saturate=False)) == "e4m3(specials=fn)"
-    assert qt.format("e4m3(saturate=None)") == FloatFormat(4, 3)  # None: the default for specials
+    assert str(qt.fp8_e4m3.replace(saturate=False)) == "e4m3(saturate=False)"
+    assert qt.format("e3m4(saturate=None)") == FloatFormat(3, 4)  # None: the default for specials
+    assert qt.format("e4m3(saturate=None)") == qt.fp8_e4m3.replace(saturate=False)  # fn: NaN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,3 +465,213 @@ def test_torch_dtype_points_at_its_preset():
         qt.format(torch.bfloat16)
     with pytest.raises(FormatError, match=r"got dtype$"):
         qt.format(torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# The OCP element names (issue 18, item 18): "e4m3" is what every user of the field means by it
+
+OCP_NAMES = {"e4m3": ("fp8_e4m3", 448.0), "e5m2": ("fp8_e5m2", 57344.0),
+             "e3m2": ("fp6_e3m2", 28.0), "e2m3": ("fp6_e2m3", 7.5), "e2m1": ("fp4_e2m1", 6.0)}
+
+
+@pytest.mark.parametrize("name", list(OCP_NAMES))
+def test_ocp_element_names_mean_the_ocp_formats(name):
+    preset, mx = OCP_NAMES[name]
+    assert qt.format(name) is qt.PRESETS[preset] and qt.format(name.upper()) is qt.PRESETS[preset]
+    assert qt.format(name).max == mx
+    # from the user's side: values round and saturate as the OCP format, also as a block element
+    x = torch.tensor([1e6, -1e6, 1.0, 0.3])
+    assert torch.equal(qt.quantize(x, name), qt.quantize(x, preset))
+    assert qt.quantize(x, name)[0].item() == (mx if preset != "fp8_e5m2" else math.inf)
+    assert BlockFormat(name, 16).elem == BlockFormat(preset, 16).elem
+    assert qt.format(f"block(elem={name}, block_size=16)") == BlockFormat(qt.PRESETS[preset], 16)
+    assert qt.format(f"{name}(rounding=stochastic)") == qt.PRESETS[preset].replace(
+        rounding="stochastic")
+    # the IEEE-style format of the same widths has a string of its own, which parses back to it
+    exp, man = int(name[1]), int(name[3])
+    ieee = FloatFormat(exp, man)
+    assert str(ieee) != name and qt.format(str(ieee)) == ieee
+    if preset != "fp8_e5m2":  # OCP E5M2 is IEEE-style: the same format
+        assert ieee != qt.format(name) and ieee.max < mx
+        assert str(ieee) == f"{name}(specials=ieee, saturate=False)"
+
+
+def test_ieee_style_e4m3_is_max_240():
+    f = qt.format("e4m3(specials=ieee, saturate=False)")
+    assert f == FloatFormat(4, 3) and f.max == 240.0
+    assert qt.format("e2m1(specials=ieee, saturate=False)").max == 3.0
+    assert qt.format("e3m4") == FloatFormat(3, 4)  # other eXmY: FloatFormat(X, Y) as before
+    assert "e4m3" not in {str(FloatFormat(4, 3)), repr(FloatFormat(4, 3))}
+
+
+@pytest.mark.parametrize("exp", range(1, 9))
+def test_every_exmy_string_round_trips(exp):
+    """parse(str(f)) == f for every width and every flag, the OCP names' widths included."""
+    for man in range(0, 24):
+        for specials in ("ieee", "fn", "none"):
+            for sat in (False, True):
+                for sub in (True, False):
+                    for mode in ("nearest", "toward_zero"):
+                        try:
+                            f = FloatFormat(exp, man, subnormals=sub, specials=specials,
+                                            saturate=sat, rounding=mode)
+                        except FormatError:
+                            continue
+                        assert qt.format(str(f)) == f, str(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Absurd ints (issue 18, item 16): a FormatError that names the field, never a torch schema error
+# or a hang computing 2 ** exp
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: BlockFormat(qt.fp8_e4m3, block_size=2 ** 63),
+     r"^block_size=2\*\*63 is longer than any tensor axis can be \(at most 2\*\*62\); for one "
+     r"block per axis use block_size=None$"),
+    (lambda: BlockFormat(qt.fp8_e4m3, block_size=10 ** 30), r"^block_size=10\*\*30 is longer"),
+    (lambda: qt.mxfp4_e2m1.replace(block_size=2 ** 64 - 1), r"^block_size=2\*\*64 - 1 is longer"),
+    (lambda: BlockFormat(qt.fp8_e4m3, axis=2 ** 63), r"^axis=2\*\*63 is no tensor's dim"),
+    (lambda: BlockFormat(qt.fp8_e4m3, axis=-2 ** 63 - 1), r"^axis=-\(2\*\*63 \+ 1\) is no tensor"),
+    (lambda: FloatFormat(2 ** 63, 3), r"^exp=2\*\*63 does not fit the float32 carrier"),
+    (lambda: FloatFormat(10 ** 100, 3), r"^exp=10\*\*100 does not fit"),
+    (lambda: FloatFormat(4, 2 ** 63), r"^man=2\*\*63 does not fit the float32 carrier"),
+    (lambda: FloatFormat(4, -2 ** 63), r"^man must be >= 0, got man=-2\*\*63$"),
+    (lambda: FloatFormat(4, 3, bias=2 ** 63), r"^e4m3 with bias=2\*\*63 has values down to "
+                                              r"2\^-\(2\*\*63 \+ 2\), below float32's"),
+    (lambda: FloatFormat(4, 3, bias=-2 ** 63), r"^e4m3 with bias=-2\*\*63 has emax=2\*\*63 \+ 14"),
+    (lambda: FixedFormat(2 ** 63, 0), r"^wl=2\*\*63: fixed-point word length must be 1\.\.24"),
+    (lambda: FixedFormat(8, 2 ** 63), r"^fixed point wl=8, fl=2\*\*63: values k\*2\^-2\*\*63 do "),
+    (lambda: FixedFormat(8, -2 ** 63), r"^fixed point wl=8, fl=-2\*\*63: values k\*2\^2\*\*63 do"),
+    (lambda: qt.format("block(elem=fp8_e4m3, block_size=9223372036854775808)"),
+     r"^block_size=2\*\*63 is longer"),
+    (lambda: qt.format("e9223372036854775807m3"), r"^exp=2\*\*63 - 1 does not fit"),
+    (lambda: qt.format("fixed(wl=8, fl=99999999999999999999)"), r"fl=about 10\*\*19: values"),
+])
+def test_absurd_ints_are_format_errors(make, match):
+    with pytest.raises(FormatError, match=match):
+        make()
+
+
+def test_absurd_accumulator_promotion_interval():
+    """promote beyond the kernels' int is refused (it wrapped: 2**32 + 4 summed as 4); any
+    interval longer than K promotes once, at the end, as promote=None."""
+    from qtensor import accum
+    with pytest.raises(accum.AccumFormatError, match=r"promote must be at most 2\*\*31 - 1 .*"
+                                                     r"promote=None\), got 4294967300$"):
+        accum.hopper_fp8.replace(promote=2 ** 32 + 4)
+    g = torch.Generator().manual_seed(0)
+    a = qt.quantize(torch.randn(4, 300, generator=g), "fp8_e4m3")
+    b = qt.quantize(torch.randn(300, 3, generator=g), "fp8_e4m3")
+    longest = accum.accum_matmul(a, b, accum.hopper_fp8.replace(promote=2 ** 31 - 1))
+    assert torch.equal(longest, accum.accum_matmul(a, b, accum.hopper_fp8_fast))
+
+
+def test_block_longer_than_the_axis_is_the_axis():
+    """block_size up to 2**62 is a valid format: one block per axis, in the kernels and in the
+    reference (which used to pad every row to a multiple of the block size)."""
+    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    whole = qt.quantize(x, BlockFormat(qt.fp8_e4m3, None))
+    for bs in (100, 101, 10 ** 9, 2 ** 62):
+        f = BlockFormat(qt.fp8_e4m3, bs)
+        assert qt.format(str(f)) == f
+        assert torch.equal(qt.quantize(x, f), whole), bs
+        assert torch.equal(qt.reference.quantize(x, f), whole), bs
+        assert torch.equal(qt.quantize(x.double(), f), whole.double()), bs  # the reference path
+
+
+# ---------------------------------------------------------------------------------------------
+# torch dtype aliases round as torch's casts (issue 18, item 17)
+
+def _float32_patterns(fmt: FloatFormat) -> torch.Tensor:
+    """Float32 bit patterns for the cast comparisons: in every float32 binade of both signs, 16
+    random grid points of ``fmt`` (its spacing there, subnormals included) and their neighbours
+    just below, at and above the midpoint, one ulp above, and the next grid point minus one ulp;
+    and a stride through all 2^32 patterns (NaN, Inf, float32 subnormals)."""
+    g = torch.Generator().manual_seed(fmt.man)
+    parts = []
+    for se in range(512):  # sign and exponent field
+        e = (se & 0xFF) - 127 if se & 0xFF else -126
+        d = min(24, 23 - fmt.man + max(0, fmt.emin - e))  # bits below fmt's spacing
+        top = torch.randint(0, 2 ** max(23 - d, 0), (16,), generator=g, dtype=torch.int64) << d
+        tie = 1 << (d - 1) if d > 0 else 0
+        for lo in {0, 1, max(tie - 1, 0), tie, tie + 1, max((1 << d) - 1, 0)}:
+            parts.append(((se << 23) | (top | lo).clamp(max=2 ** 23 - 1)))
+    parts.append(torch.arange(0, 2 ** 32, 32771, dtype=torch.int64))
+    bits = torch.cat(parts)
+    bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+    return bits.view(torch.float32)
+
+
+TORCH_ALIASES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+                 "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+                 "float32": torch.float32, "float": torch.float32}
+
+
+def test_every_torch_dtype_alias_is_checked():
+    torch_names = {a for a in ALIASES if hasattr(torch, a)
+                   and isinstance(getattr(torch, a), torch.dtype)}
+    assert torch_names == set(TORCH_ALIASES)
+
+
+@pytest.mark.parametrize("alias", list(TORCH_ALIASES))
+def test_torch_dtype_aliases_round_as_torch_casts(quantize, alias):
+    """From float32, float16 and bfloat16 inputs: the bits of torch's cast down and back
+    (NaN by position), ties, overflow, subnormals, Inf and NaN included."""
+    dtype = TORCH_ALIASES[alias]
+    x = _float32_patterns(qt.format(alias))
+    if dtype is torch.float32:  # the float32 formats: from float64 values between float32's
+        x = x.double() * (1 + 2.0 ** -24 * torch.linspace(-1.5, 1.5, x.numel(),
+                                                          dtype=torch.float64))
+    assert_casts = [(x, x.dtype)] + ([(x.to(t), t) for t in (torch.float16, torch.bfloat16)]
+                                     if dtype is not torch.float32 else [])
+    for xi, in_dtype in assert_casts:
+        want = xi.to(dtype).to(in_dtype)
+        got = quantize(xi, alias)
+        assert got.dtype == in_dtype
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan), (alias, in_dtype)
+        bits = torch.int64 if in_dtype is torch.float64 else (
+            torch.int32 if in_dtype is torch.float32 else torch.int16)
+        diff = (got.view(bits) != want.view(bits)) & ~nan
+        assert not bool(diff.any()), (alias, in_dtype, xi[diff][:5].tolist(),
+                                      got[diff][:5].tolist(), want[diff][:5].tolist())
+
+
+def test_float64_inputs_round_once_where_torch_rounds_twice():
+    """Documented difference: torch casts float64 to half and fp8 dtypes through float32 (two
+    roundings); qtensor rounds the float64 value once."""
+    x = torch.tensor([1 + 2 ** -11 + 2 ** -40, 1 + 2 ** -4 + 2 ** -40], dtype=torch.float64)
+    assert x.to(torch.float16).double()[0].item() == 1.0  # torch: 1 + 2^-11 is a tie, then even
+    assert qt.quantize(x, "float16")[0].item() == 1 + 2 ** -10
+    assert x.to(torch.float8_e4m3fn).double()[1].item() == 1.0
+    assert qt.quantize(x, "float8_e4m3fn")[1].item() == 1.125
+    assert "from float64 torch casts through float32" in " ".join(qt.format.__doc__.split())
+    # float32-exact float64 values: the same as torch's cast
+    for alias in ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"):
+        y = _float32_patterns(qt.format(alias))[::3].double()
+        want = y.to(TORCH_ALIASES[alias]).double()
+        got = qt.quantize(y, alias)
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan].view(torch.int64), want[~nan].view(torch.int64)), alias
+
+
+def test_float8_e8m0fnu_is_refused_with_the_difference():
+    # what the message says of torch's cast is true (if torch changes, revisit the alias)
+    x = torch.tensor([0.0, -4.0, 1.1 * 2.0 ** -127, 1.5, 3.0])
+    cast = x.to(torch.float8_e8m0fnu).float()
+    assert cast.tolist() == [2.0 ** -127, 4.0, 2.0 ** -126, 2.0, 4.0]
+    e8 = qt.quantize(x, "e8m0")
+    assert e8[:2].isnan().all() and e8[2].item() == 2.0 ** -127 and e8[3:].tolist() == [2.0, 4.0]
+    msg = (r"torch's cast to torch\.float8_e8m0fnu is not a rounding qtensor has: it drops the "
+           r"sign, turns 0 into 2\^-127 and rounds every value in \(2\^-127, 2\^-126\) up to "
+           r"2\^-126; qtensor's E8M0 scale format is 'e8m0'")
+    for spec in ("float8_e8m0fnu", "FLOAT8_E8M0FNU", "float8_e8m0fnu(rounding=stochastic)"):
+        with pytest.raises(FormatError, match=msg):
+            qt.format(spec)
+    with pytest.raises(FormatError, match=msg):
+        qt.quantize(x, "float8_e8m0fnu")
+    with pytest.raises(FormatError, match=msg):
+        BlockFormat(qt.fp8_e4m3, 32, scale="float8_e8m0fnu")
+    with pytest.raises(FormatError, match=r"got dtype; torch's cast to torch\.float8_e8m0fnu"):
+        qt.format(torch.float8_e8m0fnu)

@@ -165,6 +165,89 @@ def test_custom_blocks(fmt):
             check(x3, fmt.replace(axis=axis), "stochastic")
 
 
+# Scale ties (issue 18, item 5): a block's amax / max_elem on a midpoint of the scale format's grid
+# or next to one, in the scale's subnormal range and where the quotient is a float32 subnormal
+# (a float32 quotient rounds there on a grid of 2^-149, which can put it on a tie), for every
+# scale format and rule; the kernel's float32 fast paths must decide as the reference's exact
+# double quotient.
+TIE_SCALES = [f for f in P.values() if isinstance(f, FloatFormat)] + [
+    FloatFormat(8, 7, subnormals=False), FloatFormat(8, 3, bias=130, subnormals=False),
+    FloatFormat(5, 2, bias=140), FloatFormat(4, 3, bias=135, specials="fn", saturate=True),
+    FloatFormat(8, 0, bias=140), FloatFormat(8, 0, subnormals=False, saturate=True),
+    FloatFormat(5, 0, bias=150, specials="none")]
+TIE_ELEMS = [P["fp4_e2m1"], FloatFormat(3, 4, specials="none"), P["fp8_e4m3"], P["fp6_e2m3"],
+             FixedFormat(8, 6, symmetric=True),
+             FloatFormat(3, 1, bias=0, specials="none"), FixedFormat(6, 0)]  # grids of 1: any scale
+
+
+def _scale_tie_ratios(s: FloatFormat) -> torch.Tensor:
+    """Grid points and midpoints of the scale format s at the bottom of its range."""
+    q = s.min_quantum_exp if s.subnormals else s.emin
+    k = torch.arange(0.0, 2 ** min(s.man, 4) * 2 + 4, 0.5, dtype=torch.float64)
+    low = k * 2.0 ** q                                      # subnormal grid (or 0, min normal)
+    normal = (1 + k[:8] * 2.0 ** -max(s.man, 1)) * 2.0 ** s.emin   # the first normal binade
+    f32_edge = torch.tensor([2.0 ** -126, 2.0 ** -127, 1.5 * 2.0 ** -127], dtype=torch.float64)
+    return torch.cat([low, normal, f32_edge])
+
+
+def _scale_tie_blocks(s: FloatFormat, elem, bs: int) -> torch.Tensor:
+    """One block per row: amax = a float32 next to ratio * max_elem, and smaller elements."""
+    amax = (_scale_tie_ratios(s) * elem.max).to(torch.float32)
+    amax = torch.cat([amax] + [torch.nextafter(amax, torch.full_like(amax, d))
+                               for d in (math.inf, -math.inf)])
+    amax = torch.cat([amax, torch.nextafter(amax[-amax.numel() // 3:], torch.zeros_like(
+        amax[-amax.numel() // 3:]))])  # two ulps below
+    amax = amax[amax > 0]
+    frac = torch.tensor([1.0, 0.37, -0.81, 0.05, -0.5, 0.75, -0.249, 0.1251])
+    rows = amax[:, None] * frac.repeat(bs // 8 + 1)[None, :bs]
+    return torch.cat([rows, -rows])
+
+
+@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize("rule", qt.formats.SCALE_RULES)
+@pytest.mark.parametrize("scale", TIE_SCALES, ids=str)
+def test_block_scale_ties_in_the_subnormal_range(scale, rule, bs):
+    tested = 0
+    for elem in TIE_ELEMS:
+        try:
+            fmt = BlockFormat(elem, bs, scale=scale, scale_rule=rule)
+        except qt.FormatError:  # floor/ceil need a power-of-two scale; 2^-149 bounds the product
+            continue
+        x = _scale_tie_blocks(scale, fmt.elem, bs)
+        for rounding in MODES:
+            check(x, fmt, rounding)
+        check(x.t().contiguous(), fmt.replace(axis=0), "nearest", msg="axis=0")
+        tested += 1
+    assert tested or (rule != "amax" and scale.man != 0)
+
+
+def test_block_scale_tie_of_the_issue():
+    """The report's block: amax / 31 is a float32 subnormal that the float32 division rounds
+    onto a bf16 midpoint; the exact quotient lies above it, so the scale rounds up."""
+    fmt = BlockFormat(FloatFormat(3, 4, specials="none"), 4, scale=P["bf16"], scale_rule="amax")
+    x = torch.tensor([[1.1814635459686798e-37, 4.3714152994503187e-38, -9.5698550922891e-38,
+                       5.907318010103092e-39]])
+    check(x, fmt, "nearest")
+
+
+def test_block_element_ties_below_float32_normals():
+    """Elements whose quotient x / X is a float32 subnormal next to a midpoint of an element grid
+    finer than 2^-125 (X > 2: float32's absolute error 2^-150 exceeds the distance to it)."""
+    elem = FloatFormat(7, 4, bias=127)  # emin -126, spacing 2^-130, max < 1
+    for scale in (P["fp8_e4m3"], P["fp8_e5m2"], FloatFormat(4, 10, bias=1, specials="none"),
+                  FloatFormat(5, 12, bias=2, specials="none")):  # scales of up to 13 bits
+        fmt = BlockFormat(elem, 4, scale=scale, scale_rule="amax")
+        big = torch.tensor([300.0, 5.0e4, 3.0])
+        X = reference.quantize(big.double() / elem.max, scale)  # the blocks' scales
+        mids = (torch.arange(0.0, 16.0) + 0.5) * 2.0 ** -130
+        x = (mids[None, :] * X[:, None]).to(torch.float32)
+        x = torch.stack([x, torch.nextafter(x, torch.full_like(x, 1.0)),
+                         torch.nextafter(x, torch.zeros_like(x))], dim=-1).reshape(3, -1, 1)
+        blocks = torch.cat([big[:, None, None].expand(3, x.shape[1], 1), x.expand(3, -1, 3)], -1)
+        for rounding in ("nearest", "nearest_away", "toward_zero"):
+            check(blocks.reshape(-1, 4), fmt, rounding, msg=str(scale))
+
+
 def test_block_axis_out_of_range():
     with pytest.raises(IndexError, match="out of range"):
         qt.quantize(torch.ones(4, 4), BlockFormat(P["fp8_e4m3"], 2, axis=2))

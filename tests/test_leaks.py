@@ -394,6 +394,62 @@ def test_label_smoothing_and_probability_targets_are_not_leaks():
               "LEAK: the product outside")
 
 
+def test_logits_loss_class_weights_are_not_leaks():
+    """binary_cross_entropy_with_logits' weight= and pos_weight= (and nn.BCEWithLogitsLoss's)
+    are class weights, data: its backward formula (``pos_weight * target``, then with the
+    logits) used to be reported as mixed. pos_weight times the logits outside the loss is still
+    a leak."""
+    torch.manual_seed(0)
+    model = _quiet_convert(MLP(), qt.bf16)
+    x, y = torch.randn(8, 16), torch.rand(8, 4).round()
+    w, pw = torch.rand(4) + 0.5, torch.rand(4) + 0.5
+    with qt.leak_check(action="record") as report:
+        F.binary_cross_entropy_with_logits(model(x), y, weight=w).backward()
+        F.binary_cross_entropy_with_logits(model(x), y, pos_weight=pw).backward()
+        F.binary_cross_entropy_with_logits(model(x), y, weight=w[None], pos_weight=pw).backward()
+        nn.BCEWithLogitsLoss(pos_weight=pw)(model(x), y).backward()
+        nn.BCEWithLogitsLoss(weight=w, pos_weight=pw, reduction="sum")(model(x), y).backward()
+    assert_clean(report)
+    with qt.leak_check(action="record") as report:
+        (model(x) * pw).sum().backward()  # LEAK: the class weights outside the loss
+    assert [(f.kind, f.op, f.phase) for f in report] == [
+        ("mixed", "aten.mul.Tensor", "forward"), ("mixed", "aten.mul.Tensor", "backward")]
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 12, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)  # LEAK: torch's buffer
+        return self.head(padded * 2.0)  # LEAK: FP32 from here
+
+
+def test_pad_packed_sequence_buffer_is_reported():
+    """pad_packed_sequence copies the (QTensor) LSTM output into a plain buffer that torch's C++
+    code makes: that buffer was exempted as a constant torch made, and so was everything
+    computed from it (FP32, unreported). The copy and the plain ops after it are reported, in a
+    converted model as outside one."""
+    torch.manual_seed(0)
+    model = _quiet_convert(PackedLSTM(), qt.recipes.mxfp6)
+    x, lengths = torch.randn(3, 5, 6), torch.tensor([5, 3, 2])
+    with qt.leak_check(action="record") as report:
+        model(x, lengths).sum().backward()
+    kinds = [(f.kind, f.op) for f in report]
+    assert ("plain_result", "aten.copy_.default") in kinds
+    assert ("plain_op", "aten.mul.Tensor") in kinds
+    first = report[0]
+    assert first.kind == "plain_result" and at(first, PackedLSTM.forward, "LEAK: torch's buffer")
+    assert "pad_packed_sequence" in first.detail
+    mul = next(f for f in report if f.kind == "plain_op")
+    assert at(mul, PackedLSTM.forward, "LEAK: FP32 from here")
+
+
 class KVCache(nn.Module):
     """Incremental decoding: each call appends this step's keys to the cache."""
 

@@ -68,8 +68,8 @@ struct ScanBits {
 struct FastKernels {
   int FW, EA;  // EA: the copies of each of a's int8 exponents (accum_fast.h's Exps8)
   Range (*scan)(const float* x, int64_t n);
-  void (*exps8_flat)(const float* x, int64_t n, int hi, int8_t* out);
-  void (*exps8_rows)(const float* x, int64_t rows, int64_t C, int hi, int8_t* out);
+  void (*exps8_flat)(const float* x, int64_t n, int hi, int emin, int8_t* out);
+  void (*exps8_rows)(const float* x, int64_t rows, int64_t C, int hi, int emin, int8_t* out);
   void (*rows_fast[3])(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8,
                        int off, int64_t K, int64_t N, int64_t i0, int64_t i1,
                        const qtensor::AccumSpec& s, const FastLimits& lim, float* out);
@@ -126,14 +126,78 @@ int accum_isa() {
 #endif
 }
 
-at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
+// x float32 contiguous; ev: per-element clamps (int32, x's layout; undefined: emin for all)
+at::Tensor exponents(const at::Tensor& x, int emin, const at::Tensor& ev = at::Tensor()) {
   at::Tensor e = at::empty(x.sizes(), x.options().dtype(at::kInt));
   const float* px = x.data_ptr<float>();
+  const int* pv = ev.defined() ? ev.data_ptr<int>() : nullptr;
   int* pe = e.data_ptr<int>();
   at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i]);
+    for (int64_t i = lo; i < hi; ++i) pe[i] = qtensor::acc_exp_f32(px[i], pv ? pv[i] : emin);
   });
   return e;
+}
+
+// Per-element clamps of an operand's exponents (block formats: the element format's minimum
+// normal exponent plus the block's scale exponent), int32 in x's (B, R, C) shape, or undefined.
+at::Tensor elem_emins(const c10::optional<at::Tensor>& v, const at::Tensor& x, const char* name) {
+  if (!v) return at::Tensor();
+  TORCH_CHECK(v->sizes() == x.sizes() && !at::isFloatingType(v->scalar_type()),
+              "qtensor::accum_matmul: ", name, " must be an integer tensor of shape ", x.sizes(),
+              ", got ", v->sizes());
+  return v->to(at::kInt).contiguous();
+}
+
+// The scalar path (include/qtensor/accum.h's acc_dot per output) of an initial accumulator c
+// (B, M, N) or group exponents ga (B, M, G), gb (B, G, N); a (B, M, K), b (B, K, N).
+at::Tensor scalar_path(const at::Tensor& a, const at::Tensor& b, const qtensor::AccumSpec& s,
+                       const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gb,
+                       const c10::optional<at::Tensor>& c, const at::Tensor& eav,
+                       const at::Tensor& ebv) {
+  const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  const int64_t G = (K + s.group - 1) / s.group;
+  const at::Tensor ac = a.contiguous(), bt = b.transpose(1, 2).contiguous();
+  const at::Tensor ea = exponents(ac, s.a_emin, eav);
+  const at::Tensor eb = exponents(bt, s.b_emin,
+                                  ebv.defined() ? ebv.transpose(1, 2).contiguous() : ebv);
+  at::Tensor gac, gbt, cc;
+  if (ga) {
+    TORCH_CHECK(gb && s.group > 1, "qtensor::accum_matmul: a_gexp and b_gexp go together, with "
+                "group > 1");
+    TORCH_CHECK(ga->dim() == 3 && ga->size(0) == B && ga->size(1) == M && ga->size(2) == G &&
+                gb->dim() == 3 && gb->size(0) == B && gb->size(1) == G && gb->size(2) == N,
+                "qtensor::accum_matmul: a_gexp must be (", B, ", ", M, ", ", G, ") and b_gexp (",
+                B, ", ", G, ", ", N, "), got ", ga->sizes(), " and ", gb->sizes());
+    gac = ga->to(at::kInt).contiguous();
+    gbt = gb->to(at::kInt).transpose(1, 2).contiguous();
+  } else {
+    TORCH_CHECK(!gb, "qtensor::accum_matmul: b_gexp without a_gexp");
+  }
+  if (c) {
+    TORCH_CHECK(c->scalar_type() == at::kFloat, "qtensor::accum_matmul: c must be float32, got ",
+                c->scalar_type());
+    cc = c->expand({B, M, N}).contiguous();
+  }
+  at::Tensor out = at::empty({B, M, N}, a.options());
+  const float* pa = ac.data_ptr<float>();
+  const float* pb = bt.data_ptr<float>();
+  const int* pea = ea.data_ptr<int>();
+  const int* peb = eb.data_ptr<int>();
+  const int* pga = ga ? gac.data_ptr<int>() : nullptr;
+  const int* pgb = ga ? gbt.data_ptr<int>() : nullptr;
+  const float* pc = c ? cc.data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K));
+  at::parallel_for(0, B * M * N, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bi = t / (M * N), i = t / N % M, j = t % N;
+      const int64_t ia = (bi * M + i) * K, jb = (bi * N + j) * K;
+      po[t] = qtensor::acc_dot(pa + ia, pb + jb, pea + ia, peb + jb, K, s, pc ? pc[t] : 0.0f,
+                               pga ? pga + (bi * M + i) * G : nullptr,
+                               pgb ? pgb + (bi * N + j) * G : nullptr);
+    }
+  });
+  return out;
 }
 
 #if defined(QT_ACCUM_AVX2)
@@ -148,12 +212,18 @@ at::Tensor exponents(const at::Tensor& x) {  // x float32 contiguous
 bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
                   FastLimits* lim) {
   if (s.group != 1 || !ra.normal || !rb.normal || ra.bits() + rb.bits() > 24) return false;
+  if (s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127) return false;  // float32 partials
   const int F = s.frac_bits;
   lim->emax = F + 96;
   lim->sums = INT32_MAX;
   if (!ra.any() || !rb.any()) return true;  // every product is zero
   const int lo = ra.lo + rb.lo, hi = ra.hi + rb.hi;  // the products' exponents
   if (lo < -126 || hi > 126 || F - lo > 126 || F > 28 || hi - lo > 127) return false;
+  // every nonzero term (products, partials) is at least 2^(lo - F): a zero term's e_zero below
+  // that never moves emax, and where all terms are zero the result is 0 at any scale
+  if (s.e_zero >= lo - F) return false;
+  // the operands' clamped exponents (format minimum normal ones) must keep the int8 span
+  if (std::max(ra.hi, s.a_emin) + std::max(rb.hi, s.b_emin) - lo > 127) return false;
   lim->emax = F + std::min(126 + std::min(lo, 0), 96);
   const int m = std::max(ra.bits(), rb.bits());
   const int64_t term = (int64_t{4} << F) - (F + 2 >= m ? int64_t{1} << (F + 2 - m) : 0);
@@ -169,7 +239,7 @@ static_assert(FR == accum_avx2::FR && accum_avx512::TR == accum_avx2::TR, "one l
 // The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
 // normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
 // each fk.EA times in groups, (batch, ceil(rows / g), cols, g * ea), padding rows as zeros.
-at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int64_t g) {
+at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int emin, int64_t g) {
   const int64_t B = x.size(0), R = x.size(1), C = x.numel() / (B * R), Rg = (R + g - 1) / g;
   const int64_t ea = g == 1 ? 1 : fk.EA;
   at::Tensor out = at::empty({B, Rg, C, g * ea}, x.options().dtype(at::kChar));
@@ -181,9 +251,9 @@ at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int64_t g) 
       const int64_t bi = t / Rg, r0 = t % Rg * g;
       const float* xr = px + (bi * R + r0) * C;
       if (g == 1)
-        fk.exps8_flat(xr, C, hi, po + t * C);
+        fk.exps8_flat(xr, C, hi, emin, po + t * C);
       else
-        fk.exps8_rows(xr, std::min(g, R - r0), C, hi, po + t * C * g * ea);
+        fk.exps8_rows(xr, std::min(g, R - r0), C, hi, emin, po + t * C * g * ea);
     }
   });
   return out;
@@ -200,11 +270,22 @@ Range scan(const FastKernels& fk, const at::Tensor& x) {  // x float32 contiguou
 
 at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk, int64_t frac_bits,
                         int64_t group, int64_t align_rounding, bool acc_in_alignment,
-                        int64_t acc_man, int64_t acc_rounding, int64_t promote) {
-  const qtensor::AccumSpec s = make_spec(chunk, frac_bits, group, align_rounding,
-                                         acc_in_alignment, acc_man, acc_rounding, promote);
+                        int64_t acc_man, int64_t acc_rounding, int64_t promote, int64_t e_zero,
+                        int64_t a_emin, int64_t b_emin, int64_t acc_emin, int64_t acc_emax,
+                        const c10::optional<at::Tensor>& a_gexp,
+                        const c10::optional<at::Tensor>& b_gexp,
+                        const c10::optional<at::Tensor>& c,
+                        const c10::optional<at::Tensor>& a_emins,
+                        const c10::optional<at::Tensor>& b_emins) {
+  const qtensor::AccumSpec s =
+      make_spec(chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man, acc_rounding,
+                promote, e_zero, a_emin, b_emin, acc_emin, acc_emax);
   check_operands(a, b);
   const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  const at::Tensor eav = elem_emins(a_emins, a, "a_emins"), ebv = elem_emins(b_emins, b, "b_emins");
+  // the vector paths take no c; group exponents: the group tiles
+  if (c || (a_gexp && s.group == 1) || !a_gexp != !b_gexp)
+    return scalar_path(a, b, s, a_gexp, b_gexp, c, eav, ebv);
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
   const at::Tensor ac = a.contiguous();
@@ -220,7 +301,11 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
 #if defined(QT_ACCUM_AVX2)
     const FastKernels& fk =
         isa == 2 ? accum_avx512::kFastKernels : accum_avx2::kFastKernels;
-    fast = isa > 0 && fast_path_ok(s, ra = scan(fk, ac), rb = scan(fk, bc), &lim);
+    // per-element clamps: the double lanes
+    fast = isa > 0 && !eav.defined() && !ebv.defined() &&
+           fast_path_ok(s, ra = scan(fk, ac), rb = scan(fk, bc), &lim);
+    // the int8 exponents' offsets: the largest clamped exponent of each operand
+    const int atop = std::max(ra.top(), s.a_emin), btop = std::max(rb.top(), s.b_emin);
     if (fast) P = fk.FW;
 #endif
     // each panel (K, P) contiguous (zero columns pad the last one): the lanes read it
@@ -233,13 +318,19 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     at::Tensor ea, eb, ea8, eb8;  // the exponents: int8 for the fast path, else int32
 #if defined(QT_ACCUM_AVX2)
     if (fast) {
-      ea8 = exps8(fk, ac, ra.top(), FR);
-      eb8 = exps8(fk, bp.view({B, ldb / P, K * P}), rb.top(), 1);
+      ea8 = exps8(fk, ac, atop, s.a_emin, FR);
+      eb8 = exps8(fk, bp.view({B, ldb / P, K * P}), btop, s.b_emin, 1);
     }
 #endif
     if (!fast) {
-      ea = exponents(ac);
-      eb = exponents(bp);
+      ea = exponents(ac, s.a_emin, eav);
+      at::Tensor ebp;  // b's clamps in b's panels
+      if (ebv.defined()) {
+        ebp = at::full({B, K, ldb}, s.b_emin, ebv.options());
+        ebp.narrow(2, 0, N).copy_(ebv);
+        ebp = ebp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();
+      }
+      eb = exponents(bp, s.b_emin, ebp);
     }
     constexpr int64_t TM = 8;  // rows per task (a fast tile): their operands stay in cache
 #if defined(QT_ACCUM_AVX2)
@@ -257,8 +348,8 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
         if (fast) {
           const int8_t* ea83 = ea8.data_ptr<int8_t>() + bi * ea8.stride(0);
           const int8_t* eb83 = eb8.data_ptr<int8_t>() + bi * K * ldb;
-          fk.rows_fast[s.align_round](a3, ea83, b3, eb83, ra.top() + rb.top(), K, N, i0, i1, s,
-                                      lim, o3);
+          fk.rows_fast[s.align_round](a3, ea83, b3, eb83, atop + btop, K, N, i0, i1, s, lim,
+                                      o3);
           continue;
         }
 #endif
@@ -284,6 +375,22 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
                             .permute({0, 2, 1, 3})
                             .contiguous();  // (B, ldb / C, K, C)
   const float* pb = bp.data_ptr<float>();
+  // the group exponents: a's (B, M, NG), b's in panels like b, (B, ldb / C, NG, C)
+  const int64_t NG = (K + s.group - 1) / s.group;
+  at::Tensor gac, gbp;
+  if (a_gexp) {
+    TORCH_CHECK(a_gexp->sizes() == at::IntArrayRef({B, M, NG}) &&
+                b_gexp->sizes() == at::IntArrayRef({B, NG, N}),
+                "qtensor::accum_matmul: a_gexp must be (", B, ", ", M, ", ", NG, ") and b_gexp (",
+                B, ", ", NG, ", ", N, "), got ", a_gexp->sizes(), " and ", b_gexp->sizes());
+    gac = a_gexp->to(at::kInt).contiguous();
+    gbp = at::constant_pad_nd(b_gexp->to(at::kInt), {0, ldb - N})
+              .reshape({B, NG, ldb / C, C})
+              .permute({0, 2, 1, 3})
+              .contiguous();
+  }
+  const int* pga = a_gexp ? gac.data_ptr<int>() : nullptr;
+  const int* pgb = a_gexp ? gbp.data_ptr<int>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, R * ldb * K));
   at::parallel_for(0, B * tm, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
@@ -291,14 +398,16 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
       const float* a3 = pa + bi * M * K;
       const float* b3 = pb + bi * K * ldb;
       float* o3 = po + bi * M * N;
+      const int* ga3 = pga ? pga + bi * M * NG : nullptr;
+      const int* gb3 = pgb ? pgb + bi * NG * ldb : nullptr;
 #if defined(QT_ACCUM_AVX2)
       if (isa == 2)
-        accum_avx512::rows_groups<8>(a3, b3, K, N, i0, i1, s, o3);
+        accum_avx512::rows_groups<8>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
       else if (isa == 1)
-        accum_avx2::rows_groups<4>(a3, b3, K, N, i0, i1, s, o3);
+        accum_avx2::rows_groups<4>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
       else
 #endif
-        accum_base::rows_groups<2>(a3, b3, K, N, i0, i1, s, o3);
+        accum_base::rows_groups<2>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
     }
   });
   return out;
@@ -308,7 +417,9 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
 
 TORCH_LIBRARY_FRAGMENT(qtensor, m) {
   m.def("accum_matmul(Tensor a, Tensor b, int chunk, int frac_bits, int group, "
-        "int align_rounding, bool acc_in_alignment, int acc_man, int acc_rounding, int promote) "
+        "int align_rounding, bool acc_in_alignment, int acc_man, int acc_rounding, int promote, "
+        "int e_zero, int a_emin, int b_emin, int acc_emin, int acc_emax, Tensor? a_gexp, "
+        "Tensor? b_gexp, Tensor? c, Tensor? a_emins=None, Tensor? b_emins=None) "
         "-> Tensor");
 }
 

@@ -10,7 +10,9 @@ namespace qtensor_accum {
 
 inline qtensor::AccumSpec make_spec(int64_t chunk, int64_t frac_bits, int64_t group,
                                     int64_t align_rounding, bool acc_in_alignment,
-                                    int64_t acc_man, int64_t acc_rounding, int64_t promote) {
+                                    int64_t acc_man, int64_t acc_rounding, int64_t promote,
+                                    int64_t e_zero, int64_t a_emin, int64_t b_emin,
+                                    int64_t acc_emin, int64_t acc_emax) {
   TORCH_CHECK(chunk >= 1 && chunk <= 65536, "qtensor::accum_matmul: chunk must be in [1, 65536], "
               "got ", chunk);
   TORCH_CHECK(group >= 1 && chunk % group == 0 && (group == 1 || chunk / group <= 256),
@@ -29,10 +31,21 @@ inline qtensor::AccumSpec make_spec(int64_t chunk, int64_t frac_bits, int64_t gr
               "got ", acc_man);
   TORCH_CHECK(promote >= 0, "qtensor::accum_matmul: promote must be >= 0 (0: never), got ",
               promote);
+  TORCH_CHECK(e_zero == qtensor::kAccZeroExp || (e_zero >= -1000 && e_zero <= 128),
+              "qtensor::accum_matmul: e_zero must be in [-1000, 128] or ", qtensor::kAccZeroExp,
+              " (none), got ", e_zero);
+  TORCH_CHECK(a_emin >= -1000 && a_emin <= 127 && b_emin >= -1000 && b_emin <= 127,
+              "qtensor::accum_matmul: a_emin and b_emin must be in [-1000, 127], got ", a_emin,
+              " and ", b_emin);
+  TORCH_CHECK(acc_emin >= -126 && acc_emin <= 0 && acc_emax >= 1 && acc_emax <= 127,
+              "qtensor::accum_matmul: acc_emin must be in [-126, 0] and acc_emax in [1, 127], "
+              "got ", acc_emin, " and ", acc_emax);
   qtensor::AccumSpec s;
   s.chunk = (int)chunk; s.frac_bits = (int)frac_bits; s.group = (int)group;
   s.align_round = (int)align_rounding; s.acc_in_alignment = acc_in_alignment;
   s.acc_man = (int)acc_man; s.acc_round = (int)acc_rounding; s.promote = (int)promote;
+  s.e_zero = (int)e_zero; s.a_emin = (int)a_emin; s.b_emin = (int)b_emin;
+  s.acc_emin = (int)acc_emin; s.acc_emax = (int)acc_emax;
   return s;
 }
 

@@ -124,24 +124,26 @@ inline Range scan(const float* x, int64_t n) {
                r.hi == 0 ? INT_MIN : (int)r.hi - 127};
 }
 
-// Exps8 of normal-or-zero x whose largest exponent is hi: one value (exps8_16: 16)
-inline int8_t exps8_1(float x, int hi) {
+// Exps8 of normal-or-zero x whose largest (clamped) exponent is hi, each clamped at emin (the
+// input format's minimum normal exponent): one value (exps8_16: 16)
+inline int8_t exps8_1(float x, int hi, int emin) {
   const uint32_t u = qtensor::f2u(x) & qtensor::F32::ABS;
-  return (int8_t)(u == 0 ? -128 : (int)(u >> 23) - 127 - hi);
+  return (int8_t)(u == 0 ? -128 : std::max((int)(u >> 23) - 127, emin) - hi);
 }
 // x[0:n] flat (b's panels)
-inline void exps8_flat(const float* x, int64_t n, int hi, int8_t* out) {
+inline void exps8_flat(const float* x, int64_t n, int hi, int emin, int8_t* out) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm_storeu_si128((__m128i*)(out + i), exps8_16(x + i, hi));
-  for (; i < n; ++i) out[i] = exps8_1(x[i], hi);
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128((__m128i*)(out + i), exps8_16(x + i, hi, emin));
+  for (; i < n; ++i) out[i] = exps8_1(x[i], hi, emin);
 }
 // rows rows (<= FR) of x (row stride C) to (C, FR * EA), interleaved; missing rows as zeros
-inline void exps8_rows(const float* x, int64_t rows, int64_t C, int hi, int8_t* out) {
+inline void exps8_rows(const float* x, int64_t rows, int64_t C, int hi, int emin, int8_t* out) {
   int64_t c = 0;
   for (; c + 16 <= C; c += 16) {
     __m128i r[FR];
     for (int i = 0; i < FR; ++i)
-      r[i] = i < rows ? exps8_16(x + i * C + c, hi) : _mm_set1_epi8(-128);
+      r[i] = i < rows ? exps8_16(x + i * C + c, hi, emin) : _mm_set1_epi8(-128);
     static_assert(FR == 4, "a 4 x 16 byte transpose");
     const __m128i t0 = _mm_unpacklo_epi8(r[0], r[1]), t1 = _mm_unpackhi_epi8(r[0], r[1]);
     const __m128i t2 = _mm_unpacklo_epi8(r[2], r[3]), t3 = _mm_unpackhi_epi8(r[2], r[3]);
@@ -153,7 +155,7 @@ inline void exps8_rows(const float* x, int64_t rows, int64_t C, int hi, int8_t* 
   for (; c < C; ++c)
     for (int i = 0; i < FR; ++i)
       for (int j = 0; j < EA; ++j)
-        out[(4 * c + i) * EA + j] = i < rows ? exps8_1(x[i * C + c], hi) : -128;
+        out[(4 * c + i) * EA + j] = i < rows ? exps8_1(x[i * C + c], hi, emin) : -128;
 }
 
 // out[r][0:ncols] for R <= TR rows of a (row stride K) times one (K, FW) panel of b, exponents
@@ -257,10 +259,10 @@ void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* 
       if (ok) continue;
       // rare: the double path, on the W-lane parts of the panel, with int32 exponents
       std::vector<int> eb(K * FW), ea(K);
-      for (int64_t k = 0; k < K * FW; ++k) eb[k] = qtensor::acc_exp_f32(bj[k]);
+      for (int64_t k = 0; k < K * FW; ++k) eb[k] = qtensor::acc_exp_f32(bj[k], s.b_emin);
       float tmp[FW];
       for (int r = 0; r < R; ++r) {
-        for (int64_t k = 0; k < K; ++k) ea[k] = qtensor::acc_exp_f32(ai[r * K + k]);
+        for (int64_t k = 0; k < K; ++k) ea[k] = qtensor::acc_exp_f32(ai[r * K + k], s.a_emin);
         for (int h = 0; h < FW; h += W)
           dot_lanes<MODE>(ai + r * K, ea.data(), bj + h, eb.data() + h, FW, K, s, tmp + h);
         for (int w = 0; w < nc; ++w) oi[r * N + w] = tmp[w];

@@ -210,13 +210,14 @@ inline ScanBits scan_lanes(const float* x, int64_t n) {
 
 // Exps8 of 16 normal-or-zero values whose largest exponent is hi (int8 by saturation: they are
 // in [-128, 0])
-inline __m128i exps8_16(const float* x, int hi) {
+inline __m128i exps8_16(const float* x, int hi, int emin) {
   __m256i e[2];
   for (int h = 0; h < 2; ++h) {
     const __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + 8 * h)),
                                        i32((int)qtensor::F32::ABS));
-    e[h] = _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_srli_epi32(u, 23), i32(127 + hi)),
-                              i32(-128), _mm256_cmpeq_epi32(u, _mm256_setzero_si256()));
+    const __m256i eb = _mm256_max_epi32(_mm256_srli_epi32(u, 23), i32(emin + 127));
+    e[h] = _mm256_blendv_epi8(_mm256_sub_epi32(eb, i32(127 + hi)), i32(-128),
+                              _mm256_cmpeq_epi32(u, _mm256_setzero_si256()));
   }
   // packs works within 128-bit lanes: x0..3 x8..11 | x4..7 x12..15, reordered to x0..15
   const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(e[0], e[1]), 0xD8);

@@ -153,9 +153,10 @@ inline ScanBits scan_lanes(const float* x, int64_t n) {
 }
 
 // Exps8 of 16 normal-or-zero values whose largest exponent is hi
-inline __m128i exps8_16(const float* x, int hi) {
+inline __m128i exps8_16(const float* x, int hi, int emin) {
   const __m512i u = _mm512_and_si512(_mm512_loadu_si512(x), i32((int)qtensor::F32::ABS));
-  const __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(u, 23), i32(127 + hi));
+  const __m512i e = _mm512_sub_epi32(_mm512_max_epi32(_mm512_srli_epi32(u, 23), i32(emin + 127)),
+                                     i32(127 + hi));
   return _mm512_cvtepi32_epi8(
       _mm512_mask_mov_epi32(e, _mm512_testn_epi32_mask(u, u), i32(-128)));
 }

@@ -20,6 +20,42 @@
 // 0.29 -> ~0.15-0.17 (the AVX2 copy unchanged: 0.38, 0.29); the emax loop and finish_chunk are
 // still about half of it at chunk 16.
 
+// With group exponents (ga, gb: Blackwell's block-scale exponents): lane w's emax over a chunk's
+// ng groups, each at ga[j] + gb[j * ldg + w] unless its products are all zero (a zero group sum
+// g[j * gs + w] is checked on the operands a[0:n], b (row stride ldb)), then at e_zero; pe: p's
+// exponent (kAccZeroExp: none, or zero in the alignment).
+inline int64_t group_emax_gexp(const double* g, int64_t gs, int64_t ng, int w, const int* ga,
+                               const int* gb, int64_t ldg, const float* a, const float* b,
+                               int64_t ldb, int64_t n, int64_t pe, const qtensor::AccumSpec& s) {
+  int64_t em = pe;
+  bool z = n < s.chunk || (s.acc_in_alignment && pe == qtensor::kAccZeroExp);
+  for (int64_t j = 0; j < ng; ++j) {
+    bool nonzero = g[j * gs + w] != 0.0;
+    const int64_t k1 = std::min<int64_t>((j + 1) * s.group, n);
+    for (int64_t k = j * s.group; k < k1 && !nonzero; ++k)
+      nonzero = a[k] != 0.0f && b[k * ldb + w] != 0.0f;
+    if (nonzero)
+      em = std::max<int64_t>(em, (int64_t)ga[j] + gb[j * ldg + w]);
+    else
+      z = true;
+  }
+  return z && em < s.e_zero ? s.e_zero : em;
+}
+
+// MMA-Sim's e_zero in a chunk's emax em[0:W] (lanes of columns w, b with row stride ldb): where
+// em is below e_zero (rare: every nonzero term tiny) and the lane has a zero term (a padding slot,
+// a zero partial in the alignment: pz, a zero product), em = e_zero. Called where s.e_zero is set.
+inline void zero_terms_emax(const int* ea, const int* eb, int64_t ldb, int64_t k0, int64_t n,
+                            const bool* pz, const qtensor::AccumSpec& s, int* em) {
+  for (int w = 0; w < W; ++w) {
+    if (em[w] >= s.e_zero) continue;
+    bool z = n < s.chunk || pz[w];
+    for (int64_t k = k0; k < k0 + n && !z; ++k)
+      z = ea[k] == qtensor::kAccZeroExp || eb[k * ldb + w] == qtensor::kAccZeroExp;
+    if (z) em[w] = s.e_zero;
+  }
+}
+
 // The two loops over a chunk's K-elements. em[w] = max(em[w], ea[k] + eb[k][w]);
 // S[w] = sum_k round(a[k] * b[k][w] * sc[w]) (integers below 2^53: exact in any order).
 #ifdef QT_ACCUM_AVX2
@@ -165,13 +201,13 @@ inline vd<V> finish_v(vd<V> S, vi<V> em, vd<V> sc, vd<V> p, const qtensor::Accum
   if (s.acc_in_alignment) S = S + round_v<MODE, V>(p * sc);
   const vd<V> v = S * pow2v<V>(em - s.frac_bits);
   vi<V> e = expv<V>(v);
-  e = e < qtensor::kAccExpMin ? splat_i<V>(qtensor::kAccExpMin) : e;
+  e = e < s.acc_emin ? splat_i<V>(s.acc_emin) : e;  // the accumulator's subnormal grid
   vd<V> y = v * pow2v<V>(s.acc_man - e);
   y = s.acc_round == 0 ? round_v<0, V>(y) : round_v<2, V>(y);
   const vd<V> r = y * pow2v<V>(e - s.acc_man) + 0.0;  // + 0: a zero result is +0
   const vi<V> mag = (vi<V>)r & INT64_MAX, inf = splat_i<V>(0x7ff0000000000000);
-  const vd<V> out = (vd<V>)(mag >= splat_i<V>(int64_t{1023 + 128} << 52)
-                                ? ((vi<V>)r & INT64_MIN) | inf : (vi<V>)r);  // >= 2^128: inf
+  const vd<V> out = (vd<V>)(mag >= splat_i<V>(int64_t{1024 + s.acc_emax} << 52)
+                                ? ((vi<V>)r & INT64_MIN) | inf : (vi<V>)r);  // 2^(emax+1): inf
   if (s.acc_in_alignment) return out;
   return __builtin_convertvector(
       __builtin_convertvector(p, vf<V>) + __builtin_convertvector(out, vf<V>), vd<V>);
@@ -190,11 +226,12 @@ struct Lanes {
     for (int v = 0; v < NV; ++v) { p[v] = vd<V>{}; acc[v] = vf<V>{}; }
   }
 
-  // p's alignment exponents (clamped at -126) where p is a nonzero term, else kAccZeroExp
+  // p's alignment exponents (clamped at the accumulator's emin) where p is a nonzero term, else
+  // kAccZeroExp
   void p_exps(const qtensor::AccumSpec& s, vi<V>* e) const {
     for (int v = 0; v < NV; ++v) {
       vi<V> ep = expv<V>(p[v]);
-      ep = ep < qtensor::kAccExpMin ? splat_i<V>(qtensor::kAccExpMin) : ep;
+      ep = ep < s.acc_emin ? splat_i<V>(s.acc_emin) : ep;
       const vi<V> none = splat_i<V>(qtensor::kAccZeroExp);
       e[v] = s.acc_in_alignment ? (p[v] == 0.0 ? none : ep) : none;
     }
@@ -268,7 +305,10 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
         const vsi e32 = __builtin_convertvector(e[r][v], vsi);
         std::memcpy(em[r] + DV * v, &e32, sizeof e32);
       }
+      bool pz[W];  // p is a zero term
+      for (int w = 0; w < W; ++w) pz[w] = s.acc_in_alignment && em[r][w] == kAccZeroExp;
       chunk_emax(ea + r * lda, eb, ldb, k0, k0 + n, em[r]);
+      if (s.e_zero != kAccZeroExp) zero_terms_emax(ea + r * lda, eb, ldb, k0, n, pz, s, em[r]);
       for (int v = 0; v < NV; ++v) {
         vsi e32;
         std::memcpy(&e32, em[r] + DV * v, sizeof e32);
@@ -302,7 +342,8 @@ using RowLanes = Lanes<V, group_cols(V) / V>;
 template <int MODE, int V>
 inline void group_chunk(const double* g, int64_t ng, RowLanes<V>& L, const float* a,
                         const float* b, int64_t ldb, int64_t n, bool last,
-                        const qtensor::AccumSpec& s) {
+                        const qtensor::AccumSpec& s, const int* ga = nullptr,
+                        const int* gb = nullptr) {
   constexpr int NV = RowLanes<V>::N / V;
   vi<V> m[NV], e[NV];  // the largest |g| (as bits): its exponent is the groups'
   vd<V> sc[NV], S[NV];
@@ -315,11 +356,36 @@ inline void group_chunk(const double* g, int64_t ng, RowLanes<V>& L, const float
       m[v] = x > m[v] ? x : m[v];
     }
   L.p_exps(s, e);
-  for (int v = 0; v < NV; ++v) {
+  if (ga != nullptr) {  // the groups at their block-scale exponents (group_emax_gexp)
+    for (int v = 0; v < NV; ++v) {
+      int64_t ev[V];
+      std::memcpy(ev, &e[v], sizeof ev);
+      for (int w = 0; w < V; ++w)
+        ev[w] = group_emax_gexp(g, L.N, ng, v * V + w, ga, gb, L.N, a, b, ldb, n, ev[w], s);
+      std::memcpy(&e[v], ev, sizeof ev);
+      e[v] = e[v] < -1022 ? vi<V>{} : e[v];  // all terms zero: any scale will do
+      sc[v] = pow2v<V>(s.frac_bits - e[v]);
+      S[v] = vd<V>{};
+    }
+  }
+  for (int v = 0; v < NV && ga == nullptr; ++v) {
     // a zero's exponent reads -1023 (a nonzero sum of float32 products is at least 2^-298): where
     // all terms are zero any scale will do; inf or NaN (1024) make S non-finite
     const vi<V> eg = expv<V>((vd<V>)m[v]);
+    const vi<V> pe = e[v];
     e[v] = eg > e[v] ? eg : e[v];
+    if (s.e_zero != qtensor::kAccZeroExp) {  // zero terms at e_zero (rare: tiny groups)
+      int64_t ev[V], pv[V];
+      std::memcpy(ev, &e[v], sizeof ev);
+      std::memcpy(pv, &pe, sizeof pv);
+      for (int w = 0; w < V; ++w) {
+        if (ev[w] >= s.e_zero) continue;
+        bool z = n < s.chunk || (s.acc_in_alignment && pv[w] == qtensor::kAccZeroExp);
+        for (int64_t j = 0; j < ng && !z; ++j) z = g[j * L.N + v * V + w] == 0.0;
+        if (z) ev[w] = s.e_zero;
+      }
+      std::memcpy(&e[v], ev, sizeof ev);
+    }
     e[v] = e[v] < -1022 ? vi<V>{} : e[v];
     sc[v] = pow2v<V>(s.frac_bits - e[v]);
     S[v] = vd<V>{};
@@ -346,7 +412,7 @@ struct Lanes {
     for (int w = 0; w < W; ++w) {
       const double pt = s.acc_in_alignment ? p[w] : 0.0;
       const int e = pt == 0.0 ? qtensor::kAccZeroExp : qtensor::acc_exp_f64(pt);
-      em[w] = pt != 0.0 && e < qtensor::kAccExpMin ? qtensor::kAccExpMin : e;
+      em[w] = pt != 0.0 && e < s.acc_emin ? s.acc_emin : e;
     }
   }
 
@@ -391,7 +457,10 @@ void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
     const int64_t n = K - k0 < s.chunk ? K - k0 : s.chunk;
     L.p_exps(s, em);
+    bool pz[W];  // p is a zero term
+    for (int w = 0; w < W; ++w) pz[w] = s.acc_in_alignment && em[w] == kAccZeroExp;
     chunk_emax(ea, eb, ldb, k0, k0 + n, em);
+    if (s.e_zero != kAccZeroExp) zero_terms_emax(ea, eb, ldb, k0, n, pz, s, em);
     for (int w = 0; w < W; ++w) {  // all-zero and non-finite lanes: any scale will do
       em[w] = em[w] < kAccZeroExp / 2 || em[w] > kAccBadExp / 2 ? 0 : em[w];
       sc[w] = acc_pow2(s.frac_bits - em[w]);
@@ -410,17 +479,28 @@ using RowLanes = Lanes;
 // groups (floor(log2|g|), unclamped) and p, the rounded scaled terms' sum, finish_chunk.
 template <int MODE, int V>
 inline void group_chunk(const double* g, int64_t ng, Lanes& L, const float* a, const float* b,
-                        int64_t ldb, int64_t n, bool last, const qtensor::AccumSpec& s) {
+                        int64_t ldb, int64_t n, bool last, const qtensor::AccumSpec& s,
+                        const int* ga = nullptr, const int* gb = nullptr) {
   using namespace qtensor;
   static_assert(group_cols(V) == W, "one Lanes per row");
   int em[W];
   double sc[W], S[W];
   L.p_exps(s, em);
   for (int w = 0; w < W; ++w) {
+    if (ga != nullptr) {  // the groups at their block-scale exponents
+      em[w] = (int)group_emax_gexp(g, W, ng, w, ga, gb, W, a, b, ldb, n, em[w], s);
+      em[w] = em[w] < kAccZeroExp / 2 ? 0 : em[w];
+      sc[w] = acc_pow2(s.frac_bits - em[w]);
+      S[w] = 0.0;
+      for (int64_t j = 0; j < ng; ++j) S[w] += acc_round_int(g[j * W + w] * sc[w], MODE);
+      continue;
+    }
+    bool z = n < s.chunk || (s.acc_in_alignment && em[w] == kAccZeroExp);
     for (int64_t j = 0; j < ng; ++j) {  // inf or NaN (1024) make S non-finite
       const double t = g[j * W + w];
-      if (t != 0.0) em[w] = std::max(em[w], acc_exp_f64(t));
+      if (t != 0.0) em[w] = std::max(em[w], acc_exp_f64(t)); else z = true;
     }
+    if (z && em[w] < s.e_zero) em[w] = s.e_zero;  // a zero term at e_zero
     em[w] = em[w] < kAccZeroExp / 2 ? 0 : em[w];  // all terms zero: any scale will do
     sc[w] = acc_pow2(s.frac_bits - em[w]);
     S[w] = 0.0;
@@ -544,7 +624,8 @@ inline void group_sums(const double* a, int64_t lda, const float* b, int64_t n, 
 
 template <int V, int MODE>
 void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int64_t i0,
-                      int64_t i1, const qtensor::AccumSpec& s, float* out) {
+                      int64_t i1, const qtensor::AccumSpec& s, float* out, const int* ga,
+                      const int* gb) {
   constexpr int R = group_rows(V), C = group_cols(V);
   // the tile's rows of a in double (zero rows past i1), then the group sums of a chunk; kept
   // per thread: a fresh large allocation per task would fault its pages in every time
@@ -555,6 +636,8 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
   for (int64_t r = 0; r < R; ++r)
     for (int64_t k = 0; k < K; ++k) ad[r * K + k] = i0 + r < i1 ? (double)a[(i0 + r) * K + k] : 0.0;
   float tmp[C];
+  // the group exponents: ga (M, NG) rows, gb (panels, NG, C)
+  const int64_t NG = (K + s.group - 1) / s.group;
   for (int64_t j0 = 0; j0 < N; j0 += C) {
     const float* bj = b + j0 * K;  // the panel of columns j0 .. j0 + C - 1
     RowLanes<V> L[R];
@@ -563,7 +646,8 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
       group_sums<V>(ad + k0, K, bj + k0 * C, n, s.group, G);
       for (int64_t r = 0; r < i1 - i0; ++r)
         group_chunk<MODE, V>(G + r * ng * C, ng, L[r], a + (i0 + r) * K + k0, bj + k0 * C, C, n,
-                             k0 + n == K, s);
+                             k0 + n == K, s, ga ? ga + (i0 + r) * NG + k0 / s.group : nullptr,
+                             ga ? gb + (j0 / C * NG + k0 / s.group) * C : nullptr);
     }
     for (int64_t r = 0; r < i1 - i0; ++r) {
       L[r].store(tmp, s);
@@ -577,10 +661,11 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
 // panels of group_cols(V) columns, each (K, C) contiguous (zero columns pad the last one).
 template <int V>
 void rows_groups(const float* a, const float* b, int64_t K, int64_t N, int64_t i0, int64_t i1,
-                 const qtensor::AccumSpec& s, float* out) {
+                 const qtensor::AccumSpec& s, float* out, const int* ga = nullptr,
+                 const int* gb = nullptr) {
   switch (s.align_round) {
-    case 0: rows_groups_mode<V, 0>(a, b, K, N, i0, i1, s, out); break;
-    case 1: rows_groups_mode<V, 1>(a, b, K, N, i0, i1, s, out); break;
-    default: rows_groups_mode<V, 2>(a, b, K, N, i0, i1, s, out); break;
+    case 0: rows_groups_mode<V, 0>(a, b, K, N, i0, i1, s, out, ga, gb); break;
+    case 1: rows_groups_mode<V, 1>(a, b, K, N, i0, i1, s, out, ga, gb); break;
+    default: rows_groups_mode<V, 2>(a, b, K, N, i0, i1, s, out, ga, gb); break;
   }
 }

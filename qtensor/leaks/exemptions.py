@@ -63,13 +63,24 @@ class Exemptions:
             return True  # a scalar (a wrapped Python number, a 0-dim constant torch made)
         if role in LOSS_DATA and target_position(ev.func) is not None:
             return True  # a loss's target (data, like the model's inputs) and class weights
-        if ev.ctx.targets is not None and storage_key(t) in ev.ctx.targets:
-            return True  # the same, in the loss's backward
+        if ev.ctx.targets is not None and (storage_key(t) in ev.ctx.targets
+                                           or t in self.loss_made):
+            return True  # the same, in the loss's backward (and what it computes from them)
         if t in self.blessed or self.is_deliberate(t):
             return True
         if ev.ctx.plain_act and t not in self.state_names:
             return True  # a recipe leaves this module's activations in full precision
         return self.allowed(t)
+
+    def unbless(self, t) -> bool:
+        """t (and every view of its memory) now holds values that are not torch's constant;
+        whether it was one."""
+        if t not in self.blessed:
+            return False
+        key = storage_key(t)
+        for b in [b for b in self.blessed.keys() if storage_key(b) == key]:
+            del self.blessed[b]
+        return True
 
     def is_deliberate(self, t) -> bool:
         if t in self.deliberate:
@@ -87,6 +98,21 @@ class Exemptions:
         for _, t in outs:
             if is_float(t) and not isinstance(t, QTensor):
                 self.deliberate[t] = True
+
+    def propagate_backward_loss_data(self, ins, outs, targets):
+        """In a loss's backward, plain values computed from its target and class weights only
+        are its data too (binary_cross_entropy_with_logits' ``pos_weight * target``)."""
+        found = False
+        for t in ins:
+            if not is_float(t) or t.dim() == 0:
+                continue
+            if t not in self.loss_made and storage_key(t) not in targets:
+                return
+            found = True
+        if found:
+            for _, t in outs:
+                if is_float(t):
+                    self.loss_made[t] = True
 
     def propagate_loss_data(self, ins, outs, frame):
         """Plain values a loss computes from its target and class weights only are its data

@@ -88,6 +88,8 @@ class OpChecker:
         if not has_q:
             if plain and forward and not self.tracker.in_step:
                 self.ex.propagate_loss_data(ins, ev.outs, frame)
+            elif plain and ev.ctx.targets is not None:
+                self.ex.propagate_backward_loss_data(ins, ev.outs, ev.ctx.targets)
             if plain and (ev.ctx.converted or self.tracker.in_step):
                 self.ex.propagate_deliberate(ins, ev.outs)
             if not ev.ctx.converted:
@@ -143,6 +145,13 @@ class OpChecker:
             if isinstance(dst, QTensor):
                 return  # plain values written into a QTensor are rounded to its format
         named = ev.arguments()
+        dests = pure_destinations(ev.func)
+        torch_buffer = False
+        for role, t in named:
+            if role.split("[")[0] in dests and is_float(t) and not isinstance(t, QTensor):
+                # QTensor values written into a buffer torch made (nn.utils.rnn.
+                # pad_packed_sequence's C++ code): it is no longer a constant, nor what follows
+                torch_buffer |= self.ex.unbless(t)
         fmts = [t.fmt for _, t in named if isinstance(t, QTensor)]
         flagged = [i for i, (role, t) in enumerate(named)
                    if not isinstance(t, QTensor) and is_float(t)
@@ -151,14 +160,17 @@ class OpChecker:
             flagged = self._drop_loss_data(ev, flagged)
         if not flagged:
             return
-        dests = pure_destinations(ev.func)
         operands = [i for i in flagged if named[i][0].split("[")[0] not in dests]
         if operands:
             self._finding(MIXED, ev, flag_in=operands)
         else:  # only a plain destination (out=, copy_): QTensor values came back plain
             plain_out = [i for i, (_, t) in enumerate(ev.outs)
                          if not isinstance(t, QTensor) and is_float(t)]
-            self._finding(PLAIN_RESULT, ev, flag_in=flagged, flag_out=plain_out)
+            detail = ("torch's own code copied QTensor values into a plain tensor it made (as "
+                      "nn.utils.rnn.pad_packed_sequence does): what it returns, and what is "
+                      "computed from it, is full precision; round it back into a format "
+                      "(qt.as_qtensor(result, fmt))") if torch_buffer else ""
+            self._finding(PLAIN_RESULT, ev, flag_in=flagged, flag_out=plain_out, detail=detail)
 
     def _drop_loss_data(self, ev, flagged) -> list:
         """Inside a torch.nn.functional loss its target and class weights are data, here and in

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..convert import conversion_of
 from ..tensor import QTensor
-from .frames import user_location
+from .frames import LOSS_DATA, user_location
 from .tensors import is_float, storage_key, target_position
 
 TAG = "qtensor.leak_check"  # key of our entry in autograd nodes' metadata
@@ -199,16 +199,19 @@ class Tracker:
                     md[TARGET_TAG] = md.get(TARGET_TAG, frozenset()) | {target}
 
     def record_targets(self, func, args, kwargs, outs):
-        """A loss's target is data: remember it on the loss's autograd node so that its
-        backward formula (``sigmoid(x) - target``) may use it too."""
-        pos = target_position(func)
-        if pos is None:
+        """A loss's target and class weights are data: remember them on the loss's autograd
+        node so that its backward formula (``sigmoid(x) - target``, ``* pos_weight``) may use
+        them too."""
+        if target_position(func) is None:
             return
-        t = args[pos] if pos < len(args) else kwargs.get("target")
-        if isinstance(t, torch.Tensor) and not isinstance(t, QTensor):
-            key = storage_key(t)
-            for _, o in outs:
-                self.pending.append((o, None, key))
+        for i, a in enumerate(func._schema.arguments):
+            if a.name not in LOSS_DATA:
+                continue
+            t = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(t, torch.Tensor) and not isinstance(t, QTensor):
+                key = storage_key(t)
+                for _, o in outs:
+                    self.pending.append((o, None, key))
 
     def record_tags(self, outs, module, frame):
         if not outs:

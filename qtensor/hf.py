@@ -1,0 +1,114 @@
+"""Hugging Face transformers: save and load converted models with their formats.
+
+``model.save_pretrained(dir)`` of a converted model fails in safetensors (it cannot store a
+QTensor: "invalid shape, data type, or offset"), and ``from_pretrained`` would give back a plain
+model. :func:`save_pretrained` saves the plain values (:func:`qtensor.serialization.plain_state_dict`)
+through the model's own ``save_pretrained`` and puts the recipe and every tensor's formats in the
+config (``config.json``, key ``"qtensor"``); :func:`from_pretrained` loads with the class's own
+``from_pretrained`` and converts the model to that recipe (the values are already in their
+formats, so they come back bit for bit), checking that each tensor got the formats it was saved
+with. Nothing here imports transformers: the model and its class bring it.
+
+``LEAK_ALLOW``: what ``qt.leak_check`` reports in HF models that is by design (docs/huggingface.md).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from .convert import conversion_of, convert
+from .ops import quantize
+from .serialization import plain_state_dict, recipe_from_dict, tensor_formats
+from .tensor import QTensor
+
+__all__ = ["save_pretrained", "from_pretrained", "CONFIG_KEY", "LEAK_ALLOW", "LEAK_ALLOW_EAGER"]
+
+CONFIG_KEY = "qtensor"
+
+# leak_check(allow=...) patterns (module names) for the plain values HF models make by design:
+# the rotary position tables (position ids times inv_freq, in the rotary module) ...
+LEAK_ALLOW = ("*rotary_emb",)
+# ... and, with attn_implementation="eager", the additive float attention mask (0 / dtype min)
+# that HF's masking utilities build and eager attention adds to the scores (reported in the
+# attention module: allowing it hides any other plain value there too; SDPA avoids it)
+LEAK_ALLOW_EAGER = LEAK_ALLOW + ("*.attn", "*.self_attn", "*.attention")
+
+
+def save_pretrained(model: nn.Module, save_directory, **kwargs) -> None:
+    """``model.save_pretrained(save_directory, **kwargs)`` for a converted model: plain values in
+    the safetensors files, the recipe and formats in config.json (under ``"qtensor"``).
+    A plain checkpoint of the same values, loadable by any transformers code; only
+    :func:`from_pretrained` converts it back."""
+    conv = conversion_of(model)
+    if conv is None:
+        raise ValueError("qt.hf.save_pretrained: the model is not converted; use "
+                         "model.save_pretrained")
+    if "state_dict" in kwargs:
+        raise TypeError("qt.hf.save_pretrained: the state dict is the model's own (its plain "
+                        "values); do not pass state_dict=")
+    plain = plain_state_dict(model)
+    config = model.config
+    had, old = hasattr(config, CONFIG_KEY), getattr(config, CONFIG_KEY, None)
+    setattr(config, CONFIG_KEY, {"version": plain["qtensor"], "recipe": plain["recipe"],
+                                 "formats": plain["formats"]})
+    try:
+        model.save_pretrained(save_directory, state_dict=plain["tensors"], **kwargs)
+    finally:  # the live model's config stays as it was
+        if had:
+            setattr(config, CONFIG_KEY, old)
+        else:
+            delattr(config, CONFIG_KEY)
+
+
+def from_pretrained(model_class, pretrained_model_name_or_path, **kwargs):
+    """``model_class.from_pretrained(path, **kwargs)``, converted back to the recipe saved by
+    :func:`save_pretrained` (a ValueError when a tensor does not get the formats it was saved
+    with). A checkpoint without qtensor formats loads plain (convert it then: ``model.to(fmt)``)."""
+    model = model_class.from_pretrained(pretrained_model_name_or_path, **kwargs)
+    info = getattr(model.config, CONFIG_KEY, None)
+    if not info:
+        return model
+    delattr(model.config, CONFIG_KEY)  # the conversion is on the model now, not in its config
+    _check_values(model, info.get("formats", {}))
+    convert(model, recipe_from_dict(info["recipe"]))
+    _check_formats(model, info.get("formats", {}))
+    return model
+
+
+def _check_values(model: nn.Module, formats: Dict[str, Any]) -> None:
+    """The loaded values must be in the formats the config names (else converting would round
+    them again, silently): a checkpoint changed after qt.hf.save_pretrained is refused. (A load
+    with another dtype= that keeps them representable, e.g. FP8 values in float16, passes.)"""
+    state = model.state_dict()
+    changed = []
+    with torch.no_grad():
+        for name, saved in formats.items():
+            t = state.get(name)
+            if t is None or not t.is_floating_point():
+                continue
+            values = t.detach().float()
+            if not torch.equal(quantize(values, saved["fmt"]), values):
+                changed.append(f"{name} ({saved['fmt']})")
+    if changed:
+        raise ValueError(
+            "qt.hf.from_pretrained: the checkpoint's values are not in the formats its config "
+            "names (changed after qt.hf.save_pretrained, or loaded with a dtype= that cannot hold "
+            "them): "
+            + ", ".join(changed) + "; to convert it anyway, load it with "
+            "cls.from_pretrained and convert it: model.to(recipe)")
+
+
+def _check_formats(model: nn.Module, formats: Dict[str, Any]) -> None:
+    state = model.state_dict()
+    wrong = []
+    for name, saved in formats.items():
+        t = state.get(name)
+        have = tensor_formats(t) if isinstance(t, QTensor) else {"fmt": "missing or plain"}
+        if have != saved:
+            wrong.append(f"{name}: saved {saved}, loaded {have}")
+    if wrong:
+        raise ValueError("qt.hf.from_pretrained: tensors did not get the formats they were saved "
+                         "with (another transformers version renaming weights?): "
+                         + "; ".join(wrong))

@@ -1,0 +1,519 @@
+"""qt.accum against MMA-Sim (microsoft/MMA-Sim, PyPI ``mmasim``): every preset bit for bit.
+
+MMA-Sim models each instruction bit-accurately (arXiv 2511.10909v2, validated on real GPUs).
+Operands are drawn as codes of the instruction's input formats: random codes over the whole
+range (subnormals, inf, NaN), moderate values, zeros, explicit subnormals and exactly cancelling
+pairs. A chain runs one instruction per ``chunk`` K-elements, each output the next one's
+accumulator input, promoted into a float32 add every ``promote`` instructions (CUTLASS,
+DeepGEMM). K not a multiple of the chunk: MMA-Sim sees the operands zero-padded (as a kernel
+pads K to the instruction's K).
+"""
+import zlib
+
+import pytest
+import torch
+
+from qtensor import accum
+
+mmasim = pytest.importorskip("mmasim")
+from mmasim import nv_ptx  # noqa: E402
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+F16, BF16 = torch.float16, torch.bfloat16
+TF32 = torch.float32  # tf32 values (the low 13 mantissa bits zero) in float32
+E4Z, E5Z = torch.float8_e4m3fnuz, torch.float8_e5m2fnuz  # AMD CDNA3's FP8
+EMIN = {F16: -14, BF16: -126, E4M3: -6, E5M2: -14, TF32: -126, E4Z: -7, E5Z: -15}
+PTX = {F16: "f16", BF16: "bf16", E4M3: "e4m3", E5M2: "e5m2"}
+
+
+def _nv(arch, kind, shape):
+    return lambda: getattr(nv_ptx, kind)(arch, shape)
+
+
+# preset -> [(a dtype, b dtype, the mmasim instruction of that type)]
+def _cases():
+    c = {}
+    c["volta_fp16"] = [(F16, F16, _nv("Volta", "MMA", "m8n8k4.f32.f16.f16.f32"))]
+    for t in (F16, BF16):
+        n = PTX[t]
+        c.setdefault("ampere_fp16" if t == F16 else "ampere_bf16", []).append(
+            (t, t, _nv("Ampere", "MMA", f"m16n8k16.f32.{n}.{n}.f32")))
+        c.setdefault("hopper_fp16" if t == F16 else "hopper_bf16", []).append(
+            (t, t, _nv("Hopper", "WGMMA", f"m64n8k16.f32.{n}.{n}")))
+        c.setdefault("blackwell_fp16" if t == F16 else "blackwell_bf16", []).append(
+            (t, t, _nv("Blackwell", "TCGen05MMA", f"m64n8k16.kind::f16.f32.{n}.{n}")))
+    for name in ("hopper_fp8", "hopper_fp8_fast"):
+        c[name] = [(x, y, _nv("Hopper", "WGMMA", f"m64n8k32.f32.{PTX[x]}.{PTX[y]}"))
+                   for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    c["ada_fp8"] = [(x, y, _nv("Ada Lovelace", "MMA", f"m16n8k32.f32.{PTX[x]}.{PTX[y]}.f32"))
+                    for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    c["blackwell_f8f6f4"] = [
+        (x, y, _nv("Blackwell", "TCGen05MMA", f"m64n8k32.kind::f8f6f4.f32.{PTX[x]}.{PTX[y]}"))
+        for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    c["hopper_fp8_f16"] = [(x, y, _nv("Hopper", "WGMMA", f"m64n8k32.f16.{PTX[x]}.{PTX[y]}"))
+                           for x in (E4M3, E5M2) for y in (E4M3, E5M2)]
+    from mmasim import amd
+    c["cdna3_fp16"] = [(F16, F16, lambda: amd.MFMA("CDNA3", "f32_16x16x16_f16"))]
+    c["cdna3_bf16"] = [(BF16, BF16, lambda: amd.MFMA("CDNA3", "f32_16x16x16_bf16"))]
+    c["cdna3_fp8"] = [(x, y, (lambda nx=nx, ny=ny: amd.MFMA("CDNA3", f"f32_16x16x32_{nx}_{ny}")))
+                      for x, nx in ((E4Z, "fp8"), (E5Z, "bf8")) for y, ny in ((E4Z, "fp8"),
+                                                                              (E5Z, "bf8"))]
+    c["ampere_tf32"] = [(TF32, TF32, _nv("Ampere", "MMA", "m16n8k8.f32.tf32.tf32.f32"))]
+    c["hopper_tf32"] = [(TF32, TF32, _nv("Hopper", "WGMMA", "m64n8k8.f32.tf32.tf32"))]
+    c["blackwell_tf32"] = [(TF32, TF32, _nv("Blackwell", "TCGen05MMA",
+                                            "m64n8k8.kind::tf32.f32.tf32.tf32"))]
+    return c
+
+
+CASES = _cases()
+
+
+def draw(g, dtype, shape, nonfinite=True):
+    """Codes of dtype: a mixture of the whole code range, moderate values, zeros, subnormals."""
+    nbits = 8 if dtype in (E4M3, E5M2, E4Z, E5Z) else (32 if dtype == TF32 else 16)
+    man = {F16: 10, BF16: 7, E4M3: 3, E5M2: 2, TF32: 23, E4Z: 3, E5Z: 2}[dtype]
+    codes = torch.randint(0, 1 << nbits, shape, generator=g, dtype=torch.int64)
+    if not nonfinite:  # keep the exponent field below all-ones
+        x = _view(codes, dtype)
+        codes = torch.where(torch.isfinite(x.float()), codes, codes & ~(1 << (nbits - 2)))
+    moderate = (torch.randn(shape, generator=g) * 2.0 ** torch.randint(-3, 4, shape, generator=g))
+    moderate = _codes(moderate.to(dtype), nbits)
+    sub = torch.randint(1, 1 << man, shape, generator=g) | (
+        torch.randint(0, 2, shape, generator=g) << (nbits - 1))
+    u = torch.rand(shape, generator=g)
+    codes = torch.where(u < 0.45, moderate, codes)
+    codes = torch.where((u >= 0.45) & (u < 0.6), sub, codes)
+    codes = torch.where((u >= 0.6) & (u < 0.72), 0, codes)
+    if dtype == TF32:  # tf32: the low 13 mantissa bits zero
+        codes = codes & ~0x1FFF
+    if dtype in (E4Z, E5Z) and not nonfinite:  # fnuz: 0x80 is the only NaN
+        codes = torch.where(codes == 0x80, 0, codes)
+    return _view(codes, dtype)
+
+
+def _view(codes, dtype):
+    if dtype in (E4M3, E5M2, E4Z, E5Z):
+        return codes.to(torch.uint8).view(dtype)
+    if dtype == TF32:  # wraps to the 32-bit pattern
+        signed = (codes + (1 << 31)) % (1 << 32) - (1 << 31)
+        return signed.to(torch.int32).view(torch.float32)
+    return codes.to(torch.int32).to(torch.int16).view(dtype)  # wraps to the 16-bit pattern
+
+
+def _codes(x, nbits):
+    v = {8: torch.uint8, 16: torch.int16, 32: torch.int32}[nbits]
+    return x.view(v).to(torch.int64) & ((1 << nbits) - 1)
+
+
+def operands(g, ta, tb, M, K, N, nonfinite=True):
+    a, b = draw(g, ta, (M, K), nonfinite), draw(g, tb, (K, N), nonfinite)
+    # exactly cancelling pairs: a[:, k+1] = -a[:, k], b[k+1] = b[k]
+    ks = torch.randperm(K - 1, generator=g)[: K // 6] if K > 1 else torch.tensor([], dtype=int)
+    for k in ks.tolist():
+        a[:, k + 1] = (-a[:, k].float()).to(ta)
+        b[k + 1] = b[k]
+    return a, b
+
+
+def mmasim_chain(make, a, b, f, c=None):
+    """MMA-Sim's chain of instructions over K (one per chunk), promotion as qt.accum's."""
+    M, K = a.shape
+    N = b.shape[1]
+    pad = -K % f.chunk
+    if pad:  # the instruction always takes a full chunk: zeros in the empty slots
+        a = torch.cat([a, torch.zeros(M, pad, dtype=a.dtype)], 1)
+        b = torch.cat([b, torch.zeros(pad, N, dtype=b.dtype)], 0)
+    op = make()
+    av = a[:, None, :].expand(M, N, -1)
+    bv = b.t()[None, :, :].expand(M, N, -1)
+    out = torch.float16 if f.acc_emax == 15 else torch.float32  # the instruction's D type
+    acc = torch.zeros(M, N)
+    p = torch.zeros(M, N, dtype=out) if c is None else c.to(out)
+    nk = a.shape[1] // f.chunk
+    for i in range(nk):
+        k0 = i * f.chunk
+        p = op.dpa(av[..., k0:k0 + f.chunk], bv[..., k0:k0 + f.chunk], p)
+        if f.promote is not None and ((i + 1) % f.promote == 0 or i + 1 == nk):
+            acc = acc + p
+            p = torch.zeros(M, N)
+    return acc if f.promote is not None else p
+
+
+def same_bits(x, y):
+    """Equal as bit patterns, every NaN one NaN."""
+    x, y = x.float(), y.float()
+    nx, ny = torch.isnan(x), torch.isnan(y)
+    return torch.equal(nx, ny) and torch.equal(
+        torch.where(nx, 0.0, x).view(torch.int32), torch.where(ny, 0.0, y).view(torch.int32))
+
+
+def ours(a, b, f, fn=accum.accum_matmul_reference, **kw):
+    return fn(a.float(), b.float(), f, a_emin=EMIN[a.dtype], b_emin=EMIN[b.dtype], **kw)
+
+
+PRESET_CASES = [(n, i) for n in CASES for i in range(len(CASES[n]))]
+
+
+def _ks(f):
+    return [f.chunk, 3 * f.chunk, 8 * f.chunk + 1 + f.chunk // 2]
+
+
+@pytest.mark.parametrize("name, i", PRESET_CASES)
+def test_reference_equals_mmasim(name, i):
+    f = accum.PRESETS[name]
+    ta, tb, make = CASES[name][i]
+    for K in _ks(f):
+        for nonfinite in (False, True):
+            g = torch.Generator().manual_seed(zlib.crc32(f"{name}{i}{K}{nonfinite}".encode()))
+            a, b = operands(g, ta, tb, 6, K, 5, nonfinite)
+            want = mmasim_chain(make, a, b, f)
+            got = ours(a, b, f)
+            assert same_bits(got, want), (name, ta, tb, K, nonfinite)
+
+
+@pytest.mark.parametrize("name", ["volta_fp16", "ampere_bf16", "hopper_fp16", "hopper_fp8"])
+def test_reference_rules_one_by_one(name):
+    """Hand-picked cases of the three rules, each of which the old model got wrong."""
+    f = accum.PRESETS[name]
+    ta, tb, make = CASES[name][0]
+    K = f.chunk
+    # rule 1: a subnormal operand aligns at the format's minimum normal exponent
+    a = torch.zeros(1, K, dtype=ta)
+    b = torch.zeros(K, 1, dtype=tb)
+    a[0, 0], b[0, 0] = 1.0, 1.0
+    a[0, 1] = torch.tensor(2.0 ** (EMIN[ta] - 1)).to(ta)  # subnormal (bf16: -127)
+    b[1, 0] = torch.tensor(1.75).to(tb)
+    assert same_bits(ours(a, b, f), mmasim_chain(make, a, b, f))
+
+
+# ---------------------------------------------------------------------------------------------
+# Blackwell block-scaled FP4 (tcgen05 kind::mxf4 / kind::mxf4nvf4): groups of 16 products summed
+# exactly, each aligned at its block scales' exponent (a_gexp + b_gexp), cancelled groups too
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+BLOCK_CASES = {
+    "blackwell_mxfp4": (32, "m128n8k64.kind::mxf4.block32.f32.e2m1.e2m1.ue8m0"),
+    "blackwell_nvfp4": (16, "m128n8k64.kind::mxf4nvf4.block16.f32.e2m1.e2m1.ue4m3"),
+}
+
+
+def fp4_values(g, shape):
+    v = FP4[torch.randint(0, 8, shape, generator=g)]
+    v = torch.where(torch.rand(shape, generator=g) < 0.5, -v, v)
+    return torch.where(torch.rand(shape, generator=g) < 0.15, 0.0, v)
+
+
+def block_scales(g, shape, kind):
+    """Scales as (float32 values, their alignment exponents, the mmasim dtype tensor)."""
+    if kind == 32:  # ue8m0: 2^(code - 127), codes over a wide range, a few extremes
+        codes = torch.randint(127 - 60, 127 + 60, shape, generator=g)
+        codes = torch.where(torch.rand(shape, generator=g) < 0.1, 127 - 40, codes)
+        x = codes.to(torch.uint8).view(torch.float8_e8m0fnu)
+        return x.float(), codes - 127, x
+    codes = torch.randint(0, 127, shape, generator=g)  # ue4m3: zero and subnormals included
+    x = codes.to(torch.uint8).view(E4M3)
+    v = x.float()
+    e = torch.frexp(v).exponent.to(torch.int64) - 1
+    return v, e.clamp(min=-6), x
+
+
+def block_operands(g, kind, M, K, N, cancel=True):
+    a, b = fp4_values(g, (M, K)), fp4_values(g, (K, N))
+    if cancel:  # a few groups whose products cancel exactly
+        for gi in range(0, K // 16, 3):
+            k = gi * 16
+            a[:, k + 8:k + 16] = -a[:, k:k + 8]
+            b[k + 8:k + 16] = b[k:k + 8]
+    sa, ea, xa = block_scales(g, (M, K // kind), kind)
+    sb, eb, xb = block_scales(g, (K // kind, N), kind)
+    return a, b, (sa, ea, xa), (sb, eb, xb)
+
+
+def mmasim_block_chain(shape, kind, a, b, xa, xb, c=None):
+    op = nv_ptx.TCGen05MMABlockScale("Blackwell", shape)
+    M, K = a.shape
+    N = b.shape[1]
+    av = a.half()[:, None, :].expand(M, N, K)
+    bv = b.half().t()[None, :, :].expand(M, N, K)
+    al = xa[:, None, :].expand(M, N, -1)
+    be = xb.t()[None, :, :].expand(M, N, -1)
+    p = torch.zeros(M, N) if c is None else c.clone()
+    for k0 in range(0, K, 64):
+        p = op.dpa(av[..., k0:k0 + 64], bv[..., k0:k0 + 64], p,
+                   al[..., k0 // kind:(k0 + 64) // kind], be[..., k0 // kind:(k0 + 64) // kind])
+    return p
+
+
+def block_ours(name, kind, a, b, sa, ea, sb, eb, fn=accum.accum_matmul_reference, c=None):
+    """qt.accum on the dequantized operands, with the groups' scale exponents."""
+    r = kind // 16  # groups per block
+    ad = a * sa.repeat_interleave(kind, 1)
+    bd = b * sb.repeat_interleave(kind, 0)
+    return fn(ad, bd, accum.PRESETS[name], a_gexp=ea.repeat_interleave(r, 1),
+              b_gexp=eb.repeat_interleave(r, 0), c=c)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_block_scaled_reference_equals_mmasim(name):
+    kind, shape = BLOCK_CASES[name]
+    for K in (64, 192, 512):
+        g = torch.Generator().manual_seed(zlib.crc32(f"{name}{K}".encode()))
+        a, b, (sa, ea, xa), (sb, eb, xb) = block_operands(g, kind, 5, K, 4)
+        want = mmasim_block_chain(shape, kind, a, b, xa, xb)
+        got = block_ours(name, kind, a, b, sa, ea, sb, eb)
+        assert same_bits(got, want), (name, K)
+
+
+def test_cancelled_group_still_aligns():
+    """A group at scale 2^35 whose products cancel still sets emax = 35: with 35 fractional bits
+    the other groups truncate at 2^0 (2.0 + 0.25 -> 2.0), where aligning by the group sums' own
+    exponents (the old model) kept 2.25. MMA-Sim agrees."""
+    f = accum.blackwell_mxfp4
+    a, b = torch.zeros(1, 64), torch.zeros(64, 1)
+    a[0, 0], a[0, 1], b[0, 0], b[1, 0] = 1.0, -1.0, 1.0, 1.0  # group 0 (block 0) cancels
+    a[0, 32], a[0, 33], b[32, 0], b[33, 0] = 1.5, 0.5, 1.0, 1.0  # group 2 (block 1): 2.0
+    a[0, 48], b[48, 0] = 0.5, 0.5                              # group 3 (block 1): 0.25
+    ea = torch.tensor([[35, 0]])
+    eb = torch.zeros(2, 1, dtype=torch.int64)
+    sa, sb = torch.exp2(ea.float()), torch.ones(2, 1)
+    xa = (ea + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    xb = (eb + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    got = block_ours("blackwell_mxfp4", 32, a, b, sa, ea, sb, eb)
+    assert got.item() == 2.0
+    assert same_bits(got, mmasim_block_chain(BLOCK_CASES["blackwell_mxfp4"][1], 32, a, b, xa, xb))
+    ad = a * sa.repeat_interleave(32, 1)
+    assert accum.accum_matmul_reference(ad, b, f).item() == 2.25  # without group exponents
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled kernel (every CPU path: the float32/int32 fast path takes the FP8 operands, the
+# double lanes the wide ones, the scalar path group exponents and c) and the initial accumulator
+
+needs_kernel = pytest.mark.skipif(not accum._kernel_ready(torch.empty(0)),
+                                  reason="the compiled extension is not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name, i", PRESET_CASES)
+def test_kernel_equals_mmasim(name, i):
+    f = accum.PRESETS[name]
+    ta, tb, make = CASES[name][i]
+    for K in _ks(f):
+        for nonfinite in (False, True):
+            g = torch.Generator().manual_seed(zlib.crc32(f"k{name}{i}{K}{nonfinite}".encode()))
+            a, b = operands(g, ta, tb, 9, K, 11, nonfinite)
+            want = mmasim_chain(make, a, b, f)
+            assert same_bits(ours(a, b, f, accum.accum_matmul), want), (name, ta, tb, K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_block_scaled_kernel_equals_mmasim(name):
+    kind, shape = BLOCK_CASES[name]
+    for K in (64, 320):
+        g = torch.Generator().manual_seed(zlib.crc32(f"k{name}{K}".encode()))
+        a, b, (sa, ea, xa), (sb, eb, xb) = block_operands(g, kind, 7, K, 9)
+        want = mmasim_block_chain(shape, kind, a, b, xa, xb)
+        got = block_ours(name, kind, a, b, sa, ea, sb, eb, fn=accum.accum_matmul)
+        assert same_bits(got, want), (name, K)
+
+
+def _acc_init(g, M, N):
+    """Initial accumulators: moderate, huge, tiny, subnormal and zero float32 values."""
+    c = torch.randn(M, N, generator=g) * 2.0 ** torch.randint(-140, 40, (M, N), generator=g)
+    return torch.where(torch.rand(M, N, generator=g) < 0.2, 0.0, c)
+
+
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+@pytest.mark.parametrize("name", ["volta_fp16", "ampere_bf16", "hopper_fp16", "hopper_fp8",
+                                  "blackwell_bf16"])
+def test_initial_accumulator_equals_mmasim(name, fn):
+    """C fed into the first instruction as its accumulator input (mma's C operand)."""
+    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+        pytest.skip("the compiled extension is not built")
+    f = accum.PRESETS[name]
+    ta, tb, make = CASES[name][0]
+    g = torch.Generator().manual_seed(zlib.crc32(f"c{name}".encode()))
+    a, b = operands(g, ta, tb, 6, 3 * f.chunk, 5, nonfinite=False)
+    c = _acc_init(g, 6, 5)
+    want = mmasim_chain(make, a, b, f, c=c)
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    assert same_bits(ours(a, b, f, run, c=c), want)
+
+
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_block_scaled_initial_accumulator_equals_mmasim(name, fn):
+    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+        pytest.skip("the compiled extension is not built")
+    kind, shape = BLOCK_CASES[name]
+    g = torch.Generator().manual_seed(zlib.crc32(f"c{name}".encode()))
+    a, b, (sa, ea, xa), (sb, eb, xb) = block_operands(g, kind, 4, 128, 3)
+    c = _acc_init(g, 4, 3)
+    want = mmasim_block_chain(shape, kind, a, b, xa, xb, c=c)
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    assert same_bits(block_ours(name, kind, a, b, sa, ea, sb, eb, fn=run, c=c), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blackwell kind::f8f6f4 with FP6/FP4 operands (one code per byte for MMA-Sim)
+
+SMALL = {"e3m2": ("fp6_e3m2", 6), "e2m3": ("fp6_e2m3", 6), "e2m1": ("fp4_e2m1", 4)}
+
+
+def small_operand(g, t, shape):
+    """(uint8 codes as MMA-Sim takes them, float32 values, the format's minimum normal exp)."""
+    from oracles import decode_float
+
+    import qtensor as qt
+    fmt = qt.formats.format(SMALL[t][0])
+    nb = SMALL[t][1]
+    codes = torch.randint(0, 1 << nb, shape, generator=g)
+    codes = torch.where(torch.rand(shape, generator=g) < 0.15, 0, codes)
+    table = torch.tensor([decode_float(c, fmt) for c in range(1 << nb)], dtype=torch.float32)
+    vals = table[codes]
+    raw = (codes << 2 if nb == 4 else codes).to(torch.uint8)
+    return raw, vals, fmt.emin
+
+
+@pytest.mark.parametrize("ta", ["e4m3", "e3m2", "e2m3", "e2m1"])
+@pytest.mark.parametrize("tb", ["e5m2", "e3m2", "e2m1"])
+def test_blackwell_f8f6f4_small_types_equal_mmasim(ta, tb):
+    f = accum.blackwell_f8f6f4
+    g = torch.Generator().manual_seed(zlib.crc32(f"{ta}{tb}".encode()))
+    K = 96
+    ops = []
+    for t, shape in ((ta, (6, K)), (tb, (K, 5))):
+        if t in SMALL:
+            ops.append(small_operand(g, t, shape))
+        else:
+            dt = {"e4m3": E4M3, "e5m2": E5M2}[t]
+            x = draw(g, dt, shape, nonfinite=False)
+            ops.append((x, x.float(), EMIN[dt]))
+    (ra, va, ea), (rb, vb, eb) = ops
+    make = _nv("Blackwell", "TCGen05MMA", f"m64n8k32.kind::f8f6f4.f32.{ta}.{tb}")
+    want = mmasim_chain(make, ra, rb, f)
+    for fn in (accum.accum_matmul_reference, accum.accum_matmul):
+        assert same_bits(fn(va, vb, f, a_emin=ea, b_emin=eb), want), fn
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_kernel_equals_mmasim_on_other_isas(isa):
+    """The baseline and AVX2 copies of the lanes (their e_zero and emin handling) too."""
+    import os
+    import subprocess
+    import sys
+    if os.environ.get("QTENSOR_CPU_ISA"):
+        pytest.skip("already under a capped ISA")
+    sel = ("kernel_equals_mmasim and (ampere_bf16 or hopper_fp8-0 or volta or f8f6f4-1 or "
+           "blackwell_mxfp4 or blackwell_nvfp4 or hopper_fp8_f16-0) or qtensor_mxfp4")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", sel],
+                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), capture_output=True,
+                       text=True, timeout=900,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_qtensor_mxfp4_contraction_equals_mmasim():
+    """torch.mm of QTensors with MXFP4 operand formats and blackwell_mxfp4: the block scales,
+    recovered from the rounded operands, align the groups as tcgen05 kind::mxf4 does."""
+    import qtensor as qt
+    g = torch.Generator().manual_seed(11)
+    M, K, N = 5, 256, 4
+    a = torch.randn(M, K, generator=g) * 2.0 ** torch.randint(-20, 20, (M, 1), generator=g)
+    b = torch.randn(K, N, generator=g)
+    b[64:96] *= 2.0 ** 34  # one block of b far above the rest: 35 bits below it, the rest
+    a[:, 64:72] = 1.0  # truncate; in it a group whose products cancel exactly
+    a[:, 72:80] = -1.0
+    b[72:80] = b[64:72]
+    a[:, 130:140] = 0.0
+    qa = qt.as_qtensor(a, "fp32", mm_fmt="mxfp4")
+    qb = qt.as_qtensor(b, "fp32", mm_fmt="mxfp4")
+    qa.accum = accum.blackwell_mxfp4
+    got = torch.mm(qa, qb)
+
+    def split(x):  # (values rounded to MXFP4 along the last dim, elements, scale exponents)
+        xq = qt.quantize(x, "mxfp4")
+        amax = x.abs().unflatten(-1, (-1, 32)).amax(-1)
+        e = torch.frexp(amax).exponent.to(torch.int64) - 1 - 2  # OCP MX: floor(log2 amax) - 2
+        elem = xq / torch.exp2(e.float()).repeat_interleave(32, -1)
+        return elem, e
+    ea_el, ea = split(a)
+    eb_el, eb = split(b.t())
+    xa = (ea + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    xb = (eb + 127).to(torch.uint8).view(torch.float8_e8m0fnu).t()
+    want = mmasim_block_chain(BLOCK_CASES["blackwell_mxfp4"][1], 32, ea_el, eb_el.t(), xa, xb)
+    assert same_bits(got.dequantize() if hasattr(got, "dequantize") else got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blackwell kind::mxf8f6f4 block32 (MXFP8 operands, E8M0 scales): each product at its elements'
+# (clamped at the element format's minimum normal exponent) and scales' exponents
+
+@pytest.mark.parametrize("ta", [E4M3, E5M2])
+@pytest.mark.parametrize("tb", [E4M3, E5M2])
+def test_blackwell_mxf8f6f4_block_scaled_equals_mmasim(ta, tb):
+    f = accum.blackwell_mxf8f6f4
+    g = torch.Generator().manual_seed(zlib.crc32(f"mx{ta}{tb}".encode()))
+    M, K, N = 6, 128, 5
+    a, b = operands(g, ta, tb, M, K, N, nonfinite=False)
+    sa = torch.randint(-20, 20, (M, K // 32), generator=g)
+    sb = torch.randint(-20, 20, (K // 32, N), generator=g)
+    op = nv_ptx.TCGen05MMABlockScale(
+        "Blackwell", f"m128n8k32.kind::mxf8f6f4.block32.f32.{PTX[ta]}.{PTX[tb]}.ue8m0")
+    av = a[:, None, :].expand(M, N, K)
+    bv = b.t()[None, :, :].expand(M, N, K)
+    al = (sa + 127).to(torch.uint8).view(torch.float8_e8m0fnu)[:, None, :].expand(M, N, -1)
+    be = (sb + 127).to(torch.uint8).view(torch.float8_e8m0fnu).t()[None, :, :].expand(M, N, -1)
+    want = torch.zeros(M, N)
+    for k0 in range(0, K, 32):
+        want = op.dpa(av[..., k0:k0 + 32], bv[..., k0:k0 + 32], want,
+                      al[..., k0 // 32:k0 // 32 + 1], be[..., k0 // 32:k0 // 32 + 1])
+    ea, eb = sa.repeat_interleave(32, 1), sb.repeat_interleave(32, 0)
+    ad, bd = a.float() * torch.exp2(ea.float()), b.float() * torch.exp2(eb.float())
+    for fn in (accum.accum_matmul_reference, accum.accum_matmul):
+        got = fn(ad, bd, f, a_emin=ea + EMIN[ta], b_emin=eb + EMIN[tb])
+        assert same_bits(got, want), fn
+    if (ta, tb) == (E4M3, E5M2):  # here the scalar clamps (the old model) differ
+        assert not same_bits(accum.accum_matmul_reference(ad, bd, f), want)
+
+
+def test_qtensor_mxfp8_contraction_equals_mmasim():
+    """torch.mm of QTensors with MXFP8 operand formats and blackwell_mxf8f6f4 equals
+    kind::mxf8f6f4: the per-element clamps (the block's minimum normal exponent) reach the
+    kernel. (These operands do not make the clamps change a bit; the test above does.)"""
+    import qtensor as qt
+    g = torch.Generator().manual_seed(12)
+    M, K, N = 5, 128, 4
+    a = torch.randn(M, K, generator=g)
+    a[:, ::7] *= 2.0 ** -15  # elements far below their block's maximum: E4M3 subnormals
+    b = torch.randn(K, N, generator=g)
+    keep = torch.zeros(K, 1, dtype=torch.bool)
+    keep[::7] = True
+    b[:64] = torch.where(keep[:64], b[:64], 0.0)  # two chunks of only subnormal-element products
+    qa = qt.as_qtensor(a, "fp32", mm_fmt="mxfp8_e4m3")
+    qb = qt.as_qtensor(b, "fp32", mm_fmt="mxfp8_e4m3")
+    qa.accum = accum.blackwell_mxf8f6f4
+    got = torch.mm(qa, qb)
+    assert accum._mx_emin(qt.quantize(a, "mxfp8_e4m3"), qa, -1) is not None  # subnormals
+
+    def split(x):  # elements (e4m3) and scale exponents of x rounded to MXFP8 along the last dim
+        xq = qt.quantize(x, "mxfp8_e4m3")
+        amax = x.abs().unflatten(-1, (-1, 32)).amax(-1)
+        e = torch.frexp(amax).exponent.to(torch.int64) - 1 - 8  # floor(log2 amax) - emax(e4m3)
+        return (xq / torch.exp2(e.float()).repeat_interleave(32, -1)).to(E4M3), e
+    ael, ea = split(a)
+    bel, eb = split(b.t())
+    op = nv_ptx.TCGen05MMABlockScale("Blackwell",
+                                     "m128n8k32.kind::mxf8f6f4.block32.f32.e4m3.e4m3.ue8m0")
+    av, bv = ael[:, None, :].expand(M, N, K), bel[None, :, :].expand(M, N, K)
+    al = (ea + 127).to(torch.uint8).view(torch.float8_e8m0fnu)[:, None, :].expand(M, N, -1)
+    be = (eb + 127).to(torch.uint8).view(torch.float8_e8m0fnu)[None, :, :].expand(M, N, -1)
+    want = torch.zeros(M, N)
+    for k0 in range(0, K, 32):
+        want = op.dpa(av[..., k0:k0 + 32], bv[..., k0:k0 + 32], want,
+                      al[..., k0 // 32:k0 // 32 + 1], be[..., k0 // 32:k0 // 32 + 1])
+    assert same_bits(got, want)

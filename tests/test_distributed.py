@@ -1,0 +1,644 @@
+"""Converted models under torch.distributed: collectives, DDP, FSDP2, DTensor/TP, DCP.
+
+Two gloo processes on the CPU, started once for the module (a pool that runs one scenario per
+test: starting Python and torch twice per test would cost most of the file's time). Each scenario
+runs on both ranks and returns picklable results; the single-process reference runs in the test
+process itself. The reduction rule and wrap orders under test: docs/distributed.md.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qtensor as qt
+
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available")
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool of ranks
+
+def _worker(rank, world, store_path, tasks, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    import sys
+    scenarios = sys.modules[__name__]
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        name, args = task
+        try:
+            torch.manual_seed(0)
+            results.put((rank, True, getattr(scenarios, name)(rank, world, *args)))
+        except BaseException:  # noqa: BLE001 (reported to the test)
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world):
+        self._start(world)
+
+    def _start(self, world):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.dir = tempfile.TemporaryDirectory()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        store = os.path.join(self.dir.name, "store")  # a fresh file: no port to collide on
+        self.procs = [ctx.Process(target=_worker, args=(r, world, store, self.tasks[r],
+                                                        self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, name, *args, timeout=120):
+        for q in self.tasks:
+            q.put((name, args))
+        out, errors = {}, []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                errors.append(f"no answer within {timeout} s")
+                break
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors or len(out) < self.world:
+            self.close()  # a rank may be left inside a collective: fresh ranks for the next test
+            self._start(self.world)
+            raise AssertionError(f"scenario {name} failed\n" + "\n".join(errors))
+        return [out[r] for r in range(self.world)]
+
+    def close(self):
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+        self.dir.cleanup()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    pool = _Pool(WORLD)
+    yield pool
+    pool.close()
+
+
+def _bits(t):
+    t = t.dequantize() if isinstance(t, qt.QTensor) else t
+    t = t.detach().contiguous().to(torch.float32)
+    return t.view(torch.int32)
+
+
+def _assert_bits_equal(a, b, what=""):
+    assert torch.equal(_bits(a), _bits(b)), (
+        f"{what}: differ in {(_bits(a) != _bits(b)).sum().item()} of {a.numel()} elements, "
+        f"max |diff| {(qt_plain(a) - qt_plain(b)).abs().max().item()}")
+
+
+def qt_plain(t):
+    return (t.dequantize() if isinstance(t, qt.QTensor) else t).detach().float()
+
+
+def _fmt(t):
+    t = getattr(t, "_local_tensor", t)  # a DTensor's local tensor
+    return (str(t.fmt), None if t.mm_fmt is None else str(t.mm_fmt)) if isinstance(
+        t, qt.QTensor) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Collectives
+
+def _sc_functional_collectives(rank, world):
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+    q = qt.as_qtensor(torch.full((65536,), rank + 1.0), qt.bf16)
+    out = {}
+    gathered = funcol.all_gather_tensor(q, 0, g)
+    out["all_gather"] = (_fmt(gathered), qt_plain(gathered))
+    # 1 + 2**-10 is no bf16 value: the sum is rounded once (to 1), on both ranks
+    x = qt.as_qtensor(torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]) if rank == 0
+                      else torch.tensor([2.0 ** -10, 5.0, 1.0, 0.25]), qt.bf16)
+    r = funcol.all_reduce(x, "sum", g)
+    out["all_reduce"] = (_fmt(r), qt_plain(r))
+    rs = funcol.reduce_scatter_tensor(x, "sum", 0, g)
+    out["reduce_scatter"] = (_fmt(rs), qt_plain(rs))
+    return out
+
+
+def test_functional_collectives_wait_and_keep_the_format(ranks):
+    res = ranks.run("_sc_functional_collectives")
+    full = torch.cat([torch.full((65536,), 1.0), torch.full((65536,), 2.0)])
+    reduced = torch.tensor([1.0, 8.0, 1.0, 0.75])  # 1 + 2**-10 rounds to 1 in bf16
+    for rank, out in enumerate(res):
+        assert out["all_gather"][0] == ("bf16", None)
+        _assert_bits_equal(out["all_gather"][1], full, f"rank {rank} all_gather")
+        assert out["all_reduce"][0] == ("bf16", None)
+        _assert_bits_equal(out["all_reduce"][1], reduced, f"rank {rank} all_reduce")
+        assert out["reduce_scatter"][0] == ("bf16", None)
+        _assert_bits_equal(out["reduce_scatter"][1], reduced[2 * rank:2 * rank + 2],
+                           f"rank {rank} reduce_scatter")
+
+
+def _sc_c10d_collectives(rank, world):
+    vals = (torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]) if rank == 0
+            else torch.tensor([2.0 ** -10, 5.0, 1.0, 0.25]))
+    out = {}
+    x = qt.as_qtensor(vals, qt.bf16)
+    dist.all_reduce(x)
+    out["all_reduce"] = (_fmt(x), qt_plain(x))
+    x = qt.as_qtensor(vals, qt.bf16)
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()
+    out["all_reduce_async"] = (_fmt(x), qt_plain(x))
+    x = qt.as_qtensor(vals, qt.bf16)
+    dst = qt.as_qtensor(torch.zeros(8), qt.bf16)
+    dist.all_gather_into_tensor(dst, x)
+    out["all_gather_into_tensor"] = (_fmt(dst), qt_plain(dst))
+    lst = [qt.as_qtensor(torch.zeros(4), qt.bf16) for _ in range(world)]
+    dist.all_gather(lst, x)
+    out["all_gather"] = ([_fmt(t) for t in lst], torch.cat([qt_plain(t) for t in lst]))
+    rs = qt.as_qtensor(torch.zeros(2), qt.bf16)
+    dist.reduce_scatter_tensor(rs, x)
+    out["reduce_scatter"] = (_fmt(rs), qt_plain(rs))
+    b = qt.as_qtensor(vals, qt.bf16)
+    dist.broadcast(b, src=1)
+    out["broadcast"] = (_fmt(b), qt_plain(b))
+    return out
+
+
+def test_c10d_collectives_sync_and_async_round_once(ranks):
+    res = ranks.run("_sc_c10d_collectives")
+    v0, v1 = torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]), torch.tensor([2.0 ** -10, 5.0, 1.0, 0.25])
+    reduced = torch.tensor([1.0, 8.0, 1.0, 0.75])
+    for rank, out in enumerate(res):
+        for key in ("all_reduce", "all_reduce_async"):
+            assert out[key][0] == ("bf16", None), key
+            _assert_bits_equal(out[key][1], reduced, f"rank {rank} {key}")
+        assert out["all_gather_into_tensor"][0] == ("bf16", None)
+        _assert_bits_equal(out["all_gather_into_tensor"][1], torch.cat([v0, v1]),
+                           f"rank {rank} all_gather_into_tensor")
+        assert out["all_gather"][0] == [("bf16", None)] * 2
+        _assert_bits_equal(out["all_gather"][1], torch.cat([v0, v1]), f"rank {rank} all_gather")
+        assert out["reduce_scatter"][0] == ("bf16", None)
+        _assert_bits_equal(out["reduce_scatter"][1], reduced[2 * rank:2 * rank + 2],
+                           f"rank {rank} reduce_scatter")
+        _assert_bits_equal(out["broadcast"][1], v1, f"rank {rank} broadcast")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. DDP: the reduction rule
+
+def _mlp(hidden=16, out=4):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, out))
+
+
+def _data(steps, batch=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 8, generator=g), torch.randn(batch, 4, generator=g))
+            for _ in range(steps)]
+
+
+def _spec(name):
+    return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3}[name]
+
+
+def _state(model):
+    """name -> (formats of value and gradient, plain value, plain gradient)."""
+    out = {}
+    for n, p in model.named_parameters():
+        n = n.removeprefix("module.")
+        out[n] = (_fmt(p), _fmt(p.grad), qt_plain(p), None if p.grad is None else qt_plain(p.grad))
+    return out
+
+
+def _sc_ddp(rank, world, spec, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(qt.convert(_mlp(), _spec(spec)))
+    opt = _optimizer("sgd", model)
+    for x, y in _data(steps):
+        n = len(x) // world
+        loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+                          y[rank * n:(rank + 1) * n])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _state(model)
+
+
+def qt_plain_grad(t):  # the loss in FP32 of the emulated output (differentiable)
+    return t.dequantize() if isinstance(t, qt.QTensor) else t
+
+
+def _optimizer(name, model):
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _reduced_reference(spec, steps, world=WORLD, optim="sgd", hidden=16):
+    """One process, the same global batches, by the reduction rule: each rank's gradient (its
+    micro-batch's, in the grad format), their mean in FP32, rounded once to the grad format."""
+    model = qt.convert(_mlp(hidden), _spec(spec))
+    opt = _optimizer(optim, model)
+    params = list(model.parameters())
+    for x, y in _data(steps):
+        n = len(x) // world
+        grads = []
+        for r in range(world):
+            opt.zero_grad()
+            loss = F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n])
+            loss.backward()
+            grads.append([qt_plain(p.grad) for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                mean = sum(g[i] for g in grads) / world  # FP32
+                p.grad.copy_(mean)  # rounded once, into the gradient's format
+        opt.step()
+    _REF_OPT_STATE[spec, hidden] = _opt_state(opt)
+    return _state(model)
+
+
+_REF_OPT_STATE = {}  # (spec, hidden) -> the last reference run's optimizer state
+
+
+def _accumulated_reference(spec, steps, world=WORLD):
+    """One process, the same global batches: gradient accumulation over the ranks' micro-batches
+    (each loss divided by the world size): the same as the rule where dividing a gradient by the
+    world size is exact in its format (no underflow: bf16 here, not fp8)."""
+    model = qt.convert(_mlp(), _spec(spec))
+    opt = _optimizer("sgd", model)
+    for x, y in _data(steps):
+        n = len(x) // world
+        opt.zero_grad()
+        for r in range(world):
+            loss = F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n])
+            (loss / world).backward()
+        opt.step()
+    return _state(model)
+
+
+def _assert_states_equal(state, ref, who):
+    assert state.keys() == ref.keys()
+    for n, (fmts, gfmts, value, grad) in state.items():
+        rf, rg, rv, rgrad = ref[n]
+        assert fmts == rf and gfmts == rg, (who, n, fmts, gfmts, rf, rg)
+        _assert_bits_equal(value, rv, f"{who} {n}")
+        _assert_bits_equal(grad, rgrad, f"{who} {n}.grad")
+
+
+@pytest.mark.parametrize("spec", ["bf16", "mxfp6", "fp8"])
+def test_ddp_follows_the_reduction_rule_bit_for_bit(ranks, spec):
+    res = ranks.run("_sc_ddp", spec, 3)
+    ref = _reduced_reference(spec, 3)
+    for rank, state in enumerate(res):
+        _assert_states_equal(state, ref, f"rank {rank}")
+    if spec == "bf16":  # and so gradient accumulation in one process, where the division is exact
+        _assert_states_equal(res[0], _accumulated_reference(spec, 3), "accumulation")
+
+
+def _sc_convert_wrapped(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = {}
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    ddp = DDP(model)
+    try:
+        qt.convert(ddp, qt.bf16)
+        out["ddp"] = None
+    except TypeError as e:
+        out["ddp"] = str(e)
+    out["ddp_untouched"] = (all(not isinstance(p, qt.QTensor) for p in model.parameters())
+                            and all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    converted = DDP(qt.convert(_mlp(), qt.bf16))
+    try:
+        qt.convert(converted, qt.bf16)
+        out["ddp_of_converted"] = None
+    except TypeError as e:
+        out["ddp_of_converted"] = str(e)
+    sharded = _mlp()
+    fully_shard(sharded)
+    try:
+        qt.convert(sharded, qt.bf16)
+        out["fsdp"] = None
+    except TypeError as e:
+        out["fsdp"] = str(e)
+    # what FSDP2 cannot do with a converted model is refused at the first all-gather
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    for key, spec, policy in (
+            ("fsdp_param_dtype", qt.recipes.mxfp6, MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+            ("fsdp_reduce_dtype", qt.recipes.mxfp6,
+             MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))):
+        model = qt.convert(_mlp(), spec)
+        fully_shard(model, mp_policy=policy)
+        try:
+            model(torch.ones(2, 8))
+            out[key] = None
+        except TypeError as e:
+            out[key] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_convert_of_a_wrapped_model_is_refused(ranks):
+    for out in ranks.run("_sc_convert_wrapped"):
+        assert out["ddp"] is not None and "convert, then wrap" in out["ddp"]
+        assert "DistributedDataParallel" in out["ddp"]
+        assert out["ddp_untouched"]
+        assert "converted already" in out["ddp_of_converted"]
+        assert out["fsdp"] is not None and "convert, then wrap" in out["fsdp"]
+        assert "fully_shard" in out["fsdp"]
+        assert out["fsdp_param_dtype"].startswith("TypeError") and "param_dtype" in \
+            out["fsdp_param_dtype"]
+        assert out["fsdp_reduce_dtype"].startswith("TypeError") and "reduce_dtype" in \
+            out["fsdp_reduce_dtype"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. FSDP2
+
+def _full_state(model):
+    """name -> (formats of the local value and gradient shards, full value, full gradient)."""
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        out[n] = (_fmt(p), _fmt(g), qt_plain(p.full_tensor()),
+                  None if g is None else qt_plain(g.full_tensor()))
+    return out
+
+
+def _sc_fsdp(rank, world, spec, steps, hidden=16):
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(hidden), _spec(spec))
+    seen = {}
+
+    def record(mod, args):  # what forward sees: the unsharded parameters
+        for n, p in mod.named_parameters(recurse=False):
+            seen[f"{mod._name}.{n}"] = (type(p).__name__, _fmt(p))
+    for name in ("0", "2"):
+        model[int(name)]._name = name
+        model[int(name)].register_forward_pre_hook(record)
+        fully_shard(model[int(name)])
+    fully_shard(model)
+    opt = _optimizer("adam", model)  # after fully_shard: on the sharded parameters
+    for x, y in _data(steps):
+        n = len(x) // world
+        loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+                          y[rank * n:(rank + 1) * n])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _full_state(model), seen, _opt_state(opt)
+
+
+def _opt_state(opt):
+    """Every non-scalar optimizer state tensor: (parameter index, key) -> (format, full value)."""
+    out = {}
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                full = v.full_tensor() if hasattr(v, "full_tensor") else v
+                out[i, k] = (_fmt(v), qt_plain(full))
+    return out
+
+
+@pytest.mark.parametrize("spec,hidden", [("mxfp6", 16), ("bf16", 16), ("fp8", 16), ("mxfp6", 15)])
+def test_fsdp2_keeps_formats_and_follows_the_reduction_rule(ranks, spec, hidden):
+    # hidden=15: uneven shards (8 and 7 rows), which FSDP2 pads
+    res = ranks.run("_sc_fsdp", spec, 3, hidden)
+    ref = _reduced_reference(spec, 3, optim="adam", hidden=hidden)
+    assert ("qt_master" in str(_REF_OPT_STATE[spec, hidden].keys())) == (spec != "bf16")
+    for rank, (state, seen, opt_state) in enumerate(res):
+        assert state.keys() == ref.keys()
+        for n, (fmts, gfmts, value, grad) in state.items():
+            rf, rg, rv, rgrad = ref[n]
+            assert seen[n] == ("QTensor", rf), (rank, n, seen[n])  # forward's weights
+            _assert_bits_equal(value, rv, f"rank {rank} {n}")
+            _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
+            assert fmts == rf and gfmts == rg, (rank, n, fmts, gfmts, rf, rg)
+        # Adam's state (and the FP32 masters of master_weights recipes): formats and values
+        ref_state = _REF_OPT_STATE[spec, hidden]
+        assert opt_state.keys() == ref_state.keys(), (opt_state.keys(), ref_state.keys())
+        for key, (fmt, value) in opt_state.items():
+            assert fmt == ref_state[key][0], (rank, key, fmt, ref_state[key][0])
+            _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. DTensor and tensor parallelism
+
+def _sc_dtensor(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh = init_device_mesh("cpu", (world,))
+    local = qt.as_qtensor(torch.arange(8.0).reshape(4, 2) * (rank + 1) + 0.1, qt.bf16,
+                          mm_fmt=qt.mxfp8_e4m3)
+    d = DTensor.from_local(local, mesh, [Shard(0)])
+    out = {"full": d.full_tensor(),
+           "replicate": d.redistribute(mesh, [Replicate()]).to_local(),
+           "shard1": d.redistribute(mesh, [Shard(1)]).to_local()}
+    return {k: (_fmt(v), qt_plain(v)) for k, v in out.items()}
+
+
+def test_dtensor_of_qtensors_keeps_the_format(ranks):
+    res = ranks.run("_sc_dtensor")
+    full = torch.cat([qt_plain(qt.as_qtensor(torch.arange(8.0).reshape(4, 2) * (r + 1) + 0.1,
+                                             qt.bf16)) for r in range(WORLD)])
+    for rank, out in enumerate(res):
+        for key in ("full", "replicate", "shard1"):
+            assert out[key][0] == ("bf16", "mxfp8_e4m3"), (rank, key, out[key][0])
+        _assert_bits_equal(out["full"][1], full, f"rank {rank} full_tensor")
+        _assert_bits_equal(out["replicate"][1], full, f"rank {rank} redistribute(Replicate)")
+        _assert_bits_equal(out["shard1"][1], full[:, rank:rank + 1],
+                           f"rank {rank} redistribute(Shard(1))")
+
+
+def _tp_model(plan_name):
+    torch.manual_seed(0)
+    if plan_name == "col":
+        return qt.convert(nn.Linear(8, 64), qt.recipes.mxfp6)
+    return qt.convert(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)),
+                      qt.recipes.mxfp6)
+
+
+def _sc_tensor_parallel(rank, world, plan_name):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = init_device_mesh("cpu", (world,))
+    model = _tp_model(plan_name)
+    if plan_name == "col":  # its output all-gathered (Replicate), as a local tensor
+        parallelize_module(model, mesh, ColwiseParallel(output_layouts=Replicate()))
+    else:
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    y = model(_data(1)[0][0])
+    qt_plain_grad(y).square().sum().backward()
+    grads = {n: (_fmt(p.grad), qt_plain(p.grad.full_tensor())) for n, p in model.named_parameters()}
+    return _fmt(y), qt_plain(y), {n: _fmt(p) for n, p in model.named_parameters()}, grads
+
+
+def test_tensor_parallel_linear_gives_the_single_process_result(ranks):
+    x = _data(1)[0][0]
+    # column parallel: each rank computes whole output columns over the whole reduction: exact
+    model = _tp_model("col")
+    ref = model(x)
+    qt_plain_grad(ref).square().sum().backward()
+    for rank, (fmt, y, fmts, grads) in enumerate(ranks.run("_sc_tensor_parallel", "col")):
+        assert fmt == _fmt(ref) == ("bf16", "mxfp6_e3m2")
+        assert fmts["weight"] == ("fp32", "mxfp6_e3m2"), fmts
+        _assert_bits_equal(y, ref, f"rank {rank} column-parallel output")
+        # and its backward: each rank's gradient rows are whole: exact, in the grad role
+        for n, p in model.named_parameters():
+            assert grads[n][0] == _fmt(p.grad), (rank, n, grads[n][0], _fmt(p.grad))
+            _assert_bits_equal(grads[n][1], p.grad, f"rank {rank} column-parallel {n}.grad")
+    ref = _tp_model("colrow")(x)
+    for rank, (fmt, y, fmts, _grads) in enumerate(ranks.run("_sc_tensor_parallel", "colrow")):
+        assert fmt == _fmt(ref) == ("bf16", "mxfp6_e3m2")
+        assert fmts["2.weight"] == ("fp32", "mxfp6_e3m2"), fmts
+        # row parallel: each rank rounds its partial result (bf16) before the all-reduce, as a
+        # TP device does: within 2**-6 of the output's largest magnitude, not bit for bit
+        err = (y - qt_plain(ref)).abs().max()
+        assert err <= 2.0 ** -6 * qt_plain(ref).abs().max(), (rank, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Distributed checkpoints
+
+def _sc_dcp(rank, world, spec, ckpt):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        model = qt.convert(_mlp(), _spec(spec))
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        return model, _optimizer("adam", model)
+
+    def train(model, opt, batches):
+        for x, y in batches:
+            n = len(x) // world
+            loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+                              y[rank * n:(rank + 1) * n])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def opt_formats(model, opt):
+        sd = get_optimizer_state_dict(model, opt)["state"]
+        return {k: {s: _fmt(v) for s, v in st.items() if getattr(v, "dim", lambda: 0)()}
+                for k, st in sd.items()}
+
+    batches = _data(4)
+    model, opt = build()
+    train(model, opt, batches[:2])
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=ckpt)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    full = {k: (_fmt(v), qt_plain(v)) for k, v in full.items()}
+    saved_formats = opt_formats(model, opt)
+    train(model, opt, batches[2:])
+    uninterrupted = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+
+    model, opt = build()  # a fresh run: initial weights, no optimizer state
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+    loaded_formats = ({n: _fmt(p) for n, p in model.named_parameters()}, opt_formats(model, opt))
+    train(model, opt, batches[2:])
+    resumed = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+    return full, saved_formats, loaded, loaded_formats, uninterrupted, resumed
+
+
+@pytest.mark.parametrize("spec", ["mxfp6", "bf16"])
+def test_dcp_resumes_bit_identical(ranks, spec, tmp_path):
+    res = ranks.run("_sc_dcp", spec, str(tmp_path / "ckpt"))
+    after2 = _reduced_reference(spec, 2, optim="adam")
+    for rank, (full, saved_formats, loaded, loaded_formats, uninterrupted, resumed) in \
+            enumerate(res):
+        for n, (fmts, _g, value, _grad) in after2.items():
+            assert full[n][0] == fmts, (rank, n, full[n][0], fmts)  # full state dict: QTensors
+            _assert_bits_equal(full[n][1], value, f"rank {rank} full state dict {n}")
+            _assert_bits_equal(loaded[n], value, f"rank {rank} loaded {n}")
+            assert loaded_formats[0][n] == fmts, (rank, n, loaded_formats[0][n])
+            _assert_bits_equal(resumed[n], uninterrupted[n], f"rank {rank} resumed {n}")
+        assert loaded_formats[1] == saved_formats, (rank, loaded_formats[1], saved_formats)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The guide's example, as written (torchrun, 2 processes), a few steps
+
+def test_fsdp_example_runs_and_matches_one_process(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(root / "examples" / "fsdp_training.py"), "--steps", "2", "--check",
+           "--max-bytes", "200000"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "head.weight: DTensor of QTensor(fmt=fp32, mm_fmt=mxfp6_e3m2)" in run.stdout
+    assert "gradient shard fmt=bf16" in run.stdout
+    assert "single-process check: 30/30 parameters bit-identical" in run.stdout, run.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# 4 ranks (cheap enough: one pool, one test)
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    pool = _Pool(4)
+    yield pool
+    pool.close()
+
+
+def _sc_four(rank, world):
+    return _sc_ddp(rank, world, "bf16", 2), _sc_fsdp(rank, world, "mxfp6", 2)[0]
+
+
+def test_four_ranks_agree_and_follow_the_rule(four_ranks):
+    res = four_ranks.run("_sc_four")
+    for which, ref in ((0, _reduced_reference("bf16", 2, world=4)),
+                       (1, _reduced_reference("mxfp6", 2, world=4, optim="adam"))):
+        first = res[0][which]
+        for rank, both in enumerate(res):
+            state = both[which]
+            for n, (fmts, gfmts, value, grad) in state.items():  # the ranks agree bit for bit
+                assert (fmts, gfmts) == first[n][:2]
+                _assert_bits_equal(value, first[n][2], f"rank {rank} vs rank 0 {n}")
+                _assert_bits_equal(grad, first[n][3], f"rank {rank} vs rank 0 {n}.grad")
+        # with 4 ranks the FP32 sum's order is the backend's; here it still equals the oracle's
+        for n, (fmts, gfmts, value, grad) in first.items():
+            assert (fmts, gfmts) == ref[n][:2], (which, n, fmts, gfmts, ref[n][:2])
+            _assert_bits_equal(value, ref[n][2], f"{['ddp', 'fsdp'][which]} 4 ranks {n}")
