@@ -184,10 +184,11 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
   // it stay float32s exactly; the block scales saturate (amax_block <= amax_tensor: a ratio past
   // the scale's max comes from rounding the tensor scale down, not from overflow)
   const int p_elem = a.elem_fixed ? (a.is_signed ? a.wl - 1 : a.wl) : a.man + 1;
-  const int scale_qlow = scale[3] ? (int)scale[1] - (int)scale[0] : (int)scale[1];
-  const int elem_qlow = a.elem_fixed ? -a.fl : a.qlow;
+  // (the lowest bits of element and scale values: emin - man, with or without subnormals)
+  const int scale_q = (int)scale[1] - (int)scale[0];
+  const int elem_q = a.elem_fixed ? -a.fl : a.emin - a.man;
   a.ts_bits = 23 - p_elem - ((int)scale[0] + 1);
-  a.ts_jmin = -149 - (elem_qlow + scale_qlow) + 1;
+  a.ts_jmin = -149 - (elem_q + scale_q) + 1;  // BlockFormat.tensor_scale_min_exp
   if (tensor_scale) {
     TORCH_CHECK(a.ts_bits >= 1, "qtensor::quantize_block: tensor_scale needs element and scale "
                 "formats of at most 22 significant bits together");

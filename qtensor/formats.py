@@ -412,6 +412,14 @@ class BlockFormat(Format):
         return _F32_MAN - _significant_bits(self.elem) - (self.scale.man + 1)
 
     @property
+    def tensor_scale_min_exp(self) -> int:
+        """The tensor scale is a multiple of 2^this: with the lowest bits of the element
+        (emin - man, or -fl) and of the scale (emin - man), and one more for a rounding
+        boundary, the products stay at or above float32's 2^-149."""
+        elem_q = self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat) else -self.elem.fl
+        return -149 - (elem_q + self.scale.min_quantum_exp) + 1
+
+    @property
     def scale_emin(self) -> int:
         return self.scale.emin if not self.scale.subnormals else self.scale.min_quantum_exp
 

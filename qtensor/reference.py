@@ -84,14 +84,14 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
 def _tensor_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """NVFP4's per-tensor scale (a 0-dim float64 tensor): amax / (max_elem * max_scale), rounded
     down to ``fmt.tensor_scale_bits`` significant bits and to a multiple of
-    2^(-149 - min_quantum_exp + 1), so that every element value v * X * s and every rounding
+    2^fmt.tensor_scale_min_exp, so that every element value v * X * s and every rounding
     boundary (a midpoint between v's) times X * s is a float32 exactly; rounded down, the
     tensor's amax gets the largest scale."""
     t = amax / (fmt.elem.max * fmt.scale.max)  # the floor of this double is the exact one's
     positive = t > 0
     t1 = torch.where(positive, t, torch.ones_like(t))
     _, e = torch.frexp(t1)  # t = m * 2^e, m in [1/2, 1)
-    j = torch.clamp(e.to(torch.int64) - fmt.tensor_scale_bits, min=-149 - fmt.min_quantum_exp + 1)
+    j = torch.clamp(e.to(torch.int64) - fmt.tensor_scale_bits, min=fmt.tensor_scale_min_exp)
     s = torch.floor(t1 / _pow2(j)) * _pow2(j)
     return torch.where(positive, s, torch.zeros_like(s))
 

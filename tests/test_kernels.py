@@ -218,7 +218,8 @@ def test_block_scale_ties_in_the_subnormal_range(scale, rule, bs):
             check(x, fmt, rounding)
         check(x.t().contiguous(), fmt.replace(axis=0), "nearest", msg="axis=0")
         tested += 1
-    assert tested or (rule != "amax" and scale.man != 0)
+    # (amax: element x scale must fit float32's 24 bits, so an fp32 scale is refused)
+    assert tested or (rule != "amax" and scale.man != 0) or (rule == "amax" and scale.man >= 23)
 
 
 def test_block_scale_tie_of_the_issue():

@@ -1066,12 +1066,12 @@ def test_format_default_rounding_is_used(quantize):
 
 def _tensor_scale_oracle(amax: Fraction, fmt) -> Fraction:
     """s = amax / (max_elem * max_scale) rounded down to fmt.tensor_scale_bits significant bits
-    (and to a multiple of 2^(-149 - min_quantum_exp + 1)), exactly."""
+    (and to a multiple of 2^fmt.tensor_scale_min_exp), exactly."""
     t = amax / (Fraction(fmt.elem.max) * Fraction(fmt.scale.max))
     if t == 0:
         return Fraction(0)
     e = oracles.floor_log2(t) + 1  # t = m 2^e, m in [1/2, 1)
-    j = max(e - fmt.tensor_scale_bits, -149 - fmt.min_quantum_exp + 1)
+    j = max(e - fmt.tensor_scale_bits, fmt.tensor_scale_min_exp)
     return Fraction(math.floor(t / Fraction(2) ** j)) * Fraction(2) ** j
 
 
