@@ -4,7 +4,7 @@
     python benchmarks/bench_kernels.py --device cuda --json benchmarks/results/kernels_cuda.json
 
 Rows: fp8_e4m3, fp8_e5m2, bf16, fp6_e3m2, fp4_e2m1, fixed 8.4 (nearest), fp8_e4m3 stochastic,
-mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1, mxint8, nvfp4 (blocks on a 4096x4096 tensor). Beside each:
+mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1, mxint8, nvfp4, nvfp4_single (blocks on a 4096x4096 tensor). Beside each:
 torch's native cast round trip where torch has the dtype, and QPyTorch / torchao when installed.
 Every qtensor row writes into a preallocated output (``out=``), like copy_. The extra memory a
 kernel needs beyond its output is measured too (peak RSS growth on CPU, peak allocation on CUDA).
@@ -39,6 +39,7 @@ ROWS = [  # (label, format, rounding, native dtype, qtorch call, torchao call)
     ("mxfp4_e2m1", "mxfp4_e2m1", None, None, None, "mxfp4"),
     ("mxint8", "mxint8", None, None, ("block", 8, 0, "nearest"), None),
     ("nvfp4", "nvfp4", None, None, None, "nvfp4"),
+    ("nvfp4_single", "nvfp4_single", None, None, None, None),
 ]
 
 

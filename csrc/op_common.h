@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <algorithm>
+#include <cmath>
 
 #include <string>
 #include <utility>
@@ -178,14 +180,33 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
   a.amax_spec.ef.qlow = a.qlow;
   a.amax_spec.ex = make_fixed_spec<uint64_t>(a.wl, a.fl, a.is_signed, a.symmetric, 0);
   a.amax_spec.elem_max = elem_max;
+  // the tensor scale (BlockFormat.tensor_scale_bits): element, scale and rounding boundary times
+  // it stay float32s exactly; the block scales saturate (amax_block <= amax_tensor: a ratio past
+  // the scale's max comes from rounding the tensor scale down, not from overflow)
+  const int p_elem = a.elem_fixed ? (a.is_signed ? a.wl - 1 : a.wl) : a.man + 1;
+  // (the lowest bits of element and scale values: emin - man, with or without subnormals)
+  const int scale_q = (int)scale[1] - (int)scale[0];
+  const int elem_q = a.elem_fixed ? -a.fl : a.emin - a.man;
+  a.ts_bits = 23 - p_elem - ((int)scale[0] + 1);
+  a.ts_jmin = -149 - (elem_q + scale_q) + 1;  // BlockFormat.tensor_scale_min_exp
+  if (tensor_scale) {
+    TORCH_CHECK(a.ts_bits >= 1, "qtensor::quantize_block: tensor_scale needs element and scale "
+                "formats of at most 22 significant bits together");
+    a.amax_spec.scale.ovf_bits = a.amax_spec.scale.max_bits;
+  }
   return a;
 }
 
-// NVFP4's per-tensor scale from the finite amax (float32 bits):
-// float32(amax / (max_elem * max_scale))
-inline double tensor_scale_from_amax(uint32_t amax_bits, double elem_max, double scale_max) {
-  const double amax = (double)u2f(amax_bits);
-  return (double)(float)(amax / (elem_max * scale_max));
+// NVFP4's per-tensor scale from the finite amax (float32 bits): amax / (max_elem * max_scale)
+// rounded down to a.ts_bits significant bits and to a multiple of 2^ts_jmin (reference.py's
+// _tensor_scale; the double quotient has the exact one's floor)
+inline double tensor_scale_from_amax(uint32_t amax_bits, const BlockArgs& a) {
+  const double t = (double)u2f(amax_bits) / (a.elem_max * u2d(a.amax_spec.scale.max_bits));
+  if (!(t > 0)) return 0.0;
+  int e;
+  std::frexp(t, &e);
+  const int j = std::max(e - a.ts_bits, a.ts_jmin);
+  return std::floor(std::ldexp(t, -j)) * std::ldexp(1.0, j);
 }
 
 }  // namespace qtensor_glue

@@ -123,11 +123,15 @@ uint32_t amax_bits(const T* x, const Layout& L) {
           c.size[d] = L.sizes[d]; c.sx[d] = L.xs[d]; c.sy[d] = 0; c.sl[d] = 0;
         }
         if (L.contiguous) {
+          // |x|'s bits as int32 (non-negative, ordered like the values): gcc vectorizes a signed
+          // max reduction (vpmaxsd), not the unsigned one (NVFP4's tensor scale pass)
+          int32_t m = (int32_t)acc;
           for (int64_t i = b; i < e; ++i) {
-            uint32_t a = load_bits<T>(x + i) & kAbsMask;
-            acc = ((!FINITE || a < kInfBits) && a > acc) ? a : acc;
+            int32_t a = (int32_t)(load_bits<T>(x + i) & kAbsMask);
+            a = (!FINITE || a < (int32_t)kInfBits) ? a : 0;
+            m = a > m ? a : m;
           }
-          return acc;
+          return (uint32_t)m;
         }
         c.set(b);
         for (int64_t i = b; i < e; ++i) {
@@ -151,7 +155,8 @@ constexpr int64_t kFp4Run = 64;  // blocks per run: the run's amaxes and scales 
 
 template <int MODE, int BS, typename T>
 void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
-                   const qtensor::FastGrid& sg, uint32_t smax, uint32_t sovf, float elem_max) {
+                   const qtensor::FastGrid& sg, uint32_t smax, uint32_t sovf, float elem_max,
+                   const BlockArgs& a) {
   const int64_t bs = BS > 0 ? BS : bs_rt;
   uint32_t amax[kFp4Run];
   float X[kFp4Run];
@@ -170,11 +175,33 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   // the scale: float32 amax / max_elem rounds (nearest) to the same scale as the reference's
   // double quotient (see block_amax_fast32 below); a NaN scale (a NaN-on-overflow scale format)
   // means "no scale" (signed zeros), which X = 0 gives.
+  // With a tensor scale s (tensor_scale_bits = 17 significant bits, formats.py) the divisor is
+  // D = 6 s (19 bits: a midpoint of the scale format times D still has at most 24, so the same
+  // argument holds), and X * s (21 bits) and its products with the boundaries are exact.
   const qtensor::FastGrid g = sg;
+  const float ts = a.tensor_scale ? (float)a.ts : 1.0f;
+  const float div = a.tensor_scale ? (float)(a.elem_max * a.ts) : elem_max;
   for (int64_t b = 0; b < nblk; ++b) {
-    const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / elem_max), g, smax,
+    const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / div), g, smax,
                                                              sovf, 0u));
-    X[b] = s == s ? s : 0.0f;
+    X[b] = s == s ? s * ts : 0.0f;
+  }
+  // Idempotence: a block whose amax does not round to 6 X (a scale in E4M3's subnormal range,
+  // toward_zero) takes the scale of its rounded amax (round.h, settle_amax_scale): rare. The
+  // amax rounds to 6 iff it is past the boundary 5 X (toward_zero: 6 X), exact in float32.
+  for (int64_t b = 0; b < nblk; ++b) {
+    const float Xb = X[b], am = u2f(amax[b]);
+    const float top = (MODE == kTowardZero ? 6.0f : 5.0f) * Xb;
+    const bool settled = amax[b] >= kInfBits || !(Xb > 0.0f) ||
+                         (MODE == kNearest ? am > top : am >= top);
+    if (__builtin_expect(!settled, 0)) {
+      const qtensor::AmaxBlockSpec& sp = a.amax_spec;
+      X[b] = (float)qtensor::settle_amax_scale(
+          (double)Xb, sp, a.tensor_scale, a.ts, [&](double sc) {
+            return f2u(qtensor::round_amax_elem_t<MODE, false>(u2f(amax[b]), sc, sp,
+                                                               a.tensor_scale, 0u));
+          });
+    }
   }
   auto block_elems = [&](const T* xp, T* yp, int64_t m, uint32_t am, float Xb) {
     if (am >= kInfBits) {  // NaN or Inf in the block: all NaN
@@ -236,16 +263,19 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   // the exact ones only where the grids' rounding thresholds (midpoints, or for toward_zero grid
   // points, >= 2^(qlow-1)) are float32 normals: below 2^-126 the division's error is absolute
   // (2^-150), not relative, and a quotient can round onto a threshold (a bf16 scale's tie).
-  const bool amax_fast32_scale =
-      a.scale_rule == kRuleAmax && !a.tensor_scale && MODE != kStochastic && !a.elem_fixed &&
+  const bool scale_grid =
+      a.scale_rule == kRuleAmax && MODE != kStochastic && !a.elem_fixed &&
       a.man + ssp.man <= 21 && !ssp.is_unsigned && ssp.qlow >= -124 && a.qlow >= -124 &&
       qtensor::make_fast_grid(p.sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
+  const bool amax_fast32_scale = scale_grid && !a.tensor_scale;
   p.amax_fast32 = amax_fast32_scale &&  // the elements' grid (amax rule: unshifted)
       qtensor::make_fast_grid(p.eg, a.man, a.emin, a.qlow,
                               a.emin == -126 && a.qlow == a.emin - a.man, false, false);
   p.smax = f2u((float)qtensor::u2d(ssp.max_bits));
-  p.fp4_rows = p.amax_fast32 && p.inner == 1 && p.unit_stride && a.man == 1 && a.emin == 0 &&
+  // a tensor scale keeps the fp4 path (the block scales in float32, see fp4_block_run)
+  const bool fp4_scales = p.amax_fast32 || (scale_grid && a.tensor_scale);
+  p.fp4_rows = fp4_scales && p.inner == 1 && p.unit_stride && a.man == 1 && a.emin == 0 &&
                a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 &&
                qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
   p.sovf = ssp.ovf_bits == ssp.max_bits ? p.smax
@@ -304,17 +334,44 @@ QT_BLOCK_FN uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_s
   return amax;
 }
 
+// The block's amax-rule scale made idempotent (round.h, settle_amax_scale): the rounded amax
+// from the amax alone where that is exact, else from a read-only pass over the block (before any
+// store, so that in-place rounding still reads x).
+template <int MODE, typename T>
+QT_BLOCK_FN double settled_scale(const Block<T>& b, uint32_t amax, double sc, const BlockPlan& P,
+                                 const BlockArgs& a) {
+  if (amax >= kInfBits) return sc;
+  const qtensor::AmaxBlockSpec& sp = a.amax_spec;
+  const bool ts = a.tensor_scale;
+  if (qtensor::rounded_amax_from_amax<MODE>(sp)) {
+    return qtensor::settle_amax_scale(sc, sp, ts, a.ts, [&](double s) {
+      return f2u(qtensor::round_amax_elem<MODE>(u2f(amax), s, sp, ts, 0u)) & kAbsMask;
+    });
+  }
+  return qtensor::settle_amax_scale(sc, sp, ts, a.ts, [&](double s) {
+    uint32_t m = 0;
+    for (int64_t j = 0; j < b.m; ++j) {
+      const float q = qtensor::round_amax_elem<MODE>(u2f(load_bits<T>(b.xp + j * P.sax)), s, sp,
+                                                     ts, block_word<MODE>(b, P.sal, j));
+      const uint32_t v = f2u(q) & kAbsMask;
+      m = v > m ? v : m;
+    }
+    return m;
+  });
+}
+
 // amax rule, float32 arithmetic, contiguous block (plan.amax_fast32)
 template <int MODE, typename T>
-QT_BLOCK_FN void block_amax_fast32(const Block<T>& b, uint32_t amax, const BlockPlan& P) {
+QT_BLOCK_FN void block_amax_fast32(const Block<T>& b, uint32_t amax, const BlockPlan& P,
+                                   const BlockArgs& a) {
   const T* xp = b.xp;
   T* yp = b.yp;
   const int64_t m = b.m;
   // the scale: float32 amax / max_elem rounds (nearest) to the same scale value as the
   // reference's double quotient, by the argument below (a midpoint of the scale format
   // times max_elem has at most 24 significant bits)
-  const double sc = (double)u2f(qtensor::round_float_fast<kNearest>(
-      f2u(u2f(amax) / P.elem_max_f), P.sg, P.smax, P.sovf, 0u));
+  const double sc = settled_scale<MODE, T>(b, amax, (double)u2f(qtensor::round_float_fast<kNearest>(
+      f2u(u2f(amax) / P.elem_max_f), P.sg, P.smax, P.sovf, 0u)), P, a);
   // Deterministic rounding with a scale of few significant bits (NVFP4): the float32
   // quotient z = x / X rounds to the same grid point as the exact one (and so as the
   // reference's double quotient): a grid point or midpoint m times X has at most 24
@@ -337,12 +394,14 @@ QT_BLOCK_FN void block_amax_fast32(const Block<T>& b, uint32_t amax, const Block
 
 // amax rule, float elements, block.unit: the common case (NVFP4), as a branch-free loop
 template <int MODE, typename T>
-QT_BLOCK_FN void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockArgs& a) {
+QT_BLOCK_FN void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockPlan& P,
+                                 const BlockArgs& a) {
   constexpr bool stoch = MODE == kStochastic;
   const T* xp = b.xp;
   T* yp = b.yp;
   const int64_t m = b.m;
-  const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
+  const double sc = settled_scale<MODE, T>(
+      b, amax, qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts), P, a);
   const qtensor::AmaxBlockSpec sp = a.amax_spec;
   const bool ts = a.tensor_scale;
   const uint32_t ikey0 = b.ikey0;
@@ -359,7 +418,8 @@ QT_BLOCK_FN void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockAr
 template <int MODE, typename T>
 QT_BLOCK_FN void block_amax_general(const Block<T>& b, uint32_t amax, const BlockPlan& P,
                         const BlockArgs& a) {
-  const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
+  const double sc = settled_scale<MODE, T>(
+      b, amax, qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts), P, a);
   for (int64_t j = 0; j < b.m; ++j) {
     float xv = u2f(load_bits<T>(b.xp + j * P.sax));
     float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale,
@@ -479,9 +539,9 @@ QT_BLOCK_FN void round_block(const Block<T>& b, const BlockPlan& P, const BlockA
     for (int64_t j = 0; j < b.m; ++j) store_bits<T>(b.yp + j * P.say, kNaNBits);
   } else if (a.scale_rule == kRuleAmax) {
     if (P.amax_fast32 && P.unit_stride)
-      block_amax_fast32<MODE, T>(b, amax, P);
+      block_amax_fast32<MODE, T>(b, amax, P, a);
     else if (b.unit && !a.amax_spec.elem_fixed)
-      block_amax_unit<MODE, T>(b, amax, a);
+      block_amax_unit<MODE, T>(b, amax, P, a);
     else
       block_amax_general<MODE, T>(b, amax, P, a);
   } else {
@@ -518,10 +578,10 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
         T* yp = y + oc.oy + j0;
         if (bs == 16)
           fp4_block_run<MODE, 16, T>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
-                                     P.elem_max_f);
+                                     P.elem_max_f, a);
         else
           fp4_block_run<MODE, 0, T>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
-                                    P.elem_max_f);
+                                    P.elem_max_f, a);
         u += run - 1;  // and the loop's ++u
         bidx += run;
         if (bidx == nb) { bidx = 0; oc.next(); }
@@ -544,6 +604,26 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
   });
 }
 
+// max of fn(x_i, r_i) over a strided tensor in logical order, storing nothing (one thread: only
+// the rare re-rounding of a whole-tensor amax-rule block, stochastic or unsigned elements)
+template <bool STOCH, typename T, typename Fn>
+uint32_t max_of_elementwise(const T* x, const Layout& L, uint32_t key, const Fn& fn) {
+  Counter c;
+  c.nd = L.ndim;
+  for (int d = 0; d < L.ndim; ++d) {
+    c.size[d] = L.sizes[d]; c.sx[d] = L.xs[d]; c.sy[d] = 0; c.sl[d] = 0;
+  }
+  c.set(0);
+  uint32_t m = 0;
+  for (int64_t i = 0; i < L.numel; ++i) {
+    const uint32_t r = STOCH ? random_word(index_key(key, (uint64_t)i), (uint32_t)(uint64_t)i) : 0u;
+    const uint32_t v = fn(load_bits<T>(x + c.ox), r);
+    m = v > m ? v : m;
+    c.next();
+  }
+  return m;
+}
+
 // axis=None: the whole tensor is one block (two passes: the amax, then the rounding).
 template <int MODE, typename T>
 void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
@@ -553,9 +633,21 @@ void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, u
   if (amax >= kInfBits) {
     elementwise<false, T>(x, y, L, key, [](uint32_t, uint32_t) { return kNaNBits; });
   } else if (a.scale_rule == kRuleAmax) {
-    const double sc = qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts);
     const qtensor::AmaxBlockSpec spec = a.amax_spec;
     const bool use_ts = a.tensor_scale;
+    double sc = qtensor::amax_block_scale(amax, spec, use_ts, a.ts);
+    // idempotence (round.h, settle_amax_scale), before any store (x may be y)
+    if (qtensor::rounded_amax_from_amax<MODE>(spec)) {
+      sc = qtensor::settle_amax_scale(sc, spec, use_ts, a.ts, [&](double s) {
+        return f2u(qtensor::round_amax_elem<MODE>(u2f(amax), s, spec, use_ts, 0u)) & kAbsMask;
+      });
+    } else {
+      sc = qtensor::settle_amax_scale(sc, spec, use_ts, a.ts, [&](double s) {
+        return max_of_elementwise<STOCH, T>(x, L, key, [=](uint32_t u, uint32_t r) {
+          return f2u(qtensor::round_amax_elem<MODE>(u2f(u), s, spec, use_ts, r)) & kAbsMask;
+        });
+      });
+    }
     elementwise<STOCH, T>(x, y, L, key, [=](uint32_t u, uint32_t r) {
       return f2u(qtensor::round_amax_elem<MODE>(u2f(u), sc, spec, use_ts, r));
     });

@@ -46,6 +46,13 @@ class FormatError(ValueError):
     """An impossible or unknown number format."""
 
 
+def _significant_bits(f) -> int:
+    """Significant bits of a float or fixed-point format's values (the implicit bit counted)."""
+    if isinstance(f, FixedFormat):
+        return f.wl - 1 if f.signed else f.wl
+    return f.man + 1
+
+
 def _check_rounding(rounding: str) -> None:
     if rounding not in ROUNDING_MODES:
         raise FormatError(
@@ -310,8 +317,9 @@ class BlockFormat(Format):
     scale: the scale's format (``e8m0`` for MX, ``fp8_e4m3`` for NVFP4).
     scale_rule: ``floor`` (OCP MX: 2^(floor(log2 amax) - emax_elem)), ``ceil`` (the smallest power
     of two with amax/X <= max_elem), ``amax`` (X = scale-format rounding of amax / max_elem).
-    tensor_scale: an extra per-tensor float32 scale amax_tensor / (max_elem * max_scale)
-    (NVFP4's two-level scaling; needs a second pass over the tensor).
+    tensor_scale: an extra per-tensor scale amax_tensor / (max_elem * max_scale), rounded down to
+    ``tensor_scale_bits`` significant bits (NVFP4's two-level scaling; needs a second pass over
+    the tensor). The amax rule is idempotent: docs/formats.md.
     The element format always saturates; its rounding is the block's rounding.
     """
 
@@ -368,10 +376,48 @@ class BlockFormat(Format):
                 f"exponent-only scale format such as e8m0, got {scale}")
         if self.tensor_scale and self.scale_rule != "amax":
             raise FormatError("tensor_scale=True needs scale_rule='amax' (NVFP4-style scales)")
+        if self.scale_rule == "amax":
+            self._check_amax_rule(elem, scale)
         if self.min_quantum_exp < _F32_MIN_QUANTUM_EXP:
             raise FormatError(
                 f"{self}: the smallest element times the smallest scale is below float32's "
                 "smallest subnormal 2^-149")
+
+    def _check_amax_rule(self, elem, scale) -> None:
+        # A value of the format, element times scale (times the tensor scale), must be a float32
+        # exactly, or re-rounding it would not give it back (docs/formats.md, idempotence).
+        p_elem, p_scale = _significant_bits(elem), scale.man + 1
+        if p_elem + p_scale > _F32_MAN + 1:
+            raise FormatError(
+                f"scale_rule='amax' with {elem} elements ({p_elem} significant bits) and {scale} "
+                f"scales ({p_scale}): their products need {p_elem + p_scale} bits, more than the "
+                f"float32 carrier's 24; use a scale of at most {_F32_MAN + 1 - p_elem} significant "
+                f"bits (e.g. e8m{_F32_MAN - p_elem})")
+        if self.tensor_scale and self.tensor_scale_bits < 1:
+            raise FormatError(
+                f"tensor_scale=True with {elem} elements and {scale} scales: element, scale, "
+                f"rounding boundary and a tensor scale of at least 1 bit need "
+                f"{p_elem + p_scale + 2} significant bits, more than the float32 carrier's 24")
+        if isinstance(elem, FixedFormat) and elem.signed and not elem.symmetric:
+            raise FormatError(
+                f"scale_rule='amax' maps a block's amax to the element's max {elem.max}, so an "
+                f"element range with one more negative code ({elem}) would let a block round to a "
+                "value whose own scale is larger; use symmetric=True")
+
+    @property
+    def tensor_scale_bits(self) -> int:
+        """Significant bits of the per-tensor scale (tensor_scale=True): 23 minus the element's
+        and the scale's, so that element values and rounding boundaries times both scales are
+        float32s exactly (17 for NVFP4)."""
+        return _F32_MAN - _significant_bits(self.elem) - (self.scale.man + 1)
+
+    @property
+    def tensor_scale_min_exp(self) -> int:
+        """The tensor scale is a multiple of 2^this: with the lowest bits of the element
+        (emin - man, or -fl) and of the scale (emin - man), and one more for a rounding
+        boundary, the products stay at or above float32's 2^-149."""
+        elem_q = self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat) else -self.elem.fl
+        return -149 - (elem_q + self.scale.min_quantum_exp) + 1
 
     @property
     def scale_emin(self) -> int:
@@ -447,7 +493,10 @@ def _presets() -> dict:
         "mxfp6_e2m3": BlockFormat(fp6_e2m3, 32, scale=e8m0),
         "mxfp4_e2m1": BlockFormat(fp4_e2m1, 32, scale=e8m0),
         "mxint8": BlockFormat(int8_mx, 32, scale=e8m0),
-        "nvfp4": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax"),
+        # NVIDIA's NVFP4 (Transformer Engine, arXiv 2509.25149): E4M3 scales of 16 elements
+        # under a per-tensor FP32 scale from the tensor's amax; nvfp4_single without the latter
+        "nvfp4": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax", tensor_scale=True),
+        "nvfp4_single": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax"),
     }
 
 

@@ -18,6 +18,7 @@ The exact computation and the random-bits formula the kernels implement: docs/fo
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -78,6 +79,21 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     """2**exponent as float64, exactly, for integer exponents in float64's normal range."""
     return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _tensor_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """NVFP4's per-tensor scale (a 0-dim float64 tensor): amax / (max_elem * max_scale), rounded
+    down to ``fmt.tensor_scale_bits`` significant bits and to a multiple of
+    2^fmt.tensor_scale_min_exp, so that every element value v * X * s and every rounding
+    boundary (a midpoint between v's) times X * s is a float32 exactly; rounded down, the
+    tensor's amax gets the largest scale."""
+    t = amax / (fmt.elem.max * fmt.scale.max)  # the floor of this double is the exact one's
+    positive = t > 0
+    t1 = torch.where(positive, t, torch.ones_like(t))
+    _, e = torch.frexp(t1)  # t = m * 2^e, m in [1/2, 1)
+    j = torch.clamp(e.to(torch.int64) - fmt.tensor_scale_bits, min=fmt.tensor_scale_min_exp)
+    s = torch.floor(t1 / _pow2(j)) * _pow2(j)
+    return torch.where(positive, s, torch.zeros_like(s))
 
 
 def _round_magnitude(y: torch.Tensor, rounding: str, index: Optional[torch.Tensor],
@@ -194,28 +210,46 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         k = torch.clamp(k, fmt.scale.emin, fmt.scale.emax)
         scale = _pow2(k)
     else:  # amax: the scale is the scale format's nearest value to amax / max_elem
+        scale_fmt = fmt.scale.replace(rounding="nearest")
         if fmt.tensor_scale:
             # the largest finite |x| (0 if none): no boolean indexing, so no device sync
             amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
-            tensor_scale = (amax_t / (max_elem * fmt.scale.max)).to(torch.float32).to(torch.float64)
-            denom = max_elem * tensor_scale
-            ratio = torch.where(denom > 0, amax_f / denom, torch.zeros_like(amax_f))
-        else:
-            ratio = amax_f / max_elem
-        scale = _round_float(ratio, fmt.scale.replace(rounding="nearest"), "nearest", None, None)
-        if tensor_scale is not None:
-            scale = scale * tensor_scale
+            tensor_scale = _tensor_scale(amax_t, fmt)
+            # amax_block <= amax_tensor: a ratio past the scale's max is an artefact of rounding
+            # the tensor scale down, never an overflow
+            scale_fmt = scale_fmt.replace(saturate=True)
 
-    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    z = blocks / safe_scale
-    qz = _round_scalar(z, elem, rounding, idx, seed)
-    q = qz * safe_scale
-    if tensor_scale is not None:  # s * X * Q is rounded once to float32
-        q = q.to(torch.float32).to(torch.float64)
-    zero = torch.zeros_like(q)
-    if isinstance(elem, FloatFormat):  # signed zeros; integer elements have no -0.0
-        zero = torch.copysign(zero, blocks)
-    q = torch.where(scale > 0, q, zero)
+        def amax_scale(a):  # the scale X (times the tensor scale) of a block whose amax is a
+            if tensor_scale is None:
+                return _round_float(a / max_elem, scale_fmt, "nearest", None, None)
+            denom = max_elem * tensor_scale
+            ratio = torch.where(denom > 0, a / denom, torch.zeros_like(a))
+            return _round_float(ratio, scale_fmt, "nearest", None, None) * tensor_scale
+        scale = amax_scale(amax_f)
+
+    def round_at(scale):
+        safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = _round_scalar(blocks / safe_scale, elem, rounding, idx, seed) * safe_scale  # exact
+        zero = torch.zeros_like(q)
+        if isinstance(elem, FloatFormat):  # signed zeros; integer elements have no -0.0
+            zero = torch.copysign(zero, blocks)
+        return torch.where(scale > 0, q, zero)
+
+    q = round_at(scale)
+    if fmt.scale_rule == "amax":
+        # Idempotence: the scale of the rounded block, derived again from its own amax, must be
+        # X. Rounding can lower the block's max below max_elem * X (a scale in the subnormal
+        # range, toward_zero, stochastic); then the block is rounded again with the scale of its
+        # rounded max, until that scale repeats. Each step lowers X (the rounded max is at most
+        # max_elem * X), so this ends; usually after the first step.
+        while True:
+            rmax = q.abs().amax(dim=-1, keepdim=True) if q.numel() else q.sum(-1, True)
+            again = amax_scale(torch.where(bad, torch.zeros_like(rmax), rmax))
+            lower = again < scale
+            if not bool(lower.any()):
+                break
+            scale = torch.where(lower, again, scale)
+            q = torch.where(lower, round_at(scale), q)
     q = torch.where(bad, torch.full_like(q, float("nan")), q)
     q = q.reshape(*moved.shape[:-1], -1)[..., :n]
     if axis is None:

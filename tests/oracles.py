@@ -219,9 +219,15 @@ def elem_limits(elem) -> Tuple[int, Fraction]:
 # ---------------------------------------------------------------------------------------------
 # Blocks
 
-def block_scale(amax: Fraction, fmt) -> Fraction:
-    """The shared scale X of a block with finite amax > 0 (BlockFormat's scale_rule)."""
+def block_scale(amax: Fraction, fmt, ts: Optional[Fraction] = None) -> Fraction:
+    """The shared scale X of a block with finite amax > 0 (BlockFormat's scale_rule); with a
+    tensor scale ts (tensor_scale=True), X * ts with X saturating."""
     emax_elem, max_elem = elem_limits(fmt.elem)
+    if fmt.scale_rule == "amax" and ts is not None:
+        if ts == 0:
+            return Fraction(0)
+        sat = fmt.scale.replace(saturate=True)
+        return Fraction(round_float(amax / (max_elem * ts), sat, "nearest")) * ts
     if fmt.scale_rule == "amax":  # the scale format's nearest value to the exact amax / max_elem
         return Fraction(round_float(amax / max_elem, fmt.scale, "nearest"))
     k = floor_log2(amax) - emax_elem
@@ -234,8 +240,10 @@ def block_scale(amax: Fraction, fmt) -> Fraction:
     return Fraction(2) ** min(max(k, s_emin), s_emax)
 
 
-def quantize_block(values: List[float], fmt, mode: Optional[str] = None) -> list:
-    """One block (a list of floats) quantized; stochastic entries are (lo, hi) tuples."""
+def quantize_block(values: List[float], fmt, mode: Optional[str] = None,
+                   ts: Optional[Fraction] = None) -> list:
+    """One block (a list of floats) quantized; stochastic entries are (lo, hi) tuples; ts: the
+    tensor scale of a tensor_scale=True format."""
     mode = mode or fmt.rounding
     if any(math.isnan(v) or math.isinf(v) for v in values):
         return [NAN] * len(values)  # the E8M0 NaN scale
@@ -246,9 +254,44 @@ def quantize_block(values: List[float], fmt, mode: Optional[str] = None) -> list
         return 0.0 if integer else _with_sign(0, math.copysign(1.0, v) < 0)
     if amax == 0:
         return [zero(v) for v in values]
-    X = block_scale(amax, fmt)
+    X = block_scale(amax, fmt, ts)
     elem = fmt.elem.replace(saturate=True)
+    if fmt.scale_rule == "amax" and mode != "stochastic":
+        # the scale of the rounded block's own amax must be X: else round again with it
+        while X > 0:
+            rmax = max(abs(Fraction(round_scalar(Fraction(v) / X, elem, mode))) for v in values) * X
+            X2 = block_scale(rmax, fmt, ts) if rmax > 0 else Fraction(0)
+            if X2 >= X:
+                break
+            X = X2
 
+    if fmt.scale_rule == "amax" and mode == "stochastic":
+        # every scale the re-rounding can reach; an element's candidates at each of them
+        scales, todo = {X}, [X]
+        while todo:
+            S = todo.pop()
+            if S == 0:
+                continue
+            cands = [round_scalar(Fraction(v) / S, elem, mode) for v in values]
+            cands = [c if isinstance(c, tuple) else (c,) for c in cands]
+            floor_max = max(min(abs(Fraction(c)) for c in cs) for cs in cands)
+            for cs in cands:
+                for c in cs:
+                    if abs(Fraction(c)) >= floor_max:
+                        S2 = (block_scale(abs(Fraction(c)) * S, fmt, ts) if c != 0
+                              else Fraction(0))
+                        if S2 < S and S2 not in scales:
+                            scales.add(S2)
+                            todo.append(S2)
+        per_scale = [_block_at(values, S, elem, mode, zero) for S in sorted(scales)]
+        return [tuple(sorted(set(c for q in qs for c in (q if isinstance(q, tuple) else (q,))),
+                             key=lambda c: (c, math.copysign(1, c))))
+                for qs in zip(*per_scale)]
+    return _block_at(values, X, elem, mode, zero)
+
+
+def _block_at(values, X, elem, mode, zero) -> list:
+    """One block's elements rounded with the scale X."""
     def back(r, v):
         if r == 0:
             return zero(v)

@@ -40,6 +40,7 @@ BLOCK_PRESETS = {
     "mxfp4_e2m1": ("fp4_e2m1", 32, "e8m0", "floor", 4.25, 6 * 2.0 ** 127, 2.0 ** -128),
     "mxint8": (None, 32, "e8m0", "floor", 8.25, 127 / 64 * 2.0 ** 127, 2.0 ** -133),
     "nvfp4": ("fp4_e2m1", 16, "fp8_e4m3", "amax", 4.5, 6 * 448.0, 2.0 ** -10),
+    "nvfp4_single": ("fp4_e2m1", 16, "fp8_e4m3", "amax", 4.5, 6 * 448.0, 2.0 ** -10),
 }
 ALL_PRESETS = list(FLOAT_PRESETS) + list(BLOCK_PRESETS)
 
@@ -91,7 +92,7 @@ def test_block_preset_values(name):
     assert (b.block_size, b.axis, b.scale, b.scale_rule) == (size, -1, getattr(qt, scale), rule)
     assert (b.bits, b.max, b.min_subnormal) == (bits, mx, min_sub)
     assert b.eps == b.elem.eps
-    assert b.rounding == "nearest" and b.tensor_scale is False
+    assert b.rounding == "nearest" and b.tensor_scale is (name == "nvfp4")
 
 
 def test_mx_element_emax():
@@ -167,7 +168,9 @@ def test_preset_names_and_aliases():
     assert qt.format("fixed8.4") == FixedFormat(8, 4)
     assert qt.format("block(elem=fp8_e4m3)") == qt.mxfp8_e4m3
     assert qt.format("block(elem=e2m1(specials=none), block_size=16, scale=fp8_e4m3, "
-                     "scale_rule=amax)") == qt.nvfp4
+                     "scale_rule=amax)") == qt.nvfp4_single
+    assert qt.format("block(elem=e2m1(specials=none), block_size=16, scale=fp8_e4m3, "
+                     "scale_rule=amax, tensor_scale=True)") == qt.nvfp4
     assert qt.format(qt.fp16) is qt.fp16
 
 
@@ -275,7 +278,8 @@ def test_block_normalises_its_element():
     assert BlockFormat(qt.fp4_e2m1, rounding="stochastic").elem.rounding == "stochastic"
     assert BlockFormat(qt.fp4_e2m1.replace(rounding="toward_zero")).rounding == "toward_zero"
     assert BlockFormat("fp8_e4m3") == qt.mxfp8_e4m3  # elem given by name
-    assert BlockFormat(qt.fp4_e2m1, 16, scale="fp8_e4m3", scale_rule="amax") == qt.nvfp4
+    assert BlockFormat(qt.fp4_e2m1, 16, scale="fp8_e4m3", scale_rule="amax") == qt.nvfp4_single
+    assert qt.nvfp4 == qt.nvfp4_single.replace(tensor_scale=True)  # NVIDIA's two-level NVFP4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -218,7 +218,8 @@ def test_block_scale_ties_in_the_subnormal_range(scale, rule, bs):
             check(x, fmt, rounding)
         check(x.t().contiguous(), fmt.replace(axis=0), "nearest", msg="axis=0")
         tested += 1
-    assert tested or (rule != "amax" and scale.man != 0)
+    # (amax: element x scale must fit float32's 24 bits, so an fp32 scale is refused)
+    assert tested or (rule != "amax" and scale.man != 0) or (rule == "amax" and scale.man >= 23)
 
 
 def test_block_scale_tie_of_the_issue():
@@ -411,12 +412,13 @@ def test_reproducible_stochastic():
     assert_bits_equal(d, f, "kernel vs reference, same generator")
 
 
-@pytest.mark.parametrize("fmt", ["fp4_e2m1", "fixed8.4", "mxfp4_e2m1", "nvfp4", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp4_e2m1", "fixed8.4", "mxfp4_e2m1", "nvfp4_single", "bf16"])
 def test_stochastic_unbiased(fmt):
     """E[q(x)] = x: the mean of many roundings of the same values is x within 5 sigma.
 
     Each value fills whole blocks, so for block formats it is chosen where its block does not
-    saturate (x / X <= max_elem); a saturated or flushed block is biased by design."""
+    saturate (x / X <= max_elem); a saturated or flushed block is biased by design (two-level
+    nvfp4: the tensor's largest block maps its amax to 6 * 448, so it saturates)."""
     n = 1 << 16
     if isinstance(qt.format(fmt), BlockFormat):
         vals = torch.tensor([0.3, 2.2, -0.01, 1.1])

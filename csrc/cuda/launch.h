@@ -21,7 +21,8 @@ cudaError_t launch_fixed(const void* x, void* y, DType dt, const Layout& L,
 // when `finite`); the caller zeroes it first.
 cudaError_t launch_amax(const void* x, DType dt, const Layout& L, bool finite, uint32_t* amax,
                         cudaStream_t st);
-// blocks; for whole-tensor blocks (a.whole_tensor), amax_dev holds the tensor's amax bits.
+// blocks; for whole-tensor blocks (a.whole_tensor), amax_dev[0] holds the tensor's amax bits and
+// amax_dev[2..3] is scratch for the settled amax-rule scale (a double).
 cudaError_t launch_block(const void* x, void* y, DType dt, const Layout& L, const BlockArgs& a,
                          int mode, uint32_t key, const uint32_t* amax_dev, cudaStream_t st);
 

@@ -90,13 +90,14 @@ void block_out(const at::Tensor& x, at::IntArrayRef elem, double elem_max, int64
   const auto stream = at::cuda::getCurrentCUDAStream();
   const auto dt = dtype_of(x);
   // one scratch word per amax (a tiny allocation, not a full-size temporary)
-  at::Tensor scratch = at::zeros({2}, x.options().dtype(at::kInt));
+  // (and two for the settled scale of a whole-tensor amax-rule block, a double)
+  at::Tensor scratch = at::zeros({4}, x.options().dtype(at::kInt));
   uint32_t* amax_dev = reinterpret_cast<uint32_t*>(scratch.mutable_data_ptr<int32_t>());
   if (tensor_scale) {
     C10_CUDA_CHECK(qc::launch_amax(x.const_data_ptr(), dt, make_layout(x, out), true, amax_dev + 1,
                                    stream));
     const uint32_t bits = (uint32_t)scratch[1].item<int32_t>();  // a host sync, NVFP4 two-level only
-    a.ts = tensor_scale_from_amax(bits, elem_max, scale_max);
+    a.ts = tensor_scale_from_amax(bits, a);
   }
   if (a.whole_tensor)
     C10_CUDA_CHECK(qc::launch_amax(x.const_data_ptr(), dt, L, false, amax_dev, stream));

@@ -218,9 +218,42 @@ __global__ void block_vec4(const float4* __restrict__ x, float4* __restrict__ y,
 #pragma unroll
     for (int off = LANES / 2; off > 0; off >>= 1)
       m = max(m, __shfl_xor_sync(kAllLanes, m, off, LANES));
+    BlockScale b = block_scale(m, a);  // (inactive lanes: m = 0, a zero scale)
+    const int64_t i = v * 4;
+    if (!b.pow2) {
+      // idempotence of the amax rule (round.h, settle_amax_scale); a lane group (one block)
+      // agrees on the scale, and the loop with shuffles runs warp-uniformly
+      if (rounded_amax_from_amax<MODE>(a.amax_spec)) {
+        if (!b.bad) b.sc = settle_amax_scale(b.sc, a.amax_spec, a.tensor_scale, a.ts, [&](double s) {
+          return __float_as_uint(round_amax_elem<MODE>(__uint_as_float(m), s, a.amax_spec,
+                                                       a.tensor_scale, 0u)) & F32::ABS;
+        });
+      } else {
+        for (;;) {
+          uint32_t r = 0;
+          const bool live = !b.bad && b.sc > 0;
+          if (live) {
+            const uint32_t us[4] = {u0, u1, u2, u3};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const float q = round_amax_elem<MODE>(__uint_as_float(us[k]), b.sc, a.amax_spec,
+                                                    a.tensor_scale,
+                                                    MODE == kStochastic ? word(key, i + k) : 0u);
+              r = max(r, __float_as_uint(q) & F32::ABS);
+            }
+          }
+#pragma unroll
+          for (int off = LANES / 2; off > 0; off >>= 1)
+            r = max(r, __shfl_xor_sync(kAllLanes, r, off, LANES));
+          const double again = live
+              ? amax_block_scale(r, a.amax_spec, a.tensor_scale, a.ts) : b.sc;
+          const bool lower = again < b.sc;
+          if (!__any_sync(kAllLanes, lower)) break;
+          if (lower) b.sc = again;
+        }
+      }
+    }
     if (active) {
-      const BlockScale b = block_scale(m, a);
-      const int64_t i = v * 4;
       float4 out;
       out.x = __uint_as_float(block_elem<MODE>(u0, b, a, MODE == kStochastic ? word(key, i) : 0u));
       out.y = __uint_as_float(block_elem<MODE>(u1, b, a, MODE == kStochastic ? word(key, i + 1) : 0u));
@@ -267,7 +300,23 @@ __global__ void block_generic(const T* __restrict__ x, T* __restrict__ y, Layout
       const uint32_t v = IO<T>::load(x + ox + j * L.xs[ax]) & F32::ABS;
       amax = v > amax ? v : amax;
     }
-    const BlockScale sc = block_scale(amax, a);
+    BlockScale sc = block_scale(amax, a);
+    if (!sc.pow2 && !sc.bad) {  // idempotence of the amax rule (round.h, settle_amax_scale)
+      const bool from_amax = rounded_amax_from_amax<MODE>(a.amax_spec);
+      sc.sc = settle_amax_scale(sc.sc, a.amax_spec, a.tensor_scale, a.ts, [&](double s) {
+        if (from_amax)
+          return __float_as_uint(round_amax_elem<MODE>(__uint_as_float(amax), s, a.amax_spec,
+                                                       a.tensor_scale, 0u)) & F32::ABS;
+        uint32_t mm = 0;
+        for (int64_t j = 0; j < m; ++j) {
+          const uint32_t r = MODE == kStochastic ? word(key, ol + j * L.ls[ax]) : 0u;
+          const float q = round_amax_elem<MODE>(__uint_as_float(IO<T>::load(x + ox + j * L.xs[ax])),
+                                                s, a.amax_spec, a.tensor_scale, r);
+          mm = max(mm, __float_as_uint(q) & F32::ABS);
+        }
+        return mm;
+      });
+    }
     for (int64_t j = 0; j < m; ++j) {
       const uint32_t r = MODE == kStochastic ? word(key, ol + j * L.ls[ax]) : 0u;
       IO<T>::store(y + oy + j * L.ys[ax],
@@ -276,11 +325,65 @@ __global__ void block_generic(const T* __restrict__ x, T* __restrict__ y, Layout
   }
 }
 
-// axis=None: one block, its amax already on the device.
+// axis=None with the amax rule: the idempotent scale (round.h, settle_amax_scale) of the one
+// block, by one CUDA block (re-rounding the whole tensor is needed only for stochastic rounding
+// or unsigned elements, and only while the scale drops: rare).
+template <int MODE, typename T>
+__global__ void whole_settle(const T* __restrict__ x, Layout L, BlockArgs a, uint32_t key,
+                             const uint32_t* __restrict__ amax, double* __restrict__ sc_out) {
+  __shared__ uint32_t part[kThreads / 32];
+  __shared__ double next;
+  __shared__ int go;
+  const uint32_t am = *amax;
+  double sc = amax_block_scale(am, a.amax_spec, a.tensor_scale, a.ts);
+  if (am >= F32::INF || !(sc > 0)) {
+    if (threadIdx.x == 0) *sc_out = sc;
+    return;
+  }
+  if (rounded_amax_from_amax<MODE>(a.amax_spec)) {
+    if (threadIdx.x == 0)
+      *sc_out = settle_amax_scale(sc, a.amax_spec, a.tensor_scale, a.ts, [&](double s) {
+        return __float_as_uint(round_amax_elem<MODE>(__uint_as_float(am), s, a.amax_spec,
+                                                     a.tensor_scale, 0u)) & F32::ABS;
+      });
+    return;
+  }
+  for (;;) {
+    uint32_t m = 0;
+    for (int64_t i = threadIdx.x; i < L.numel; i += blockDim.x) {
+      int64_t ox, oy;
+      offsets(L, i, ox, oy);
+      const uint32_t r = MODE == kStochastic ? word(key, i) : 0u;
+      const float q = round_amax_elem<MODE>(__uint_as_float(IO<T>::load(x + ox)), sc,
+                                            a.amax_spec, a.tensor_scale, r);
+      m = max(m, __float_as_uint(q) & F32::ABS);
+    }
+    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(kAllLanes, m, off));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t mm = 0;
+      for (int w = 0; w < (int)(blockDim.x >> 5); ++w) mm = max(mm, part[w]);
+      const double again = amax_block_scale(mm, a.amax_spec, a.tensor_scale, a.ts);
+      go = again < sc;
+      next = again;
+    }
+    __syncthreads();
+    if (!go) break;
+    sc = next;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *sc_out = sc;
+}
+
+// axis=None: one block, its amax already on the device (and for the amax rule its settled
+// scale, whole_settle).
 template <int MODE, typename T>
 __global__ void whole_block(const T* __restrict__ x, T* __restrict__ y, Layout L, BlockArgs a,
-                            uint32_t key, const uint32_t* __restrict__ amax) {
-  const BlockScale sc = block_scale(*amax, a);
+                            uint32_t key, const uint32_t* __restrict__ amax,
+                            const double* __restrict__ settled) {
+  BlockScale sc = block_scale(*amax, a);
+  if (!sc.pow2) sc.sc = *settled;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < L.numel; i += stride) {
     int64_t ox, oy;
@@ -324,7 +427,12 @@ void block_typed(const void* xv, void* yv, DType dt, const Layout& L, const Bloc
   const T* x = static_cast<const T*>(xv);
   T* y = static_cast<T*>(yv);
   if (a.whole_tensor) {
-    whole_block<MODE, T><<<grid_for(L.numel), kThreads, 0, st>>>(x, y, L, a, key, amax_dev);
+    // amax_dev[2..3]: the settled scale of the amax rule, a double (8-byte aligned)
+    double* settled = reinterpret_cast<double*>(const_cast<uint32_t*>(amax_dev) + 2);
+    if (a.scale_rule == kRuleAmax)
+      whole_settle<MODE, T><<<1, kThreads, 0, st>>>(x, L, a, key, amax_dev, settled);
+    whole_block<MODE, T><<<grid_for(L.numel), kThreads, 0, st>>>(x, y, L, a, key, amax_dev,
+                                                                  settled);
     return;
   }
   const int64_t len = L.sizes[a.axis];

@@ -58,8 +58,12 @@ def block_elements_ok(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return ok | nan
 
 
-def unrepresentable(payload: torch.Tensor, fmt: Format):
-    """None if every value of payload is in fmt, else (count, first index, value, nearest)."""
+def unrepresentable(payload: torch.Tensor, fmt: Format, aligned: bool = True):
+    """None if every value of payload is in fmt, else (count, first index, value, nearest).
+
+    A block format's quantize is idempotent (docs/formats.md), so a payload whose blocks are the
+    format's own (``aligned`` and not a view) is in format exactly when quantizing it changes
+    nothing; a view (a slice, a reshape) may have shifted the blocks: each element is judged."""
     if payload.numel() == 0 or payload.dtype not in FLOAT_DTYPES:
         return None
     p = payload.detach()
@@ -70,7 +74,7 @@ def unrepresentable(payload: torch.Tensor, fmt: Format):
     ok = same_bits(p, q)
     if bool(ok.all()):
         return None
-    if isinstance(fmt, BlockFormat):
+    if isinstance(fmt, BlockFormat) and (not aligned or p._is_view()):
         # the blocks may not line up any more (slices, reshapes): judge each element
         ok = block_elements_ok(p, fmt)
         if bool(ok.all()):
@@ -86,7 +90,7 @@ def sparse_in_format(t: torch.Tensor, fmts) -> bool:
     if not t.is_sparse or not fmts:
         return False
     values = t._values()
-    return all(unrepresentable(values, f) is None for f in fmts)
+    return all(unrepresentable(values, f, aligned=False) is None for f in fmts)
 
 
 def moves_checked_values(func, args, kwargs, outs, checked) -> bool:

@@ -37,6 +37,7 @@ struct BlockArgs {
   AmaxBlockSpec amax_spec;
   bool tensor_scale;
   double ts;  // the per-tensor scale (when tensor_scale)
+  int ts_bits, ts_jmin;  // its significant bits and smallest quantum exponent (formats.py)
 };
 
 }  // namespace qtensor

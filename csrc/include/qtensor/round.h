@@ -487,6 +487,29 @@ QT_HD float round_amax_elem(float x, double scale, const AmaxBlockSpec& s, bool 
                       : round_amax_elem_t<MODE, false>(x, scale, s, use_tensor_scale, rbits);
 }
 
+// The amax rule's idempotence (docs/formats.md): the scale derived again from the rounded
+// block's amax must be the block's scale; while it is lower, the block is rounded with it.
+// rounded_amax(sc) gives the bits of max |q| of the block rounded with the scale sc. Each step
+// lowers the scale (the rounded amax is at most max_elem * sc), so the loop ends.
+template <typename RoundedAmax>
+QT_HD double settle_amax_scale(double sc, const AmaxBlockSpec& s, bool use_tensor_scale,
+                               double tensor_scale, const RoundedAmax& rounded_amax) {
+  while (sc > 0) {
+    const double again = amax_block_scale(rounded_amax(sc), s, use_tensor_scale, tensor_scale);
+    if (!(again < sc)) break;
+    sc = again;
+  }
+  return sc;
+}
+
+// The rounded amax of a block from its amax alone: deterministic rounding is monotone in |x|
+// (float or symmetric fixed-point elements; an unsigned element clamps negatives, and stochastic
+// rounding is not monotone across elements: those need every element).
+template <int MODE>
+QT_HD bool rounded_amax_from_amax(const AmaxBlockSpec& s) {
+  return MODE != kStochastic && !(s.elem_fixed && !s.ex.is_signed);
+}
+
 // ---- FP4 E2M1 elements of a block, by comparison (NVFP4's deterministic fast path) ----------
 // Q(|x| / X) * X on the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (saturating) without a division:
 // |x| is compared with the rounding boundaries times X. A boundary (a midpoint, or for toward_zero
