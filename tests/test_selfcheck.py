@@ -236,7 +236,8 @@ def test_every_sample_agrees_on_the_cpu_kernels(family):
 def test_the_reference_keeps_to_the_device_of_its_input():
     """The fallback must run on CUDA: on meta tensors (no GPU needed), a CPU tensor that the
     reference made would meet a meta one and raise a device mismatch, as on CUDA (both take
-    0-dim CPU tensors); a .item() would fail too (a device sync on CUDA)."""
+    0-dim CPU tensors); a .item() would fail too (a device sync on CUDA; the amax rule's
+    idempotent scale takes one per settling step, and none on meta)."""
     fmts = ([qt.PRESETS[n] for n in qt.PRESETS] + [qt.format("fixed8.4(saturate=False)")]
             + [qt.BlockFormat(qt.fp8_e4m3, 16, axis=0), qt.BlockFormat(qt.fp4_e2m1, None, axis=None),
                qt.BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="amax",
