@@ -14,8 +14,9 @@ standard library (bytes, vocabulary 256). The steps a user takes with a real che
    decomposes into emulated matmuls and softmax (the fused CPU kernel would compute attention
    as one op). The first step runs under ``qt.leak_check(allow=qt.hf.LEAK_ALLOW)``: it raises
    if any value escaped the formats.
-4. ``qt.hf.save_pretrained`` saves the fine-tuned model with its formats; ``qt.hf.from_pretrained``
-   loads it back converted, and its logits are checked bit for bit against the trained model.
+4. ``model.save_pretrained`` saves the fine-tuned model with its formats (in config.json; qt.convert
+   gave the converted model this save_pretrained); ``qt.hf.from_pretrained`` loads it back
+   converted, and its logits are checked bit for bit against the trained model.
 
 The same fine-tuning runs in FP32 for comparison; the table gives the validation loss before and
 after each. See docs/huggingface.md.
@@ -126,7 +127,7 @@ def main(argv=None):
                            check_leaks=recipe is not None)
             after = val_loss(model, valid, args.ctx)
             if recipe is not None:  # 4. save with the formats, load back converted
-                qt.hf.save_pretrained(model, pathlib.Path(tmp) / "tuned")
+                model.save_pretrained(pathlib.Path(tmp) / "tuned")
                 loaded = qt.hf.from_pretrained(GPT2LMHeadModel, pathlib.Path(tmp) / "tuned")
                 ids = valid[:args.ctx].long()[None]
                 model.eval(), loaded.eval()
@@ -141,7 +142,8 @@ def main(argv=None):
     print(common.markdown_table(["run", "val loss before", "last train loss", "val loss after"],
                                 rows))
     print("\nqt.recipes.mxfp6: no leaks in its first step (leak_check with qt.hf.LEAK_ALLOW); "
-          "saved with qt.hf.save_pretrained and reloaded: logits identical bit for bit")
+          "saved with model.save_pretrained, reloaded with qt.hf.from_pretrained: logits "
+          "identical bit for bit")
 
 
 if __name__ == "__main__":

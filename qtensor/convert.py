@@ -473,6 +473,15 @@ def _check_convertible(model: nn.Module) -> None:
     """A model that contains an already converted submodule cannot be converted, nor one whose
     forward is an instance attribute (convert wraps the class's forward). Checked before any
     change to the model."""
+    if isinstance(model.__dict__.get("_apply"), _NoDtypeCast):
+        # a submodule of a converted model: converting it would round its tensors and add its
+        # hooks a second time
+        raise RuntimeError(
+            "qt.convert: this module is part of an already converted model (qt.convert or "
+            "model.to(fmt) of the model that contains it); converting it too would round its "
+            "tensors and hook it twice. To give it other formats, convert the whole model with a "
+            "rule for it: model.to(qt.Recipe.uniform(fmt, rules={'<its name>': other_fmt})) "
+            "(converts the model again), or qt.unconvert(model) first")
     if "forward" in model.__dict__:
         raise ValueError("qt.convert: this model's forward is an instance attribute "
                          f"({model.__dict__['forward']!r}); qt.convert wraps the class's forward")
@@ -645,6 +654,8 @@ def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:
     for mod in model.modules():
         mod._apply = _NoDtypeCast(mod)
     model._qt_conversion = conv
+    from . import hf  # (imports convert) a transformers model saves its plain values, formats
+    hf.attach(model)
     training.install_optimizer_hooks()
     return model
 
@@ -695,6 +706,8 @@ def unconvert(model: nn.Module) -> nn.Module:
         handle.remove()
     if isinstance(model.__dict__.get("forward"), ConvertedForward):
         del model.__dict__["forward"]
+    from . import hf
+    hf.detach(model)
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]

@@ -1,18 +1,24 @@
 """Hugging Face transformers: save and load converted models with their formats.
 
-``model.save_pretrained(dir)`` of a converted model fails in safetensors (it cannot store a
-QTensor: "invalid shape, data type, or offset"), and ``from_pretrained`` would give back a plain
-model. :func:`save_pretrained` saves the plain values (:func:`qtensor.serialization.plain_state_dict`)
-through the model's own ``save_pretrained`` and puts the recipe and every tensor's formats in the
-config (``config.json``, key ``"qtensor"``); :func:`from_pretrained` loads with the class's own
-``from_pretrained`` and converts the model to that recipe (the values are already in their
-formats, so they come back bit for bit), checking that each tensor got the formats it was saved
-with. Nothing here imports transformers: the model and its class bring it.
+safetensors cannot store a QTensor as it is: it reads each tensor's bytes at ``t.data_ptr()``,
+and a QTensor is a wrapper subclass whose own ``data_ptr()`` is 0 (its values live in its
+payload), so it writes no bytes for a non-empty shape ("invalid shape, data type, or offset").
+:func:`save_pretrained` saves the plain values (:func:`qtensor.serialization.plain_state_dict`)
+through the class's own ``save_pretrained`` and puts the recipe and every tensor's formats in the
+config (``config.json``, key ``"qtensor"``). ``qt.convert`` of a transformers ``PreTrainedModel``
+installs it as the model's ``save_pretrained`` (an instance attribute, :class:`SavePretrained`;
+``qt.unconvert`` removes it): ``model.save_pretrained(dir)``, and what calls it (``push_to_hub``,
+the Trainer), work on a converted model. ``from_pretrained`` is a class method that qtensor does
+not see: the class's own gives a plain model; :func:`from_pretrained` loads with it and converts
+the model to the saved recipe (the values are already in their formats, so they come back bit
+for bit), checking that each tensor got the formats it was saved with. Nothing here imports
+transformers: the model and its class bring it.
 
 ``LEAK_ALLOW``: what ``qt.leak_check`` reports in HF models that is by design (docs/huggingface.md).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict
 
 import torch
@@ -20,10 +26,11 @@ from torch import nn
 
 from .convert import conversion_of, convert
 from .ops import quantize
-from .serialization import plain_state_dict, recipe_from_dict, tensor_formats
+from .serialization import plain_state_dict, recipe_from_dict, recipe_to_dict, tensor_formats
 from .tensor import QTensor
 
-__all__ = ["save_pretrained", "from_pretrained", "CONFIG_KEY", "LEAK_ALLOW", "LEAK_ALLOW_EAGER"]
+__all__ = ["save_pretrained", "from_pretrained", "SavePretrained", "CONFIG_KEY", "LEAK_ALLOW",
+           "LEAK_ALLOW_EAGER"]
 
 CONFIG_KEY = "qtensor"
 
@@ -40,26 +47,67 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs) -> None:
     """``model.save_pretrained(save_directory, **kwargs)`` for a converted model: plain values in
     the safetensors files, the recipe and formats in config.json (under ``"qtensor"``).
     A plain checkpoint of the same values, loadable by any transformers code; only
-    :func:`from_pretrained` converts it back."""
+    :func:`from_pretrained` converts it back. A ``state_dict=`` of QTensors (the Trainer passes
+    ``model.state_dict()``) is saved the same way: its plain values, its formats."""
     conv = conversion_of(model)
     if conv is None:
         raise ValueError("qt.hf.save_pretrained: the model is not converted; use "
                          "model.save_pretrained")
-    if "state_dict" in kwargs:
-        raise TypeError("qt.hf.save_pretrained: the state dict is the model's own (its plain "
-                        "values); do not pass state_dict=")
-    plain = plain_state_dict(model)
+    state_dict = kwargs.pop("state_dict", None)
+    plain = plain_state_dict(model if state_dict is None else state_dict)
+    recipe = recipe_to_dict(conv.recipe)
     config = model.config
     had, old = hasattr(config, CONFIG_KEY), getattr(config, CONFIG_KEY, None)
-    setattr(config, CONFIG_KEY, {"version": plain["qtensor"], "recipe": plain["recipe"],
+    setattr(config, CONFIG_KEY, {"version": plain["qtensor"], "recipe": recipe,
                                  "formats": plain["formats"]})
-    try:
-        model.save_pretrained(save_directory, state_dict=plain["tensors"], **kwargs)
+    try:  # the class's own save_pretrained (the instance's is SavePretrained: this function)
+        type(model).save_pretrained(model, save_directory, state_dict=plain["tensors"], **kwargs)
     finally:  # the live model's config stays as it was
         if had:
             setattr(config, CONFIG_KEY, old)
         else:
             delattr(config, CONFIG_KEY)
+
+
+class SavePretrained:
+    """``model.save_pretrained`` of a converted transformers model: :func:`save_pretrained`.
+    An object rather than a closure, so that the model deep-copies and pickles (as
+    qtensor.convert.ConvertedForward)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    @property
+    def __wrapped__(self):  # the class's method, for inspect.signature and help()
+        return type(self.module).save_pretrained.__get__(self.module)
+
+    def __call__(self, *args, **kwargs):
+        # by name, whatever was passed by position (state_dict is the third parameter)
+        bound = inspect.signature(type(self.module).save_pretrained).bind(self.module, *args,
+                                                                         **kwargs)
+        named = dict(bound.arguments)
+        named.pop(next(iter(named)))  # self
+        named.update(named.pop("kwargs", {}))
+        return save_pretrained(self.module, named.pop("save_directory"), **named)
+
+
+def _is_pretrained_model(model: nn.Module) -> bool:
+    """A transformers PreTrainedModel, found without importing transformers."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
+
+
+def attach(model: nn.Module) -> None:
+    """Called by qt.convert: a converted PreTrainedModel saves through :func:`save_pretrained`
+    (a save_pretrained the user put on the instance is left alone)."""
+    if _is_pretrained_model(model) and "save_pretrained" not in model.__dict__:
+        model.save_pretrained = SavePretrained(model)
+
+
+def detach(model: nn.Module) -> None:
+    """Called by qt.unconvert: the class's save_pretrained again."""
+    if isinstance(model.__dict__.get("save_pretrained"), SavePretrained):
+        del model.__dict__["save_pretrained"]
 
 
 def from_pretrained(model_class, pretrained_model_name_or_path, **kwargs):

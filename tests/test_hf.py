@@ -35,23 +35,52 @@ def _tiny_llama(**kw):
     return transformers.LlamaForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("make", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
-def test_hf_save_pretrained_and_back(tmp_path, make):
+def _tiny_llama_tied():
+    return _tiny_llama(tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("save", ["model.save_pretrained", "qt.hf.save_pretrained"])
+@pytest.mark.parametrize("make", [_tiny_gpt2, _tiny_llama, _tiny_llama_tied],
+                         ids=["gpt2", "llama", "llama-tied"])
+def test_hf_save_pretrained_and_back(tmp_path, make, save):
     model = make().to(qt.recipes.mxfp6)
     model.eval()
     ids = torch.randint(0, 64, (2, 8))
-    with pytest.raises(Exception, match="invalid shape, data type, or offset"):
-        model.save_pretrained(tmp_path / "direct")  # safetensors cannot store QTensors
-    qt.hf.save_pretrained(model, tmp_path / "ckpt")
+    if save == "model.save_pretrained":
+        model.save_pretrained(tmp_path / "ckpt")  # the model's own (installed by qt.convert)
+    else:
+        qt.hf.save_pretrained(model, tmp_path / "ckpt")
     assert not hasattr(model.config, "qtensor")
     loaded = qt.hf.from_pretrained(type(model), tmp_path / "ckpt")
     _assert_same_state(loaded, model)
-    tied = loaded.lm_head.weight is loaded.get_input_embeddings().weight
-    assert tied == (model.lm_head.weight is model.get_input_embeddings().weight)  # GPT-2: tied
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    assert tied == (make is not _tiny_llama)  # GPT-2 ties by default, Llama does not
+    assert (loaded.lm_head.weight is loaded.get_input_embeddings().weight) == tied
     assert_bits_equal(loaded(input_ids=ids).logits.dequantize(),
                       model(input_ids=ids).logits.dequantize())
     plain = type(model).from_pretrained(tmp_path / "ckpt")  # plain transformers: plain values
     assert type(plain.lm_head.weight) is nn.Parameter
+    assert plain.config.qtensor["recipe"]["name"] == qt.recipes.mxfp6.name  # (unused by it)
+    assert_bits_equal(plain.lm_head.weight, model.lm_head.weight.dequantize())
+
+
+def test_hf_save_pretrained_with_a_state_dict_and_after_changes(tmp_path):
+    # what the Trainer does: model.save_pretrained(dir, state_dict=model.state_dict()), here
+    # with state_dict by position; then a deep copy, a reconversion and qt.unconvert
+    model = _tiny_gpt2().to(qt.fp8_e4m3).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    model.save_pretrained(tmp_path / "a", True, model.state_dict())
+    assert_bits_equal(qt.hf.from_pretrained(type(model), tmp_path / "a")(input_ids=ids)
+                      .logits.dequantize(), model(input_ids=ids).logits.dequantize())
+    twin = copy.deepcopy(model)
+    assert twin.save_pretrained.module is twin
+    twin.to(qt.bf16)  # converted again: saves its new formats
+    twin.save_pretrained(tmp_path / "b")
+    assert qt.hf.from_pretrained(type(twin), tmp_path / "b").lm_head.weight.fmt == qt.bf16
+    qt.unconvert(twin)  # the class's save_pretrained again: a plain checkpoint
+    assert "save_pretrained" not in twin.__dict__
+    twin.save_pretrained(tmp_path / "c")
+    assert type(qt.hf.from_pretrained(type(twin), tmp_path / "c").lm_head.weight) is nn.Parameter
 
 
 def test_hf_from_pretrained_refuses_values_out_of_format(tmp_path):

@@ -171,3 +171,31 @@ def test_to_fmt_inside_compiled_code():
 
     model = _mlp()
     assert g(model, torch.randn(2, 16)).fmt == qt.bf16 and model[0].weight.fmt == qt.bf16
+
+
+@pytest.mark.parametrize("how", ["convert", "to"])
+def test_converting_a_submodule_of_a_converted_model_is_refused(how):
+    # it would round the submodule's tensors and hook it a second time (doubled hooks)
+    model = _mlp().to(qt.fp8_e4m3)
+    ref = copy.deepcopy(model)
+    hooks = (len(model[0]._forward_hooks), len(model[0]._forward_pre_hooks))
+    with pytest.raises(RuntimeError, match="part of an already converted model .* rule for it"):
+        if how == "convert":
+            qt.convert(model[0], qt.bf16)
+        else:
+            model[0].to(qt.bf16)
+    assert (len(model[0]._forward_hooks), len(model[0]._forward_pre_hooks)) == hooks
+    x = torch.randn(3, 16)
+    _same_model(model, ref, x)  # unchanged: the same formats and output bits
+    for m in (model, ref):
+        m(x).dequantize().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.fmt == q.grad.fmt
+        assert_bits_equal(p.grad.dequantize(), q.grad.dequantize())
+    # what the message says: the whole model again, with a rule for the submodule
+    model.to(qt.Recipe.uniform(qt.fp8_e4m3, rules={"0": "bf16"}))
+    assert model[0].weight.fmt == qt.bf16 and model[2].weight.fmt == qt.fp8_e4m3
+    assert len(model[0]._forward_hooks) == hooks[0]
+    # and after qt.unconvert, the submodule converts on its own
+    qt.unconvert(model)
+    assert qt.convert(model[0], qt.bf16).weight.fmt == qt.bf16
