@@ -45,6 +45,16 @@ __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert",
 # ---------------------------------------------------------------------------------------------
 # Plans: what each tensor and module gets
 
+# (attach, detach) pairs that modules above this one register (qtensor/hf.py): called on each
+# model qt.convert converts and qt.unconvert restores
+_model_hooks: list = []
+
+
+def register_model_hooks(attach, detach) -> None:
+    """Call ``attach(model)`` at the end of each qt.convert and ``detach(model)`` in unconvert."""
+    _model_hooks.append((attach, detach))
+
+
 def _kind(name: str) -> str:
     last = name.rsplit(".", 1)[-1]
     return "bias" if last.startswith("bias") or last.endswith("bias") else "weight"
@@ -654,8 +664,8 @@ def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:
     for mod in model.modules():
         mod._apply = _NoDtypeCast(mod)
     model._qt_conversion = conv
-    from . import hf  # (imports convert) a transformers model saves its plain values, formats
-    hf.attach(model)
+    for attach, _ in _model_hooks:  # (qtensor/hf.py: a transformers model's save_pretrained)
+        attach(model)
     training.install_optimizer_hooks()
     return model
 
@@ -706,8 +716,8 @@ def unconvert(model: nn.Module) -> nn.Module:
         handle.remove()
     if isinstance(model.__dict__.get("forward"), ConvertedForward):
         del model.__dict__["forward"]
-    from . import hf
-    hf.detach(model)
+    for _, detach in _model_hooks:
+        detach(model)
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]

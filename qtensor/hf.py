@@ -24,7 +24,7 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
-from .convert import conversion_of, convert
+from .convert import conversion_of, convert, register_model_hooks
 from .ops import quantize
 from .serialization import plain_state_dict, recipe_from_dict, recipe_to_dict, tensor_formats
 from .tensor import QTensor
@@ -160,3 +160,6 @@ def _check_formats(model: nn.Module, formats: Dict[str, Any]) -> None:
         raise ValueError("qt.hf.from_pretrained: tensors did not get the formats they were saved "
                          "with (another transformers version renaming weights?): "
                          + "; ".join(wrong))
+
+
+register_model_hooks(attach, detach)
