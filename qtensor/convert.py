@@ -42,9 +42,6 @@ __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert",
            "is_converted", "plan_of", "ROLE_NAMES", "as_recipe"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Plans: what each tensor and module gets
-
 # (attach, detach) pairs that modules above this one register (qtensor/hf.py): called on each
 # model qt.convert converts and qt.unconvert restores
 _model_hooks: list = []
@@ -54,6 +51,9 @@ def register_model_hooks(attach, detach) -> None:
     """Call ``attach(model)`` at the end of each qt.convert and ``detach(model)`` in unconvert."""
     _model_hooks.append((attach, detach))
 
+
+# ---------------------------------------------------------------------------------------------
+# Plans: what each tensor and module gets
 
 def _kind(name: str) -> str:
     last = name.rsplit(".", 1)[-1]
