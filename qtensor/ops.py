@@ -334,8 +334,14 @@ def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))
     name, args = op_args(fmt)
-    getattr(torch.ops.qtensor, name + "_")(x.detach(), *args, _ROUNDING_CODE[rounding],
-                                           _seed_arg(seed))
+    args = (*args, _ROUNDING_CODE[rounding], _seed_arg(seed))
+    if x.is_neg() or x.is_conj():
+        # a lazily negated view: torch's math-bit fallback for an in-place op reads a freed
+        # tensor (valgrind; a heap corruption now and then): round a copy, copy_ writes it back
+        with torch.no_grad():
+            x.copy_(getattr(torch.ops.qtensor, name)(x.detach().resolve_neg(), *args))
+    else:
+        getattr(torch.ops.qtensor, name + "_")(x.detach(), *args)
     if not torch.compiler.is_compiling():
         # the op writes through x's data pointer, which autograd does not see: say so, so that
         # a value saved for backward that this changes is an error, not a wrong gradient

@@ -80,6 +80,9 @@ for dtype, ctype in [(torch.float32, torch.complex64), (torch.float64, torch.com
     expected = qt.quantize(x.resolve_neg(), qt.mxfp4_e2m1)
     ok.append(torch.equal(qt.quantize(x, qt.mxfp4_e2m1), expected))
     ok.append(torch.equal(qt.quantize_(x, qt.mxfp4_e2m1).resolve_neg(), expected))
+for _ in range(200):  # in place, torch's math-bit fallback freed a tensor it then read (now and
+    x = torch.randn(2, 32, dtype=torch.complex64).conj().imag  # then a heap corruption)
+    qt.quantize_(x, qt.mxfp4_e2m1)
 print(ok)
 """
 
