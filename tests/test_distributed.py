@@ -7,6 +7,7 @@ process itself. The reduction rule and wrap orders under test: docs/distributed.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
@@ -317,6 +318,119 @@ def test_ddp_follows_the_reduction_rule_bit_for_bit(ranks, spec):
         _assert_states_equal(state, ref, f"rank {rank}")
     if spec == "bf16":  # and so gradient accumulation in one process, where the division is exact
         _assert_states_equal(res[0], _accumulated_reference(spec, 3), "accumulation")
+
+
+class _Branchy(nn.Module):
+    """Three linears; ``c`` only where the caller says (rank 1 leaves it unused below)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x, use_c=True):
+        y = self.a(x) + self.b(x)
+        return y + self.c(x) if use_c else y
+
+
+_UNUSED = ("find_unused_parameters", "static_graph")  # options run with c unused on rank 1
+
+
+def _micro_batches(option, x, y, rank, world):
+    n = len(x) // world
+    x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    if option == "no_sync":  # two micro-batches: the first accumulated without a reduction
+        return [(x[:n // 2], y[:n // 2]), (x[n // 2:], y[n // 2:])]
+    return [(x, y)]
+
+
+def _sc_ddp_option(rank, world, option, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    kwargs = {"find_unused_parameters": {"find_unused_parameters": True},
+              "static_graph": {"static_graph": True}}.get(option, {})
+    model = DDP(qt.convert(_Branchy(), qt.bf16), **kwargs)
+    if option == "fp16_compress_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = _optimizer("sgd", model)
+    use_c = rank == 0 or option not in _UNUSED
+    for x, y in _data(steps):
+        micro = _micro_batches(option, x, y, rank, world)
+        opt.zero_grad()
+        for i, (xb, yb) in enumerate(micro):
+            sync = model.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
+            with sync:
+                F.mse_loss(qt_plain_grad(model(xb, use_c)), yb).backward()
+        opt.step()
+    return _state(model)
+
+
+def _ddp_option_reference(option, steps, world=WORLD):
+    """One process by the rule: each rank's gradient (accumulated over its micro-batches in the
+    grad format; zero for c where rank 1 leaves it unused, as DDP's bucket holds), their mean in
+    FP32 (or, with fp16_compress_hook, the hook's: each halved in FP16, the FP16 sum), rounded
+    once to bf16."""
+    model = qt.convert(_Branchy(), qt.bf16)
+    opt = _optimizer("sgd", model)
+    params = list(model.parameters())
+    for x, y in _data(steps):
+        grads = []
+        for r in range(world):
+            opt.zero_grad()
+            for xb, yb in _micro_batches(option, x, y, r, world):
+                F.mse_loss(qt_plain_grad(model(xb, r == 0 or option not in _UNUSED)),
+                           yb).backward()
+            grads.append([torch.zeros(p.shape) if p.grad is None else qt_plain(p.grad)
+                          for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if option == "fp16_compress_hook":
+                    halves = [(g[i].half() / world).float() for g in grads]
+                    mean = sum(halves[1:], halves[0]).half().float()  # world 2: one FP16 sum
+                else:
+                    mean = sum(g[i] for g in grads) / world
+                p.grad = qt.as_qtensor(mean, qt.bf16)  # rounded once
+        opt.step()
+    return _state(model)
+
+
+@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph", "no_sync",
+                                    "fp16_compress_hook"])
+def test_ddp_options_follow_the_reduction_rule(ranks, option):
+    # find_unused_parameters/static_graph with c unused on rank 1: DDP gave its gradient there a
+    # plain clone of the bucket (the mean unrounded, the format lost: the ranks diverged)
+    res = ranks.run("_sc_ddp_option", option, 3)
+    ref = _ddp_option_reference(option, 3)
+    for rank, state in enumerate(res):
+        for n, (fmts, gfmts, _v, _g) in state.items():
+            assert gfmts == ("bf16", None), (rank, n, gfmts)
+        _assert_states_equal(state, ref, f"rank {rank} {option}")
+
+
+def _sc_ddp_refused(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel.distributed import _MixedPrecision
+    out = {}
+    for key, kwargs in (("gradient_as_bucket_view", {"gradient_as_bucket_view": True}),
+                        ("mixed_precision",
+                         {"mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16)})):
+        model = DDP(qt.convert(_mlp(), qt.bf16), **kwargs)
+        try:
+            qt_plain_grad(model(torch.ones(2, 8))).sum().backward()
+            out[key] = ("ran", [_fmt(p.grad) for p in model.parameters()])
+        except TypeError as e:
+            out[key] = str(e)
+    return out
+
+
+def test_ddp_options_that_lose_the_formats_are_refused(ranks):
+    # gradient_as_bucket_view=True made every gradient a plain FP32 view of DDP's bucket: the
+    # formats lost and the mean never rounded; refused at the first forward
+    for out in ranks.run("_sc_ddp_refused"):
+        for key in ("gradient_as_bucket_view", "mixed_precision"):
+            assert isinstance(out[key], str), (key, out[key])
+            assert f"DDP({key}=" in out[key] and "not supported" in out[key], out[key]
+            assert "DDP(model)" in out[key], out[key]
 
 
 def _sc_convert_wrapped(rank, world):
