@@ -1,4 +1,4 @@
-"""Converted models under torch.distributed: wrap order, and the FSDP2 sharded parameters.
+"""Converted models under torch.distributed: wrap order, DDP's options, FSDP2's sharded parameters.
 
 The collectives themselves are op rules (``qtensor.dispatch``: a collective on QTensors waits for
 its result, then rounds it once into the format). This module holds what concerns a converted
@@ -8,6 +8,13 @@ model as a whole:
   parallelism (DDP, FSDP, ``fully_shard``, DTensor parameters): the wrapper holds references to
   the parameters (DDP's buckets, FSDP's shards) that a conversion would not reach, and the ranks
   would silently diverge. Convert, then wrap.
+
+- DDP (``DDP(qt.convert(model, spec))``) needs nothing for its default options: it copies the
+  all-reduced FP32 mean into each QTensor gradient, which rounds it once (the reduction rule).
+  :func:`check_ddp_forward` (the converted root's forward, inside a DDP's) refuses the options
+  that would make the gradients plain (``gradient_as_bucket_view``, ``mixed_precision``) and,
+  under ``find_unused_parameters``/``static_graph``, rounds the plain gradient that DDP creates
+  for a parameter unused on this rank but used on another (:class:`_RoundDDPGrads`).
 
 - FSDP2 (``fully_shard`` of a converted model): the sharded parameters are DTensors whose local
   tensors are QTensor shards; ``QTensor.fsdp_pre_all_gather``/``fsdp_post_all_gather`` (in
@@ -82,6 +89,7 @@ def check_unwrapped(model: nn.Module) -> None:
 # DDP
 
 _DDP_MODULE = "torch.nn.parallel.distributed"
+_ddp_roots = weakref.WeakKeyDictionary()  # DDP -> the converted roots checked in its forward
 
 
 def check_ddp_forward(model: nn.Module) -> None:
@@ -94,7 +102,9 @@ def check_ddp_forward(model: nn.Module) -> None:
     ddp = None if mod is None else mod.DistributedDataParallel._active_ddp_module
     if ddp is None:
         return
-    seen = ddp.__dict__.setdefault("_qt_roots", weakref.WeakSet())
+    seen = _ddp_roots.get(ddp)
+    if seen is None:
+        seen = _ddp_roots[ddp] = weakref.WeakSet()
     if model in seen:
         return
     if not any(m is model for m in ddp.module.modules()):
@@ -114,7 +124,10 @@ def check_ddp_forward(model: nn.Module) -> None:
             "the precision (it would replace the QTensor parameters by plain casts). Give the "
             "formats with qt.convert and wrap with DDP(model) (docs/distributed.md).")
     if ddp.find_unused_parameters or ddp.static_graph:
-        model.register_forward_hook(_RoundDDPGrads(model, ddp))
+        handle = model.register_forward_hook(_RoundDDPGrads(model, ddp))
+        conv = getattr(model, "_qt_conversion", None)
+        if conv is not None:
+            conv.handles.append(handle)  # qt.unconvert removes it
     seen.add(model)
 
 
