@@ -476,6 +476,7 @@ def _reattach_hook(model, args):
         conv.param_handles = []
         _attach(conv)
         _attached.add(model)
+    distributed.check_ddp_forward(model)  # inside a DDP's forward: its options (once per DDP)
     return None
 
 

@@ -1,4 +1,4 @@
-"""Converted models under torch.distributed: wrap order, and the FSDP2 sharded parameters.
+"""Converted models under torch.distributed: wrap order, DDP's options, FSDP2's sharded parameters.
 
 The collectives themselves are op rules (``qtensor.dispatch``: a collective on QTensors waits for
 its result, then rounds it once into the format). This module holds what concerns a converted
@@ -8,6 +8,13 @@ model as a whole:
   parallelism (DDP, FSDP, ``fully_shard``, DTensor parameters): the wrapper holds references to
   the parameters (DDP's buckets, FSDP's shards) that a conversion would not reach, and the ranks
   would silently diverge. Convert, then wrap.
+
+- DDP (``DDP(qt.convert(model, spec))``) needs nothing for its default options: it copies the
+  all-reduced FP32 mean into each QTensor gradient, which rounds it once (the reduction rule).
+  :func:`check_ddp_forward` (the converted root's forward, inside a DDP's) refuses the options
+  that would make the gradients plain (``gradient_as_bucket_view``, ``mixed_precision``) and,
+  under ``find_unused_parameters``/``static_graph``, rounds the plain gradient that DDP creates
+  for a parameter unused on this rank but used on another (:class:`_RoundDDPGrads`).
 
 - FSDP2 (``fully_shard`` of a converted model): the sharded parameters are DTensors whose local
   tensors are QTensor shards; ``QTensor.fsdp_pre_all_gather``/``fsdp_post_all_gather`` (in
@@ -33,7 +40,7 @@ from . import training
 from .plans import round_to
 from .tensor import QTensor, register_fsdp_hook
 
-__all__ = ["check_unwrapped", "on_fsdp_all_gather"]
+__all__ = ["check_unwrapped", "check_ddp_forward", "on_fsdp_all_gather"]
 
 
 def _is_dtensor(t) -> bool:
@@ -76,6 +83,105 @@ def check_unwrapped(model: nn.Module) -> None:
         f"qt.convert: {what}: convert, then wrap{note}. Converting a wrapped model would change "
         "the parameters behind the wrapper's back (DDP's gradient buckets and broadcast, FSDP's "
         f"shards), and the ranks would silently diverge. Do {how} (docs/distributed.md).")
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP
+
+_DDP_MODULE = "torch.nn.parallel.distributed"
+_ddp_roots = weakref.WeakKeyDictionary()  # DDP -> the converted roots checked in its forward
+
+
+def check_ddp_forward(model: nn.Module) -> None:
+    """The converted root ``model`` starts a forward; inside a DDP's forward (once per DDP):
+    refuse the DDP options that lose the gradients' formats, and give the DDPs that may leave a
+    parameter unused on a rank (``find_unused_parameters``, ``static_graph``) the fix-up of
+    :class:`_RoundDDPGrads`. What DDP does with the formats by default (the reduction rule):
+    docs/distributed.md."""
+    mod = sys.modules.get(_DDP_MODULE)  # not imported: there is no DDP
+    ddp = None if mod is None else mod.DistributedDataParallel._active_ddp_module
+    if ddp is None:
+        return
+    seen = _ddp_roots.get(ddp)
+    if seen is None:
+        seen = _ddp_roots[ddp] = weakref.WeakSet()
+    if model in seen:
+        return
+    if not any(m is model for m in ddp.module.modules()):
+        return  # a converted model that this DDP calls but does not hold: not its parameters
+    if ddp.gradient_as_bucket_view:
+        raise TypeError(
+            "DDP(gradient_as_bucket_view=True) of a converted model is not supported: DDP would "
+            "make each gradient a plain FP32 view of its bucket, so the gradients lose their "
+            "formats and the all-reduced mean is never rounded into the grad format (the "
+            "optimizer would step on unrounded gradients). Use DDP(model) with "
+            "gradient_as_bucket_view=False (the default): a converted model's gradients are "
+            "QTensors with FP32 payloads, so the views would save no memory here "
+            "(docs/distributed.md).")
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise TypeError(
+            "DDP(mixed_precision=...) of a converted model is not supported: the formats are "
+            "the precision (it would replace the QTensor parameters by plain casts). Give the "
+            "formats with qt.convert and wrap with DDP(model) (docs/distributed.md).")
+    if ddp.find_unused_parameters or ddp.static_graph:
+        handle = model.register_forward_hook(_RoundDDPGrads(model, ddp))
+        conv = getattr(model, "_qt_conversion", None)
+        if conv is not None:
+            conv.handles.append(handle)  # qt.unconvert removes it
+    seen.add(model)
+
+
+class _RoundDDPGrads:
+    """A converted root's forward hook under a DDP that may find a parameter unused on this rank
+    but used on another: DDP then gives it a new plain FP32 gradient (a clone of its bucket: the
+    mean, not rounded; the parameters used here have QTensor gradients, into which DDP copies the
+    mean, rounding it once). When backward reaches this forward's outputs, queue a callback that
+    runs after DDP's own (which writes the gradients at the end of backward) and rounds every
+    plain gradient of a converted parameter once into its grad role: the rule."""
+
+    def __init__(self, model, ddp):
+        self.model, self.ddp = weakref.ref(model), weakref.ref(ddp)
+
+    def __call__(self, module, args, output):
+        ddp = self.ddp()
+        if (ddp is None or not torch.is_grad_enabled() or not ddp.require_backward_grad_sync
+                or sys.modules[_DDP_MODULE].DistributedDataParallel._active_ddp_module
+                is not ddp):
+            return None  # no reduction this time (eval, no_sync, called outside this DDP)
+        from torch.utils._pytree import tree_leaves
+        once = _OnBackward(self.model)  # this forward's: queued once by its first output
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(once)
+        return None
+
+
+class _OnBackward:
+    def __init__(self, model_ref):
+        self.model, self.queued = model_ref, False
+
+    def __call__(self, grad):
+        if not self.queued:
+            self.queued = True
+            engine = torch.autograd.Variable._execution_engine
+            # DDP queues its callback when its last bucket is ready, after this one: queue
+            # again from inside the callback to run after it
+            engine.queue_callback(lambda: engine.queue_callback(self.round_plain_grads))
+        return None
+
+    def round_plain_grads(self):
+        model = self.model()
+        if model is None:
+            return
+        for mod in model.modules():
+            for name, plan in mod.__dict__.get(PLANS_ATTR, {}).items():
+                p = mod._parameters.get(name)
+                g = None if p is None else p.grad
+                if (g is None or isinstance(g, QTensor) or _is_dtensor(g) or g.is_sparse
+                        or plan.grad.full_precision):
+                    continue
+                with torch.no_grad():
+                    p.grad = round_to(g, plan.grad, name=f"gradient of {plan.name}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ process itself. The reduction rule and wrap orders under test: docs/distributed.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
@@ -319,6 +320,119 @@ def test_ddp_follows_the_reduction_rule_bit_for_bit(ranks, spec):
         _assert_states_equal(res[0], _accumulated_reference(spec, 3), "accumulation")
 
 
+class _Branchy(nn.Module):
+    """Three linears; ``c`` only where the caller says (rank 1 leaves it unused below)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x, use_c=True):
+        y = self.a(x) + self.b(x)
+        return y + self.c(x) if use_c else y
+
+
+_UNUSED = ("find_unused_parameters", "static_graph")  # options run with c unused on rank 1
+
+
+def _micro_batches(option, x, y, rank, world):
+    n = len(x) // world
+    x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    if option == "no_sync":  # two micro-batches: the first accumulated without a reduction
+        return [(x[:n // 2], y[:n // 2]), (x[n // 2:], y[n // 2:])]
+    return [(x, y)]
+
+
+def _sc_ddp_option(rank, world, option, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    kwargs = {"find_unused_parameters": {"find_unused_parameters": True},
+              "static_graph": {"static_graph": True}}.get(option, {})
+    model = DDP(qt.convert(_Branchy(), qt.bf16), **kwargs)
+    if option == "fp16_compress_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = _optimizer("sgd", model)
+    use_c = rank == 0 or option not in _UNUSED
+    for x, y in _data(steps):
+        micro = _micro_batches(option, x, y, rank, world)
+        opt.zero_grad()
+        for i, (xb, yb) in enumerate(micro):
+            sync = model.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
+            with sync:
+                F.mse_loss(qt_plain_grad(model(xb, use_c)), yb).backward()
+        opt.step()
+    return _state(model)
+
+
+def _ddp_option_reference(option, steps, world=WORLD):
+    """One process by the rule: each rank's gradient (accumulated over its micro-batches in the
+    grad format; zero for c where rank 1 leaves it unused, as DDP's bucket holds), their mean in
+    FP32 (or, with fp16_compress_hook, the hook's: each halved in FP16, the FP16 sum), rounded
+    once to bf16."""
+    model = qt.convert(_Branchy(), qt.bf16)
+    opt = _optimizer("sgd", model)
+    params = list(model.parameters())
+    for x, y in _data(steps):
+        grads = []
+        for r in range(world):
+            opt.zero_grad()
+            for xb, yb in _micro_batches(option, x, y, r, world):
+                F.mse_loss(qt_plain_grad(model(xb, r == 0 or option not in _UNUSED)),
+                           yb).backward()
+            grads.append([torch.zeros(p.shape) if p.grad is None else qt_plain(p.grad)
+                          for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if option == "fp16_compress_hook":
+                    halves = [(g[i].half() / world).float() for g in grads]
+                    mean = sum(halves[1:], halves[0]).half().float()  # world 2: one FP16 sum
+                else:
+                    mean = sum(g[i] for g in grads) / world
+                p.grad = qt.as_qtensor(mean, qt.bf16)  # rounded once
+        opt.step()
+    return _state(model)
+
+
+@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph", "no_sync",
+                                    "fp16_compress_hook"])
+def test_ddp_options_follow_the_reduction_rule(ranks, option):
+    # find_unused_parameters/static_graph with c unused on rank 1: DDP gave its gradient there a
+    # plain clone of the bucket (the mean unrounded, the format lost: the ranks diverged)
+    res = ranks.run("_sc_ddp_option", option, 3)
+    ref = _ddp_option_reference(option, 3)
+    for rank, state in enumerate(res):
+        for n, (fmts, gfmts, _v, _g) in state.items():
+            assert gfmts == ("bf16", None), (rank, n, gfmts)
+        _assert_states_equal(state, ref, f"rank {rank} {option}")
+
+
+def _sc_ddp_refused(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel.distributed import _MixedPrecision
+    out = {}
+    for key, kwargs in (("gradient_as_bucket_view", {"gradient_as_bucket_view": True}),
+                        ("mixed_precision",
+                         {"mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16)})):
+        model = DDP(qt.convert(_mlp(), qt.bf16), **kwargs)
+        try:
+            qt_plain_grad(model(torch.ones(2, 8))).sum().backward()
+            out[key] = ("ran", [_fmt(p.grad) for p in model.parameters()])
+        except TypeError as e:
+            out[key] = str(e)
+    return out
+
+
+def test_ddp_options_that_lose_the_formats_are_refused(ranks):
+    # gradient_as_bucket_view=True made every gradient a plain FP32 view of DDP's bucket: the
+    # formats lost and the mean never rounded; refused at the first forward
+    for out in ranks.run("_sc_ddp_refused"):
+        for key in ("gradient_as_bucket_view", "mixed_precision"):
+            assert isinstance(out[key], str), (key, out[key])
+            assert f"DDP({key}=" in out[key] and "not supported" in out[key], out[key]
+            assert "DDP(model)" in out[key], out[key]
+
+
 def _sc_convert_wrapped(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -475,25 +589,29 @@ def test_dtensor_of_qtensors_keeps_the_format(ranks):
                            f"rank {rank} redistribute(Shard(1))")
 
 
-def _tp_model(plan_name):
+def _tp_model(plan_name, spec="mxfp6"):
     torch.manual_seed(0)
     if plan_name == "col":
-        return qt.convert(nn.Linear(8, 64), qt.recipes.mxfp6)
-    return qt.convert(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)),
-                      qt.recipes.mxfp6)
+        return qt.convert(nn.Linear(8, 64), _spec(spec))
+    return qt.convert(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)), _spec(spec))
 
 
-def _sc_tensor_parallel(rank, world, plan_name):
+def _parallelize(plan_name, spec="mxfp6"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
-    mesh = init_device_mesh("cpu", (world,))
-    model = _tp_model(plan_name)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _tp_model(plan_name, spec)
     if plan_name == "col":  # its output all-gathered (Replicate), as a local tensor
         parallelize_module(model, mesh, ColwiseParallel(output_layouts=Replicate()))
     else:
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def _sc_tensor_parallel(rank, world, plan_name):
+    model = _parallelize(plan_name)
     y = model(_data(1)[0][0])
     qt_plain_grad(y).square().sum().backward()
     grads = {n: (_fmt(p.grad), qt_plain(p.grad.full_tensor())) for n, p in model.named_parameters()}
@@ -522,6 +640,52 @@ def test_tensor_parallel_linear_gives_the_single_process_result(ranks):
         # TP device does: within 2**-6 of the output's largest magnitude, not bit for bit
         err = (y - qt_plain(ref)).abs().max()
         assert err <= 2.0 ** -6 * qt_plain(ref).abs().max(), (rank, err)
+
+
+def _tp_train(model, steps):
+    """Adam on the whole batch (every TP rank sees it): the loss of the output's squares."""
+    opt = _optimizer("adam", model)
+    for x, _y in _data(steps):
+        loss = qt_plain_grad(model(x)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    tp = any(hasattr(p, "full_tensor") for p in model.parameters())
+    return (_full_state(model) if tp else _state(model)), _opt_state(opt)
+
+
+def _sc_tp_adam(rank, world, plan_name, spec, steps):
+    return _tp_train(_parallelize(plan_name, spec), steps)
+
+
+@pytest.mark.parametrize("plan_name,spec", [("col", "mxfp6"), ("col", "bf16"),
+                                            ("colrow", "mxfp6")])
+def test_tensor_parallel_adam_steps_keep_formats(ranks, plan_name, spec):
+    # mxfp6: FP32 masters (DTensors of FP32 shards) in Adam's state; bf16: Adam's state in bf16
+    res = ranks.run("_sc_tp_adam", plan_name, spec, 3)
+    ref, ref_opt = _tp_train(_tp_model(plan_name, spec), 3)
+    assert ("qt_master" in str(ref_opt.keys())) == (spec == "mxfp6")
+    for rank, (state, opt_state) in enumerate(res):
+        assert state.keys() == ref.keys() and opt_state.keys() == ref_opt.keys()
+        for n, (fmts, gfmts, value, grad) in state.items():
+            assert (fmts, gfmts) == ref[n][:2], (rank, n, fmts, gfmts, ref[n][:2])
+            _assert_bits_equal(value, res[0][0][n][2], f"rank {rank} vs rank 0 {n}")
+        for key, (fmt, value) in opt_state.items():
+            assert fmt == ref_opt[key][0], (rank, key, fmt, ref_opt[key][0])
+        if plan_name == "col":  # each rank updates whole rows: the single-process run, exactly
+            for n, (_f, _g, value, grad) in state.items():
+                _assert_bits_equal(value, ref[n][2], f"rank {rank} {n}")
+                _assert_bits_equal(grad, ref[n][3], f"rank {rank} {n}.grad")
+            for key, (_fmt_, value) in opt_state.items():
+                _assert_bits_equal(value, ref_opt[key][1], f"rank {rank} optimizer state {key}")
+        else:  # row parallel: partial sums rounded before the all-reduce (see above), and an
+            # MXFP6 operand near a tie may round the other way (one of its 1/8 steps): measured
+            # 2**-8.4 (values) and 2**-4.8 (gradients) of each tensor's largest magnitude
+            for n, (_f, _g, value, grad) in state.items():
+                err = (value - ref[n][2]).abs().max()
+                assert err <= 2.0 ** -7 * ref[n][2].abs().max(), (rank, n, err)
+                err = (grad - ref[n][3]).abs().max()
+                assert err <= 2.0 ** -4 * ref[n][3].abs().max(), (rank, n, err)
 
 
 # ---------------------------------------------------------------------------------------------
