@@ -20,3 +20,4 @@ from .training import LossScaler, master_weight  # noqa: E402
 from .leaks import Finding, LeakError, LeakReport, LeakWarning, leak_check  # noqa: E402
 from . import compat  # noqa: E402,F401  (qt.compat.qtorch, qt.compat.mx)
 from . import accum  # noqa: E402,F401  (qt.accum.AccumFormat, qt.accum.hopper_fp8, ...)
+from .analysis import AnalysisReport, analyze  # noqa: E402
