@@ -36,7 +36,7 @@ from . import flush_warnings
 from .convert import ModulePlan, Recipe, _InputHook, convert, conversion_of, unconvert
 from .dispatch import quantize as _round, with_axis
 from .formats import FloatFormat
-from .plans import ROLE_NAMES, Role, _plain
+from .plans import _plain, round_to
 from .spec import as_recipe
 from .tensor import QTensor
 
@@ -220,9 +220,11 @@ def _layer_names(model: nn.Module) -> List[str]:
 
 def _one_layer_recipe(full: Recipe, conv, layer: str, model: nn.Module) -> Recipe:
     """A recipe in which only ``layer`` takes what the full conversion gave it: its parameters'
-    plans and its output's activation and grad roles; everything else FP32 and plain."""
+    plans and its output's activation and grad roles; every other module plain (a rule of
+    None: FP32 parameters, plain inputs and outputs, so that the layer's output format does not
+    spread into the modules after it)."""
     mplan = conv.module_plans[layer]
-    rules: Dict[str, Any] = {}
+    rules: Dict[str, Any] = {n: None for n, _m in model.named_modules() if n and n != layer}
     for pname, _p in model.get_submodule(layer).named_parameters(recurse=False):
         qual = f"{layer}.{pname}"
         tplan = conv.tensor_plans.get(qual)
@@ -233,13 +235,13 @@ def _one_layer_recipe(full: Recipe, conv, layer: str, model: nn.Module) -> Recip
     return Recipe(rules=rules, accumulate=full.accumulate, name=f"only {layer}")
 
 
-def convert_one_layer(model: nn.Module, spec, layer: str) -> nn.Module:
+def convert_one_layer(model: nn.Module, spec, layer: str, *, _plans=None) -> nn.Module:
     """Convert ``model`` in place so that only ``layer`` takes ``spec``'s formats: its
     parameters, its outputs and (a forward pre-hook) its inputs, rounded to its activation and
-    grad roles as a converted model's preceding module would round them."""
+    grad roles as a converted model's preceding module would round them. (``_plans``: what
+    ``qt.convert(copy, spec)`` planned, when the caller has it.)"""
     recipe = as_recipe(spec)
-    probe = convert(copy.deepcopy(model), recipe)
-    conv = conversion_of(probe)
+    conv = _plans if _plans is not None else conversion_of(convert(copy.deepcopy(model), recipe))
     one = _one_layer_recipe(recipe, conv, layer, model)
     mplan = conv.module_plans[layer]
     convert(model, one)
@@ -311,6 +313,10 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, layers, progress) -> "A
         full = _run(conv_model, inputs, loss_fn)
     for h in handles:
         h.remove()
+    root_plan = conversion_of(conv_model).module_plans[""]
+    if "" in seen and not root_plan.plain and not root_plan.activation.full_precision:
+        # the root's pre-hooks see its inputs before its converted forward rounds them
+        seen[""] = round_to(seen[""], root_plan.activation)
     contractions = []
     for n, m in conv_model.named_modules():
         if n in seen:
@@ -331,7 +337,8 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, layers, progress) -> "A
     if sensitivity:
         names = layers if layers is not None else _layer_names(base)
         for layer in _progress(names, "qt.analyze: layers", progress):
-            m = convert_one_layer(copy.deepcopy(base), recipe, layer)
+            m = convert_one_layer(copy.deepcopy(base), recipe, layer,
+                                  _plans=conversion_of(conv_model))
             row = {"layer": layer, "type": type(m.get_submodule(layer)).__name__}
             row.update(_compare(ref, _run(m, inputs, loss_fn)))
             sens.append(row)
