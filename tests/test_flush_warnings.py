@@ -96,3 +96,15 @@ def test_not_under_compile():
             warnings.simplefilter("ignore")
             compiled(torch.randn(4, 64))
     assert calls == []
+
+
+def test_weights_flushed_at_conversion_warn_at_the_convert_line():
+    layer = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        layer.weight.mul_(1e-4)  # below fp8_e4m3's smallest subnormal (2^-9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qt.convert(layer, qt.Recipe(weight="fp8_e4m3"))  # the user's line
+    found = [w for w in caught if "weight role" in str(w.message)]
+    assert len(found) == 1 and found[0].filename == __file__
+    assert "weight (weight role, shape (64, 64)) in fp8_e4m3: 100.0%" in str(found[0].message)
