@@ -133,7 +133,7 @@ def test_tensor_statistics():
 
 def test_report_outputs(tmp_path):
     torch.manual_seed(0)
-    report = qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6)
+    report = qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6, progress=True)
     text = report.table()
     assert "Sensitivity" in text and "weight operand" in text and "vs_exact_rounded" in text
     md = report.markdown()
