@@ -46,8 +46,7 @@ def cast(model, name: str, mode: str):
     m = copy.deepcopy(model)
     fmt = qt.format(name)
     if mode == "operands":
-        qt.convert(m, qt.Recipe(weight=(qt.fp32, fmt), bias=qt.fp32,
-                                activation=(qt.fp32, fmt), grad=None))
+        qt.convert(m, qt.recipes.direct_cast(fmt))  # F at matmul operands, FP32 values
     else:
         qt.convert(m, fmt)
     return m

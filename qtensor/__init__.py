@@ -9,6 +9,7 @@ globals().update(PRESETS)
 
 from .ops import quantize, quantize_  # noqa: E402
 from .tensor import QTensor, as_qtensor, quantize_grad  # noqa: E402
+from .flush_warnings import set_flush_warnings  # noqa: E402
 from .convert import Recipe, Role, convert, describe, unconvert  # noqa: E402
 from . import recipes  # noqa: E402
 from . import to_format  # noqa: E402,F401  (model.to(fmt), tensor.to(fmt))
@@ -19,3 +20,4 @@ from .training import LossScaler, master_weight  # noqa: E402
 from .leaks import Finding, LeakError, LeakReport, LeakWarning, leak_check  # noqa: E402
 from . import compat  # noqa: E402,F401  (qt.compat.qtorch, qt.compat.mx)
 from . import accum  # noqa: E402,F401  (qt.accum.AccumFormat, qt.accum.hopper_fp8, ...)
+from .analysis import AnalysisReport, analyze  # noqa: E402

@@ -222,7 +222,7 @@ def _round_activation(x, plan: ModulePlan, what: str = "output"):
     if not grad.full_precision and torch.is_grad_enabled() and x.requires_grad:
         y = _RoundActivation.apply(x, plan.activation, grad, name)
     elif not plan.activation.full_precision:
-        y = round_to(x, plan.activation, name=name)
+        y = round_to(x, plan.activation, name=name, kind="activation")
     if y is not x:
         try:
             setattr(y, _ACT_TAG, (key, y._version))
@@ -241,15 +241,17 @@ class _RoundActivation(torch.autograd.Function):
     def forward(ctx, x, act: Role, grad: Role, name: str = "tensor"):
         # (a DTensor of QTensors, under tensor parallelism, is no plain input)
         ctx.grad_role = grad
+        ctx.name = name
         ctx.plain_input = not (_is_q(x) or _is_q(getattr(x, "_local_tensor", None)))
         ctx.accum = _accum_of(x)
         if act.full_precision:  # values left as they are (a copy: never a view)
             return x.clone()
-        return round_to(x.detach(), act, name=name)
+        return round_to(x.detach(), act, name=name, kind="activation")
 
     @staticmethod
     def backward(ctx, g):
-        q = grad_with_accum(round_to(g, ctx.grad_role), ctx.accum)
+        q = grad_with_accum(round_to(g, ctx.grad_role, name=f"gradient of the {ctx.name}",
+                                     kind="grad"), ctx.accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
         return (_plain(q) if ctx.plain_input else q), None, None, None  # (a DTensor too)
 
@@ -342,10 +344,11 @@ class _GradHook:
     def __call__(self, g):
         if g.layout == torch.sparse_coo:  # nn.Embedding(sparse=True): round the values
             g = g.coalesce()
-            v = _plain(round_to(g.values(), self.plan.grad, name=f"gradient of {self.plan.name}"))
+            v = _plain(round_to(g.values(), self.plan.grad, name=f"gradient of {self.plan.name}",
+                                kind="grad"))
             return torch.sparse_coo_tensor(g.indices(), v, g.shape, is_coalesced=True,
                                            check_invariants=False)  # indices of g
-        return round_to(g, self.plan.grad, name=f"gradient of {self.plan.name}")
+        return round_to(g, self.plan.grad, name=f"gradient of {self.plan.name}", kind="grad")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,7 +552,7 @@ def _round_values(recipe: Recipe, todo_params: list, todo_buffers: list) -> Tupl
         mod, local, qual = owners[0]
         p = mod._parameters[local]
         with torch.no_grad():
-            value = round_to(_plain(p.detach()), plan.value, name=qual)
+            value = round_to(_plain(p.detach()), plan.value, name=qual, kind=plan.kind)
             if recipe.accumulate is not None and _is_q(value):
                 value.accum = recipe.accumulate  # every contraction with it sums this way
             grad = None if p.grad is None else round_to(_plain(p.grad), plan.grad,

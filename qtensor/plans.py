@@ -19,6 +19,7 @@ import torch
 
 from .accum import as_accum
 from . import block_specials
+from . import flush_warnings
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor, as_qtensor
@@ -282,14 +283,18 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tensor:
+def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor",
+             kind: Optional[str] = None) -> torch.Tensor:
     """x as a QTensor in ``role`` (returned as is when it already has exactly those formats).
+    ``kind``: the role's name ("weight", "activation", "grad", ...) when this is one of a
+    converted model's role roundings; those are watched for flushing and saturation
+    (:mod:`qtensor.flush_warnings`).
     A DTensor (tensor parallelism) is rounded shard by shard: the same placements, its local
     tensor in ``role`` (a Partial one's partial values each, as a TP device rounds its outputs
     before the reduction; docs/distributed.md)."""
     dtensor = None if torch.compiler.is_dynamo_compiling() else _dtensor_class()
     if dtensor is not None and type(x) is dtensor:
-        local = round_to(x.to_local(), role, name=name)
+        local = round_to(x.to_local(), role, name=name, kind=kind)
         return dtensor.from_local(local, x.device_mesh, x.placements, run_check=False,
                                   shape=x.shape, stride=x.stride())
     if role.full_precision:
@@ -304,4 +309,6 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor") -> torch.Tens
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
     if isinstance(role.fmt, BlockFormat):  # a mask's -inf makes its whole block NaN: say so
         block_specials.check(x._data if _is_q(x) else x.detach(), y._data, role.fmt, what=name)
+    if kind is not None:  # most of it flushed to zero or saturated: say so
+        flush_warnings.check(kind, name, role, x._data if _is_q(x) else x.detach(), y._data)
     return y

@@ -5,7 +5,8 @@ Roles are those of docs/convert.md; a pair is (value format, contraction operand
 
 - MX paper (Rouhani et al., "Microscaling Data Formats for Deep Learning", 2023; microxcaling):
   ``mxfp6``, ``mxfp4_weights``, ``mx_all(fmt)`` (``mx_all_mxfp8``, ``mx_all_mxfp6``,
-  ``mx_all_mxfp4``), ``mxint8_inference``.
+  ``mx_all_mxfp4``), ``mxint8_inference``, ``direct_cast(fmt)`` (the paper's direct-cast
+  inference in any format).
 - QPyTorch (Zhang et al., 2019) and the papers it reproduces: ``fp16``, ``block8``, ``swalp``
   (SWALP), ``wage`` (WAGE).
 
@@ -20,7 +21,7 @@ from .plans import Recipe
 from .formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
 from .formats import format as _format
 
-__all__ = ["mxfp6", "mxfp4_weights", "mx_all", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
+__all__ = ["mxfp6", "mxfp4_weights", "mx_all", "direct_cast", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
            "mxint8_inference", "fp16", "block8", "swalp", "wage", "describe", "PRESETS_BY_NAME"]
 
 _P = PRESETS
@@ -54,6 +55,19 @@ def mx_all(fmt) -> Recipe:
 mx_all_mxfp8 = mx_all(_P["mxfp8_e4m3"]).replace(name="mx_all_mxfp8")
 mx_all_mxfp6 = mx_all(_P["mxfp6_e3m2"]).replace(name="mx_all_mxfp6")
 mx_all_mxfp4 = mx_all(_P["mxfp4_e2m1"]).replace(name="mx_all_mxfp4")
+
+def direct_cast(fmt) -> Recipe:
+    """The MX paper's direct-cast inference in ``fmt`` (any format: "mxfp8_e4m3", "nvfp4",
+    qt.bf16, a BlockFormat): a trained FP32 model evaluated with every contraction's operands
+    (weights and activations) rounded to ``fmt`` along the reduction dimension and summed in
+    FP32; every value (weights, biases, activations, the vector ops) stays FP32, and gradients
+    are left plain."""
+    f = _format(fmt)
+    return Recipe(weight=(_fp32, f), bias=_fp32, activation=(_fp32, f), grad=None,
+                  optimizer_state=None, name=f"direct_cast({f})",
+                  source="Rouhani et al. 2023, direct-cast inference: matmul operands (weights "
+                  f"and activations) in {f}, FP32 elsewhere")
+
 
 mxint8_inference = Recipe(
     weight=(_fp32, _P["mxint8"]), bias=_fp32, activation=(_fp32, _P["mxint8"]), grad=None,

@@ -1,0 +1,484 @@
+"""``qt.analyze(model, inputs, spec)``: where a recipe loses precision in a model.
+
+One batch through an FP32 copy of the model and a converted copy (forward and backward), then
+one converted copy per layer in which only that layer takes the recipe's formats:
+
+- every role rounding of the converted copy (weights at conversion, activations and gradients
+  as they run: those :mod:`qtensor.flush_warnings` watches), by role and tensor: relative
+  error, SNR (dB), fractions flushed to zero, saturated and turned NaN; for a role with an
+  operand format (``mm_fmt``) the operand rounding too, as role ``"<role> operand"`` (blocked
+  along the last axis, the reduction axis of a linear layer's operands);
+- every contraction module (``nn.Linear``, ``nn.Conv1d/2d/3d``; bias excluded) on the operands
+  it received in the converted run: its emulated product against (a) the FP32 product of the
+  unrounded operands (the activation as it arrived, the original FP32 weight): the total local
+  error, and (b) the exact (float64) product of the rounded operands: the accumulator's share;
+  (c) the operands' share: the exact product of the rounded against the unrounded operands;
+- per layer (each module that has parameters of its own): the change in loss and the KL
+  divergence of the outputs (softmax over the last axis, FP32 against converted) when only that
+  layer takes its formats (its parameters, its output, and its inputs rounded to its activation
+  role), and the cosine similarity of the whole gradient against FP32's.
+
+Docs and examples: docs/analysis.md.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import flush_warnings
+from .convert import ModulePlan, Recipe, _InputHook, convert, conversion_of, unconvert
+from .dispatch import quantize as _round, with_axis
+from .formats import FloatFormat
+from .plans import _plain, round_to
+from .spec import as_recipe
+from .tensor import QTensor
+
+__all__ = ["analyze", "AnalysisReport", "CONTRACTIONS"]
+
+CONTRACTIONS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_FP32 = FloatFormat(8, 23)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics of one rounding
+
+class _TensorStats:
+    """Sums over the roundings of one (role, tensor): errors and counts."""
+
+    def __init__(self, role: str, name: str, fmt: str):
+        self.role, self.name, self.fmt = role, name, fmt
+        self.numel = self.nonzero = self.flushed = self.saturated = self.finite = self.nan = 0
+        self.signal = self.noise = 0.0
+        self.calls = 0
+
+    def add(self, before: torch.Tensor, after: torch.Tensor, fmt) -> None:
+        b, a = before.detach().double(), after.detach().double()
+        finite = torch.isfinite(b)
+        both = finite & torch.isfinite(a)
+        self.signal += float(torch.where(both, b, 0).pow(2).sum())
+        self.noise += float(torch.where(both, a - b, 0).pow(2).sum())
+        c = flush_warnings.fractions(before, after, fmt)
+        self.nonzero += c["nonzero"]
+        self.flushed += c["flushed"]
+        self.saturated += c["saturated"]
+        self.finite += c["finite"]
+        self.nan += int((finite & torch.isnan(a)).sum())
+        self.numel += b.numel()
+        self.calls += 1
+
+    def row(self) -> dict:
+        rel = math.sqrt(self.noise / self.signal) if self.signal > 0 else (
+            0.0 if self.noise == 0 else math.inf)
+        snr = 10 * math.log10(self.signal / self.noise) if self.noise > 0 else math.inf
+        return {"role": self.role, "tensor": self.name, "format": self.fmt, "numel": self.numel,
+                "calls": self.calls, "rel_error": rel, "snr_db": snr,
+                "flushed": self.flushed / self.nonzero if self.nonzero else 0.0,
+                "saturated": self.saturated / self.finite if self.finite else 0.0,
+                "nan": self.nan / self.numel if self.numel else 0.0}
+
+
+class _Recorder:
+    def __init__(self):
+        self.stats: Dict[tuple, _TensorStats] = {}
+
+    def _add(self, role, name, fmt, before, after):
+        key = (role, name)
+        if key not in self.stats:
+            self.stats[key] = _TensorStats(role, name, str(fmt))
+        self.stats[key].add(before, after, fmt)
+
+    def __call__(self, role, name, formats, before, after):
+        with torch.no_grad():
+            self._add(role, name, formats.fmt, before, after)
+            mm = formats.mm_fmt
+            if mm is not None and mm != formats.fmt and after.dim() > 0:
+                operand = _round(after, with_axis(mm, -1), keep_layout=False)
+                self._add(f"{role} operand", name, mm, before, operand)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a model
+
+def _output_tensor(out) -> torch.Tensor:
+    """The tensor to compare and differentiate: the output, its first item, or ``.logits``."""
+    if isinstance(out, torch.Tensor):
+        return _plain(out)
+    if hasattr(out, "logits"):
+        return _plain(out.logits)
+    if isinstance(out, dict):
+        return _output_tensor(next(iter(out.values())))
+    if isinstance(out, (tuple, list)):
+        return _output_tensor(out[0])
+    raise TypeError(f"qt.analyze: cannot find a tensor in the model's output ({type(out)})")
+
+
+def _default_loss(out: torch.Tensor) -> torch.Tensor:
+    return 0.5 * out.float().pow(2).mean()
+
+
+def _run(model: nn.Module, inputs, loss_fn: Callable) -> dict:
+    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    model.zero_grad(set_to_none=True)
+    out = _output_tensor(model(*args))
+    loss = loss_fn(out)
+    loss = _plain(loss)
+    loss.backward()
+    grads = {n: (None if p.grad is None else _plain(p.grad).detach().double().flatten())
+             for n, p in model.named_parameters()}
+    return {"out": out.detach().double(), "loss": float(loss.detach()), "grads": grads}
+
+
+def _kl(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """Mean over rows of KL(softmax(ref) || softmax(out)), softmax over the last axis."""
+    if ref.dim() == 0:
+        return 0.0
+    lp, lq = F.log_softmax(ref, -1), F.log_softmax(out, -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+def _cosine(ref: dict, got: dict, names=None) -> float:
+    names = [n for n in (names or ref) if ref.get(n) is not None and got.get(n) is not None]
+    if not names:
+        return float("nan")
+    a = torch.cat([ref[n] for n in names])
+    b = torch.cat([got[n] for n in names])
+    den = float(a.norm() * b.norm())
+    return float(a @ b) / den if den > 0 else (1.0 if float(a.norm()) == float(b.norm()) else 0.0)
+
+
+def _compare(ref: dict, got: dict) -> dict:
+    return {"loss": got["loss"], "dloss": got["loss"] - ref["loss"],
+            "kl": _kl(ref["out"], got["out"]), "grad_cos": _cosine(ref["grads"], got["grads"])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Contractions
+
+def _product(mod: nn.Module, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if isinstance(mod, nn.Linear):
+        return F.linear(a, w)
+    return mod._conv_forward(a, w, None)
+
+
+def _operand(x: torch.Tensor, mm, axis: int) -> torch.Tensor:
+    """x rounded to the operand format as the contraction rounds it (dispatch's blocking)."""
+    if mm is None:
+        return x
+    return _round(x, with_axis(mm, axis), keep_layout=False)
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    den = float(ref.norm())
+    num = float((a - ref).norm())
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def contraction_errors(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                       fp32_weight: torch.Tensor) -> dict:
+    """The local errors of one contraction module: ``x`` the input it received (a QTensor with
+    its operand format, or plain), ``weight`` its converted weight, ``fp32_weight`` the weight
+    before conversion. Bias excluded."""
+    axis = -1 if isinstance(mod, nn.Linear) else 1  # the reduction axis of both operands
+    with torch.no_grad():
+        xv = _plain(x).detach().float()
+        wv = _plain(weight).detach().float()
+        x_mm = getattr(x, "mm_fmt", None) if isinstance(x, QTensor) else None
+        w_mm = getattr(weight, "mm_fmt", None) if isinstance(weight, QTensor) else None
+        acc = getattr(weight, "accum", None) if isinstance(weight, QTensor) else None
+        if acc is None and isinstance(x, QTensor):
+            acc = x.accum
+        # the emulated contraction with FP32 outputs (no output rounding): the same operand
+        # formats and accumulator as in the model
+        xe = QTensor._wrap(xv.clone(), _FP32, x_mm, accum=acc) if (x_mm or acc) else xv
+        we = QTensor._wrap(wv.clone(), _FP32, w_mm, accum=acc) if (w_mm or acc) else wv
+        emulated = _plain(_product(mod, xe, we)).double()
+        ref32 = _product(mod, xv, fp32_weight.detach().float())
+        exact_rounded = _product(mod, _operand(xv, x_mm, axis).double(),
+                                 _operand(wv, w_mm, axis).double())
+        exact = _product(mod, xv.double(), fp32_weight.detach().double())
+    return {"vs_fp32": _rel(emulated, ref32), "vs_exact_rounded": _rel(emulated, exact_rounded),
+            "operands": _rel(exact_rounded, exact),
+            "operand_formats": f"{x_mm or '-'} x {w_mm or '-'}",
+            "accumulator": str(getattr(acc, "name", None) or acc or "FP32")}
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+def _layer_names(model: nn.Module) -> List[str]:
+    return [n for n, m in model.named_modules()
+            if n and any(True for _ in m.parameters(recurse=False))]
+
+
+def _one_layer_recipe(full: Recipe, conv, layer: str, model: nn.Module) -> Recipe:
+    """A recipe in which only ``layer`` takes what the full conversion gave it: its parameters'
+    plans and its output's activation and grad roles; every other module plain (a rule of
+    None: FP32 parameters, plain inputs and outputs, so that the layer's output format does not
+    spread into the modules after it)."""
+    mplan = conv.module_plans[layer]
+    rules: Dict[str, Any] = {n: None for n, _m in model.named_modules() if n and n != layer}
+    for pname, _p in model.get_submodule(layer).named_parameters(recurse=False):
+        qual = f"{layer}.{pname}"
+        tplan = conv.tensor_plans.get(qual)
+        if tplan is not None:
+            rules[qual] = {tplan.kind: tplan.value, "grad": tplan.grad,
+                           "optimizer_state": tplan.optimizer_state}
+    rules[layer] = {"activation": mplan.activation, "grad": mplan.grad}
+    return Recipe(rules=rules, accumulate=full.accumulate, name=f"only {layer}")
+
+
+def convert_one_layer(model: nn.Module, spec, layer: str, *, _plans=None) -> nn.Module:
+    """Convert ``model`` in place so that only ``layer`` takes ``spec``'s formats: its
+    parameters, its outputs and (a forward pre-hook) its inputs, rounded to its activation and
+    grad roles as a converted model's preceding module would round them. (``_plans``: what
+    ``qt.convert(copy, spec)`` planned, when the caller has it.)"""
+    recipe = as_recipe(spec)
+    conv = _plans if _plans is not None else conversion_of(convert(copy.deepcopy(model), recipe))
+    one = _one_layer_recipe(recipe, conv, layer, model)
+    mplan = conv.module_plans[layer]
+    convert(model, one)
+    mod = model.get_submodule(layer)
+    handle = mod.register_forward_pre_hook(
+        _InputHook(ModulePlan(layer, mplan.activation, mplan.grad)), with_kwargs=True)
+    conversion_of(model).handles.append(handle)  # qt.unconvert removes it
+    return model
+
+
+def _progress(items, desc, enabled):
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False)
+
+
+def analyze(model: nn.Module, inputs, spec=None, loss_fn: Optional[Callable] = None, *,
+            sensitivity: bool = True, layers: Optional[List[str]] = None,
+            progress: bool = False) -> "AnalysisReport":
+    """Analyse where ``spec`` (anything ``qt.convert`` takes) loses precision in ``model``.
+
+    ``model``: a plain model (left untouched: copies are converted), or a converted one (then
+    its recipe is the default ``spec``, and an unconverted copy is the FP32 reference).
+    ``inputs``: one batch, a tensor or a tuple of positional arguments. ``loss_fn(output)``: a
+    scalar loss of the model's output (a tensor, the first item of a tuple, or ``.logits``);
+    default half the mean square. ``sensitivity=False`` skips the per-layer runs; ``layers``
+    limits them to some module names; ``progress`` shows a tqdm bar over them.
+    """
+    loss_fn = loss_fn or _default_loss
+    base = copy.deepcopy(model)
+    if conversion_of(base) is not None:
+        spec = conversion_of(base).recipe if spec is None else spec
+        unconvert(base)
+    if spec is None:
+        raise TypeError("qt.analyze needs a spec (a format, a preset name or a qt.Recipe) for an "
+                        "unconverted model")
+    was = flush_warnings.flush_warnings_enabled()
+    flush_warnings.set_flush_warnings(False)  # the report has the numbers
+    try:
+        return _analyze(base, inputs, as_recipe(spec), loss_fn, sensitivity, layers, progress)
+    finally:
+        flush_warnings.set_flush_warnings(was)
+
+
+def _analyze(base, inputs, recipe, loss_fn, sensitivity, layers, progress) -> "AnalysisReport":
+    ref = _run(copy.deepcopy(base), inputs, loss_fn)
+
+    # the converted copy: every role rounding, and the operands of every contraction
+    recorder = _Recorder()
+    conv_model = copy.deepcopy(base)
+    fp32_weights = {n: m.weight.detach().clone() for n, m in base.named_modules()
+                    if isinstance(m, CONTRACTIONS)}
+    seen: Dict[str, torch.Tensor] = {}
+
+    def capture(name):
+        def hook(mod, args):  # (returns None: the input is left as it is)
+            if name not in seen and args and isinstance(args[0], torch.Tensor):
+                seen[name] = args[0].detach()
+        return hook
+
+    handles = [m.register_forward_pre_hook(capture(n)) for n, m in conv_model.named_modules()
+               if isinstance(m, CONTRACTIONS)]
+    with flush_warnings.observe(recorder):
+        convert(conv_model, recipe)
+        full = _run(conv_model, inputs, loss_fn)
+    for h in handles:
+        h.remove()
+    root_plan = conversion_of(conv_model).module_plans[""]
+    if "" in seen and not root_plan.plain and not root_plan.activation.full_precision:
+        # the root's pre-hooks see its inputs before its converted forward rounds them
+        seen[""] = round_to(seen[""], root_plan.activation)
+    contractions = []
+    for n, m in conv_model.named_modules():
+        if n in seen:
+            row = {"layer": n, "type": type(m).__name__,
+                   "shape": "x".join(map(str, m.weight.shape))}
+            row.update(contraction_errors(m, seen[n], m.weight, fp32_weights[n]))
+            contractions.append(row)
+            x = seen[n]
+            mm = getattr(x, "mm_fmt", None) if isinstance(x, QTensor) else None
+            if mm is not None:  # the activation operand as this contraction rounds it
+                xv = _plain(x).float()
+                recorder._add("activation operand", f"input of {n}", mm, xv,
+                              _operand(xv, mm, -1 if isinstance(m, nn.Linear) else 1))
+
+    grads = [{"parameter": n, "grad_cos": _cosine(ref["grads"], full["grads"], [n])}
+             for n in ref["grads"] if ref["grads"][n] is not None]
+    sens = []
+    if sensitivity:
+        names = layers if layers is not None else _layer_names(base)
+        for layer in _progress(names, "qt.analyze: layers", progress):
+            m = convert_one_layer(copy.deepcopy(base), recipe, layer,
+                                  _plans=conversion_of(conv_model))
+            row = {"layer": layer, "type": type(m.get_submodule(layer)).__name__}
+            row.update(_compare(ref, _run(m, inputs, loss_fn)))
+            sens.append(row)
+    return AnalysisReport(
+        spec=recipe.name or recipe.describe().splitlines()[0], loss_fp32=ref["loss"],
+        overall=_compare(ref, full), tensors=[s.row() for s in recorder.stats.values()],
+        contractions=contractions, sensitivity=sens, gradients=grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+
+def _num(v) -> str:
+    if isinstance(v, float):
+        if math.isinf(v) or math.isnan(v):
+            return str(v)
+        return f"{v:.4g}"
+    return str(v)
+
+
+_PCT = ("flushed", "saturated", "nan")
+
+
+def _cells(row: dict, keys) -> List[str]:
+    return [f"{100 * row[k]:.2f}%" if k in _PCT else _num(row[k]) for k in keys]
+
+
+_TABLES = (
+    ("tensors", "Rounded tensors by role",
+     ("role", "tensor", "format", "numel", "rel_error", "snr_db", "flushed", "saturated", "nan")),
+    ("contractions", "Contractions: local error (relative, Frobenius) against the FP32 product of "
+     "the unrounded operands, the exact product of the rounded operands, and the operands' share",
+     ("layer", "type", "shape", "operand_formats", "accumulator", "vs_fp32", "vs_exact_rounded",
+      "operands")),
+    ("sensitivity", "Sensitivity: only this layer in the recipe's formats",
+     ("layer", "type", "dloss", "kl", "grad_cos")),
+    ("gradients", "Gradients of the converted model against FP32", ("parameter", "grad_cos")),
+)
+
+
+@dataclass
+class AnalysisReport:
+    """What :func:`analyze` measured; ``.table()``, ``.markdown()``, ``.to_json()``,
+    ``.plot(path)``. Rows are dicts (``report.tensors``, ``.contractions``, ``.sensitivity``,
+    ``.gradients``); ``overall``: loss, dloss, kl, grad_cos of the whole converted model."""
+
+    spec: str
+    loss_fp32: float
+    overall: dict
+    tensors: List[dict] = field(default_factory=list)
+    contractions: List[dict] = field(default_factory=list)
+    sensitivity: List[dict] = field(default_factory=list)
+    gradients: List[dict] = field(default_factory=list)
+
+    def _head(self) -> str:
+        o = self.overall
+        return (f"qt.analyze: {self.spec}; FP32 loss {self.loss_fp32:.6g}, converted "
+                f"{o['loss']:.6g} (change {o['dloss']:+.4g}), KL of the outputs {o['kl']:.4g}, "
+                f"gradient cosine {o['grad_cos']:.6f}")
+
+    def table(self) -> str:
+        """The report as plain text tables."""
+        out = [self._head()]
+        for attr, title, keys in _TABLES:
+            rows = getattr(self, attr)
+            if not rows:
+                continue
+            cells = [list(keys)] + [_cells(r, keys) for r in rows]
+            widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+            lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+            lines.insert(1, "  ".join("-" * w for w in widths))
+            out += ["", title, *lines]
+        return "\n".join(out)
+
+    def markdown(self) -> str:
+        out = [self._head()]
+        for attr, title, keys in _TABLES:
+            rows = getattr(self, attr)
+            if not rows:
+                continue
+            out += ["", f"**{title}**", "", "| " + " | ".join(keys) + " |",
+                    "|" + "|".join("---" for _ in keys) + "|"]
+            out += ["| " + " | ".join(_cells(r, keys)) + " |" for r in rows]
+        return "\n".join(out)
+
+    def to_json(self, **kwargs) -> str:
+        def clean(v):  # JSON has no Inf/NaN: strings
+            if isinstance(v, float) and (math.isinf(v) or math.isnan(v)):
+                return str(v)
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return v
+        return json.dumps(clean(asdict(self)), **kwargs)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def plot(self, path) -> None:
+        """Save a figure: per-layer sensitivity bars, contraction errors per layer, and SNR by
+        role per tensor (matplotlib, imported here)."""
+        import matplotlib
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(3, 1, figsize=(10, 11))
+        ax = axes[0]
+        if self.sensitivity:
+            names = [r["layer"] for r in self.sensitivity]
+            xs = range(len(names))
+            ax.bar([x - 0.2 for x in xs], [abs(r["dloss"]) for r in self.sensitivity], 0.4,
+                   label="|change in loss|")
+            ax.bar([x + 0.2 for x in xs], [r["kl"] for r in self.sensitivity], 0.4,
+                   label="KL of outputs")
+            ax.set_xticks(list(xs), names, rotation=45, ha="right", fontsize=7)
+            ax.set_yscale("symlog", linthresh=1e-6)
+            ax.legend()
+        ax.set_title("Sensitivity: only this layer in low precision")
+        ax = axes[1]
+        if self.contractions:
+            names = [r["layer"] for r in self.contractions]
+            xs = range(len(names))
+            ax.bar([x - 0.2 for x in xs], [r["vs_fp32"] for r in self.contractions], 0.4,
+                   label="vs FP32 product of unrounded operands")
+            ax.bar([x + 0.2 for x in xs], [r["vs_exact_rounded"] for r in self.contractions],
+                   0.4, label="vs exact product of rounded operands")
+            ax.set_xticks(list(xs), names, rotation=45, ha="right", fontsize=7)
+            ax.set_yscale("symlog", linthresh=1e-8)  # (FP32 sums of rounded operands: ~0)
+            ax.legend()
+        ax.set_title("Contractions: relative local error")
+        ax = axes[2]
+        roles = sorted({r["role"] for r in self.tensors})
+        for i, role in enumerate(roles):
+            rows = [r for r in self.tensors if r["role"] == role]
+            ax.scatter([i] * len(rows), [min(r["snr_db"], 200.0) for r in rows], label=role)
+        ax.set_xticks(range(len(roles)), roles)
+        ax.set_ylabel("SNR (dB)")
+        ax.set_title("Rounded tensors: SNR by role (one point per tensor)")
+        fig.suptitle(self._head(), fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)

@@ -1,0 +1,146 @@
+"""A warning when rounding a model's tensor to its format flushes most of it to zero or saturates it.
+
+A format that is too narrow for a tensor fails silently: single-level NVFP4 (``nvfp4_single``:
+E4M3 block scales, no FP32 tensor scale) cannot scale a weight gradient of magnitude 1e-6, so
+every value rounds to zero and training stops without an error; a fixed-point activation
+format with too few integer bits clamps most activations to its largest value. :func:`check`
+looks at each rounding of a converted model's roles (weights at conversion, activations and
+gradients as they run: the calls of :func:`qtensor.plans.round_to` that name a role) and warns,
+at the user's line, once per role and tensor (module or parameter) when
+
+- more than :data:`FLUSH_LIMIT` (50%) of the tensor's nonzero values rounded to zero. Healthy
+  formats flush far less: BF16 and MXFP8 none of a network's tensors, MXFP4 (a 32-value block
+  whose scale follows its largest element) about 5-15% of Gaussian-like values; a format that
+  flushes most values has lost the tensor (e.g. nvfp4_single: ~100% of a weight gradient);
+- or more than :data:`SATURATE_LIMIT` (10%) of its finite nonzero values reached the format's
+  largest magnitude (clamped) or overflowed to Inf/NaN. A few clamped outliers are the price of
+  a range chosen on purpose (WAGE clips at +-1); when a tenth of the values clamp, the range
+  sits inside the bulk of the distribution.
+
+Cost: two ``count_nonzero`` and one ``aminmax`` per rounding (the saturation count only when the
+largest output reaches the format's range), one host read; nothing under torch.compile or other
+tracing, nothing for a (role, tensor) that has warned. On by default; ``qt.set_flush_warnings(False)``
+or the environment variable ``QTENSOR_FLUSH_WARNINGS=0`` turns it off. ``observe`` lets
+:mod:`qtensor.analysis` see every such rounding (it needs the values, not only the counts).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, List, Optional
+
+import torch
+
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format
+from .warn import warn
+
+__all__ = ["check", "set_flush_warnings", "flush_warnings_enabled", "observe", "FLUSH_LIMIT",
+           "SATURATE_LIMIT", "fractions"]
+
+FLUSH_LIMIT = 0.5      # share of the nonzero values rounded to zero
+SATURATE_LIMIT = 0.1   # share of the finite nonzero values clamped to the range or overflowed
+
+_enabled = [os.environ.get("QTENSOR_FLUSH_WARNINGS", "1").strip().lower()
+            not in ("0", "false", "no", "off")]
+_warned: set = set()   # (role, tensor name): once each
+_observers: List[Callable] = []
+
+
+def set_flush_warnings(enabled: bool) -> None:
+    """Turn the flush/saturation warnings on or off for this process (default: on, unless the
+    environment variable ``QTENSOR_FLUSH_WARNINGS=0``)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_flush_warnings expects a bool, got {enabled!r}")
+    _enabled[0] = enabled
+
+
+def flush_warnings_enabled() -> bool:
+    return _enabled[0]
+
+
+@contextlib.contextmanager
+def observe(callback: Callable):
+    """Call ``callback(role, name, formats, before, after)`` (formats: a Role) for every role rounding inside the
+    block (plain float tensors, ``after`` the rounded payload), in addition to the warnings."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+def _largest(fmt: Format) -> Optional[float]:
+    """The largest finite magnitude of fmt (None: no range to reach, e.g. FP32-wide)."""
+    if isinstance(fmt, FixedFormat):
+        return max(fmt.max, -fmt.min)
+    if isinstance(fmt, (FloatFormat, BlockFormat)):
+        if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+            return None  # a per-tensor scale from the tensor's amax: nothing saturates
+        top = fmt.max
+        return top if top < 3.0e38 else None  # FP32's range: an overflow is the input's
+    return None
+
+
+def fractions(before: torch.Tensor, after: torch.Tensor, fmt: Format) -> dict:
+    """Counts of one rounding: ``nonzero`` (nonzero inputs), ``flushed`` (of them, rounded to
+    zero), ``saturated`` (finite nonzero inputs that reached the format's largest magnitude or
+    became Inf/NaN) and ``finite`` (finite nonzero inputs). Rounding keeps zeros zero, so
+    flushed = nonzero(before) - nonzero(after)."""
+    nz_in = torch.count_nonzero(before)
+    nz_out = torch.count_nonzero(after)
+    lo, hi = torch.aminmax(after)
+    top = _largest(fmt)
+    nz_in, nz_out, lo, hi = torch.stack([nz_in.to(torch.float64), nz_out.to(torch.float64),
+                                         lo.double(), hi.double()]).tolist()
+    out = {"nonzero": int(nz_in), "flushed": int(nz_in - nz_out), "saturated": 0,
+           "finite": int(nz_in)}
+    peak = max(abs(lo), abs(hi)) if lo == lo and hi == hi else float("nan")
+    if (top is not None and not peak < top) or not (peak < float("inf")):
+        finite_in = torch.isfinite(before) & (before != 0)
+        hit = ~torch.isfinite(after)
+        if top is not None:
+            hit |= after.abs() >= top
+        out["finite"] = int(finite_in.sum())
+        out["saturated"] = int((hit & finite_in).sum())
+    return out
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling() or type(t) is not torch.Tensor:
+        return True  # fake or functional tensors: no values
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()  # cannot read back
+
+
+def check(role: str, name: str, formats, before: torch.Tensor, after: torch.Tensor) -> None:
+    """Warn (once per ``(role, name)``) if rounding ``before`` to ``formats`` (a
+    :class:`qtensor.plans.Role`: its value format ``fmt``, its operand format ``mm_fmt``) gave
+    ``after`` with most nonzero values flushed to zero or saturated; feed the observers."""
+    if not _observers and (not _enabled[0] or (role, name) in _warned):
+        return
+    if after.numel() == 0 or not after.is_floating_point() or _tracing(after) or \
+            _tracing(before):
+        return
+    for callback in list(_observers):
+        callback(role, name, formats, before, after)
+    if not _enabled[0] or (role, name) in _warned:
+        return
+    fmt = formats.fmt
+    c = fractions(before, after, fmt)
+    flushed = c["flushed"] / c["nonzero"] if c["nonzero"] else 0.0
+    saturated = c["saturated"] / c["finite"] if c["finite"] else 0.0
+    if flushed <= FLUSH_LIMIT and saturated <= SATURATE_LIMIT:
+        return
+    _warned.add((role, name))
+    what = []
+    if flushed > FLUSH_LIMIT:
+        what.append(f"{100 * flushed:.1f}% of its {c['nonzero']} nonzero values rounded to zero")
+    if saturated > SATURATE_LIMIT:
+        what.append(f"{100 * saturated:.1f}% of its finite nonzero values saturated (clamped to "
+                    f"the format's largest magnitude, or overflowed to Inf/NaN)")
+    hint = ("a format with a wider range (more exponent bits, a block format with a per-tensor "
+            "scale such as nvfp4, or a loss scale for gradients)")
+    warn(f"qtensor: {name} ({role} role, shape {tuple(after.shape)}) in {fmt}: "
+         f"{' and '.join(what)}; this format is too narrow for this tensor: use {hint}, or a "
+         "rule that keeps it in higher precision. (Once per role and tensor; "
+         "qt.set_flush_warnings(False) or QTENSOR_FLUSH_WARNINGS=0 turns these warnings off; "
+         "qt.analyze measures every tensor.)")

@@ -1,0 +1,184 @@
+"""qt.analyze: rounding statistics, two-reference contraction errors, per-layer sensitivity."""
+import copy
+import json
+import pathlib
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qtensor as qt
+
+MX8 = qt.format("mxfp8_e4m3")
+
+
+def _rel(a, ref):
+    a, ref = a.double(), ref.double()
+    return float((a - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("accumulate", [None, "hopper_fp8"])
+def test_contraction_errors_against_an_exact_computation(accumulate):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 8, bias=False)
+    x = torch.randn(5, 64)
+    recipe = qt.Recipe(weight=(qt.fp32, MX8), activation=(qt.fp32, MX8), grad=None,
+                       accumulate=accumulate)
+    report = qt.analyze(layer, x, recipe, sensitivity=False)
+    (row,) = report.contractions
+    # the emulated product: the converted layer's own output (FP32 values: no output rounding)
+    emulated = qt.convert(copy.deepcopy(layer), recipe)(x).dequantize().detach()
+    w = layer.weight.detach()
+    xr = qt.quantize(x, MX8.replace(axis=-1))   # blocks along the reduction axis
+    wr = qt.quantize(w, MX8.replace(axis=-1))
+    exact_rounded = xr.double() @ wr.double().T
+    fp32 = x @ w.T
+    exact = x.double() @ w.double().T
+    assert row["vs_fp32"] == pytest.approx(_rel(emulated, fp32), rel=1e-9)
+    assert row["vs_exact_rounded"] == pytest.approx(_rel(emulated, exact_rounded), rel=1e-9,
+                                                    abs=1e-12)
+    assert row["operands"] == pytest.approx(_rel(exact_rounded, exact), rel=1e-9)
+    assert row["operands"] > 1e-3  # MXFP8 operands lose precision
+    if accumulate is None:
+        assert row["vs_exact_rounded"] < 1e-6  # FP32 sums: only float32 roundoff
+    else:
+        assert row["vs_exact_rounded"] > 1e-6  # hopper_fp8's truncating accumulator
+
+
+def _mlp():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+
+
+FMT = qt.format("fp8_e5m2")
+SPEC = qt.Recipe(weight=FMT, bias=FMT, activation=FMT, grad=FMT)
+
+
+def _manual(model, x, y, layer):
+    """Loss, logits and gradients with only ``layer`` ("0" or "2") rounded to FMT, by hand."""
+    q = lambda t: qt.quantize(t, FMT)  # noqa: E731  (straight-through gradient)
+
+    class RoundGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return q(g)
+
+    params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+
+    def lin(h, i, rounded):
+        w, b = params[f"{i}.weight"], params[f"{i}.bias"]
+        if not rounded:
+            return F.linear(h, w, b)
+        h = RoundGrad.apply(q(h))
+        out = torch.addmm(q(b), h, q(w).T)
+        return RoundGrad.apply(q(out))
+
+    h = torch.relu(lin(x, 0, layer == "0"))
+    out = lin(h, 2, layer == "2")
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return float(loss.detach()), out.detach().double(), torch.cat(
+        [q(p.grad).flatten() if n.startswith(layer + ".") else p.grad.flatten()
+         for n, p in params.items()]).double()
+
+
+def test_sensitivity_against_a_manual_one_layer_conversion():
+    model = _mlp()
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(3))
+    loss_fn = lambda o: F.cross_entropy(o, y)  # noqa: E731
+    report = qt.analyze(model, x, SPEC, loss_fn)
+    ref_loss, ref_out, ref_grad = _manual(model, x, y, layer="none")
+    assert report.loss_fp32 == pytest.approx(ref_loss, rel=1e-6)
+    rows = {r["layer"]: r for r in report.sensitivity}
+    assert set(rows) == {"0", "2"}
+    for layer in ("0", "2"):
+        loss, out, grad = _manual(model, x, y, layer)
+        assert rows[layer]["dloss"] == pytest.approx(loss - ref_loss, rel=1e-4, abs=1e-7)
+        lp, lq = F.log_softmax(ref_out, -1), F.log_softmax(out, -1)
+        kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
+        assert rows[layer]["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-9)
+        assert kl > 1e-6  # FP8 E5M2 changes the outputs: the check can fail
+        cos = float(grad @ ref_grad / (grad.norm() * ref_grad.norm()))
+        assert rows[layer]["grad_cos"] == pytest.approx(cos, abs=1e-6)
+    assert list(model.parameters())[0].__class__ is torch.nn.Parameter  # left untouched
+    assert not qt.convert.__module__ or not hasattr(model, "_qt_conversion")
+
+
+def test_tensor_statistics():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 4)
+    x = torch.randn(8, 32)
+    # dL/dout = 1e-6 everywhere: below nvfp4_single's smallest value (2^-10: E4M3 scales)
+    report = qt.analyze(layer, x, qt.Recipe(weight=qt.nvfp4_single, grad=qt.nvfp4_single),
+                        loss_fn=lambda out: 1e-6 * out.sum(), sensitivity=False)
+    rows = {(r["role"], r["tensor"]): r for r in report.tensors}
+    w = layer.weight.detach()
+    wq = qt.quantize(w, qt.nvfp4_single)
+    r = rows[("weight", "weight")]
+    assert r["rel_error"] == pytest.approx(_rel(wq, w), rel=1e-9)
+    assert r["snr_db"] == pytest.approx(-20 * torch.log10(torch.tensor(_rel(wq, w))).item(),
+                                        rel=1e-6)
+    assert r["flushed"] == pytest.approx(float(((wq == 0) & (w != 0)).sum()) / w.numel())
+    g = rows[("grad", "gradient of the output of the model")]
+    assert g["flushed"] == 1.0 and g["rel_error"] == 1.0 and g["snr_db"] == 0.0
+    assert g["numel"] == 8 * 4 and g["saturated"] == 0.0 and g["nan"] == 0.0
+
+
+def test_report_outputs(tmp_path):
+    torch.manual_seed(0)
+    report = qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6, progress=True)
+    text = report.table()
+    assert "Sensitivity" in text and "weight operand" in text and "vs_exact_rounded" in text
+    md = report.markdown()
+    assert md.count("|---|") >= 3
+    data = json.loads(report.to_json())
+    assert {"tensors", "contractions", "sensitivity", "gradients", "overall"} <= set(data)
+    path = tmp_path / "analysis.png"
+    report.plot(path)
+    assert path.stat().st_size > 10_000
+
+
+def test_char_gpt_finishes_in_seconds():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import common
+    torch.manual_seed(0)
+    model = common.CharGPT(256, d=32, layers=1, heads=2, context=16)
+    idx = torch.randint(0, 256, (2, 16))
+    tgt = torch.randint(0, 256, (2, 16))
+    loss_fn = lambda o: F.cross_entropy(common.plain(o).reshape(-1, 256), tgt.reshape(-1))  # noqa
+    t = time.perf_counter()
+    report = qt.analyze(model, idx, qt.recipes.mxfp6, loss_fn)
+    assert time.perf_counter() - t < 60  # (a few seconds; generous on a loaded machine)
+    assert len(report.sensitivity) == 10 and len(report.contractions) == 5
+    assert all(0.9 < r["grad_cos"] <= 1.0 + 1e-9 for r in report.sensitivity)
+
+
+def test_conv_operands_are_blocked_as_the_contraction_blocks_them():
+    # vs_exact_rounded ~ 0 with FP32 sums only if the exact reference rounds the operands along
+    # the same axes as the emulated convolution (channels), so the check can fail
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import common
+    torch.manual_seed(0)
+    model = common.DigitsCNN()
+    x = torch.randn(4, 1, 8, 8)
+    report = qt.analyze(model, x, qt.recipes.direct_cast(MX8), sensitivity=False)
+    kinds = {r["type"] for r in report.contractions}
+    assert "Conv2d" in kinds and "Linear" in kinds
+    for r in report.contractions:
+        assert r["vs_exact_rounded"] < 1e-5, r
+        assert r["operands"] > 1e-3, r
+
+
+def test_a_converted_model_is_analysed_with_its_own_recipe():
+    model = qt.convert(_mlp(), SPEC)
+    report = qt.analyze(model, torch.randn(8, 16), sensitivity=False)
+    assert report.spec == SPEC.name or "Recipe" in report.spec
+    assert {r["format"] for r in report.tensors if r["role"] == "weight"} == {str(FMT)}
+    assert qt.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
