@@ -33,7 +33,7 @@ from . import distributed, gemm as _gemm, training
 from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
-                    round_to)
+                    gemm_for, round_to)
 from .spec import as_recipe
 from .tensor import _accum_of, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
@@ -621,11 +621,12 @@ def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
     """Recipe.gemm: every converted Linear/Conv1d/2d/3d (its own forward, weight a QTensor)
     that no rule decides (neither the module nor its weight) runs its GEMMs in the per-GEMM
     formats (qtensor.gemm); a module or weight a rule decides keeps its roles' mm_fmt."""
-    g = conv.recipe.gemm
-    if g is None:
+    if conv.recipe.gemm is None:
         return
     for mname, mod in model.named_modules():
-        if not _gemm.supports(mod) or not _is_q(mod._parameters.get("weight")):
+        kind = _gemm.kind_of(mod)
+        g = None if kind is None else gemm_for(conv.recipe.gemm, kind)
+        if g is None or not _is_q(mod._parameters.get("weight")):
             continue
         if mname and "forward" in mod.__dict__:  # a forward of its own: kept
             continue

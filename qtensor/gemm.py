@@ -89,8 +89,10 @@ SUPPORTED = {nn.Linear.forward: _linear, nn.Conv1d.forward: _conv, nn.Conv2d.for
              nn.Conv3d.forward: _conv}
 
 
-def supports(module: nn.Module) -> bool:
-    return type(module).forward in SUPPORTED
+def kind_of(module: nn.Module) -> Optional[str]:
+    """"linear" or "conv" for the modules GemmForward runs (their own forward), else None."""
+    run = SUPPORTED.get(type(module).forward)
+    return None if run is None else "linear" if run is _linear else "conv"
 
 
 class GemmForward:

@@ -140,6 +140,9 @@ class GemmFormats:
         None when no operand gets a format of its own."""
         if spec is None or isinstance(spec, GemmFormats):
             return None if spec is None or spec.is_default else spec
+        if isinstance(spec, dict) and spec and all(k in LAYER_KINDS for k in spec):
+            raise ValueError("GemmFormats.of: per layer kind, use Recipe(gemm={'linear': ..., "
+                             "'conv': ...}) (normalised by gemm_of)")
         if not isinstance(spec, dict):
             raise TypeError(
                 "Recipe.gemm must be None or a dict {'fprop': (x_fmt, w_fmt), 'dgrad': (dy_fmt, "
@@ -177,6 +180,29 @@ class GemmFormats:
                               for o, f in zip(operands, fmts))
             parts.append(f"{gemm} ({inner})")
         return "; ".join(parts)
+
+
+LAYER_KINDS = ("linear", "conv")
+
+
+def gemm_of(spec):
+    """Recipe.gemm normalised: None, a GemmFormats (every Linear and Conv), or a dict
+    {"linear": GemmFormats or None, "conv": GemmFormats or None} (per layer kind)."""
+    if isinstance(spec, dict) and spec and any(k in LAYER_KINDS for k in spec):
+        unknown = [k for k in spec if k not in LAYER_KINDS]
+        if unknown:
+            raise ValueError(
+                f"Recipe.gemm: {', '.join(map(repr, unknown))} beside layer kinds: give either "
+                f"the GEMMs ({', '.join(GEMMS)}) or, per layer kind, "
+                f"{{{', '.join(repr(k) + ': {...}' for k in LAYER_KINDS)}}}")
+        out = {k: GemmFormats.of(spec.get(k)) for k in LAYER_KINDS}
+        return None if all(v is None for v in out.values()) else out
+    return GemmFormats.of(spec)
+
+
+def gemm_for(gemm, kind: str):
+    """The GemmFormats a layer of ``kind`` ("linear" or "conv") gets from Recipe.gemm."""
+    return gemm.get(kind) if isinstance(gemm, dict) else gemm
 
 
 def _normalise_rule(pattern, spec):
@@ -242,7 +268,7 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
                 "master_weights=True runs the optimizer on FP32 copies, so its state is FP32: "
                 f"optimizer_state must be None, got {self.optimizer_state}")
         object.__setattr__(self, "accumulate", as_accum(self.accumulate, "Recipe.accumulate"))
-        object.__setattr__(self, "gemm", GemmFormats.of(self.gemm))
+        object.__setattr__(self, "gemm", gemm_of(self.gemm))
         ls = self.loss_scale
         if ls is not None and ls != "dynamic":
             check_scale(ls, "Recipe.loss_scale (None, 'dynamic' or a power of two)")
@@ -270,7 +296,10 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
         lines.append(f"  {'master_weights':<16} {self.master_weights}")
         lines.append(f"  {'loss_scale':<16} {self.loss_scale}")
         lines.append(f"  {'accumulate':<16} {self.accumulate or 'in the payload precision'}")
-        if self.gemm is not None:
+        if isinstance(self.gemm, dict):
+            for kind, g in self.gemm.items():
+                lines.append(f"  {'gemm (' + kind + ')':<16} {g or 'the roles: own mm_fmt'}")
+        elif self.gemm is not None:
             lines.append(f"  {'gemm':<16} {self.gemm}")
         for pattern, spec in self.rules.items():
             if isinstance(spec, Role):

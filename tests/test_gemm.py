@@ -167,3 +167,15 @@ def test_gemm_spec_errors():
         qt.Recipe(gemm=[E4M3])
     with pytest.raises(qt.FormatError, match="wgrad"):
         qt.Recipe(gemm={"wgrad": ("no_such_format", None)})
+
+
+def test_gemm_per_layer_kind():
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Conv1d(32, 32, 1), nn.Flatten(), nn.Linear(32 * 4, 8))
+    r = qt.Recipe(**ROLES, gemm={"linear": GEMM})
+    assert r.gemm["conv"] is None and r.gemm["linear"].fprop_w == FP6
+    qt.convert(model, r)
+    assert "forward" not in model[0].__dict__ and "forward" in model[2].__dict__
+    with pytest.raises(ValueError, match="beside layer kinds"):
+        qt.Recipe(gemm={"linear": GEMM, "fprop": (E4M3, E4M3)})
+    assert "gemm (linear)" in r.describe()
