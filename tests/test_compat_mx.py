@@ -189,10 +189,18 @@ def test_recipe_roles():
     dither = mx.recipe({"a_elem_format": "fp8_e4m3", "block_size": 32, "round": "dither"})
     assert dither.activation.mm_fmt == qt.mxfp8_e4m3.replace(rounding="stochastic")
     assert dither.grad.mm_fmt.rounding == "stochastic" and dither.weight.full_precision
-    with pytest.warns(UserWarning, match="w_elem_format_bp"):
-        mx.recipe(dict(_specs(), w_elem_format_bp="fp8_e4m3"))
-    with pytest.warns(UserWarning, match="round_mx_weight_grad_input='even'"):
-        mx.recipe(dict(_specs(), round_mx_weight_grad_input="even"))
+    # the _bp formats and per-product roundings: per-GEMM formats, no warning (issue 21)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bp = mx.recipe(dict(_specs(), w_elem_format_bp="fp8_e4m3"))
+        rnd = mx.recipe(dict(_specs(), round_mx_weight_grad_input="even"))
+    assert bp.gemm["linear"].dgrad_w == mx_near(qt.fp8_e4m3) and bp.gemm["conv"] is None
+    assert rnd.gemm["linear"].dgrad_w == qt.BlockFormat(qt.fp4_e2m1, 32, rounding="nearest")
+    assert r.gemm is None  # nothing differs from the roles
+    with pytest.warns(UserWarning, match="a_elem_format_bp"):  # activation x activation matmul
+        mx.recipe(dict(_specs(), a_elem_format_bp="fp8_e4m3"))
+    with pytest.warns(UserWarning, match="round_grad_weight"):
+        mx.recipe(dict(_specs(), round_grad_weight="dither"))
     with pytest.warns(UserWarning, match="quantize_backprop"):
         assert mx.recipe(dict(_specs(), quantize_backprop=False)).grad.full_precision
 
