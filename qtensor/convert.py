@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import distributed, gemm as _gemm, training
+from . import distributed, gemm_forward as _gemm, training
 from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,

@@ -138,7 +138,7 @@ def test_rules_keep_their_roles_and_unconvert_deepcopy_pickle():
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     recipe = qt.Recipe(**ROLES, gemm=GEMM, rules={"2": {"weight": (None, qt.bf16)}})
     qt.convert(model, recipe)
-    from qtensor.gemm import GemmForward
+    from qtensor.gemm_forward import GemmForward
     assert isinstance(model[0].__dict__.get("forward"), GemmForward)
     assert "forward" not in model[2].__dict__  # a rule decides its weight: its roles' mm_fmt
     x = torch.randn(8, 64)
