@@ -179,3 +179,19 @@ def test_gemm_per_layer_kind():
     with pytest.raises(ValueError, match="beside layer kinds"):
         qt.Recipe(gemm={"linear": GEMM, "fprop": (E4M3, E4M3)})
     assert "gemm (linear)" in r.describe()
+
+
+def test_plain_input_warns_and_plain_grad_is_rounded():
+    """Activation role None: x stays plain and unrounded (a warning says its per-GEMM formats do
+    not apply); W still takes its fprop and dgrad formats, and the plain dY its dgrad one."""
+    torch.manual_seed(7)
+    m = nn.Linear(64, 32, bias=False)
+    w = m.weight.detach().clone()
+    qt.convert(m, qt.Recipe(weight=(None, qt.bf16), gemm=GEMM))
+    x = torch.randn(16, 64, requires_grad=True)
+    with pytest.warns(UserWarning, match="plain input"):
+        y = m(x)
+    g = torch.randn(16, 32)
+    y.backward(g)
+    assert_bits_equal(plain(y), x.detach() @ q(w, GEMM["fprop"][1], 1).t())
+    assert_bits_equal(plain(x.grad), q(g, GEMM["dgrad"][0], 1) @ q(w, GEMM["dgrad"][1], 0))
