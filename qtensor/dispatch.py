@@ -181,8 +181,12 @@ def _convolution_backward(func, args, uargs, ukwargs, acc=None):
     gi_fmts = _gemm.operand_formats((go, w), _own_mm_fmt) or [own[0], own[2]]
     gw_fmts = _gemm.operand_formats((go, inp), _own_mm_fmt) or [own[0], own[1]]
     if acc is not None:
+        # the accumulator reads each operand's format from its mm_fmt: the ones of each product
+        qargs = {True: _with_mm_fmts(args, (0, 2, 1), gi_fmts + [own[1]]),
+                 False: _with_mm_fmts(args, (0, 1, 2), gw_fmts + [own[2]])}
+
         def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
-            return _accum.contract("convolution_backward", list(a), kw, acc, args)
+            return _accum.contract("convolution_backward", list(a), kw, acc, qargs[a[10][0]])
     if all(f is None for f in gi_fmts + gw_fmts):
         return func(*uargs, **ukwargs)
     uargs = list(uargs)
@@ -613,17 +617,29 @@ def _own_mm_fmt(a):
     return m.base if type(m) is _gemm.GemmOperand else m
 
 
-def _round_gemm_operands(args, uargs, operands) -> bool:
-    """Round the operands of a contraction one of which has per-GEMM formats (qtensor.gemm);
-    False when none has."""
+def _round_gemm_operands(args, uargs, operands):
+    """Round the operands of a contraction one of which has per-GEMM formats (qtensor.gemm):
+    the args with those formats as the operands' mm_fmt (what an accumulator reads), or None
+    when none has."""
     ops = [args[pos] if pos < len(args) else None for pos, _axis in operands]
     fmts = _gemm.operand_formats(ops, _own_mm_fmt)
     if fmts is None:
-        return False
+        return None
     for (pos, axis), a, fmt in zip(operands, ops, fmts):
         if fmt is not None and isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
             uargs[pos] = quantize(uargs[pos], with_axis(fmt, axis), keep_layout=False)
-    return True
+    return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts)
+
+
+def _with_mm_fmts(args, positions, fmts):
+    """args with the QTensors at ``positions`` re-wrapped with the given mm_fmts (the formats
+    their payloads were rounded to: qtensor.accum reads an operand's format from its mm_fmt)."""
+    args = list(args)
+    for pos, fmt in zip(positions, fmts):
+        a = args[pos] if pos < len(args) else None
+        if isinstance(a, QTensor):
+            args[pos] = QTensor._wrap(a._data, a.fmt, fmt, accum=a.accum)
+    return args
 
 
 def _accum_of(args):
@@ -637,9 +653,12 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
     if op.handler is not None:
         return op.handler(func, args, uargs, ukwargs, acc)
     operands = op.operands(args) if callable(op.operands) else op.operands
-    if not _round_gemm_operands(args, uargs, operands):
+    tagged = _round_gemm_operands(args, uargs, operands)
+    if tagged is None:
         for pos, axis in operands:
             _round_operand(args, uargs, pos, axis)
+    else:
+        args = tagged
     if acc is not None:  # the products summed by the operands' accumulator
         return _accum.contract(func._opname, uargs, ukwargs, acc, args)
     return func(*uargs, **ukwargs)

@@ -195,3 +195,52 @@ def test_plain_input_warns_and_plain_grad_is_rounded():
     y.backward(g)
     assert_bits_equal(plain(y), x.detach() @ q(w, GEMM["fprop"][1], 1).t())
     assert_bits_equal(plain(x.grad), q(g, GEMM["dgrad"][0], 1) @ q(w, GEMM["dgrad"][1], 0))
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_gemm_with_an_accumulator_reads_the_per_gemm_formats(layer):
+    """Under an emulated accumulator (which reads each operand's format from its mm_fmt: MX block
+    scales, subnormal clamps), per-GEMM formats equal to the roles' give the roles' bits."""
+    # FP6/FP4 operands: their subnormals align at the formats' emin (read from mm_fmt)
+    e4, e5 = qt.format("fp6_e2m3"), qt.format("fp4_e2m1")
+    base = qt.Recipe(weight=(None, e4), activation=(None, e4), grad=(None, e5),
+                     accumulate="blackwell_f8f6f4")
+    same = base.replace(gemm={"fprop": (e4, e4), "dgrad": (e5, e4), "wgrad": (e4, e5)})
+    outs = []
+    for r in (base, same):
+        torch.manual_seed(8)
+        m = nn.Linear(64, 32) if layer == "linear" else nn.Conv2d(32, 32, 3, padding=1)
+        qt.convert(m, r)
+        x = (torch.randn(16, 64) if layer == "linear" else torch.randn(2, 32, 5, 5))
+        x.requires_grad_()
+        y = m(x)
+        y.backward(torch.randn(y.shape))
+        outs.append((y, x.grad, m.weight.grad))
+    for a, b in zip(*outs):
+        assert_bits_equal(plain(b), plain(a))
+
+
+def test_the_accumulator_is_told_the_per_gemm_formats(monkeypatch):
+    """qtensor.accum reads each operand's format from its mm_fmt: it gets the per-GEMM ones."""
+    import qtensor.accum as accum
+    from qtensor.gemm import GemmOperand
+    seen = []
+    contract = accum.contract
+
+    def spy(packet, uargs, ukwargs, f, qargs=None):
+        seen.append((packet, [getattr(a, "mm_fmt", None) for a in qargs or ()]))
+        return contract(packet, uargs, ukwargs, f, qargs)
+    monkeypatch.setattr(accum, "contract", spy)
+    for layer in ("linear", "conv"):
+        torch.manual_seed(9)
+        m = nn.Linear(64, 32, bias=False) if layer == "linear" else nn.Conv2d(32, 32, 1,
+                                                                             bias=False)
+        qt.convert(m, qt.Recipe(**ROLES, gemm=GEMM, accumulate="blackwell_mxf8f6f4"))
+        x = torch.randn(16, 64) if layer == "linear" else torch.randn(2, 32, 3, 3)
+        seen.clear()
+        m(x.requires_grad_()).sum().backward()
+        norm = lambda f: f.replace(axis=-1) if isinstance(f, qt.BlockFormat) else f
+        got = [{norm(f) for f in fs if f is not None} for _p, fs in seen]
+        for pair in GEMM.values():  # every product saw its two per-GEMM formats
+            assert any({norm(f) for f in pair} <= g for g in got), (layer, pair, got)
+        assert not [(p, fs) for p, fs in seen if any(isinstance(f, GemmOperand) for f in fs)], layer
