@@ -71,6 +71,9 @@ class GemmForward:
     def __wrapped__(self):  # the module's own forward, for its signature
         return type(self.module).forward.__get__(self.module)
 
+    # the tags are Python attributes of views and a thread-local flag, which torch.compile's
+    # tracing does not keep: the layer runs eagerly (a graph break), with the same bits
+    @torch.compiler.disable
     def __call__(self, input):
         g, m = self.gemm, self.module
         if not _is_q(input) and (g.fprop_x, g.wgrad_x, g.wgrad_dy) != (None, None, None):

@@ -244,3 +244,19 @@ def test_the_accumulator_is_told_the_per_gemm_formats(monkeypatch):
         for pair in GEMM.values():  # every product saw its two per-GEMM formats
             assert any({norm(f) for f in pair} <= g for g in got), (layer, pair, got)
         assert not [(p, fs) for p, fs in seen if any(isinstance(f, GemmOperand) for f in fs)], layer
+
+
+def test_torch_compile_runs_the_layers_eagerly_same_bits():
+    torch.manual_seed(10)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    qt.convert(m, qt.Recipe(**ROLES, gemm=GEMM))
+    x = torch.randn(16, 64, requires_grad=True)
+    runs = []
+    for f in (m, torch.compile(m)):
+        x.grad = None
+        m.zero_grad()
+        y = f(x)
+        y.sum().backward()
+        runs.append((plain(y).detach(), plain(x.grad), plain(m[0].weight.grad)))
+    for a, b in zip(*runs):
+        assert_bits_equal(b, a)
