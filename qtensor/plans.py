@@ -234,6 +234,9 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     ``(value_fmt, mm_fmt)``; they are normalised into :class:`Role` values.
     ``rules``: ``{pattern: format | pair | None | dict of roles}``, matched against qualified
     parameter, buffer and module names (glob, or ``re:`` regex).
+    ``gemm``: per-GEMM operand formats of converted Linear/Conv layers, ``{"fprop": (x, W),
+    "dgrad": (dY, W), "wgrad": (x, dY)}`` (or per layer kind ``{"linear": ..., "conv": ...}``),
+    normalised into :class:`GemmFormats` (docs/convert.md, "Per-GEMM operand formats").
     """
 
     weight: Any = None
