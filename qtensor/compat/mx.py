@@ -177,14 +177,14 @@ def vector_format(specs, round: Optional[str] = None) -> Optional[FloatFormat]:
 
 # The operand formats of microxcaling's three GEMMs (elem key, rounding key); None: "nearest"
 # (its quantize_mx_op default). mx.Linear (mx/linear.py) uses the _bp formats backward;
-# mx.Conv (mx/convolution.py) the forward elem formats, with the default rounding.
+# mx.Conv (mx/convolution.py) the forward elem formats in all three, with the default rounding.
 _GEMM_KEYS = {
     "linear": {"fprop": (("a_elem_format", "round_mx_output"), ("w_elem_format", "round_mx_output")),
                "dgrad": (("a_elem_format_bp_os", "round_mx_grad_output_grad_input"),
                          ("w_elem_format_bp", "round_mx_weight_grad_input")),
                "wgrad": (("a_elem_format_bp", "round_mx_input_grad_weight"),
                          ("a_elem_format_bp_ex", "round_mx_grad_output_grad_weight"))},
-    "conv": {"fprop": (("a_elem_format", "round_mx_output"), ("w_elem_format", "round_mx_output")),
+    "conv": {"fprop": (("a_elem_format", None), ("w_elem_format", None)),
              "dgrad": (("a_elem_format", None), ("w_elem_format", None)),
              "wgrad": (("a_elem_format", None), ("a_elem_format", None))},
 }
