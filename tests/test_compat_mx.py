@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import assert_bits_equal
@@ -286,3 +287,32 @@ def test_recipe_bp_keys_exact_on_a_model():
     assert_bits_equal(plain(out), y, "forward")
     assert_bits_equal(plain(x.grad), gx, "grad_input")
     assert_bits_equal(plain(model.weight.grad), gw, "grad_weight")
+
+
+def test_recipe_conv_as_mx_convolution():
+    """mx/convolution.py quantizes all three products with the forward element formats and
+    quantize_mx_op's default 'nearest' rounding, whatever round_mx_* and the _bp keys say."""
+    s = dict(_specs(), round_mx_output="even", w_elem_format_bp="fp8_e4m3",
+             a_elem_format_bp_os="fp8_e5m2")
+    r = mx.recipe(s, warn=False)
+    assert r.gemm["conv"] is not None and r.gemm["linear"] is not None
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 32, 3, padding=1, bias=False)
+    w = conv.weight.detach().clone()
+    qt.convert(conv, r)
+    x = torch.randn(2, 32, 5, 5, requires_grad=True)
+    y = conv(x)
+    g = torch.randn(y.shape)
+    y.backward(g)
+    bf = lambda t: t.to(torch.bfloat16).float()
+    Q = lambda t, key, axis: mx.quantize_mx(t, s[key], 32, axis=axis, round="nearest")
+    xb, wb, gb = bf(x.detach()), bf(w), bf(g)
+    plain = lambda t: t.dequantize() if isinstance(t, qt.QTensor) else t
+    assert_bits_equal(plain(y), bf(F.conv2d(Q(xb, "a_elem_format", 1), Q(wb, "w_elem_format", 1),
+                                            padding=1)), "forward")
+    gi = torch.nn.grad.conv2d_input(x.shape, Q(wb, "w_elem_format", 0),
+                                    Q(gb, "a_elem_format", 1), padding=1)
+    assert_bits_equal(plain(x.grad), bf(gi), "grad_input")
+    gw = torch.nn.grad.conv2d_weight(Q(xb, "a_elem_format", 0), w.shape,
+                                     Q(gb, "a_elem_format", 0), padding=1)
+    assert_bits_equal(plain(conv.weight.grad), bf(gw), "grad_weight")
