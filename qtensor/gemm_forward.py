@@ -80,6 +80,11 @@ class GemmForward:
             warn_once(f"Recipe.gemm: a {type(m).__name__} got a plain input (its activation role "
                       "is full precision): its operand formats of x in fprop and wgrad, and of dY "
                       "in wgrad, do not apply (the input stays unrounded)")
+        if not _is_q(m.weight):
+            warn_once(f"Recipe.gemm: the weight of a {type(m).__name__} is a "
+                      f"{type(m.weight).__name__}, not a QTensor (a DTensor under tensor "
+                      "parallelism, or replaced after qt.convert): the per-GEMM formats of W, and "
+                      "of dY in dgrad, do not apply (the roles' mm_fmt do)")
         x = tag(input, g.fprop_x, g.wgrad_x, g.wgrad_dy)
         w = tag(m.weight, g.fprop_w, g.dgrad_w, g.dgrad_dy)
         with _forward_gemm():

@@ -260,3 +260,13 @@ def test_torch_compile_runs_the_layers_eagerly_same_bits():
         runs.append((plain(y).detach(), plain(x.grad), plain(m[0].weight.grad)))
     for a, b in zip(*runs):
         assert_bits_equal(b, a)
+
+
+def test_a_weight_that_is_no_qtensor_warns():
+    torch.manual_seed(11)
+    m = nn.Linear(64, 32)
+    qt.convert(m, qt.Recipe(**ROLES, gemm=GEMM))
+    with torch.no_grad():
+        m._parameters["weight"] = nn.Parameter(m.weight.dequantize().clone())
+    with pytest.warns(UserWarning, match="not a QTensor"):
+        m(torch.randn(4, 64))
