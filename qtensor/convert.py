@@ -29,11 +29,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import distributed, training
+from . import distributed, gemm_forward as _gemm, training
 from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
-                    round_to)
+                    gemm_for, round_to)
 from .spec import as_recipe
 from .tensor import _accum_of, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
@@ -307,10 +307,15 @@ class ConvertedForward:
     def __code__(self):
         return type(self.module).forward.__code__
 
+    inner = None  # a GemmForward when the root is a Linear/Conv under Recipe.gemm
+
     def __call__(self, *args, **kwargs):
         if self.inputs is not None:
             args, kwargs = self.inputs(self.module, args, kwargs)
-        out = type(self.module).forward(self.module, *args, **kwargs)
+        if self.inner is not None:
+            out = self.inner(*args, **kwargs)
+        else:
+            out = type(self.module).forward(self.module, *args, **kwargs)
         return self.outputs(self.module, args, out)
 
 
@@ -635,6 +640,30 @@ def _attach_activation_hooks(model: nn.Module, conv: _Conversion) -> None:
         conv.handles.append(mod.register_forward_hook(_OutputHook(mplan)))
 
 
+def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
+    """Recipe.gemm: every converted Linear/Conv1d/2d/3d (its own forward, weight a QTensor)
+    that no rule decides (neither the module nor its weight) runs its GEMMs in the per-GEMM
+    formats (qtensor.gemm); a module or weight a rule decides keeps its roles' mm_fmt."""
+    if conv.recipe.gemm is None:
+        return
+    for mname, mod in model.named_modules():
+        kind = _gemm.kind_of(mod)
+        g = None if kind is None else gemm_for(conv.recipe.gemm, kind)
+        if g is None or not _is_q(mod._parameters.get("weight")):
+            continue
+        if mname and "forward" in mod.__dict__:  # a forward of its own: kept
+            continue
+        wplan = conv.tensor_plans.get(f"{mname}.weight" if mname else "weight")
+        mplan = conv.module_plans.get(mname)
+        if (wplan is not None and wplan.rule is not None) or (mplan is not None and
+                                                              mplan.rule is not None):
+            continue
+        if not mname and isinstance(model.__dict__.get("forward"), ConvertedForward):
+            model.forward.inner = _gemm.GemmForward(mod, g)
+        else:
+            mod.forward = _gemm.GemmForward(mod, g)
+
+
 def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:
     """Convert ``model`` in place to the formats of ``spec`` (a format, a string or a Recipe).
 
@@ -663,6 +692,7 @@ def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:
     _swap_buffers(conv, new_buffers)
     _attach_grad_hooks(model, conv, params)
     _attach_activation_hooks(model, conv)
+    _install_gemm(model, conv)
 
     _disable_nested_fast_path(model, conv)
     for mod in model.modules():
@@ -718,8 +748,9 @@ def unconvert(model: nn.Module) -> nn.Module:
         raise RuntimeError("qt.unconvert: this model was not converted by qt.convert")
     for handle in conv.handles + conv.param_handles:
         handle.remove()
-    if isinstance(model.__dict__.get("forward"), ConvertedForward):
-        del model.__dict__["forward"]
+    for mod in model.modules():
+        if isinstance(mod.__dict__.get("forward"), (ConvertedForward, _gemm.GemmForward)):
+            del mod.__dict__["forward"]
     for _, detach in _model_hooks:
         detach(model)
     for mod in model.modules():

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import accum as _accum
 from . import block_specials as _block_specials
+from . import gemm as _gemm
 from . import ops as _ops
 from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
 from .formats import PRESETS as _PRESETS, BlockFormat, Format
@@ -174,28 +175,38 @@ def _convolution_backward(func, args, uargs, ukwargs, acc=None):
     # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
     #                      transposed, output_padding, groups, output_mask)
     go, inp, w = args[0], args[1], args[2]
-    has = [isinstance(t, QTensor) and t.mm_fmt is not None for t in (go, inp, w)]
+    own = [_own_mm_fmt(t) for t in (go, inp, w)]
+    # per-GEMM formats (qtensor.gemm): (grad_output, weight) of grad_input, (grad_output,
+    # input) of grad_weight; else each operand's own
+    gi_fmts = _gemm.operand_formats((go, w), _own_mm_fmt) or [own[0], own[2]]
+    gw_fmts = _gemm.operand_formats((go, inp), _own_mm_fmt) or [own[0], own[1]]
     if acc is not None:
+        # the accumulator reads each operand's format from its mm_fmt: the ones of each product
+        qargs = {True: _with_mm_fmts(args, (0, 2, 1), gi_fmts + [own[1]]),
+                 False: _with_mm_fmts(args, (0, 1, 2), gw_fmts + [own[2]])}
+
         def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
-            return _accum.contract("convolution_backward", list(a), kw, acc, args)
-    if not any(has):
+            return _accum.contract("convolution_backward", list(a), kw, acc, qargs[a[10][0]])
+    if all(f is None for f in gi_fmts + gw_fmts):
         return func(*uargs, **ukwargs)
     uargs = list(uargs)
     mask = list(uargs[10])
     transposed = bool(uargs[7])
 
-    def rounded(i, axis):
-        return (quantize(uargs[i], with_axis(args[i].mm_fmt, axis), keep_layout=False)
-                if has[i] else uargs[i])
+    def rounded(i, fmt, axis):
+        return (uargs[i] if fmt is None
+                else quantize(uargs[i], with_axis(fmt, axis), keep_layout=False))
 
     gi = gw = gb = None
     if mask[0]:  # grad_input: reduction over output channels
         a = list(uargs)
-        a[0], a[2], a[10] = rounded(0, 1), rounded(2, 1 if transposed else 0), [True, False, False]
+        a[0], a[2], a[10] = (rounded(0, gi_fmts[0], 1),
+                             rounded(2, gi_fmts[1], 1 if transposed else 0), [True, False, False])
         gi = func(*a, **ukwargs)[0]
     if mask[1]:  # grad_weight: reduction over the batch
         a = list(uargs)
-        a[0], a[1], a[10] = rounded(0, 0), rounded(1, 0), [False, True, False]
+        a[0], a[1], a[10] = rounded(0, gw_fmts[0], 0), rounded(1, gw_fmts[1], 0), [False, True,
+                                                                                   False]
         gw = func(*a, **ukwargs)[1]
     if mask[2]:  # grad_bias: a sum of the grad_output values
         a = list(uargs)
@@ -598,6 +609,39 @@ def _round_operand(args, uargs, pos, axis):
         uargs[pos] = quantize(uargs[pos], with_axis(a.mm_fmt, axis), keep_layout=False)
 
 
+def _own_mm_fmt(a):
+    """The operand format of a (None for a plain tensor; a GemmOperand's own format)."""
+    if not isinstance(a, QTensor):
+        return None
+    m = a.mm_fmt
+    return m.base if type(m) is _gemm.GemmOperand else m
+
+
+def _round_gemm_operands(args, uargs, operands):
+    """Round the operands of a contraction one of which has per-GEMM formats (qtensor.gemm):
+    the args with those formats as the operands' mm_fmt (what an accumulator reads), or None
+    when none has."""
+    ops = [args[pos] if pos < len(args) else None for pos, _axis in operands]
+    fmts = _gemm.operand_formats(ops, _own_mm_fmt)
+    if fmts is None:
+        return None
+    for (pos, axis), a, fmt in zip(operands, ops, fmts):
+        if fmt is not None and isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
+            uargs[pos] = quantize(uargs[pos], with_axis(fmt, axis), keep_layout=False)
+    return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts)
+
+
+def _with_mm_fmts(args, positions, fmts):
+    """args with the QTensors at ``positions`` re-wrapped with the given mm_fmts (the formats
+    their payloads were rounded to: qtensor.accum reads an operand's format from its mm_fmt)."""
+    args = list(args)
+    for pos, fmt in zip(positions, fmts):
+        a = args[pos] if pos < len(args) else None
+        if isinstance(a, QTensor):
+            args[pos] = QTensor._wrap(a._data, a.fmt, fmt, accum=a.accum)
+    return args
+
+
 def _accum_of(args):
     """The accumulator of the first QTensor among args that has one (qtensor.accum), or None."""
     return next((a.accum for a in args if isinstance(a, QTensor) and a.accum is not None), None)
@@ -609,8 +653,12 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
     if op.handler is not None:
         return op.handler(func, args, uargs, ukwargs, acc)
     operands = op.operands(args) if callable(op.operands) else op.operands
-    for pos, axis in operands:
-        _round_operand(args, uargs, pos, axis)
+    tagged = _round_gemm_operands(args, uargs, operands)
+    if tagged is None:
+        for pos, axis in operands:
+            _round_operand(args, uargs, pos, axis)
+    else:
+        args = tagged
     if acc is not None:  # the products summed by the operands' accumulator
         return _accum.contract(func._opname, uargs, ukwargs, acc, args)
     return func(*uargs, **ukwargs)
@@ -665,6 +713,8 @@ def dispatch(func, args, kwargs):
 
     src = _first_q(rule, args, qs)
     fmt, mm_fmt = src.fmt, src.mm_fmt
+    if type(mm_fmt) is _gemm.GemmOperand and rule.kind != MOVE_KIND:
+        mm_fmt = mm_fmt.base  # per-GEMM tags: kept by data movement only (qtensor.gemm)
     if rule.kind == MOVE_KIND:
         # values are moved, not computed: round only if they were not all in fmt already
         rnd = plain  # a plain floating tensor is among the inputs

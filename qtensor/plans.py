@@ -25,9 +25,13 @@ from .formats import format as _parse_format
 from .tensor import QTensor, as_qtensor
 from .torch_function import TorchFunctionTarget
 
-__all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "ROLE_NAMES", "round_to", "check_scale"]
+__all__ = ["Role", "Recipe", "GemmFormats", "TensorPlan", "ModulePlan", "ROLE_NAMES", "GEMMS",
+           "round_to", "check_scale"]
 
 ROLE_NAMES = ("weight", "bias", "activation", "grad", "optimizer_state")
+# The three GEMMs of a linear layer y = x W^T and their operands, in the order of Recipe.gemm's
+# pairs: forward (x, W), input gradient dx = dY W (dY, W), weight gradient dW = dY^T x (x, dY)
+GEMMS = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}
 _FP32 = FloatFormat(8, 23)
 
 
@@ -117,6 +121,91 @@ def check_signed(role: "Role", what: str) -> None:
             f"{what}: {fmt} cannot hold a model's signed values: it holds only {span}; {hint}")
 
 
+@dataclass(frozen=True)
+class GemmFormats:
+    """The operand format of each operand of each GEMM of a linear layer (or convolution); None:
+    the operand's own ``mm_fmt`` (its role's), as without ``Recipe.gemm``. A format's rounding
+    mode is the operand's rounding (``fmt.replace(rounding="stochastic")``)."""
+
+    fprop_x: Optional[Format] = None
+    fprop_w: Optional[Format] = None
+    dgrad_dy: Optional[Format] = None
+    dgrad_w: Optional[Format] = None
+    wgrad_x: Optional[Format] = None
+    wgrad_dy: Optional[Format] = None
+
+    @classmethod
+    def of(cls, spec) -> Optional["GemmFormats"]:
+        """GemmFormats from None, a GemmFormats or a dict {"fprop": (x, w), "dgrad": (dy, w),
+        "wgrad": (x, dy)} (any of the three; None in a pair: that operand's own mm_fmt).
+        None when no operand gets a format of its own."""
+        if spec is None or isinstance(spec, GemmFormats):
+            return None if spec is None or spec.is_default else spec
+        if isinstance(spec, dict) and spec and all(k in LAYER_KINDS for k in spec):
+            raise ValueError("GemmFormats.of: per layer kind, use Recipe(gemm={'linear': ..., "
+                             "'conv': ...}) (normalised by gemm_of)")
+        if not isinstance(spec, dict):
+            raise TypeError(
+                "Recipe.gemm must be None or a dict {'fprop': (x_fmt, w_fmt), 'dgrad': (dy_fmt, "
+                f"w_fmt), 'wgrad': (x_fmt, dy_fmt)}}, got {type(spec).__name__}: {spec!r}")
+        unknown = [k for k in spec if k not in GEMMS]
+        if unknown:
+            raise ValueError(f"Recipe.gemm: unknown GEMM(s) {', '.join(map(repr, unknown))}; "
+                             f"the GEMMs are {', '.join(GEMMS)}")
+        fields = {}
+        for gemm, pair in spec.items():
+            names = GEMMS[gemm]
+            if pair is None:
+                continue
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"Recipe.gemm[{gemm!r}] must be a pair ({names[0]}_fmt, "
+                                 f"{names[1]}_fmt), got {pair!r}")
+            for operand, fmt in zip(names, pair):
+                if fmt is not None:
+                    what = f"Recipe.gemm[{gemm!r}] ({operand})"
+                    fields[f"{gemm}_{operand}"] = _format_or_error(fmt, what)
+        out = cls(**fields)
+        for f in dataclasses.fields(out):
+            check_signed(Role(getattr(out, f.name)), f"Recipe.gemm ({f.name})")
+        return None if out.is_default else out
+
+    @property
+    def is_default(self) -> bool:
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+
+    def __str__(self) -> str:
+        parts = []
+        for gemm, operands in GEMMS.items():
+            fmts = [getattr(self, gemm + "_" + o) for o in operands]
+            inner = ", ".join(o + " " + ("own mm_fmt" if f is None else str(f))
+                              for o, f in zip(operands, fmts))
+            parts.append(f"{gemm} ({inner})")
+        return "; ".join(parts)
+
+
+LAYER_KINDS = ("linear", "conv")
+
+
+def gemm_of(spec):
+    """Recipe.gemm normalised: None, a GemmFormats (every Linear and Conv), or a dict
+    {"linear": GemmFormats or None, "conv": GemmFormats or None} (per layer kind)."""
+    if isinstance(spec, dict) and spec and any(k in LAYER_KINDS for k in spec):
+        unknown = [k for k in spec if k not in LAYER_KINDS]
+        if unknown:
+            raise ValueError(
+                f"Recipe.gemm: {', '.join(map(repr, unknown))} beside layer kinds: give either "
+                f"the GEMMs ({', '.join(GEMMS)}) or, per layer kind, "
+                f"{{{', '.join(repr(k) + ': {...}' for k in LAYER_KINDS)}}}")
+        out = {k: GemmFormats.of(spec.get(k)) for k in LAYER_KINDS}
+        return None if all(v is None for v in out.values()) else out
+    return GemmFormats.of(spec)
+
+
+def gemm_for(gemm, kind: str):
+    """The GemmFormats a layer of ``kind`` ("linear" or "conv") gets from Recipe.gemm."""
+    return gemm.get(kind) if isinstance(gemm, dict) else gemm
+
+
 def _normalise_rule(pattern, spec):
     """A rule's spec as a Role (value/activation role) or a dict {role name: Role}."""
     if not isinstance(pattern, str) or not pattern:
@@ -146,6 +235,9 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     ``(value_fmt, mm_fmt)``; they are normalised into :class:`Role` values.
     ``rules``: ``{pattern: format | pair | None | dict of roles}``, matched against qualified
     parameter, buffer and module names (glob, or ``re:`` regex).
+    ``gemm``: per-GEMM operand formats of converted Linear/Conv layers, ``{"fprop": (x, W),
+    "dgrad": (dY, W), "wgrad": (x, dY)}`` (or per layer kind ``{"linear": ..., "conv": ...}``),
+    normalised into :class:`GemmFormats` (docs/convert.md, "Per-GEMM operand formats").
     """
 
     weight: Any = None
@@ -157,6 +249,7 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     master_weights: bool = False
     loss_scale: Any = None
     accumulate: Any = None
+    gemm: Any = None
     name: Optional[str] = field(default=None, compare=False)
     source: Optional[str] = field(default=None, compare=False)
 
@@ -179,6 +272,7 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
                 "master_weights=True runs the optimizer on FP32 copies, so its state is FP32: "
                 f"optimizer_state must be None, got {self.optimizer_state}")
         object.__setattr__(self, "accumulate", as_accum(self.accumulate, "Recipe.accumulate"))
+        object.__setattr__(self, "gemm", gemm_of(self.gemm))
         ls = self.loss_scale
         if ls is not None and ls != "dynamic":
             check_scale(ls, "Recipe.loss_scale (None, 'dynamic' or a power of two)")
@@ -206,6 +300,11 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
         lines.append(f"  {'master_weights':<16} {self.master_weights}")
         lines.append(f"  {'loss_scale':<16} {self.loss_scale}")
         lines.append(f"  {'accumulate':<16} {self.accumulate or 'in the payload precision'}")
+        if isinstance(self.gemm, dict):
+            for kind, g in self.gemm.items():
+                lines.append(f"  {'gemm (' + kind + ')':<16} {g or 'the roles: own mm_fmt'}")
+        elif self.gemm is not None:
+            lines.append(f"  {'gemm':<16} {self.gemm}")
         for pattern, spec in self.rules.items():
             if isinstance(spec, Role):
                 lines.append(f"  rule {pattern!r}: {spec}")

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import assert_bits_equal
@@ -189,10 +190,18 @@ def test_recipe_roles():
     dither = mx.recipe({"a_elem_format": "fp8_e4m3", "block_size": 32, "round": "dither"})
     assert dither.activation.mm_fmt == qt.mxfp8_e4m3.replace(rounding="stochastic")
     assert dither.grad.mm_fmt.rounding == "stochastic" and dither.weight.full_precision
-    with pytest.warns(UserWarning, match="w_elem_format_bp"):
-        mx.recipe(dict(_specs(), w_elem_format_bp="fp8_e4m3"))
-    with pytest.warns(UserWarning, match="round_mx_weight_grad_input='even'"):
-        mx.recipe(dict(_specs(), round_mx_weight_grad_input="even"))
+    # the _bp formats and per-product roundings: per-GEMM formats, no warning (issue 21)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bp = mx.recipe(dict(_specs(), w_elem_format_bp="fp8_e4m3"))
+        rnd = mx.recipe(dict(_specs(), round_mx_weight_grad_input="even"))
+    assert bp.gemm["linear"].dgrad_w == mx_near(qt.fp8_e4m3) and bp.gemm["conv"] is None
+    assert rnd.gemm["linear"].dgrad_w == qt.BlockFormat(qt.fp4_e2m1, 32, rounding="nearest")
+    assert r.gemm is None  # nothing differs from the roles
+    with pytest.warns(UserWarning, match="a_elem_format_bp"):  # activation x activation matmul
+        mx.recipe(dict(_specs(), a_elem_format_bp="fp8_e4m3"))
+    with pytest.warns(UserWarning, match="round_grad_weight"):
+        mx.recipe(dict(_specs(), round_grad_weight="dither"))
     with pytest.warns(UserWarning, match="quantize_backprop"):
         assert mx.recipe(dict(_specs(), quantize_backprop=False)).grad.full_precision
 
@@ -234,3 +243,76 @@ def _x_grad(model, x):
     x = x.clone().requires_grad_(True)
     model(x).sum().backward()
     return x.grad.dequantize() if isinstance(x.grad, qt.QTensor) else x.grad
+
+
+def _bp_specs():
+    """Every operand of the three GEMMs in its own MX format, with its own rounding."""
+    return dict(_specs(), w_elem_format="fp6_e3m2", a_elem_format="fp8_e4m3",
+                w_elem_format_bp="fp4_e2m1", a_elem_format_bp_os="fp8_e5m2",
+                a_elem_format_bp="int8", a_elem_format_bp_ex="fp6_e2m3",
+                round_mx_weight_grad_input="floor", round_mx_grad_output_grad_input="even",
+                round_mx_input_grad_weight="even", round_mx_grad_output_grad_weight="floor")
+
+
+def test_recipe_bp_keys_exact_on_a_model():
+    """Every *_bp key (and per-product rounding) as mx/linear.py uses it: forward MX_a(x) @
+    MX_w(W).T along in_features; grad_input MX_bp_os(dY) @ MX_w_bp(W) along out_features;
+    grad_weight MX_bp_ex(dY).T @ MX_bp(x) along the batch; bfloat16 between them."""
+    s = _bp_specs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = mx.recipe(s)
+    # the only approximation left: a_elem_format_bp in contractions of two activations
+    (only,) = [str(w.message) for w in caught]
+    assert "contractions of two activations" in only and "_bp_os" not in only
+    assert "w_elem_format_bp" not in only and "_bp_ex" not in only
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32, bias=False)
+    w = model.weight.detach().clone()
+    qt.convert(model, r)
+    x = torch.randn(32, 64, requires_grad=True)
+    out = model(x)
+    g = torch.randn(32, 32)
+    out.backward(g)
+    bf = lambda t: t.to(torch.bfloat16).float()
+    Q = lambda t, key, axis, rnd: mx.quantize_mx(t, s[key], 32, axis=axis, round=s[rnd])
+    xb, wb, gb = bf(x.detach()), bf(w), bf(g)
+    y = bf(Q(xb, "a_elem_format", -1, "round_mx_output")
+           @ Q(wb, "w_elem_format", -1, "round_mx_output").T)
+    gx = bf(Q(gb, "a_elem_format_bp_os", -1, "round_mx_grad_output_grad_input")
+            @ Q(wb, "w_elem_format_bp", 0, "round_mx_weight_grad_input"))
+    gw = bf((Q(xb, "a_elem_format_bp", 0, "round_mx_input_grad_weight").T
+             @ Q(gb, "a_elem_format_bp_ex", 0, "round_mx_grad_output_grad_weight")).T)
+    plain = lambda t: t.dequantize() if isinstance(t, qt.QTensor) else t
+    assert_bits_equal(plain(out), y, "forward")
+    assert_bits_equal(plain(x.grad), gx, "grad_input")
+    assert_bits_equal(plain(model.weight.grad), gw, "grad_weight")
+
+
+def test_recipe_conv_as_mx_convolution():
+    """mx/convolution.py quantizes all three products with the forward element formats and
+    quantize_mx_op's default 'nearest' rounding, whatever round_mx_* and the _bp keys say."""
+    s = dict(_specs(), round_mx_output="even", w_elem_format_bp="fp8_e4m3",
+             a_elem_format_bp_os="fp8_e5m2")
+    r = mx.recipe(s, warn=False)
+    assert r.gemm["conv"] is not None and r.gemm["linear"] is not None
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 32, 3, padding=1, bias=False)
+    w = conv.weight.detach().clone()
+    qt.convert(conv, r)
+    x = torch.randn(2, 32, 5, 5, requires_grad=True)
+    y = conv(x)
+    g = torch.randn(y.shape)
+    y.backward(g)
+    bf = lambda t: t.to(torch.bfloat16).float()
+    Q = lambda t, key, axis: mx.quantize_mx(t, s[key], 32, axis=axis, round="nearest")
+    xb, wb, gb = bf(x.detach()), bf(w), bf(g)
+    plain = lambda t: t.dequantize() if isinstance(t, qt.QTensor) else t
+    assert_bits_equal(plain(y), bf(F.conv2d(Q(xb, "a_elem_format", 1), Q(wb, "w_elem_format", 1),
+                                            padding=1)), "forward")
+    gi = torch.nn.grad.conv2d_input(x.shape, Q(wb, "w_elem_format", 0),
+                                    Q(gb, "a_elem_format", 1), padding=1)
+    assert_bits_equal(plain(x.grad), bf(gi), "grad_input")
+    gw = torch.nn.grad.conv2d_weight(Q(xb, "a_elem_format", 0), w.shape,
+                                     Q(gb, "a_elem_format", 0), padding=1)
+    assert_bits_equal(plain(conv.weight.grad), bf(gw), "grad_weight")

@@ -7,8 +7,9 @@ an ``mx.MxSpecs``, a plain dict, or any object with those attributes (an argpars
 missing keys take microxcaling's defaults, the ``_bp`` / ``round_*`` keys are derived as its
 ``finalize_mx_specs`` does, and unknown keys are an error, as there.
 
-What one tensor-carried operand format cannot express (per-contraction backward formats and
-roundings) is approximated, with a warning naming the key. Where microxcaling's numerics are
+The ``_bp`` formats and per-product roundings of microxcaling's Linear and Conv layers map onto
+``Recipe.gemm`` (per-GEMM operand formats), exactly; what is still approximated (contractions of
+two activations, one gradient value format) comes with a warning naming the key. Where microxcaling's numerics are
 wrong (its float32 ``log2`` shared exponent, NaN scales, negative zero of integer elements)
 qtensor follows its own contract (qtensor/reference.py).
 
@@ -174,32 +175,36 @@ def vector_format(specs, round: Optional[str] = None) -> Optional[FloatFormat]:
 # ---------------------------------------------------------------------------------------------
 # The recipe
 
-# recipe role -> (its MX elem key, the keys of other uses it approximates)
-_ROLE_KEYS = {
-    "weight": ("w_elem_format", ["w_elem_format_bp"]),
-    "activation": ("a_elem_format", ["a_elem_format_bp"]),
-    "grad": ("a_elem_format_bp_os", ["a_elem_format_bp_ex"]),
+# The operand formats of microxcaling's three GEMMs (elem key, rounding key); None: "nearest"
+# (its quantize_mx_op default). mx.Linear (mx/linear.py) uses the _bp formats backward;
+# mx.Conv (mx/convolution.py) the forward elem formats in all three, with the default rounding.
+_GEMM_KEYS = {
+    "linear": {"fprop": (("a_elem_format", "round_mx_output"), ("w_elem_format", "round_mx_output")),
+               "dgrad": (("a_elem_format_bp_os", "round_mx_grad_output_grad_input"),
+                         ("w_elem_format_bp", "round_mx_weight_grad_input")),
+               "wgrad": (("a_elem_format_bp", "round_mx_input_grad_weight"),
+                         ("a_elem_format_bp_ex", "round_mx_grad_output_grad_weight"))},
+    "conv": {"fprop": (("a_elem_format", None), ("w_elem_format", None)),
+             "dgrad": (("a_elem_format", None), ("w_elem_format", None)),
+             "wgrad": (("a_elem_format", None), ("a_elem_format", None))},
 }
 
 
 def _approximation_warnings(s: Dict[str, Any]) -> list:
     notes = []
-    for role, (key, others) in _ROLE_KEYS.items():
-        for other in others:  # compared as formats: "fp4" and "fp4_e2m1" (or an enum) agree
-            if elem_format(s[other]) != elem_format(s[key]) and s["quantize_backprop"]:
-                notes.append(f"{other}={s[other]!r} differs from {key}={s[key]!r}: the {role} keeps "
-                             f"{s[key]!r} in every contraction")
-    pairs = [("round_mx_input_grad_weight", "round_mx_output"),
-             ("round_mx_weight_grad_input", "round_mx_output"),
-             ("round_mx_input_grad_input", "round_mx_output"),
-             ("round_mx_grad_output_grad_weight", "round_mx_grad_output_grad_input"),
-             ("round_grad_weight", "round_grad_input")]
-    for other, key in pairs:
-        if s[other] != s[key] and s["quantize_backprop"]:
-            notes.append(f"{other}={s[other]!r} differs from {key}={s[key]!r}: {key} is used")
-    if not s["quantize_backprop"]:
-        notes.append("quantize_backprop=False: gradients stay FP32, but weights and activations "
-                     "keep their MX operand formats in backward contractions")
+    if s["round_grad_weight"] != s["round_grad_input"] and s["quantize_backprop"]:
+        notes.append(f"round_grad_weight={s['round_grad_weight']!r} differs from round_grad_input="
+                     f"{s['round_grad_input']!r}: round_grad_input is used (one gradient value "
+                     "format)")
+    if (elem_format(s["a_elem_format_bp"]) != elem_format(s["a_elem_format"])
+            or s["round_mx_input_grad_input"] != s["round_mx_output"]) and s["quantize_backprop"]:
+        notes.append("a_elem_format_bp / round_mx_input_grad_input: contractions of two "
+                     "activations (mx.matmul, mx.bmm: attention) keep a_elem_format "
+                     "(round_mx_output) in their backward products; Linear and Conv layers are "
+                     "exact")
+    if not s["quantize_backprop"] and (s["bfloat"] or s["fp"]):
+        notes.append("quantize_backprop=False: the backward products use the bfloat/fp values "
+                     "of x and W (microxcaling saves the unrounded FP32 ones)")
     for key in _IGNORED:
         if s[key] != DEFAULTS[key]:
             notes.append(f"{key}={s[key]!r} is not emulated (ignored)")
@@ -214,7 +219,8 @@ def recipe(specs, *, warn: bool = True):
     ``warn``: emit one warning listing the spec keys that the recipe can only approximate.
     """
     s = finalize_mx_specs(specs)
-    mx = lambda key, rnd: mx_format(s[key], s["block_size"], s[rnd], scale_bits=s["scale_bits"],
+    mx = lambda key, rnd: mx_format(s[key], s["block_size"], s[rnd] if rnd else "nearest",
+                                    scale_bits=s["scale_bits"],
                                     shared_exp_method=s["shared_exp_method"])
     v_weight = vector_format(s, s["round_weight"])
     v_act = vector_format(s, s["round_output"])
@@ -229,6 +235,17 @@ def recipe(specs, *, warn: bool = True):
         return (value or _P["fp32"], mm)
 
     grad = role(v_grad, g_mm) if s["quantize_backprop"] else None
+    # per-GEMM operand formats (Recipe.gemm) where they differ from what the roles give:
+    # fprop (x, W), dgrad (dY, W), wgrad (x, dY); None (no MX) is FP32, unrounded
+    g_own = g_mm if s["quantize_backprop"] else None
+    own = {"fprop": (a_mm, w_mm), "dgrad": (g_own, w_mm), "wgrad": (a_mm, g_own)}
+    gemm = {}
+    for kind, gemms in _GEMM_KEYS.items():
+        fmts = {name: tuple(mx(k, r) if s["quantize_backprop"] or name == "fprop" else None
+                            for k, r in pair) for name, pair in gemms.items()}
+        if fmts != own:
+            gemm[kind] = {name: tuple(f or _P["fp32"] for f in pair)
+                          for name, pair in fmts.items()}
     if warn:
         notes = _approximation_warnings(s)
         if notes:
@@ -238,7 +255,8 @@ def recipe(specs, *, warn: bool = True):
                                               "bfloat", "fp") if s[k])
     return Recipe(weight=role(v_weight, w_mm), bias=v_weight, activation=role(v_act, a_mm),
                   grad=grad, optimizer_state=None, master_weights=v_weight is not None,
-                  name=f"mx({name})", source="microxcaling MxSpecs via qtensor.compat.mx")
+                  gemm=gemm or None, name=f"mx({name})",
+                  source="microxcaling MxSpecs via qtensor.compat.mx")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""Per-GEMM operand formats (``Recipe.gemm``): the tags that dispatch reads.
+
+A converted ``nn.Linear`` / ``nn.Conv1d/2d/3d`` whose recipe has ``gemm`` runs its forward through
+``qtensor.gemm_forward.GemmForward``: its input x and weight W enter the op as views tagged with a
+:class:`GemmOperand` in place of their ``mm_fmt``. Dispatch (:func:`operand_formats`) reads the
+tags: during that forward (``in_fprop()``) each tagged operand is rounded to its
+forward format; later (autograd's backward ops on the saved views: ``mm(dY, W)``, ``mm(x^T, dY)``,
+``convolution_backward``) a tagged operand is rounded to its backward format and the untagged one
+(the gradient dY) to the format the tag gives it. Tags are kept by data movement (the
+transposes and reshapes autograd makes) and dropped by every other op (its outputs take the
+operand's own ``mm_fmt``), so nothing outside the layer sees them. The backward runs autograd's
+own ops, so with every format equal to the roles' ``mm_fmt`` the bits are today's.
+Details: docs/convert.md, "Per-GEMM operand formats".
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["GemmOperand", "in_fprop", "fprop", "operand_formats"]
+
+
+@dataclass(frozen=True)
+class GemmOperand:
+    """The ``mm_fmt`` of a tagged operand: its format in the forward GEMM, in its backward GEMM
+    (dgrad for W, wgrad for x), the format of the gradient it meets there (None: the gradient's
+    own mm_fmt), and ``base``, the operand's own mm_fmt (what the outputs of ops take)."""
+
+    fprop: Any
+    bwd: Any
+    other: Any
+    base: Any
+
+    def __str__(self) -> str:
+        return f"gemm(fprop={self.fprop}, bwd={self.bwd}, grad={self.other}, own={self.base})"
+
+
+_STATE = threading.local()
+
+
+def in_fprop() -> bool:
+    """Whether the forward GEMM of a GemmForward is running (on this thread)."""
+    return getattr(_STATE, "fprop", False)
+
+
+class fprop:  # noqa: N801  (a context manager)
+    """Mark the forward GEMM of a layer (GemmForward) as running."""
+
+    def __enter__(self):
+        self.before = in_fprop()
+        _STATE.fprop = True
+
+    def __exit__(self, *exc):
+        _STATE.fprop = self.before
+
+
+def operand_formats(ops, fallback) -> Optional[list]:
+    """The operand formats of one contraction whose multiplied operands are ``ops`` (QTensors or
+    plain tensors), or None when none is tagged. ``fallback(a)``: a's own format (None for a
+    plain tensor). In the forward GEMM each tagged operand takes its fprop format; otherwise the
+    tagged one its backward format and the others the format the tag gives the gradient."""
+    tags = [m if type(m) is GemmOperand else None for m in (getattr(a, "mm_fmt", None) for a in ops)]
+    first = next((t for t in tags if t is not None), None)
+    if first is None:
+        return None
+    fprop = in_fprop()
+    out = []
+    for a, t in zip(ops, tags):
+        if t is not None:
+            out.append(t.fprop if fprop else t.bwd)
+        elif not fprop and first.other is not None:
+            out.append(first.other)
+        else:
+            out.append(fallback(a))
+    return out

@@ -1,0 +1,93 @@
+"""The forward of a converted Linear/Conv under ``Recipe.gemm`` (per-GEMM operand formats):
+the module's own op on x and W tagged with their per-GEMM formats (qtensor.gemm).
+Details: docs/convert.md, "Per-GEMM operand formats".
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .gemm import GemmOperand
+from .gemm import fprop as _forward_gemm
+from .tensor import QTensor
+from .warn import warn_once
+
+__all__ = ["GemmForward", "tag", "kind_of", "SUPPORTED"]
+
+
+def _is_q(x) -> bool:
+    return isinstance(x, QTensor)
+
+
+def tag(x: torch.Tensor, fprop, bwd, other) -> torch.Tensor:
+    """x as a view whose mm_fmt is a GemmOperand (x itself when it is not a QTensor, or when the
+    formats are x's own: nothing to do). A view shares x's version counter and autograd passes
+    its gradient through unchanged (a data-movement op, no rounding)."""
+    if not isinstance(x, QTensor):
+        return x
+    own = x.mm_fmt
+    fprop = own if fprop is None else fprop
+    bwd = own if bwd is None else bwd
+    if fprop == own and bwd == own and other is None:
+        return x
+    y = x.view(x.shape)
+    y.mm_fmt = GemmOperand(fprop, bwd, other, own)
+    return y
+
+
+def _linear(module, x, w):
+    return F.linear(x, w, module.bias)
+
+
+def _conv(module, x, w):
+    return module._conv_forward(x, w, module.bias)
+
+
+# module classes whose own forward is one contraction of (input, weight), and how to run it with
+# the tagged operands (subclasses that override forward keep it, and the roles' mm_fmt)
+SUPPORTED = {nn.Linear.forward: _linear, nn.Conv1d.forward: _conv, nn.Conv2d.forward: _conv,
+             nn.Conv3d.forward: _conv}
+
+
+def kind_of(module: nn.Module) -> Optional[str]:
+    """"linear" or "conv" for the modules GemmForward runs (their own forward), else None."""
+    run = SUPPORTED.get(type(module).forward)
+    return None if run is None else "linear" if run is _linear else "conv"
+
+
+class GemmForward:
+    """``forward`` of a converted Linear/Conv under ``Recipe.gemm``: the module's own forward on
+    tagged x and W (a small object, not a closure, so that the model pickles and deep-copies)."""
+
+    def __init__(self, module: nn.Module, gemm):
+        self.module = module
+        self.gemm = gemm
+        self.run = SUPPORTED[type(module).forward]
+
+    @property
+    def __wrapped__(self):  # the module's own forward, for its signature
+        return type(self.module).forward.__get__(self.module)
+
+    # the tags are Python attributes of views and a thread-local flag, which torch.compile's
+    # tracing does not keep: the layer runs eagerly (a graph break), with the same bits
+    @torch.compiler.disable
+    def __call__(self, input):
+        g, m = self.gemm, self.module
+        if not _is_q(input) and (g.fprop_x, g.wgrad_x, g.wgrad_dy) != (None, None, None):
+            warn_once(f"Recipe.gemm: a {type(m).__name__} got a plain input (its activation role "
+                      "is full precision): its operand formats of x in fprop and wgrad, and of dY "
+                      "in wgrad, do not apply (the input stays unrounded)")
+        if not _is_q(m.weight):
+            warn_once(f"Recipe.gemm: the weight of a {type(m).__name__} is a "
+                      f"{type(m.weight).__name__}, not a QTensor (a DTensor under tensor "
+                      "parallelism, or replaced after qt.convert): the per-GEMM formats of W, and "
+                      "of dY in dgrad, do not apply (the roles' mm_fmt do)")
+        x = tag(input, g.fprop_x, g.wgrad_x, g.wgrad_dy)
+        w = tag(m.weight, g.fprop_w, g.dgrad_w, g.dgrad_dy)
+        with _forward_gemm():
+            return self.run(m, x, w)
+
+
