@@ -685,9 +685,17 @@ def test_accum_study_example_runs(tmp_path):
         # a row of the digits and GPT tables, a column of each error-vs-K table
         assert len(re.findall(rf"^\| {run} +\|", proc.stdout, re.M)) == 2, run
         assert all(re.search(rf"\| +{run} +\|", h) for h in kscan_heads), run
+    # the two-reference study: every accumulator's error vs the exact quantized product (small,
+    # 0 for the wide ones) and vs the unquantized FP32 product (the quantization's, much larger)
+    for run in ("fp32 adds", "hopper_fp8 promote 4", "hopper_fp8 never", "blackwell_f8f6f4"):
+        rows = re.findall(rf"^\| {run} +\|(.*)$", proc.stdout, re.M)
+        assert len(rows) == 2, run
+        dot = [float(x) for x in rows[0].split("|")[1:-1]]  # datapath, 2 x exact, 2 x fp32
+        lg = [float(x) for x in rows[1].split("|")[:-1] if x.strip()]
+        assert max(dot[:2]) < min(dot[2:]) / 10 and lg[0] < lg[1] / 10, (run, dot, lg)
     assert {p.name for p in tmp_path.iterdir()} >= {
         "accum_study.md", "accum_study_digits.png", "accum_study_gpt.png", "accum_study_k.md",
-        "accum_study_k.png"}
+        "accum_study_k.png", "accum_study_refs.md", "accum_study_refs.png"}
 
 
 # ---------------------------------------------------------------------------------------------
