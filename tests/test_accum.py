@@ -1496,6 +1496,13 @@ def test_scales_format_errors(kw, msg):
         accum.hopper_fp8.replace(**kw)
 
 
+def test_scales_field_is_part_of_the_format():
+    import pickle
+    f = accum.hopper_fp8.replace(scales="promotion")
+    assert f != accum.hopper_fp8 and "scales=promotion" in str(f)
+    assert pickle.loads(pickle.dumps(f)) == f and accum.hopper_fp8.scales == "instruction"
+
+
 def test_scales_argument_errors():
     a, b = torch.ones(2, 300), torch.ones(300, 3)
     prom = accum.hopper_fp8.replace(scales="promotion")
