@@ -3,6 +3,7 @@
     python examples/accum_study.py             # digits CNN and char-GPT (several minutes)
     python examples/accum_study.py --quick     # a few steps (smoke test)
     python examples/accum_study.py --models kscan --out examples/results   # error vs K only
+    python examples/accum_study.py --models refs --out examples/results    # two references
 
 Every run has the same FP8 operands with fine-grained scales (MXFP8: weights and activations
 E4M3, gradients E5M2, one power-of-two scale per 32 elements along K, which plays the role of

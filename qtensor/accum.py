@@ -588,7 +588,7 @@ def _scaled(fn, a, b, f: AccumFormat, a_scale, b_scale, kw) -> torch.Tensor:
     kw.pop("a_gexp"), kw.pop("b_gexp")
     acc = torch.zeros((*batch, M, N), dtype=torch.float32, device=a.device)
     if c is not None:
-        acc = acc + c.float().to(a.device)
+        acc = acc + c.float().to(a.device).expand(*batch, M, N)
     nb = K // blk
     xa, xb = a.expand(*batch, M, K), b.expand(*batch, K, N)
     ea, eb = _operand_emin(a, kw["a_emin"]), _operand_emin(b, kw["b_emin"])

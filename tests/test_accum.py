@@ -1363,9 +1363,9 @@ def _f32_mul(x: float, y: float) -> float:
     return _to_grid(Fraction(x) * Fraction(y), 23, "nearest")
 
 
-def oracle_promotion_scaled(a, b, sa, sb, f, **kw):
+def oracle_promotion_scaled(a, b, sa, sb, f, c=None, **kw):
     """Each interval of chunk * promote K-elements: its chain of instructions from 0 (the oracle
-    above, no promotion), promoted as acc = fp32(acc + fp32(sa * sb) * p)."""
+    above, no promotion), promoted as acc = fp32(acc + fp32(sa * sb) * p); acc starts at c."""
     blk = f.chunk * f.promote
     inner = f.replace(promote=None, scales="instruction")
     A, B = a.tolist(), b.t().tolist()
@@ -1373,7 +1373,7 @@ def oracle_promotion_scaled(a, b, sa, sb, f, **kw):
     for i, row in enumerate(A):
         out.append([])
         for j, col in enumerate(B):
-            acc = 0.0
+            acc = 0.0 if c is None else float(c[i, j])
             for kb, k0 in enumerate(range(0, len(row), blk)):
                 p = oracle_dot(row[k0:k0 + blk], col[k0:k0 + blk], inner, **kw)
                 acc = _f32_fma(_f32_mul(float(sa[i, kb]), float(sb[kb, j])), p, acc)
@@ -1405,6 +1405,10 @@ def test_scales_on_promotion_equal_oracle(promote, fn):
     mm = accum.accum_matmul if fn == "kernel" else accum.accum_matmul_reference
     got = mm(a, b, f, a_scale=sa, b_scale=sb, a_emin=-6, b_emin=-6)
     want = oracle_promotion_scaled(a, b, sa, sb, f, a_emin=-6, b_emin=-6)
+    assert torch.equal(bits(got), bits(want))
+    c = torch.randn(4, 3, generator=g)  # an initial accumulator starts the FP32 accumulator
+    got = mm(a, b, f, a_scale=sa, b_scale=sb, a_emin=-6, b_emin=-6, c=c)
+    want = oracle_promotion_scaled(a, b, sa, sb, f, c=c, a_emin=-6, b_emin=-6)
     assert torch.equal(bits(got), bits(want))
     # the promotion is one FFMA: a separate float32 multiply and add differs somewhere
     blk = 32 * promote
