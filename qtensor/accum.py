@@ -715,9 +715,9 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
 
     Float32 result; the fused C++ kernel on CPU (and the CUDA kernel where built), the reference
     elsewhere (same bits). a_emin, b_emin, a_gexp, b_gexp, c, a_scale, b_scale: as
-    accum_matmul_reference (the kernel's vector paths take neither group exponents nor c: those
-    run its scalar path; with scale tensors the kernel computes the unscaled sums, per
-    promotion interval for ``scales="promotion"``, and PyTorch applies the scales).
+    accum_matmul_reference (the kernel's fast path takes no c: with one, its double lanes or
+    group tiles run; with scale tensors the kernel computes the unscaled sums, per promotion
+    interval for ``scales="promotion"``, and PyTorch applies the scales).
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul")

@@ -359,6 +359,55 @@ def test_kernel_equals_reference(f, kind):
     assert torch.equal(bits(got), bits(want))
 
 
+def _c_case(g, f, kind):
+    """Operands and an initial accumulator for the vector paths with c: rows in blocks of 4 and
+    a remainder, columns past a lane panel, a batch; c with zeros, tiny, huge and opposite
+    values (and inf/NaN for "nonfinite")."""
+    if kind == "fp4":
+        a, b = _fp4(g, 7, 200, 19)
+    else:
+        a, b = _random(g, 7, 150, 19, "fp8_e4m3" if kind == "fp8" else None)
+    a, b = a.reshape(1, 7, -1).expand(2, 7, -1).clone(), b
+    a[1] *= -0.75
+    c = torch.randn(2, 7, 19, generator=g) * torch.exp2(
+        torch.randint(-30, 30, (2, 7, 19), generator=g).float())
+    c[:, 0] = 0.0
+    c[:, 1, :5] = 2.0 ** -140
+    c[:, 2, :5] = 1e30
+    c[0, 3] = -accum.accum_matmul_reference(a[0, 3:4], b, f)[0]  # cancels the whole sum
+    if kind == "nonfinite":
+        c[0, 4, 2], c[1, 5, 3], c[1, 6, 0] = math.inf, math.nan, -math.inf
+    return a, b, c
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["random", "fp8", "fp4", "nonfinite"])
+@pytest.mark.parametrize("f", FORMATS, ids=str)
+def test_kernel_initial_accumulator_equals_reference(f, kind):
+    """c runs the double lanes and the group tiles (no longer the scalar path): the same bits
+    as the reference, with and without group exponents."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{f}{kind}c".encode()))
+    a, b, c = _c_case(g, f, kind)
+    want = accum.accum_matmul_reference(a, b, f, c=c)
+    assert torch.equal(bits(accum.accum_matmul(a, b, f, c=c)), bits(want))
+    if f.group > 1:
+        K = a.shape[-1]
+        ga = torch.randint(-5, 5, (2, 7, -(-K // f.group)), generator=g)
+        gb = torch.randint(-5, 5, (-(-K // f.group), 19), generator=g)
+        want = accum.accum_matmul_reference(a, b, f, c=c, a_gexp=ga, b_gexp=gb)
+        got = accum.accum_matmul(a, b, f, c=c, a_gexp=ga, b_gexp=gb)
+        assert torch.equal(bits(got), bits(want))
+    empty = accum.accum_matmul(a[..., :0], b[:0], f, c=c)  # K = 0: c itself
+    assert torch.equal(bits(empty), bits(c))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_kernel_initial_accumulator_on_other_isas(isa):
+    _pytest_under_isa(isa, "test_kernel_initial_accumulator_equals_reference and "
+                           "(hopper_fp8 or blackwell_mxfp4 or ampere_bf16) and (fp8 or fp4)")
+
+
 @needs_kernel
 def test_kernel_large_and_strided():
     g = torch.Generator().manual_seed(0)
