@@ -3,6 +3,7 @@
     python examples/accum_study.py             # digits CNN and char-GPT (several minutes)
     python examples/accum_study.py --quick     # a few steps (smoke test)
     python examples/accum_study.py --models kscan --out examples/results   # error vs K only
+    python examples/accum_study.py --models refs --out examples/results    # two references
 
 Every run has the same FP8 operands with fine-grained scales (MXFP8: weights and activations
 E4M3, gradients E5M2, one power-of-two scale per 32 elements along K, which plays the role of
@@ -22,6 +23,13 @@ Same initial weights and batches for every run of a model (the differences are p
 training), the relative error of each output against the exact sum of the same products, for
 zero-mean operands and for non-negative ones (where truncation's bias adds up, as in DeepSeek-V3's
 K = 4096 observation). Written to accum_study_k.md and accum_study_k.png.
+
+``refs``: the result only a hardware-faithful accumulator shows. Long-K dot products of MXFP8
+operands and the logits of a trained CNN (FP32-trained, evaluated with MXFP8 operands), summed by
+several tensor-core presets and promotion intervals, each measured against two references: the
+exact product of the quantized operands (the accumulator's own error) and the FP32 product of the
+unquantized ones (what a user compares with; the quantization's error dominates it). Written to
+accum_study_refs.md and accum_study_refs.png.
 """
 from __future__ import annotations
 
@@ -179,6 +187,153 @@ def plot_kscan(err, ks, path):
     common.save_figure(fig, path)
 
 
+# The accumulators of the two-reference study: presets by architecture, Hopper FP8's promotion
+# intervals (CUTLASS's 4 = 128 K-elements, DeepSeek-V3's choice), and FP32 adds
+REFS_RUNS = {
+    "fp32 adds": None,
+    "hopper_fp8 promote 1": accum.hopper_fp8.replace(promote=1),
+    "hopper_fp8 promote 4": accum.hopper_fp8,
+    "hopper_fp8 promote 16": accum.hopper_fp8.replace(promote=16),
+    "hopper_fp8 never": accum.hopper_fp8_fast,
+    "ada_fp8": accum.ada_fp8,
+    "hopper_fp8_f16": accum.hopper_fp8_f16,
+    "blackwell_f8f6f4": accum.blackwell_f8f6f4,
+}
+REFS_K = (256, 1024, 4096, 16384)
+REFS_COLORS = dict(zip(REFS_RUNS, ["tab:blue", "tab:orange", "tab:green", "tab:red",
+                                   "tab:purple", "tab:brown", "tab:pink", "tab:olive"]))
+
+REFS_HEAD = """# Accumulator study: two references
+
+`python examples/accum_study.py --models refs --out examples/results`. Each accumulator sums the
+same MXFP8 (E4M3, one power-of-two scale per 32 K-elements) operands; its error is measured
+against (1) the exact product of the quantized operands ("vs exact": the accumulator's own
+error) and (2) the FP32 product of the unquantized operands ("vs FP32": what one compares a
+low-precision run with, dominated by the quantization). Dot products: a 16 x K by K x 16 product
+of standard normal operands, the mean over outputs of |C - ref| / (|A| |B|) (|A| |B|: the product
+of the quantized magnitudes). Logits: a digits CNN with a K = {fc1_k} hidden layer, trained in
+FP32, evaluated on the {n_test} test images with MXFP8 operands for every convolution and linear
+layer (FP32 values between them), the mean over logits of |z - z_ref| / rms(z_ref); its exact
+reference sums each contraction in one pass with {exact_bits} fractional bits and one rounding to
+nearest FP32 (exact for these operands up to products {exact_bits} binades below a row's
+largest). 0 means no difference (drawn at 1e-12).
+
+"""
+
+
+def _mx_pair(a, b):
+    """a (M, K) and b (K, N) rounded to MXFP8 E4M3 with their blocks along K."""
+    return qt.quantize(a, "mxfp8_e4m3"), qt.quantize(b.t(), "mxfp8_e4m3").t()
+
+
+def refs_dots(ks, m=16, seed=0):
+    """{(K, run, ref): mean relative error} for long-K dot products (zero-mean operands)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    out = {}
+    for k in ks:
+        a, b = torch.randn(m, k, generator=g), torch.randn(k, m, generator=g)
+        aq, bq = _mx_pair(a, b)
+        exact = aq.double() @ bq.double()
+        fp32 = (a @ b).double()  # the unquantized operands' FP32 product
+        size = aq.double().abs() @ bq.double().abs()
+        for name, f in REFS_RUNS.items():
+            c = (aq @ bq if f is None else accum.accum_matmul(aq, bq, f)).double()
+            out[k, name, "exact"] = float(((c - exact).abs() / size).mean())
+            out[k, name, "fp32"] = float(((c - fp32).abs() / size).mean())
+    return out
+
+
+def _exact_accum(k):
+    """One instruction over the whole K (up to 2048), the widest exact float64 alignment, one
+    rounding to nearest FP32: the exact product of the quantized operands, rounded once."""
+    chunk = 1 << max(0, (k - 1).bit_length())
+    return accum.AccumFormat(chunk=chunk, frac_bits=51 - (chunk + 1).bit_length(),
+                             align_rounding="nearest", acc_rounding="nearest")
+
+
+def refs_logits(steps, n_test, seed=0, hidden_k=2048):
+    """{(run, ref): mean |z - z_ref| / rms(z_ref)} of a trained CNN's logits, and the K."""
+    import copy
+    x_train, y_train, x_test, _ = common.load_digits_split()
+    x_test = x_test[:n_test]
+    torch.manual_seed(seed)
+    c2 = hidden_k // 16  # fc1's K = c2 * 4 * 4
+    model = common.DigitsCNN(c2=c2, hidden=128)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    common.train_classifier(model, opt, x_train, y_train, steps=steps, batch=64, seed=seed,
+                            desc="refs CNN (fp32)")
+    model.eval()
+
+    def logits(f):
+        rec = qt.Recipe(weight=(qt.fp32, qt.mxfp8_e4m3), bias=qt.fp32,
+                        activation=(qt.fp32, qt.mxfp8_e4m3), accumulate=f)
+        q = qt.convert(copy.deepcopy(model), rec)
+        with torch.no_grad():
+            return common.plain(q(x_test)).double()
+
+    with torch.no_grad():
+        fp32 = model(x_test).double()
+    exact = logits(_exact_accum(hidden_k))
+    out = {}
+    for name, f in REFS_RUNS.items():
+        z = logits(f)
+        for ref, zr in (("exact", exact), ("fp32", fp32)):
+            rms = float(zr.pow(2).mean().sqrt())
+            out[name, ref] = float((z - zr).abs().mean()) / rms
+    return out, hidden_k, len(x_test), _exact_accum(hidden_k).frac_bits
+
+
+def refs_tables(dots, ks, lg):
+    names = list(REFS_RUNS)
+    dot_rows = [[n, _refs_short(REFS_RUNS[n])] + [f"{dots[k, n, r]:.2e}" for r in
+                                                 ("exact", "fp32") for k in ks] for n in names]
+    head = (["run", "datapath"] + [f"vs exact K={k}" for k in ks]
+            + [f"vs FP32 K={k}" for k in ks])
+    lg_rows = [[n, f"{lg[n, 'exact']:.2e}", f"{lg[n, 'fp32']:.3e}"] for n in names]
+    return [("Long-K dot products", common.markdown_table(head, dot_rows)),
+            ("Logits of the trained CNN", common.markdown_table(
+                ["run", "vs exact", "vs FP32"], lg_rows))]
+
+
+def _refs_short(f):
+    if f is None:
+        return "FP32 adds"
+    promo = "never" if f.promote is None else f"{f.promote} (every {f.promote * f.chunk})"
+    out = "FP16 RNE" if f.acc_man == 10 else f"{f.acc_man}-bit RZ"
+    return f"k{f.chunk}, {f.frac_bits} bits, {out}, promote {promo}"
+
+
+def plot_refs(dots, ks, lg, path):
+    plt = common.plt_module()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    for ax, ref, title in ((axes[0], "exact", "vs the exact product of the quantized operands"),
+                           (axes[1], "fp32", "vs the FP32 product of the unquantized operands")):
+        for n in REFS_RUNS:
+            ys = [max(dots[k, n, ref], 1e-12) for k in ks]
+            ax.loglog(ks, ys, marker="o", lw=1.3, color=REFS_COLORS[n], label=n)
+        ax.set_title(f"dot products {title}", fontsize=9)
+        ax.set_xlabel("K (products per output)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("mean |C - ref| / (|A| |B|)")
+    axes[1].sharey(axes[0])
+    axes[0].legend(fontsize=7)
+    names = list(REFS_RUNS)
+    xs = range(len(names))
+    w = 0.4
+    ax = axes[2]
+    ax.bar([x - w / 2 for x in xs], [max(lg[n, "exact"], 1e-12) for n in names], w,
+           label="vs exact (quantized)", color="tab:blue")
+    ax.bar([x + w / 2 for x in xs], [max(lg[n, "fp32"], 1e-12) for n in names], w,
+           label="vs FP32 (unquantized)", color="tab:gray")
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
+    ax.set_title("trained CNN logits: mean |z - ref| / rms(ref)", fontsize=9)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    common.save_figure(fig, path)
+
+
 def plot(results, path, title, ylabel):
     plt = common.plt_module()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
@@ -211,7 +366,7 @@ def main(argv=None):
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--models", default="digits,gpt,kscan")
+    p.add_argument("--models", default="digits,gpt,kscan,refs")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="output folder (default examples/results/local, git-ignored; nothing "
                         "written with --quick; --out examples/results: the committed results)")
@@ -255,6 +410,20 @@ def main(argv=None):
             plot_kscan(err, ks, out_dir / "accum_study_k.png")
             common.save_text(out_dir / "accum_study_k.md", KSCAN_HEAD + "\n\n".join(
                 f"## {t}\n\n{tab}" for t, tab in ksec) + "\n")
+    if "refs" in models:
+        ks = REFS_K[:2] if args.quick else REFS_K
+        dots = refs_dots(ks, seed=args.seed)
+        lg, fc1_k, n_test, exact_bits = refs_logits(
+            3 if args.quick else 300, 32 if args.quick else 10_000, seed=args.seed,
+            hidden_k=256 if args.quick else 2048)
+        rsec = refs_tables(dots, ks, lg)
+        for title, table in rsec:
+            print(f"\n## {title}\n\n{table}")
+        if out_dir is not None:
+            plot_refs(dots, ks, lg, out_dir / "accum_study_refs.png")
+            common.save_text(out_dir / "accum_study_refs.md", REFS_HEAD.format(
+                fc1_k=fc1_k, n_test=n_test, exact_bits=exact_bits) + "\n\n".join(
+                f"## {t}\n\n{tab}" for t, tab in rsec) + "\n")
     for title, table in sections:
         print(f"\n## {title}\n\n{table}")
     if out_dir is not None and sections:

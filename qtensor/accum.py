@@ -44,6 +44,8 @@ _DTYPE_EMIN = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14,
                torch.float8_e4m3fn: -6, torch.float8_e5m2: -14,
                torch.float8_e4m3fnuz: -7, torch.float8_e5m2fnuz: -15}  # fnuz: AMD CDNA3's FP8
 STAGES = ("fused", "cdna3", "cdna3_fp8")
+# where the scales of block-scaled operands are applied (accum_matmul's a_scale/b_scale)
+SCALES = ("instruction", "promotion", "epilogue")
 
 
 class AccumFormatError(ValueError):
@@ -79,6 +81,13 @@ class AccumFormat:
     interleaved halves): the products fused with frac_bits bits (truncated), the partial added
     in a second alignment with floor at 32 / frac_bits bits, the sum floored to 31 bits and
     rounded to nearest FP32 (the other fields keep their defaults; reference only, no kernel).
+    scales: where the scales ``a_scale``/``b_scale`` given to accum_matmul (elements unscaled)
+    are applied: ``instruction`` (inside the MMA, per K-block: Blackwell's block-scaled
+    tcgen05), ``promotion`` (each promotion interval's partial sum of unscaled products is
+    added into the FP32 accumulator times a_scale * b_scale: DeepSeek-V3's 1x128 / 128x128 FP8
+    scaling on Hopper, a scale per ``chunk * promote`` K-elements) or ``epilogue`` (one scale
+    per row of a / column of b, or per tensor, multiplied into the finished sum). Without scale
+    tensors every mode gives the same result.
     """
 
     chunk: int
@@ -93,6 +102,7 @@ class AccumFormat:
     acc_emin: int = -126
     acc_emax: int = 127
     stages: str = "fused"
+    scales: str = "instruction"
     name: Optional[str] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -123,6 +133,12 @@ class AccumFormat:
         if self.stages not in STAGES:
             raise AccumFormatError(f"AccumFormat.stages must be one of {STAGES}, got "
                                    f"{self.stages!r}")
+        if self.scales not in SCALES:
+            raise AccumFormatError(f"AccumFormat.scales must be one of {SCALES}, got "
+                                   f"{self.scales!r}")
+        if self.scales == "promotion" and self.promote is None:
+            raise AccumFormatError("AccumFormat(scales='promotion') needs a promotion interval "
+                                   "(promote=...): the scales are applied on promotion")
         if self.stages != "fused" and self.group != 1:
             raise AccumFormatError("AccumFormat: the CDNA3 stages take no groups")
         _check_int("acc_emin", self.acc_emin, -126, 0)
@@ -161,6 +177,8 @@ class AccumFormat:
             parts.append(f"e_zero={self.e_zero}")
         if self.stages != "fused":
             parts.append(f"stages={self.stages}")
+        if self.scales != "instruction":
+            parts.append(f"scales={self.scales}")
         if (self.acc_emin, self.acc_emax) != (-126, 127):
             parts.append(f"acc_emin={self.acc_emin}, acc_emax={self.acc_emax}")
         parts.append(f"promote={self.promote}")
@@ -379,7 +397,8 @@ def _group_exps(x, want, name):
 
 
 def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
-                           a_gexp=None, b_gexp=None, c=None) -> torch.Tensor:
+                           a_gexp=None, b_gexp=None, c=None, a_scale=None,
+                           b_scale=None) -> torch.Tensor:
     """a @ b (batched over leading dims) with the accumulator ``accum``: float32 out.
 
     The statement of the model (module doc); the compiled kernel gives the same bits.
@@ -389,10 +408,15 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=No
     exponent is a_gexp + b_gexp (the block scales' exponents, as Blackwell's block-scaled MMA),
     a group whose products are all zero takes e_zero; None: the group sum's own exponent.
     c: the initial accumulator (float32, broadcast to the output): the first instruction's
-    accumulator input.
+    accumulator input (with ``scales="promotion"`` and scale tensors: the FP32 accumulator's).
+    a_scale, b_scale: the block scales of unscaled operands a, b, applied where ``accum.scales``
+    says (see _scaled).
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul_reference")
+    if a_scale is not None or b_scale is not None:
+        return _scaled(accum_matmul_reference, a, b, f, a_scale, b_scale,
+                       dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c))
     a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
@@ -480,6 +504,159 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=No
 
 
 # ---------------------------------------------------------------------------------------------
+# Block-scaled operands: where the scales are applied (AccumFormat.scales)
+
+def _fma_f32(s: torch.Tensor, p: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """fp32(acc + s * p) with one rounding (the CUDA cores' FFMA that DeepGEMM's promotion
+    ``final_accum += scale * accum`` compiles to); s, p, acc float32. s * p is exact in float64
+    (two 24-bit significands); the sum is rounded to odd in float64 (TwoSum, then the last bit
+    set toward the dropped part), which then rounds to nearest float32 correctly."""
+    x, y = acc.double(), s.double() * p.double()
+    hi = x + y
+    yy = hi - x
+    lo = (x - (hi - yy)) + (y - yy)
+    even = (hi.view(torch.int64) & 1) == 0
+    bump = (lo != 0) & even & torch.isfinite(hi)
+    hi = torch.where(bump, torch.nextafter(hi, torch.where(lo > 0, math.inf, -math.inf)), hi)
+    return hi.float()
+
+
+def _scale_exp(s: torch.Tensor) -> torch.Tensor:
+    """floor(log2 s) of positive scales (E4M3 subnormal scales at -6, as MMA-Sim's nvf4)."""
+    return _exponent(s.double(), -6 if s.dtype == torch.float8_e4m3fn else None)
+
+
+def _scaled(fn, a, b, f: AccumFormat, a_scale, b_scale, kw) -> torch.Tensor:
+    """a @ b of unscaled operands a, b with their scales applied where ``f.scales`` says; fn (the
+    kernel entry or the reference) computes the unscaled sums.
+
+    - ``instruction`` (Blackwell block-scaled MMA): a_scale (..., M, KB), b_scale (..., KB, N),
+      one scale per block of ceil(K / KB) K-elements; the operands are dequantized (exactly) and
+      each product aligns at its elements' and scales' exponents: with groups the group
+      exponents are the scales' floor(log2) (a_gexp/b_gexp), without them the scales must be
+      powers of two (E8M0) and add to the elements' clamps (a_emin/b_emin).
+    - ``promotion`` (DeepSeek-V3 / DeepGEMM on Hopper): a_scale (..., M, KB), b_scale
+      (..., KB, N), one per promotion interval of ``chunk * promote`` K-elements (expand a
+      128x128 weight block's scale along N); each interval's chain of instructions starts from 0,
+      its unscaled partial p is promoted as acc = fp32(acc + fp32(a_scale * b_scale) * p) (one
+      FFMA); c starts acc.
+    - ``epilogue``: a_scale broadcast to (..., M, 1), b_scale to (..., 1, N) (per tensor or per
+      row / column); the whole sum of unscaled products, then fp32(sum * fp32(a_scale * b_scale)).
+    """
+    if a_scale is None or b_scale is None:
+        raise ValueError("accum_matmul: a_scale and b_scale go together (a scale of 1 for an "
+                         "operand without scales)")
+    for n, x in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise TypeError(f"accum_matmul: {n} must be a floating-point tensor, got {x!r:.80}")
+    a_scale, b_scale = a_scale.to(a.device), b_scale.to(a.device)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    if f.scales == "epilogue":
+        try:
+            sa = a_scale.float().expand(*batch, M, 1)
+            sb = b_scale.float().expand(*batch, 1, N)
+        except RuntimeError:
+            raise ValueError(f"accum_matmul: with scales='epilogue' a_scale {tuple(a_scale.shape)}"
+                             f" must broadcast to {(*batch, M, 1)} and b_scale "
+                             f"{tuple(b_scale.shape)} to {(*batch, 1, N)}") from None
+        out = fn(a, b, f, **kw)
+        s = (sa.double() * sb.double()).float()
+        return (out.double() * s.double()).float()
+    if a_scale.dim() < 2 or b_scale.dim() < 2:
+        raise ValueError("accum_matmul: a_scale must be (..., M, KB) and b_scale (..., KB, N)")
+    KB = a_scale.shape[-1]
+    blk = f.chunk * f.promote if f.scales == "promotion" else (-(-K // KB) if KB else 0)
+    want = -(-K // blk) if blk else 0
+    try:
+        if KB != want or b_scale.shape[-2] != want:
+            raise RuntimeError
+        sa = a_scale.expand(*batch, M, want)
+        sb = b_scale.expand(*batch, want, N)
+    except RuntimeError:
+        what = (f"one per {blk} K-elements (chunk * promote)" if f.scales == "promotion"
+                else "one per block of K, the same blocks for both")
+        raise ValueError(f"accum_matmul: a_scale is {tuple(a_scale.shape)} and b_scale "
+                         f"{tuple(b_scale.shape)}; for K={K} expected {(*batch, M, want)} and "
+                         f"{(*batch, want, N)} ({what})") from None
+    if f.scales == "instruction":
+        return _instruction_scaled(fn, a, b, f, sa, sb, blk, kw)
+    if kw["a_gexp"] is not None or kw["b_gexp"] is not None:
+        raise ValueError("accum_matmul: scales='promotion' takes no a_gexp/b_gexp")
+    inner = f.replace(promote=None, scales="instruction")
+    c = kw.pop("c")
+    kw.pop("a_gexp"), kw.pop("b_gexp")
+    acc = torch.zeros((*batch, M, N), dtype=torch.float32, device=a.device)
+    if c is not None:
+        acc = acc + c.float().to(a.device).expand(*batch, M, N)
+    nb = K // blk
+    xa, xb = a.expand(*batch, M, K), b.expand(*batch, K, N)
+    ea, eb = _operand_emin(a, kw["a_emin"]), _operand_emin(b, kw["b_emin"])
+    if isinstance(ea, torch.Tensor):
+        ea = ea.expand(*batch, M, K)
+    if isinstance(eb, torch.Tensor):
+        eb = eb.expand(*batch, K, N)
+
+    def cut(x, lo, hi, kdim):  # the K-slice lo:hi of an operand or of its clamps
+        return x.narrow(kdim, lo, hi - lo) if isinstance(x, torch.Tensor) else x
+
+    def split_a(x):  # (..., M, nb * blk) -> (..., nb, M, blk)
+        return x.unflatten(-1, (nb, blk)).movedim(-2, -3) if isinstance(x, torch.Tensor) else x
+
+    def split_b(x):  # (..., nb * blk, N) -> (..., nb, blk, N)
+        return x.unflatten(-2, (nb, blk)) if isinstance(x, torch.Tensor) else x
+
+    parts = []
+    if nb:  # every full interval in one batched call: (..., nb, M, N)
+        parts.append(fn(split_a(cut(xa, 0, nb * blk, -1)), split_b(cut(xb, 0, nb * blk, -2)),
+                        inner, a_emin=split_a(cut(ea, 0, nb * blk, -1)),
+                        b_emin=split_b(cut(eb, 0, nb * blk, -2))))
+    if K > nb * blk:  # the last, shorter interval
+        parts.append(fn(cut(xa, nb * blk, K, -1), cut(xb, nb * blk, K, -2), inner,
+                        a_emin=cut(ea, nb * blk, K, -1),
+                        b_emin=cut(eb, nb * blk, K, -2)).unsqueeze(-3))
+    if parts:
+        P = torch.cat(parts, -3) if len(parts) > 1 else parts[0]
+        for kb in range(want):
+            s = (sa[..., :, kb, None].double() * sb[..., kb, None, :].double()).float()
+            acc = _fma_f32(s, P[..., kb, :, :], acc)
+    return torch.where(torch.isnan(acc), math.nan, acc)
+
+
+def _instruction_scaled(fn, a, b, f, sa, sb, blk, kw):
+    """scales='instruction': the dequantized operands with the scales' exponents in the
+    alignment (group exponents, or the elements' clamps plus power-of-two scale exponents)."""
+    K = a.shape[-1]
+    ra = sa.double().repeat_interleave(blk, -1)[..., :K]
+    rb = sb.double().repeat_interleave(blk, -2)[..., :K, :]
+    ad, bd = a.double() * ra, b.double() * rb
+    a32, b32 = ad.float(), bd.float()
+    if not (torch.equal(a32.double(), ad) and torch.equal(b32.double(), bd)):
+        raise ValueError("accum_matmul: scales='instruction' needs elements * scales exact in "
+                         "float32 (block-scaled formats' elements and scales are)")
+    kw = dict(kw)
+    ea, eb = _scale_exp(sa), _scale_exp(sb)
+    if f.group > 1:
+        if kw["a_gexp"] is not None or kw["b_gexp"] is not None:
+            raise ValueError("accum_matmul: give the scales or the group exponents, not both")
+        if blk % f.group:
+            raise ValueError(f"accum_matmul: a scale block ({blk} K-elements) must hold whole "
+                             f"groups of {f.group}")
+        G = -(-K // f.group)
+        kw["a_gexp"] = ea.repeat_interleave(blk // f.group, -1)[..., :G]
+        kw["b_gexp"] = eb.repeat_interleave(blk // f.group, -2)[..., :G, :]
+    else:  # an element's clamp moves by its block's scale exponent (MMA-Sim's MMA_ST_FDPA)
+        if not (torch.equal(_pow2(ea), sa.double()) and torch.equal(_pow2(eb), sb.double())):
+            raise ValueError("accum_matmul: scales='instruction' without groups takes "
+                             "power-of-two (E8M0) scales, as tcgen05 kind::mxf8f6f4")
+        em_a = _operand_emin(a, kw["a_emin"])
+        em_b = _operand_emin(b, kw["b_emin"])
+        kw["a_emin"] = em_a + ea.repeat_interleave(blk, -1)[..., :K]
+        kw["b_emin"] = em_b + eb.repeat_interleave(blk, -2)[..., :K, :]
+    return fn(a32, b32, f, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
 # Entry point: the compiled kernel where it applies, else the reference
 
 def _register_fake():
@@ -533,15 +710,20 @@ def op_args(f: AccumFormat, a_emin: int = _EXP_MIN, b_emin: int = _EXP_MIN) -> t
 
 
 def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
-                 a_gexp=None, b_gexp=None, c=None) -> torch.Tensor:
+                 a_gexp=None, b_gexp=None, c=None, a_scale=None, b_scale=None) -> torch.Tensor:
     """a @ b (batched over broadcast leading dims) summed by the datapath ``accum``.
 
     Float32 result; the fused C++ kernel on CPU (and the CUDA kernel where built), the reference
-    elsewhere (same bits). a_emin, b_emin, a_gexp, b_gexp, c: as accum_matmul_reference (the
-    kernel's vector paths take neither group exponents nor c: those run its scalar path).
+    elsewhere (same bits). a_emin, b_emin, a_gexp, b_gexp, c, a_scale, b_scale: as
+    accum_matmul_reference (the kernel's fast path takes no c: with one, its double lanes or
+    group tiles run; with scale tensors the kernel computes the unscaled sums, per promotion
+    interval for ``scales="promotion"``, and PyTorch applies the scales).
     """
     f = _check_accum(accum)
     _check_operands(a, b, "accum_matmul")
+    if a_scale is not None or b_scale is not None:
+        return _scaled(accum_matmul, a, b, f, a_scale, b_scale,
+                       dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c))
     kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
     tensors = isinstance(a_emin, torch.Tensor) or isinstance(b_emin, torch.Tensor)
     # CUDA: the kernel must first agree with the reference there (qtensor/selfcheck.py)

@@ -263,6 +263,10 @@ def test_block_scaled_reference_equals_mmasim(name):
         want = mmasim_block_chain(shape, kind, a, b, xa, xb)
         got = block_ours(name, kind, a, b, sa, ea, sb, eb)
         assert same_bits(got, want), (name, K)
+        for fn in (accum.accum_matmul_reference, accum.accum_matmul):  # the scales themselves
+            f = accum.PRESETS[name]
+            assert f.scales == "instruction"
+            assert same_bits(fn(a, b, f, a_scale=xa, b_scale=xb), want), (name, K, fn)
 
 
 def test_cancelled_group_still_aligns():
@@ -476,6 +480,9 @@ def test_blackwell_mxf8f6f4_block_scaled_equals_mmasim(ta, tb):
     ad, bd = a.float() * torch.exp2(ea.float()), b.float() * torch.exp2(eb.float())
     for fn in (accum.accum_matmul_reference, accum.accum_matmul):
         got = fn(ad, bd, f, a_emin=ea + EMIN[ta], b_emin=eb + EMIN[tb])
+        assert same_bits(got, want), fn
+        # the elements and their E8M0 scales as given to the instruction (scales="instruction")
+        got = fn(a, b, f, a_scale=al[:, 0], b_scale=be[0].t())
         assert same_bits(got, want), fn
     if (ta, tb) == (E4M3, E5M2):  # here the scalar clamps (the old model) differ
         assert not same_bits(accum.accum_matmul_reference(ad, bd, f), want)

@@ -148,8 +148,9 @@ at::Tensor elem_emins(const c10::optional<at::Tensor>& v, const at::Tensor& x, c
   return v->to(at::kInt).contiguous();
 }
 
-// The scalar path (include/qtensor/accum.h's acc_dot per output) of an initial accumulator c
-// (B, M, N) or group exponents ga (B, M, G), gb (B, G, N); a (B, M, K), b (B, K, N).
+// The scalar path (include/qtensor/accum.h's acc_dot per output), with an initial accumulator c
+// (B, M, N) or group exponents ga (B, M, G), gb (B, G, N); a (B, M, K), b (B, K, N): where the
+// vector paths do not apply (an empty K with c, group exponents without groups).
 at::Tensor scalar_path(const at::Tensor& a, const at::Tensor& b, const qtensor::AccumSpec& s,
                        const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gb,
                        const c10::optional<at::Tensor>& c, const at::Tensor& eav,
@@ -283,9 +284,17 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
   check_operands(a, b);
   const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
   const at::Tensor eav = elem_emins(a_emins, a, "a_emins"), ebv = elem_emins(b_emins, b, "b_emins");
-  // the vector paths take no c; group exponents: the group tiles
-  if (c || (a_gexp && s.group == 1) || !a_gexp != !b_gexp)
+  // group exponents: the group tiles; an initial accumulator c: the double lanes or the group
+  // tiles (the fast path takes none)
+  if ((a_gexp && s.group == 1) || !a_gexp != !b_gexp || (c && K == 0))
     return scalar_path(a, b, s, a_gexp, b_gexp, c, eav, ebv);
+  at::Tensor cc;
+  if (c) {
+    TORCH_CHECK(c->scalar_type() == at::kFloat, "qtensor::accum_matmul: c must be float32, got ",
+                c->scalar_type());
+    cc = c->expand({B, M, N}).contiguous();
+  }
+  const float* pc = c ? cc.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({B, M, N}, a.options());
   if (out.numel() == 0) return out;
   const at::Tensor ac = a.contiguous();
@@ -302,7 +311,7 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     const FastKernels& fk =
         isa == 2 ? accum_avx512::kFastKernels : accum_avx2::kFastKernels;
     // per-element clamps: the double lanes
-    fast = isa > 0 && !eav.defined() && !ebv.defined() &&
+    fast = isa > 0 && !eav.defined() && !ebv.defined() && !c &&
            fast_path_ok(s, ra = scan(fk, ac), rb = scan(fk, bc), &lim);
     // the int8 exponents' offsets: the largest clamped exponent of each operand
     const int atop = std::max(ra.top(), s.a_emin), btop = std::max(rb.top(), s.b_emin);
@@ -355,11 +364,12 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
 #endif
         const int* ea3 = ea.data_ptr<int>() + bi * M * K;
         const int* eb3 = eb.data_ptr<int>() + bi * K * ldb;
+        const float* c3 = pc ? pc + bi * M * N : nullptr;
 #if defined(QT_ACCUM_AVX2)
-        if (isa == 2) { accum_avx512::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
-        if (isa == 1) { accum_avx2::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3); continue; }
+        if (isa == 2) { accum_avx512::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3, c3); continue; }
+        if (isa == 1) { accum_avx2::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3, c3); continue; }
 #endif
-        accum_base::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3);
+        accum_base::rows(a3, ea3, b3, eb3, K, N, i0, i1, s, o3, c3);
       }
     });
     return out;
@@ -400,14 +410,15 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
       float* o3 = po + bi * M * N;
       const int* ga3 = pga ? pga + bi * M * NG : nullptr;
       const int* gb3 = pgb ? pgb + bi * NG * ldb : nullptr;
+      const float* c3 = pc ? pc + bi * M * N : nullptr;
 #if defined(QT_ACCUM_AVX2)
       if (isa == 2)
-        accum_avx512::rows_groups<8>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
+        accum_avx512::rows_groups<8>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3, c3);
       else if (isa == 1)
-        accum_avx2::rows_groups<4>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
+        accum_avx2::rows_groups<4>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3, c3);
       else
 #endif
-        accum_base::rows_groups<2>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3);
+        accum_base::rows_groups<2>(a3, b3, K, N, i0, i1, s, o3, ga3, gb3, c3);
     }
   });
   return out;

@@ -226,6 +226,15 @@ struct Lanes {
     for (int v = 0; v < NV; ++v) { p[v] = vd<V>{}; acc[v] = vf<V>{}; }
   }
 
+  // an initial accumulator: p starts at c[0:N] (the first instruction's accumulator input)
+  void init(const float* c) {
+    for (int v = 0; v < NV; ++v) {
+      vf<V> x;
+      std::memcpy(&x, c + v * V, sizeof x);
+      p[v] = __builtin_convertvector(x, vd<V>);
+    }
+  }
+
   // p's alignment exponents (clamped at the accumulator's emin) where p is a nonzero term, else
   // kAccZeroExp
   void p_exps(const qtensor::AccumSpec& s, vi<V>* e) const {
@@ -288,11 +297,14 @@ constexpr int DV = 4;
 // of dependent steps (p -> emax -> scale -> terms -> p), which one row alone leaves latency-bound.
 template <int MODE, int R = 1>
 void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int64_t ldb,
-               int64_t K, const qtensor::AccumSpec& s, float* out, int64_t lda = 0) {
+               int64_t K, const qtensor::AccumSpec& s, float* out, int64_t lda = 0,
+               const float* c = nullptr) {
   using namespace qtensor;
   typedef int32_t vsi __attribute__((vector_size(DV * sizeof(int32_t))));
   constexpr int NV = W / DV;
   Lanes<DV, NV> L[R];
+  if (c != nullptr)  // c: R x W initial accumulators
+    for (int r = 0; r < R; ++r) L[r].init(c + r * W);
   alignas(64) int em[R][W];
   alignas(64) double sc[R][W], S[R][W];
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
@@ -406,6 +418,11 @@ struct Lanes {
   float acc[W] = {};
   int c = 0;
 
+  // an initial accumulator: p starts at c[0:W] (the first instruction's accumulator input)
+  void init(const float* c0) {
+    for (int w = 0; w < W; ++w) p[w] = c0[w];
+  }
+
   // p's alignment exponents (clamped at -126) where p is a term of the alignment, else
   // kAccZeroExp
   void p_exps(const qtensor::AccumSpec& s, int* em) const {
@@ -449,9 +466,11 @@ struct Lanes {
 
 template <int MODE>
 void dot_lanes(const float* a, const int* ea, const float* b, const int* eb, int64_t ldb,
-               int64_t K, const qtensor::AccumSpec& s, float* out) {
+               int64_t K, const qtensor::AccumSpec& s, float* out, int64_t = 0,
+               const float* c = nullptr) {
   using namespace qtensor;
   Lanes L;
+  if (c != nullptr) L.init(c);
   double sc[W], S[W];
   int em[W];
   for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
@@ -511,38 +530,46 @@ inline void group_chunk(const double* g, int64_t ng, Lanes& L, const float* a, c
 #endif
 
 // Rows [i0, i1) of one batch: a (M, K); b in panels of W columns, each (K, W) contiguous.
+// c: the initial accumulators (M, N), or null.
 template <int MODE>
 void rows_mode(const float* a, const int* ea, const float* b, const int* eb, int64_t K, int64_t N,
-               int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out) {
+               int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out,
+               const float* c) {
 #ifdef QT_ACCUM_AVX2
   constexpr int DR = 4;  // rows per dot_lanes call
 #else
   constexpr int DR = 1;
 #endif
-  float tmp[DR * W];
+  float tmp[DR * W], cw[DR * W];
   for (int64_t j = 0; j < N; j += W) {
     const float* bj = b + j * K;  // the panel of columns j .. j + W - 1
     const int* ebj = eb + j * K;
     for (int64_t i = i0; i < i1;) {
+      if (c != nullptr)  // the panel's initial accumulators (zero past N and i1)
+        for (int64_t q = 0; q < DR; ++q)
+          for (int64_t w = 0; w < W; ++w)
+            cw[q * W + w] = i + q < i1 && j + w < N ? c[(i + q) * N + j + w] : 0.0f;
+      const float* cp = c != nullptr ? cw : nullptr;
       int64_t r = 1;
 #ifdef QT_ACCUM_AVX2
       if (i + DR <= i1) {
-        dot_lanes<MODE, DR>(a + i * K, ea + i * K, bj, ebj, W, K, s, tmp, K);
+        dot_lanes<MODE, DR>(a + i * K, ea + i * K, bj, ebj, W, K, s, tmp, K, cp);
         r = DR;
       } else
 #endif
-        dot_lanes<MODE>(a + i * K, ea + i * K, bj, ebj, W, K, s, tmp);
+        dot_lanes<MODE>(a + i * K, ea + i * K, bj, ebj, W, K, s, tmp, 0, cp);
       for (int64_t q = 0; q < r; ++q, ++i)
         for (int64_t w = 0; w < W && j + w < N; ++w) out[i * N + j + w] = tmp[q * W + w];
     }
   }
 }
 inline void rows(const float* a, const int* ea, const float* b, const int* eb, int64_t K,
-                 int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out) {
+                 int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s, float* out,
+                 const float* c = nullptr) {
   switch (s.align_round) {
-    case 0: rows_mode<0>(a, ea, b, eb, K, N, i0, i1, s, out); break;
-    case 1: rows_mode<1>(a, ea, b, eb, K, N, i0, i1, s, out); break;
-    default: rows_mode<2>(a, ea, b, eb, K, N, i0, i1, s, out); break;
+    case 0: rows_mode<0>(a, ea, b, eb, K, N, i0, i1, s, out, c); break;
+    case 1: rows_mode<1>(a, ea, b, eb, K, N, i0, i1, s, out, c); break;
+    default: rows_mode<2>(a, ea, b, eb, K, N, i0, i1, s, out, c); break;
   }
 }
 
@@ -625,7 +652,7 @@ inline void group_sums(const double* a, int64_t lda, const float* b, int64_t n, 
 template <int V, int MODE>
 void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int64_t i0,
                       int64_t i1, const qtensor::AccumSpec& s, float* out, const int* ga,
-                      const int* gb) {
+                      const int* gb, const float* c) {
   constexpr int R = group_rows(V), C = group_cols(V);
   // the tile's rows of a in double (zero rows past i1), then the group sums of a chunk; kept
   // per thread: a fresh large allocation per task would fault its pages in every time
@@ -641,6 +668,11 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
   for (int64_t j0 = 0; j0 < N; j0 += C) {
     const float* bj = b + j0 * K;  // the panel of columns j0 .. j0 + C - 1
     RowLanes<V> L[R];
+    if (c != nullptr)  // the initial accumulators (zero past N)
+      for (int64_t r = 0; r < i1 - i0; ++r) {
+        for (int64_t q = 0; q < C; ++q) tmp[q] = j0 + q < N ? c[(i0 + r) * N + j0 + q] : 0.0f;
+        L[r].init(tmp);
+      }
     for (int64_t k0 = 0; k0 < K; k0 += s.chunk) {
       const int64_t n = K - k0 < s.chunk ? K - k0 : s.chunk, ng = (n + s.group - 1) / s.group;
       group_sums<V>(ad + k0, K, bj + k0 * C, n, s.group, G);
@@ -662,10 +694,10 @@ void rows_groups_mode(const float* a, const float* b, int64_t K, int64_t N, int6
 template <int V>
 void rows_groups(const float* a, const float* b, int64_t K, int64_t N, int64_t i0, int64_t i1,
                  const qtensor::AccumSpec& s, float* out, const int* ga = nullptr,
-                 const int* gb = nullptr) {
+                 const int* gb = nullptr, const float* c = nullptr) {
   switch (s.align_round) {
-    case 0: rows_groups_mode<V, 0>(a, b, K, N, i0, i1, s, out, ga, gb); break;
-    case 1: rows_groups_mode<V, 1>(a, b, K, N, i0, i1, s, out, ga, gb); break;
-    default: rows_groups_mode<V, 2>(a, b, K, N, i0, i1, s, out, ga, gb); break;
+    case 0: rows_groups_mode<V, 0>(a, b, K, N, i0, i1, s, out, ga, gb, c); break;
+    case 1: rows_groups_mode<V, 1>(a, b, K, N, i0, i1, s, out, ga, gb, c); break;
+    default: rows_groups_mode<V, 2>(a, b, K, N, i0, i1, s, out, ga, gb, c); break;
   }
 }
