@@ -235,10 +235,8 @@ def _state(model):
     return out
 
 
-def _sc_ddp(rank, world, spec, steps):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(qt.convert(_mlp(), _spec(spec)))
-    opt = _optimizer("sgd", model)
+def _train_shard(model, opt, rank, world, steps):
+    """SGD/Adam steps of this rank on its slice of each global batch."""
     for x, y in _data(steps):
         n = len(x) // world
         loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
@@ -246,6 +244,13 @@ def _sc_ddp(rank, world, spec, steps):
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def _sc_ddp(rank, world, spec, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(qt.convert(_mlp(), _spec(spec)))
+    opt = _optimizer("sgd", model)
+    _train_shard(model, opt, rank, world, steps)
     return _state(model)
 
 
@@ -517,13 +522,7 @@ def _sc_fsdp(rank, world, spec, steps, hidden=16):
         fully_shard(model[int(name)])
     fully_shard(model)
     opt = _optimizer("adam", model)  # after fully_shard: on the sharded parameters
-    for x, y in _data(steps):
-        n = len(x) // world
-        loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
-                          y[rank * n:(rank + 1) * n])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_shard(model, opt, rank, world, steps)
     return _full_state(model), seen, _opt_state(opt)
 
 
