@@ -235,9 +235,9 @@ def _state(model):
     return out
 
 
-def _train_shard(model, opt, rank, world, steps):
+def _train_shard(model, opt, rank, world, batches):
     """SGD/Adam steps of this rank on its slice of each global batch."""
-    for x, y in _data(steps):
+    for x, y in batches:
         n = len(x) // world
         loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
                           y[rank * n:(rank + 1) * n])
@@ -250,7 +250,7 @@ def _sc_ddp(rank, world, spec, steps):
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = DDP(qt.convert(_mlp(), _spec(spec)))
     opt = _optimizer("sgd", model)
-    _train_shard(model, opt, rank, world, steps)
+    _train_shard(model, opt, rank, world, _data(steps))
     return _state(model)
 
 
@@ -522,7 +522,7 @@ def _sc_fsdp(rank, world, spec, steps, hidden=16):
         fully_shard(model[int(name)])
     fully_shard(model)
     opt = _optimizer("adam", model)  # after fully_shard: on the sharded parameters
-    _train_shard(model, opt, rank, world, steps)
+    _train_shard(model, opt, rank, world, _data(steps))
     return _full_state(model), seen, _opt_state(opt)
 
 
@@ -705,15 +705,6 @@ def _sc_dcp(rank, world, spec, ckpt):
         fully_shard(model)
         return model, _optimizer("adam", model)
 
-    def train(model, opt, batches):
-        for x, y in batches:
-            n = len(x) // world
-            loss = F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
-                              y[rank * n:(rank + 1) * n])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
     def opt_formats(model, opt):
         sd = get_optimizer_state_dict(model, opt)["state"]
         return {k: {s: _fmt(v) for s, v in st.items() if getattr(v, "dim", lambda: 0)()}
@@ -721,13 +712,13 @@ def _sc_dcp(rank, world, spec, ckpt):
 
     batches = _data(4)
     model, opt = build()
-    train(model, opt, batches[:2])
+    _train_shard(model, opt, rank, world, batches[:2])
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=ckpt)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     full = {k: (_fmt(v), qt_plain(v)) for k, v in full.items()}
     saved_formats = opt_formats(model, opt)
-    train(model, opt, batches[2:])
+    _train_shard(model, opt, rank, world, batches[2:])
     uninterrupted = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
 
     model, opt = build()  # a fresh run: initial weights, no optimizer state
@@ -737,7 +728,7 @@ def _sc_dcp(rank, world, spec, ckpt):
     set_optimizer_state_dict(model, opt, state["optim"])
     loaded = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
     loaded_formats = ({n: _fmt(p) for n, p in model.named_parameters()}, opt_formats(model, opt))
-    train(model, opt, batches[2:])
+    _train_shard(model, opt, rank, world, batches[2:])
     resumed = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
     return full, saved_formats, loaded, loaded_formats, uninterrupted, resumed
 
