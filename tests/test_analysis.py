@@ -56,11 +56,26 @@ FMT = qt.format("fp8_e5m2")
 SPEC = qt.Recipe(weight=FMT, bias=FMT, activation=FMT, grad=FMT)
 
 
-def _manual(model, x, y, layer):
-    """Loss, logits and gradients with only ``layer`` ("0" or "2") rounded to FMT, by hand."""
+def _manual(model, x, y, layer, role="all"):
+    """Loss, logits and gradients with only ``layer`` ("0" or "2") rounded to FMT, by hand:
+    ``role`` "all" (its parameters, inputs, outputs and their gradients), "weight" (its
+    parameters), "activation" (its inputs and outputs) or "grad" (the gradients of its inputs,
+    outputs and parameters)."""
     q = lambda t: qt.quantize(t, FMT)  # noqa: E731  (straight-through gradient)
+    values = role in ("all", "weight")
+    acts = role in ("all", "activation")
+    grads = role in ("all", "grad")
 
     class RoundGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return q(g) if grads else g
+
+    class RoundGradToFmt(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t):
             return t.clone()
@@ -75,17 +90,42 @@ def _manual(model, x, y, layer):
         w, b = params[f"{i}.weight"], params[f"{i}.bias"]
         if not rounded:
             return F.linear(h, w, b)
-        h = RoundGrad.apply(q(h))
-        out = torch.addmm(q(b), h, q(w).T)
-        return RoundGrad.apply(q(out))
+        h = RoundGrad.apply(q(h) if acts else h)
+        if values and not grads:  # and the gradient of its input, an op on them, in FP8 too
+            h = RoundGradToFmt.apply(h)
+        out = torch.addmm(q(b), h, q(w).T) if values else torch.addmm(b, h, w.T)
+        if values and not acts:  # an op on FP8 weights gives an FP8 output (qtensor's dispatch
+            out = q(out)         # rounds an op's output to its inputs' format), then plain
+        return RoundGrad.apply(q(out) if acts else out)
 
     h = torch.relu(lin(x, 0, layer == "0"))
     out = lin(h, 2, layer == "2")
     loss = F.cross_entropy(out, y)
     loss.backward()
     return float(loss.detach()), out.detach().double(), torch.cat(
-        [q(p.grad).flatten() if n.startswith(layer + ".") else p.grad.flatten()
+        [q(p.grad).flatten() if n.startswith(layer + ".") and grads else p.grad.flatten()
          for n, p in params.items()]).double()
+
+
+def _check_rows(report, x, y, model, roles):
+    ref_loss, ref_out, ref_grad = _manual(model, x, y, layer="none")
+    assert report.loss_fp32 == pytest.approx(ref_loss, rel=1e-6)
+    rows = {(r["layer"], r["role"]): r for r in report.sensitivity}
+    assert set(rows) == {(layer, role) for layer in ("0", "2") for role in roles}
+    for (layer, role), row in rows.items():
+        loss, out, grad = _manual(model, x, y, layer, role)
+        assert row["dloss"] == pytest.approx(loss - ref_loss, rel=1e-4, abs=1e-7), (layer, role)
+        lp, lq = F.log_softmax(ref_out, -1), F.log_softmax(out, -1)
+        kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
+        assert row["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-9), (layer, role)
+        if role != "grad":
+            assert kl > 1e-6  # FP8 E5M2 changes the outputs: the check can fail
+        else:
+            assert kl == 0.0  # rounding only the gradients leaves the forward exact
+        cos = float(grad @ ref_grad / (grad.norm() * ref_grad.norm()))
+        assert row["grad_cos"] == pytest.approx(cos, abs=1e-6), (layer, role)
+        if role != "activation":
+            assert cos < 1 - 1e-6, (layer, role)  # the gradients change: the check can fail
 
 
 def test_sensitivity_against_a_manual_one_layer_conversion():
@@ -94,21 +134,17 @@ def test_sensitivity_against_a_manual_one_layer_conversion():
     y = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(3))
     loss_fn = lambda o: F.cross_entropy(o, y)  # noqa: E731
     report = qt.analyze(model, x, SPEC, loss_fn)
-    ref_loss, ref_out, ref_grad = _manual(model, x, y, layer="none")
-    assert report.loss_fp32 == pytest.approx(ref_loss, rel=1e-6)
-    rows = {r["layer"]: r for r in report.sensitivity}
-    assert set(rows) == {"0", "2"}
-    for layer in ("0", "2"):
-        loss, out, grad = _manual(model, x, y, layer)
-        assert rows[layer]["dloss"] == pytest.approx(loss - ref_loss, rel=1e-4, abs=1e-7)
-        lp, lq = F.log_softmax(ref_out, -1), F.log_softmax(out, -1)
-        kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
-        assert rows[layer]["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-9)
-        assert kl > 1e-6  # FP8 E5M2 changes the outputs: the check can fail
-        cos = float(grad @ ref_grad / (grad.norm() * ref_grad.norm()))
-        assert rows[layer]["grad_cos"] == pytest.approx(cos, abs=1e-6)
+    _check_rows(report, x, y, model, ["all"])
     assert list(model.parameters())[0].__class__ is torch.nn.Parameter  # left untouched
     assert not qt.convert.__module__ or not hasattr(model, "_qt_conversion")
+
+
+def test_sensitivity_per_role_against_a_manual_one_role_conversion():
+    model = _mlp()
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(3))
+    report = qt.analyze(model, x, SPEC, lambda o: F.cross_entropy(o, y), roles=True)
+    _check_rows(report, x, y, model, ["all", "weight", "activation", "grad"])
 
 
 def test_tensor_statistics():
