@@ -337,7 +337,7 @@ def analyze(model: nn.Module, inputs, spec=None, loss_fn: Optional[Callable] = N
     scalar loss of the model's output (a tensor, the first item of a tuple, or ``.logits``);
     default half the mean square. ``sensitivity=False`` skips the per-layer runs; ``roles=True``
     adds one run per role of each layer (weight, activation, grad: only that role of that layer
-    in the recipe's formats); ``layers`` limits them to some module names; ``progress`` shows a
+    in the recipe's formats; a tuple such as ``("weight",)``: those roles); ``layers`` limits them to some module names; ``progress`` shows a
     tqdm bar over them.
     """
     loss_fn = loss_fn or _default_loss
@@ -483,7 +483,13 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
     if sensitivity:
         names = layers if layers is not None else all_layers
         runs = [(n, "all") for n in names]
-        if roles:
+        which = ROLES if roles is True else (() if not roles else tuple(
+            [roles] if isinstance(roles, str) else roles))
+        bad = [r for r in which if r not in ROLES]
+        if bad:
+            raise ValueError(f"qt.analyze: roles must be True, False or some of {ROLES}, got "
+                             f"{roles!r}")
+        if which:
             for n in names:
                 p = plans.get(n) or _layer_plans(conv, n, base)
                 has = {"weight": any(_lossy(t.value) for t in p["params"].values()),
@@ -491,7 +497,7 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
                        "grad": _lossy(p["grad"]) or any(
                            _lossy(t.grad) and not t.value.full_precision
                            for t in p["params"].values())}
-                runs += [(n, r) for r in ROLES if has[r]]
+                runs += [(n, r) for r in which if has[r]]
         for layer, role in _progress(runs, "qt.analyze: layers", progress):
             m = convert_one_layer(copy.deepcopy(base), recipe, layer, role=role, _plans=conv)
             row = {"layer": layer, "role": role, "type": type(m.get_submodule(layer)).__name__}

@@ -169,13 +169,23 @@ def test_tensor_statistics():
 
 def test_report_outputs(tmp_path):
     torch.manual_seed(0)
-    report = qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6, progress=True)
+    report = qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6, progress=True,
+                        roles=("weight",))
+    assert [(r["layer"], r["role"]) for r in report.sensitivity] == [
+        ("0", "all"), ("2", "all"), ("0", "weight"), ("2", "weight")]
     text = report.table()
     assert "Sensitivity" in text and "weight operand" in text and "vs_exact_rounded" in text
+    layers = {r["layer"]: r for r in report.layers}
+    assert layers["0"]["params"] == 16 * 32 + 32 and layers["0"]["outputs"] == 8 * 32
+    # 0.weight at its MXFP6 operand format (6.25 bits), 0.bias FP32
+    assert layers["0"]["weight_bits"] == pytest.approx((512 * 6.25 + 32 * 32) / 544)
+    assert layers["0"]["activation_bits"] == 6.25
+    with pytest.raises(ValueError, match="roles must be"):
+        qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6, roles=("weights",))
     md = report.markdown()
     assert md.count("|---|") >= 3
     data = json.loads(report.to_json())
-    assert {"tensors", "contractions", "sensitivity", "gradients", "overall"} <= set(data)
+    assert {"tensors", "contractions", "sensitivity", "gradients", "overall", "layers"} <= set(data)
     path = tmp_path / "analysis.png"
     report.plot(path)
     assert path.stat().st_size > 10_000
