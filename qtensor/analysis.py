@@ -564,15 +564,22 @@ class AnalysisReport:
     plans: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def bits(self, count=("weight",)) -> float:
-        """Average bits per value of the analysed recipe over every layer with parameters of
-        its own, counting the roles in ``count`` (see :func:`suggestion`)."""
+        """Average bits per value of the analysed recipe, counting the roles in ``count``
+        (see :func:`qtensor.suggest.suggestion`), over the layers with sensitivity rows (every
+        layer with parameters of its own, unless ``qt.analyze(layers=...)`` chose some)."""
         total = elements = 0.0
-        for info in self.layers:
+        for info in self.counted_layers():
             for role in _check_count(count):
                 n = _elements(info, role)
                 total += n * info[f"{role}_bits"]
                 elements += n
         return total / elements if elements else 0.0
+
+    def counted_layers(self) -> List[dict]:
+        """The rows of ``layers`` whose values bits are counted over: those with sensitivity
+        rows (all of them for a report without)."""
+        named = {r["layer"] for r in self.sensitivity}
+        return [i for i in self.layers if not named or i["layer"] in named]
 
     def _head(self) -> str:
         o = self.overall

@@ -4,7 +4,7 @@ From :func:`qt.analyze` reports of one model on one batch, one report per candid
 (``qt.recipes.direct_cast("mxfp8_e4m3")``, ``..."mxfp4_e2m1"``, ...), choose for each layer
 (or each role of each layer, from ``qt.analyze(..., roles=True)``) the candidate whose formats
 it takes, so that the average bits per value meet the budget and the layers the reports rank
-most sensitive keep the more precise formats. Greedy on sensitivity per bit (see
+most sensitive keep the more precise formats: the least total sensitivity within the budget (see
 :func:`suggestion`). Docs: docs/analysis.md.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .plans import Recipe
 
 __all__ = ["suggest_recipe", "suggestion", "Suggestion", "METRICS"]
 
-# The sensitivity the greedy minimises, from a sensitivity row (larger: more sensitive)
+# The sensitivity that the choice minimises (summed over units), from a sensitivity row (larger: more sensitive)
 METRICS = {
     "kl": lambda r: r["kl"],
     "dloss": lambda r: abs(r["dloss"]),
@@ -46,7 +46,7 @@ class Suggestion:
     def _head(self) -> str:
         return (f"qt.suggest_recipe: {self.bits:.4g} bits per value ({'+'.join(self.count)}) "
                 f"for a budget of {self.budget:.4g}; candidates {', '.join(self.candidates)}; "
-                f"greedy on {self.metric} per bit")
+                f"least total {self.metric} (knapsack)")
 
     def _cells(self, row) -> List[str]:
         return [f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k])
@@ -96,10 +96,11 @@ def _check_reports(reports) -> List[AnalysisReport]:
         if not r.sensitivity:
             raise ValueError(f"qt.suggest_recipe: the report of {r.spec} has no sensitivity rows "
                              "(qt.analyze(..., sensitivity=False))")
-    sizes = [[(i["layer"], i["params"], i["outputs"]) for i in r.layers] for r in reports]
+    sizes = [[(i["layer"], i["params"], i["outputs"]) for i in r.counted_layers()]
+             for r in reports]
     if any(s != sizes[0] for s in sizes):
-        raise ValueError("qt.suggest_recipe: the reports are not of one model and one batch (their "
-                         "layers or sizes differ)")
+        raise ValueError("qt.suggest_recipe: the reports are not of one model and one batch, or "
+                         "not of the same layers (their layers or sizes differ)")
     return reports
 
 
@@ -126,21 +127,25 @@ def suggestion(reports, budget: float, *, formats: Optional[Sequence] = None,
       else its value format; a format's bits are its element bits plus its scale bits over its
       block size (``fmt.bits``: MXFP8 8.25, MXFP6 6.25, MXFP4 4.25, NVFP4 4.5; the FP32 tensor
       scale of NVFP4 is not counted); full precision is 32;
-    - "weight": every parameter of the layers the reports list (the modules with parameters of
-      their own: weights, biases, norms and embeddings, each element once); "activation": each
-      such layer's output values on the analysed batch; "grad": the gradient of that output;
-    - the average is the total bits over the total values of the counted roles of every such
-      layer; a value that the recipe leaves to modules without parameters (an activation
-      function's output, an attention product) is not counted.
+    - the layers counted are those with sensitivity rows: every module with parameters of its
+      own (weights, biases, norms, embeddings), or those of ``qt.analyze(layers=[...])``;
+    - "weight": every parameter of those layers (biases included, each element once);
+      "activation": each such layer's output values on the analysed batch; "grad": the
+      gradient of that output;
+    - the average is the total bits over the total values of the counted roles of those
+      layers; other layers, and values that the recipe leaves to modules without parameters
+      (an activation function's output, an attention product), are not counted.
 
     Algorithm: each decided unit (a layer, or with ``decide`` roles a (layer, role) pair with a
     sensitivity row) has one option per candidate: its bits (above) and its sensitivity
     (``metric`` of its row: "kl" the KL of the outputs, "dloss" the absolute change in loss,
-    "grad_cos" one minus the gradient cosine). Every unit starts at its cheapest option (fewest
-    bits, then least sensitive); while an upgrade fits the budget, the one with the largest
-    decrease in sensitivity per added bit is taken (an upgrade that adds no bits first). It
-    assumes that the sensitivities of layers add up; a ValueError if even the cheapest options
-    exceed the budget. The recipe is the base's, with rules by exact name for every decided
+    "grad_cos" one minus the gradient cosine). A ValueError if even the cheapest options exceed
+    the budget. The choice minimises the sum of the units' sensitivities within the budget (a
+    multiple-choice knapsack; it assumes that the sensitivities of units add up), by dynamic
+    programming over the bits above the cheapest options in 4096 steps, each option's bits
+    rounded up to whole steps so that the budget is met; then, greedily, while an upgrade fits
+    in the bits the rounding left, the one with the largest decrease in sensitivity per added
+    bit is taken. The recipe is the base's, with rules by exact name for every decided
     layer: its parameters' formats and its output's activation and grad roles, each from the
     candidate chosen for it. A contraction's input operand takes the format of the module that
     produced it (as in any recipe), not the layer's own: the sensitivity of a whole layer
@@ -200,23 +205,28 @@ def suggestion(reports, budget: float, *, formats: Optional[Sequence] = None,
 
     def fixed_bits() -> float:  # the counted values that no unit decides: the base's
         total = 0.0
-        for info in reports[base].layers:
+        for info in reports[base].counted_layers():
             decided = layer_units.get(info["layer"], set())
             for r in count:
                 if "all" not in decided and r not in decided:
                     total += _elements(info, r) * info[f"{r}_bits"]
         return total
 
-    elements = sum(_elements(info, r) for info in reports[base].layers for r in count)
+    elements = sum(_elements(info, r) for info in reports[base].counted_layers() for r in count)
     if elements == 0:
         raise ValueError("qt.suggest_recipe: the counted roles have no values")
     limit = budget * elements * (1 + 1e-12)
-    choice = {u: min(options[u], key=lambda o: (o[0], o[1])) for u in units}
-    total = fixed_bits() + sum(o[0] for o in choice.values())
+    cheapest = {u: min(options[u], key=lambda o: (o[0], o[1])) for u in units}
+    total = fixed_bits() + sum(o[0] for o in cheapest.values())
     if total > limit:
         raise ValueError(
             f"qt.suggest_recipe: even the cheapest candidates need {total / elements:.4g} bits "
             f"per value ({'+'.join(count)}), above the budget of {budget:g}")
+    fixed = fixed_bits()
+    choice = _knapsack(units, options, cheapest, limit - total, exact=limit - fixed)
+    total = fixed + sum(o[0] for o in choice.values())
+    # then spend what the rounding of the bits left: the upgrades with the largest decrease in
+    # sensitivity per added bit
     while True:
         best, best_key = None, None
         for u in units:
@@ -240,8 +250,7 @@ def suggestion(reports, budget: float, *, formats: Optional[Sequence] = None,
     recipe = recipe.replace(
         name=f"suggested ({bits:.4g} bits per value, {'+'.join(count)})",
         source=f"qt.suggest_recipe: budget {budget:g} bits per value ({'+'.join(count)}); "
-               f"candidates {', '.join(names)}; base {names[base]}; greedy on {metric} per bit")
-    cheapest = {u: min(options[u], key=lambda o: (o[0], o[1])) for u in units}
+               f"candidates {', '.join(names)}; base {names[base]}; least total {metric} (knapsack)")
     rows = []
     for (layer, role), o in choice.items():
         n = sum(_elements(infos[o[2]][layer], r)
@@ -250,6 +259,64 @@ def suggestion(reports, budget: float, *, formats: Optional[Sequence] = None,
                      "bits": o[0] / n if n else 0.0, "sensitivity": o[1],
                      "cheapest_sensitivity": cheapest[(layer, role)][1]})
     return Suggestion(recipe, bits, float(budget), count, metric, names, rows)
+
+
+STEPS = 4096  # the resolution of the knapsack over the bits
+
+
+def _knapsack(units, options, cheapest, room: float, exact: float) -> dict:
+    """The option of each unit that minimises the sum of their sensitivities with at most
+    ``room`` bits above the cheapest options (``exact``: at most that many bits in all): a
+    multiple-choice knapsack, by dynamic programming over ``room`` in STEPS steps. Each option's
+    extra bits are rounded to the nearest step, and the result checked exactly; if it does not
+    fit, the room shrinks by what it overshot and the search runs again; last, every option's
+    bits rounded up (which always fits)."""
+    import numpy as np
+
+    if room <= 0:
+        return dict(cheapest)
+    step = room / STEPS
+    big = 1e300  # (an infinite sensitivity: chosen only if nothing else is possible)
+
+    def steps(u, bits, up):
+        extra = (bits - cheapest[u][0]) / step
+        return max(0, math.ceil(extra - 1e-9) if up else round(extra))
+
+    def solve(width, up):
+        best = np.zeros(width + 1)  # least total sensitivity within b steps, units so far
+        picks = []
+        for u in units:
+            new = np.full(width + 1, np.inf)
+            arg = np.zeros(width + 1, dtype=np.int32)
+            for k, (bits, sens, _i) in enumerate(options[u]):
+                c = steps(u, bits, up)
+                if c > width:
+                    continue
+                cand = np.full(width + 1, np.inf)
+                cand[c:] = best[:width + 1 - c] + min(sens, big)
+                better = cand < new
+                new[better] = cand[better]
+                arg[better] = k
+            best = new
+            picks.append(arg)
+        b = int(np.argmin(best))
+        choice = {}
+        for u, arg in zip(reversed(units), reversed(picks)):
+            o = options[u][int(arg[b])]
+            choice[u] = o
+            b -= steps(u, o[0], up)
+        return choice
+
+    width = STEPS
+    for _try in range(32):
+        choice = solve(width, up=False)
+        over = sum(o[0] for o in choice.values()) - exact
+        if over <= 0:
+            return choice
+        width -= max(1, math.ceil(over / step))
+        if width <= 0:
+            break
+    return solve(STEPS, up=True)
 
 
 def _build(reports, base: int, choice: dict) -> Recipe:

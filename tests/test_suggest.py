@@ -136,3 +136,27 @@ def test_allowed_formats_and_the_base():
         suggestion(reports, 8.0, decide=("grad",))  # direct cast leaves the gradients plain
     with pytest.raises(ValueError, match="count must name"):
         suggestion(reports, 8.0, count=("weights",))
+
+
+def test_the_choice_is_the_least_total_sensitivity_within_the_budget():
+    # the knapsack against a brute force over every combination, on random small problems
+    import itertools
+    import random
+
+    from qtensor.suggest import _knapsack
+    rng = random.Random(0)
+    for _ in range(100):
+        units = list(range(rng.randint(2, 5)))
+        options = {u: [(0.0 if k == 0 else rng.choice([4.25, 4.5, 6.25, 8.25])
+                        * rng.choice([100, 640, 4096, 32768]), rng.random() * (3 - k), k)
+                       for k in range(3)] for u in units}
+        cheapest = {u: min(options[u], key=lambda o: (o[0], o[1])) for u in units}
+        lo = sum(o[0] for o in cheapest.values())
+        hi = sum(max(o[0] for o in options[u]) for u in units)
+        limit = lo + rng.random() * (hi - lo)
+        best = min(sum(o[1] for o in combo)
+                   for combo in itertools.product(*(options[u] for u in units))
+                   if sum(o[0] for o in combo) <= limit)
+        got = _knapsack(units, options, cheapest, limit - lo, exact=limit)
+        assert sum(o[0] for o in got.values()) <= limit
+        assert sum(o[1] for o in got.values()) == pytest.approx(best, rel=1e-12)
