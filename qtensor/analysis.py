@@ -328,7 +328,7 @@ def _progress(items, desc, enabled):
 
 def analyze(model: nn.Module, inputs, spec=None, loss_fn: Optional[Callable] = None, *,
             sensitivity: bool = True, roles: bool = False, layers: Optional[List[str]] = None,
-            progress: bool = False) -> "AnalysisReport":
+            progress: bool = False, optimizer: Optional[Callable] = None) -> "AnalysisReport":
     """Analyse where ``spec`` (anything ``qt.convert`` takes) loses precision in ``model``.
 
     ``model``: a plain model (left untouched: copies are converted), or a converted one (then
@@ -337,8 +337,12 @@ def analyze(model: nn.Module, inputs, spec=None, loss_fn: Optional[Callable] = N
     scalar loss of the model's output (a tensor, the first item of a tuple, or ``.logits``);
     default half the mean square. ``sensitivity=False`` skips the per-layer runs; ``roles=True``
     adds one run per role of each layer (weight, activation, grad: only that role of that layer
-    in the recipe's formats; a tuple such as ``("weight",)``: those roles); ``layers`` limits them to some module names; ``progress`` shows a
-    tqdm bar over them.
+    in the recipe's formats; a tuple such as ``("weight",)``: those roles); ``layers`` limits
+    them to some module names; ``progress`` shows a tqdm bar over them. ``optimizer(params)``:
+    an optimizer (``lambda ps: torch.optim.Adam(ps, lr=1e-3)``) that takes one step on the
+    converted copy after its backward, so that the report has its optimizer state too (role
+    ``"optimizer_state"``: each state tensor against the same step in FP32 on the same
+    parameters and gradients).
     """
     loss_fn = loss_fn or _default_loss
     base = copy.deepcopy(model)
@@ -352,7 +356,7 @@ def analyze(model: nn.Module, inputs, spec=None, loss_fn: Optional[Callable] = N
     flush_warnings.set_flush_warnings(False)  # the report has the numbers
     try:
         return _analyze(base, inputs, as_recipe(spec), loss_fn, sensitivity, roles, layers,
-                        progress)
+                        progress, optimizer)
     finally:
         flush_warnings.set_flush_warnings(was)
 
@@ -424,8 +428,38 @@ def _lossy(role: Role) -> bool:
     return not role.full_precision and role != Role(_FP32)
 
 
+def _optimizer_step(model: nn.Module, optimizer: Callable, recorder: "_Recorder") -> None:
+    """One step of ``optimizer(model.parameters())`` on the converted model, and the same step
+    of ``optimizer`` on plain FP32 copies of its parameters and gradients: each state tensor of
+    a parameter with a low-precision optimizer_state role against its FP32 counterpart (the
+    optimizer rounds its state in each in-place op, so the values before one rounding are not
+    there to compare with)."""
+    conv = conversion_of(model)
+    named = [(n, p) for n, p in model.named_parameters()]
+    copies = []
+    for _n, p in named:
+        c = _plain(p).detach().float().clone().requires_grad_()
+        c.grad = None if p.grad is None else _plain(p.grad).detach().float().clone()
+        copies.append(c)
+    ref = optimizer(copies)
+    opt = optimizer(model.parameters())
+    with torch.no_grad():
+        ref.step()
+        opt.step()
+    for (n, p), c in zip(named, copies):
+        plan = conv.tensor_plans.get(n)
+        if plan is None or plan.master or not _lossy(plan.optimizer_state):
+            continue
+        want = ref.state.get(c, {})
+        for key, value in opt.state.get(p, {}).items():
+            if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
+                    and isinstance(want.get(key), torch.Tensor)):
+                recorder._add("optimizer_state", f"{key!r} of {n}", plan.optimizer_state.fmt,
+                              want[key].detach(), _plain(value).detach().float())
+
+
 def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
-             progress) -> "AnalysisReport":
+             progress, optimizer=None) -> "AnalysisReport":
     ref = _run(copy.deepcopy(base), inputs, loss_fn)
 
     # the converted copy: every role rounding, and the operands of every contraction
@@ -454,6 +488,8 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
     with flush_warnings.observe(recorder):
         convert(conv_model, recipe)
         full = _run(conv_model, inputs, loss_fn)
+        if optimizer is not None:
+            _optimizer_step(conv_model, optimizer, recorder)
     for h in handles:
         h.remove()
     conv = conversion_of(conv_model)

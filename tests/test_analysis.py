@@ -228,3 +228,30 @@ def test_a_converted_model_is_analysed_with_its_own_recipe():
     assert report.spec == SPEC.name or "Recipe" in report.spec
     assert {r["format"] for r in report.tensors if r["role"] == "weight"} == {str(FMT)}
     assert qt.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
+
+
+def test_optimizer_state_statistics():
+    # one SGD step with momentum: the momentum buffer of the first step is the gradient itself,
+    # in the optimizer_state format
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 8)
+    x = torch.randn(16, 32)
+    recipe = qt.Recipe(weight=qt.fp32, bias=qt.fp32, optimizer_state=FMT)
+    report = qt.analyze(layer, x, recipe, sensitivity=False,
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    rows = {r["tensor"]: r for r in report.tensors if r["role"] == "optimizer_state"}
+    assert set(rows) == {"'momentum_buffer' of weight", "'momentum_buffer' of bias"}
+    m = copy.deepcopy(layer)
+    loss = 0.5 * m(x).pow(2).mean()
+    loss.backward()
+    g = m.weight.grad
+    assert rows["'momentum_buffer' of weight"]["rel_error"] == pytest.approx(
+        _rel(qt.quantize(g, FMT), g), rel=1e-6)
+    assert rows["'momentum_buffer' of weight"]["rel_error"] > 1e-3
+    with pytest.warns(UserWarning, match="eps=1e-08 rounds to 0"):  # (qtensor says so)
+        report = qt.analyze(layer, x, recipe, sensitivity=False,
+                            optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    rows = {r["tensor"]: r for r in report.tensors if r["role"] == "optimizer_state"}
+    assert 0 < rows["'exp_avg' of weight"]["rel_error"] < 0.2
+    # 0.001 g^2 is mostly below FP8 E5M2's smallest value: the report shows it flushed
+    assert rows["'exp_avg_sq' of weight"]["flushed"] > 0.5

@@ -73,7 +73,7 @@ def test_demo_writes_to_an_untracked_folder_by_default():
     ignored = subprocess.run(["git", "check-ignore", "-q", str(local / "demo.md")], cwd=ROOT)
     assert ignored.returncode in (0, 128), "examples/results/local/ is not git-ignored"
     for script in ("demo.py", "direct_cast.py", "mx_training.py", "qpytorch_recipes.py",
-                   "accum_study.py"):
+                   "accum_study.py", "analysis_study.py"):
         assert "common.output_dir(args.out, args.quick)" in (EXAMPLES / script).read_text()
 
 
@@ -87,6 +87,19 @@ def test_direct_cast_quick():
     # Casting to MXINT8 is nearly lossless: its predictions agree with FP32 on most digits
     # even after a short training.
     assert percent(rows["mxint8"][3]) >= 90.0
+
+
+def test_analysis_study_quick():
+    out = run_example("analysis_study.py", "--quick", "--seeds", "1", timeout=300)
+    cnn_text, _, gpt_text = out.partition("## Character-level GPT")
+    for text in (cnn_text, gpt_text):
+        rows = table_rows(text)
+        for uniform in ("mxfp6_e3m2", "nvfp4"):
+            mixed = rows[f"suggested @ {uniform} bits"]
+            # equal bits: the suggestion stays within the uniform recipe's bits per weight
+            assert float(mixed[0]) <= float(rows[f"uniform {uniform}"][0]) + 1e-3, rows
+            assert 0.0 < float(mixed[1 if text is gpt_text else 3].split(" ")[0]) < 10.0
+        assert "| layer" in text and "weights in" in text  # the choices of seed 0
 
 
 def test_qpytorch_recipes_quick():
