@@ -235,7 +235,7 @@ def main(argv=None):
     if q:
         args.seeds = min(args.seeds, 2)
         args.cnn_calib = min(args.cnn_calib, 32)
-    out = common.output_dir(args.out, q)
+    out = common.output_dir(args.out, args.quick)
     common.setup(args.threads, 0)
     models = [m.strip() for m in args.models.split(",")]
     command = "python examples/analysis_study.py " + " ".join(argv if argv is not None
