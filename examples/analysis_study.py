@@ -13,7 +13,11 @@ with that recipe's activation formats, and both are evaluated on held-out data:
 
 - budget of uniform MXFP6_E3M2 (6.25 bits per contraction weight): weights from MXFP8_E4M3,
   MXFP6_E3M2 and MXFP4_E2M1, activations MXFP6_E3M2;
-- budget of uniform NVFP4 (4.5 bits): weights from those and NVFP4, activations NVFP4.
+- budget of uniform NVFP4 (4.5 bits): weights from those and NVFP4, activations NVFP4;
+- "suggested layers": one candidate per layer for its weights and its output together
+  (``decide="layer"``), within the uniform recipe's bits per weight and activation (its layers'
+  outputs on the calibration batch counted too); modules without parameters keep the uniform
+  recipe's formats.
 
 Bits per weight are those of ``qt.suggest_recipe`` (docs/analysis.md) over the parameters of
 the contraction layers (Linear and Conv weights at their operand format, their biases at the
@@ -60,15 +64,29 @@ def analyse(model, batch, loss_fn, names, progress):
                           layers=layers, progress=progress) for n in names}
 
 
-def suggestions(reports):
-    """{label: (recipe, bits, Suggestion)} for every budget, and the uniform recipes."""
+WA = ("weight", "activation")
+
+
+def suggestions(reports, model, batch, loss_fn):
+    """{label: (recipe, bits per weight, bits per weight+activation)} for the uniform recipes
+    and, for every budget, the suggested weights (activations of the uniform recipe) and the
+    suggested layers (weights and outputs together, within the uniform recipe's bits per
+    weight+activation)."""
     out = {}
+    for n in CANDIDATES:
+        out[f"uniform {n}"] = (reports[n].recipe, reports[n].bits(), reports[n].bits(WA))
+    layers = [r["layer"] for r in reports[CANDIDATES[0]].sensitivity if r["role"] == "all"]
     for uniform, names in BUDGETS:
         base = reports[uniform]
-        s = suggestion([reports[n] for n in names], base.bits(), decide=("weight",), base=base)
-        out[f"suggested @ {uniform} bits"] = (s.recipe, s.bits, s)
-    for n in CANDIDATES:
-        out[f"uniform {n}"] = (reports[n].recipe, reports[n].bits(), None)
+        options = [reports[n] for n in names]
+        mixed = {
+            f"suggested @ {uniform} bits": suggestion(options, base.bits(), decide=("weight",),
+                                                      base=base).recipe,
+            f"suggested layers @ {uniform} bits": suggestion(
+                options, base.bits(WA), decide="layer", count=WA, base=base).recipe}
+        for label, recipe in mixed.items():  # both counts, read off the recipe's own plans
+            r = qt.analyze(model, batch, recipe, loss_fn, sensitivity=False)
+            out[label] = (recipe, r.bits(layers=layers), r.bits(WA, layers=layers))
     return out
 
 
@@ -85,7 +103,8 @@ def cnn_seed(seed, args):
     g = torch.Generator().manual_seed(100 + seed)
     idx = torch.randperm(len(x_train), generator=g)[:args.cnn_calib]
     xc, yc = x_train[idx], y_train[idx]
-    reports = analyse(model, xc, lambda o: F.cross_entropy(o, yc), CANDIDATES, args.progress)
+    loss_fn = lambda o: F.cross_entropy(o, yc)  # noqa: E731
+    reports = analyse(model, xc, loss_fn, CANDIDATES, args.progress)
 
     @torch.no_grad()
     def evaluate(m):
@@ -95,11 +114,11 @@ def cnn_seed(seed, args):
                 "loss": float(F.cross_entropy(logits, y_test)), "logits": logits}
 
     ref = evaluate(model)
-    rows = {"fp32": {**ref, "bits": 32.0, "kl": 0.0}}
-    for label, (recipe, bits, _s) in suggestions(reports).items():
+    rows = {"fp32": {**ref, "bits": 32.0, "bits_wa": 32.0, "kl": 0.0}}
+    for label, (recipe, bits, bits_wa) in suggestions(reports, model, xc, loss_fn).items():
         r = evaluate(cast(model, recipe))
         r["kl"] = _kl(ref["logits"], r["logits"])
-        rows[label] = {**r, "bits": bits}
+        rows[label] = {**r, "bits": bits, "bits_wa": bits_wa}
     return rows, reports
 
 
@@ -132,9 +151,9 @@ def gpt_seed(seed, args, corpus):
     def evaluate(m):
         return {"loss": mt.mean_loss(m, corpus.val, val_eval, targs.context, targs.batch)}
 
-    rows = {"fp32": {**evaluate(model), "bits": 32.0}}
-    for label, (recipe, bits, _s) in suggestions(reports).items():
-        rows[label] = {**evaluate(cast(model, recipe)), "bits": bits}
+    rows = {"fp32": {**evaluate(model), "bits": 32.0, "bits_wa": 32.0}}
+    for label, (recipe, bits, bits_wa) in suggestions(reports, model, xc, loss_fn).items():
+        rows[label] = {**evaluate(cast(model, recipe)), "bits": bits, "bits_wa": bits_wa}
     return rows, reports, targs
 
 
@@ -155,7 +174,8 @@ def order(labels):
     rest = [l for l in labels if l not in first]
     out = []
     for uniform, _names in BUDGETS:  # each suggestion under its uniform recipe
-        out += [f"uniform {uniform}", f"suggested @ {uniform} bits"]
+        out += [f"uniform {uniform}", f"suggested @ {uniform} bits",
+                f"suggested layers @ {uniform} bits"]
     return ["fp32"] + [l for l in first[1:] if l not in out] + out + [
         l for l in rest if l not in out]
 
@@ -165,12 +185,13 @@ def cnn_table(per_seed):
     rows = []
     for label in labels:
         vals = [r[label] for r in per_seed]
-        rows.append([label, f"{vals[0]['bits']:.3f}",
+        rows.append([label, f"{vals[0]['bits']:.3f}", f"{vals[0]['bits_wa']:.3f}",
                      mean_spread([v["acc"] for v in vals], "{:.2f}", 100),
                      " / ".join(f"{100 * v['acc']:.1f}" for v in vals),
                      mean_spread([v["loss"] for v in vals]),
                      mean_spread([v["kl"] for v in vals], "{:.5f}")])
-    header = ["recipe (direct cast)", "bits per weight (seed 0)", "test acc % (mean ± sd)",
+    header = ["recipe (direct cast)", "bits per weight (seed 0)", "per weight+activation",
+              "test acc % (mean ± sd)",
               "per seed", "test loss", "KL vs fp32"]
     return common.markdown_table(header, rows)
 
@@ -180,11 +201,13 @@ def gpt_table(per_seed):
     rows = []
     for label in labels:
         vals = [r[label] for r in per_seed]
-        rows.append([label, f"{vals[0]['bits']:.3f}", mean_spread([v["loss"] for v in vals]),
+        rows.append([label, f"{vals[0]['bits']:.3f}", f"{vals[0]['bits_wa']:.3f}",
+                     mean_spread([v["loss"] for v in vals]),
                      " / ".join(f"{v['loss']:.4f}" for v in vals),
                      mean_spread([v["loss"] - r["fp32"]["loss"] for v, r in zip(vals, per_seed)],
                                  "{:+.4f}")])
-    header = ["recipe (direct cast)", "bits per weight (seed 0)", "val loss (mean ± sd)",
+    header = ["recipe (direct cast)", "bits per weight (seed 0)", "per weight+activation",
+              "val loss (mean ± sd)",
               "per seed", "vs fp32 (mean ± sd)"]
     return common.markdown_table(header, rows)
 

@@ -423,6 +423,20 @@ def _elements(info: dict, role: str) -> int:
     return info["params"] if role == "weight" else info["outputs"]
 
 
+def _is_operand_of_a_contraction(stats: "_TensorStats", model: nn.Module) -> bool:
+    """False for a parameter's operand-format row when no contraction module uses it as its
+    weight (an embedding table, a norm's scale, a bias: their operand format rounds nothing);
+    True for every other row."""
+    if stats.role not in ("weight operand", "bias operand"):
+        return True
+    owner, _, attr = stats.name.rpartition(".")
+    try:
+        mod = model.get_submodule(owner)
+    except AttributeError:
+        return True
+    return isinstance(mod, CONTRACTIONS) and attr == "weight"
+
+
 def _lossy(role: Role) -> bool:
     """Whether a role rounds anything (FP32 without an operand format rounds nothing)."""
     return not role.full_precision and role != Role(_FP32)
@@ -541,7 +555,8 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
             sens.append(row)
     return AnalysisReport(
         spec=recipe.name or recipe.describe().splitlines()[0], loss_fp32=ref["loss"],
-        overall=_compare(ref, full), tensors=[s.row() for s in recorder.stats.values()],
+        overall=_compare(ref, full), tensors=[s.row() for s in recorder.stats.values()
+                                              if _is_operand_of_a_contraction(s, base)],
         contractions=contractions, sensitivity=sens, gradients=grads, layers=infos,
         recipe=recipe, plans=plans)
 
@@ -599,12 +614,15 @@ class AnalysisReport:
     recipe: Optional[Recipe] = field(default=None, repr=False, compare=False)
     plans: Optional[dict] = field(default=None, repr=False, compare=False)
 
-    def bits(self, count=("weight",)) -> float:
+    def bits(self, count=("weight",), layers: Optional[List[str]] = None) -> float:
         """Average bits per value of the analysed recipe, counting the roles in ``count``
-        (see :func:`qtensor.suggest.suggestion`), over the layers with sensitivity rows (every
-        layer with parameters of its own, unless ``qt.analyze(layers=...)`` chose some)."""
+        (see :func:`qtensor.suggest.suggestion`), over ``layers`` (default: the layers with
+        sensitivity rows, every layer with parameters of its own unless
+        ``qt.analyze(layers=...)`` chose some)."""
         total = elements = 0.0
-        for info in self.counted_layers():
+        infos = self.counted_layers() if layers is None else [
+            i for i in self.layers if i["layer"] in set(layers)]
+        for info in infos:
             for role in _check_count(count):
                 n = _elements(info, role)
                 total += n * info[f"{role}_bits"]

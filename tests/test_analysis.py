@@ -255,3 +255,18 @@ def test_optimizer_state_statistics():
     assert 0 < rows["'exp_avg' of weight"]["rel_error"] < 0.2
     # 0.001 g^2 is mostly below FP8 E5M2's smallest value: the report shows it flushed
     assert rows["'exp_avg_sq' of weight"]["flushed"] > 0.5
+
+
+def test_operand_rows_only_for_weights_that_enter_a_contraction():
+    # an embedding table and a LayerNorm scale have the weight role's operand format, but no
+    # contraction reads them: no "weight operand" row claims a rounding that never happens
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import common
+    torch.manual_seed(0)
+    model = common.CharGPT(64, d=32, layers=1, heads=2, context=8)
+    idx = torch.randint(0, 64, (2, 8))
+    report = qt.analyze(model, idx, qt.recipes.direct_cast(MX8), sensitivity=False)
+    operands = {r["tensor"] for r in report.tensors if r["role"] == "weight operand"}
+    linears = {f"{n}.weight" for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert operands == linears
