@@ -16,7 +16,10 @@ one converted copy per layer in which only that layer takes the recipe's formats
 - per layer (each module that has parameters of its own): the change in loss and the KL
   divergence of the outputs (softmax over the last axis, FP32 against converted) when only that
   layer takes its formats (its parameters, its output, and its inputs rounded to its activation
-  role), and the cosine similarity of the whole gradient against FP32's.
+  role), and the cosine similarity of the whole gradient against FP32's; with ``roles``, the
+  same for each role of each layer alone (weight, activation, grad);
+- with ``optimizer``: the optimizer state after one step against the same step in FP32;
+- per layer: its sizes and the bits per value of each role (``qt.suggest_recipe`` counts them).
 
 Docs and examples: docs/analysis.md.
 """
@@ -40,8 +43,7 @@ from .plans import Role, _plain, round_to
 from .spec import as_recipe
 from .tensor import QTensor
 
-__all__ = ["analyze", "AnalysisReport", "CONTRACTIONS", "suggest_recipe", "suggestion",
-           "Suggestion", "convert_one_layer"]
+__all__ = ["analyze", "AnalysisReport", "CONTRACTIONS", "convert_one_layer"]
 
 CONTRACTIONS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _FP32 = FloatFormat(8, 23)
@@ -599,8 +601,10 @@ _TABLES = (
 @dataclass
 class AnalysisReport:
     """What :func:`analyze` measured; ``.table()``, ``.markdown()``, ``.to_json()``,
-    ``.plot(path)``. Rows are dicts (``report.tensors``, ``.contractions``, ``.sensitivity``,
-    ``.gradients``); ``overall``: loss, dloss, kl, grad_cos of the whole converted model."""
+    ``.plot(path)``, ``.bits(count)``. Rows are dicts (``report.tensors``, ``.contractions``,
+    ``.sensitivity``, ``.gradients``, ``.layers``); ``overall``: loss, dloss, kl, grad_cos of
+    the whole converted model. ``recipe`` and ``plans`` (what it planned per layer, for
+    ``qt.suggest_recipe``) are not in the JSON."""
 
     spec: str
     loss_fp32: float
