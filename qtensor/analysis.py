@@ -498,9 +498,15 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
         return hook
 
     all_layers = _layer_names(base)
+    modules = {n for n, _m in base.named_modules() if n}
+    unknown = [n for n in (layers or []) if n not in modules]
+    if unknown:
+        raise ValueError(f"qt.analyze: layers {unknown} are not modules of the model (its "
+                         f"layers with parameters: {all_layers})")
+    listed = list(dict.fromkeys(all_layers + list(layers or [])))
     handles = [m.register_forward_pre_hook(capture(n)) for n, m in conv_model.named_modules()
                if isinstance(m, CONTRACTIONS)]
-    handles += [conv_model.get_submodule(n).register_forward_hook(count(n)) for n in all_layers]
+    handles += [conv_model.get_submodule(n).register_forward_hook(count(n)) for n in listed]
     with flush_warnings.observe(recorder):
         convert(conv_model, recipe)
         full = _run(conv_model, inputs, loss_fn)
@@ -529,8 +535,8 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
 
     grads = [{"parameter": n, "grad_cos": _cosine(ref["grads"], full["grads"], [n])}
              for n in ref["grads"] if ref["grads"][n] is not None]
-    infos = [_layer_info(base, conv, n, out_numel.get(n, 0)) for n in all_layers]
-    plans = {n: _layer_plans(conv, n, base) for n in all_layers}
+    infos = [_layer_info(base, conv, n, out_numel.get(n, 0)) for n in listed]
+    plans = {n: _layer_plans(conv, n, base) for n in listed}
     sens = []
     if sensitivity:
         names = layers if layers is not None else all_layers

@@ -270,3 +270,16 @@ def test_operand_rows_only_for_weights_that_enter_a_contraction():
     linears = {f"{n}.weight" for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear)}
     assert operands == linears
+
+
+def test_layers_limits_the_rows_and_the_counted_bits():
+    model = _mlp()
+    x = torch.randn(8, 16)
+    report = qt.analyze(model, x, qt.recipes.direct_cast(MX8), layers=["2", "1"])
+    assert [r["layer"] for r in report.sensitivity] == ["2", "1"]
+    info = {r["layer"]: r for r in report.layers}
+    assert info["1"]["params"] == 0 and info["1"]["outputs"] == 8 * 32  # the ReLU
+    # bits per weight over layer 2 only: its 32x5 weight at MXFP8's 8.25 bits, its bias at 32
+    assert report.bits() == pytest.approx((160 * 8.25 + 5 * 32) / 165)
+    with pytest.raises(ValueError, match="not modules of the model"):
+        qt.analyze(model, x, qt.recipes.direct_cast(MX8), layers=["3"])
