@@ -147,7 +147,8 @@ def suggestion(reports, budget: float, *, formats: Optional[Sequence] = None,
     in the bits the rounding left, the one with the largest decrease in sensitivity per added
     bit is taken. The recipe is the base's, with rules by exact name for every decided
     layer: its parameters' formats and its output's activation and grad roles, each from the
-    candidate chosen for it. A contraction's input operand takes the format of the module that
+    candidate chosen for it (the base's ``master_weights``, ``loss_scale`` and ``accumulate``
+    hold for every layer; with master weights the optimizer state is FP32). A contraction's input operand takes the format of the module that
     produced it (as in any recipe), not the layer's own: the sensitivity of a whole layer
     ("all") includes its inputs, the rule does not round them; the weight role's sensitivity
     (its parameters only) is what its rule does.
@@ -321,7 +322,8 @@ def _knapsack(units, options, cheapest, room: float, exact: float) -> dict:
 
 def _build(reports, base: int, choice: dict) -> Recipe:
     """The base candidate's recipe with exact-name rules for the decided layers."""
-    rules = dict(reports[base].recipe.rules)
+    recipe = reports[base].recipe
+    rules = dict(recipe.rules)
     per_layer: Dict[str, dict] = {}
     for (layer, role), (_bits, _s, i) in choice.items():
         per_layer.setdefault(layer, {})[role] = reports[i].plans[layer]
@@ -334,10 +336,13 @@ def _build(reports, base: int, choice: dict) -> Recipe:
         w, a, g = pick("weight"), pick("activation"), pick("grad")
         for qual, t in w["params"].items():
             grad_t = g["params"].get(qual, t)
+            # (with the base's FP32 master weights the optimizer state is FP32: the base's
+            # master_weights, loss_scale and accumulate hold for every layer)
+            state = None if (t.master or recipe.master_weights) else t.optimizer_state
             rules[qual] = {t.kind: t.value, "grad": grad_t.grad if not t.value.full_precision
-                           else None, "optimizer_state": None if t.master else t.optimizer_state}
+                           else None, "optimizer_state": state}
         rules[layer] = {"activation": a["activation"], "grad": g["grad"]}
-    return reports[base].recipe.replace(rules=rules)
+    return recipe.replace(rules=rules)
 
 
 def suggest_recipe(reports, budget: float, **kwargs) -> Recipe:

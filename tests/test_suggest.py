@@ -160,3 +160,19 @@ def test_the_choice_is_the_least_total_sensitivity_within_the_budget():
         got = _knapsack(units, options, cheapest, limit - lo, exact=limit)
         assert sum(o[0] for o in got.values()) <= limit
         assert sum(o[1] for o in got.values()) == pytest.approx(best, rel=1e-12)
+
+
+def test_candidates_with_and_without_master_weights():
+    # the base's FP32 master weights hold for every layer: a candidate's low-precision optimizer
+    # state is not carried into a rule (qt.convert would refuse it)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(16, 32)
+    a, b = qt.analyze(m, x, qt.recipes.mxfp6), qt.analyze(m, x, qt.recipes.mx_all_mxfp4)
+    budget = (a.bits() + b.bits()) / 2
+    s = suggestion([a, b], budget, base=a)
+    assert {c["choice"] for c in s.choices} == {a.spec, b.spec}  # a real mix
+    conv = qt.convert(copy.deepcopy(m), s.recipe)
+    plans = qt.analysis.conversion_of(conv).tensor_plans
+    assert all(p.master for p in plans.values() if p.kind == "weight")
+    assert _converted_bits(m, s.recipe) <= budget
