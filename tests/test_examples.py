@@ -95,10 +95,16 @@ def test_analysis_study_quick():
     for text in (cnn_text, gpt_text):
         rows = table_rows(text)
         for uniform in ("mxfp6_e3m2", "nvfp4"):
+            same = rows[f"uniform {uniform}"]
             mixed = rows[f"suggested @ {uniform} bits"]
-            # equal bits: the suggestion stays within the uniform recipe's bits per weight
-            assert float(mixed[0]) <= float(rows[f"uniform {uniform}"][0]) + 1e-3, rows
-            assert 0.0 < float(mixed[1 if text is gpt_text else 3].split(" ")[0]) < 10.0
+            layers = rows[f"suggested layers @ {uniform} bits"]
+            # equal bits: the suggested weights stay within the uniform recipe's bits per
+            # weight, the suggested layers within its bits per weight+activation
+            assert float(mixed[0]) <= float(same[0]) + 1e-3, rows
+            assert float(layers[1]) <= float(same[1]) + 1e-3, rows
+            loss = 2 if text is gpt_text else 4  # (the CNN's columns: accuracy first)
+            for row in (mixed, layers):
+                assert 0.0 < float(row[loss].split(" ")[0]) < 10.0, rows
         assert "| layer" in text and "weights in" in text  # the choices of seed 0
 
 
