@@ -18,10 +18,10 @@ three GEMMs (forward, dgrad, wgrad) of each Linear/Conv (``Recipe.gemm``):
 - ``nvidia-rht``, ``nvidia-sr``, ``nvidia-last``: ``nvfp4_nvidia`` without its wgrad RHT,
   without stochastic rounding of dY, without the BF16 last layers.
 
-Sized for a shared machine (one core, ~10 minutes): a small GPT (2 layers, d=64, context 32) for
-100 AdamW steps and the CNN for 100 steps, far shorter than the papers' runs (billions of
-tokens): the table says what FP4 costs early in training, at tiny scale. ``--steps`` and
-``--cnn-steps`` run longer.
+Sized for a shared machine (one core, ~10 minutes): a small GPT (2 layers, d=64, context 32)
+for 100 AdamW steps of 8x32 characters and the CNN for 60 Adam steps, far shorter than the
+papers' runs (billions of tokens): the table says what FP4 costs early in training, at tiny
+scale. ``--steps``, ``--batch`` and ``--cnn-steps`` run longer.
 """
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ PAPER = {
     "nvfp4_single": "no tensor scale: gradients flush to 0, no training (issue 21)",
 }
 RUNS = list(RECIPES)
-DEFAULTS = dict(d=64, layers=2, heads=4, context=32, batch=16, lr=1e-2, steps=100,
-                cnn_steps=100, seeds=3)
+DEFAULTS = dict(d=64, layers=2, heads=4, context=32, batch=8, lr=1e-2, steps=100,
+                cnn_steps=60, seeds=3)
 
 
 def gpt_run(name, corpus, args, seed):

@@ -33,7 +33,7 @@ from . import distributed, gemm_forward as _gemm, training
 from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
-                    gemm_for, round_to, GemmFormats, last_layers_count)
+                    gemm_for, round_to, GEMMS, GemmFormats, last_layers_count)
 from .spec import as_recipe
 from .tensor import _accum_of, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
@@ -657,7 +657,7 @@ def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
         fmt = recipe.last_layers[1]
         last = {mname for mname, _ in layers[len(layers) - last_layers_count(
             recipe.last_layers, len(layers)):]}
-        high = GemmFormats(*([fmt] * 6))
+        high = GemmFormats(**{f"{gemm}_{o}": fmt for gemm, ops in GEMMS.items() for o in ops})
     for mname, mod in layers:
         if mname in last:
             g = high

@@ -145,7 +145,8 @@ def test_last_layers_run_their_gemms_in_bf16():
     m = mlp()
     qt.convert(m, R.nvfp4_nvidia)
     kinds = [mod.forward.gemm for mod in m]
-    high = qt.plans.GemmFormats(*([BF] * 6))
+    high = qt.plans.GemmFormats(fprop_x=BF, fprop_w=BF, dgrad_dy=BF, dgrad_w=BF, wgrad_x=BF,
+                                wgrad_dy=BF)
     assert kinds[5:] == [high, high] and all(k == R.nvfp4_nvidia.gemm for k in kinds[:5])
     seen = {}
     m[6].register_forward_hook(lambda mod, a, out: seen.update(x=plain(a[0]), y=plain(out)))
