@@ -150,18 +150,35 @@ def test_rht_spreads_a_block_outlier():
     assert peak(x) > 3.5 and peak(qt.Hadamard().apply(x, 0)) < 2.0
 
 
-def test_conv_wgrad_rht_without_rounding_is_the_exact_product():
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_conv_rht_without_rounding_is_the_exact_product(gemm):
+    """Convolutions: along the input channels (fprop), the output channels (dgrad), the batch
+    (wgrad); 16 of each so that the transform has full runs."""
     torch.manual_seed(4)
-    m = nn.Conv2d(3, 8, 3, padding=1)
-    m0 = nn.Conv2d(3, 8, 3, padding=1)
+    m = nn.Conv2d(16, 16, 3, padding=1)
+    m0 = nn.Conv2d(16, 16, 3, padding=1)
     m0.load_state_dict(m.state_dict())
-    qt.convert(m, qt.Recipe(**ROLES, gemm={"transform": {"wgrad": qt.Hadamard()}}))
-    x = torch.randn(32, 3, 6, 6)
-    m(x.clone().requires_grad_()).square().sum().backward()
-    m0(x).square().sum().backward()
-    gw = plain(m.weight.grad)
-    assert torch.allclose(gw, m0.weight.grad, rtol=1e-4, atol=1e-4)
-    assert not torch.equal(gw, m0.weight.grad)
+    qt.convert(m, qt.Recipe(**ROLES, gemm={"transform": {gemm: qt.Hadamard()}}))
+    x = torch.randn(16, 16, 5, 5)
+    xx, x0 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y0 = plain(m(xx)), m0(x0)
+    y.square().sum().backward()
+    y0.square().sum().backward()
+    pairs = {"fprop": (y, y0), "dgrad": (plain(xx.grad), x0.grad),
+             "wgrad": (plain(m.weight.grad), m0.weight.grad)}
+    for name, (got, ref) in pairs.items():
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), name
+        # bits change where the transform ran (and downstream of it: fprop feeds the backward)
+        if name == gemm:
+            assert not torch.equal(got, ref), name
+
+
+def test_a_plain_input_warns_that_the_wgrad_transform_does_not_apply():
+    m = nn.Linear(32, 16)
+    qt.convert(m, qt.Recipe(weight=qt.fp32, activation=None, grad=qt.fp32,
+                            gemm={"transform": {"wgrad": qt.Hadamard()}}))
+    with pytest.warns(UserWarning, match="transform of its wgrad GEMM does not apply"):
+        m(torch.randn(16, 32)).sum().backward()
 
 
 def test_describe_names_the_transform():
