@@ -11,6 +11,7 @@ Details: docs/convert.md, "Transforms of the GEMM operands".
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -71,7 +72,7 @@ class Hadamard:
 
     def matrix(self) -> torch.Tensor:
         """diag(s) @ H / sqrt(size) (float64, orthogonal): v @ matrix() transforms a run v."""
-        return self.sign_vector()[:, None] * sylvester(self.size) / self.size ** 0.5
+        return _matrix(self).clone()
 
     def apply(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         """x transformed along ``axis`` (runs of ``size`` consecutive indices; a shorter tail is
@@ -83,7 +84,7 @@ class Hadamard:
         full = k - k % self.size
         if full == 0:
             return x
-        m = self.matrix().to(x.device)
+        m = _matrix(self).to(x.device)
         moved = x.movedim(axis, -1)
         head = moved[..., :full].to(torch.float64)
         head = head.reshape(*head.shape[:-1], full // self.size, self.size) @ m
@@ -94,6 +95,11 @@ class Hadamard:
     def __str__(self) -> str:
         s = {"te": "TE signs", None: "no signs"}.get(self.signs, f"signs seed {self.signs}")
         return f"Hadamard({self.size}, {s})"
+
+
+@functools.lru_cache(maxsize=64)
+def _matrix(h: Hadamard) -> torch.Tensor:  # built once per transform (a frozen, hashable value)
+    return h.sign_vector()[:, None] * sylvester(h.size) / h.size ** 0.5
 
 
 def check_transform(t, what: str) -> Optional[Hadamard]:
