@@ -20,9 +20,11 @@ from typing import Optional
 from .plans import Recipe
 from .formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
 from .formats import format as _format
+from .accum import PRESETS as _accum_presets
 
 __all__ = ["mxfp6", "mxfp4_weights", "mx_all", "direct_cast", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
-           "mxint8_inference", "fp16", "block8", "swalp", "wage", "describe", "PRESETS_BY_NAME"]
+           "mxint8_inference", "fp16", "block8", "swalp", "wage", "describe", "PRESETS_BY_NAME",
+           "deepseek_v3_fp8"]
 
 _P = PRESETS
 _fp32, _bf16 = _P["fp32"], _P["bf16"]
@@ -103,8 +105,33 @@ wage = Recipe(
     name="wage", source="WAGE (Wu et al. 2018): 2-bit weights, 8-bit activations, gradients and "
     "errors, fixed point")
 
+# DeepSeek-V3 (arXiv 2412.19437, sec. 3.3): the GEMMs of every linear layer (Fprop, Dgrad, Wgrad)
+# take E4M3 operands, all of them, with FP32 scales from each block's amax (amax / 448, "online"):
+# activations and activation gradients in 1x128 tiles along the GEMM's K (Wgrad's K is the token
+# dim: 128x1 tiles, as the paper re-quantizes them), weights in 128x128 blocks (the same tiles in
+# Fprop and Dgrad); the partial sums promoted to FP32 every 128 K-elements (sec. 3.3.2, hopper_fp8).
+_ds_act = BlockFormat(_P["fp8_e4m3"], 128, scale="fp32", scale_rule="amax")
+_ds_weight = BlockFormat(_P["fp8_e4m3"], block_shape=(128, 128), scale="fp32", scale_rule="amax")
+deepseek_v3_fp8 = Recipe(
+    weight=_fp32, bias=_fp32, activation=_bf16, grad=_fp32, optimizer_state=_bf16,
+    master_weights=False, accumulate=_accum_presets["hopper_fp8"],
+    gemm={"linear": {"fprop": (_ds_act, _ds_weight), "dgrad": (_ds_act, _ds_weight),
+                     "wgrad": (_ds_act, _ds_act)}, "conv": None},
+    name="deepseek_v3_fp8",
+    source="DeepSeek-V3 (arXiv 2412.19437) sec. 3.3 FP8 training: every nn.Linear's Fprop, Dgrad "
+    "and Wgrad GEMM with E4M3 operands, FP32 per-block amax scales, 1x128 activation / "
+    "activation-gradient tiles along K and 128x128 weight blocks, FP32 promotion every 128 "
+    "K-elements (hopper_fp8, which sums the scaled values; DeepGEMM applies the scales at "
+    "promotion); BF16 activations and BF16 AdamW moments; FP32 weights (the master copy) and "
+    "weight gradients. Other contractions (attention's, convolutions) take BF16/FP32 operands, "
+    "as the paper keeps attention in higher precision. Assumed: activation gradients have FP32 "
+    "values (one grad role also gives the weight gradients' FP32); the output head and MoE "
+    "gates need a rule to stay out of FP8 (.replace(rules={'lm_head': qt.bf16})); FP32 scales "
+    "are rounded to 20 significant bits (amax_scale_format: element times scale a float32)")
+
 PRESETS_BY_NAME = {r.name: r for r in (mxfp6, mxfp4_weights, mx_all_mxfp8, mx_all_mxfp6,
-                                       mx_all_mxfp4, mxint8_inference, fp16, block8, swalp, wage)}
+                                       mx_all_mxfp4, mxint8_inference, fp16, block8, swalp, wage,
+                                       deepseek_v3_fp8)}
 
 
 def describe(print_table: bool = True) -> Optional[str]:
