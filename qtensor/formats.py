@@ -397,6 +397,13 @@ class BlockFormat(Format):
                 f"{self}: the smallest element times the smallest scale is below float32's "
                 "smallest subnormal 2^-149")
 
+    def replace(self, **changes) -> "BlockFormat":
+        """A copy with some fields changed; a new ``block_shape`` brings its own block_size
+        (r * c) unless block_size is given too."""
+        if changes.get("block_shape") is not None and "block_size" not in changes:
+            changes["block_size"] = None
+        return dataclasses.replace(self, **changes)
+
     def _check_block_shape(self) -> None:
         shape = self.block_shape
         if isinstance(shape, str):  # the string form "16x16"
