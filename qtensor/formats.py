@@ -224,6 +224,26 @@ class FloatFormat(Format):
         return f"FloatFormat({_to_string(self)})"
 
 
+class Fp32ScaleGrid(FloatFormat):
+    """The grid of a BlockFormat's FP32 scales under the amax rule (``amax_scale_format``): the
+    float32 numbers of ``man + 1`` significant bits from 2^emin up to float32's top binade, and
+    below 2^emin multiples of 2^(emin - man) (its subnormals). A float-like format with float32's
+    emax = 127 whatever its bias (so not a FloatFormat one could name: only the kernels and the
+    reference round to it)."""
+
+    def __post_init__(self):  # (the bias sets emin; the carrier checks do not apply)
+        pass
+
+    @property
+    def emax(self) -> int:
+        return _F32_EMAX
+
+    def __repr__(self) -> str:
+        return f"Fp32ScaleGrid(man={self.man}, emin={self.emin})"
+
+    __str__ = __repr__
+
+
 @dataclass(frozen=True, repr=False)
 class FixedFormat(Format):
     """Fixed point: values k * 2^-fl with k a ``wl``-bit integer.
@@ -438,13 +458,17 @@ class BlockFormat(Format):
     @property
     def amax_scale_format(self) -> FloatFormat:
         """The format the amax rule rounds a block's scale to: the scale format, except a
-        float32 scale ('fp32', DeepSeek-V3's FP32 block scales), which rounds to float32 numbers
-        of 24 - (element bits) significant bits (no subnormals), so that element times scale is
-        a float32 exactly: e8m19 for E4M3 elements, e8m21 for E2M1."""
+        float32 scale ('fp32', DeepSeek-V3's FP32 block scales), which rounds to the float32
+        numbers of 24 - (element bits) significant bits that are multiples of 2^(-149 - the
+        element's lowest bit exponent), so that element times scale is a float32 exactly: 20
+        bits and multiples of 2^-140 for E4M3 elements (:class:`Fp32ScaleGrid`)."""
         s = self.scale
         if (s.exp, s.man, s.bias, s.specials) == (8, _F32_MAN, 127, "ieee") and s.signed:
             man = _F32_MAN - _significant_bits(self.elem)
-            return FloatFormat(8, man, subnormals=False, saturate=s.saturate)
+            elem_q = (self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat)
+                      else -self.elem.fl)
+            emin = max(1 - 127, _F32_MIN_QUANTUM_EXP - elem_q + man)
+            return Fp32ScaleGrid(8, man, bias=1 - emin, saturate=True)
         return s
 
     def _check_amax_rule(self, elem, scale) -> None:

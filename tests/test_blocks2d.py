@@ -183,7 +183,8 @@ def test_fp32_scale_is_amax_over_448_in_20_bits(quantize):
     amax / 448 rounded to 20 significant bits (so that E4M3 element times X is a float32), the
     elements E4M3(x / X): not a power of two, unlike MX."""
     fmt = BlockFormat(qt.fp8_e4m3, 128, scale="fp32", scale_rule="amax")
-    assert fmt.amax_scale_format == qt.FloatFormat(8, 19, subnormals=False)
+    grid = fmt.amax_scale_format  # 20 bits; multiples of 2^-140: E4M3's 2^-9 times it >= 2^-149
+    assert (grid.man, grid.emin, grid.emax, grid.min_quantum_exp) == (19, -121, 127, -140)
     x = _x((6, 256), seed=5, spread=1.0).double()
     q = quantize(x.float(), fmt).double()
     blocks = x.reshape(6, 2, 128)
@@ -193,6 +194,20 @@ def test_fp32_scale_is_amax_over_448_in_20_bits(quantize):
     assert not bool((torch.frexp(scale)[0] == 0.5).all())  # not powers of two
     # the block's max element is +-448 exactly: re-rounding derives the same scale
     assert bool((q.reshape(6, 2, 128).abs().amax(-1, keepdim=True) == 448 * scale).all())
+
+
+def test_fp32_scale_tiny_blocks_stay_float32():
+    """A block whose scale is near float32's bottom: its scale is a multiple of 2^-140, so that
+    its values (down to E4M3's 2^-9 times it) are float32s and re-round to themselves (a 20-bit
+    scale of 2^-125 would put a lowest bit at 2^-153: the first rounding moved on the second)."""
+    fmt = BlockFormat(qt.fp8_e4m3, 128, scale="fp32", scale_rule="amax")
+    x = _x((4, 128), seed=7, spread=1.0) * 1e-36
+    for mode in ("nearest", "toward_zero"):
+        q = qt.quantize(x, fmt, rounding=mode)
+        assert_bits_equal(reference.quantize(x, fmt, rounding=mode), q, mode)
+        assert_bits_equal(qt.quantize(q, fmt, rounding=mode), q, f"{mode} re-rounded")
+        scales = q.abs().double().amax(-1) / 448
+        assert bool(((scales * 2.0 ** 140) % 1 == 0).all())
 
 
 def test_fp32_scale_limits():
