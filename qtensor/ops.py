@@ -238,7 +238,11 @@ def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int) -> torch.Tensor:
     if rounding == "stochastic" or not _use_kernel(x, fmt, rounding):
         return reference.quantize_with_seed(x, fmt, rounding, seed)
     y, restore, fmt1 = reference.tile_blocks(x.detach(), fmt)
-    return restore(_round(y.contiguous(), fmt1, rounding, seed, None)).contiguous()
+    y = y.contiguous()
+    if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        y = y.clone()  # (the layout was a view of x: one row of tiles, or r = 1)
+    # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
+    return restore(_round_(y, fmt1, rounding, seed)).contiguous()
 
 
 def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
