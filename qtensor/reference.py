@@ -188,10 +188,17 @@ def tile_blocks(x: torch.Tensor, fmt: BlockFormat):
     y = y.reshape(*lead, (R + pr) // r, r, (C + pc) // c, c).transpose(-3, -2)
     y = y.reshape(*lead, (R + pr) // r, (C + pc) // c, r * c)
     fmt1 = fmt.replace(block_shape=None, block_size=r * c, axis=-1)
+    A, B = (R + pr) // r, (C + pc) // c
 
-    def restore(q):
-        q = q.reshape(*lead, (R + pr) // r, (C + pc) // c, r, c).transpose(-3, -2)
-        return q.reshape(*lead, R + pr, C + pc)[..., :R, :C]
+    def restore(q, into=None):
+        """q back in x's layout (a view), or copied into ``into`` (x's shape)."""
+        q = q.reshape(*lead, A, B, r, c)
+        if into is not None and not (pr or pc) and into.is_contiguous():
+            # (a permuted destination and a contiguous source: torch's fast permuting copy)
+            into.view(*lead, A, r, B, c).transpose(-3, -2).copy_(q)
+            return into
+        v = q.transpose(-3, -2).reshape(*lead, R + pr, C + pc)[..., :R, :C]
+        return v if into is None else into.copy_(v)
     return y, restore, fmt1
 
 
