@@ -9,6 +9,8 @@ Roles are those of docs/convert.md; a pair is (value format, contraction operand
   inference in any format).
 - QPyTorch (Zhang et al., 2019) and the papers it reproduces: ``fp16``, ``block8``, ``swalp``
   (SWALP), ``wage`` (WAGE).
+- DeepSeek-V3 (arXiv 2412.19437): ``deepseek_v3_fp8`` (E4M3 GEMM operands of every linear layer
+  with FP32 block scales: 1x128 activation tiles, 128x128 weight blocks; FP32 promotion every 128).
 
 Each preset's source, formats and where the emulation differs from it: docs/convert.md
 ("Published low-precision recipes").
