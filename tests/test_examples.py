@@ -73,7 +73,7 @@ def test_demo_writes_to_an_untracked_folder_by_default():
     ignored = subprocess.run(["git", "check-ignore", "-q", str(local / "demo.md")], cwd=ROOT)
     assert ignored.returncode in (0, 128), "examples/results/local/ is not git-ignored"
     for script in ("demo.py", "direct_cast.py", "mx_training.py", "qpytorch_recipes.py",
-                   "accum_study.py"):
+                   "accum_study.py", "fp4_recipes_study.py"):
         assert "common.output_dir(args.out, args.quick)" in (EXAMPLES / script).read_text()
 
 
@@ -102,6 +102,19 @@ def test_mx_training_quick():
     for cells in rows.values():
         if cells[0] != "train loss":
             assert 0.0 < float(cells[0]) < 10.0  # a finite cross-entropy
+
+
+def test_fp4_recipes_study_quick():
+    out = run_example("fp4_recipes_study.py", "--quick", "--runs",
+                      "fp32,nvfp4_nvidia,nvidia-rht,quartet")
+    rows = table_rows(out)
+    assert {"FP32", "qt.recipes.nvfp4_nvidia", "nvfp4_nvidia without wgrad RHT",
+            "qt.recipes.quartet"} <= set(rows)
+    for name, cells in rows.items():
+        if cells[0] != "GPT val loss":
+            assert 0.0 < float(cells[0].split(" ± ")[0]) < 10.0, (name, cells)  # finite
+            assert 0.0 <= float(cells[3].split(" ± ")[0]) <= 100.0
+    assert "Command: python examples/fp4_recipes_study.py --quick" in out
 
 
 def test_hf_finetune_quick():
