@@ -308,15 +308,16 @@ _FIT_CACHE: dict = {}
 def fit_format(fmt: Format, ndim: int) -> Format:
     """fmt usable on a tensor of ``ndim`` dims: a block axis it lacks becomes the last one. A
     2D block format (block_shape r x c) on fewer than 2 dims becomes the 1D blocks of one row
-    of its tiles (c elements, or r with its cols along dim -2); on 2+ dims its axis must be one
-    of the last two, else it becomes -1."""
+    of its tiles (c elements, or r with its cols along dim -2); on 2+ dims it is kept (an axis
+    that is not one of the last two dims, e.g. a conv weight's K, is a FormatError when
+    rounding: tiles along other dims would be a silent other blocking)."""
     if type(fmt) is not BlockFormat or fmt.axis is None:
         return fmt
     if fmt.block_shape is None:
         if -ndim <= fmt.axis < ndim or ndim == 0:
             return fmt
-    elif ndim >= 2 and -ndim <= fmt.axis < ndim and fmt.axis % ndim >= ndim - 2:
-        return fmt
+    elif ndim >= 2 and -ndim <= fmt.axis < ndim:
+        return fmt  # (an axis that is not one of the last two: quantize says so, FormatError)
     key = (fmt, ndim)
     f = _FIT_CACHE.get(key)
     if f is None:
@@ -497,7 +498,9 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
     if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
             and fmt.rounding != "stochastic"):
         ax = fmt.axis % x.dim()
-        if ax != x.dim() - 1 or not x.is_contiguous():
+        # (2D tiles: only their own two dims may be swapped; another axis is a FormatError)
+        if (ax != x.dim() - 1 or not x.is_contiguous()) and (
+                fmt.block_shape is None or ax == x.dim() - 2):
             xm = x.movedim(ax, -1)
             q = _quantize_flat(xm.contiguous(), with_axis(fmt, -1)).movedim(-1, ax)
             return q.contiguous() if keep_layout and x.is_contiguous() else q

@@ -117,14 +117,17 @@ wage = Recipe(
 # three GEMMs of each Linear/Conv in FP4.
 _nv = _P["nvfp4"]  # two-level: E4M3 scales of 16 elements under an FP32 tensor scale
 _nv_sr = _nv.replace(rounding="stochastic")
-_nv_w = _nv  # TODO(2D blocks): 16x16 weight blocks (W and W^T round alike) once 2D blocks exist
+_nv_w = _nv.replace(block_shape=(16, 16))  # 16x16 weight blocks: W and W^T round alike
 _fp4_roles = dict(weight=(_fp32, _bf16), bias=_fp32, activation=_bf16, grad=_bf16,
                   optimizer_state=None, master_weights=True)
 
+_nv_gemm = {"fprop": (_nv, _nv_w), "dgrad": (_nv_sr, _nv_w), "wgrad": (_nv, _nv_sr),
+            "transform": {"wgrad": Hadamard(16, signs="te")}}
 nvfp4_nvidia = Recipe(
     **_fp4_roles,
-    gemm={"fprop": (_nv, _nv_w), "dgrad": (_nv_sr, _nv_w), "wgrad": (_nv, _nv_sr),
-          "transform": {"wgrad": Hadamard(16, signs="te")}},
+    # (a conv weight's K, its input channels, is not one of its last two dims: 1D blocks there)
+    gemm={"linear": _nv_gemm,
+          "conv": {**_nv_gemm, "fprop": (_nv, _nv), "dgrad": (_nv_sr, _nv)}},
     last_layers=(0.15, _bf16),
     name="nvfp4_nvidia",
     source="NVIDIA, 'Pretraining LLMs with NVFP4' (arXiv 2509.25149) and Transformer Engine's "
@@ -134,9 +137,9 @@ nvfp4_nvidia = Recipe(
     "16x16 random Hadamard transform (TE's sign vector) on both wgrad operands along the tokens, "
     "tensor scale after it; the last 15% of the linear layers (the paper: ~15%, mostly at the "
     "end; here the last ones, rounded up, the output head included) in BF16; attention, "
-    "norms, embeddings BF16, FP32 master weights and optimizer. Differs: weights in 1D blocks "
-    "of 16 along K, not the paper's 16x16 2D blocks (pending); the paper's first BF16 blocks "
-    "are not kept")
+    "norms, embeddings BF16, FP32 master weights and optimizer; Linear weights in 16x16 2D "
+    "blocks (the same tiles in fprop and dgrad; conv weights, which the paper has none of, in "
+    "1D blocks of 16 along K). Differs: the paper's first BF16 blocks are not kept")
 
 _fa_sr = _nv.replace(rounding="stochastic")
 fp4_all_the_way = Recipe(

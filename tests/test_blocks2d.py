@@ -286,3 +286,13 @@ def test_converted_linear_with_16x16_weight_blocks_trains():
     assert lin.weight.grad is not None
     assert not torch.equal(lin.weight.dequantize(), w)  # the step moved the weights
     assert lin.weight.mm_fmt == NV16 and lin.weight.t().mm_fmt == NV16
+
+
+def test_2d_weight_operand_of_a_conv_is_refused():
+    """A conv weight's K (its input channels, dim 1) is not one of its last two dims: a 2D
+    operand format there is a FormatError naming the shape, not tiles over the kernel dims."""
+    model = qt.convert(nn.Sequential(nn.Conv2d(3, 32, 3)),
+                       Recipe(weight=(qt.fp32, NV16), bias=qt.fp32, activation=qt.bf16))
+    with pytest.raises(FormatError, match=r"axis 1 is not one of them for a tensor of shape "
+                                          r"\(32, 3, 3, 3\)"):
+        model(torch.randn(2, 3, 8, 8))
