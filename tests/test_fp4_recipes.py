@@ -48,7 +48,10 @@ def linear(recipe, seed=5, tokens=48, in_f=64, out_f=32):
 
 
 def test_nvfp4_nvidia_definition():
-    r, g = R.nvfp4_nvidia, R.nvfp4_nvidia.gemm
+    r, g = R.nvfp4_nvidia, R.nvfp4_nvidia.gemm["linear"]
+    # convolutions: the same, with 1D weight blocks of 16 along K (input channels, not 2D-tileable)
+    c = R.nvfp4_nvidia.gemm["conv"]
+    assert c == g.__class__(**{**vars(g), "fprop_w": NV, "dgrad_w": NV})
     # NVFP4 two-level: E2M1 elements, E4M3 scales of 16, FP32 per-tensor scale, for all six
     for f in (g.fprop_x, g.fprop_w, g.dgrad_dy, g.dgrad_w, g.wgrad_x, g.wgrad_dy):
         assert f.replace(rounding="nearest", block_shape=None, block_size=16) == NV
@@ -154,7 +157,7 @@ def test_last_layers_run_their_gemms_in_bf16():
     kinds = [mod.forward.gemm for mod in m]
     high = qt.plans.GemmFormats(fprop_x=BF, fprop_w=BF, dgrad_dy=BF, dgrad_w=BF, wgrad_x=BF,
                                 wgrad_dy=BF)
-    assert kinds[5:] == [high, high] and all(k == R.nvfp4_nvidia.gemm for k in kinds[:5])
+    assert kinds[5:] == [high, high] and all(k == R.nvfp4_nvidia.gemm["linear"] for k in kinds[:5])
     seen = {}
     m[6].register_forward_hook(lambda mod, a, out: seen.update(x=plain(a[0]), y=plain(out)))
     w, b = plain(m[6].weight.detach()), plain(m[6].bias.detach())
