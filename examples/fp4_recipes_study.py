@@ -51,7 +51,9 @@ def _all_six(fmt):
 
 
 def _nvidia(**gemm_changes):
-    return R.nvfp4_nvidia.replace(gemm=dataclasses.replace(R.nvfp4_nvidia.gemm, **gemm_changes))
+    g = R.nvfp4_nvidia.gemm  # per layer kind (Linear weights in 16x16 blocks, conv 1D)
+    return R.nvfp4_nvidia.replace(gemm={k: dataclasses.replace(v, **gemm_changes)
+                                        for k, v in g.items()})
 
 
 RECIPES = {

@@ -807,7 +807,8 @@ def _block_gexp(x: torch.Tensor, q, kdim: int, group: int):
     from .formats import BlockFormat, FloatFormat
     fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
     if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
-            and fmt.block_size % group == 0 and isinstance(fmt.elem, FloatFormat)):
+            and fmt.block_size % group == 0 and isinstance(fmt.elem, FloatFormat)
+            and fmt.block_shape is None):  # (2D tiles: their scales are not runs along K)
         return None
     return _block_exps(x, fmt, kdim, group)
 
@@ -817,7 +818,7 @@ def _mx_scale_exps(x: torch.Tensor, fmt, kdim: int):
     kdim (as _block_gexp recovers it), or None for other formats."""
     from .formats import BlockFormat, FloatFormat
     if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
-            and isinstance(fmt.elem, FloatFormat)):
+            and isinstance(fmt.elem, FloatFormat) and fmt.block_shape is None):
         return None
     return _block_exps(x, fmt, kdim, 1)
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .formats import BlockFormat, Format, _check_rounding
+from .formats import BlockFormat, Format, FormatError, _check_rounding
 from .formats import format as _parse_format
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "check_input", "check_out", "check_axis",
@@ -46,7 +46,21 @@ def check_out(x: torch.Tensor, out, fmt) -> None:
 
 
 def check_axis(x: torch.Tensor, fmt) -> None:
-    """A BlockFormat's axis must be a dim of x (a 0-dim x is one block whatever the axis)."""
+    """A BlockFormat's axis must be a dim of x (a 0-dim x is one block whatever the axis); a 2D
+    block format (block_shape) needs 2+ dims, with its axis one of the last two."""
+    if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
+        r, c = fmt.block_shape
+        if x.dim() < 2:
+            raise FormatError(
+                f"{fmt}: {r}x{c} blocks tile the last two dims, but x has shape "
+                f"{tuple(x.shape)} ({x.dim()} dim{'s' if x.dim() != 1 else ''}); use a 1D block "
+                "format (block_size=...) for it")
+        if not -x.dim() <= fmt.axis < x.dim() or fmt.axis % x.dim() < x.dim() - 2:
+            raise FormatError(
+                f"{fmt}: {r}x{c} blocks tile the last two dims, with cols along axis; axis "
+                f"{fmt.axis} is not one of them for a tensor of shape {tuple(x.shape)} (use -1 "
+                "or -2)")
+        return
     if isinstance(fmt, BlockFormat) and fmt.axis is not None and x.dim() > 0:
         if not -x.dim() <= fmt.axis < x.dim():
             raise IndexError(

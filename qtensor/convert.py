@@ -820,6 +820,12 @@ def _total_bits(t: torch.Tensor) -> float:
         return 0.0
     if fmt.axis is None or t.dim() == 0:
         blocks = 1
+    elif fmt.block_shape is not None and t.dim() >= 2:  # tiles of the last two dims
+        r, c = fmt.block_shape
+        if fmt.axis % t.dim() == t.dim() - 2:
+            r, c = c, r
+        rows, cols = t.shape[-2], t.shape[-1]
+        blocks = (n // (rows * cols)) * -(-rows // r) * -(-cols // c)
     else:
         length = t.shape[fmt.axis]
         per_row = 1 if fmt.block_size is None else -(-length // fmt.block_size)

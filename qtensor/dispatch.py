@@ -306,15 +306,30 @@ _FIT_CACHE: dict = {}
 
 
 def fit_format(fmt: Format, ndim: int) -> Format:
-    """fmt usable on a tensor of ``ndim`` dims: a block axis it lacks becomes the last one."""
+    """fmt usable on a tensor of ``ndim`` dims: a block axis it lacks becomes the last one. A
+    2D block format (block_shape r x c) on fewer than 2 dims becomes the 1D blocks of one row
+    of its tiles (c elements, or r with its cols along dim -2); on 2+ dims it is kept (an axis
+    that is not one of the last two dims, e.g. a conv weight's K, is a FormatError when
+    rounding: tiles along other dims would be a silent other blocking)."""
     if type(fmt) is not BlockFormat or fmt.axis is None:
         return fmt
-    if -ndim <= fmt.axis < ndim or ndim == 0:
-        return fmt
+    if fmt.block_shape is None:
+        if -ndim <= fmt.axis < ndim or ndim == 0:
+            return fmt
+    elif ndim >= 2 and -ndim <= fmt.axis < ndim:
+        return fmt  # (an axis that is not one of the last two: quantize says so, FormatError)
     key = (fmt, ndim)
     f = _FIT_CACHE.get(key)
     if f is None:
-        f = _FIT_CACHE[key] = fmt.replace(axis=-1)
+        if fmt.block_shape is None:
+            f = fmt.replace(axis=-1)
+        elif ndim >= 2:
+            f = fmt.replace(axis=-1)
+        else:  # one row of tiles; which of r, c runs along the row: axis -1 or else -2
+            r, c = fmt.block_shape
+            along_row = c if fmt.axis in (-1, 1) else r  # (1: the last dim of a matrix)
+            f = fmt.replace(block_shape=None, block_size=along_row, axis=-1)
+        _FIT_CACHE[key] = f
     return f
 
 
@@ -333,21 +348,26 @@ def with_axis(fmt: Format, axis: int) -> Format:
 
 
 def _transposed_fmt(fmt, func, args, in_ndim):
-    """The block axis after transpose/t/permute (the values keep their blocks)."""
+    """(The block axis after transpose/t/permute, whether the values keep their blocks: 1D
+    blocks always do; 2D tiles where their two dims stay the last two, e.g. W.t() or
+    x.transpose(-1, -2), whose format is the same tiles with the axis on the other dim)."""
     if type(fmt) is not BlockFormat or fmt.axis is None or in_ndim < 2:
-        return fmt
+        return fmt, True
     ax = fmt.axis % in_ndim
     packet = func._opname
     if packet.startswith("permute"):
         perm = [d % in_ndim for d in args[1]]
-        new = perm.index(ax)
     elif packet.startswith("transpose"):
         d0, d1 = args[1] % in_ndim, args[2] % in_ndim
-        new = d1 if ax == d0 else d0 if ax == d1 else ax
+        perm = list(range(in_ndim))
+        perm[d0], perm[d1] = d1, d0
     else:  # t
-        new = 1 - ax
+        perm = [1, 0][:in_ndim]
+    new = perm.index(ax)
     new_axis = -1 if new == in_ndim - 1 and fmt.axis < 0 else new
-    return with_axis(fmt, new_axis)
+    if fmt.block_shape is not None and sorted(perm[-2:]) != [in_ndim - 2, in_ndim - 1]:
+        return with_axis(fmt, -1), False  # the tiles' dims are no longer the last two
+    return with_axis(fmt, new_axis), True
 
 
 def _reshaped_axis(in_shape, a, out_shape, block_size):
@@ -387,6 +407,11 @@ def _block_axis_out(fmt, rule, args, kwargs, in_shape, out_shape):
     nin, nout = len(in_shape), len(out_shape)
     if nin == 0 or tuple(in_shape) == tuple(out_shape):
         return fmt, True
+    if fmt.block_shape is not None:  # 2D tiles: kept where the last two dims are unchanged
+        if nin >= 2 and nout >= 2 and tuple(in_shape[-2:]) == tuple(out_shape[-2:]):
+            return with_axis(fmt, fmt.axis % nin - nin), True
+        return (with_axis(fmt, fmt.axis % nin - nin if nout >= 2 else -1),
+                False)
     a = fmt.axis % nin
     new = None
     numel_in = numel_out = 1
@@ -473,7 +498,9 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
     if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
             and fmt.rounding != "stochastic"):
         ax = fmt.axis % x.dim()
-        if ax != x.dim() - 1 or not x.is_contiguous():
+        # (2D tiles: only their own two dims may be swapped; another axis is a FormatError)
+        if (ax != x.dim() - 1 or not x.is_contiguous()) and (
+                fmt.block_shape is None or ax == x.dim() - 2):
             xm = x.movedim(ax, -1)
             q = _quantize_flat(xm.contiguous(), with_axis(fmt, -1)).movedim(-1, ax)
             return q.contiguous() if keep_layout and x.is_contiguous() else q
@@ -481,6 +508,10 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
 
 
 def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    if type(fmt) is BlockFormat and fmt.block_shape is not None:  # 2D tiles: qtensor.ops
+        if fmt.rounding == "stochastic" and type(x) is not torch.Tensor:
+            raise _ops.stochastic_under_tracing(fmt)
+        return _ops.quantize(x, fmt)
     if x.dtype is torch.float32:
         dt = _CAST_DTYPES.get(id(fmt))
         if dt is not None:
@@ -758,7 +789,10 @@ def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
         return fmt, rnd
     in_shape = src.shape  # the wrapper's: an in-place view op has changed the payload already
     if rule.transpose:
-        return _transposed_fmt(fmt, func, uargs, len(in_shape)), rnd
+        fmt, kept = _transposed_fmt(fmt, func, uargs, len(in_shape))
+        if not kept and not rule.is_view and not rule.inplace_view:
+            rnd = True  # (a view must alias its base: its values stay)
+        return fmt, rnd
     fmt, kept = _block_axis_out(fmt, rule, uargs, ukwargs, in_shape, first.shape)
     if (rule.kind == MOVE_KIND and not rule.is_view and not rule.inplace_view
             and not (kept and rule.op.block == KEEP)):

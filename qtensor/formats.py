@@ -224,6 +224,26 @@ class FloatFormat(Format):
         return f"FloatFormat({_to_string(self)})"
 
 
+class Fp32ScaleGrid(FloatFormat):
+    """The grid of a BlockFormat's FP32 scales under the amax rule (``amax_scale_format``): the
+    float32 numbers of ``man + 1`` significant bits from 2^emin up to float32's top binade, and
+    below 2^emin multiples of 2^(emin - man) (its subnormals). A float-like format with float32's
+    emax = 127 whatever its bias (so not a FloatFormat one could name: only the kernels and the
+    reference round to it)."""
+
+    def __post_init__(self):  # (the bias sets emin; the carrier checks do not apply)
+        pass
+
+    @property
+    def emax(self) -> int:
+        return _F32_EMAX
+
+    def __repr__(self) -> str:
+        return f"Fp32ScaleGrid(man={self.man}, emin={self.emin})"
+
+    __str__ = __repr__
+
+
 @dataclass(frozen=True, repr=False)
 class FixedFormat(Format):
     """Fixed point: values k * 2^-fl with k a ``wl``-bit integer.
@@ -321,6 +341,17 @@ class BlockFormat(Format):
     ``tensor_scale_bits`` significant bits (NVFP4's two-level scaling; needs a second pass over
     the tensor). The amax rule is idempotent: docs/formats.md.
     The element format always saturates; its rounding is the block's rounding.
+
+    block_shape=(r, c): 2D blocks (tiles) of r x c elements over the *last two dims* of a
+    tensor (which needs at least 2 dims): c consecutive elements along ``axis`` (which must be
+    one of those two dims, -1 or -2, when the format is applied) and r along the other one. So
+    ``block_shape=(16, 16)`` rounds a weight W and W.T alike: W.T's format is the same one with
+    axis moved to the other dim (what ``.t()`` of a QTensor does). ``block_size`` is then the
+    elements per block, r * c (leave it unset or give r * c); ``axis=None`` is refused. Partial
+    tiles at the ends of either dim are smaller blocks, as a 1D partial block.
+    scale='fp32' (with scale_rule='amax', DeepSeek-V3's per-block FP32 scales): the scale is
+    amax / max_elem rounded to nearest to float32 numbers of 24 - (element bits) significant
+    bits, so that element times scale is a float32 exactly (``amax_scale_format``).
     """
 
     elem: Union[FloatFormat, FixedFormat]
@@ -330,6 +361,7 @@ class BlockFormat(Format):
     scale_rule: str = "floor"
     rounding: Optional[str] = None
     tensor_scale: bool = False
+    block_shape: Optional[tuple] = None
 
     def __post_init__(self):
         elem = self.elem
@@ -351,6 +383,8 @@ class BlockFormat(Format):
         if not isinstance(scale, FloatFormat):
             raise FormatError(f"scale must be a FloatFormat (e.g. e8m0 or fp8_e4m3), got {scale!r}")
         object.__setattr__(self, "scale", scale)
+        if self.block_shape is not None:
+            self._check_block_shape()
         if self.block_size is not None:
             _check_int("block_size", self.block_size)
             if self.block_size < 1:
@@ -383,9 +417,64 @@ class BlockFormat(Format):
                 f"{self}: the smallest element times the smallest scale is below float32's "
                 "smallest subnormal 2^-149")
 
+    def replace(self, **changes) -> "BlockFormat":
+        """A copy with some fields changed; a new ``block_shape`` brings its own block_size
+        (r * c) unless block_size is given too."""
+        if changes.get("block_shape") is not None and "block_size" not in changes:
+            changes["block_size"] = None
+        return dataclasses.replace(self, **changes)
+
+    def _check_block_shape(self) -> None:
+        shape = self.block_shape
+        if isinstance(shape, str):  # the string form "16x16"
+            m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", shape)
+            if not m:
+                raise FormatError(
+                    f"block_shape must be two ints (rows, cols) or 'RxC' such as '16x16', got "
+                    f"{shape!r}")
+            shape = (int(m.group(1)), int(m.group(2)))
+        if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+            raise FormatError(
+                f"block_shape must be two ints (rows, cols), e.g. (16, 16), got {shape!r} (a 1D "
+                "block is block_size=...)")
+        for name, v in zip(("rows", "cols"), shape):
+            _check_int(f"block_shape {name}", v)
+            if not 1 <= v <= _MAX_INDEX:
+                raise FormatError(f"block_shape {name} must be 1..2**62, got {_int_str(v)}")
+        shape = tuple(shape)
+        object.__setattr__(self, "block_shape", shape)
+        if self.axis is None:
+            raise FormatError(
+                f"block_shape={shape[0]}x{shape[1]} tiles the last two dims, with cols along "
+                "axis: it needs axis=-1 or -2, not axis=None")
+        n = shape[0] * shape[1]
+        # 32 is block_size's default (not given); anything else must say the same as the shape
+        if self.block_size not in (None, 32, n):
+            raise FormatError(
+                f"block_shape={shape[0]}x{shape[1]} has {n} elements per block, but "
+                f"block_size={_int_str(self.block_size)}; leave block_size unset")
+        object.__setattr__(self, "block_size", n)
+
+    @property
+    def amax_scale_format(self) -> FloatFormat:
+        """The format the amax rule rounds a block's scale to: the scale format, except a
+        float32 scale ('fp32', DeepSeek-V3's FP32 block scales), which rounds to the float32
+        numbers of 24 - (element bits) significant bits that are multiples of 2^(-149 - the
+        element's lowest bit exponent), so that element times scale is a float32 exactly: 20
+        bits and multiples of 2^-140 for E4M3 elements (:class:`Fp32ScaleGrid`)."""
+        s = self.scale
+        if (s.exp, s.man, s.bias, s.specials) == (8, _F32_MAN, 127, "ieee") and s.signed:
+            man = _F32_MAN - _significant_bits(self.elem)
+            elem_q = (self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat)
+                      else -self.elem.fl)
+            emin = max(1 - 127, _F32_MIN_QUANTUM_EXP - elem_q + man)
+            return Fp32ScaleGrid(8, man, bias=1 - emin, saturate=True)
+        return s
+
     def _check_amax_rule(self, elem, scale) -> None:
         # A value of the format, element times scale (times the tensor scale), must be a float32
         # exactly, or re-rounding it would not give it back (docs/formats.md, idempotence).
+        scale = self.amax_scale_format
         p_elem, p_scale = _significant_bits(elem), scale.man + 1
         if p_elem + p_scale > _F32_MAN + 1:
             raise FormatError(
@@ -409,7 +498,7 @@ class BlockFormat(Format):
         """Significant bits of the per-tensor scale (tensor_scale=True): 23 minus the element's
         and the scale's, so that element values and rounding boundaries times both scales are
         float32s exactly (17 for NVFP4)."""
-        return _F32_MAN - _significant_bits(self.elem) - (self.scale.man + 1)
+        return _F32_MAN - _significant_bits(self.elem) - (self.amax_scale_format.man + 1)
 
     @property
     def tensor_scale_min_exp(self) -> int:
@@ -417,11 +506,12 @@ class BlockFormat(Format):
         (emin - man, or -fl) and of the scale (emin - man), and one more for a rounding
         boundary, the products stay at or above float32's 2^-149."""
         elem_q = self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat) else -self.elem.fl
-        return -149 - (elem_q + self.scale.min_quantum_exp) + 1
+        return -149 - (elem_q + self.amax_scale_format.min_quantum_exp) + 1
 
     @property
     def scale_emin(self) -> int:
-        return self.scale.emin if not self.scale.subnormals else self.scale.min_quantum_exp
+        s = self.amax_scale_format if self.scale_rule == "amax" else self.scale
+        return s.emin if not s.subnormals else s.min_quantum_exp
 
     @property
     def min_quantum_exp(self) -> int:
@@ -573,6 +663,10 @@ def _to_string(f: Format) -> str:
                 continue
             if canonical is None and value == _block_default(field.name):
                 continue
+        if field.name == "block_size" and f.block_shape is not None:
+            continue  # rows * cols
+        if field.name == "block_shape":
+            value = f"{value[0]}x{value[1]}"
         args.append(f"{field.name}={_value_str(value)}")
     return base + (f"({', '.join(args)})" if args else "")
 

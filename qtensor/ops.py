@@ -74,12 +74,15 @@ def op_args(fmt: Format) -> tuple:
     if isinstance(fmt, FixedFormat):
         return "quantize_fixed", (fmt.wl, fmt.fl, fmt.signed, fmt.symmetric, fmt.saturate)
     if isinstance(fmt, BlockFormat):
+        if fmt.block_shape is not None:
+            raise ValueError(f"{fmt}: 2D blocks have no op of their own; quantize lays the tiles "
+                             "out for quantize_block (reference.tile_blocks)")
         e = fmt.elem
         if isinstance(e, FloatFormat):
             elem = [0, e.man, e.emin, int(e.subnormals), 0, e.emax]
         else:
             elem = [1, e.wl, e.fl, int(e.signed), int(e.symmetric), e.emax]
-        s = fmt.scale
+        s = fmt.amax_scale_format if fmt.scale_rule == "amax" else fmt.scale
         man, emin, subnormals, smax, overflow, unsigned = _float_args(s)
         scale = [man, emin, s.emax, int(subnormals), overflow, int(unsigned)]
         block_size = 0 if fmt.block_size is None else fmt.block_size
@@ -228,8 +231,29 @@ def _differentiable(x: torch.Tensor) -> bool:
     return _fwad._current_level >= 0 and _fwad.unpack_dual(x).tangent is not None
 
 
+def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int, out=None) -> torch.Tensor:
+    """x rounded to a 2D block format (into ``out`` if given): its tiles laid out as 1D blocks
+    of r*c for the quantize_block kernel (the same bits as the reference). Stochastic rounding
+    goes to the reference: its random bits follow each element's index in x, not in the tiled
+    layout."""
+    if rounding == "stochastic" or not _use_kernel(x, fmt, rounding):
+        q = reference.quantize_with_seed(x, fmt, rounding, seed)
+        return q if out is None else out.copy_(q)
+    y, restore, fmt1 = reference.tile_blocks(x.detach(), fmt)
+    y = y.contiguous()
+    if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        y = y.clone()  # (the layout was a view of x: one row of tiles, or r = 1)
+    # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
+    _round_(y, fmt1, rounding, seed)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return restore(y, into=out)
+
+
 def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
     """quantize_with_seed after its checks, outside autograd."""
+    if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
+        return _round_tiles(x, fmt, rounding, seed, out)
     if not _use_kernel(x, fmt, rounding):
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
         return q if out is None else out.copy_(q)
@@ -330,6 +354,9 @@ def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
 
 def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
     """quantize_ after its checks, outside autograd."""
+    if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
+        with torch.no_grad():  # (copy_ bumps x's version)
+            return _round_tiles(x, fmt, rounding, seed, out=x)
     if not _use_kernel(x, fmt, rounding):
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))

@@ -12,6 +12,8 @@ Roles are those of docs/convert.md; a pair is (value format, contraction operand
 - FP4 training (issue 21): ``nvfp4_nvidia`` (NVIDIA's NVFP4 pretraining recipe, arXiv 2509.25149,
   and Transformer Engine's NVFP4BlockScaling), ``fp4_all_the_way`` (Chmiel et al., 2505.19115),
   ``quartet`` (Castro et al., 2505.14669, approximated: see its source).
+- DeepSeek-V3 (arXiv 2412.19437): ``deepseek_v3_fp8`` (E4M3 GEMM operands of every linear layer
+  with FP32 block scales: 1x128 activation tiles, 128x128 weight blocks; FP32 promotion every 128).
 
 Each preset's source, formats and where the emulation differs from it: docs/convert.md
 ("Published low-precision recipes").
@@ -24,10 +26,12 @@ from .plans import Recipe
 from .transforms import Hadamard
 from .formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
 from .formats import format as _format
+from .accum import PRESETS as _accum_presets
 
 __all__ = ["mxfp6", "mxfp4_weights", "mx_all", "direct_cast", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
            "mxint8_inference", "fp16", "block8", "swalp", "wage", "nvfp4_nvidia",
-           "fp4_all_the_way", "quartet", "describe", "PRESETS_BY_NAME"]
+           "fp4_all_the_way", "quartet", "describe", "PRESETS_BY_NAME",
+           "deepseek_v3_fp8"]
 
 _P = PRESETS
 _fp32, _bf16 = _P["fp32"], _P["bf16"]
@@ -113,14 +117,17 @@ wage = Recipe(
 # three GEMMs of each Linear/Conv in FP4.
 _nv = _P["nvfp4"]  # two-level: E4M3 scales of 16 elements under an FP32 tensor scale
 _nv_sr = _nv.replace(rounding="stochastic")
-_nv_w = _nv  # TODO(2D blocks): 16x16 weight blocks (W and W^T round alike) once 2D blocks exist
+_nv_w = _nv.replace(block_shape=(16, 16))  # 16x16 weight blocks: W and W^T round alike
 _fp4_roles = dict(weight=(_fp32, _bf16), bias=_fp32, activation=_bf16, grad=_bf16,
                   optimizer_state=None, master_weights=True)
 
+_nv_gemm = {"fprop": (_nv, _nv_w), "dgrad": (_nv_sr, _nv_w), "wgrad": (_nv, _nv_sr),
+            "transform": {"wgrad": Hadamard(16, signs="te")}}
 nvfp4_nvidia = Recipe(
     **_fp4_roles,
-    gemm={"fprop": (_nv, _nv_w), "dgrad": (_nv_sr, _nv_w), "wgrad": (_nv, _nv_sr),
-          "transform": {"wgrad": Hadamard(16, signs="te")}},
+    # (a conv weight's K, its input channels, is not one of its last two dims: 1D blocks there)
+    gemm={"linear": _nv_gemm,
+          "conv": {**_nv_gemm, "fprop": (_nv, _nv), "dgrad": (_nv_sr, _nv)}},
     last_layers=(0.15, _bf16),
     name="nvfp4_nvidia",
     source="NVIDIA, 'Pretraining LLMs with NVFP4' (arXiv 2509.25149) and Transformer Engine's "
@@ -130,9 +137,9 @@ nvfp4_nvidia = Recipe(
     "16x16 random Hadamard transform (TE's sign vector) on both wgrad operands along the tokens, "
     "tensor scale after it; the last 15% of the linear layers (the paper: ~15%, mostly at the "
     "end; here the last ones, rounded up, the output head included) in BF16; attention, "
-    "norms, embeddings BF16, FP32 master weights and optimizer. Differs: weights in 1D blocks "
-    "of 16 along K, not the paper's 16x16 2D blocks (pending); the paper's first BF16 blocks "
-    "are not kept")
+    "norms, embeddings BF16, FP32 master weights and optimizer; Linear weights in 16x16 2D "
+    "blocks (the same tiles in fprop and dgrad; conv weights, which the paper has none of, in "
+    "1D blocks of 16 along K). Differs: the paper's first BF16 blocks are not kept")
 
 _fa_sr = _nv.replace(rounding="stochastic")
 fp4_all_the_way = Recipe(
@@ -166,9 +173,34 @@ quartet = Recipe(
     "backward operands are rounded from the high-precision tensors, not re-quantized from the "
     "forward's FP4 values")
 
+# DeepSeek-V3 (arXiv 2412.19437, sec. 3.3): the GEMMs of every linear layer (Fprop, Dgrad, Wgrad)
+# take E4M3 operands, all of them, with FP32 scales from each block's amax (amax / 448, "online"):
+# activations and activation gradients in 1x128 tiles along the GEMM's K (Wgrad's K is the token
+# dim: 128x1 tiles, as the paper re-quantizes them), weights in 128x128 blocks (the same tiles in
+# Fprop and Dgrad); the partial sums promoted to FP32 every 128 K-elements (sec. 3.3.2, hopper_fp8).
+_ds_act = BlockFormat(_P["fp8_e4m3"], 128, scale="fp32", scale_rule="amax")
+_ds_weight = BlockFormat(_P["fp8_e4m3"], block_shape=(128, 128), scale="fp32", scale_rule="amax")
+deepseek_v3_fp8 = Recipe(
+    weight=_fp32, bias=_fp32, activation=_bf16, grad=_fp32, optimizer_state=_bf16,
+    master_weights=False, accumulate=_accum_presets["hopper_fp8"],
+    gemm={"linear": {"fprop": (_ds_act, _ds_weight), "dgrad": (_ds_act, _ds_weight),
+                     "wgrad": (_ds_act, _ds_act)}, "conv": None},
+    name="deepseek_v3_fp8",
+    source="DeepSeek-V3 (arXiv 2412.19437) sec. 3.3 FP8 training: every nn.Linear's Fprop, Dgrad "
+    "and Wgrad GEMM with E4M3 operands, FP32 per-block amax scales, 1x128 activation / "
+    "activation-gradient tiles along K and 128x128 weight blocks, FP32 promotion every 128 "
+    "K-elements (hopper_fp8, which sums the scaled values; DeepGEMM applies the scales at "
+    "promotion); BF16 activations and BF16 AdamW moments; FP32 weights (the master copy) and "
+    "weight gradients. Other contractions (attention's, convolutions) take BF16/FP32 operands, "
+    "as the paper keeps attention in higher precision. Assumed: activation gradients have FP32 "
+    "values (one grad role also gives the weight gradients' FP32); the output head and MoE "
+    "gates need a rule to stay out of FP8 (.replace(rules={'lm_head': qt.bf16})); FP32 scales "
+    "are rounded to 20 significant bits (amax_scale_format: element times scale a float32)")
+
 PRESETS_BY_NAME = {r.name: r for r in (mxfp6, mxfp4_weights, mx_all_mxfp8, mx_all_mxfp6,
                                        mx_all_mxfp4, mxint8_inference, fp16, block8, swalp, wage,
-                                       nvfp4_nvidia, fp4_all_the_way, quartet)}
+                                       nvfp4_nvidia, fp4_all_the_way, quartet,
+                                       deepseek_v3_fp8)}
 
 
 def describe(print_table: bool = True) -> Optional[str]:

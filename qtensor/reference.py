@@ -171,9 +171,46 @@ def _round_scalar(x64: torch.Tensor, fmt, rounding, index, seed) -> torch.Tensor
     return _round_fixed(x64, fmt, rounding, index, seed)
 
 
+def tile_blocks(x: torch.Tensor, fmt: BlockFormat):
+    """x laid out for a 2D block format: (y, restore, fmt1) with y of shape
+    [..., R/r, C/c, r*c] (each r x c tile of the last two dims, zero-padded at the ends, as one
+    contiguous run), fmt1 the 1D format that rounds y's runs as the tiles, and restore(q) that
+    undoes the layout. Zeros change no block's amax nor the tensor's, so the padded tiles round
+    as the partial tiles they hold."""
+    r, c = fmt.block_shape
+    if fmt.axis % x.dim() == x.dim() - 2:  # cols along dim -2: the tiles are c x r
+        r, c = c, r
+    R, C = x.shape[-2], x.shape[-1]
+    r, c = max(min(r, R), 1), max(min(c, C), 1)  # a tile longer than its dim is the dim
+    pr, pc = (-R) % r, (-C) % c
+    y = torch.nn.functional.pad(x, (0, pc, 0, pr)) if pr or pc else x
+    lead = x.shape[:-2]
+    y = y.reshape(*lead, (R + pr) // r, r, (C + pc) // c, c).transpose(-3, -2)
+    y = y.reshape(*lead, (R + pr) // r, (C + pc) // c, r * c)
+    fmt1 = fmt.replace(block_shape=None, block_size=r * c, axis=-1)
+    A, B = (R + pr) // r, (C + pc) // c
+
+    def restore(q, into=None):
+        """q back in x's layout (a view), or copied into ``into`` (x's shape)."""
+        q = q.reshape(*lead, A, B, r, c)
+        if into is not None and not (pr or pc) and into.is_contiguous():
+            # (a permuted destination and a contiguous source: torch's fast permuting copy)
+            into.view(*lead, A, r, B, c).transpose(-3, -2).copy_(q)
+            return into
+        v = q.transpose(-3, -2).reshape(*lead, R + pr, C + pc)[..., :R, :C]
+        return v if into is None else into.copy_(v)
+    return y, restore, fmt1
+
+
 def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
                      index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
     """x (float64) rounded to a BlockFormat, as float64 (float32-exact values)."""
+    if fmt.block_shape is not None:  # 2D tiles: each one a 1D block of r*c (the same bits)
+        check_axis(x64, fmt)
+        y, restore, fmt1 = tile_blocks(x64, fmt)
+        # the random bits stay those of each element's index in x
+        iy = tile_blocks(index, fmt)[0] if index is not None else None
+        return restore(_quantize_blocks(y, fmt1, rounding, iy, seed))
     shape = x64.shape
     if fmt.axis is None or x64.dim() == 0:
         moved = x64.reshape(1, -1)
@@ -210,7 +247,7 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         k = torch.clamp(k, fmt.scale.emin, fmt.scale.emax)
         scale = _pow2(k)
     else:  # amax: the scale is the scale format's nearest value to amax / max_elem
-        scale_fmt = fmt.scale.replace(rounding="nearest")
+        scale_fmt = fmt.amax_scale_format.replace(rounding="nearest")
         if fmt.tensor_scale:
             # the largest finite |x| (0 if none): no boolean indexing, so no device sync
             amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()

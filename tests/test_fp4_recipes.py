@@ -14,6 +14,7 @@ from conftest import assert_bits_equal
 torch.set_num_threads(1)
 R = qt.recipes
 NV, BF = qt.nvfp4, qt.bf16
+NV16 = NV.replace(block_shape=(16, 16))  # nvfp4_nvidia's weight blocks
 SR = NV.replace(rounding="stochastic")
 
 
@@ -47,11 +48,19 @@ def linear(recipe, seed=5, tokens=48, in_f=64, out_f=32):
 
 
 def test_nvfp4_nvidia_definition():
-    r, g = R.nvfp4_nvidia, R.nvfp4_nvidia.gemm
+    r, g = R.nvfp4_nvidia, R.nvfp4_nvidia.gemm["linear"]
+    # convolutions: the same, with 1D weight blocks of 16 along K (input channels, not 2D-tileable)
+    c = R.nvfp4_nvidia.gemm["conv"]
+    assert c == g.__class__(**{**vars(g), "fprop_w": NV, "dgrad_w": NV})
     # NVFP4 two-level: E2M1 elements, E4M3 scales of 16, FP32 per-tensor scale, for all six
     for f in (g.fprop_x, g.fprop_w, g.dgrad_dy, g.dgrad_w, g.wgrad_x, g.wgrad_dy):
-        assert f.replace(rounding="nearest") == NV and f.block_size == 16 and f.tensor_scale
+        assert f.replace(rounding="nearest", block_shape=None, block_size=16) == NV
+        assert f.tensor_scale
         assert f.scale == qt.fp8_e4m3 and f.elem.replace(rounding="nearest") == qt.fp4_e2m1
+    # the weights in 16x16 2D blocks (W and W^T round alike), x and dY in 1D blocks of 16
+    assert g.fprop_w == g.dgrad_w == NV16
+    assert all(f.block_shape is None and f.block_size == 16
+               for f in (g.fprop_x, g.dgrad_dy, g.wgrad_x, g.wgrad_dy))
     # stochastic rounding on the gradient dY only; x and W round to nearest even
     assert g.dgrad_dy.rounding == g.wgrad_dy.rounding == "stochastic"
     assert {f.rounding for f in (g.fprop_x, g.fprop_w, g.dgrad_w, g.wgrad_x)} == {"nearest"}
@@ -70,18 +79,19 @@ def test_nvfp4_nvidia_linear_bits():
     r = R.nvfp4_nvidia.replace(last_layers=None)
     o = linear(r)
     w, b, x, g, H = o["w"], o["b"], o["x"], o["g"], qt.Hadamard()
-    fwd = torch.addmm(b, q(x, NV, 1), q(w, NV, 1).t())
+    fwd = torch.addmm(b, q(x, NV, 1), q(w, NV16, 1).t())
     assert_bits_equal(o["y"], qt.quantize(fwd, BF), "fprop")
     torch.manual_seed(5)  # autograd runs dgrad first, then wgrad
     dy_d = q(g, SR, 1)
     dy_wt = q(H.apply(g, 0).t(), SR, 1)
-    assert_bits_equal(o["gx"], qt.quantize(dy_d @ q(w, NV, 0), BF), "dgrad")
+    assert_bits_equal(o["gx"], qt.quantize(dy_d @ q(w, NV16, 0), BF), "dgrad")
     wgrad = dy_wt @ q(H.apply(x, 0), NV, 0)
     assert_bits_equal(o["gw"], qt.quantize(wgrad, BF), "wgrad")
-    # the transposes are rounded from the source, not from the forward's rounded values: the
-    # double-rounded W^T (and dY) would give other bits
-    assert not torch.equal(q(q(w, NV, 1), NV, 0), q(w, NV, 0))
-    assert not torch.equal(o["gx"], qt.quantize(dy_d @ q(q(w, NV, 1), NV, 0), BF))
+    # W's 16x16 tiles are the same in fprop and dgrad (1D blocks along K would round W^T from
+    # other blocks), so the forward's rounded W re-rounds to dgrad's W
+    assert torch.equal(q(w, NV16, 1), q(w, NV16, 0))
+    assert not torch.equal(q(w, NV, 1), q(w, NV, 0))
+    assert torch.equal(q(q(w, NV16, 1), NV16, 0), q(w, NV16, 0))
     # stochastic only where the recipe says: another seed changes dgrad and wgrad, not fprop
     o2 = linear(r, seed=6)
     assert torch.equal(o["y"], o2["y"])
@@ -147,7 +157,7 @@ def test_last_layers_run_their_gemms_in_bf16():
     kinds = [mod.forward.gemm for mod in m]
     high = qt.plans.GemmFormats(fprop_x=BF, fprop_w=BF, dgrad_dy=BF, dgrad_w=BF, wgrad_x=BF,
                                 wgrad_dy=BF)
-    assert kinds[5:] == [high, high] and all(k == R.nvfp4_nvidia.gemm for k in kinds[:5])
+    assert kinds[5:] == [high, high] and all(k == R.nvfp4_nvidia.gemm["linear"] for k in kinds[:5])
     seen = {}
     m[6].register_forward_hook(lambda mod, a, out: seen.update(x=plain(a[0]), y=plain(out)))
     w, b = plain(m[6].weight.detach()), plain(m[6].bias.detach())

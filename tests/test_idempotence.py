@@ -59,6 +59,30 @@ def test_block_presets_idempotent(quantize, name, mode):
     assert_idempotent(quantize, wide_blocks(48, 64, seed=7, lo=-12, hi=-4), fmt, mode)
 
 
+# 2D blocks (r x c tiles of the last two dims) and FP32 scales (DeepSeek-V3): NVIDIA's 16x16
+# NVFP4 weight blocks with and without the tensor scale, DeepSeek-V3's 128x128 E4M3 weight blocks
+# and 1x128 activation blocks with FP32 scales, a non-square tile along either dim
+BLOCKS_2D = [
+    BlockFormat(qt.fp4_e2m1, scale=qt.fp8_e4m3, scale_rule="amax", tensor_scale=True,
+                block_shape=(16, 16)),
+    BlockFormat(qt.fp4_e2m1, scale=qt.fp8_e4m3, scale_rule="amax", block_shape=(16, 16)),
+    BlockFormat(qt.fp8_e4m3, scale="fp32", scale_rule="amax", block_shape=(128, 128)),
+    BlockFormat(qt.fp8_e4m3, 128, scale="fp32", scale_rule="amax"),
+    BlockFormat(qt.fp4_e2m1, scale="fp32", scale_rule="amax", block_shape=(4, 8), axis=-2),
+    BlockFormat(qt.mxfp4_e2m1.elem, block_shape=(8, 4)),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", BLOCKS_2D, ids=str)
+def test_2d_and_fp32_scale_blocks_idempotent(quantize, fmt, mode):
+    # (tiles of 128 x 128 span the whole 48 x 300 tensor's rows: partial tiles)
+    for x in (wide_blocks(48, 300, seed=11), wide_blocks(48, 300, seed=12, lo=-12, hi=-4)):
+        if fmt.tensor_scale:  # (the NaN and Inf away from the tensor's amax block, as above)
+            x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+        assert_idempotent(quantize, x.reshape(2, 24, 300), fmt, mode)
+
+
 def test_nvfp4_subnormal_scale_regression(quantize):
     """The report: X = RNE(0.018 / 6) = 2^-8 gave 0.015625, whose own scale RNE(0.015625 / 6) =
     2^-9 saturates it to 6 * 2^-9 = 0.01171875 on the next rounding. The block now settles at
@@ -106,7 +130,7 @@ POW2_SCALES = [qt.e8m0, FloatFormat(5, 0, bias=15, subnormals=False, specials="f
                                     saturate=False, signed=False)]
 AMAX_SCALES = [qt.fp8_e4m3, qt.fp8_e5m2, qt.bf16, qt.fp16, FloatFormat(5, 3),
                FloatFormat(4, 3, specials="fn", saturate=False), FloatFormat(8, 12),
-               qt.e8m0]
+               qt.e8m0, qt.fp32]
 
 
 @st.composite
@@ -116,9 +140,11 @@ def block_formats(draw):
     scale = draw(st.sampled_from(AMAX_SCALES if rule == "amax" else POW2_SCALES))
     ts = rule == "amax" and draw(st.booleans())
     bs = draw(st.sampled_from((1, 2, 3, 8, 16, 32, None)))
-    axis = draw(st.sampled_from((-1, 0, None)))
+    shape = draw(st.sampled_from((None, None, (1, 4), (3, 2), (4, 4), (8, 16))))
+    axis = draw(st.sampled_from((-1, 0, None) if shape is None else (-1, -2, 0)))
     try:
-        return BlockFormat(elem, bs, axis=axis, scale=scale, scale_rule=rule, tensor_scale=ts)
+        return BlockFormat(elem, bs if shape is None else None, axis=axis, scale=scale,
+                           scale_rule=rule, tensor_scale=ts, block_shape=shape)
     except FormatError:
         assume(False)
 
@@ -128,7 +154,7 @@ def value_bits(fmt) -> int:
     e = fmt.elem
     bits = e.man + 1 if isinstance(e, FloatFormat) else (e.wl - 1 if e.signed else e.wl)
     if fmt.scale_rule == "amax":
-        bits += fmt.scale.man + 1
+        bits += fmt.amax_scale_format.man + 1
     if fmt.tensor_scale:
         bits += fmt.tensor_scale_bits
     return bits
@@ -154,7 +180,10 @@ def test_custom_block_formats_idempotent(fmt, mode, seed, lo, dtype):
 def test_amax_rule_formats_the_carrier_cannot_hold():
     """Element times scale must be a float32 exactly (else re-rounding moves it)."""
     with pytest.raises(FormatError, match="more than the float32 carrier's 24"):
-        BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp32, scale_rule="amax")
+        BlockFormat(qt.fp4_e2m1, 16, scale=FloatFormat(8, 22), scale_rule="amax")
+    # FP32 itself is accepted, rounding the scales to 24 - 2 bits (DeepSeek-V3's FP32 scales)
+    assert BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp32,
+                       scale_rule="amax").amax_scale_format.man == 21
     with pytest.raises(FormatError, match="symmetric=True"):
         BlockFormat(FixedFormat(8, 6), 16, scale=qt.fp8_e4m3, scale_rule="amax")
     assert BlockFormat(qt.fp4_e2m1, 16, scale=qt.bf16, scale_rule="amax",

@@ -51,7 +51,7 @@ def block_elements_ok(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     else:
         allowed = elem.wl - 1 if elem.signed else elem.wl
     if fmt.scale_rule == "amax":  # the scale has significant bits of its own
-        allowed += fmt.scale.man + 1
+        allowed += fmt.amax_scale_format.man + 1
     nz = finite & (x32 != 0)
     nsig, quantum = sig_bits_and_quantum(torch.where(nz, x32, torch.ones_like(x32)))
     ok = ok & (~nz | ((nsig <= allowed) & (quantum >= fmt.min_quantum_exp)))
@@ -115,7 +115,7 @@ def same_format(a: Format, b: Format) -> bool:
     if a == b:
         return True
     if isinstance(a, BlockFormat) and isinstance(b, BlockFormat):
-        return a.replace(axis=None) == b.replace(axis=None)
+        return a.replace(axis=-1) == b.replace(axis=-1)  # (2D blocks need an axis)
     return False
 
 
