@@ -1591,3 +1591,112 @@ def test_fma_f32_is_one_rounding():
     want = torch.tensor([_f32_fma(float(x), float(y), float(z)) for x, y, z in
                          zip(s.tolist(), p.tolist(), acc.tolist())], dtype=torch.float32)
     assert torch.equal(bits(got), bits(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# Block scales through QTensor contractions: a converted model's MX/NVFP4 operands reach the
+# datapath with their block scales (group exponents, or elements and scales on promotion), as an
+# explicit accum_matmul(elements, a_scale=, b_scale=) gives them
+
+def _e4m3_scales(x, bs=16):
+    """NVFP4 (single-level) rounding of x along its last dim by hand: (elements, E4M3 scales),
+    the scales from the unrounded blocks' amax (an oracle independent of accum's recovery)."""
+    X = (x.abs().unflatten(-1, (-1, bs)).amax(-1) / 6).to(torch.float8_e4m3fn)
+    X = torch.where(X.float() == 0, torch.ones_like(X.float()), X.float()).to(torch.float8_e4m3fn)
+    xq = qt.quantize(x, "nvfp4_single")
+    return xq / X.float().repeat_interleave(bs, -1), X
+
+
+def _nvfp4_operands():
+    """x (5, 64), w (3, 64): blocks of 16 from 2^-9 to 448 scales; rows 0-1 and column 0 have a
+    group whose products cancel at the largest scale (the 35-bit alignment then drops the
+    smallest products, which an alignment at the group sums' exponents keeps)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(5, 4, 16, generator=g) * 2.0 ** torch.randint(-8, 9, (5, 4, 1), generator=g)
+    w = torch.randn(3, 4, 16, generator=g) * 2.0 ** torch.randint(-8, 9, (3, 4, 1), generator=g)
+    x[:2, 0], w[0, 0] = 0.0, 6 * 448.0
+    x[:2, 0, 0], x[:2, 0, 1] = 6 * 448.0, -6 * 448.0
+    x[:2, 1], w[0, 1] = 0.5 * 2.0 ** -9, 0.5 * 2.0 ** -9
+    x[:2, 1, 0], w[0, 1, 0] = 6 * 2.0 ** -9, 6 * 2.0 ** -9
+    return x.flatten(1), w.flatten(1)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_single", "nvfp4"])
+def test_converted_linear_nvfp4_passes_block_scales(fmt):
+    """qt.convert(nn.Linear) with NVFP4 weight and activation operand formats and
+    Recipe(accumulate=blackwell_nvfp4): the output equals accum_matmul of the FP4 elements with
+    their E4M3 block scales (tcgen05 kind::mxf4nvf4's alignment at the scales' exponents), bit
+    for bit; NVFP4's per-tensor scales are applied after the sum (cuBLASLt's alpha). Without the
+    scales (each group at its own sum's exponent, the previous behaviour) the bits differ."""
+    f = accum.blackwell_nvfp4
+    x, w = _nvfp4_operands()
+    lin = torch.nn.Linear(64, 3, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
+                                  accumulate=f))
+    y = m(x)
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    if fmt == "nvfp4_single":
+        xe, xs = _e4m3_scales(x)
+        we, ws = _e4m3_scales(w)
+        want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t())
+    else:  # the per-tensor scales (from the tensors' amax) out of the elements, then alpha
+        from qtensor.reference import _tensor_scale
+        nv = qt.formats.format("nvfp4")
+        tx, tw = (_tensor_scale(t.double().abs().amax(), nv) for t in (x, w))
+        def split(t, ts):  # the quantizer's E4M3 scales of the unrounded blocks
+            s = (t.double().abs().unflatten(-1, (-1, 16)).amax(-1) / (6 * ts))
+            s = s.float().to(torch.float8_e4m3fn)
+            tq = qt.quantize(t, fmt).double()
+            return (tq / (s.double().repeat_interleave(16, -1) * ts)).float(), s
+        xe, xs = split(x, tx)
+        we, ws = split(w, tw)
+        want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t()) * (
+            tx.float() * tw.float())
+    assert torch.equal(bits(y), bits(want))
+    old = accum.accum_matmul(qt.quantize(x, fmt), qt.quantize(w, fmt).t(), f)
+    assert not torch.equal(bits(y), bits(old))
+
+
+def test_converted_conv2d_mxfp4_passes_block_exponents():
+    """qt.convert(nn.Conv2d) with MXFP4 operand formats and blackwell_mxfp4: the convolution's
+    GEMM (K = kernel position, channel) gets the E8M0 block exponents of both operands (blocks of
+    32 channels); equal, bit for bit, to accum_matmul of the im2col elements with their scales,
+    and different from aligning each group at its sum's exponent."""
+    f = accum.blackwell_mxfp4
+    g = torch.Generator().manual_seed(5)
+    conv = torch.nn.Conv2d(32, 3, 3, bias=False)
+    x = torch.randn(2, 32, 5, 5, generator=g)
+    x = x * 2.0 ** torch.randint(-24, 24, (2, 2, 1, 5, 5), generator=g).repeat_interleave(
+        16, 1).flatten(1, 2)  # every group of 16 channels at its own scale
+    x[:, :16, 1, 1] = torch.tensor([2.0 ** 30, -2.0 ** 30] * 8)  # groups that cancel
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(3, 32, 3, 3, generator=g))
+        conv.weight[:, :16] = 1.0
+    m = qt.convert(conv, qt.Recipe(weight=("fp32", "mxfp4"), activation=("fp32", "mxfp4"),
+                                   accumulate=f))
+    y = m(x)
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+
+    def split(t, dim):  # MXFP4 along dim: elements and E8M0 exponents of the unrounded blocks
+        tq = qt.quantize(t, qt.formats.format("mxfp4").replace(axis=dim))
+        amax = t.movedim(dim, -1).abs().unflatten(-1, (-1, 32)).amax(-1)
+        e = (torch.frexp(amax).exponent - 1 - 2).clamp(-127, 127).movedim(-1, dim)
+        return tq / torch.exp2(e.float()).repeat_interleave(32, dim), e.float()
+    xe, xs = split(x, 1)  # (N, C, H, W), (N, 1, H, W)
+    we, ws = split(conv.weight.detach(), 1)  # (O, C, 3, 3), (O, 1, 3, 3)
+    N, O, L = 2, 3, 9
+
+    def cols(t):  # (N, C, 5, 5) -> (N, K, L), K = (kernel position, channel)
+        u = torch.nn.functional.unfold(t, 3)  # (N, C * 9, L), channel-major
+        return u.unflatten(1, (t.shape[1], 9)).transpose(1, 2).flatten(1, 2)
+    b, bsc = cols(xe), cols(torch.exp2(xs))  # scales: (N, 9, L), one per position
+    a = we.permute(0, 2, 3, 1).reshape(O, -1)
+    asc = torch.exp2(ws).permute(0, 2, 3, 1).reshape(O, 9)
+    want = accum.accum_matmul(a, b, f, a_scale=asc, b_scale=bsc).reshape(N, O, 3, 3)
+    assert torch.equal(bits(y), bits(want))
+    xq = qt.quantize(x, qt.formats.format("mxfp4").replace(axis=1))
+    wq = qt.quantize(conv.weight.detach(), qt.formats.format("mxfp4").replace(axis=1))
+    old = accum.accum_matmul(wq.permute(0, 2, 3, 1).reshape(O, -1), cols(xq), f)
+    assert not torch.equal(bits(y), bits(old.reshape(N, O, 3, 3)))
