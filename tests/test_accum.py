@@ -1700,3 +1700,52 @@ def test_converted_conv2d_mxfp4_passes_block_exponents():
     wq = qt.quantize(conv.weight.detach(), qt.formats.format("mxfp4").replace(axis=1))
     old = accum.accum_matmul(wq.permute(0, 2, 3, 1).reshape(O, -1), cols(xq), f)
     assert not torch.equal(bits(y), bits(old.reshape(N, O, 3, 3)))
+
+
+@pytest.mark.parametrize("scale", ["e8m0", "bf16"])
+def test_converted_linear_promotion_scales(scale, monkeypatch):
+    """DeepSeek-V3-style FP8 GEMM through a converted nn.Linear: operand formats of E4M3 blocks
+    of 128 along K (power-of-two E8M0 scales, or BF16 amax scales) and hopper_fp8 with
+    scales="promotion": dispatch passes the elements and their block scales, so each 128-K
+    interval's unscaled sum is promoted with its scales (one FFMA), bit for bit as accum_matmul
+    with a_scale/b_scale. With BF16 scales summing the scaled values instead gives other bits;
+    E8M0 scales are powers of two, which commute with the alignment (the kernel must still get
+    them: checked on the call)."""
+    f = accum.hopper_fp8.replace(scales="promotion")
+    rule = "floor" if scale == "e8m0" else "amax"
+    fmt = qt.BlockFormat("fp8_e4m3", 128, scale=scale, scale_rule=rule)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 3, 128, generator=g) * 2.0 ** torch.randint(-3, 3, (6, 3, 1), generator=g)
+    w = torch.randn(4, 3, 128, generator=g) * 2.0 ** torch.randint(-3, 3, (4, 3, 1), generator=g)
+    x, w = x.flatten(1), w.flatten(1)
+    lin = torch.nn.Linear(384, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt), accumulate=f))
+    calls = []
+    kernel = accum.accum_matmul
+
+    def spy(*args, **kw):
+        calls.append(sorted(k for k, v in kw.items() if v is not None))
+        return kernel(*args, **kw)
+    monkeypatch.setattr(accum, "accum_matmul", spy)
+    y = m(x)
+    monkeypatch.undo()
+    assert "a_scale" in calls[0] and "b_scale" in calls[0]
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+
+    def split(t):  # the quantizer's scales of the unrounded blocks, and the elements
+        amax = t.double().abs().unflatten(-1, (-1, 128)).amax(-1)
+        if rule == "floor":
+            s = torch.exp2((torch.frexp(amax).exponent - 1 - 8).double())
+        else:
+            s = (amax / 448).float().to(torch.bfloat16).double()
+        e = (qt.quantize(t, fmt).double() / s.repeat_interleave(128, -1)).float()
+        assert torch.equal(qt.quantize(e, "fp8_e4m3"), e)
+        return e, s.float()
+    xe, xs = split(x)
+    we, ws = split(w)
+    want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t(), a_emin=-6, b_emin=-6)
+    assert torch.equal(bits(y), bits(want))
+    old = accum.accum_matmul(qt.quantize(x, fmt), qt.quantize(w, fmt).t(), f)
+    assert torch.equal(bits(y), bits(old)) == (scale == "e8m0")
