@@ -50,9 +50,15 @@ struct Range {
 
 // What the fast path checks per chunk (fast_path_ok sets them): emax at most emax, and |S| at
 // most sums (INT32_MAX: the bound on the terms already keeps the sum with p's term in int32).
+// split: a chunk's terms summed in two int32 halves (of `half` terms), the finish in doubles
+// (finish_wide: chunks whose whole sum can pass 2^31, as 32 products at 25 bits); zcheck: e_zero
+// can move emax (a tile where a lane's terms are all below e_zero is redone); pfix: p's
+// alignment exponent clamped at acc_emin (an FP16 accumulator), e_zero for a zero p.
 struct FastLimits {
   int emax;
   int sums;
+  bool split = false, zcheck = false, pfix = false;
+  int half = 0;
 };
 
 // scan's vector part: the OR of |x|'s bits, the smallest (nonzero x) and largest biased exponent,
@@ -213,22 +219,38 @@ at::Tensor scalar_path(const at::Tensor& a, const at::Tensor& b, const qtensor::
 bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
                   FastLimits* lim) {
   if (s.group != 1 || !ra.normal || !rb.normal || ra.bits() + rb.bits() > 24) return false;
-  if (s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127) return false;  // float32 partials
+  // a narrower accumulator (FP16: hopper_fp8_f16): its subnormal grid and the clamp of p's
+  // exponent in the finish (rounding to nearest with fewer than 24 bits, round_acc's kind 2),
+  // its overflow to inf redone by the double path; the grid must stay normal in float32
+  const bool narrow = s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127;
+  if (narrow && (s.acc_round != 2 || s.acc_man == 23 || s.acc_emin - s.acc_man < -126))
+    return false;
   const int F = s.frac_bits;
   lim->emax = F + 96;
   lim->sums = INT32_MAX;
+  lim->pfix = narrow;
   if (!ra.any() || !rb.any()) return true;  // every product is zero
   const int lo = ra.lo + rb.lo, hi = ra.hi + rb.hi;  // the products' exponents
   if (lo < -126 || hi > 126 || F - lo > 126 || F > 28 || hi - lo > 127) return false;
   // every nonzero term (products, partials) is at least 2^(lo - F): a zero term's e_zero below
-  // that never moves emax, and where all terms are zero the result is 0 at any scale
-  if (s.e_zero >= lo - F) return false;
+  // that never moves emax, and where all terms are zero the result is 0 at any scale; else
+  // fast_tile checks each chunk (zcheck: a lane whose terms are all below e_zero is redone)
+  if (s.e_zero != qtensor::kAccZeroExp && s.e_zero >= lo - F) lim->zcheck = lim->pfix = true;
   // the operands' clamped exponents (format minimum normal ones) must keep the int8 span
   if (std::max(ra.hi, s.a_emin) + std::max(rb.hi, s.b_emin) - lo > 127) return false;
   lim->emax = F + std::min(126 + std::min(lo, 0), 96);
   const int m = std::max(ra.bits(), rb.bits());
   const int64_t term = (int64_t{4} << F) - (F + 2 >= m ? int64_t{1} << (F + 2 - m) : 0);
-  if (s.chunk * term > INT32_MAX) return false;
+  if (s.chunk * term > INT32_MAX) {
+    // two int32 halves, summed with p's term in doubles (finish_wide: to 24 bits toward zero or
+    // to nearest); their sum is below 2^33, so emax <= F + 94 keeps the result finite
+    const int half = (s.chunk + 1) / 2;
+    if (narrow || half * term > INT32_MAX || (s.acc_round == 2 && s.acc_man != 23)) return false;
+    lim->split = true;
+    lim->half = half;
+    lim->emax = F + std::min(126 + std::min(lo, 0), 94);
+    return true;
+  }
   // p's term (below 2^(F + 1)) too: else fast_tile checks the sums
   const int64_t pterm = s.acc_in_alignment ? int64_t{1} << (F + 1) : 0;
   if (s.chunk * term + pterm > INT32_MAX) lim->sums = (int)(INT32_MAX - pterm);
