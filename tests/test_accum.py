@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import math
 import os
+import types
 import zlib
 from fractions import Fraction
 
@@ -970,6 +971,16 @@ FAST_FORMATS = [
                 acc_rounding="nearest"),
     AccumFormat(chunk=32, frac_bits=16, align_rounding="floor", acc_in_alignment=False,
                 acc_rounding="nearest", promote=2),
+    # chunks whose sums can pass 2^31 (two int32 halves, the finish in doubles: accum_fast.h's
+    # finish_wide), toward zero to 24 or fewer bits or to nearest 24 bits
+    accum.blackwell_f8f6f4,
+    AccumFormat(chunk=32, frac_bits=26, align_rounding="floor", acc_man=13, promote=2),
+    AccumFormat(chunk=24, frac_bits=25, align_rounding="nearest", acc_rounding="nearest",
+                acc_in_alignment=False),
+    # an FP16 accumulator (its subnormal grid, p's clamp at -14, e_zero -21 checked per chunk)
+    accum.hopper_fp8_f16,
+    accum.hopper_fp8_f16.replace(align_rounding="floor", promote=2),
+    accum.hopper_fp8_f16.replace(acc_in_alignment=False, e_zero=None),
 ]
 FAST_OPERANDS = ["fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "fp6_e2m3", "fp4_e2m1"]
 
@@ -1052,6 +1063,60 @@ def test_fast_path_boundaries(f):
     for name, (x, y) in cases.items():
         want = accum.accum_matmul_reference(x, y, f)
         assert torch.equal(bits(accum.accum_matmul(x, y, f)), bits(want)), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("f", [accum.hopper_fp8_f16, accum.hopper_fp8_f16.replace(promote=2),
+                               accum.blackwell_f8f6f4], ids=str)
+def test_fast_path_narrow_and_split_edges(f):
+    """The fast path's FP16 accumulator (hopper_fp8_f16) and split sums (blackwell_f8f6f4) at
+    their edges, each with the reference's bits: chunks whose products are all below e_zero
+    (2^-21: a zero product or padding slot sets emax there; the tile is redone), FP16 subnormal
+    and overflowing partials (inf: redone), partials that cancel to 0 mid-K, sums near 2^32."""
+    g = torch.Generator().manual_seed(31)
+    a, b = _random(g, 9, 100, 20, "fp8_e4m3")
+    cases = {}
+    tiny = a.clone()
+    tiny[:4] *= 2.0 ** -9  # products down to 2^-36: below e_zero, some chunks only these
+    tiny[2, 32:64] = 0.0
+    cases["below e_zero"] = (tiny, b * 2.0 ** -6)
+    cases["fp16 subnormal results"] = (a * 2.0 ** -7, b * 2.0 ** -6)
+    big = a.clone()
+    big[3:5] = 448.0
+    cases["fp16 overflow"] = (big, b.abs() * 2.0 ** 4)
+    x, y = a.clone(), b.clone()
+    x[:, 32:64], y[32:64] = 1.0, 0.0
+    x[:, 0:32], y[0:16], y[16:32] = 2.0, 3.0, -3.0  # the first chunk cancels: p = 0
+    cases["p cancels"] = (x, y)
+    cases["full sums"] = (torch.full((9, 100), 448.0), torch.full((100, 20), -448.0))
+    for name, (x, y) in cases.items():
+        x, y = qt.quantize(x, "fp8_e4m3"), qt.quantize(y, "fp8_e4m3")
+        want = accum.accum_matmul_reference(x, y, f)
+        assert torch.equal(bits(accum.accum_matmul(x, y, f)), bits(want)), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("f", [accum.blackwell_mxf8f6f4, accum.hopper_fp8,
+                               accum.hopper_fp8_f16], ids=str)
+def test_fast_path_per_element_clamps(f):
+    """Per-element clamps (a_emin/b_emin tensors: MX operands' block minimum normal exponents,
+    which QTensor contractions pass where an element is subnormal) in the fast path's int8
+    exponents and in the tiles it redoes: the reference's bits, for MXFP8 operands with subnormal
+    elements and for random clamps."""
+    g = torch.Generator().manual_seed(17)
+    a = torch.randn(9, 96, generator=g)
+    a[:, ::5] *= 2.0 ** -15  # E4M3 subnormals in their blocks
+    b = torch.randn(96, 20, generator=g) * 2.0 ** torch.randint(-4, 4, (96, 1), generator=g)
+    fa = qt.formats.format("mxfp8_e4m3")
+    qa, qb = qt.quantize(a, fa), qt.quantize(b.t(), fa).t()
+    oa, ob = (types.SimpleNamespace(mm_fmt=fa) for _ in range(2))
+    ea, eb = accum._mx_emin(qa, oa, -1), accum._mx_emin(qb, ob, -2)
+    assert ea is not None and eb is not None
+    for x, y in ((ea, eb), (ea, None), (torch.randint(-30, 0, (9, 96), generator=g),
+                                        torch.randint(-30, 0, (96, 20), generator=g))):
+        want = accum.accum_matmul_reference(qa, qb, f, a_emin=x, b_emin=y)
+        got = accum.accum_matmul(qa, qb, f, a_emin=x, b_emin=y)
+        assert torch.equal(bits(got), bits(want))
 
 
 @needs_kernel
