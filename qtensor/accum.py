@@ -839,10 +839,11 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int):
             sfmt = sfmt.replace(saturate=True)
         X = _round_float(amax / (fmt.elem.max * ts), sfmt, "nearest", None, None)
     X = torch.where(amax == 0, 1.0, X)  # an all-zero block: any scale (its products are 0)
-    if not compiling:
+    if not compiling:  # the elements must be the element format's values (the kernel rounds)
         e = blocks / (X * ts)[..., None]
-        if not ((X > 0).all() and torch.equal(_round_float(e, fmt.elem, "nearest", None, None),
-                                              e)):
+        e32 = e.float()
+        if not ((X > 0).all() and torch.equal(e32.double(), e)
+                and torch.equal(_ops.quantize(e32, fmt.elem, rounding="nearest"), e32)):
             return None
     return X.movedim(-1, kdim), ts
 
