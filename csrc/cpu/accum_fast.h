@@ -55,8 +55,14 @@ inline VF finish(VI T, VI em, VF p, const qtensor::AccumSpec& s, VM& over) {
   if (in_alignment) T = addi(T, p_term<MODE>(p, Fe));  // below 2^(F + 1) in magnitude
   const bool narrow = s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127;
   const VI dmin = narrow ? maxi(addi(Fe, i32(s.acc_emin - s.acc_man)), izero()) : izero();
-  const VF v = scale_back(round_acc<FIN < 0 ? -1 : FIN / 2>(T, s, dmin), T, Fe);
-  if (narrow) over = mor(over, absge(v, std::ldexp(1.0f, s.acc_emax + 1)));
+  const VF r = round_acc<FIN < 0 ? -1 : FIN / 2>(T, s, dmin);
+  // on the subnormal grid a nonzero T can round to 0 (r = +-0): scale_back tests r itself, and
+  // + 0 makes it +0 (the model's zero; the partials are never -0, see p_term)
+  VF v = scale_back(r, narrow ? andi(asi(r), i32((int)qtensor::F32::ABS)) : T, Fe);
+  if (narrow) {
+    v = addf(v, fzero());
+    over = mor(over, absge(v, std::ldexp(1.0f, s.acc_emax + 1)));
+  }
   return in_alignment ? v : addf(p, v);
 }
 // finish for split sums (fast_path_ok's split): T = S + S2 + p's term in doubles (below 2^34,
@@ -265,11 +271,12 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
 }
 
 // Rows [i0, i1) (i0 a multiple of TR) of one batch: a (M, K); b in panels of FW columns, each
-// (K, FW) contiguous; ea8, eb8 their exponents (Exps8), off their offset.
+// (K, FW) contiguous; ea8, eb8 their exponents (Exps8), off their offset; eva, evb: per-element
+// clamps in a's and b's layouts (nullptr: s.a_emin, s.b_emin), for the tiles redone.
 template <int MODE>
 void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8, int off,
                int64_t K, int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s,
-               const FastLimits& lim, float* out) {
+               const FastLimits& lim, float* out, const int* eva, const int* evb) {
   for (int64_t j = 0; j < N; j += FW) {
     const float* bj = b + j * K;  // the panel of columns j .. j + FW - 1
     const int nc = (int)std::min<int64_t>(FW, N - j);
@@ -292,10 +299,12 @@ void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* 
       if (ok) continue;
       // rare: the double path, on the W-lane parts of the panel, with int32 exponents
       std::vector<int> eb(K * FW), ea(K);
-      for (int64_t k = 0; k < K * FW; ++k) eb[k] = qtensor::acc_exp_f32(bj[k], s.b_emin);
+      for (int64_t k = 0; k < K * FW; ++k)
+        eb[k] = qtensor::acc_exp_f32(bj[k], evb ? evb[j * K + k] : s.b_emin);
       float tmp[FW];
       for (int r = 0; r < R; ++r) {
-        for (int64_t k = 0; k < K; ++k) ea[k] = qtensor::acc_exp_f32(ai[r * K + k], s.a_emin);
+        for (int64_t k = 0; k < K; ++k)
+          ea[k] = qtensor::acc_exp_f32(ai[r * K + k], eva ? eva[(i + r) * K + k] : s.a_emin);
         for (int h = 0; h < FW; h += W)
           dot_lanes<MODE>(ai + r * K, ea.data(), bj + h, eb.data() + h, FW, K, s, tmp + h);
         for (int w = 0; w < nc; ++w) oi[r * N + w] = tmp[w];
