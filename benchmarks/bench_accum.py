@@ -18,13 +18,16 @@ on the unrounded float32 operands (products exact in double only: accum_lanes.h'
 against their torch.mm. Prints the time of each, the ratio accum / plain measured in the same
 run, and the accum time per product (quantization included). One thread by default (--threads):
 on a shared machine multi-threaded timings of sub-millisecond matmuls are mostly scheduling
-noise. The two paths are timed alternately and the best of the repeats is kept.
+noise. The two paths are timed alternately and the best of the repeats is kept. --clock cpu
+times with the process's CPU time (time.process_time) instead of wall time: on a machine loaded
+by other jobs, time spent preempted then does not count (one thread only).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 import types
 
 import torch
@@ -62,14 +65,29 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--presets", default="", help="comma-separated preset or row names")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
+    timer = timeit
+    if args.clock == "cpu":
+        if args.threads != 1:
+            ap.error("--clock cpu needs --threads 1")
+
+        def timer(fn, repeat, number):  # bench_overhead.timeit on the process's CPU time
+            fn()
+            best = float("inf")
+            for _ in range(repeat):
+                t = time.process_time()
+                for _ in range(number):
+                    fn()
+                best = min(best, (time.process_time() - t) / number)
+            return best
     torch.set_num_threads(args.threads)
     repeat, number = (3, 1) if args.quick else (7, 2)
     sizes = [(128, 512, 128), (256, 1024, 256)] if args.quick else \
         [(128, 512, 128), (256, 1024, 256), (512, 512, 512)]
     torch.manual_seed(0)
     print(f"threads: {torch.get_num_threads()}; ISA cap: {os.environ.get('QTENSOR_CPU_ISA', '-')}; "
-          "operands rounded to each preset's input format in both paths")
+          f"clock: {args.clock}; operands rounded to each preset's input format in both paths")
     print(f"{'M x K x N':>18} {'accum':>20} {'operands':>12} {'plain ms':>9} {'accum ms':>9} "
           f"{'ratio':>6} {'ns/product':>10}")
     names = [n for n in args.presets.split(",") if n]
@@ -97,8 +115,8 @@ def main():
                 return accum.accum_matmul(qa, qb, f)
             t_plain = t_acc = float("inf")
             for _ in range(repeat):  # alternately, so that both see the same load
-                t_plain = min(t_plain, timeit(plain, 1, number))
-                t_acc = min(t_acc, timeit(acc, 1, number))
+                t_plain = min(t_plain, timer(plain, 1, number))
+                t_acc = min(t_acc, timer(acc, 1, number))
             print(f"{f'{M}x{K}x{N}':>18} {label:>20} {fmt:>12} {t_plain * 1e3:9.2f} "
                   f"{t_acc * 1e3:9.2f} {t_acc / t_plain:6.1f} {t_acc / (M * K * N) * 1e9:10.3f}",
                   flush=True)
