@@ -215,7 +215,7 @@ at::Tensor scalar_path(const at::Tensor& a, const at::Tensor& b, const qtensor::
 // underflow), each term is p * 2^(F - emax), exact while it is normal: F - emax >= -126 for the
 // smallest product (the limit), F - emax <= 126 where a product is nonzero (emax >= lo). A term
 // is below 4 * 2^F, and at most (4 - 2^(2 - m)) * 2^F with m-bit significands: a chunk of them
-// must sum in int32. emax <= F + 96 keeps the chunk's result (below 2^31 * 2^(emax - F)) finite.
+// must sum in int32, or each half of it (split). emax <= F + 96 keeps the chunk's result (below 2^31 * 2^(emax - F)) finite.
 // The products' exponents must span at most 127 (int8 exponents, accum_fast.h's Exps8).
 // aclamp, bclamp: the largest clamp of each operand's exponents (s.a_emin/b_emin, or the largest
 // per-element clamp)

@@ -9,7 +9,7 @@
 // Used only where accum.cpp's fast_path_ok holds for the operands: all finite, normal or zero,
 // significands of at most 24 bits between a and b (fp8/fp6/fp4/bf16/fp16 values), so every
 // product a*b is exact and normal (or zero) in float32, and a chunk's scaled terms sum exactly in
-// int32. Then the model's term round(a*b * 2^(frac_bits - emax)) is a float32 product scaled by
+// int32 (or in two int32 halves, finished in doubles: fast_path_ok's split). Then the model's term round(a*b * 2^(frac_bits - emax)) is a float32 product scaled by
 // an exact power of two (an int32 add to its exponent bits, or a float32 multiply), a
 // float32-to-int32 conversion with the alignment rounding and an int32 add: 4 instructions per FW
 // products on AVX-512 (a's broadcast folds into the multiply), 5 on AVX2 (6 for floor), against
