@@ -1724,12 +1724,15 @@ def test_converted_linear_nvfp4_passes_block_scales(fmt):
     assert not torch.equal(bits(y), bits(old))
 
 
-def test_converted_conv2d_mxfp4_passes_block_exponents():
-    """qt.convert(nn.Conv2d) with MXFP4 operand formats and blackwell_mxfp4: the convolution's
-    GEMM (K = kernel position, channel) gets the E8M0 block exponents of both operands (blocks of
-    32 channels); equal, bit for bit, to accum_matmul of the im2col elements with their scales,
-    and different from aligning each group at its sum's exponent."""
-    f = accum.blackwell_mxfp4
+@pytest.mark.parametrize("fmt, f", [("mxfp4", accum.blackwell_mxfp4),
+                                    ("mxfp8_e4m3", accum.blackwell_mxf8f6f4)])
+def test_converted_conv2d_mxfp4_passes_block_exponents(fmt, f, monkeypatch):
+    """qt.convert(nn.Conv2d) with MX operand formats and a Blackwell block-scaled preset: the
+    convolution's GEMM (K = kernel position, channel) gets the E8M0 block scales of both operands
+    (blocks of 32 channels: MXFP4's group exponents for blackwell_mxfp4, MXFP8's per-element
+    clamps for blackwell_mxf8f6f4); equal, bit for bit, to accum_matmul of the im2col elements
+    with their scales, and different from the values without them."""
+    emax = qt.formats.format(fmt).elem.emax
     g = torch.Generator().manual_seed(5)
     conv = torch.nn.Conv2d(32, 3, 3, bias=False)
     x = torch.randn(2, 32, 5, 5, generator=g)
@@ -1739,15 +1742,26 @@ def test_converted_conv2d_mxfp4_passes_block_exponents():
     with torch.no_grad():
         conv.weight.copy_(torch.randn(3, 32, 3, 3, generator=g))
         conv.weight[:, :16] = 1.0
-    m = qt.convert(conv, qt.Recipe(weight=("fp32", "mxfp4"), activation=("fp32", "mxfp4"),
+        if fmt == "mxfp8_e4m3":  # E4M3 subnormal elements in every block
+            x[:, 16:] = x[:, :16] * 2.0 ** -15
+    m = qt.convert(conv, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
                                    accumulate=f))
+    calls = []
+    kernel = accum.accum_matmul
+
+    def spy(*args, **kw):
+        calls.append(sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor)))
+        return kernel(*args, **kw)
+    monkeypatch.setattr(accum, "accum_matmul", spy)
     y = m(x)
+    monkeypatch.undo()
+    assert calls[0] == (["a_gexp", "b_gexp"] if f.group > 1 else ["b_emin"])
     y = y.dequantize() if isinstance(y, qt.QTensor) else y
 
-    def split(t, dim):  # MXFP4 along dim: elements and E8M0 exponents of the unrounded blocks
-        tq = qt.quantize(t, qt.formats.format("mxfp4").replace(axis=dim))
+    def split(t, dim):  # MX along dim: elements and E8M0 exponents of the unrounded blocks
+        tq = qt.quantize(t, qt.formats.format(fmt).replace(axis=dim))
         amax = t.movedim(dim, -1).abs().unflatten(-1, (-1, 32)).amax(-1)
-        e = (torch.frexp(amax).exponent - 1 - 2).clamp(-127, 127).movedim(-1, dim)
+        e = (torch.frexp(amax).exponent - 1 - emax).clamp(-127, 127).movedim(-1, dim)
         return tq / torch.exp2(e.float()).repeat_interleave(32, dim), e.float()
     xe, xs = split(x, 1)  # (N, C, H, W), (N, 1, H, W)
     we, ws = split(conv.weight.detach(), 1)  # (O, C, 3, 3), (O, 1, 3, 3)
@@ -1761,10 +1775,11 @@ def test_converted_conv2d_mxfp4_passes_block_exponents():
     asc = torch.exp2(ws).permute(0, 2, 3, 1).reshape(O, 9)
     want = accum.accum_matmul(a, b, f, a_scale=asc, b_scale=bsc).reshape(N, O, 3, 3)
     assert torch.equal(bits(y), bits(want))
-    xq = qt.quantize(x, qt.formats.format("mxfp4").replace(axis=1))
-    wq = qt.quantize(conv.weight.detach(), qt.formats.format("mxfp4").replace(axis=1))
+    xq = qt.quantize(x, qt.formats.format(fmt).replace(axis=1))
+    wq = qt.quantize(conv.weight.detach(), qt.formats.format(fmt).replace(axis=1))
     old = accum.accum_matmul(wq.permute(0, 2, 3, 1).reshape(O, -1), cols(xq), f)
-    assert not torch.equal(bits(y), bits(old.reshape(N, O, 3, 3)))
+    if f.group > 1:
+        assert not torch.equal(bits(y), bits(old.reshape(N, O, 3, 3)))
 
 
 @pytest.mark.parametrize("scale", ["e8m0", "bf16"])
