@@ -49,8 +49,9 @@ def cases(names=None):
     out = []
     for name, f in accum.PRESETS.items():
         fmt = _OPERANDS.get(name) or next(
-            (x for k, x in (("fp16", "fp16"), ("bf16", "bf16"), ("tf32", "tf32"), ("fp8", "fp8_e4m3"),
-                            ("f8f6f4", "fp8_e4m3")) if k in name), "fp8_e4m3")
+            (x for k, x in (("fp16", "fp16"), ("bf16", "bf16"), ("tf32", "tf32"),
+                            ("fp8", "fp8_e4m3"), ("f8f6f4", "fp8_e4m3")) if k in name),
+            "fp8_e4m3")
         out.append((name if fmt != "mxfp8" else "mxfp8+clamps", f, fmt))
     out += [("mxfp4+blockexp", accum.blackwell_mxfp4, "mxfp4"),
             ("nvfp4+scales", accum.blackwell_nvfp4, "nvfp4_single"),

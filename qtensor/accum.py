@@ -812,9 +812,9 @@ def _operand_block_fmt(q):
 def _block_scales(x: torch.Tensor, fmt, kdim: int):
     """The block scales of x, whose values were rounded to the block format fmt along kdim,
     recovered from the values: (X, ts), X the scale-format factor of each block (float64, x's
-    shape with kdim cut into blocks), ts the per-tensor scale (1.0 without
-    tensor_scale; a 0-dim float64 tensor); None where that does not give x back exactly (x / (X * ts) elements of the
-    element format). The scale rules are idempotent (docs/formats.md): the scale re-derived from
+    shape with kdim cut into blocks), ts the per-tensor scale (a 0-dim float64 tensor; 1.0
+    without tensor_scale); None where that does not give x back exactly (x / (X * ts) elements
+    of the element format). The scale rules are idempotent (docs/formats.md): the scale re-derived from
     a rounded block's own maximum is the one it was rounded with (floor: the maximum's binade;
     amax: its E4M3 rounding, and NVFP4's tensor scale from the rounded tensor's maximum, which
     is max_elem * max_scale * ts)."""
