@@ -798,52 +798,80 @@ def _emin_of(x) -> Optional[int]:
     return None
 
 
-def _block_gexp(x: torch.Tensor, q, kdim: int, group: int):
-    """The group exponents of the operand x (K along kdim) of a QTensor q whose operand format
-    has power-of-two block scales by the floor rule (MX): each block's scale exponent, recovered
-    from its largest magnitude, whose element has the element format's top exponent (exact
-    unless the scale was clamped to its format's range). None for other formats (NVFP4's E4M3
-    scales cannot be recovered from the values)."""
+def _operand_block_fmt(q):
+    """The block format an operand was rounded to (its QTensor's mm_fmt, else fmt), or None."""
     from .formats import BlockFormat, FloatFormat
     fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
-    if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
-            and fmt.block_size % group == 0 and isinstance(fmt.elem, FloatFormat)
-            and fmt.block_shape is None):  # (2D tiles: their scales are not runs along K)
+    fmt = getattr(fmt, "base", fmt)  # a per-GEMM operand tag (qtensor.gemm)
+    if (isinstance(fmt, BlockFormat) and fmt.block_size and isinstance(fmt.elem, FloatFormat)
+            and fmt.scale_rule in ("floor", "amax")
+            and getattr(fmt, "block_shape", None) is None):  # 2D tiles: scales are not runs along K
+        return fmt
+    return None
+
+
+def _block_scales(x: torch.Tensor, fmt, kdim: int):
+    """The block scales of x, whose values were rounded to the block format fmt along kdim,
+    recovered from the values: (X, ts), X the scale-format factor of each block (float64, x's
+    shape with kdim cut into blocks), ts the per-tensor scale (a 0-dim float64 tensor; 1.0
+    without tensor_scale); None where that does not give x back exactly (x / (X * ts) elements
+    of the element format). The scale rules are idempotent (docs/formats.md): the scale re-derived from
+    a rounded block's own maximum is the one it was rounded with (floor: the maximum's binade;
+    amax: its E4M3 rounding, and NVFP4's tensor scale from the rounded tensor's maximum, which
+    is max_elem * max_scale * ts)."""
+    from .reference import _round_float, _tensor_scale
+    compiling = torch.compiler.is_compiling()  # no data-dependent branch in a graph
+    if fmt is None or x.numel() == 0 or (not compiling and not torch.isfinite(x).all()):
         return None
-    return _block_exps(x, fmt, kdim, group)
-
-
-def _mx_scale_exps(x: torch.Tensor, fmt, kdim: int):
-    """Each element's block-scale exponent (x's shape) of x, rounded to the MX format fmt along
-    kdim (as _block_gexp recovers it), or None for other formats."""
-    from .formats import BlockFormat, FloatFormat
-    if not (isinstance(fmt, BlockFormat) and fmt.scale_rule == "floor" and fmt.block_size
-            and isinstance(fmt.elem, FloatFormat) and fmt.block_shape is None):
-        return None
-    return _block_exps(x, fmt, kdim, 1)
-
-
-def _block_exps(x: torch.Tensor, fmt, kdim: int, group: int) -> torch.Tensor:
-    """Each block's scale exponent (recovered from its largest magnitude, whose element has the
-    element format's top exponent) of x along kdim, repeated for each group of ``group``."""
     bs = fmt.block_size
-    xk = x.movedim(kdim, -1)
+    xk = x.double().movedim(kdim, -1)
     K = xk.shape[-1]
-    amax = torch.nn.functional.pad(xk.abs(), (0, -K % bs)).unflatten(-1, (-1, bs)).amax(-1)
-    e = torch.frexp(amax.double()).exponent.to(torch.int64) - 1 - fmt.elem.emax
-    e = torch.where(amax == 0, 0, e).repeat_interleave(bs // group, -1)[..., :-(-K // group)]
-    return e.movedim(-1, kdim)
+    blocks = torch.nn.functional.pad(xk, (0, -K % bs)).unflatten(-1, (-1, bs))
+    amax = blocks.abs().amax(-1)
+    ts = torch.ones((), dtype=torch.float64, device=x.device)
+    if fmt.scale_rule == "floor":
+        k = torch.frexp(amax).exponent.to(torch.int64) - 1 - fmt.elem.emax
+        X = _pow2(k.clamp(fmt.scale.emin, fmt.scale.emax))
+    else:
+        sfmt = fmt.scale.replace(rounding="nearest")
+        if fmt.tensor_scale:
+            ts = _tensor_scale(xk.abs().amax(), fmt)
+            ts = torch.where(ts > 0, ts, 1.0)  # an all-zero tensor: any scale
+            sfmt = sfmt.replace(saturate=True)
+        X = _round_float(amax / (fmt.elem.max * ts), sfmt, "nearest", None, None)
+    X = torch.where(amax == 0, 1.0, X)  # an all-zero block: any scale (its products are 0)
+    if not compiling:  # the elements must be the element format's values (the kernel rounds)
+        e = blocks / (X * ts)[..., None]
+        e32 = e.float()
+        if not ((X > 0).all() and torch.equal(e32.double(), e)
+                and torch.equal(_ops.quantize(e32, fmt.elem, rounding="nearest"), e32)):
+            return None
+    return X.movedim(-1, kdim), ts
+
+
+def _scale_exps(X: torch.Tensor, fmt) -> torch.Tensor:
+    """floor(log2 X) of block scales X in the scale format of fmt (a subnormal scale at the
+    format's minimum normal exponent, as MMA-Sim's nvf4 takes E4M3 subnormal scales at -6)."""
+    return _exponent(X, fmt.scale.emin if fmt.scale.subnormals else None)
+
+
+def _per_element(X: torch.Tensor, bs: int, kdim: int, K: int) -> torch.Tensor:
+    """Per-block values X repeated over their blocks' elements along kdim (K of them)."""
+    return X.repeat_interleave(bs, kdim).narrow(kdim, 0, K)
 
 
 def _mx_emin(x: torch.Tensor, q, kdim: int):
     """Per-element clamps of an MX operand (the element format's minimum normal exponent plus
     the block's scale exponent) where one of its elements is subnormal in its format, else None
     (then its float32 exponents are already the hardware's: no clamp binds)."""
-    fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
-    e = _mx_scale_exps(x, fmt, kdim)
-    if e is None:
+    fmt = _operand_block_fmt(q)
+    if fmt is None or fmt.scale_rule != "floor":
         return None
-    em = e + fmt.elem.emin
+    sc = _block_scales(x, fmt, kdim)
+    if sc is None:
+        return None
+    em = _per_element(_scale_exps(sc[0], fmt), fmt.block_size, kdim % x.dim(),
+                      x.shape[kdim]) + fmt.elem.emin
     if torch.compiler.is_compiling():  # no data-dependent branch in a graph
         return em
     if not ((x != 0) & (x.abs() < torch.exp2(em.double()))).any():
@@ -851,19 +879,79 @@ def _mx_emin(x: torch.Tensor, q, kdim: int):
     return em
 
 
-def _gexps(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2) -> dict:
-    """a_gexp/b_gexp for accum_matmul where f has groups and both operands' block scales are
-    known (blackwell_mxfp4 on MXFP4 operands); else none (each group aligned by its sum)."""
-    if f.group == 1:  # MX elements: their subnormals clamp at the block's minimum normal
-        out = {}
+def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
+    """How the block scales of the operands a, b (rounded to the block formats of the QTensors
+    qa, qb along their K dims) reach accum_matmul, where the datapath applies them: (a, b, kw,
+    post), accum_matmul(a, b, f, **kw) * post (post: None, or the float32 product of the two
+    per-tensor scales, cuBLASLt's alpha).
+    - scales="instruction" with groups (blackwell_mxfp4/nvfp4) and both operands block-scaled
+      (MX or NVFP4, blocks a multiple of the group): the group exponents of the scales
+      (a_gexp/b_gexp); NVFP4's per-tensor scales are divided out of the operands (exactly) and
+      multiplied into the result (post), as the hardware takes the E4M3 block scales only;
+    - scales="instruction" without groups (blackwell_mxf8f6f4): per-element clamps of MX
+      operands (a_emin/b_emin), where a subnormal element makes them bind;
+    - scales="promotion" (Hopper FP8 per-block scaling) with both operands' blocks equal to the
+      promotion interval (chunk * promote): the elements and their block scales (times the
+      tensor scale) as a_scale/b_scale;
+    else none: the values carry their scales (each group aligned at its own sum's exponent)."""
+    kw, post = {}, None
+    fa, fb = _operand_block_fmt(qa), _operand_block_fmt(qb)
+    if f.scales == "instruction" and f.group == 1:
         ea, eb = _mx_emin(a, qa, a_kdim), _mx_emin(b, qb, b_kdim)
         if ea is not None:
-            out["a_emin"] = ea
+            kw["a_emin"] = ea
         if eb is not None:
-            out["b_emin"] = eb
-        return out
-    ga, gb = _block_gexp(a, qa, a_kdim, f.group), _block_gexp(b, qb, b_kdim, f.group)
-    return {} if ga is None or gb is None else dict(a_gexp=ga, b_gexp=gb)
+            kw["b_emin"] = eb
+        return a, b, kw, post
+    if fa is None or fb is None:
+        return a, b, kw, post
+    if f.scales == "instruction":
+        if fa.block_size % f.group or fb.block_size % f.group:
+            return a, b, kw, post
+        sa, sb = _block_scales(a, fa, a_kdim), _block_scales(b, fb, b_kdim)
+        if sa is None or sb is None:
+            return a, b, kw, post
+        G = -(-a.shape[a_kdim] // f.group)
+        kw["a_gexp"] = _scale_exps(sa[0], fa).repeat_interleave(
+            fa.block_size // f.group, a_kdim).narrow(a_kdim, 0, G)
+        kw["b_gexp"] = _scale_exps(sb[0], fb).repeat_interleave(
+            fb.block_size // f.group, b_kdim).narrow(b_kdim, 0, G)
+        if fa.tensor_scale or fb.tensor_scale:
+            a, b = (a.double() / sa[1]).float(), (b.double() / sb[1]).float()
+            post = sa[1].float() * sb[1].float()
+        return a, b, kw, post
+    if f.scales == "promotion":
+        blk = f.chunk * f.promote
+        if fa.block_size != blk or fb.block_size != blk:
+            return a, b, kw, post
+        sa, sb = _block_scales(a, fa, a_kdim), _block_scales(b, fb, b_kdim)
+        if sa is None or sb is None:
+            return a, b, kw, post
+        Xa, Xb = sa[0] * sa[1], sb[0] * sb[1]  # float32 exactly (the formats' values are)
+        K = a.shape[a_kdim]
+        a = (a.double() / _per_element(Xa, blk, a_kdim % a.dim(), K)).float()
+        b = (b.double() / _per_element(Xb, blk, b_kdim % b.dim(), K)).float()
+        kw = dict(a_scale=Xa.float(), b_scale=Xb.float(), a_emin=fa.elem.emin,
+                  b_emin=fb.elem.emin)
+    return a, b, kw, post
+
+
+def _gexps(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2) -> dict:
+    """The accum_matmul keywords of _scale_plan where it leaves the operands as they are."""
+    _, _, kw, post = _scale_plan(f, a, qa, b, qb, a_kdim, b_kdim)
+    return kw if post is None and "a_scale" not in kw else {}
+
+
+def _block_matmul(a, qa, b, qb, f: AccumFormat, kw: dict) -> torch.Tensor:
+    """accum_matmul(a, b, f, **kw) with the operands' block scales where f applies them
+    (_scale_plan; a is (..., M, K), b (..., K, N))."""
+    a2, b2, extra, post = _scale_plan(f, a, qa, b, qb)
+    if "a_scale" in extra or post is not None:
+        kw = {k: v for k, v in kw.items() if k not in ("a_emin", "b_emin")}
+        if post is not None and kw.get("c") is not None:  # C is in the scaled units: as before
+            return accum_matmul(a, b, f, **kw)
+    out = accum_matmul(a2, b2, f, **{**kw, **extra})
+    return out if post is None else out * post
 
 
 def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.Tensor:
@@ -879,18 +967,18 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
             "Recipe's accumulate=) for it")
     q = list(qargs) if qargs is not None else []
     em = [_emin_of(q[i]) if i < len(q) else None for i in range(3)]
+    qq = q + [None] * (3 - len(q))
     if packet in ("convolution", "_convolution"):
-        return _conv_forward(uargs, ukwargs, f, em)
+        return _conv_forward(uargs, ukwargs, f, em, qq)
     if packet == "convolution_backward":
-        return _conv_backward(uargs, ukwargs, f, em)
+        return _conv_backward(uargs, ukwargs, f, em, qq)
     out = ukwargs.get("out")
     ukwargs = {k: v for k, v in ukwargs.items() if k != "out"}
     t = [_f32(x, packet) if isinstance(x, torch.Tensor) else x for x in uargs]
     dtype = next(x.dtype for x in uargs if isinstance(x, torch.Tensor))
     e01 = dict(a_emin=em[0], b_emin=em[1])
-    qq = q + [None] * (3 - len(q))
     if packet in ("mm", "bmm"):
-        res = accum_matmul(t[0], t[1], f, **{**e01, **_gexps(f, t[0], qq[0], t[1], qq[1])})
+        res = _block_matmul(t[0], qq[0], t[1], qq[1], f, e01)
     elif packet in ("dot", "vdot"):
         res = accum_matmul(t[0][None], t[1][:, None], f, **e01)[0, 0]
     elif packet == "mv":
@@ -899,7 +987,7 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
         x, w = t[0], t[1]
         bias = _arg(t, ukwargs, 2, "bias", None)
         x2 = x[None] if x.dim() == 1 else x
-        res = accum_matmul(x2, w.t(), f, **{**e01, **_gexps(f, x2, qq[0], w.t(), qq[1])})
+        res = _block_matmul(x2, qq[0], w.t(), qq[1], f, e01)
         res = _epilogue(res[0] if x.dim() == 1 else res, bias, 1, 1)
     else:  # an added term: (self, mat1, mat2, *, beta, alpha)
         bias, a, b = t[0], t[1], t[2]
@@ -924,7 +1012,7 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
             prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f,
                                 **e12)
         else:
-            prod = accum_matmul(a, b, f, **{**e12, **_gexps(f, a, qq[1], b, qq[2])})
+            prod = _block_matmul(a, qq[1], b, qq[2], f, e12)
         res = prod if fed else _epilogue(prod, bias, beta, alpha)
         if packet == "_addmm_activation":  # ATen's GELU: exact on CPU, tanh (cuBLASLt) on CUDA
             gelu = _arg(t, ukwargs, 5, "use_gelu", False)
@@ -981,25 +1069,82 @@ def _cols(xp, k, stride, dilation, groups, size):
     return win.reshape(N, groups, L, P * (C // groups))
 
 
-def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None)):
-    """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size)."""
+def _conv_scale_plan(f: AccumFormat, xp, qx, w, qw, groups, to_a, to_b):
+    """_scale_plan for a convolution's GEMM (a = to_a(w), b = to_b(xp), K = (kernel position,
+    channel)): the operands' block scales along their channel dim 1, mapped to K like the
+    values, where every block and group lies in one kernel position and one conv group (the
+    channels per group a multiple of the block); else none. (xp, w, kw, post)."""
+    kw, post = {}, None
+    Cg = w.shape[1]
+    fx, fw = _operand_block_fmt(qx), _operand_block_fmt(qw)
+
+    def fits(fmt, n):  # blocks (and n-groups of K) inside one position and one conv group
+        return fmt is not None and Cg % n == 0 and (groups == 1 or Cg % fmt.block_size == 0)
+
+    if f.scales == "instruction" and f.group == 1:  # per-element clamps of MX operands
+        if fits(fx, 1):
+            ex = _mx_emin(xp, qx, 1)
+            if ex is not None:
+                kw["b_emin"] = to_b(ex)
+        if fits(fw, 1):
+            ew = _mx_emin(w, qw, 1)
+            if ew is not None:
+                kw["a_emin"] = to_a(ew)
+        return xp, w, kw, post
+    n = f.group if f.scales == "instruction" else (
+        f.chunk * f.promote if f.scales == "promotion" else 0)
+    if not n or not fits(fx, n) or not fits(fw, n) or (
+            f.scales == "instruction" and (fx.block_size % n or fw.block_size % n)) or (
+            f.scales == "promotion" and (fx.block_size != n or fw.block_size != n)):
+        return xp, w, kw, post
+    sx, sw = _block_scales(xp, fx, 1), _block_scales(w, fw, 1)
+    if sx is None or sw is None:
+        return xp, w, kw, post
+    Xx = _per_element(sx[0], fx.block_size, 1, xp.shape[1])
+    Xw = _per_element(sw[0], fw.block_size, 1, Cg)
+    if f.scales == "instruction":
+        kw["b_gexp"] = to_b(_scale_exps(Xx, fx))[:, ::n, :]
+        kw["a_gexp"] = to_a(_scale_exps(Xw, fw))[..., ::n]
+        if fx.tensor_scale or fw.tensor_scale:
+            xp, w = (xp.double() / sx[1]).float(), (w.double() / sw[1]).float()
+            post = sx[1].float() * sw[1].float()
+        return xp, w, kw, post
+    Xx, Xw = Xx * sx[1], Xw * sw[1]  # promotion: unscaled elements, a scale per K-block
+    kw = dict(b_scale=to_b(Xx)[:, ::n, :].float(), a_scale=to_a(Xw)[..., ::n].float(),
+              b_emin=fx.elem.emin, a_emin=fw.elem.emin)
+    return (xp.double() / Xx).float(), (w.double() / Xw).float(), kw, post
+
+
+def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(None, None)):
+    """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size).
+    q: the QTensors of (x, w) (their block formats: _conv_scale_plan)."""
     (O, Cg, *k), N, L = w.shape, xp.shape[0], math.prod(size)
     K = math.prod(k) * Cg
-    cols = _cols(xp, k, stride, dilation, groups, size)  # (N, g, L, K)
-    b = cols.permute(1, 3, 0, 2).reshape(groups, K, N * L)  # one GEMM per group
-    wm = w.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(groups, O // groups, K)
-    out = accum_matmul(wm, b, f, a_emin=em[1], b_emin=em[0]).reshape(groups, O // groups, N, L)
+
+    def to_b(t):  # (N, C, *S) -> (groups, K, N * L): one GEMM per group
+        cols = _cols(t, k, stride, dilation, groups, size)  # (N, g, L, K)
+        return cols.permute(1, 3, 0, 2).reshape(groups, K, N * L)
+
+    def to_a(t):  # (O, C/groups, *k) -> (groups, O/groups, K)
+        return t.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(
+            groups, O // groups, K)
+
+    xp, w, kw, post = _conv_scale_plan(f, xp, q[0], w, q[1], groups, to_a, to_b)
+    out = accum_matmul(to_a(w), to_b(xp), f, **{"a_emin": em[1], "b_emin": em[0], **kw})
+    if post is not None:
+        out = out * post
+    out = out.reshape(groups, O // groups, N, L)
     return out.permute(2, 0, 1, 3).reshape(N, O, *size)
 
 
-def _conv(x, w, geo, size, f, em=(None, None)):
-    """em: the minimum normal exponents of (x, w)."""
+def _conv(x, w, geo, size, f, em=(None, None), q=(None, None)):
+    """em: the minimum normal exponents of (x, w); q: their QTensors (block formats)."""
     stride, padding, dilation, groups = geo
     return _gemm_conv(_pad(x, [(p, p) for p in padding]), w, stride, dilation, groups, size, f,
-                      em)
+                      em, q)
 
 
-def _conv_transpose(x, w, geo, size, f, em=(None, None)):
+def _conv_transpose(x, w, geo, size, f, em=(None, None), q=(None, None)):
     """The transposed convolution of x (N, C, *S) with w (C, O/groups, *k) to spatial ``size``,
     as the forward convolution over the zero-inserted x (the section comment)."""
     stride, padding, dilation, groups = geo
@@ -1013,7 +1158,7 @@ def _conv_transpose(x, w, geo, size, f, em=(None, None)):
         pads.append((lo, size[i] + d * (kk - 1) - z.shape[2 + i] - lo))
     wf = w.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)  # (O, C/groups, *k)
     wf = wf.flip(list(range(2, wf.dim())))
-    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f, em)
+    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f, em, q)
 
 
 def _conv_weight_grad(x, go, k, geo, f, em=(None, None)):
@@ -1034,7 +1179,7 @@ _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "trans
               "output_padding", "groups")
 
 
-def _conv_forward(uargs, ukwargs, f, em=(None, None, None)):
+def _conv_forward(uargs, ukwargs, f, em=(None, None, None), q=(None, None, None)):
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = (
         _arg(uargs, ukwargs, i, n, None) for i, n in enumerate(_CONV_ARGS))
     # torch's own checks (channels, groups, sizes) and output size, on an empty batch
@@ -1043,13 +1188,14 @@ def _conv_forward(uargs, ukwargs, f, em=(None, None, None)):
     nd = w.dim() - 2
     geo = _geometry(stride, padding, dilation, groups, nd)
     x32, w32 = _f32(x, "convolution"), _f32(w, "convolution")
-    out = (_conv_transpose if transposed else _conv)(x32, w32, geo, size, f, (em[0], em[1]))
+    out = (_conv_transpose if transposed else _conv)(x32, w32, geo, size, f, (em[0], em[1]),
+                                                     (q[0], q[1]))
     if bias is not None:
         out = out + bias.view(-1, *[1] * nd)
     return out.to(x.dtype)
 
 
-def _conv_backward(uargs, ukwargs, f, em=(None, None, None)):
+def _conv_backward(uargs, ukwargs, f, em=(None, None, None), q=(None, None, None)):
     (go, x, w, _bias_sizes, stride, padding, dilation, transposed, _output_padding, groups,
      mask) = uargs[:11]
     nd = w.dim() - 2
@@ -1058,7 +1204,7 @@ def _conv_backward(uargs, ukwargs, f, em=(None, None, None)):
     gi = gw = gb = None
     if mask[0]:  # the adjoint of the forward map: a transposed convolution, or the converse
         gi = (_conv if transposed else _conv_transpose)(go32, w32, geo, x.shape[2:], f,
-                                                        (em[0], em[2]))
+                                                        (em[0], em[2]), (q[0], q[2]))
         gi = gi.to(go.dtype)
     if mask[1]:  # a transposed convolution's weight is that of the forward map go -> x
         a, b = (go32, x32) if transposed else (x32, go32)

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import math
 import os
+import types
 import zlib
 from fractions import Fraction
 
@@ -970,6 +971,16 @@ FAST_FORMATS = [
                 acc_rounding="nearest"),
     AccumFormat(chunk=32, frac_bits=16, align_rounding="floor", acc_in_alignment=False,
                 acc_rounding="nearest", promote=2),
+    # chunks whose sums can pass 2^31 (two int32 halves, the finish in doubles: accum_fast.h's
+    # finish_wide), toward zero to 24 or fewer bits or to nearest 24 bits
+    accum.blackwell_f8f6f4,
+    AccumFormat(chunk=32, frac_bits=26, align_rounding="floor", acc_man=13, promote=2),
+    AccumFormat(chunk=24, frac_bits=25, align_rounding="nearest", acc_rounding="nearest",
+                acc_in_alignment=False),
+    # an FP16 accumulator (its subnormal grid, p's clamp at -14, e_zero -21 checked per chunk)
+    accum.hopper_fp8_f16,
+    accum.hopper_fp8_f16.replace(align_rounding="floor", promote=2),
+    accum.hopper_fp8_f16.replace(acc_in_alignment=False, e_zero=None),
 ]
 FAST_OPERANDS = ["fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "fp6_e2m3", "fp4_e2m1"]
 
@@ -1052,6 +1063,60 @@ def test_fast_path_boundaries(f):
     for name, (x, y) in cases.items():
         want = accum.accum_matmul_reference(x, y, f)
         assert torch.equal(bits(accum.accum_matmul(x, y, f)), bits(want)), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("f", [accum.hopper_fp8_f16, accum.hopper_fp8_f16.replace(promote=2),
+                               accum.blackwell_f8f6f4], ids=str)
+def test_fast_path_narrow_and_split_edges(f):
+    """The fast path's FP16 accumulator (hopper_fp8_f16) and split sums (blackwell_f8f6f4) at
+    their edges, each with the reference's bits: chunks whose products are all below e_zero
+    (2^-21: a zero product or padding slot sets emax there; the tile is redone), FP16 subnormal
+    and overflowing partials (inf: redone), partials that cancel to 0 mid-K, sums near 2^32."""
+    g = torch.Generator().manual_seed(31)
+    a, b = _random(g, 9, 100, 20, "fp8_e4m3")
+    cases = {}
+    tiny = a.clone()
+    tiny[:4] *= 2.0 ** -9  # products down to 2^-36: below e_zero, some chunks only these
+    tiny[2, 32:64] = 0.0
+    cases["below e_zero"] = (tiny, b * 2.0 ** -6)
+    cases["fp16 subnormal results"] = (a * 2.0 ** -7, b * 2.0 ** -6)
+    big = a.clone()
+    big[3:5] = 448.0
+    cases["fp16 overflow"] = (big, b.abs() * 2.0 ** 4)
+    x, y = a.clone(), b.clone()
+    x[:, 32:64], y[32:64] = 1.0, 0.0
+    x[:, 0:32], y[0:16], y[16:32] = 2.0, 3.0, -3.0  # the first chunk cancels: p = 0
+    cases["p cancels"] = (x, y)
+    cases["full sums"] = (torch.full((9, 100), 448.0), torch.full((100, 20), -448.0))
+    for name, (x, y) in cases.items():
+        x, y = qt.quantize(x, "fp8_e4m3"), qt.quantize(y, "fp8_e4m3")
+        want = accum.accum_matmul_reference(x, y, f)
+        assert torch.equal(bits(accum.accum_matmul(x, y, f)), bits(want)), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("f", [accum.blackwell_mxf8f6f4, accum.hopper_fp8,
+                               accum.hopper_fp8_f16], ids=str)
+def test_fast_path_per_element_clamps(f):
+    """Per-element clamps (a_emin/b_emin tensors: MX operands' block minimum normal exponents,
+    which QTensor contractions pass where an element is subnormal) in the fast path's int8
+    exponents and in the tiles it redoes: the reference's bits, for MXFP8 operands with subnormal
+    elements and for random clamps."""
+    g = torch.Generator().manual_seed(17)
+    a = torch.randn(9, 96, generator=g)
+    a[:, ::5] *= 2.0 ** -15  # E4M3 subnormals in their blocks
+    b = torch.randn(96, 20, generator=g) * 2.0 ** torch.randint(-4, 4, (96, 1), generator=g)
+    fa = qt.formats.format("mxfp8_e4m3")
+    qa, qb = qt.quantize(a, fa), qt.quantize(b.t(), fa).t()
+    oa, ob = (types.SimpleNamespace(mm_fmt=fa) for _ in range(2))
+    ea, eb = accum._mx_emin(qa, oa, -1), accum._mx_emin(qb, ob, -2)
+    assert ea is not None and eb is not None
+    for x, y in ((ea, eb), (ea, None), (torch.randint(-30, 0, (9, 96), generator=g),
+                                        torch.randint(-30, 0, (96, 20), generator=g))):
+        want = accum.accum_matmul_reference(qa, qb, f, a_emin=x, b_emin=y)
+        got = accum.accum_matmul(qa, qb, f, a_emin=x, b_emin=y)
+        assert torch.equal(bits(got), bits(want))
 
 
 @needs_kernel
@@ -1591,3 +1656,176 @@ def test_fma_f32_is_one_rounding():
     want = torch.tensor([_f32_fma(float(x), float(y), float(z)) for x, y, z in
                          zip(s.tolist(), p.tolist(), acc.tolist())], dtype=torch.float32)
     assert torch.equal(bits(got), bits(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# Block scales through QTensor contractions: a converted model's MX/NVFP4 operands reach the
+# datapath with their block scales (group exponents, or elements and scales on promotion), as an
+# explicit accum_matmul(elements, a_scale=, b_scale=) gives them
+
+def _e4m3_scales(x, bs=16):
+    """NVFP4 (single-level) rounding of x along its last dim by hand: (elements, E4M3 scales),
+    the scales from the unrounded blocks' amax (an oracle independent of accum's recovery)."""
+    X = (x.abs().unflatten(-1, (-1, bs)).amax(-1) / 6).to(torch.float8_e4m3fn)
+    X = torch.where(X.float() == 0, torch.ones_like(X.float()), X.float()).to(torch.float8_e4m3fn)
+    xq = qt.quantize(x, "nvfp4_single")
+    return xq / X.float().repeat_interleave(bs, -1), X
+
+
+def _nvfp4_operands():
+    """x (5, 64), w (3, 64): blocks of 16 from 2^-9 to 448 scales; rows 0-1 and column 0 have a
+    group whose products cancel at the largest scale (the 35-bit alignment then drops the
+    smallest products, which an alignment at the group sums' exponents keeps)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(5, 4, 16, generator=g) * 2.0 ** torch.randint(-8, 9, (5, 4, 1), generator=g)
+    w = torch.randn(3, 4, 16, generator=g) * 2.0 ** torch.randint(-8, 9, (3, 4, 1), generator=g)
+    x[:2, 0], w[0, 0] = 0.0, 6 * 448.0
+    x[:2, 0, 0], x[:2, 0, 1] = 6 * 448.0, -6 * 448.0
+    x[:2, 1], w[0, 1] = 0.5 * 2.0 ** -9, 0.5 * 2.0 ** -9
+    x[:2, 1, 0], w[0, 1, 0] = 6 * 2.0 ** -9, 6 * 2.0 ** -9
+    return x.flatten(1), w.flatten(1)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_single", "nvfp4"])
+def test_converted_linear_nvfp4_passes_block_scales(fmt):
+    """qt.convert(nn.Linear) with NVFP4 weight and activation operand formats and
+    Recipe(accumulate=blackwell_nvfp4): the output equals accum_matmul of the FP4 elements with
+    their E4M3 block scales (tcgen05 kind::mxf4nvf4's alignment at the scales' exponents), bit
+    for bit; NVFP4's per-tensor scales are applied after the sum (cuBLASLt's alpha). Without the
+    scales (each group at its own sum's exponent, the previous behaviour) the bits differ."""
+    f = accum.blackwell_nvfp4
+    x, w = _nvfp4_operands()
+    lin = torch.nn.Linear(64, 3, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
+                                  accumulate=f))
+    y = m(x)
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    if fmt == "nvfp4_single":
+        xe, xs = _e4m3_scales(x)
+        we, ws = _e4m3_scales(w)
+        want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t())
+    else:  # the per-tensor scales (from the tensors' amax) out of the elements, then alpha
+        from qtensor.reference import _tensor_scale
+        nv = qt.formats.format("nvfp4")
+        tx, tw = (_tensor_scale(t.double().abs().amax(), nv) for t in (x, w))
+        def split(t, ts):  # the quantizer's E4M3 scales of the unrounded blocks
+            s = (t.double().abs().unflatten(-1, (-1, 16)).amax(-1) / (6 * ts))
+            s = s.float().to(torch.float8_e4m3fn)
+            tq = qt.quantize(t, fmt).double()
+            return (tq / (s.double().repeat_interleave(16, -1) * ts)).float(), s
+        xe, xs = split(x, tx)
+        we, ws = split(w, tw)
+        want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t()) * (
+            tx.float() * tw.float())
+    assert torch.equal(bits(y), bits(want))
+    old = accum.accum_matmul(qt.quantize(x, fmt), qt.quantize(w, fmt).t(), f)
+    assert not torch.equal(bits(y), bits(old))
+
+
+@pytest.mark.parametrize("fmt, f", [("mxfp4", accum.blackwell_mxfp4),
+                                    ("mxfp8_e4m3", accum.blackwell_mxf8f6f4)])
+def test_converted_conv2d_mxfp4_passes_block_exponents(fmt, f, monkeypatch):
+    """qt.convert(nn.Conv2d) with MX operand formats and a Blackwell block-scaled preset: the
+    convolution's GEMM (K = kernel position, channel) gets the E8M0 block scales of both operands
+    (blocks of 32 channels: MXFP4's group exponents for blackwell_mxfp4, MXFP8's per-element
+    clamps for blackwell_mxf8f6f4); equal, bit for bit, to accum_matmul of the im2col elements
+    with their scales, and different from the values without them."""
+    emax = qt.formats.format(fmt).elem.emax
+    g = torch.Generator().manual_seed(5)
+    conv = torch.nn.Conv2d(32, 3, 3, bias=False)
+    x = torch.randn(2, 32, 5, 5, generator=g)
+    x = x * 2.0 ** torch.randint(-24, 24, (2, 2, 1, 5, 5), generator=g).repeat_interleave(
+        16, 1).flatten(1, 2)  # every group of 16 channels at its own scale
+    x[:, :16, 1, 1] = torch.tensor([2.0 ** 30, -2.0 ** 30] * 8)  # groups that cancel
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(3, 32, 3, 3, generator=g))
+        conv.weight[:, :16] = 1.0
+        if fmt == "mxfp8_e4m3":  # E4M3 subnormal elements in every block
+            x[:, 16:] = x[:, :16] * 2.0 ** -15
+    m = qt.convert(conv, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
+                                   accumulate=f))
+    calls = []
+    kernel = accum.accum_matmul
+
+    def spy(*args, **kw):
+        calls.append(sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor)))
+        return kernel(*args, **kw)
+    monkeypatch.setattr(accum, "accum_matmul", spy)
+    y = m(x)
+    monkeypatch.undo()
+    assert calls[0] == (["a_gexp", "b_gexp"] if f.group > 1 else ["b_emin"])
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+
+    def split(t, dim):  # MX along dim: elements and E8M0 exponents of the unrounded blocks
+        tq = qt.quantize(t, qt.formats.format(fmt).replace(axis=dim))
+        amax = t.movedim(dim, -1).abs().unflatten(-1, (-1, 32)).amax(-1)
+        e = (torch.frexp(amax).exponent - 1 - emax).clamp(-127, 127).movedim(-1, dim)
+        return tq / torch.exp2(e.float()).repeat_interleave(32, dim), e.float()
+    xe, xs = split(x, 1)  # (N, C, H, W), (N, 1, H, W)
+    we, ws = split(conv.weight.detach(), 1)  # (O, C, 3, 3), (O, 1, 3, 3)
+    N, O, L = 2, 3, 9
+
+    def cols(t):  # (N, C, 5, 5) -> (N, K, L), K = (kernel position, channel)
+        u = torch.nn.functional.unfold(t, 3)  # (N, C * 9, L), channel-major
+        return u.unflatten(1, (t.shape[1], 9)).transpose(1, 2).flatten(1, 2)
+    b, bsc = cols(xe), cols(torch.exp2(xs))  # scales: (N, 9, L), one per position
+    a = we.permute(0, 2, 3, 1).reshape(O, -1)
+    asc = torch.exp2(ws).permute(0, 2, 3, 1).reshape(O, 9)
+    want = accum.accum_matmul(a, b, f, a_scale=asc, b_scale=bsc).reshape(N, O, 3, 3)
+    assert torch.equal(bits(y), bits(want))
+    xq = qt.quantize(x, qt.formats.format(fmt).replace(axis=1))
+    wq = qt.quantize(conv.weight.detach(), qt.formats.format(fmt).replace(axis=1))
+    old = accum.accum_matmul(wq.permute(0, 2, 3, 1).reshape(O, -1), cols(xq), f)
+    if f.group > 1:
+        assert not torch.equal(bits(y), bits(old.reshape(N, O, 3, 3)))
+
+
+@pytest.mark.parametrize("scale", ["e8m0", "bf16"])
+def test_converted_linear_promotion_scales(scale, monkeypatch):
+    """DeepSeek-V3-style FP8 GEMM through a converted nn.Linear: operand formats of E4M3 blocks
+    of 128 along K (power-of-two E8M0 scales, or BF16 amax scales) and hopper_fp8 with
+    scales="promotion": dispatch passes the elements and their block scales, so each 128-K
+    interval's unscaled sum is promoted with its scales (one FFMA), bit for bit as accum_matmul
+    with a_scale/b_scale. With BF16 scales summing the scaled values instead gives other bits;
+    E8M0 scales are powers of two, which commute with the alignment (the kernel must still get
+    them: checked on the call)."""
+    f = accum.hopper_fp8.replace(scales="promotion")
+    rule = "floor" if scale == "e8m0" else "amax"
+    fmt = qt.BlockFormat("fp8_e4m3", 128, scale=scale, scale_rule=rule)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 3, 128, generator=g) * 2.0 ** torch.randint(-3, 3, (6, 3, 1), generator=g)
+    w = torch.randn(4, 3, 128, generator=g) * 2.0 ** torch.randint(-3, 3, (4, 3, 1), generator=g)
+    x, w = x.flatten(1), w.flatten(1)
+    lin = torch.nn.Linear(384, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt), accumulate=f))
+    calls = []
+    kernel = accum.accum_matmul
+
+    def spy(*args, **kw):
+        calls.append(sorted(k for k, v in kw.items() if v is not None))
+        return kernel(*args, **kw)
+    monkeypatch.setattr(accum, "accum_matmul", spy)
+    y = m(x)
+    monkeypatch.undo()
+    assert "a_scale" in calls[0] and "b_scale" in calls[0]
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+
+    def split(t):  # the quantizer's scales of the unrounded blocks, and the elements
+        amax = t.double().abs().unflatten(-1, (-1, 128)).amax(-1)
+        if rule == "floor":
+            s = torch.exp2((torch.frexp(amax).exponent - 1 - 8).double())
+        else:
+            s = (amax / 448).float().to(torch.bfloat16).double()
+        e = (qt.quantize(t, fmt).double() / s.repeat_interleave(128, -1)).float()
+        assert torch.equal(qt.quantize(e, "fp8_e4m3"), e)
+        return e, s.float()
+    xe, xs = split(x)
+    we, ws = split(w)
+    want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t(), a_emin=-6, b_emin=-6)
+    assert torch.equal(bits(y), bits(want))
+    old = accum.accum_matmul(qt.quantize(x, fmt), qt.quantize(w, fmt).t(), f)
+    assert torch.equal(bits(y), bits(old)) == (scale == "e8m0")

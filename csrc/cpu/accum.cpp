@@ -50,9 +50,15 @@ struct Range {
 
 // What the fast path checks per chunk (fast_path_ok sets them): emax at most emax, and |S| at
 // most sums (INT32_MAX: the bound on the terms already keeps the sum with p's term in int32).
+// split: a chunk's terms summed in two int32 halves (of `half` terms), the finish in doubles
+// (finish_wide: chunks whose whole sum can pass 2^31, as 32 products at 25 bits); zcheck: e_zero
+// can move emax (a tile where a lane's terms are all below e_zero is redone); pfix: p's
+// alignment exponent clamped at acc_emin (an FP16 accumulator), e_zero for a zero p.
 struct FastLimits {
   int emax;
   int sums;
+  bool split = false, zcheck = false, pfix = false;
+  int half = 0;
 };
 
 // scan's vector part: the OR of |x|'s bits, the smallest (nonzero x) and largest biased exponent,
@@ -72,7 +78,8 @@ struct FastKernels {
   void (*exps8_rows)(const float* x, int64_t rows, int64_t C, int hi, int emin, int8_t* out);
   void (*rows_fast[3])(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8,
                        int off, int64_t K, int64_t N, int64_t i0, int64_t i1,
-                       const qtensor::AccumSpec& s, const FastLimits& lim, float* out);
+                       const qtensor::AccumSpec& s, const FastLimits& lim, float* out,
+                       const int* eva, const int* evb);
 };
 
 // The vectorized paths (group == 1): the double lanes compiled for the baseline, AVX2 and
@@ -208,27 +215,45 @@ at::Tensor scalar_path(const at::Tensor& a, const at::Tensor& b, const qtensor::
 // underflow), each term is p * 2^(F - emax), exact while it is normal: F - emax >= -126 for the
 // smallest product (the limit), F - emax <= 126 where a product is nonzero (emax >= lo). A term
 // is below 4 * 2^F, and at most (4 - 2^(2 - m)) * 2^F with m-bit significands: a chunk of them
-// must sum in int32. emax <= F + 96 keeps the chunk's result (below 2^31 * 2^(emax - F)) finite.
+// must sum in int32, or each half of it (split). emax <= F + 96 keeps the chunk's result (below 2^31 * 2^(emax - F)) finite.
 // The products' exponents must span at most 127 (int8 exponents, accum_fast.h's Exps8).
-bool fast_path_ok(const qtensor::AccumSpec& s, const Range& ra, const Range& rb,
-                  FastLimits* lim) {
+// aclamp, bclamp: the largest clamp of each operand's exponents (s.a_emin/b_emin, or the largest
+// per-element clamp)
+bool fast_path_ok(const qtensor::AccumSpec& s, int aclamp, int bclamp, const Range& ra,
+                  const Range& rb, FastLimits* lim) {
   if (s.group != 1 || !ra.normal || !rb.normal || ra.bits() + rb.bits() > 24) return false;
-  if (s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127) return false;  // float32 partials
+  // a narrower accumulator (FP16: hopper_fp8_f16): its subnormal grid and the clamp of p's
+  // exponent in the finish (rounding to nearest with fewer than 24 bits, round_acc's kind 2),
+  // its overflow to inf redone by the double path; the grid must stay normal in float32
+  const bool narrow = s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127;
+  if (narrow && (s.acc_round != 2 || s.acc_man == 23 || s.acc_emin - s.acc_man < -126))
+    return false;
   const int F = s.frac_bits;
   lim->emax = F + 96;
   lim->sums = INT32_MAX;
+  lim->pfix = narrow;
   if (!ra.any() || !rb.any()) return true;  // every product is zero
   const int lo = ra.lo + rb.lo, hi = ra.hi + rb.hi;  // the products' exponents
   if (lo < -126 || hi > 126 || F - lo > 126 || F > 28 || hi - lo > 127) return false;
   // every nonzero term (products, partials) is at least 2^(lo - F): a zero term's e_zero below
-  // that never moves emax, and where all terms are zero the result is 0 at any scale
-  if (s.e_zero >= lo - F) return false;
+  // that never moves emax, and where all terms are zero the result is 0 at any scale; else
+  // fast_tile checks each chunk (zcheck: a lane whose terms are all below e_zero is redone)
+  if (s.e_zero != qtensor::kAccZeroExp && s.e_zero >= lo - F) lim->zcheck = lim->pfix = true;
   // the operands' clamped exponents (format minimum normal ones) must keep the int8 span
-  if (std::max(ra.hi, s.a_emin) + std::max(rb.hi, s.b_emin) - lo > 127) return false;
+  if (std::max(ra.hi, aclamp) + std::max(rb.hi, bclamp) - lo > 127) return false;
   lim->emax = F + std::min(126 + std::min(lo, 0), 96);
   const int m = std::max(ra.bits(), rb.bits());
   const int64_t term = (int64_t{4} << F) - (F + 2 >= m ? int64_t{1} << (F + 2 - m) : 0);
-  if (s.chunk * term > INT32_MAX) return false;
+  if (s.chunk * term > INT32_MAX) {
+    // two int32 halves, summed with p's term in doubles (finish_wide: to 24 bits toward zero or
+    // to nearest); their sum is below 2^33, so emax <= F + 94 keeps the result finite
+    const int half = (s.chunk + 1) / 2;
+    if (narrow || half * term > INT32_MAX || (s.acc_round == 2 && s.acc_man != 23)) return false;
+    lim->split = true;
+    lim->half = half;
+    lim->emax = F + std::min(126 + std::min(lo, 0), 94);
+    return true;
+  }
   // p's term (below 2^(F + 1)) too: else fast_tile checks the sums
   const int64_t pterm = s.acc_in_alignment ? int64_t{1} << (F + 1) : 0;
   if (s.chunk * term + pterm > INT32_MAX) lim->sums = (int)(INT32_MAX - pterm);
@@ -240,18 +265,33 @@ static_assert(FR == accum_avx2::FR && accum_avx512::TR == accum_avx2::TR, "one l
 // The fast path's int8 exponents (accum_fast.h's Exps8) of x (batch, rows, cols) float32, finite,
 // normal or zero, whose largest exponent is hi: rows interleaved in groups of g (1 or FR),
 // each fk.EA times in groups, (batch, ceil(rows / g), cols, g * ea), padding rows as zeros.
-at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int emin, int64_t g) {
+// ev: per-element clamps (int32, x's layout) or undefined (emin for all; then vectorized)
+at::Tensor exps8(const FastKernels& fk, const at::Tensor& x, int hi, int emin, int64_t g,
+                 const at::Tensor& ev = at::Tensor()) {
   const int64_t B = x.size(0), R = x.size(1), C = x.numel() / (B * R), Rg = (R + g - 1) / g;
   const int64_t ea = g == 1 ? 1 : fk.EA;
   at::Tensor out = at::empty({B, Rg, C, g * ea}, x.options().dtype(at::kChar));
   const float* px = x.data_ptr<float>();
   int8_t* po = out.data_ptr<int8_t>();
+  const int* pv = ev.defined() ? ev.data_ptr<int>() : nullptr;
+  const auto e8 = [hi](float x, int clamp) {  // accum_fast.h's exps8_1 with its own clamp
+    const uint32_t u = qtensor::f2u(x) & qtensor::F32::ABS;
+    return (int8_t)(u == 0 ? -128 : std::max((int)(u >> 23) - 127, clamp) - hi);
+  };
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, C * g));
   at::parallel_for(0, B * Rg, grain, [&](int64_t lo, int64_t hi_) {
     for (int64_t t = lo; t < hi_; ++t) {
       const int64_t bi = t / Rg, r0 = t % Rg * g;
       const float* xr = px + (bi * R + r0) * C;
-      if (g == 1)
+      if (pv) {  // per-element clamps (MX operands with subnormal elements): scalar
+        const int* vr = pv + (bi * R + r0) * C;
+        int8_t* o = po + t * C * g * ea;
+        const int64_t rows = std::min(g, R - r0);
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t i = 0; i < g; ++i)
+            for (int64_t j = 0; j < ea; ++j)
+              o[(g * c + i) * ea + j] = i < rows ? e8(xr[i * C + c], vr[i * C + c]) : -128;
+      } else if (g == 1)
         fk.exps8_flat(xr, C, hi, emin, po + t * C);
       else
         fk.exps8_rows(xr, std::min(g, R - r0), C, hi, emin, po + t * C * g * ea);
@@ -310,11 +350,13 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
 #if defined(QT_ACCUM_AVX2)
     const FastKernels& fk =
         isa == 2 ? accum_avx512::kFastKernels : accum_avx2::kFastKernels;
-    // per-element clamps: the double lanes
-    fast = isa > 0 && !eav.defined() && !ebv.defined() && !c &&
-           fast_path_ok(s, ra = scan(fk, ac), rb = scan(fk, bc), &lim);
+    // the largest clamps (per-element ones: MX operands with subnormal elements)
+    const int aclamp = eav.defined() && eav.numel() ? eav.max().item<int>() : s.a_emin;
+    const int bclamp = ebv.defined() && ebv.numel() ? ebv.max().item<int>() : s.b_emin;
+    fast = isa > 0 && !c && fast_path_ok(s, aclamp, bclamp, ra = scan(fk, ac),
+                                         rb = scan(fk, bc), &lim);
     // the int8 exponents' offsets: the largest clamped exponent of each operand
-    const int atop = std::max(ra.top(), s.a_emin), btop = std::max(rb.top(), s.b_emin);
+    const int atop = std::max(ra.top(), aclamp), btop = std::max(rb.top(), bclamp);
     if (fast) P = fk.FW;
 #endif
     // each panel (K, P) contiguous (zero columns pad the last one): the lanes read it
@@ -324,21 +366,22 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
     bp.narrow(2, 0, N).copy_(bc);
     bp = bp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();  // (B, ldb/P, K, P)
     const float* pb = bp.data_ptr<float>();
+    at::Tensor ebp;  // b's per-element clamps in b's panels
+    if (ebv.defined()) {
+      ebp = at::full({B, K, ldb}, s.b_emin, ebv.options());
+      ebp.narrow(2, 0, N).copy_(ebv);
+      ebp = ebp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();
+    }
     at::Tensor ea, eb, ea8, eb8;  // the exponents: int8 for the fast path, else int32
 #if defined(QT_ACCUM_AVX2)
     if (fast) {
-      ea8 = exps8(fk, ac, atop, s.a_emin, FR);
-      eb8 = exps8(fk, bp.view({B, ldb / P, K * P}), btop, s.b_emin, 1);
+      ea8 = exps8(fk, ac, atop, s.a_emin, FR, eav);
+      eb8 = exps8(fk, bp.view({B, ldb / P, K * P}), btop, s.b_emin, 1,
+                  ebp.defined() ? ebp.view({B, ldb / P, K * P}) : ebp);
     }
 #endif
     if (!fast) {
       ea = exponents(ac, s.a_emin, eav);
-      at::Tensor ebp;  // b's clamps in b's panels
-      if (ebv.defined()) {
-        ebp = at::full({B, K, ldb}, s.b_emin, ebv.options());
-        ebp.narrow(2, 0, N).copy_(ebv);
-        ebp = ebp.view({B, K, ldb / P, P}).permute({0, 2, 1, 3}).contiguous();
-      }
       eb = exponents(bp, s.b_emin, ebp);
     }
     constexpr int64_t TM = 8;  // rows per task (a fast tile): their operands stay in cache
@@ -357,8 +400,10 @@ at::Tensor accum_matmul(const at::Tensor& a, const at::Tensor& b, int64_t chunk,
         if (fast) {
           const int8_t* ea83 = ea8.data_ptr<int8_t>() + bi * ea8.stride(0);
           const int8_t* eb83 = eb8.data_ptr<int8_t>() + bi * K * ldb;
-          fk.rows_fast[s.align_round](a3, ea83, b3, eb83, atop + btop, K, N, i0, i1, s, lim,
-                                      o3);
+          fk.rows_fast[s.align_round](
+              a3, ea83, b3, eb83, atop + btop, K, N, i0, i1, s, lim, o3,
+              eav.defined() ? eav.data_ptr<int>() + bi * M * K : nullptr,
+              ebp.defined() ? ebp.data_ptr<int>() + bi * K * ldb : nullptr);
           continue;
         }
 #endif

@@ -9,7 +9,7 @@
 // Used only where accum.cpp's fast_path_ok holds for the operands: all finite, normal or zero,
 // significands of at most 24 bits between a and b (fp8/fp6/fp4/bf16/fp16 values), so every
 // product a*b is exact and normal (or zero) in float32, and a chunk's scaled terms sum exactly in
-// int32. Then the model's term round(a*b * 2^(frac_bits - emax)) is a float32 product scaled by
+// int32 (or in two int32 halves, finished in doubles: fast_path_ok's split). Then the model's term round(a*b * 2^(frac_bits - emax)) is a float32 product scaled by
 // an exact power of two (an int32 add to its exponent bits, or a float32 multiply), a
 // float32-to-int32 conversion with the alignment rounding and an int32 add: 4 instructions per FW
 // products on AVX-512 (a's broadcast folds into the multiply), 5 on AVX2 (6 for floor), against
@@ -45,26 +45,51 @@ inline VI round_magnitude(VI aT, VI d, bool nearest) {
 // fast_path_ok), and so is every partial; v < 2^31 * 2^(em - F) <= 2^127 (em <= F + 96).
 // FIN: s's acc_in_alignment (bit 0) and accumulator rounding (fin_kind, bits 1-2) as template
 // constants (kFinishVariants: the ISA's fast_tile instantiates each), or -1: read from s.
+// A narrower accumulator (fast_path_ok's narrow: FP16) rounds T at least to its subnormal grid,
+// 2^(acc_emin - acc_man), i.e. d >= acc_emin - acc_man + Fe in T's units (dmin; round_acc's
+// kind 2 only); its overflow (|v| >= 2^(acc_emax + 1): inf) sets over, and the tile is redone.
 template <int MODE, int FIN>
-inline VF finish(VI T, VI em, VF p, const qtensor::AccumSpec& s) {
+inline VF finish(VI T, VI em, VF p, const qtensor::AccumSpec& s, VM& over) {
   const bool in_alignment = FIN < 0 ? s.acc_in_alignment : (FIN & 1) != 0;
   const VI Fe = subi(i32(s.frac_bits), em);  // F - em
   if (in_alignment) T = addi(T, p_term<MODE>(p, Fe));  // below 2^(F + 1) in magnitude
-  const VF v = scale_back(round_acc<FIN < 0 ? -1 : FIN / 2>(T, s), T, Fe);
+  const bool narrow = s.acc_emin != qtensor::kAccExpMin || s.acc_emax != 127;
+  const VI dmin = narrow ? maxi(addi(Fe, i32(s.acc_emin - s.acc_man)), izero()) : izero();
+  const VF r = round_acc<FIN < 0 ? -1 : FIN / 2>(T, s, dmin);
+  // on the subnormal grid a nonzero T can round to 0 (r = +-0): scale_back tests r itself, and
+  // + 0 makes it +0 (the model's zero; the partials are never -0, see p_term)
+  VF v = scale_back(r, narrow ? andi(asi(r), i32((int)qtensor::F32::ABS)) : T, Fe);
+  if (narrow) {
+    v = addf(v, fzero());
+    over = mor(over, absge(v, std::ldexp(1.0f, s.acc_emax + 1)));
+  }
   return in_alignment ? v : addf(p, v);
+}
+// finish for split sums (fast_path_ok's split): T = S + S2 + p's term in doubles (below 2^34,
+// exact), rounded to acc_man bits toward zero (the doubles' low bits masked) or to nearest 24
+// bits (the conversion), then scaled back exactly (the result is a normal float32, as finish's)
+template <int MODE>
+inline VF finish_wide(VI S, VI S2, VI em, VF p, const qtensor::AccumSpec& s) {
+  const VI Fe = subi(i32(s.frac_bits), em);
+  const VI pt = s.acc_in_alignment ? p_term<MODE>(p, Fe) : izero();
+  const VF r = sum3_round(S, S2, pt, s.acc_round == 0 ? 52 - s.acc_man : 0);
+  const VF v = scale_back(r, asi(r), Fe);  // r == +0 exactly where T == 0
+  return s.acc_in_alignment ? v : addf(p, v);
 }
 inline int fin_kind(const qtensor::AccumSpec& s) {  // 0: toward zero, 1: nearest, 24 bits, 2: fewer
   return s.acc_round == 0 ? 0 : (s.acc_man == 23 ? 1 : 2);
 }
 
 // The chunk's new partials of R rows, acc += p where it promotes; over: sums past lim.sums.
+// S2: the second halves' sums of split chunks (finish_wide), else nullptr.
 template <int MODE, int R, int FIN>
-inline void finish_rows(const VI* S, const VI* E, VF* p, VF* acc, bool promote, bool check_sums,
-                        VI smax, VM& over, const qtensor::AccumSpec& s) {
+inline void finish_rows(const VI* S, const VI* S2, const VI* E, VF* p, VF* acc, bool promote,
+                        bool check_sums, VI smax, VM& over, const qtensor::AccumSpec& s) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     if (check_sums) over = mor(over, gti(absi(S[r]), smax));
-    p[r] = finish<MODE, FIN>(S[r], E[r], p[r], s);
+    p[r] = S2 ? finish_wide<MODE>(S[r], S2[r], E[r], p[r], s)
+              : finish<MODE, FIN>(S[r], E[r], p[r], s, over);
     if (promote) {
       acc[r] = addf(acc[r], p[r]);
       p[r] = fzero();
@@ -184,11 +209,19 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
       for (int g = 0; g < G; ++g) E8[g] = e8_max(E8[g], e8_a(e.a + (g * K + k) * FR * EA), ebk);
     }
     VI E[R];
+    VM low = mnone();  // lim.zcheck: a lane with nonzero terms, all below e_zero
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       E[r] = e8_row(E8[r / FR], r % FR, e.off);
-      if (s.acc_in_alignment) E[r] = maxi(E[r], partial_exp(p[r]));
+      // pfix: p's exponent clamped at acc_emin, e_zero for p == 0 (the model's acc_chunk)
+      if (s.acc_in_alignment)
+        E[r] = maxi(E[r], lim.pfix ? partial_exp_fix(p[r], s.acc_emin, s.e_zero)
+                                   : partial_exp(p[r]));
+      if (lim.zcheck)
+        low = mor(low, mand(gti(E[r], i32(qtensor::kAccZeroExp)), lti(E[r], i32(s.e_zero))));
     }
+    // there a zero product or padding slot (at e_zero) would set emax: the double path
+    if (lim.zcheck && many(low)) return false;
     // the scales 2^sh, sh = F - emax: at least -126 below the limit, and at most 126 where a
     // product is nonzero (fast_path_ok); clamped there for the others, whose scale multiplies
     // zeros (all-zero lanes: kAccZeroExp or partial_exp's zero, whose result is 0 at any scale)
@@ -200,18 +233,24 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
       sh_check(check, E[r], sh[r], limit);
     }
     if (sh_over(check, F, limit)) return false;  // an emax past lim.emax
-    VM over = mnone();  // a sum past lim.sums
-    VI S[R];
-    if (MODE != 1 && !sh_small(check))  // every sh >= 1
-      chunk_terms<MODE, R, true>(a, K, b, k0, k1, sh, S);
-    else
-      chunk_terms<MODE, R, false>(a, K, b, k0, k1, sh, S);
+    VM over = mnone();  // a sum past lim.sums, an overflow of a narrow accumulator
+    VI S[R], S2[R];
+    // split (lim.split): the chunk's first lim.half terms in S, the others in S2
+    const int64_t km = lim.split ? std::min(k1, k0 + lim.half) : k1;
+    if (MODE != 1 && !sh_small(check)) {  // every sh >= 1
+      chunk_terms<MODE, R, true>(a, K, b, k0, km, sh, S);
+      if (lim.split) chunk_terms<MODE, R, true>(a, K, b, km, k1, sh, S2);
+    } else {
+      chunk_terms<MODE, R, false>(a, K, b, k0, km, sh, S);
+      if (lim.split) chunk_terms<MODE, R, false>(a, K, b, km, k1, sh, S2);
+    }
+    const VI* S2p = lim.split ? S2 : nullptr;
     const bool promote = s.promote > 0 && (++c == s.promote || k1 == K);
-    if (!kFinishVariants) {
-      finish_rows<MODE, R, -1>(S, E, p, acc, promote, check_sums, smax, over, s);
+    if (!kFinishVariants || lim.split) {
+      finish_rows<MODE, R, -1>(S, S2p, E, p, acc, promote, check_sums, smax, over, s);
     } else {  // the spec's branches out of the row loop
 #define QT_FINISH_ROWS(FIN) \
-  finish_rows<MODE, R, FIN>(S, E, p, acc, promote, check_sums, smax, over, s)
+  finish_rows<MODE, R, FIN>(S, nullptr, E, p, acc, promote, check_sums, smax, over, s)
       switch ((int)s.acc_in_alignment + 2 * fin_kind(s)) {
         case 0: QT_FINISH_ROWS(0); break;
         case 1: QT_FINISH_ROWS(1); break;
@@ -232,11 +271,12 @@ bool fast_tile(const float* a, const float* b, const Exps8& e, int64_t K,
 }
 
 // Rows [i0, i1) (i0 a multiple of TR) of one batch: a (M, K); b in panels of FW columns, each
-// (K, FW) contiguous; ea8, eb8 their exponents (Exps8), off their offset.
+// (K, FW) contiguous; ea8, eb8 their exponents (Exps8), off their offset; eva, evb: per-element
+// clamps in a's and b's layouts (nullptr: s.a_emin, s.b_emin), for the tiles redone.
 template <int MODE>
 void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* eb8, int off,
                int64_t K, int64_t N, int64_t i0, int64_t i1, const qtensor::AccumSpec& s,
-               const FastLimits& lim, float* out) {
+               const FastLimits& lim, float* out, const int* eva, const int* evb) {
   for (int64_t j = 0; j < N; j += FW) {
     const float* bj = b + j * K;  // the panel of columns j .. j + FW - 1
     const int nc = (int)std::min<int64_t>(FW, N - j);
@@ -259,10 +299,12 @@ void rows_fast(const float* a, const int8_t* ea8, const float* b, const int8_t* 
       if (ok) continue;
       // rare: the double path, on the W-lane parts of the panel, with int32 exponents
       std::vector<int> eb(K * FW), ea(K);
-      for (int64_t k = 0; k < K * FW; ++k) eb[k] = qtensor::acc_exp_f32(bj[k], s.b_emin);
+      for (int64_t k = 0; k < K * FW; ++k)
+        eb[k] = qtensor::acc_exp_f32(bj[k], evb ? evb[j * K + k] : s.b_emin);
       float tmp[FW];
       for (int r = 0; r < R; ++r) {
-        for (int64_t k = 0; k < K; ++k) ea[k] = qtensor::acc_exp_f32(ai[r * K + k], s.a_emin);
+        for (int64_t k = 0; k < K; ++k)
+          ea[k] = qtensor::acc_exp_f32(ai[r * K + k], eva ? eva[(i + r) * K + k] : s.a_emin);
         for (int h = 0; h < FW; h += W)
           dot_lanes<MODE>(ai + r * K, ea.data(), bj + h, eb.data() + h, FW, K, s, tmp + h);
         for (int w = 0; w < nc; ++w) oi[r * N + w] = tmp[w];

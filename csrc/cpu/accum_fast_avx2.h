@@ -48,6 +48,11 @@ inline VM gti(VI x, VI y) { return _mm256_cmpgt_epi32(x, y); }
 inline VM lti(VI x, VI y) { return _mm256_cmpgt_epi32(y, x); }
 inline VM mnone() { return _mm256_setzero_si256(); }
 inline VM mor(VM x, VM y) { return _mm256_or_si256(x, y); }
+inline VM mand(VM x, VM y) { return _mm256_and_si256(x, y); }
+inline VM absge(VF x, float y) {  // |x| >= y
+  const __m256 ax = _mm256_and_ps(x, _mm256_castsi256_ps(i32((int)qtensor::F32::ABS)));
+  return _mm256_castps_si256(_mm256_cmp_ps(ax, _mm256_set1_ps(y), _CMP_GE_OQ));
+}
 inline bool many(VM m) { return !_mm256_testz_si256(m, m); }
 
 // fast_tile's checks of the rows' emax E and scale exponents sh = min(F - E, 126): the smallest
@@ -74,6 +79,12 @@ inline VI biased_exp(VF x) {  // the exponent field
 // p's alignment exponent floor(log2|p|) (never subnormal: see accum_fast_avx512.h); p == 0
 // gives -127, below every exponent the fast path meets (products and partials are >= 2^-126)
 inline VI partial_exp(VF p) { return _mm256_sub_epi32(biased_exp(p), i32(127)); }
+// the same clamped at emin (a narrower accumulator's: FP16 -14), ezero where p == 0
+inline VI partial_exp_fix(VF p, int emin, int ezero) {
+  return _mm256_blendv_epi8(_mm256_max_epi32(partial_exp(p), i32(emin)), i32(ezero),
+                            _mm256_castps_si256(_mm256_cmp_ps(p, _mm256_setzero_ps(),
+                                                              _CMP_EQ_OQ)));
+}
 
 // p's term round(p * 2^Fe) (acc_finish with acc_in_alignment): below 2^(F + 1) in magnitude.
 // p * 2^Fe is p's bits + Fe << 23 where that is normal; where it would be below 2^-126, or p = 0,
@@ -96,8 +107,9 @@ inline int fin_kind(const qtensor::AccumSpec& s);          // accum_fast.h
 // sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish). KIND:
 // fin_kind(s) as a constant (kFinishVariants: fast_tile instantiates each), -1: from s.
 constexpr bool kFinishVariants = true;  // at 8 lanes the spec's branches per row cost ~15%
+// dmin: the least number of dropped bits (a narrower accumulator's subnormal grid; kind 2 only)
 template <int KIND>
-inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
+inline VF round_acc(VI T, const qtensor::AccumSpec& s, VI dmin) {
   const int kind = KIND < 0 ? fin_kind(s) : KIND;
   const __m256i man_mask = i32(-(1 << (23 - s.acc_man)));  // outside the branch: one per tile
   if (kind == 0) {  // toward zero: float(T) (to nearest), one ulp toward zero where that
@@ -116,7 +128,7 @@ inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
   const __m256i aT = _mm256_abs_epi32(T);
   __m256i e = _mm256_sub_epi32(biased_exp(_mm256_cvtepi32_ps(aT)), i32(127));
   e = _mm256_add_epi32(e, _mm256_cmpeq_epi32(_mm256_srlv_epi32(aT, e), _mm256_setzero_si256()));
-  const __m256i d = _mm256_max_epi32(_mm256_sub_epi32(e, i32(s.acc_man)), _mm256_setzero_si256());
+  const __m256i d = _mm256_max_epi32(_mm256_sub_epi32(e, i32(s.acc_man)), dmin);
   const __m256i R = round_magnitude(aT, d, true);  // unsigned: up to 2^31 (-2^31 as int32)
   return _mm256_castsi256_ps(  // (T & SIGN) | |float(R)|
       _mm256_or_si256(_mm256_and_si256(T, i32((int)qtensor::F32::SIGN)),
@@ -129,6 +141,22 @@ inline VF scale_back(VF r, VI T, VI Fe) {
   const __m256i e = _mm256_andnot_si256(_mm256_cmpeq_epi32(T, _mm256_setzero_si256()),
                                         _mm256_slli_epi32(Fe, 23));
   return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(r), e));
+}
+
+// accum_fast.h's finish_wide: float32 of S + S2 + pt (each int32) summed in doubles (exact),
+// the low mbits bits of each double dropped (toward zero; 0: none) and converted to nearest
+// (the MXCSR default)
+inline VF sum3_round(VI S, VI S2, VI pt, int mbits) {
+  __m128 h[2];
+  const __m256i mask = _mm256_set1_epi64x(mbits ? -(int64_t{1} << mbits) : -1);
+  for (int i = 0; i < 2; ++i) {
+    const auto half = [i](VI x) {
+      return _mm256_cvtepi32_pd(i ? _mm256_extracti128_si256(x, 1) : _mm256_castsi256_si128(x));
+    };
+    const __m256d t = _mm256_add_pd(_mm256_add_pd(half(S), half(S2)), half(pt));
+    h[i] = _mm256_cvtpd_ps(_mm256_castsi256_pd(_mm256_and_si256(_mm256_castpd_si256(t), mask)));
+  }
+  return _mm256_set_m128(h[1], h[0]);
 }
 
 // The tile's exponent maxima (accum_fast.h's fast_tile): int8 lanes, FR = 4 rows x 8 columns,

@@ -34,6 +34,10 @@ inline VM gti(VI x, VI y) { return _mm512_cmpgt_epi32_mask(x, y); }
 inline VM lti(VI x, VI y) { return _mm512_cmplt_epi32_mask(x, y); }
 inline VM mnone() { return 0; }
 inline VM mor(VM x, VM y) { return x | y; }
+inline VM mand(VM x, VM y) { return x & y; }
+inline VM absge(VF x, float y) {  // |x| >= y
+  return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(y), _CMP_GE_OQ);
+}
 inline bool many(VM m) { return m != 0; }
 
 // fast_tile's checks of the rows' emax E and scale exponents sh: E > limit, sh < 1 (masks)
@@ -58,6 +62,12 @@ inline VI cvt_round(VF x) {  // float32 to int32 with the alignment rounding
 // fast_path_ok), so never subnormal; p == 0 gives INT_MIN (getexp: -inf), below every exponent,
 // as the model's kAccZeroExp
 inline VI partial_exp(VF p) { return _mm512_cvtps_epi32(_mm512_getexp_ps(p)); }
+// the same clamped at emin (a narrower accumulator's: FP16 -14), ezero where p == 0
+inline VI partial_exp_fix(VF p, int emin, int ezero) {
+  return _mm512_mask_mov_epi32(_mm512_max_epi32(partial_exp(p), i32(emin)),
+                               _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_EQ_OQ),
+                               i32(ezero));
+}
 
 // p's term round(p * 2^Fe) (acc_finish with acc_in_alignment): below 2^(F + 1) in magnitude
 template <int MODE>
@@ -76,8 +86,9 @@ inline VI round_magnitude(VI aT, VI d, bool nearest);  // accum_fast.h
 // sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish; KIND:
 // fin_kind, unused here: kFinishVariants is false, the branches stay in the row loop)
 constexpr bool kFinishVariants = false;
+// dmin: the least number of dropped bits (a narrower accumulator's subnormal grid; kind 2 only)
 template <int KIND>
-inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
+inline VF round_acc(VI T, const qtensor::AccumSpec& s, VI dmin) {
   if (s.acc_round == 0) {  // toward zero: the conversion truncates to 24 bits, the mask to fewer
     const VF r = _mm512_cvt_roundepi32_ps(T, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     return _mm512_castsi512_ps(
@@ -89,7 +100,7 @@ inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
   // d = floor(log2|T|) - acc_man (at least 0)
   const __m512i aT = _mm512_abs_epi32(T);
   const __m512i d = _mm512_max_epi32(
-      _mm512_sub_epi32(i32(31 - s.acc_man), _mm512_lzcnt_epi32(aT)), _mm512_setzero_si512());
+      _mm512_sub_epi32(i32(31 - s.acc_man), _mm512_lzcnt_epi32(aT)), dmin);
   const __m512i R = round_magnitude(aT, d, true);  // unsigned: up to 2^31
   return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(  // (T & SIGN) | R as float
       T, i32((int)qtensor::F32::SIGN), _mm512_castps_si512(_mm512_cvtepu32_ps(R)), 0xEA));
@@ -97,6 +108,21 @@ inline VF round_acc(VI T, const qtensor::AccumSpec& s) {
 // r * 2^-Fe (exact: accum_fast.h's finish); T: r's integer (unused here)
 inline VF scale_back(VF r, VI, VI Fe) {
   return _mm512_scalef_ps(r, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtepi32_ps(Fe)));
+}
+
+// accum_fast.h's finish_wide: float32 of S + S2 + pt (each int32) summed in doubles (exact),
+// the low mbits bits of each double dropped (toward zero; 0: none) and converted to nearest
+inline VF sum3_round(VI S, VI S2, VI pt, int mbits) {
+  __m256 h[2];
+  const __m512i mask = _mm512_set1_epi64(mbits ? -(int64_t{1} << mbits) : -1);
+  for (int i = 0; i < 2; ++i) {
+    const auto half = [i](VI x) {
+      return _mm512_cvtepi32_pd(i ? _mm512_extracti64x4_epi64(x, 1) : _mm512_castsi512_si256(x));
+    };
+    const __m512d t = _mm512_add_pd(_mm512_add_pd(half(S), half(S2)), half(pt));
+    h[i] = _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(t), mask)));
+  }
+  return _mm512_insertf32x8(_mm512_castps256_ps512(h[0]), h[1], 1);
 }
 
 // The tile's exponent maxima (accum_fast.h's fast_tile): int8 lanes, FR = 4 rows x 16 columns,
