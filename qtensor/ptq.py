@@ -25,8 +25,10 @@ each kernel position), and the columns are processed in that order. The scale of
 decided from the block's current values (error-updated weights for GPTQ, the values v for error
 diffusion) when the block is reached, then its columns are rounded with it. Two rules keep the
 result in the format (re-rounding it with ``qt.quantize`` is the identity, checked at the end):
-a block whose rounded values would give it a smaller scale (the ``amax`` scale rule of NVFP4)
-is rounded again with that scale, as the reference rounding does; and with a per-tensor scale
+a block whose rounded values are not a fixed point of the format (rounding lowered its maximum,
+so its own scale is smaller, and that scale moves them: NVFP4's amax rule; MXFP8 E4M3 when the
+maximum falls below 256 X) is rounded again from its values at the block's start with that
+scale, until it is one, as the reference rounding does for the amax rule; and with a per-tensor scale
 (NVFP4) the tensor scale is the original weight's, and the element that held the tensor's
 largest magnitude takes the format's largest value (sign kept), so that the rounded tensor has
 that tensor scale again. Scalar formats round each column alone.
@@ -232,16 +234,21 @@ class _Grid:
 
     def unsettled(self, q: torch.Tensor, scale: Optional[torch.Tensor], rows: torch.Tensor,
                   a: int, b: int) -> torch.Tensor:
-        """The rows (a mask over ``rows``) whose rounded block [a, b) ``q`` would take a smaller
-        scale than it was rounded with (the amax rule only), and that scale in ``scale``."""
-        if not self.block or self.fmt.scale_rule != "amax":
+        """The rows (a mask over ``rows``) whose rounded block [a, b) ``q`` is not a fixed point
+        of the format: re-rounded with the scale of its own largest value (which can be smaller
+        than the one it was rounded with, when rounding lowered the block's maximum), it would
+        change; that scale goes into ``scale``. (With a power-of-two scale a halved scale keeps
+        the values unless the element's largest value is not 2^(emax+1) minus one ulp, as in
+        E4M3, whose 240 doubles to 480 > 448; with the amax rule any smaller scale moves them.)"""
+        if not self.block:
             return torch.zeros(len(rows), dtype=torch.bool)
         again = block_scale(q.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
-        lower = (again < scale)[:, 0]
+        moved = (round_with_scale(q, again, self.fmt, self.fmt.rounding) != q).any(dim=1)
+        moved &= (again < scale)[:, 0]
         if self.pin is not None and a <= self.pin[1] < b:
-            lower &= rows != self.pin[0]
-        scale[lower] = again[lower]
-        return lower
+            moved &= rows != self.pin[0]
+        scale[moved] = again[moved]
+        return moved
 
 
 # ---------------------------------------------------------------------------------------------

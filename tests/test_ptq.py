@@ -19,7 +19,7 @@ CUSTOM_AMAX = qt.BlockFormat(qt.format("fp4_e2m1"), block_size=8, scale="fp8_e4m
                              scale_rule="amax")  # no tensor scale: blocks re-rounded, no pin
 CUSTOM_INT = qt.BlockFormat(qt.FixedFormat(4, 2, symmetric=True), block_size=8,
                             scale_rule="ceil")
-FORMATS = ["mxfp4_e2m1", "nvfp4", "mxint8", "mxfp6_e3m2", CUSTOM_AMAX, CUSTOM_INT, "fp8_e4m3",
+FORMATS = ["mxfp4_e2m1", "nvfp4", "mxint8", "mxfp8_e4m3", "mxfp6_e3m2", CUSTOM_AMAX, CUSTOM_INT, "fp8_e4m3",
            qt.FixedFormat(6, 3)]
 
 
@@ -106,13 +106,17 @@ class RefGrid:
         return ref_round(float(v), self.fmt, scale)
 
     def smaller(self, r, q, a, b, scale):
-        """The smaller scale the rounded block q would take (amax rule), else None."""
-        if not self.block() or self.fmt.scale_rule != "amax":
+        """The scale of the rounded block q's own largest value, if re-rounding q with it
+        changes q (q is then not in the format), else None."""
+        if not self.block():
             return None
         if self.pin and self.pin[0] == r and a <= self.pin[1] < b:
             return None
         again = ref_scale(max(abs(float(v)) for v in q), self.fmt, self.ts)
-        return again if again < scale else None
+        if all(ref_round(float(v), self.fmt, again) == float(v) for v in q):
+            return None
+        assert again < scale
+        return again
 
 
 def ref_gptq(W, Xq, fmt, run, damp=0.01):
@@ -235,8 +239,8 @@ def test_a_block_whose_rounded_max_takes_a_smaller_scale_is_rounded_again(flow):
     """Amax scale rule: the block's scale X (0.9375, from its largest weight 5.82 X) is decided
     first; rounding the column before it down by 0.97 X moves that weight, whose input is the
     negated input of that column, below 5 X: it rounds to 4 X, and the block's own scale would
-    be smaller. The block is rounded again with that scale, as the reference rounding does,
-    so that the result is in the format."""
+    be smaller, 2/3 X, with which 1.5 X is no value of the block. The block is rounded again
+    with that scale, as the reference rounding does, so that the result is in the format."""
     fmt = CUSTOM_AMAX
     g = torch.Generator().manual_seed(0)
     # inputs already in the format (each row's block has the largest element 6: scale 1), so
@@ -248,7 +252,7 @@ def test_a_block_whose_rounded_max_takes_a_smaller_scale_is_rounded_again(flow):
     assert torch.equal(operand(x, fmt), x)
     lin = torch.nn.Linear(8, 1)
     with torch.no_grad():
-        lin.weight.copy_(torch.tensor([[4.97 * 0.9375, 5.82 * 0.9375] + [0.1] * 6]))
+        lin.weight.copy_(torch.tensor([[4.97, 5.82, 0.1, 1.5, 0.1, 0.1, 0.1, 0.1]]) * 0.9375)
     w0 = lin.weight.detach().clone()
     done = getattr(qt, flow)(torch.nn.Sequential(lin), x, fmt)
     xq = operand(x, fmt)
@@ -398,3 +402,17 @@ def test_flows_keep_fp32_layers_and_the_recipe():
     done = qt.gptq(copy.deepcopy(model), calib, recipe)
     assert torch.equal(weight_of(done[2]), model[2].weight.detach())
     assert not torch.equal(weight_of(done[0]), model[0].weight.detach())
+
+
+@pytest.mark.parametrize("flow", ["gptq", "error_diffusion"])
+def test_mxfp8_blocks_whose_max_falls_below_256_scales_stay_in_the_format(flow):
+    """E4M3's largest value is 448 = 1.75 * 2^8, not 2^9 minus one ulp: when rounding lowers a
+    block's maximum below 256 X, its own (halved) scale cannot hold a 240 X (480 > 448). Such a
+    block is rounded again with the halved scale (this convolution, seed 0, has some)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 32, 3, padding=1))
+    x = torch.rand(64, 1, 8, 8)
+    done = getattr(qt, flow)(copy.deepcopy(model), x, "mxfp8_e4m3")  # raised before the fix
+    for i in (0, 2):
+        assert in_format(weight_of(done[i]), qt.mxfp8_e4m3, axis=1)
