@@ -158,7 +158,8 @@ def main(argv=None):
     p.add_argument("--gpt-steps", type=int, default=None, help="FP32 training steps of the GPT")
     p.add_argument("--models", default="cnn,gpt", help="cnn, gpt or both")
     p.add_argument("--formats", default=",".join(FORMATS))
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3, help="trainings per model (seeds S, S+1, ...)")
+    p.add_argument("--seed", type=int, default=0, help="the first seed S")
     p.add_argument("--calib-digits", type=int, default=256)
     p.add_argument("--calib-windows", type=int, default=16)
     p.add_argument("--eval-batches", type=int, default=8,
@@ -169,7 +170,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     args.names = [n.strip() for n in args.formats.split(",") if n.strip()]
-    args.seed_list = list(range(1 if args.quick and args.seeds == 3 else args.seeds))
+    n_seeds = 1 if args.quick and args.seeds == 3 else args.seeds
+    args.seed_list = list(range(args.seed, args.seed + n_seeds))
     out = common.output_dir(args.out, args.quick)
 
     common.setup(args.threads, 0)
