@@ -48,7 +48,8 @@ def mean_sd(values, fmt="{:.4f}", scale=1.0):
         return "NaN"
     if len(vals) == 1:
         return fmt.format(vals[0])
-    return f"{fmt.format(statistics.mean(vals))} ± {fmt.format(statistics.stdev(vals))}"
+    sd = fmt.replace("+", "").format(statistics.stdev(vals))
+    return f"{fmt.format(statistics.mean(vals))} ± {sd}"
 
 
 # ---------------------------------------------------------------------------------------------

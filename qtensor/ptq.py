@@ -294,35 +294,35 @@ def _gptq_matrix(w: torch.Tensor, xq: torch.Tensor, grid: _Grid, damp: float) ->
 
 def _diffusion_matrix(w: torch.Tensor, x: torch.Tensor, xq: torch.Tensor,
                       grid: _Grid) -> torch.Tensor:
-    norms = (xq * xq).sum(0)
-    cross = (xq * x).sum(0)
-    live = norms > 0
     q = torch.zeros_like(w)
     u = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)  # the output error, carried
     every = torch.arange(w.shape[0])
-
-    def target(uu, rows, c):  # the value of column c that cancels the most of the error uu
-        if not live[c]:  # an input that is always zero in the quantized model
-            return w[rows, c]
-        return (xq[:, c] @ uu + cross[c] * w[rows, c]) / norms[c]
-
     for a, b in grid.groups:
-        u0 = u.clone()
-        cur = torch.stack([target(u0, every, c) for c in range(a, b)], dim=1)
+        # within a block the error is carried through the block's Gram matrices (n x n), not
+        # the (N x out) error itself: x~_c . u = p_c + sum_{j<c} (g1_cj w_j - g2_cj q_j)
+        xg, xqg, wg = x[:, a:b], xq[:, a:b], w[:, a:b].T  # wg: (n, out)
+        p = xqg.T @ u
+        g1, g2 = xqg.T @ xg, xqg.T @ xqg
+        live = torch.diagonal(g2) > 0  # an input always zero in the quantized model: keep w
+        d1, d2 = torch.diagonal(g1)[:, None], torch.where(live, torch.diagonal(g2), 1.0)[:, None]
+        cur = torch.where(live[:, None], (p + d1 * wg) / d2, wg).T  # the values at the start
         scale = grid.scales(cur, a, b)
         rows = every
         while len(rows):
-            uu = u0[:, rows].clone()
+            qg = torch.zeros(b - a, len(rows), dtype=torch.float64)
             sc = scale[rows] if scale is not None else None
-            for c in range(a, b):
-                qc = grid.round(target(uu, rows, c), sc, rows, c)
-                uu += torch.outer(x[:, c], w[rows, c]) - torch.outer(xq[:, c], qc)
-                q[rows, c] = qc
-            u[:, rows] = uu
+            for j in range(b - a):
+                v = wg[j, rows]
+                if live[j]:
+                    v = (p[j, rows] + g1[j, :j] @ wg[:j, rows] - g2[j, :j] @ qg[:j]
+                         + g1[j, j] * v) / g2[j, j]
+                qg[j] = grid.round(v, sc, rows, a + j)
+            q[rows, a:b] = qg.T
             lower = grid.unsettled(q[rows, a:b], sc, rows, a, b)
             if scale is not None:
                 scale[rows] = sc
             rows = rows[lower]
+        u += xg @ wg - xqg @ q[:, a:b].T
     return q
 
 
