@@ -28,8 +28,8 @@ result in the format (re-rounding it with ``qt.quantize`` is the identity, check
 a block whose rounded values are not a fixed point of the format (rounding lowered its maximum,
 so its own scale is smaller, and that scale moves them: NVFP4's amax rule; MXFP8 E4M3 when the
 maximum falls below 256 X) is rounded again from its values at the block's start with that
-scale, until it is one, as the reference rounding does for the amax rule; and with a per-tensor scale
-(NVFP4) the tensor scale is the original weight's, and the element that held the tensor's
+scale, until it is one, as the reference rounding does for the amax rule; and with a per-tensor
+scale (NVFP4) the tensor scale is the original weight's, and the element that held the tensor's
 largest magnitude takes the format's largest value (sign kept), so that the rounded tensor has
 that tensor scale again. Scalar formats round each column alone.
 """
@@ -45,7 +45,7 @@ from torch import nn
 
 from .convert import conversion_of, convert, is_converted
 from .dispatch import quantize as _round, with_axis
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format
+from .formats import BlockFormat, FloatFormat, Format
 from .plans import Recipe, _plain, round_to
 from .recipes import direct_cast
 from .reference import _round_scalar, _tensor_scale, block_scale, round_with_scale

@@ -19,8 +19,8 @@ CUSTOM_AMAX = qt.BlockFormat(qt.format("fp4_e2m1"), block_size=8, scale="fp8_e4m
                              scale_rule="amax")  # no tensor scale: blocks re-rounded, no pin
 CUSTOM_INT = qt.BlockFormat(qt.FixedFormat(4, 2, symmetric=True), block_size=8,
                             scale_rule="ceil")
-FORMATS = ["mxfp4_e2m1", "nvfp4", "mxint8", "mxfp8_e4m3", "mxfp6_e3m2", CUSTOM_AMAX, CUSTOM_INT, "fp8_e4m3",
-           qt.FixedFormat(6, 3)]
+FORMATS = ["mxfp4_e2m1", "nvfp4", "mxint8", "mxfp8_e4m3", "mxfp6_e3m2", CUSTOM_AMAX, CUSTOM_INT,
+           "fp8_e4m3", qt.FixedFormat(6, 3)]
 
 
 @pytest.fixture(autouse=True)
