@@ -416,3 +416,34 @@ def test_mxfp8_blocks_whose_max_falls_below_256_scales_stay_in_the_format(flow):
     done = getattr(qt, flow)(copy.deepcopy(model), x, "mxfp8_e4m3")  # raised before the fix
     for i in (0, 2):
         assert in_format(weight_of(done[i]), qt.mxfp8_e4m3, axis=1)
+
+
+def test_error_diffusion_of_a_conv_equals_the_reference_on_its_unfolded_patches():
+    torch.manual_seed(1)
+    conv = torch.nn.Conv2d(16, 4, 3, padding=1)
+    x = torch.randn(2, 16, 5, 5)
+    w0 = conv.weight.detach().clone()
+    got = weight_of(qt.error_diffusion(torch.nn.Sequential(conv), x, "nvfp4")[0])
+
+    def patches(t):
+        return F.unfold(t, 3, padding=1).reshape(2, 16, 9, 25).permute(0, 3, 2, 1).reshape(-1, 144)
+
+    wflat = w0.reshape(4, 16, 9).permute(0, 2, 1).reshape(4, 144)
+    ref, _ = ref_diffusion(wflat, patches(x), patches(operand(x, qt.nvfp4, axis=1)), qt.nvfp4,
+                           run=16)
+    ref = ref.reshape(4, 9, 16).permute(0, 2, 1).reshape(4, 16, 3, 3)
+    assert torch.equal(bits(got), bits(ref.float()))
+    assert in_format(got, qt.nvfp4, axis=1)
+
+
+def test_a_layer_the_flows_cannot_process_stays_direct_cast_with_a_warning():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, groups=2), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 4 * 4, 3))
+    x = torch.randn(8, 4, 6, 6)
+    with pytest.warns(UserWarning, match=r"left in direct cast: 0: a grouped convolution"):
+        done = qt.gptq(copy.deepcopy(model), x, "mxfp4_e2m1")
+    assert torch.equal(weight_of(done[0]), model[0].weight.detach())  # values kept (FP32)
+    assert not torch.equal(weight_of(done[2]), model[2].weight.detach())
+    with pytest.raises(ValueError, match="grouped convolution"):
+        qt.gptq(copy.deepcopy(model), x, "mxfp4_e2m1", layers=["0"])
