@@ -11,6 +11,7 @@ from .ops import quantize, quantize_  # noqa: E402
 from .tensor import QTensor, as_qtensor, quantize_grad  # noqa: E402
 from .flush_warnings import set_flush_warnings  # noqa: E402
 from .convert import Recipe, Role, convert, describe, unconvert  # noqa: E402
+from .transforms import Hadamard  # noqa: E402  (Recipe.gemm's "transform")
 from . import recipes  # noqa: E402
 from . import to_format  # noqa: E402,F401  (model.to(fmt), tensor.to(fmt))
 from .serialization import (load_plain_state_dict, load_safetensors, plain_state_dict,  # noqa: E402
@@ -21,4 +22,5 @@ from .leaks import Finding, LeakError, LeakReport, LeakWarning, leak_check  # no
 from . import compat  # noqa: E402,F401  (qt.compat.qtorch, qt.compat.mx)
 from . import accum  # noqa: E402,F401  (qt.accum.AccumFormat, qt.accum.hopper_fp8, ...)
 from .analysis import AnalysisReport, analyze  # noqa: E402
+from .suggest import suggest_recipe  # noqa: E402
 from .ptq import error_diffusion, gptq  # noqa: E402

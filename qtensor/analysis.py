@@ -16,7 +16,10 @@ one converted copy per layer in which only that layer takes the recipe's formats
 - per layer (each module that has parameters of its own): the change in loss and the KL
   divergence of the outputs (softmax over the last axis, FP32 against converted) when only that
   layer takes its formats (its parameters, its output, and its inputs rounded to its activation
-  role), and the cosine similarity of the whole gradient against FP32's.
+  role), and the cosine similarity of the whole gradient against FP32's; with ``roles``, the
+  same for each role of each layer alone (weight, activation, grad);
+- with ``optimizer``: the optimizer state after one step against the same step in FP32;
+- per layer: its sizes and the bits per value of each role (``qt.suggest_recipe`` counts them).
 
 Docs and examples: docs/analysis.md.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -35,12 +38,12 @@ from torch import nn
 from . import flush_warnings
 from .convert import ModulePlan, Recipe, _InputHook, convert, conversion_of, unconvert
 from .dispatch import quantize as _round, with_axis
-from .formats import FloatFormat
-from .plans import _plain, round_to
+from .formats import FloatFormat, Format
+from .plans import Role, _plain, round_to
 from .spec import as_recipe
 from .tensor import QTensor
 
-__all__ = ["analyze", "AnalysisReport", "CONTRACTIONS"]
+__all__ = ["analyze", "AnalysisReport", "CONTRACTIONS", "convert_one_layer"]
 
 CONTRACTIONS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _FP32 = FloatFormat(8, 23)
@@ -218,37 +221,100 @@ def _layer_names(model: nn.Module) -> List[str]:
             if n and any(True for _ in m.parameters(recurse=False))]
 
 
-def _one_layer_recipe(full: Recipe, conv, layer: str, model: nn.Module) -> Recipe:
-    """A recipe in which only ``layer`` takes what the full conversion gave it: its parameters'
-    plans and its output's activation and grad roles; every other module plain (a rule of
-    None: FP32 parameters, plain inputs and outputs, so that the layer's output format does not
-    spread into the modules after it)."""
+ROLES = ("weight", "activation", "grad")  # the roles of one layer that analyze(roles=True) tries
+
+
+def _layer_plans(conv, layer: str, model: nn.Module) -> dict:
+    """What the full conversion gave ``layer``: its output's roles and its own parameters'."""
     mplan = conv.module_plans[layer]
-    rules: Dict[str, Any] = {n: None for n, _m in model.named_modules() if n and n != layer}
+    params = {}
     for pname, _p in model.get_submodule(layer).named_parameters(recurse=False):
         qual = f"{layer}.{pname}"
         tplan = conv.tensor_plans.get(qual)
         if tplan is not None:
-            rules[qual] = {tplan.kind: tplan.value, "grad": tplan.grad,
-                           "optimizer_state": tplan.optimizer_state}
-    rules[layer] = {"activation": mplan.activation, "grad": mplan.grad}
-    return Recipe(rules=rules, accumulate=full.accumulate, name=f"only {layer}")
+            params[qual] = tplan
+    return {"activation": mplan.activation, "grad": mplan.grad, "params": params}
 
 
-def convert_one_layer(model: nn.Module, spec, layer: str, *, _plans=None) -> nn.Module:
+def _unit_rules(plans: dict, role: str = "all") -> Dict[str, Any]:
+    """Rules that give one layer (``plans``: :func:`_layer_plans`) the formats of ``role`` only:
+    "all" (its parameters, its output's activation and grad roles), "weight" (its parameters'
+    values and optimizer state; FP32 gradients, plain output), "activation" (its output's
+    activation role; FP32 gradients, FP32 parameters) or "grad" (the gradients of its output
+    and of its parameters; FP32 values, exact)."""
+    fp32 = Role(_FP32)
+    rules: Dict[str, Any] = {}
+    for qual, t in plans["params"].items():
+        if role == "all":
+            rules[qual] = {t.kind: t.value, "grad": t.grad, "optimizer_state": t.optimizer_state}
+        elif role == "weight":
+            rules[qual] = {t.kind: t.value, "grad": None, "optimizer_state": t.optimizer_state}
+        elif role == "grad" and not t.value.full_precision:
+            # an FP32 QTensor (exact): a plain parameter's gradient would not be rounded
+            rules[qual] = {t.kind: fp32, "grad": t.grad}
+        else:
+            rules[qual] = None
+    act, grad = plans["activation"], plans["grad"]
+    if role == "all":
+        rules_m = {"activation": act, "grad": grad}
+    elif role == "weight":
+        rules_m = {"activation": None, "grad": None}
+    elif role == "activation":
+        rules_m = {"activation": act, "grad": None}
+    else:  # grad: exact FP32 values, so that the output's gradient is rounded
+        rules_m = {"activation": fp32 if not grad.full_precision else None, "grad": grad}
+    return {"module": rules_m, "params": rules}
+
+
+def _one_layer_recipe(full: Recipe, conv, layer: str, model: nn.Module,
+                      role: str = "all") -> Recipe:
+    """A recipe in which only ``layer`` (only its ``role``: :func:`_unit_rules`) takes what the
+    full conversion gave it; every other module plain (a rule of None: FP32 parameters, plain
+    inputs and outputs, so that the layer's output format does not spread into the modules
+    after it)."""
+    rules: Dict[str, Any] = {n: None for n, _m in model.named_modules() if n and n != layer}
+    unit = _unit_rules(_layer_plans(conv, layer, model), role)
+    rules.update(unit["params"])
+    rules[layer] = unit["module"]
+    return Recipe(rules=rules, accumulate=full.accumulate,
+                  name=f"only {layer}" + ("" if role == "all" else f" ({role})"))
+
+
+def _input_plan(conv, layer: str, role: str) -> Optional[ModulePlan]:
+    """The rounding of ``layer``'s inputs in a one-layer run (None: left as they arrive)."""
+    mplan = conv.module_plans[layer]
+    act, grad = mplan.activation, mplan.grad
+    if role == "weight":  # values as they arrive; the gradient that the layer's formats give
+        # its input (an op on FP8 weights gives FP8) goes on upstream as a plain FP32 tensor
+        return ModulePlan(layer, Role(), Role(_FP32))
+    if role == "activation":
+        grad = Role()
+    elif role == "grad":
+        if grad.full_precision:
+            return None
+        act = Role(_FP32)
+    return ModulePlan(layer, act, grad)
+
+
+def convert_one_layer(model: nn.Module, spec, layer: str, *, role: str = "all",
+                      _plans=None) -> nn.Module:
     """Convert ``model`` in place so that only ``layer`` takes ``spec``'s formats: its
     parameters, its outputs and (a forward pre-hook) its inputs, rounded to its activation and
-    grad roles as a converted model's preceding module would round them. (``_plans``: what
+    grad roles as a converted model's preceding module would round them. ``role``: "all", or
+    only one role of the layer: "weight" (its parameters), "activation" (its inputs and output)
+    or "grad" (the gradients of its inputs, output and parameters). (``_plans``: what
     ``qt.convert(copy, spec)`` planned, when the caller has it.)"""
+    if role != "all" and role not in ROLES:
+        raise ValueError(f"convert_one_layer: role must be 'all' or one of {ROLES}, got {role!r}")
     recipe = as_recipe(spec)
     conv = _plans if _plans is not None else conversion_of(convert(copy.deepcopy(model), recipe))
-    one = _one_layer_recipe(recipe, conv, layer, model)
-    mplan = conv.module_plans[layer]
+    one = _one_layer_recipe(recipe, conv, layer, model, role)
     convert(model, one)
-    mod = model.get_submodule(layer)
-    handle = mod.register_forward_pre_hook(
-        _InputHook(ModulePlan(layer, mplan.activation, mplan.grad)), with_kwargs=True)
-    conversion_of(model).handles.append(handle)  # qt.unconvert removes it
+    plan = _input_plan(conv, layer, role)
+    if plan is not None:
+        mod = model.get_submodule(layer)
+        handle = mod.register_forward_pre_hook(_InputHook(plan), with_kwargs=True)
+        conversion_of(model).handles.append(handle)  # qt.unconvert removes it
     return model
 
 
@@ -263,16 +329,22 @@ def _progress(items, desc, enabled):
 
 
 def analyze(model: nn.Module, inputs, spec=None, loss_fn: Optional[Callable] = None, *,
-            sensitivity: bool = True, layers: Optional[List[str]] = None,
-            progress: bool = False) -> "AnalysisReport":
+            sensitivity: bool = True, roles: bool = False, layers: Optional[List[str]] = None,
+            progress: bool = False, optimizer: Optional[Callable] = None) -> "AnalysisReport":
     """Analyse where ``spec`` (anything ``qt.convert`` takes) loses precision in ``model``.
 
     ``model``: a plain model (left untouched: copies are converted), or a converted one (then
     its recipe is the default ``spec``, and an unconverted copy is the FP32 reference).
     ``inputs``: one batch, a tensor or a tuple of positional arguments. ``loss_fn(output)``: a
     scalar loss of the model's output (a tensor, the first item of a tuple, or ``.logits``);
-    default half the mean square. ``sensitivity=False`` skips the per-layer runs; ``layers``
-    limits them to some module names; ``progress`` shows a tqdm bar over them.
+    default half the mean square. ``sensitivity=False`` skips the per-layer runs; ``roles=True``
+    adds one run per role of each layer (weight, activation, grad: only that role of that layer
+    in the recipe's formats; a tuple such as ``("weight",)``: those roles); ``layers`` limits
+    them to some module names; ``progress`` shows a tqdm bar over them. ``optimizer(params)``:
+    an optimizer (``lambda ps: torch.optim.Adam(ps, lr=1e-3)``) that takes one step on the
+    converted copy after its backward, so that the report has its optimizer state too (role
+    ``"optimizer_state"``: each state tensor against the same step in FP32 on the same
+    parameters and gradients).
     """
     loss_fn = loss_fn or _default_loss
     base = copy.deepcopy(model)
@@ -285,12 +357,125 @@ def analyze(model: nn.Module, inputs, spec=None, loss_fn: Optional[Callable] = N
     was = flush_warnings.flush_warnings_enabled()
     flush_warnings.set_flush_warnings(False)  # the report has the numbers
     try:
-        return _analyze(base, inputs, as_recipe(spec), loss_fn, sensitivity, layers, progress)
+        return _analyze(base, inputs, as_recipe(spec), loss_fn, sensitivity, roles, layers,
+                        progress, optimizer)
     finally:
         flush_warnings.set_flush_warnings(was)
 
 
-def _analyze(base, inputs, recipe, loss_fn, sensitivity, layers, progress) -> "AnalysisReport":
+def _numel(out) -> int:
+    """Elements of the floating tensors of a module's output."""
+    if isinstance(out, torch.Tensor):
+        return out.numel() if out.is_floating_point() else 0
+    if isinstance(out, (tuple, list)):
+        return sum(_numel(o) for o in out)
+    if isinstance(out, dict):
+        return sum(_numel(o) for o in out.values())
+    return 0
+
+
+def _computed_format(role: Role, contraction: bool) -> Optional[Format]:
+    """The format a value of ``role`` is computed in: its operand format where it enters a
+    contraction (a contraction's weight, any activation or gradient), else its value format;
+    None: full precision (32 bits)."""
+    if role.full_precision:
+        return None
+    return role.mm_fmt if (contraction and role.mm_fmt is not None) else role.fmt
+
+
+def _bits(fmt: Optional[Format]) -> float:
+    return 32.0 if fmt is None else float(fmt.bits)
+
+
+def _layer_info(model: nn.Module, conv, layer: str, outputs: int) -> dict:
+    """Sizes, formats and bits per value of one layer's roles (see :func:`suggestion`)."""
+    mod = model.get_submodule(layer)
+    plans = _layer_plans(conv, layer, model)
+    n_params, weight_bits, weight_fmts = 0, 0.0, set()
+    for qual, t in plans["params"].items():
+        n = model.get_parameter(qual).numel()
+        fmt = _computed_format(t.value, isinstance(mod, CONTRACTIONS) and t.kind == "weight")
+        n_params += n
+        weight_bits += n * _bits(fmt)
+        weight_fmts.add(str(fmt or "fp32"))
+    act = _computed_format(plans["activation"], True)
+    grad = _computed_format(plans["grad"], True)
+    return {"layer": layer, "type": type(mod).__name__, "params": n_params, "outputs": outputs,
+            "weight_bits": weight_bits / n_params if n_params else 32.0,
+            "activation_bits": _bits(act), "grad_bits": _bits(grad),
+            "weight_format": ", ".join(sorted(weight_fmts)) or "-",
+            "activation_format": str(act or "fp32"), "grad_format": str(grad or "fp32")}
+
+
+COUNTABLE = ("weight", "activation", "grad")
+
+
+def _check_count(count) -> tuple:
+    """``count`` (a role name or a sequence of them) as a tuple of roles that count bits."""
+    roles = (count,) if isinstance(count, str) else tuple(count)
+    bad = [r for r in roles if r not in COUNTABLE]
+    if bad or not roles:
+        raise ValueError(f"count must name some of the roles {COUNTABLE}, got {count!r}")
+    return roles
+
+
+def _elements(info: dict, role: str) -> int:
+    """Values of one layer that a role's bits count over: its parameters (weight), its output
+    values in the analysed batch (activation), the gradient of that output (grad)."""
+    return info["params"] if role == "weight" else info["outputs"]
+
+
+def _is_operand_of_a_contraction(stats: "_TensorStats", model: nn.Module) -> bool:
+    """False for a parameter's operand-format row when no contraction module uses it as its
+    weight (an embedding table, a norm's scale, a bias: their operand format rounds nothing);
+    True for every other row."""
+    if stats.role not in ("weight operand", "bias operand"):
+        return True
+    owner, _, attr = stats.name.rpartition(".")
+    try:
+        mod = model.get_submodule(owner)
+    except AttributeError:
+        return True
+    return isinstance(mod, CONTRACTIONS) and attr == "weight"
+
+
+def _lossy(role: Role) -> bool:
+    """Whether a role rounds anything (FP32 without an operand format rounds nothing)."""
+    return not role.full_precision and role != Role(_FP32)
+
+
+def _optimizer_step(model: nn.Module, optimizer: Callable, recorder: "_Recorder") -> None:
+    """One step of ``optimizer(model.parameters())`` on the converted model, and the same step
+    of ``optimizer`` on plain FP32 copies of its parameters and gradients: each state tensor of
+    a parameter with a low-precision optimizer_state role against its FP32 counterpart (the
+    optimizer rounds its state in each in-place op, so the values before one rounding are not
+    there to compare with)."""
+    conv = conversion_of(model)
+    named = [(n, p) for n, p in model.named_parameters()]
+    copies = []
+    for _n, p in named:
+        c = _plain(p).detach().float().clone().requires_grad_()
+        c.grad = None if p.grad is None else _plain(p.grad).detach().float().clone()
+        copies.append(c)
+    ref = optimizer(copies)
+    opt = optimizer(model.parameters())
+    with torch.no_grad():
+        ref.step()
+        opt.step()
+    for (n, p), c in zip(named, copies):
+        plan = conv.tensor_plans.get(n)
+        if plan is None or plan.master or not _lossy(plan.optimizer_state):
+            continue
+        want = ref.state.get(c, {})
+        for key, value in opt.state.get(p, {}).items():
+            if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
+                    and isinstance(want.get(key), torch.Tensor)):
+                recorder._add("optimizer_state", f"{key!r} of {n}", plan.optimizer_state.fmt,
+                              want[key].detach(), _plain(value).detach().float())
+
+
+def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
+             progress, optimizer=None) -> "AnalysisReport":
     ref = _run(copy.deepcopy(base), inputs, loss_fn)
 
     # the converted copy: every role rounding, and the operands of every contraction
@@ -299,6 +484,7 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, layers, progress) -> "A
     fp32_weights = {n: m.weight.detach().clone() for n, m in base.named_modules()
                     if isinstance(m, CONTRACTIONS)}
     seen: Dict[str, torch.Tensor] = {}
+    out_numel: Dict[str, int] = {}
 
     def capture(name):
         def hook(mod, args):  # (returns None: the input is left as it is)
@@ -306,14 +492,30 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, layers, progress) -> "A
                 seen[name] = args[0].detach()
         return hook
 
+    def count(name):
+        def hook(mod, args, out):
+            out_numel[name] = out_numel.get(name, 0) + _numel(out)
+        return hook
+
+    all_layers = _layer_names(base)
+    modules = {n for n, _m in base.named_modules() if n}
+    unknown = [n for n in (layers or []) if n not in modules]
+    if unknown:
+        raise ValueError(f"qt.analyze: layers {unknown} are not modules of the model (its "
+                         f"layers with parameters: {all_layers})")
+    listed = list(dict.fromkeys(all_layers + list(layers or [])))
     handles = [m.register_forward_pre_hook(capture(n)) for n, m in conv_model.named_modules()
                if isinstance(m, CONTRACTIONS)]
+    handles += [conv_model.get_submodule(n).register_forward_hook(count(n)) for n in listed]
     with flush_warnings.observe(recorder):
         convert(conv_model, recipe)
         full = _run(conv_model, inputs, loss_fn)
+        if optimizer is not None:
+            _optimizer_step(conv_model, optimizer, recorder)
     for h in handles:
         h.remove()
-    root_plan = conversion_of(conv_model).module_plans[""]
+    conv = conversion_of(conv_model)
+    root_plan = conv.module_plans[""]
     if "" in seen and not root_plan.plain and not root_plan.activation.full_precision:
         # the root's pre-hooks see its inputs before its converted forward rounds them
         seen[""] = round_to(seen[""], root_plan.activation)
@@ -333,19 +535,38 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, layers, progress) -> "A
 
     grads = [{"parameter": n, "grad_cos": _cosine(ref["grads"], full["grads"], [n])}
              for n in ref["grads"] if ref["grads"][n] is not None]
+    infos = [_layer_info(base, conv, n, out_numel.get(n, 0)) for n in listed]
+    plans = {n: _layer_plans(conv, n, base) for n in listed}
     sens = []
     if sensitivity:
-        names = layers if layers is not None else _layer_names(base)
-        for layer in _progress(names, "qt.analyze: layers", progress):
-            m = convert_one_layer(copy.deepcopy(base), recipe, layer,
-                                  _plans=conversion_of(conv_model))
-            row = {"layer": layer, "type": type(m.get_submodule(layer)).__name__}
+        names = layers if layers is not None else all_layers
+        runs = [(n, "all") for n in names]
+        which = ROLES if roles is True else (() if not roles else tuple(
+            [roles] if isinstance(roles, str) else roles))
+        bad = [r for r in which if r not in ROLES]
+        if bad:
+            raise ValueError(f"qt.analyze: roles must be True, False or some of {ROLES}, got "
+                             f"{roles!r}")
+        if which:
+            for n in names:
+                p = plans.get(n) or _layer_plans(conv, n, base)
+                has = {"weight": any(_lossy(t.value) for t in p["params"].values()),
+                       "activation": _lossy(p["activation"]),
+                       "grad": _lossy(p["grad"]) or any(
+                           _lossy(t.grad) and not t.value.full_precision
+                           for t in p["params"].values())}
+                runs += [(n, r) for r in which if has[r]]
+        for layer, role in _progress(runs, "qt.analyze: layers", progress):
+            m = convert_one_layer(copy.deepcopy(base), recipe, layer, role=role, _plans=conv)
+            row = {"layer": layer, "role": role, "type": type(m.get_submodule(layer)).__name__}
             row.update(_compare(ref, _run(m, inputs, loss_fn)))
             sens.append(row)
     return AnalysisReport(
         spec=recipe.name or recipe.describe().splitlines()[0], loss_fp32=ref["loss"],
-        overall=_compare(ref, full), tensors=[s.row() for s in recorder.stats.values()],
-        contractions=contractions, sensitivity=sens, gradients=grads)
+        overall=_compare(ref, full), tensors=[s.row() for s in recorder.stats.values()
+                                              if _is_operand_of_a_contraction(s, base)],
+        contractions=contractions, sensitivity=sens, gradients=grads, layers=infos,
+        recipe=recipe, plans=plans)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,8 +594,12 @@ _TABLES = (
      "the unrounded operands, the exact product of the rounded operands, and the operands' share",
      ("layer", "type", "shape", "operand_formats", "accumulator", "vs_fp32", "vs_exact_rounded",
       "operands")),
-    ("sensitivity", "Sensitivity: only this layer in the recipe's formats",
-     ("layer", "type", "dloss", "kl", "grad_cos")),
+    ("sensitivity", "Sensitivity: only this layer (role \"all\") or only this role of it in "
+     "the recipe's formats", ("layer", "role", "type", "dloss", "kl", "grad_cos")),
+    ("layers", "Layers: sizes (parameters; output values in this batch) and bits per value as "
+     "computed (operand format where a value enters a contraction)",
+     ("layer", "type", "params", "outputs", "weight_format", "weight_bits", "activation_format",
+      "grad_format")),
     ("gradients", "Gradients of the converted model against FP32", ("parameter", "grad_cos")),
 )
 
@@ -382,8 +607,10 @@ _TABLES = (
 @dataclass
 class AnalysisReport:
     """What :func:`analyze` measured; ``.table()``, ``.markdown()``, ``.to_json()``,
-    ``.plot(path)``. Rows are dicts (``report.tensors``, ``.contractions``, ``.sensitivity``,
-    ``.gradients``); ``overall``: loss, dloss, kl, grad_cos of the whole converted model."""
+    ``.plot(path)``, ``.bits(count)``. Rows are dicts (``report.tensors``, ``.contractions``,
+    ``.sensitivity``, ``.gradients``, ``.layers``); ``overall``: loss, dloss, kl, grad_cos of
+    the whole converted model. ``recipe`` and ``plans`` (what it planned per layer, for
+    ``qt.suggest_recipe``) are not in the JSON."""
 
     spec: str
     loss_fp32: float
@@ -392,6 +619,31 @@ class AnalysisReport:
     contractions: List[dict] = field(default_factory=list)
     sensitivity: List[dict] = field(default_factory=list)
     gradients: List[dict] = field(default_factory=list)
+    layers: List[dict] = field(default_factory=list)
+    # not in the JSON: the recipe analysed and what it planned per layer (qt.suggest_recipe)
+    recipe: Optional[Recipe] = field(default=None, repr=False, compare=False)
+    plans: Optional[dict] = field(default=None, repr=False, compare=False)
+
+    def bits(self, count=("weight",), layers: Optional[List[str]] = None) -> float:
+        """Average bits per value of the analysed recipe, counting the roles in ``count``
+        (see :func:`qtensor.suggest.suggestion`), over ``layers`` (default: the layers with
+        sensitivity rows, every layer with parameters of its own unless
+        ``qt.analyze(layers=...)`` chose some)."""
+        total = elements = 0.0
+        infos = self.counted_layers() if layers is None else [
+            i for i in self.layers if i["layer"] in set(layers)]
+        for info in infos:
+            for role in _check_count(count):
+                n = _elements(info, role)
+                total += n * info[f"{role}_bits"]
+                elements += n
+        return total / elements if elements else 0.0
+
+    def counted_layers(self) -> List[dict]:
+        """The rows of ``layers`` whose values bits are counted over: those with sensitivity
+        rows (all of them for a report without)."""
+        named = {r["layer"] for r in self.sensitivity}
+        return [i for i in self.layers if not named or i["layer"] in named]
 
     def _head(self) -> str:
         o = self.overall
@@ -433,7 +685,10 @@ class AnalysisReport:
             if isinstance(v, list):
                 return [clean(x) for x in v]
             return v
-        return json.dumps(clean(asdict(self)), **kwargs)
+        data = {k: getattr(self, k) for k in ("spec", "loss_fp32", "overall", "tensors",
+                                             "contractions", "sensitivity", "gradients",
+                                             "layers")}
+        return json.dumps(clean(copy.deepcopy(data)), **kwargs)
 
     def __str__(self) -> str:
         return self.table()
@@ -445,14 +700,16 @@ class AnalysisReport:
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(3, 1, figsize=(10, 11))
+        whole = [r for r in self.sensitivity if r.get("role", "all") == "all"]
+        by_role = [r for r in self.sensitivity if r.get("role", "all") != "all"]
+        fig, axes = plt.subplots(4 if by_role else 3, 1, figsize=(10, 14 if by_role else 11))
         ax = axes[0]
-        if self.sensitivity:
-            names = [r["layer"] for r in self.sensitivity]
+        if whole:
+            names = [r["layer"] for r in whole]
             xs = range(len(names))
-            ax.bar([x - 0.2 for x in xs], [abs(r["dloss"]) for r in self.sensitivity], 0.4,
+            ax.bar([x - 0.2 for x in xs], [abs(r["dloss"]) for r in whole], 0.4,
                    label="|change in loss|")
-            ax.bar([x + 0.2 for x in xs], [r["kl"] for r in self.sensitivity], 0.4,
+            ax.bar([x + 0.2 for x in xs], [r["kl"] for r in whole], 0.4,
                    label="KL of outputs")
             ax.set_xticks(list(xs), names, rotation=45, ha="right", fontsize=7)
             ax.set_yscale("symlog", linthresh=1e-6)
@@ -478,6 +735,19 @@ class AnalysisReport:
         ax.set_xticks(range(len(roles)), roles)
         ax.set_ylabel("SNR (dB)")
         ax.set_title("Rounded tensors: SNR by role (one point per tensor)")
+        if by_role:
+            ax = axes[3]
+            names = list(dict.fromkeys(r["layer"] for r in by_role))
+            kl = {(r["layer"], r["role"]): r["kl"] for r in by_role}
+            width = 0.8 / len(ROLES)
+            for i, role in enumerate(ROLES):
+                ax.bar([x + (i - 1) * width for x in range(len(names))],
+                       [kl.get((n, role), 0.0) for n in names], width, label=role)
+            ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
+            ax.set_yscale("symlog", linthresh=1e-6)
+            ax.legend()
+            ax.set_title("Sensitivity by role: KL of the outputs with only this role of this "
+                         "layer in low precision")
         fig.suptitle(self._head(), fontsize=8)
         fig.tight_layout()
         fig.savefig(path)

@@ -33,7 +33,7 @@ from . import distributed, gemm_forward as _gemm, training
 from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
-                    gemm_for, round_to)
+                    gemm_for, round_to, GEMMS, GemmFormats, last_layers_count)
 from .spec import as_recipe
 from .tensor import _accum_of, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
@@ -643,21 +643,31 @@ def _attach_activation_hooks(model: nn.Module, conv: _Conversion) -> None:
 def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
     """Recipe.gemm: every converted Linear/Conv1d/2d/3d (its own forward, weight a QTensor)
     that no rule decides (neither the module nor its weight) runs its GEMMs in the per-GEMM
-    formats (qtensor.gemm); a module or weight a rule decides keeps its roles' mm_fmt."""
-    if conv.recipe.gemm is None:
+    formats (qtensor.gemm); a module or weight a rule decides keeps its roles' mm_fmt.
+    Recipe.last_layers: the last of those layers (model order, rules or not) run every GEMM
+    operand in its format instead."""
+    recipe = conv.recipe
+    if recipe.gemm is None and recipe.last_layers is None:
         return
-    for mname, mod in model.named_modules():
-        kind = _gemm.kind_of(mod)
-        g = None if kind is None else gemm_for(conv.recipe.gemm, kind)
-        if g is None or not _is_q(mod._parameters.get("weight")):
-            continue
-        if mname and "forward" in mod.__dict__:  # a forward of its own: kept
-            continue
-        wplan = conv.tensor_plans.get(f"{mname}.weight" if mname else "weight")
-        mplan = conv.module_plans.get(mname)
-        if (wplan is not None and wplan.rule is not None) or (mplan is not None and
-                                                              mplan.rule is not None):
-            continue
+    layers = [(mname, mod) for mname, mod in model.named_modules()
+              if _gemm.kind_of(mod) is not None and _is_q(mod._parameters.get("weight"))
+              and not (mname and "forward" in mod.__dict__)]  # a forward of its own: kept
+    last = set()
+    if recipe.last_layers is not None:  # every operand of their GEMMs in this format
+        fmt = recipe.last_layers[1]
+        last = {mname for mname, _ in layers[len(layers) - last_layers_count(
+            recipe.last_layers, len(layers)):]}
+        high = GemmFormats(**{f"{gemm}_{o}": fmt for gemm, ops in GEMMS.items() for o in ops})
+    for mname, mod in layers:
+        if mname in last:
+            g = high
+        else:
+            g = None if recipe.gemm is None else gemm_for(recipe.gemm, _gemm.kind_of(mod))
+            wplan = conv.tensor_plans.get(f"{mname}.weight" if mname else "weight")
+            mplan = conv.module_plans.get(mname)
+            if g is None or (wplan is not None and wplan.rule is not None) or (
+                    mplan is not None and mplan.rule is not None):
+                continue
         if not mname and isinstance(model.__dict__.get("forward"), ConvertedForward):
             model.forward.inner = _gemm.GemmForward(mod, g)
         else:

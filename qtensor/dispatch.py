@@ -180,6 +180,7 @@ def _convolution_backward(func, args, uargs, ukwargs, acc=None):
     # input) of grad_weight; else each operand's own
     gi_fmts = _gemm.operand_formats((go, w), _own_mm_fmt) or [own[0], own[2]]
     gw_fmts = _gemm.operand_formats((go, inp), _own_mm_fmt) or [own[0], own[1]]
+    gi_t, gw_t = _gemm.operand_transform((go, w)), _gemm.operand_transform((go, inp))
     if acc is not None:
         # the accumulator reads each operand's format from its mm_fmt: the ones of each product
         qargs = {True: _with_mm_fmts(args, (0, 2, 1), gi_fmts + [own[1]]),
@@ -187,26 +188,27 @@ def _convolution_backward(func, args, uargs, ukwargs, acc=None):
 
         def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
             return _accum.contract("convolution_backward", list(a), kw, acc, qargs[a[10][0]])
-    if all(f is None for f in gi_fmts + gw_fmts):
+    if all(f is None for f in gi_fmts + gw_fmts) and gi_t is None and gw_t is None:
         return func(*uargs, **ukwargs)
     uargs = list(uargs)
     mask = list(uargs[10])
     transposed = bool(uargs[7])
 
-    def rounded(i, fmt, axis):
-        return (uargs[i] if fmt is None
-                else quantize(uargs[i], with_axis(fmt, axis), keep_layout=False))
+    def rounded(i, fmt, axis, transform):
+        x = uargs[i] if transform is None else transform.apply(uargs[i], axis)
+        return x if fmt is None else quantize(x, with_axis(fmt, axis), keep_layout=False)
 
     gi = gw = gb = None
     if mask[0]:  # grad_input: reduction over output channels
         a = list(uargs)
-        a[0], a[2], a[10] = (rounded(0, gi_fmts[0], 1),
-                             rounded(2, gi_fmts[1], 1 if transposed else 0), [True, False, False])
+        a[0], a[2], a[10] = (rounded(0, gi_fmts[0], 1, gi_t),
+                             rounded(2, gi_fmts[1], 1 if transposed else 0, gi_t),
+                             [True, False, False])
         gi = func(*a, **ukwargs)[0]
     if mask[1]:  # grad_weight: reduction over the batch
         a = list(uargs)
-        a[0], a[1], a[10] = rounded(0, gw_fmts[0], 0), rounded(1, gw_fmts[1], 0), [False, True,
-                                                                                   False]
+        a[0], a[1], a[10] = (rounded(0, gw_fmts[0], 0, gw_t), rounded(1, gw_fmts[1], 0, gw_t),
+                             [False, True, False])
         gw = func(*a, **ukwargs)[1]
     if mask[2]:  # grad_bias: a sum of the grad_output values
         a = list(uargs)
@@ -625,9 +627,13 @@ def _round_gemm_operands(args, uargs, operands):
     fmts = _gemm.operand_formats(ops, _own_mm_fmt)
     if fmts is None:
         return None
+    transform = _gemm.operand_transform(ops)  # on every operand along K, before rounding
     for (pos, axis), a, fmt in zip(operands, ops, fmts):
-        if fmt is not None and isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
-            uargs[pos] = quantize(uargs[pos], with_axis(fmt, axis), keep_layout=False)
+        if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
+            if transform is not None:
+                uargs[pos] = transform.apply(uargs[pos], axis)
+            if fmt is not None:
+                uargs[pos] = quantize(uargs[pos], with_axis(fmt, axis), keep_layout=False)
     return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts)
 
 

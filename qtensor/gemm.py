@@ -18,22 +18,29 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["GemmOperand", "in_fprop", "fprop", "operand_formats"]
+__all__ = ["GemmOperand", "in_fprop", "fprop", "operand_formats", "operand_transform"]
 
 
 @dataclass(frozen=True)
 class GemmOperand:
     """The ``mm_fmt`` of a tagged operand: its format in the forward GEMM, in its backward GEMM
     (dgrad for W, wgrad for x), the format of the gradient it meets there (None: the gradient's
-    own mm_fmt), and ``base``, the operand's own mm_fmt (what the outputs of ops take)."""
+    own mm_fmt), and ``base``, the operand's own mm_fmt (what the outputs of ops take);
+    ``fprop_t`` / ``bwd_t``: the transform (qtensor.transforms) of the forward GEMM and of the
+    backward one, applied to every operand of that GEMM along K before rounding."""
 
     fprop: Any
     bwd: Any
     other: Any
     base: Any
+    fprop_t: Any = None
+    bwd_t: Any = None
 
     def __str__(self) -> str:
-        return f"gemm(fprop={self.fprop}, bwd={self.bwd}, grad={self.other}, own={self.base})"
+        t = "" if self.fprop_t is None and self.bwd_t is None else (
+            f", transforms fprop={self.fprop_t} bwd={self.bwd_t}")
+        return (f"gemm(fprop={self.fprop}, bwd={self.bwd}, grad={self.other}, own={self.base}"
+                f"{t})")
 
 
 _STATE = threading.local()
@@ -74,3 +81,14 @@ def operand_formats(ops, fallback) -> Optional[list]:
         else:
             out.append(fallback(a))
     return out
+
+
+def operand_transform(ops):
+    """The transform of the contraction whose multiplied operands are ``ops`` (applied to all of
+    them along K before rounding), or None: the first tag's forward transform during the forward
+    GEMM, else the backward transform of the tagged operand (W: dgrad's, x: wgrad's)."""
+    tag = next((m for m in (getattr(a, "mm_fmt", None) for a in ops) if type(m) is GemmOperand),
+               None)
+    if tag is None:
+        return None
+    return tag.fprop_t if in_fprop() else tag.bwd_t

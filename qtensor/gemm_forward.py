@@ -22,19 +22,20 @@ def _is_q(x) -> bool:
     return isinstance(x, QTensor)
 
 
-def tag(x: torch.Tensor, fprop, bwd, other) -> torch.Tensor:
+def tag(x: torch.Tensor, fprop, bwd, other, fprop_t=None, bwd_t=None) -> torch.Tensor:
     """x as a view whose mm_fmt is a GemmOperand (x itself when it is not a QTensor, or when the
-    formats are x's own: nothing to do). A view shares x's version counter and autograd passes
-    its gradient through unchanged (a data-movement op, no rounding)."""
+    formats are x's own and there are no transforms: nothing to do). A view shares x's version
+    counter and autograd passes its gradient through unchanged (a data-movement op, no
+    rounding)."""
     if not isinstance(x, QTensor):
         return x
     own = x.mm_fmt
     fprop = own if fprop is None else fprop
     bwd = own if bwd is None else bwd
-    if fprop == own and bwd == own and other is None:
+    if fprop == own and bwd == own and other is None and fprop_t is None and bwd_t is None:
         return x
     y = x.view(x.shape)
-    y.mm_fmt = GemmOperand(fprop, bwd, other, own)
+    y.mm_fmt = GemmOperand(fprop, bwd, other, own, fprop_t, bwd_t)
     return y
 
 
@@ -85,8 +86,11 @@ class GemmForward:
                       f"{type(m.weight).__name__}, not a QTensor (a DTensor under tensor "
                       "parallelism, or replaced after qt.convert): the per-GEMM formats of W, and "
                       "of dY in dgrad, do not apply (the roles' mm_fmt do)")
-        x = tag(input, g.fprop_x, g.wgrad_x, g.wgrad_dy)
-        w = tag(m.weight, g.fprop_w, g.dgrad_w, g.dgrad_dy)
+        if not _is_q(input) and g.wgrad_transform is not None:
+            warn_once(f"Recipe.gemm: a {type(m).__name__} got a plain input (its activation role "
+                      "is full precision): the transform of its wgrad GEMM does not apply")
+        x = tag(input, g.fprop_x, g.wgrad_x, g.wgrad_dy, g.fprop_transform, g.wgrad_transform)
+        w = tag(m.weight, g.fprop_w, g.dgrad_w, g.dgrad_dy, g.fprop_transform, g.dgrad_transform)
         with _forward_gemm():
             return self.run(m, x, w)
 

@@ -23,6 +23,7 @@ from . import flush_warnings
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor, as_qtensor
+from .transforms import check_transform
 from .torch_function import TorchFunctionTarget
 
 __all__ = ["Role", "Recipe", "GemmFormats", "TensorPlan", "ModulePlan", "ROLE_NAMES", "GEMMS",
@@ -125,7 +126,9 @@ def check_signed(role: "Role", what: str) -> None:
 class GemmFormats:
     """The operand format of each operand of each GEMM of a linear layer (or convolution); None:
     the operand's own ``mm_fmt`` (its role's), as without ``Recipe.gemm``. A format's rounding
-    mode is the operand's rounding (``fmt.replace(rounding="stochastic")``)."""
+    mode is the operand's rounding (``fmt.replace(rounding="stochastic")``). ``*_transform``: an
+    orthogonal transform (qtensor.transforms.Hadamard) applied to both operands of that GEMM along
+    its reduction dimension before they are rounded (None: none)."""
 
     fprop_x: Optional[Format] = None
     fprop_w: Optional[Format] = None
@@ -133,12 +136,16 @@ class GemmFormats:
     dgrad_w: Optional[Format] = None
     wgrad_x: Optional[Format] = None
     wgrad_dy: Optional[Format] = None
+    fprop_transform: Any = None
+    dgrad_transform: Any = None
+    wgrad_transform: Any = None
 
     @classmethod
     def of(cls, spec) -> Optional["GemmFormats"]:
         """GemmFormats from None, a GemmFormats or a dict {"fprop": (x, w), "dgrad": (dy, w),
-        "wgrad": (x, dy)} (any of the three; None in a pair: that operand's own mm_fmt).
-        None when no operand gets a format of its own."""
+        "wgrad": (x, dy)} (any of the three; None in a pair: that operand's own mm_fmt), with
+        optionally "transform": {gemm: qt.Hadamard(...)}. None when no operand gets a format of
+        its own and no GEMM a transform."""
         if spec is None or isinstance(spec, GemmFormats):
             return None if spec is None or spec.is_default else spec
         if isinstance(spec, dict) and spec and all(k in LAYER_KINDS for k in spec):
@@ -148,12 +155,20 @@ class GemmFormats:
             raise TypeError(
                 "Recipe.gemm must be None or a dict {'fprop': (x_fmt, w_fmt), 'dgrad': (dy_fmt, "
                 f"w_fmt), 'wgrad': (x_fmt, dy_fmt)}}, got {type(spec).__name__}: {spec!r}")
-        unknown = [k for k in spec if k not in GEMMS]
+        unknown = [k for k in spec if k not in GEMMS and k != "transform"]
         if unknown:
             raise ValueError(f"Recipe.gemm: unknown GEMM(s) {', '.join(map(repr, unknown))}; "
-                             f"the GEMMs are {', '.join(GEMMS)}")
+                             f"the GEMMs are {', '.join(GEMMS)} (and 'transform')")
         fields = {}
+        transforms = spec.get("transform") or {}
+        if not isinstance(transforms, dict) or any(k not in GEMMS for k in transforms):
+            raise ValueError("Recipe.gemm['transform'] must be a dict {gemm: transform} with "
+                             f"gemm among {', '.join(GEMMS)}, got {transforms!r}")
+        for gemm, t in transforms.items():
+            fields[f"{gemm}_transform"] = check_transform(t, f"Recipe.gemm['transform'][{gemm!r}]")
         for gemm, pair in spec.items():
+            if gemm == "transform":
+                continue
             names = GEMMS[gemm]
             if pair is None:
                 continue
@@ -166,7 +181,8 @@ class GemmFormats:
                     fields[f"{gemm}_{operand}"] = _format_or_error(fmt, what)
         out = cls(**fields)
         for f in dataclasses.fields(out):
-            check_signed(Role(getattr(out, f.name)), f"Recipe.gemm ({f.name})")
+            if not f.name.endswith("_transform"):
+                check_signed(Role(getattr(out, f.name)), f"Recipe.gemm ({f.name})")
         return None if out.is_default else out
 
     @property
@@ -179,7 +195,8 @@ class GemmFormats:
             fmts = [getattr(self, gemm + "_" + o) for o in operands]
             inner = ", ".join(o + " " + ("own mm_fmt" if f is None else str(f))
                               for o, f in zip(operands, fmts))
-            parts.append(f"{gemm} ({inner})")
+            t = getattr(self, gemm + "_transform")
+            parts.append(f"{gemm} ({inner}" + ("" if t is None else f", transform {t}") + ")")
         return "; ".join(parts)
 
 
@@ -204,6 +221,29 @@ def gemm_of(spec):
 def gemm_for(gemm, kind: str):
     """The GemmFormats a layer of ``kind`` ("linear" or "conv") gets from Recipe.gemm."""
     return gemm.get(kind) if isinstance(gemm, dict) else gemm
+
+
+def _last_layers_of(spec):
+    """Recipe.last_layers normalised: None or (n, fmt), n an int >= 1 or a float in (0, 1)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+        raise ValueError(f"Recipe.last_layers must be None or a pair (n, fmt), got {spec!r}")
+    n, fmt = spec
+    ok = (isinstance(n, int) and not isinstance(n, bool) and n >= 1) or (
+        isinstance(n, float) and 0 < n < 1)
+    if not ok:
+        raise ValueError("Recipe.last_layers: n must be an int >= 1 (layers) or a float in "
+                         f"(0, 1) (a fraction of the layers), got {n!r}")
+    fmt = _format_or_error(fmt, "Recipe.last_layers")
+    check_signed(Role(fmt), "Recipe.last_layers")
+    return (n, fmt)
+
+
+def last_layers_count(spec, total: int) -> int:
+    """How many of ``total`` layers Recipe.last_layers ``spec`` (normalised) keeps."""
+    n = spec[0]
+    return min(total, n if isinstance(n, int) else math.ceil(n * total))
 
 
 def _normalise_rule(pattern, spec):
@@ -238,6 +278,10 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     ``gemm``: per-GEMM operand formats of converted Linear/Conv layers, ``{"fprop": (x, W),
     "dgrad": (dY, W), "wgrad": (x, dY)}`` (or per layer kind ``{"linear": ..., "conv": ...}``),
     normalised into :class:`GemmFormats` (docs/convert.md, "Per-GEMM operand formats").
+    ``last_layers``: ``(n, fmt)``, the last n converted Linear/Conv layers (model order; a float
+    n in (0, 1) is that fraction of them, rounded up) run every operand of their three GEMMs in
+    ``fmt`` (e.g. "bf16"), whatever ``gemm`` and the roles say: the "last layers in higher
+    precision" of the NVFP4 recipe.
     """
 
     weight: Any = None
@@ -250,6 +294,7 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     loss_scale: Any = None
     accumulate: Any = None
     gemm: Any = None
+    last_layers: Any = None
     name: Optional[str] = field(default=None, compare=False)
     source: Optional[str] = field(default=None, compare=False)
 
@@ -273,6 +318,7 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
                 f"optimizer_state must be None, got {self.optimizer_state}")
         object.__setattr__(self, "accumulate", as_accum(self.accumulate, "Recipe.accumulate"))
         object.__setattr__(self, "gemm", gemm_of(self.gemm))
+        object.__setattr__(self, "last_layers", _last_layers_of(self.last_layers))
         ls = self.loss_scale
         if ls is not None and ls != "dynamic":
             check_scale(ls, "Recipe.loss_scale (None, 'dynamic' or a power of two)")
@@ -305,6 +351,11 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
                 lines.append(f"  {'gemm (' + kind + ')':<16} {g or 'the roles: own mm_fmt'}")
         elif self.gemm is not None:
             lines.append(f"  {'gemm':<16} {self.gemm}")
+        if self.last_layers is not None:
+            n, fmt = self.last_layers
+            what = f"the last {n}" if isinstance(n, int) else f"the last {n:.0%} (rounded up) of"
+            lines.append(f"  {'last_layers':<16} {what} Linear/Conv layers: every GEMM operand in "
+                         f"{fmt}")
         for pattern, spec in self.rules.items():
             if isinstance(spec, Role):
                 lines.append(f"  rule {pattern!r}: {spec}")

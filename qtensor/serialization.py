@@ -21,6 +21,7 @@ them at all. This module stores the same values as plain tensors with their form
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Dict, Optional
 
@@ -30,7 +31,8 @@ from torch import nn
 from .accum import AccumFormat, as_accum
 from .convert import conversion_of, convert
 from .formats import format as _parse_format
-from .plans import ROLE_NAMES, Recipe, Role
+from .plans import LAYER_KINDS, ROLE_NAMES, GemmFormats, Recipe, Role
+from .transforms import Hadamard
 from .tensor import QTensor, _accum_of_token, _accum_token
 
 __all__ = ["plain_state_dict", "load_plain_state_dict", "qtensor_state_dict", "save_safetensors",
@@ -71,6 +73,27 @@ def _role_data(role: Role):
             None if role.mm_fmt is None else str(role.mm_fmt)]
 
 
+def _gemm_data(g):
+    """GemmFormats as plain data: formats as strings, transforms as {"size", "signs"}."""
+    if g is None:
+        return None
+    out = {}
+    for f in dataclasses.fields(g):
+        v = getattr(g, f.name)
+        if v is not None:
+            out[f.name] = ({"size": v.size, "signs": v.signs} if f.name.endswith("_transform")
+                           else str(v))
+    return out
+
+
+def _gemm_from(data):
+    if data is None:
+        return None
+    fields = {k: (Hadamard(**v) if k.endswith("_transform") else _parse_format(v))
+              for k, v in data.items()}
+    return GemmFormats(**fields)
+
+
 def recipe_to_dict(recipe: Recipe) -> Dict[str, Any]:
     """A Recipe as JSON-able data (formats as their strings); :func:`recipe_from_dict` inverts it."""
     rules = {}
@@ -83,6 +106,10 @@ def recipe_to_dict(recipe: Recipe) -> Dict[str, Any]:
         "master_weights": recipe.master_weights,
         "loss_scale": recipe.loss_scale,
         "accumulate": _accum_str(recipe.accumulate),
+        "gemm": ({k: _gemm_data(v) for k, v in recipe.gemm.items()}
+                 if isinstance(recipe.gemm, dict) else _gemm_data(recipe.gemm)),
+        "last_layers": (None if recipe.last_layers is None
+                        else [recipe.last_layers[0], str(recipe.last_layers[1])]),
         "name": recipe.name,
         "source": recipe.source,
     }
@@ -98,10 +125,16 @@ def recipe_from_dict(data: Dict[str, Any]) -> Recipe:
     """The Recipe that :func:`recipe_to_dict` described."""
     rules = {p: (_role_from(s) if isinstance(s, list) else {k: _role_from(v) for k, v in s.items()})
              for p, s in data.get("rules", {}).items()}
+    gemm, last = data.get("gemm"), data.get("last_layers")
+    if isinstance(gemm, dict) and set(gemm) <= set(LAYER_KINDS) and gemm:
+        gemm = {k: _gemm_from(v) for k, v in gemm.items()}
+    else:
+        gemm = _gemm_from(gemm)
     return Recipe(**{role: _role_from(data[role]) for role in ROLE_NAMES}, rules=rules,
                   master_weights=data.get("master_weights", False),
                   loss_scale=data.get("loss_scale"),
-                  accumulate=_accum_from(data.get("accumulate")),
+                  accumulate=_accum_from(data.get("accumulate")), gemm=gemm,
+                  last_layers=None if last is None else (last[0], _parse_format(last[1])),
                   name=data.get("name"), source=data.get("source"))
 
 

@@ -56,11 +56,26 @@ FMT = qt.format("fp8_e5m2")
 SPEC = qt.Recipe(weight=FMT, bias=FMT, activation=FMT, grad=FMT)
 
 
-def _manual(model, x, y, layer):
-    """Loss, logits and gradients with only ``layer`` ("0" or "2") rounded to FMT, by hand."""
+def _manual(model, x, y, layer, role="all"):
+    """Loss, logits and gradients with only ``layer`` ("0" or "2") rounded to FMT, by hand:
+    ``role`` "all" (its parameters, inputs, outputs and their gradients), "weight" (its
+    parameters), "activation" (its inputs and outputs) or "grad" (the gradients of its inputs,
+    outputs and parameters)."""
     q = lambda t: qt.quantize(t, FMT)  # noqa: E731  (straight-through gradient)
+    values = role in ("all", "weight")
+    acts = role in ("all", "activation")
+    grads = role in ("all", "grad")
 
     class RoundGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return q(g) if grads else g
+
+    class RoundGradToFmt(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t):
             return t.clone()
@@ -75,17 +90,42 @@ def _manual(model, x, y, layer):
         w, b = params[f"{i}.weight"], params[f"{i}.bias"]
         if not rounded:
             return F.linear(h, w, b)
-        h = RoundGrad.apply(q(h))
-        out = torch.addmm(q(b), h, q(w).T)
-        return RoundGrad.apply(q(out))
+        h = RoundGrad.apply(q(h) if acts else h)
+        if values and not grads:  # and the gradient of its input, an op on them, in FP8 too
+            h = RoundGradToFmt.apply(h)
+        out = torch.addmm(q(b), h, q(w).T) if values else torch.addmm(b, h, w.T)
+        if values and not acts:  # an op on FP8 weights gives an FP8 output (qtensor's dispatch
+            out = q(out)         # rounds an op's output to its inputs' format), then plain
+        return RoundGrad.apply(q(out) if acts else out)
 
     h = torch.relu(lin(x, 0, layer == "0"))
     out = lin(h, 2, layer == "2")
     loss = F.cross_entropy(out, y)
     loss.backward()
     return float(loss.detach()), out.detach().double(), torch.cat(
-        [q(p.grad).flatten() if n.startswith(layer + ".") else p.grad.flatten()
+        [q(p.grad).flatten() if n.startswith(layer + ".") and grads else p.grad.flatten()
          for n, p in params.items()]).double()
+
+
+def _check_rows(report, x, y, model, roles):
+    ref_loss, ref_out, ref_grad = _manual(model, x, y, layer="none")
+    assert report.loss_fp32 == pytest.approx(ref_loss, rel=1e-6)
+    rows = {(r["layer"], r["role"]): r for r in report.sensitivity}
+    assert set(rows) == {(layer, role) for layer in ("0", "2") for role in roles}
+    for (layer, role), row in rows.items():
+        loss, out, grad = _manual(model, x, y, layer, role)
+        assert row["dloss"] == pytest.approx(loss - ref_loss, rel=1e-4, abs=1e-7), (layer, role)
+        lp, lq = F.log_softmax(ref_out, -1), F.log_softmax(out, -1)
+        kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
+        assert row["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-9), (layer, role)
+        if role != "grad":
+            assert kl > 1e-6  # FP8 E5M2 changes the outputs: the check can fail
+        else:
+            assert kl == 0.0  # rounding only the gradients leaves the forward exact
+        cos = float(grad @ ref_grad / (grad.norm() * ref_grad.norm()))
+        assert row["grad_cos"] == pytest.approx(cos, abs=1e-6), (layer, role)
+        if role != "activation":
+            assert cos < 1 - 1e-6, (layer, role)  # the gradients change: the check can fail
 
 
 def test_sensitivity_against_a_manual_one_layer_conversion():
@@ -94,21 +134,17 @@ def test_sensitivity_against_a_manual_one_layer_conversion():
     y = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(3))
     loss_fn = lambda o: F.cross_entropy(o, y)  # noqa: E731
     report = qt.analyze(model, x, SPEC, loss_fn)
-    ref_loss, ref_out, ref_grad = _manual(model, x, y, layer="none")
-    assert report.loss_fp32 == pytest.approx(ref_loss, rel=1e-6)
-    rows = {r["layer"]: r for r in report.sensitivity}
-    assert set(rows) == {"0", "2"}
-    for layer in ("0", "2"):
-        loss, out, grad = _manual(model, x, y, layer)
-        assert rows[layer]["dloss"] == pytest.approx(loss - ref_loss, rel=1e-4, abs=1e-7)
-        lp, lq = F.log_softmax(ref_out, -1), F.log_softmax(out, -1)
-        kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
-        assert rows[layer]["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-9)
-        assert kl > 1e-6  # FP8 E5M2 changes the outputs: the check can fail
-        cos = float(grad @ ref_grad / (grad.norm() * ref_grad.norm()))
-        assert rows[layer]["grad_cos"] == pytest.approx(cos, abs=1e-6)
+    _check_rows(report, x, y, model, ["all"])
     assert list(model.parameters())[0].__class__ is torch.nn.Parameter  # left untouched
     assert not qt.convert.__module__ or not hasattr(model, "_qt_conversion")
+
+
+def test_sensitivity_per_role_against_a_manual_one_role_conversion():
+    model = _mlp()
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(3))
+    report = qt.analyze(model, x, SPEC, lambda o: F.cross_entropy(o, y), roles=True)
+    _check_rows(report, x, y, model, ["all", "weight", "activation", "grad"])
 
 
 def test_tensor_statistics():
@@ -133,13 +169,23 @@ def test_tensor_statistics():
 
 def test_report_outputs(tmp_path):
     torch.manual_seed(0)
-    report = qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6, progress=True)
+    report = qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6, progress=True,
+                        roles=("weight",))
+    assert [(r["layer"], r["role"]) for r in report.sensitivity] == [
+        ("0", "all"), ("2", "all"), ("0", "weight"), ("2", "weight")]
     text = report.table()
     assert "Sensitivity" in text and "weight operand" in text and "vs_exact_rounded" in text
+    layers = {r["layer"]: r for r in report.layers}
+    assert layers["0"]["params"] == 16 * 32 + 32 and layers["0"]["outputs"] == 8 * 32
+    # 0.weight at its MXFP6 operand format (6.25 bits), 0.bias FP32
+    assert layers["0"]["weight_bits"] == pytest.approx((512 * 6.25 + 32 * 32) / 544)
+    assert layers["0"]["activation_bits"] == 6.25
+    with pytest.raises(ValueError, match="roles must be"):
+        qt.analyze(_mlp(), torch.randn(8, 16), qt.recipes.mxfp6, roles=("weights",))
     md = report.markdown()
     assert md.count("|---|") >= 3
     data = json.loads(report.to_json())
-    assert {"tensors", "contractions", "sensitivity", "gradients", "overall"} <= set(data)
+    assert {"tensors", "contractions", "sensitivity", "gradients", "overall", "layers"} <= set(data)
     path = tmp_path / "analysis.png"
     report.plot(path)
     assert path.stat().st_size > 10_000
@@ -182,3 +228,58 @@ def test_a_converted_model_is_analysed_with_its_own_recipe():
     assert report.spec == SPEC.name or "Recipe" in report.spec
     assert {r["format"] for r in report.tensors if r["role"] == "weight"} == {str(FMT)}
     assert qt.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
+
+
+def test_optimizer_state_statistics():
+    # one SGD step with momentum: the momentum buffer of the first step is the gradient itself,
+    # in the optimizer_state format
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 8)
+    x = torch.randn(16, 32)
+    recipe = qt.Recipe(weight=qt.fp32, bias=qt.fp32, optimizer_state=FMT)
+    report = qt.analyze(layer, x, recipe, sensitivity=False,
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    rows = {r["tensor"]: r for r in report.tensors if r["role"] == "optimizer_state"}
+    assert set(rows) == {"'momentum_buffer' of weight", "'momentum_buffer' of bias"}
+    m = copy.deepcopy(layer)
+    loss = 0.5 * m(x).pow(2).mean()
+    loss.backward()
+    g = m.weight.grad
+    assert rows["'momentum_buffer' of weight"]["rel_error"] == pytest.approx(
+        _rel(qt.quantize(g, FMT), g), rel=1e-6)
+    assert rows["'momentum_buffer' of weight"]["rel_error"] > 1e-3
+    with pytest.warns(UserWarning, match="eps=1e-08 rounds to 0"):  # (qtensor says so)
+        report = qt.analyze(layer, x, recipe, sensitivity=False,
+                            optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    rows = {r["tensor"]: r for r in report.tensors if r["role"] == "optimizer_state"}
+    assert 0 < rows["'exp_avg' of weight"]["rel_error"] < 0.2
+    # 0.001 g^2 is mostly below FP8 E5M2's smallest value: the report shows it flushed
+    assert rows["'exp_avg_sq' of weight"]["flushed"] > 0.5
+
+
+def test_operand_rows_only_for_weights_that_enter_a_contraction():
+    # an embedding table and a LayerNorm scale have the weight role's operand format, but no
+    # contraction reads them: no "weight operand" row claims a rounding that never happens
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import common
+    torch.manual_seed(0)
+    model = common.CharGPT(64, d=32, layers=1, heads=2, context=8)
+    idx = torch.randint(0, 64, (2, 8))
+    report = qt.analyze(model, idx, qt.recipes.direct_cast(MX8), sensitivity=False)
+    operands = {r["tensor"] for r in report.tensors if r["role"] == "weight operand"}
+    linears = {f"{n}.weight" for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert operands == linears
+
+
+def test_layers_limits_the_rows_and_the_counted_bits():
+    model = _mlp()
+    x = torch.randn(8, 16)
+    report = qt.analyze(model, x, qt.recipes.direct_cast(MX8), layers=["2", "1"])
+    assert [r["layer"] for r in report.sensitivity] == ["2", "1"]
+    info = {r["layer"]: r for r in report.layers}
+    assert info["1"]["params"] == 0 and info["1"]["outputs"] == 8 * 32  # the ReLU
+    # bits per weight over layer 2 only: its 32x5 weight at MXFP8's 8.25 bits, its bias at 32
+    assert report.bits() == pytest.approx((160 * 8.25 + 5 * 32) / 165)
+    with pytest.raises(ValueError, match="not modules of the model"):
+        qt.analyze(model, x, qt.recipes.direct_cast(MX8), layers=["3"])

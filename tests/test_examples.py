@@ -73,7 +73,8 @@ def test_demo_writes_to_an_untracked_folder_by_default():
     ignored = subprocess.run(["git", "check-ignore", "-q", str(local / "demo.md")], cwd=ROOT)
     assert ignored.returncode in (0, 128), "examples/results/local/ is not git-ignored"
     for script in ("demo.py", "direct_cast.py", "mx_training.py", "qpytorch_recipes.py",
-                   "accum_study.py", "ptq_study.py"):
+                   "accum_study.py", "fp4_recipes_study.py", "analysis_study.py",
+                   "ptq_study.py"):
         assert "common.output_dir(args.out, args.quick)" in (EXAMPLES / script).read_text()
 
 
@@ -103,6 +104,25 @@ def test_ptq_study_quick():
     assert "GPTQ" in out and "error diffusion" in out
 
 
+def test_analysis_study_quick():
+    out = run_example("analysis_study.py", "--quick", "--seeds", "1", timeout=300)
+    cnn_text, _, gpt_text = out.partition("## Character-level GPT")
+    for text in (cnn_text, gpt_text):
+        rows = table_rows(text)
+        for uniform in ("mxfp6_e3m2", "nvfp4"):
+            same = rows[f"uniform {uniform}"]
+            mixed = rows[f"suggested @ {uniform} bits"]
+            layers = rows[f"suggested layers @ {uniform} bits"]
+            # equal bits: the suggested weights stay within the uniform recipe's bits per
+            # weight, the suggested layers within its bits per weight+activation
+            assert float(mixed[0]) <= float(same[0]) + 1e-3, rows
+            assert float(layers[1]) <= float(same[1]) + 1e-3, rows
+            loss = 2 if text is gpt_text else 4  # (the CNN's columns: accuracy first)
+            for row in (mixed, layers):
+                assert 0.0 < float(row[loss].split(" ")[0]) < 10.0, rows
+        assert "| layer" in text and "weights in" in text  # the choices of seed 0
+
+
 def test_qpytorch_recipes_quick():
     rows = table_rows(run_example("qpytorch_recipes.py", "--quick"))
     for name in ["fp32", "fp16", "block8", "wage", "swalp"]:
@@ -116,6 +136,19 @@ def test_mx_training_quick():
     for cells in rows.values():
         if cells[0] != "train loss":
             assert 0.0 < float(cells[0]) < 10.0  # a finite cross-entropy
+
+
+def test_fp4_recipes_study_quick():
+    out = run_example("fp4_recipes_study.py", "--quick", "--runs",
+                      "fp32,nvfp4_nvidia,nvidia-rht,quartet")
+    rows = table_rows(out)
+    assert {"FP32", "qt.recipes.nvfp4_nvidia", "nvfp4_nvidia without wgrad RHT",
+            "qt.recipes.quartet"} <= set(rows)
+    for name, cells in rows.items():
+        if cells[0] != "GPT val loss":
+            assert 0.0 < float(cells[0].split(" ± ")[0]) < 10.0, (name, cells)  # finite
+            assert 0.0 <= float(cells[3].split(" ± ")[0]) <= 100.0
+    assert "Command: python examples/fp4_recipes_study.py --quick" in out
 
 
 def test_hf_finetune_quick():

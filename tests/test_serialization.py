@@ -49,7 +49,12 @@ def _trained():
                                     qt.Recipe(weight="fixed8.4", loss_scale="dynamic"),
                                     qt.Recipe(weight="fp8_e4m3", loss_scale=1024.0),
                                     qt.Recipe(weight=("bf16", "fp8_e4m3"), accumulate=(
-                                        qt.accum.AccumFormat(chunk=8, frac_bits=20)))],
+                                        qt.accum.AccumFormat(chunk=8, frac_bits=20))),
+                                    qt.recipes.nvfp4_nvidia, qt.recipes.quartet,
+                                    qt.Recipe(weight=(None, "bf16"), gemm={
+                                        "linear": {"dgrad": ("nvfp4", None)},
+                                        "conv": {"transform": {"fprop": qt.Hadamard(signs=3)}}},
+                                        last_layers=(2, "fp32"))],
                          ids=lambda r: r.name or "custom")
 def test_recipe_round_trips_through_json(recipe):
     import json
