@@ -23,3 +23,4 @@ from . import compat  # noqa: E402,F401  (qt.compat.qtorch, qt.compat.mx)
 from . import accum  # noqa: E402,F401  (qt.accum.AccumFormat, qt.accum.hopper_fp8, ...)
 from .analysis import AnalysisReport, analyze  # noqa: E402
 from .suggest import suggest_recipe  # noqa: E402
+from .ptq import error_diffusion, gptq  # noqa: E402

@@ -833,7 +833,7 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int):
         k = torch.frexp(amax).exponent.to(torch.int64) - 1 - fmt.elem.emax
         X = _pow2(k.clamp(fmt.scale.emin, fmt.scale.emax))
     else:
-        sfmt = fmt.scale.replace(rounding="nearest")
+        sfmt = fmt.amax_scale_format.replace(rounding="nearest")
         if fmt.tensor_scale:
             ts = _tensor_scale(xk.abs().amax(), fmt)
             ts = torch.where(ts > 0, ts, 1.0)  # an all-zero tensor: any scale

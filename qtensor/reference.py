@@ -202,6 +202,46 @@ def tile_blocks(x: torch.Tensor, fmt: BlockFormat):
     return y, restore, fmt1
 
 
+def block_scale(amax: torch.Tensor, fmt: BlockFormat,
+                tensor_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The scale X (times the tensor scale, for ``fmt.tensor_scale``) of blocks whose largest
+    magnitude is ``amax`` (finite float64, >= 0), by ``fmt.scale_rule``; ``tensor_scale`` is
+    :func:`_tensor_scale` of the tensor's amax when ``fmt.tensor_scale``. (qtensor.ptq decides
+    the scale of each block of a weight from the values the block holds when it is reached.)"""
+    elem = fmt.elem
+    if fmt.scale_rule in ("floor", "ceil"):
+        _, e = torch.frexp(amax)
+        k = e.to(torch.int64) - 1 - elem.emax
+        if fmt.scale_rule == "ceil":
+            k = k + (amax / _pow2(k) > elem.max).to(torch.int64)
+        k = torch.clamp(k, fmt.scale.emin, fmt.scale.emax)
+        return _pow2(k)
+    # amax: the scale is the scale format's nearest value to amax / max_elem
+    scale_fmt = fmt.amax_scale_format.replace(rounding="nearest")
+    if tensor_scale is None:
+        return _round_float(amax / elem.max, scale_fmt, "nearest", None, None)
+    # amax_block <= amax_tensor: a ratio past the scale's max is an artefact of rounding the
+    # tensor scale down, never an overflow
+    scale_fmt = scale_fmt.replace(saturate=True)
+    denom = elem.max * tensor_scale
+    ratio = torch.where(denom > 0, amax / denom, torch.zeros_like(amax))
+    return _round_float(ratio, scale_fmt, "nearest", None, None) * tensor_scale
+
+
+def round_with_scale(x64: torch.Tensor, scale: torch.Tensor, fmt: BlockFormat,
+                     rounding: str, index: Optional[torch.Tensor] = None,
+                     seed: Optional[int] = None) -> torch.Tensor:
+    """x (float64) rounded to ``fmt``'s elements times ``scale`` (broadcast; a block's X), as
+    float64: exact. A zero scale gives (signed, for float elements) zeros."""
+    elem = fmt.elem
+    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = _round_scalar(x64 / safe_scale, elem, rounding, index, seed) * safe_scale  # exact
+    zero = torch.zeros_like(q)
+    if isinstance(elem, FloatFormat):  # signed zeros; integer elements have no -0.0
+        zero = torch.copysign(zero, x64)
+    return torch.where(scale > 0, q, zero)
+
+
 def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
                      index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
     """x (float64) rounded to a BlockFormat, as float64 (float32-exact values)."""
@@ -235,42 +275,19 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
     amax = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.sum(-1, True)
     bad = ~torch.isfinite(amax)
     amax_f = torch.where(bad, torch.zeros_like(amax), amax)
-    elem = fmt.elem
-    emax_elem, max_elem = elem.emax, elem.max
 
     tensor_scale = None
-    if fmt.scale_rule in ("floor", "ceil"):
-        _, e = torch.frexp(amax_f)
-        k = e.to(torch.int64) - 1 - emax_elem
-        if fmt.scale_rule == "ceil":
-            k = k + (amax_f / _pow2(k) > max_elem).to(torch.int64)
-        k = torch.clamp(k, fmt.scale.emin, fmt.scale.emax)
-        scale = _pow2(k)
-    else:  # amax: the scale is the scale format's nearest value to amax / max_elem
-        scale_fmt = fmt.amax_scale_format.replace(rounding="nearest")
-        if fmt.tensor_scale:
-            # the largest finite |x| (0 if none): no boolean indexing, so no device sync
-            amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
-            tensor_scale = _tensor_scale(amax_t, fmt)
-            # amax_block <= amax_tensor: a ratio past the scale's max is an artefact of rounding
-            # the tensor scale down, never an overflow
-            scale_fmt = scale_fmt.replace(saturate=True)
+    if fmt.tensor_scale:
+        # the largest finite |x| (0 if none): no boolean indexing, so no device sync
+        amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
+        tensor_scale = _tensor_scale(amax_t, fmt)
 
-        def amax_scale(a):  # the scale X (times the tensor scale) of a block whose amax is a
-            if tensor_scale is None:
-                return _round_float(a / max_elem, scale_fmt, "nearest", None, None)
-            denom = max_elem * tensor_scale
-            ratio = torch.where(denom > 0, a / denom, torch.zeros_like(a))
-            return _round_float(ratio, scale_fmt, "nearest", None, None) * tensor_scale
-        scale = amax_scale(amax_f)
+    def amax_scale(a):
+        return block_scale(a, fmt, tensor_scale)
+    scale = amax_scale(amax_f)
 
     def round_at(scale):
-        safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = _round_scalar(blocks / safe_scale, elem, rounding, idx, seed) * safe_scale  # exact
-        zero = torch.zeros_like(q)
-        if isinstance(elem, FloatFormat):  # signed zeros; integer elements have no -0.0
-            zero = torch.copysign(zero, blocks)
-        return torch.where(scale > 0, q, zero)
+        return round_with_scale(blocks, scale, fmt, rounding, idx, seed)
 
     q = round_at(scale)
     if fmt.scale_rule == "amax":

@@ -73,7 +73,8 @@ def test_demo_writes_to_an_untracked_folder_by_default():
     ignored = subprocess.run(["git", "check-ignore", "-q", str(local / "demo.md")], cwd=ROOT)
     assert ignored.returncode in (0, 128), "examples/results/local/ is not git-ignored"
     for script in ("demo.py", "direct_cast.py", "mx_training.py", "qpytorch_recipes.py",
-                   "accum_study.py", "fp4_recipes_study.py", "analysis_study.py"):
+                   "accum_study.py", "fp4_recipes_study.py", "analysis_study.py",
+                   "ptq_study.py"):
         assert "common.output_dir(args.out, args.quick)" in (EXAMPLES / script).read_text()
 
 
@@ -87,6 +88,20 @@ def test_direct_cast_quick():
     # Casting to MXINT8 is nearly lossless: its predictions agree with FP32 on most digits
     # even after a short training.
     assert percent(rows["mxint8"][3]) >= 90.0
+
+
+def test_ptq_study_quick():
+    out = run_example("ptq_study.py", "--quick", "--formats", "mxint8,mxfp4_e2m1,nvfp4")
+    cnn_text, _, gpt_text = out.partition("Character-level GPT")
+    rows, gpt_rows = table_rows(cnn_text), table_rows(gpt_text)
+    for name in ["mxint8", "mxfp4_e2m1", "nvfp4"]:
+        assert name in rows and name in gpt_rows
+        # accuracy and loss of direct cast, GPTQ and error diffusion: numbers, finite losses
+        for acc in rows[name][1::2]:
+            assert 0.0 <= float(acc) <= 100.0
+        for loss in gpt_rows[name][1::2]:
+            assert 0.0 < float(loss) < 10.0
+    assert "GPTQ" in out and "error diffusion" in out
 
 
 def test_analysis_study_quick():

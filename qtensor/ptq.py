@@ -1,0 +1,475 @@
+"""Post-training quantization of a trained model's weights from a calibration batch.
+
+``qt.gptq(model, calib_inputs, spec)`` and ``qt.error_diffusion(model, calib_inputs, spec)``
+convert ``model`` in place with ``spec`` (a format F means ``qt.recipes.direct_cast(F)``: the
+weights and activations enter every contraction in F, FP32 elsewhere; a ``qt.Recipe`` is used as
+given) and replace the weight of every ``nn.Linear``/``nn.Conv1d``/``nn.Conv2d`` whose
+contraction rounds it by values chosen to keep the layer's output on the calibration data:
+
+- GPTQ (Frantar et al. 2022, arXiv 2210.17323): the weight's columns (the reduction axis) are
+  rounded one at a time, and the rounding error of each is compensated on the columns not yet
+  rounded through the inverse Hessian of the layer's least-squares problem (H = 2 X^T X / N, X
+  the layer's input as the contraction receives it in the partly quantized model, damped by
+  ``damp`` times its mean diagonal), with lazy batch updates one block at a time.
+- Error diffusion (after Khodamoradi et al. 2024, arXiv 2410.11203: hyperparameter-free, no
+  Hessian, no backpropagation, the quantization error diffused layer by layer): the layer's
+  output error on the calibration batch, u = X W^T - X~ Q^T (X the FP32 model's input of the
+  layer, X~ the quantized model's, which carries the error of the layers before), is carried
+  from column to column; each column is rounded from the value that cancels the most of it,
+  v_t = (x~_t . (u + x_t w_t)) / |x~_t|^2 (the greedy path-following rule of Lybrand and Saab
+  2021). The paper's method section was not available to this implementation: docs/analysis.md.
+
+Block formats (MX, NVFP4, any ``BlockFormat``): the blocks of a weight lie along its reduction
+axis as the contraction rounds it (``in_features`` of a Linear; the input channels of a Conv at
+each kernel position), and the columns are processed in that order. The scale of each block is
+decided from the block's current values (error-updated weights for GPTQ, the values v for error
+diffusion) when the block is reached, then its columns are rounded with it. Two rules keep the
+result in the format (re-rounding it with ``qt.quantize`` is the identity, checked at the end):
+a block whose rounded values are not a fixed point of the format (rounding lowered its maximum,
+so its own scale is smaller, and that scale moves them: NVFP4's amax rule; MXFP8 E4M3 when the
+maximum falls below 256 X) is rounded again from its values at the block's start with that
+scale, until it is one, as the reference rounding does for the amax rule; and with a per-tensor
+scale (NVFP4) the tensor scale is the original weight's, and the element that held the tensor's
+largest magnitude takes the format's largest value (sign kept), so that the rounded tensor has
+that tensor scale again. Scalar formats round each column alone.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .convert import conversion_of, convert, is_converted
+from .dispatch import quantize as _round, with_axis
+from .formats import BlockFormat, FloatFormat, Format
+from .plans import Recipe, _plain, round_to
+from .recipes import direct_cast
+from .reference import _round_scalar, _tensor_scale, block_scale, round_with_scale
+from .tensor import QTensor
+
+__all__ = ["gptq", "error_diffusion", "weight_groups", "LAYERS"]
+
+LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
+
+
+# ---------------------------------------------------------------------------------------------
+# The calibration data and the layers' inputs
+
+def _batches(calib_inputs) -> List[tuple]:
+    """calib_inputs: a tensor, a tuple of positional arguments, or a list of either."""
+    if isinstance(calib_inputs, torch.Tensor):
+        return [(calib_inputs,)]
+    if isinstance(calib_inputs, tuple):
+        return [calib_inputs]
+    if isinstance(calib_inputs, list) and calib_inputs:
+        return [b if isinstance(b, tuple) else (b,) for b in calib_inputs]
+    raise TypeError("calib_inputs: a tensor, a tuple of the model's positional arguments, or a "
+                    f"non-empty list of them, got {type(calib_inputs).__name__}")
+
+
+def _reduction_axis(mod: nn.Module) -> int:
+    return -1 if isinstance(mod, nn.Linear) else 1
+
+
+def _columns(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The rows (N, K) that multiply the flattened weight (see :func:`_flat_weight`)."""
+    x = x.double()
+    if isinstance(mod, nn.Linear):
+        return x.reshape(-1, x.shape[-1])
+    pad = (0,) * len(mod.kernel_size) if isinstance(mod.padding, str) else mod.padding  # valid
+    if x.dim() == len(mod.kernel_size) + 1:  # an unbatched input
+        x = x.unsqueeze(0)
+    if isinstance(mod, nn.Conv1d):  # as a Conv2d of height 1
+        x = x.unsqueeze(2)
+        k, d, p, s = (1, mod.kernel_size[0]), (1, mod.dilation[0]), (0, pad[0]), \
+            (1, mod.stride[0])
+    else:
+        k, d, p, s = mod.kernel_size, mod.dilation, pad, mod.stride
+    cols = F.unfold(x, k, dilation=d, padding=p, stride=s)  # (B, C*kh*kw, L), C outermost
+    c = x.shape[1]
+    b, _, L = cols.shape
+    cols = cols.reshape(b, c, -1, L).permute(0, 3, 2, 1)  # (B, L, kh*kw, C): C innermost
+    return cols.reshape(b * L, -1)
+
+
+def _flat_weight(mod: nn.Module, w: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """The weight as a matrix (out, K) whose columns run along the reduction axis innermost
+    (the blocks' axis), and the length of one run (in_features; a Conv's input channels)."""
+    if isinstance(mod, nn.Linear):
+        return w, w.shape[1]
+    o, c = w.shape[:2]
+    return w.reshape(o, c, -1).permute(0, 2, 1).reshape(o, -1), c
+
+
+def _unflatten_weight(mod: nn.Module, flat: torch.Tensor, shape) -> torch.Tensor:
+    if isinstance(mod, nn.Linear):
+        return flat.reshape(shape)
+    o, c = shape[:2]
+    return flat.reshape(o, -1, c).permute(0, 2, 1).reshape(shape)
+
+
+def _check_layer(name: str, mod: nn.Module) -> Optional[str]:
+    """Why this layer cannot be processed (None if it can)."""
+    if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+        if mod.groups != 1:
+            return f"{name}: a grouped convolution (groups={mod.groups})"
+        if mod.padding_mode != "zeros":
+            return f"{name}: padding_mode={mod.padding_mode!r} (only 'zeros')"
+        if isinstance(mod.padding, str) and mod.padding != "valid":
+            return f"{name}: padding={mod.padding!r} (give the padding as numbers)"
+    return None
+
+
+class _Inputs:
+    """Forward pre-hooks that record what given layers receive, over the calibration batches."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], operand: bool):
+        self.model, self.names, self.operand = model, list(names), operand
+        self.seen: Dict[str, List[torch.Tensor]] = {n: [] for n in self.names}
+        conv = conversion_of(model) if is_converted(model) else None
+        self.root_plan = conv.module_plans.get("") if conv is not None else None
+
+    def _hook(self, name, mod):
+        def hook(m, args):
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise TypeError(f"qtensor.ptq: {name} was called without a tensor input")
+            x = args[0].detach()
+            if name == "" and self.root_plan is not None and not self.root_plan.plain \
+                    and not self.root_plan.activation.full_precision:
+                # the root's pre-hooks see its inputs before its converted forward rounds them
+                x = round_to(x, self.root_plan.activation)
+            mm = x.mm_fmt if isinstance(x, QTensor) else None
+            xv = _plain(x).float()
+            if self.operand and mm is not None:  # the input as this contraction rounds it
+                xv = _round(xv, with_axis(mm, _reduction_axis(m)), keep_layout=False)
+            self.seen[name].append(_columns(m, xv))
+        return hook
+
+    def run(self, batches) -> Dict[str, torch.Tensor]:
+        handles = [self.model.get_submodule(n).register_forward_pre_hook(self._hook(n, None))
+                   for n in self.names]
+        try:
+            with torch.no_grad():
+                for args in batches:
+                    self.model(*args)
+        finally:
+            for h in handles:
+                h.remove()
+        out = {}
+        for n, xs in self.seen.items():
+            if not xs:
+                raise ValueError(f"qtensor.ptq: the layer {n} did not run on the calibration "
+                                 "inputs; pass layers=[...] without it")
+            out[n] = torch.cat(xs)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# How a weight matrix rounds, block by block
+
+def weight_groups(fmt: Format, K: int, run: int) -> List[Tuple[int, int]]:
+    """The column ranges [a, b) of a flattened weight (K columns, runs of ``run`` along the
+    reduction axis) that share a block scale in ``fmt``; one per column for a scalar format,
+    one for the whole matrix for a per-tensor block (axis=None)."""
+    if not isinstance(fmt, BlockFormat):
+        return [(j, j + 1) for j in range(K)]
+    if fmt.axis is None:
+        return [(0, K)]
+    bs = min(fmt.block_size or run, run)
+    return [(s + g, s + min(g + bs, run)) for s in range(0, K, run) for g in range(0, run, bs)]
+
+
+class _Grid:
+    """The rounding of one flattened weight (out, K) to ``fmt``, a column at a time."""
+
+    def __init__(self, fmt: Format, w0: torch.Tensor, run: int, name: str):
+        self.fmt, self.name = fmt, name
+        rounding = getattr(fmt, "rounding", None)
+        if rounding == "stochastic":
+            raise ValueError(f"qtensor.ptq: {name}'s weight format {fmt} rounds stochastically; "
+                             "GPTQ and error diffusion choose each rounding: give a format that "
+                             "rounds to nearest (fmt.replace(rounding='nearest'))")
+        self.block = isinstance(fmt, BlockFormat)
+        if self.block and fmt.axis is None and fmt.scale_rule == "amax":
+            raise ValueError(f"qtensor.ptq: {name}: a per-tensor block format with the amax scale "
+                             f"rule ({fmt}) is not supported; block it along an axis")
+        self.groups = weight_groups(fmt, w0.shape[1], run)
+        self.ts, self.pin = None, None
+        if self.block and fmt.tensor_scale:
+            amax = w0.abs().amax()
+            self.ts = _tensor_scale(amax, fmt)
+            if float(self.ts) > 0:
+                flat = int(w0.abs().argmax())
+                r, c = divmod(flat, w0.shape[1])
+                top = torch.tensor(fmt.elem.max * fmt.scale.max, dtype=torch.float64) * self.ts
+                value = torch.copysign(top, w0[r, c])
+                self.pin = (r, c, value, block_scale(top.reshape(1, 1), fmt, self.ts)[0, 0])
+
+    def scales(self, cur: torch.Tensor, a: int, b: int) -> Optional[torch.Tensor]:
+        """The scale (out, 1) of each row's block [a, b), from its current values ``cur``."""
+        if not self.block:
+            return None
+        x = block_scale(cur.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
+        if self.pin is not None and a <= self.pin[1] < b:
+            x[self.pin[0], 0] = self.pin[3]
+        return x
+
+    def round(self, v: torch.Tensor, scale: Optional[torch.Tensor], rows: torch.Tensor,
+              c: int) -> torch.Tensor:
+        """Column ``c``'s values ``v`` (for the rows ``rows``) rounded with their block scales."""
+        if not self.block:
+            q = _round_scalar(v, self.fmt, self.fmt.rounding, None, None)
+        else:
+            q = round_with_scale(v, scale[:, 0], self.fmt, self.fmt.rounding)
+        if self.pin is not None and c == self.pin[1]:
+            q = torch.where(rows == self.pin[0], self.pin[2], q)
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError(f"qtensor.ptq: {self.name}: a weight overflowed {self.fmt} "
+                             "(Inf/NaN); use a format with a wider range")
+        return q
+
+    def unsettled(self, q: torch.Tensor, scale: Optional[torch.Tensor], rows: torch.Tensor,
+                  a: int, b: int) -> torch.Tensor:
+        """The rows (a mask over ``rows``) whose rounded block [a, b) ``q`` is not a fixed point
+        of the format: re-rounded with the scale of its own largest value (which can be smaller
+        than the one it was rounded with, when rounding lowered the block's maximum), it would
+        change; that scale goes into ``scale``. (With a power-of-two scale a halved scale keeps
+        the values unless the element's largest value is not 2^(emax+1) minus one ulp, as in
+        E4M3, whose 240 doubles to 480 > 448; with the amax rule any smaller scale moves them.)"""
+        if not self.block:
+            return torch.zeros(len(rows), dtype=torch.bool)
+        again = block_scale(q.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
+        moved = (round_with_scale(q, again, self.fmt, self.fmt.rounding) != q).any(dim=1)
+        moved &= (again < scale)[:, 0]
+        if self.pin is not None and a <= self.pin[1] < b:
+            moved &= rows != self.pin[0]
+        scale[moved] = again[moved]
+        return moved
+
+
+# ---------------------------------------------------------------------------------------------
+# The two algorithms, on one flattened weight (float64)
+
+def _gptq_matrix(w: torch.Tensor, xq: torch.Tensor, grid: _Grid, damp: float) -> torch.Tensor:
+    w = w.clone()
+    n = xq.shape[0]
+    h = 2.0 * xq.T @ xq / n
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0  # an input that is always zero: its weight does not matter (GPTQ)
+    h += damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    try:
+        u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    except RuntimeError as e:  # torch.linalg.LinAlgError
+        raise ValueError(f"qt.gptq: {grid.name}: the damped Hessian is not positive definite "
+                         f"({e}); raise damp") from e
+    q = torch.zeros_like(w)
+    every = torch.arange(w.shape[0])
+    for a, b in grid.groups:
+        w0 = w[:, a:b].clone()
+        scale = grid.scales(w0, a, b)
+        err = torch.zeros_like(w0)
+        rows = every
+        while len(rows):
+            wg = w0[rows].clone()
+            sc = scale[rows] if scale is not None else None
+            for j in range(b - a):
+                c = a + j
+                qc = grid.round(wg[:, j], sc, rows, c)
+                e = (wg[:, j] - qc) / u[c, c]
+                wg[:, j + 1:] -= e[:, None] * u[c, c + 1:b][None, :]
+                q[rows, c] = qc
+                err[rows, j] = e
+            lower = grid.unsettled(q[rows, a:b], sc, rows, a, b)
+            if scale is not None:
+                scale[rows] = sc
+            rows = rows[lower]
+        w[:, b:] -= err @ u[a:b, b:]
+    return q
+
+
+def _diffusion_matrix(w: torch.Tensor, x: torch.Tensor, xq: torch.Tensor,
+                      grid: _Grid) -> torch.Tensor:
+    q = torch.zeros_like(w)
+    u = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)  # the output error, carried
+    every = torch.arange(w.shape[0])
+    for a, b in grid.groups:
+        # within a block the error is carried through the block's Gram matrices (n x n), not
+        # the (N x out) error itself: x~_c . u = p_c + sum_{j<c} (g1_cj w_j - g2_cj q_j)
+        xg, xqg, wg = x[:, a:b], xq[:, a:b], w[:, a:b].T  # wg: (n, out)
+        p = xqg.T @ u
+        g1, g2 = xqg.T @ xg, xqg.T @ xqg
+        live = torch.diagonal(g2) > 0  # an input always zero in the quantized model: keep w
+        d1, d2 = torch.diagonal(g1)[:, None], torch.where(live, torch.diagonal(g2), 1.0)[:, None]
+        cur = torch.where(live[:, None], (p + d1 * wg) / d2, wg).T  # the values at the start
+        scale = grid.scales(cur, a, b)
+        rows = every
+        while len(rows):
+            qg = torch.zeros(b - a, len(rows), dtype=torch.float64)
+            sc = scale[rows] if scale is not None else None
+            for j in range(b - a):
+                v = wg[j, rows]
+                if live[j]:
+                    v = (p[j, rows] + g1[j, :j] @ wg[:j, rows] - g2[j, :j] @ qg[:j]
+                         + g1[j, j] * v) / g2[j, j]
+                qg[j] = grid.round(v, sc, rows, a + j)
+            q[rows, a:b] = qg.T
+            lower = grid.unsettled(q[rows, a:b], sc, rows, a, b)
+            if scale is not None:
+                scale[rows] = sc
+            rows = rows[lower]
+        u += xg @ wg - xqg @ q[:, a:b].T
+    return q
+
+
+# ---------------------------------------------------------------------------------------------
+# The model-level flow
+
+def _recipe(spec) -> Recipe:
+    return spec if isinstance(spec, Recipe) else direct_cast(spec)
+
+
+def _weight_format(mod: nn.Module) -> Optional[Format]:
+    """The format the layer's contraction gives its weight (None: FP32, nothing to do)."""
+    w = mod.weight
+    if not isinstance(w, QTensor):
+        return None
+    fmt = w.mm_fmt if w.mm_fmt is not None else w.fmt
+    if isinstance(fmt, FloatFormat) and fmt.exp == 8 and fmt.man == 23:
+        return None
+    if isinstance(fmt, BlockFormat):
+        fmt = with_axis(fmt, _reduction_axis(mod) if fmt.axis is not None else None)
+    return fmt
+
+
+def _layers(model: nn.Module, layers, who: str) -> List[Tuple[str, nn.Module, Format]]:
+    chosen, skipped = [], []
+    names = None if layers is None else list(layers)
+    for name, mod in model.named_modules():
+        if names is not None and name not in names:
+            continue
+        if not isinstance(mod, LAYERS):
+            if names is not None:
+                raise ValueError(f"{who}: {name} is a {type(mod).__name__}, not one of "
+                                 f"{', '.join(t.__name__ for t in LAYERS)}")
+            continue
+        why = _check_layer(name, mod)
+        fmt = _weight_format(mod)
+        if why is not None:
+            if names is not None:
+                raise ValueError(f"{who}: cannot process {why}")
+            if fmt is not None:
+                skipped.append(why)
+            continue
+        if fmt is not None:
+            chosen.append((name, mod, fmt))
+    if names is not None:
+        missing = set(names) - {n for n, _ in model.named_modules()}
+        if missing:
+            raise ValueError(f"{who}: no layer named {', '.join(sorted(missing))}")
+    if skipped:
+        warnings.warn(f"{who}: left in direct cast: {'; '.join(skipped)}", stacklevel=3)
+    return chosen
+
+
+def _write(mod: nn.Module, name: str, flat: torch.Tensor, fmt: Format, who: str) -> None:
+    w = mod.weight
+    new = _unflatten_weight(mod, flat, w.shape).float()
+    # in the format: the contraction's rounding of the new weight gives it back, bit for bit
+    again = _round(new, fmt)
+    if not torch.equal(again.view(torch.int32), new.view(torch.int32)):
+        raise AssertionError(f"{who}: {name}'s rounded weight is not a fixed point of {fmt}; "
+                             "please report this")
+    with torch.no_grad():
+        w.copy_(new)
+    if not torch.equal(_plain(w).view(torch.int32), new.view(torch.int32)):
+        raise ValueError(f"{who}: {name}'s weight is stored in {w.fmt}, which does not hold the "
+                         f"values rounded to its contraction's format {fmt} (blocked along a "
+                         "different axis?); store the weight in FP32 (qt.recipes.direct_cast) "
+                         "or in the same blocking")
+
+
+def _flow(model, calib_inputs, spec, layers, who, quantize_layer, need_fp32_inputs):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be an nn.Module, got {type(model).__name__}")
+    if is_converted(model):
+        raise ValueError(f"{who} needs the trained model before conversion (it converts it): "
+                         "qt.unconvert(model) first")
+    batches = _batches(calib_inputs)
+    recipe = _recipe(spec)
+    fp32_model = copy.deepcopy(model) if need_fp32_inputs else None
+    convert(model, recipe)
+    todo = _layers(model, layers, who)
+    fp32_inputs = (_Inputs(fp32_model, [n for n, _, _ in todo], operand=False).run(batches)
+                   if need_fp32_inputs else None)
+    order = _execution_order(model, [n for n, _, _ in todo], batches)
+    for name, mod, fmt in sorted(todo, key=lambda t: order[t[0]]):
+        xq = _Inputs(model, [name], operand=True).run(batches)[name]
+        w0 = _plain(mod.weight).detach().double()
+        if not bool(torch.isfinite(w0).all()):
+            raise ValueError(f"{who}: {name}'s weight has Inf/NaN values")
+        flat, run = _flat_weight(mod, w0)
+        grid = _Grid(fmt, flat, run, name)
+        x = fp32_inputs[name] if fp32_inputs is not None else None
+        _write(mod, name, quantize_layer(flat, xq, x, grid), fmt, who)
+    return model
+
+
+def _execution_order(model, names, batches) -> Dict[str, int]:
+    """The order in which the layers first run (the flows process a layer after those that
+    feed it, on inputs that already carry their rounding)."""
+    order: Dict[str, int] = {}
+
+    def hook(name):
+        def h(m, args):
+            order.setdefault(name, len(order))
+        return h
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        with torch.no_grad():
+            model(*batches[0])
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [n for n in names if n not in order]
+    if missing:
+        raise ValueError(f"qtensor.ptq: the layers {', '.join(missing)} did not run on the "
+                         "calibration inputs; pass layers=[...] without them")
+    return order
+
+
+def gptq(model: nn.Module, calib_inputs, spec, *, damp: float = 0.01,
+         layers: Optional[Sequence[str]] = None) -> nn.Module:
+    """GPTQ (Frantar et al. 2022) of a trained model in any format, from a calibration batch.
+
+    Converts ``model`` in place with ``spec`` (a format F: ``qt.recipes.direct_cast(F)``; or a
+    ``qt.Recipe``) and replaces the weight of each ``nn.Linear``/``Conv1d``/``Conv2d`` whose
+    contraction rounds it (or the ``layers`` named) by its GPTQ rounding in that format, layer
+    after layer in the order they run, each on its inputs in the model quantized so far (as the
+    contraction receives them: rounded to the activation operand format). ``calib_inputs``: a
+    tensor, a tuple of positional arguments, or a list of them. ``damp``: the fraction of the
+    Hessian's mean diagonal added to it. Returns ``model``. See the module docstring and
+    docs/analysis.md."""
+    if not (isinstance(damp, (int, float)) and damp >= 0):
+        raise ValueError(f"qt.gptq: damp must be a number >= 0, got {damp!r}")
+    return _flow(model, calib_inputs, spec, layers, "qt.gptq",
+                 lambda w, xq, x, grid: _gptq_matrix(w, xq, grid, float(damp)), False)
+
+
+def error_diffusion(model: nn.Module, calib_inputs, spec, *,
+                    layers: Optional[Sequence[str]] = None) -> nn.Module:
+    """Error-diffusion post-training quantization (after arXiv 2410.11203) in any format.
+
+    Converts ``model`` in place with ``spec`` (as :func:`gptq`) and replaces each processed
+    layer's weight by values rounded column after column (in block order) so that the layer's
+    output error on the calibration batch, against the FP32 model's output of that layer (the
+    errors of the layers before included), is diffused into the columns not yet rounded; no
+    Hessian, no backpropagation, no hyperparameter. Returns ``model``. See the module docstring
+    and docs/analysis.md."""
+    return _flow(model, calib_inputs, spec, layers, "qt.error_diffusion",
+                 lambda w, xq, x, grid: _diffusion_matrix(w, x, xq, grid), True)
