@@ -423,17 +423,19 @@ def _block_axis_out(fmt, rule, args, kwargs, in_shape, out_shape):
 _KERNEL_CALLS: dict = {}
 
 
-def _kernel_call(fmt):
-    """(op overload, trailing args) of the fused kernel for a deterministic format, cached by
-    id (a format's own hash walks all its fields): building them in qtensor.ops costs more than
-    rounding a small tensor."""
+def _kernel_call(fmt, inplace=False):
+    """(op overload, trailing args) of the fused kernel for a deterministic format (its in-place
+    variant with ``inplace``), cached by id (a format's own hash walks all its fields): building
+    them in qtensor.ops costs more than rounding a small tensor."""
     entry = _KERNEL_CALLS.get(id(fmt))
     if entry is None:
         name, args = _ops.op_args(fmt)
-        call = (getattr(torch.ops.qtensor, name).default,
-                (*args, _ops._ROUNDING_CODE[fmt.rounding], 0))
-        entry = _KERNEL_CALLS[id(fmt)] = (call, fmt)  # keeps fmt alive: its id stays unique
-    return entry[0]
+        args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
+        entry = _KERNEL_CALLS[id(fmt)] = (
+            (getattr(torch.ops.qtensor, name).default, args),
+            (getattr(torch.ops.qtensor, name + "_").default, args),
+            fmt)  # keeps fmt alive: its id stays unique
+    return entry[1] if inplace else entry[0]
 
 
 # Formats that are exactly a torch dtype: rounding a float32 tensor to them is a cast down and
@@ -443,6 +445,16 @@ def _kernel_call(fmt):
 _CAST_DTYPES = {id(_PRESETS[name]): dt for name, dt in (
     ("bf16", torch.bfloat16), ("fp16", torch.float16),
     ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
+# ... except where the cast is slow: torch's CPU casts to the float8 dtypes convert element by
+# element (torch 2.13: 6-35x slower than the quantize_float kernel, which gives the same bits),
+# so eager CPU payloads take the kernel for those two.
+_SLOW_CPU_CASTS = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def _eager_cpu_kernel(x) -> bool:
+    """Whether x is an eager CPU tensor that the compiled kernels take."""
+    return (_CPU_KERNELS and type(x) is torch.Tensor and x.device.type == "cpu"
+            and x.dtype in _KERNEL_DTYPES)
 
 
 @torch.library.custom_op("qtensor_dispatch::round_to_dtype", mutates_args=())
@@ -482,9 +494,10 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     if x.dtype is torch.float32:
         dt = _CAST_DTYPES.get(id(fmt))
         if dt is not None:
-            if type(x) is torch.Tensor:  # eager
-                return x.to(dt).to(torch.float32)
-            return _round_to_dtype(x, dt)  # traced (fake/functional payloads)
+            if type(x) is not torch.Tensor:
+                return _round_to_dtype(x, dt)  # traced (fake/functional payloads)
+            if dt not in _SLOW_CPU_CASTS or not _eager_cpu_kernel(x):
+                return x.to(dt).to(torch.float32)  # eager
     if (_CPU_KERNELS and fmt.rounding != "stochastic" and x.dtype in _KERNEL_DTYPES
             and x.device.type == "cpu"):
         op, args = _kernel_call(fmt)
@@ -510,8 +523,14 @@ def _round_inplace(q, func=None) -> None:
 
 def _round_inplace_to(data, fmt) -> None:
     dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
-    if dt is not None:
+    kernel = fmt.rounding != "stochastic" and _eager_cpu_kernel(data)
+    if dt is not None and not (kernel and dt in _SLOW_CPU_CASTS):
         data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
+    elif kernel and data.is_contiguous() and not data.is_neg():
+        # the in-place kernel, without qt.quantize_'s checks (as ops._round_ calls it)
+        op, args = _kernel_call(fmt, inplace=True)
+        op(data, *args)
+        torch.autograd.graph.increment_version(data)
     elif data.is_contiguous():
         _ops.quantize_(data, fmt)
     else:
