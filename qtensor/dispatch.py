@@ -622,10 +622,56 @@ def _device_error(func, args, kwargs, err):
 # ---------------------------------------------------------------------------------------------
 # Contractions
 
+# Operand roundings of parameters, kept until the parameter changes: a weight's rounding for
+# its contraction is the same on every use while its values are (several microbatches, eval,
+# both GEMMs of a weight blocked along the same dimension), so it is computed once. Kept on the
+# parameter (QTensor ``_qt_operands``: {(format, view geometry): (versions, payload, rounded)}),
+# valid while the parameter's version counter (bumped by every in-place op on it or its views)
+# and its payload's (bumped by writes to the payload itself) are unchanged and the payload is the
+# same tensor (``p.data = x`` replaces it). Not for stochastic rounding (each use draws anew),
+# nor while tracing. ``CACHE_OPERANDS = False`` rounds per use (the same bits: tested).
+CACHE_OPERANDS = True
+
+
+def _operand_cache_root(a):
+    """The parameter QTensor whose values the operand a (it, or a view of it) holds, or None."""
+    root = a._base
+    if root is None:
+        root = a
+    return root if getattr(root, "_is_param", False) and type(root) is QTensor else None
+
+
+def _rounded_operand(a, x, fmt):
+    """x (the payload of the QTensor operand a) rounded to fmt for one contraction."""
+    root = _operand_cache_root(a) if CACHE_OPERANDS else None
+    if (root is None or fmt.rounding == "stochastic" or type(x) is not torch.Tensor
+            or torch.compiler.is_compiling()):
+        return quantize(x, fmt, keep_layout=False)
+    base = root._data
+    # (views made inside dispatch have no _base: their storage tells; a view of a payload
+    # that ``p.data = x`` replaced holds the old storage)
+    if x is not base and x.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+        return quantize(x, fmt, keep_layout=False)
+    cache = root.__dict__.get("_qt_operands")
+    if cache is None:
+        cache = root.__dict__["_qt_operands"] = {}
+    key = (id(fmt), x.storage_offset(), tuple(x.shape), x.stride())
+    versions = (root._version, base._version)
+    hit = cache.get(key)
+    if hit is not None:
+        if hit[0] == versions and hit[1] is base and hit[3] is fmt:
+            return hit[2]
+        if hit[1] is not base:  # p.data = x: every entry is of the old payload
+            cache.clear()
+    q = quantize(x, fmt, keep_layout=False)
+    cache[key] = (versions, base, q, fmt)  # (fmt: keeps it alive, so its id stays its own)
+    return q
+
+
 def _round_operand(args, uargs, pos, axis):
     a = args[pos] if pos < len(args) else None
     if isinstance(a, QTensor) and a.mm_fmt is not None:
-        uargs[pos] = quantize(uargs[pos], with_axis(a.mm_fmt, axis), keep_layout=False)
+        uargs[pos] = _rounded_operand(a, uargs[pos], with_axis(a.mm_fmt, axis))
 
 
 def _own_mm_fmt(a):
@@ -646,7 +692,9 @@ def _round_gemm_operands(args, uargs, operands):
         return None
     for (pos, axis), a, fmt in zip(operands, ops, fmts):
         if fmt is not None and isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
-            uargs[pos] = quantize(uargs[pos], with_axis(fmt, axis), keep_layout=False)
+            fa = with_axis(fmt, axis)
+            uargs[pos] = (_rounded_operand(a, uargs[pos], fa) if isinstance(a, QTensor)
+                          else quantize(uargs[pos], fa, keep_layout=False))
     return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts)
 
 
