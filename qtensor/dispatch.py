@@ -485,9 +485,40 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
         ax = fmt.axis % x.dim()
         if ax != x.dim() - 1 or not x.is_contiguous():
             xm = x.movedim(ax, -1)
-            q = _quantize_flat(xm.contiguous(), with_axis(fmt, -1)).movedim(-1, ax)
+            inner = with_axis(fmt, -1)
+            if not xm.is_contiguous() and _eager_cpu_kernel(xm):
+                # the copy is ours: round it in place (a second buffer of that size costs
+                # more than the rounding, in allocation and page faults)
+                xm = xm.contiguous()
+                op, args = _kernel_call(inner, inplace=True)
+                op(xm, *args)
+                q = xm.movedim(-1, ax)
+            else:
+                q = _quantize_flat(xm.contiguous(), inner).movedim(-1, ax)
             return q.contiguous() if keep_layout and x.is_contiguous() else q
     return _quantize_flat(x, fmt)
+
+
+def _round_fresh(out, fmt, func):
+    """An op's own new output rounded to fmt: in place where the kernels can (the same bits as
+    ``quantize``, without a second buffer), else by ``quantize``; block formats are watched
+    for NaN blocks (qtensor.block_specials)."""
+    block = type(fmt) is BlockFormat
+    if (fmt.rounding == "stochastic" or not _eager_cpu_kernel(out) or not out.is_contiguous()
+            or out.is_neg() or (block and fmt.axis is not None and out.dim() > 1
+                                and fmt.axis % out.dim() != out.dim() - 1)):
+        before, out = out, quantize(out, fmt)
+        if block:
+            _block_specials.check(before, out, fmt, op=func)
+        return out
+    if (block and _block_specials.watching() and out.numel()
+            and not torch.isfinite(out.sum())):  # an Inf or NaN may spread over its block
+        before = out.clone()
+        _round_inplace_to(out, fmt)
+        _block_specials.check(before, out, fmt, op=func)
+        return out
+    _round_inplace_to(out, fmt)
+    return out
 
 
 def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -711,7 +742,10 @@ def _with_mm_fmts(args, positions, fmts):
 
 def _accum_of(args):
     """The accumulator of the first QTensor among args that has one (qtensor.accum), or None."""
-    return next((a.accum for a in args if isinstance(a, QTensor) and a.accum is not None), None)
+    for a in args:  # (a loop and ._accum: this runs on every op)
+        if isinstance(a, QTensor) and a._accum is not None:
+            return a._accum
+    return None
 
 
 def _contract(func, rule, args, kwargs, uargs, ukwargs):
@@ -735,8 +769,10 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
 # ---------------------------------------------------------------------------------------------
 # Output wrapping
 
-def _wrap_out(out, fmt, mm_fmt, rnd, func=None):
-    """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd."""
+def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
+    """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd.
+    ``fresh``: the op's inputs when its outputs are new tensors of its own (a computing op,
+    no view, no mutation): those are rounded in place unless one of them is an input."""
     if isinstance(out, torch.Tensor):
         if out.dtype in FLOAT_DTYPES and out.layout == torch.strided:  # sparse stays plain
             if out.is_nested:  # a QTensor cannot hold one; plain, it would compute in FP32
@@ -745,13 +781,16 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None):
                     "tensors cannot carry a number format. Pad the values instead (a "
                     "converted nn.TransformerEncoder does: it skips its nested fast path)")
             if rnd:
-                before, out = out, quantize(out, fmt)
-                if type(fmt) is BlockFormat:
-                    _block_specials.check(before, out, fmt, op=func)
+                if fresh and not any(out is u for u in fresh):
+                    out = _round_fresh(out, fit_format(fmt, out.dim()), func)
+                else:
+                    before, out = out, quantize(out, fmt)
+                    if type(fmt) is BlockFormat:
+                        _block_specials.check(before, out, fmt, op=func)
             return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func) for o in out)
+        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func, fresh) for o in out)
     return out
 
 
@@ -800,7 +839,11 @@ def dispatch(func, args, kwargs):
 
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
-    out = _wrap_out(out, fmt, mm_fmt, rnd, func)
+    fresh = ()
+    if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
+        fresh = [u for u in (*uargs, *ukwargs.values()) if isinstance(u, torch.Tensor)]
+        fresh = fresh or (None,)
+    out = _wrap_out(out, fmt, mm_fmt, rnd, func, fresh)
     acc = _accum_of(qs)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
         _set_accum(out, acc)

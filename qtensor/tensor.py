@@ -306,7 +306,8 @@ class QTensor(torch.Tensor):
             # would be a side effect applied after the graph, unseen by the contractions in it).
             return QTensor(data, str(fmt),
                            **_graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum))
-        refuse_transformed(data, "the payload")
+        if type(data) is torch.Tensor and _is_functorch_wrapped(data):
+            refuse_transformed(data, "the payload")
         t = torch.Tensor._make_wrapper_subclass(
             QTensor, data.shape if outer_size is None else outer_size,
             strides=data.stride() if outer_stride is None else outer_stride,
