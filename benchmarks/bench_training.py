@@ -7,7 +7,8 @@
     python benchmarks/bench_training.py --only gpt256,mlp_fp8
 
 One training step = zero_grad, forward, cross-entropy, backward, optimizer step (AdamW for the
-transformers, Adam for the MLPs). Each configuration builds one model, copies it, converts the
+transformers, Adam for the MLPs). qtensor's flush/saturation warnings are off unless
+--flush-warnings (they are on by default in the library). Each configuration builds one model, copies it, converts the
 copy; both train on the same batches. Steps of the two are interleaved (FP32, emulated, FP32,
 ...) after warm-up steps, and the table gives the median of each and their ratio, so load from
 other processes on the machine hits both alike. One thread unless --threads.
@@ -313,9 +314,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps of each (default 15)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--flush-warnings", action="store_true",
+                   help="keep qtensor's flush/saturation watch on (the library's default; off "
+                   "here: it costs a few reductions per role rounding until it warns)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    qt.set_flush_warnings(False)  # random batches: the loss of a barely trained model
+    qt.set_flush_warnings(args.flush_warnings)
     names = args.only.split(",") if args.only else CONFIGS
     steps = args.steps or (3 if args.quick else 15)
     warmup = args.warmup or (1 if args.quick else 3)
