@@ -769,6 +769,18 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
 # ---------------------------------------------------------------------------------------------
 # Output wrapping
 
+def _owns(out, inputs) -> bool:
+    """Whether out shares no storage with the inputs (an op's own buffer, safe to round in
+    place; a schema promises it for a computing op's outputs, and this checks it)."""
+    ptr = out.untyped_storage().data_ptr()
+    if ptr == 0:  # (no storage: nothing to gain)
+        return False
+    for u in inputs:
+        if u is out or (u is not None and u.untyped_storage().data_ptr() == ptr):
+            return False
+    return True
+
+
 def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
     """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd.
     ``fresh``: the op's inputs when its outputs are new tensors of its own (a computing op,
@@ -781,7 +793,7 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
                     "tensors cannot carry a number format. Pad the values instead (a "
                     "converted nn.TransformerEncoder does: it skips its nested fast path)")
             if rnd:
-                if fresh and not any(out is u for u in fresh):
+                if fresh and _eager_cpu_kernel(out) and _owns(out, fresh):
                     out = _round_fresh(out, fit_format(fmt, out.dim()), func)
                 else:
                     before, out = out, quantize(out, fmt)
