@@ -7,7 +7,10 @@
     python benchmarks/bench_training.py --only gpt256,mlp_fp8
 
 One training step = zero_grad, forward, cross-entropy, backward, optimizer step (AdamW for the
-transformers, Adam for the MLPs). qtensor's flush/saturation warnings are off unless
+transformers, Adam for the MLPs). The loss is computed on the model's output as it is (a QTensor
+in the emulated model, as the examples train): a compiled model whose QTensor output is
+dequantized before the loss cannot run backward (torch 2.13: "Expected a QTensor tangent but
+got a plain Tensor"). qtensor's flush/saturation warnings are off unless
 --flush-warnings (they are on by default in the library). Each configuration builds one model, copies it, converts the
 copy; both train on the same batches. Steps of the two are interleaved (FP32, emulated, FP32,
 ...) after warm-up steps, and the table gives the median of each and their ratio, so load from
@@ -84,16 +87,13 @@ def _gpt_step_fn(hf):
     def loss_of(model, b):
         x, y = b[:, :-1], b[:, 1:]
         logits = model(x).logits if hf else model(x)
-        logits = logits.dequantize() if isinstance(logits, qt.QTensor) else logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     return loss_of
 
 
 def _mlp_loss(model, b):
     x, y = b
-    out = model(x)
-    out = out.dequantize() if isinstance(out, qt.QTensor) else out
-    return F.cross_entropy(out, y)
+    return F.cross_entropy(model(x), y)
 
 
 def _adamw(model):
@@ -300,7 +300,8 @@ def profile_summary(trainer, total_s):
     cast = sum(e.self_cpu_time_total for e in ev if e.key in ("aten::_to_copy", "aten::copy_")) / 1e3
     print(f"   torch.profiler (self CPU time of ops, one step, {total:.1f} ms in all ops): "
           f"rounding kernels (qtensor::*) {rnd:.1f} ms, of which accumulator kernels {acc:.1f} ms;"
-          f" casts and copies (aten::_to_copy, copy_; bf16/fp8 roundings are casts) {cast:.1f} ms")
+          f" copies (aten::_to_copy, copy_: the bf16/fp16 casts, the transposing copies that put"
+          f" an MX operand's block axis innermost, master-weight copies) {cast:.1f} ms")
 
 
 # ---------------------------------------------------------------------------------------------
