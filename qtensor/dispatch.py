@@ -776,7 +776,11 @@ def _owns(out, inputs) -> bool:
     if ptr == 0:  # (no storage: nothing to gain)
         return False
     for u in inputs:
-        if u is out or (u is not None and u.untyped_storage().data_ptr() == ptr):
+        if u is None:
+            continue
+        if u is out or u.layout != torch.strided or u.is_nested:  # (sparse: no storage to ask)
+            return False
+        if u.untyped_storage().data_ptr() == ptr:
             return False
     return True
 
