@@ -660,8 +660,11 @@ def _device_error(func, args, kwargs, err):
 # valid while the parameter's version counter (bumped by every in-place op on it or its views)
 # and its payload's (bumped by writes to the payload itself) are unchanged and the payload is the
 # same tensor (``p.data = x`` replaces it). Not for stochastic rounding (each use draws anew),
-# nor while tracing. ``CACHE_OPERANDS = False`` rounds per use (the same bits: tested).
-CACHE_OPERANDS = True
+# nor while tracing. Off by default (``CACHE_OPERANDS = True`` turns it on): writers that
+# preserve version counters on purpose, FSDP2 refilling its unsharded parameters' storage on
+# each all-gather, change a parameter unseen (tests/test_distributed.py's FSDP2 test trains
+# with stale roundings with it on).
+CACHE_OPERANDS = False
 
 
 def _operand_cache_root(a):

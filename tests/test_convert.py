@@ -1289,9 +1289,11 @@ def test_cached_weight_operand_roundings_give_the_bits_of_rounding_per_use(monke
     assert n_cached < n_per_use
 
 
-def test_weight_operand_cache_follows_every_change_of_the_weight():
+def test_weight_operand_cache_follows_every_change_of_the_weight(monkeypatch):
     """An in-place update of the weight (through the QTensor, or of its payload), ``w.data =``
     and an optimizer step each give the next forward the new weight's rounding."""
+    from qtensor import dispatch
+    monkeypatch.setattr(dispatch, "CACHE_OPERANDS", True)  # (off by default)
     m = _mx_mlp()
     w = m[0].weight
     x = torch.randn(8, 64)
