@@ -450,17 +450,19 @@ def _block_axis_out(fmt, rule, args, kwargs, in_shape, out_shape):
 _KERNEL_CALLS: dict = {}
 
 
-def _kernel_call(fmt):
-    """(op overload, trailing args) of the fused kernel for a deterministic format, cached by
-    id (a format's own hash walks all its fields): building them in qtensor.ops costs more than
-    rounding a small tensor."""
+def _kernel_call(fmt, inplace=False):
+    """(op overload, trailing args) of the fused kernel for a deterministic format (its in-place
+    variant with ``inplace``), cached by id (a format's own hash walks all its fields): building
+    them in qtensor.ops costs more than rounding a small tensor."""
     entry = _KERNEL_CALLS.get(id(fmt))
     if entry is None:
         name, args = _ops.op_args(fmt)
-        call = (getattr(torch.ops.qtensor, name).default,
-                (*args, _ops._ROUNDING_CODE[fmt.rounding], 0))
-        entry = _KERNEL_CALLS[id(fmt)] = (call, fmt)  # keeps fmt alive: its id stays unique
-    return entry[0]
+        args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
+        entry = _KERNEL_CALLS[id(fmt)] = (
+            (getattr(torch.ops.qtensor, name).default, args),
+            (getattr(torch.ops.qtensor, name + "_").default, args),
+            fmt)  # keeps fmt alive: its id stays unique
+    return entry[1] if inplace else entry[0]
 
 
 # Formats that are exactly a torch dtype: rounding a float32 tensor to them is a cast down and
@@ -470,6 +472,16 @@ def _kernel_call(fmt):
 _CAST_DTYPES = {id(_PRESETS[name]): dt for name, dt in (
     ("bf16", torch.bfloat16), ("fp16", torch.float16),
     ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
+# ... except where the cast is slow: torch's CPU casts to the float8 dtypes convert element by
+# element (torch 2.13: 6-35x slower than the quantize_float kernel, which gives the same bits),
+# so eager CPU payloads take the kernel for those two.
+_SLOW_CPU_CASTS = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def _eager_cpu_kernel(x) -> bool:
+    """Whether x is an eager CPU tensor that the compiled kernels take."""
+    return (_CPU_KERNELS and type(x) is torch.Tensor and x.device.type == "cpu"
+            and x.dtype in _KERNEL_DTYPES)
 
 
 @torch.library.custom_op("qtensor_dispatch::round_to_dtype", mutates_args=())
@@ -502,9 +514,41 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
         if (ax != x.dim() - 1 or not x.is_contiguous()) and (
                 fmt.block_shape is None or ax == x.dim() - 2):
             xm = x.movedim(ax, -1)
-            q = _quantize_flat(xm.contiguous(), with_axis(fmt, -1)).movedim(-1, ax)
+            inner = with_axis(fmt, -1)
+            if not xm.is_contiguous() and _eager_cpu_kernel(xm) and fmt.block_shape is None:
+                # the copy is ours: round it in place (a second buffer of that size costs
+                # more than the rounding, in allocation and page faults)
+                xm = xm.contiguous()
+                op, args = _kernel_call(inner, inplace=True)
+                op(xm, *args)
+                q = xm.movedim(-1, ax)
+            else:
+                q = _quantize_flat(xm.contiguous(), inner).movedim(-1, ax)
             return q.contiguous() if keep_layout and x.is_contiguous() else q
     return _quantize_flat(x, fmt)
+
+
+def _round_fresh(out, fmt, func):
+    """An op's own new output rounded to fmt: in place where the kernels can (the same bits as
+    ``quantize``, without a second buffer), else by ``quantize``; block formats are watched
+    for NaN blocks (qtensor.block_specials)."""
+    block = type(fmt) is BlockFormat
+    if (fmt.rounding == "stochastic" or not _eager_cpu_kernel(out) or not out.is_contiguous()
+            or out.is_neg() or (block and fmt.block_shape is not None)  # (2D tiles: qtensor.ops)
+            or (block and fmt.axis is not None and out.dim() > 1
+                and fmt.axis % out.dim() != out.dim() - 1)):
+        before, out = out, quantize(out, fmt)
+        if block:
+            _block_specials.check(before, out, fmt, op=func)
+        return out
+    if (block and _block_specials.watching() and out.numel()
+            and not torch.isfinite(out.sum())):  # an Inf or NaN may spread over its block
+        before = out.clone()
+        _round_inplace_to(out, fmt)
+        _block_specials.check(before, out, fmt, op=func)
+        return out
+    _round_inplace_to(out, fmt)
+    return out
 
 
 def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -515,9 +559,10 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     if x.dtype is torch.float32:
         dt = _CAST_DTYPES.get(id(fmt))
         if dt is not None:
-            if type(x) is torch.Tensor:  # eager
-                return x.to(dt).to(torch.float32)
-            return _round_to_dtype(x, dt)  # traced (fake/functional payloads)
+            if type(x) is not torch.Tensor:
+                return _round_to_dtype(x, dt)  # traced (fake/functional payloads)
+            if dt not in _SLOW_CPU_CASTS or not _eager_cpu_kernel(x):
+                return x.to(dt).to(torch.float32)  # eager
     if (_CPU_KERNELS and fmt.rounding != "stochastic" and x.dtype in _KERNEL_DTYPES
             and x.device.type == "cpu"):
         op, args = _kernel_call(fmt)
@@ -543,8 +588,15 @@ def _round_inplace(q, func=None) -> None:
 
 def _round_inplace_to(data, fmt) -> None:
     dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
-    if dt is not None:
+    kernel = (fmt.rounding != "stochastic" and _eager_cpu_kernel(data)
+              and getattr(fmt, "block_shape", None) is None)  # (2D tiles: qtensor.ops)
+    if dt is not None and not (kernel and dt in _SLOW_CPU_CASTS):
         data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
+    elif kernel and data.is_contiguous() and not data.is_neg():
+        # the in-place kernel, without qt.quantize_'s checks (as ops._round_ calls it)
+        op, args = _kernel_call(fmt, inplace=True)
+        op(data, *args)
+        torch.autograd.graph.increment_version(data)
     elif data.is_contiguous():
         _ops.quantize_(data, fmt)
     else:
@@ -636,10 +688,59 @@ def _device_error(func, args, kwargs, err):
 # ---------------------------------------------------------------------------------------------
 # Contractions
 
+# Operand roundings of parameters, kept until the parameter changes: a weight's rounding for
+# its contraction is the same on every use while its values are (several microbatches, eval,
+# both GEMMs of a weight blocked along the same dimension), so it is computed once. Kept on the
+# parameter (QTensor ``_qt_operands``: {(format, view geometry): (versions, payload, rounded)}),
+# valid while the parameter's version counter (bumped by every in-place op on it or its views)
+# and its payload's (bumped by writes to the payload itself) are unchanged and the payload is the
+# same tensor (``p.data = x`` replaces it). Not for stochastic rounding (each use draws anew),
+# nor while tracing. Off by default (``CACHE_OPERANDS = True`` turns it on): writers that
+# preserve version counters on purpose, FSDP2 refilling its unsharded parameters' storage on
+# each all-gather, change a parameter unseen (tests/test_distributed.py's FSDP2 test trains
+# with stale roundings with it on).
+CACHE_OPERANDS = False
+
+
+def _operand_cache_root(a):
+    """The parameter QTensor whose values the operand a (it, or a view of it) holds, or None."""
+    root = a._base
+    if root is None:
+        root = a
+    return root if getattr(root, "_is_param", False) and type(root) is QTensor else None
+
+
+def _rounded_operand(a, x, fmt):
+    """x (the payload of the QTensor operand a) rounded to fmt for one contraction."""
+    root = _operand_cache_root(a) if CACHE_OPERANDS else None
+    if (root is None or fmt.rounding == "stochastic" or type(x) is not torch.Tensor
+            or torch.compiler.is_compiling()):
+        return quantize(x, fmt, keep_layout=False)
+    base = root._data
+    # (views made inside dispatch have no _base: their storage tells; a view of a payload
+    # that ``p.data = x`` replaced holds the old storage)
+    if x is not base and x.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+        return quantize(x, fmt, keep_layout=False)
+    cache = root.__dict__.get("_qt_operands")
+    if cache is None:
+        cache = root.__dict__["_qt_operands"] = {}
+    key = (id(fmt), x.storage_offset(), tuple(x.shape), x.stride())
+    versions = (root._version, base._version)
+    hit = cache.get(key)
+    if hit is not None:
+        if hit[0] == versions and hit[1] is base and hit[3] is fmt:
+            return hit[2]
+        if hit[1] is not base:  # p.data = x: every entry is of the old payload
+            cache.clear()
+    q = quantize(x, fmt, keep_layout=False)
+    cache[key] = (versions, base, q, fmt)  # (fmt: keeps it alive, so its id stays its own)
+    return q
+
+
 def _round_operand(args, uargs, pos, axis):
     a = args[pos] if pos < len(args) else None
     if isinstance(a, QTensor) and a.mm_fmt is not None:
-        uargs[pos] = quantize(uargs[pos], with_axis(a.mm_fmt, axis), keep_layout=False)
+        uargs[pos] = _rounded_operand(a, uargs[pos], with_axis(a.mm_fmt, axis))
 
 
 def _own_mm_fmt(a):
@@ -664,7 +765,11 @@ def _round_gemm_operands(args, uargs, operands):
             if transform is not None:
                 uargs[pos] = transform.apply(uargs[pos], axis)
             if fmt is not None:
-                uargs[pos] = quantize(uargs[pos], with_axis(fmt, axis), keep_layout=False)
+                fa = with_axis(fmt, axis)
+                # (a transformed payload is a new tensor: no cache of the parameter's roundings)
+                uargs[pos] = (_rounded_operand(a, uargs[pos], fa)
+                              if isinstance(a, QTensor) and transform is None
+                              else quantize(uargs[pos], fa, keep_layout=False))
     return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts)
 
 
@@ -681,7 +786,10 @@ def _with_mm_fmts(args, positions, fmts):
 
 def _accum_of(args):
     """The accumulator of the first QTensor among args that has one (qtensor.accum), or None."""
-    return next((a.accum for a in args if isinstance(a, QTensor) and a.accum is not None), None)
+    for a in args:  # (a loop and ._accum: this runs on every op)
+        if isinstance(a, QTensor) and a._accum is not None:
+            return a._accum
+    return None
 
 
 def _contract(func, rule, args, kwargs, uargs, ukwargs):
@@ -705,8 +813,26 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
 # ---------------------------------------------------------------------------------------------
 # Output wrapping
 
-def _wrap_out(out, fmt, mm_fmt, rnd, func=None):
-    """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd."""
+def _owns(out, inputs) -> bool:
+    """Whether out shares no storage with the inputs (an op's own buffer, safe to round in
+    place; a schema promises it for a computing op's outputs, and this checks it)."""
+    ptr = out.untyped_storage().data_ptr()
+    if ptr == 0:  # (no storage: nothing to gain)
+        return False
+    for u in inputs:
+        if u is None:
+            continue
+        if u is out or u.layout != torch.strided or u.is_nested:  # (sparse: no storage to ask)
+            return False
+        if u.untyped_storage().data_ptr() == ptr:
+            return False
+    return True
+
+
+def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
+    """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd.
+    ``fresh``: the op's inputs when its outputs are new tensors of its own (a computing op,
+    no view, no mutation): those are rounded in place unless one of them is an input."""
     if isinstance(out, torch.Tensor):
         if out.dtype in FLOAT_DTYPES and out.layout == torch.strided:  # sparse stays plain
             if out.is_nested:  # a QTensor cannot hold one; plain, it would compute in FP32
@@ -715,13 +841,16 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None):
                     "tensors cannot carry a number format. Pad the values instead (a "
                     "converted nn.TransformerEncoder does: it skips its nested fast path)")
             if rnd:
-                before, out = out, quantize(out, fmt)
-                if type(fmt) is BlockFormat:
-                    _block_specials.check(before, out, fmt, op=func)
+                if fresh and _eager_cpu_kernel(out) and _owns(out, fresh):
+                    out = _round_fresh(out, fit_format(fmt, out.dim()), func)
+                else:
+                    before, out = out, quantize(out, fmt)
+                    if type(fmt) is BlockFormat:
+                        _block_specials.check(before, out, fmt, op=func)
             return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func) for o in out)
+        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func, fresh) for o in out)
     return out
 
 
@@ -770,7 +899,11 @@ def dispatch(func, args, kwargs):
 
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
-    out = _wrap_out(out, fmt, mm_fmt, rnd, func)
+    fresh = ()
+    if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
+        fresh = [u for u in (*uargs, *ukwargs.values()) if isinstance(u, torch.Tensor)]
+        fresh = fresh or (None,)
+    out = _wrap_out(out, fmt, mm_fmt, rnd, func, fresh)
     acc = _accum_of(qs)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
         _set_accum(out, acc)

@@ -42,6 +42,13 @@ from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _p
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 
 _TENSOR_DATA = torch._C.TensorBase.data  # the C getter/setter of Tensor.data
+_compiler = torch.compiler  # (its _is_compiling_flag is what is_compiling() returns, eagerly)
+
+try:  # dynamo's frame callback (None: no compiled region on the stack) and its frame skip list
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+    from torch._dynamo.eval_frame import skip_code as _skip_code
+except ImportError:  # another torch: every op goes through torch._disable_dynamo
+    _eval_frame_callback = _skip_code = None
 
 
 def _code_version() -> str:
@@ -299,7 +306,8 @@ class QTensor(torch.Tensor):
             # would be a side effect applied after the graph, unseen by the contractions in it).
             return QTensor(data, str(fmt),
                            **_graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum))
-        refuse_transformed(data, "the payload")
+        if type(data) is torch.Tensor and _is_functorch_wrapped(data):
+            refuse_transformed(data, "the payload")
         t = torch.Tensor._make_wrapper_subclass(
             QTensor, data.shape if outer_size is None else outer_size,
             strides=data.stride() if outer_stride is None else outer_stride,
@@ -343,10 +351,14 @@ class QTensor(torch.Tensor):
             digest_size=16).hexdigest()
 
     @classmethod
-    @torch._disable_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # dynamo never traces the rules themselves (AOTAutograd runs them on fake payloads)
-        if torch.compiler.is_compiling():
+        # dynamo never traces the rules themselves (AOTAutograd runs them on fake payloads):
+        # dynamo skips this frame (_skip_code below) and, where its frame callback is set (a
+        # compiled region on the stack), the rules run under torch._disable_dynamo; else they
+        # run directly (that wrapper costs several microseconds per op)
+        if _eval_frame_callback is None or _eval_frame_callback() is not None:
+            return _dispatch_outside_dynamo(func, args, kwargs)
+        if _compiler._is_compiling_flag:
             _check_accum_not_set_while_tracing(func, args, kwargs)
         return _dispatch.dispatch(func, args, kwargs)
 
@@ -500,6 +512,21 @@ class QTensor(torch.Tensor):
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
         return new
+
+
+@torch._disable_dynamo
+def _dispatch_outside_dynamo(func, args, kwargs):
+    """QTensor.__torch_dispatch__ where dynamo's frame callback is set."""
+    if torch.compiler.is_compiling():
+        _check_accum_not_set_while_tracing(func, args, kwargs)
+    return _dispatch.dispatch(func, args, kwargs)
+
+
+if _skip_code is not None:  # dynamo runs this frame as it is (its callees: see the method)
+    _skip_code(QTensor.__torch_dispatch__.__func__.__code__)
+else:
+    QTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(
+        QTensor.__torch_dispatch__.__func__))
 
 
 _fsdp_hook = None  # called with (sharded QTensor, its module) before each FSDP2 all-gather

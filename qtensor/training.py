@@ -111,7 +111,7 @@ def _set_outside(p, master) -> bool:
         sig[1]() is not getattr(p, "_data", p) or sig[2] != p._version)
 
 
-def _swap_in(optimizer) -> None:
+def _swap_in(optimizer, reuse_grad_buffers: bool = True) -> None:
     """Put the FP32 masters of converted parameters with master_weights into the optimizer, in
     their parameters' places, with their parameters' gradients and state."""
     swapped = []
@@ -130,11 +130,34 @@ def _swap_in(optimizer) -> None:
                 if _is_q(value):  # made from the parameter in __init__ (Adagrad's "sum"): FP32
                     state[key] = _plain(value.detach()).to(master.dtype, copy=True)
             optimizer.state[master] = state
-            master.grad = None if p.grad is None else \
-                _plain(p.grad.detach()).to(master.dtype, copy=True)
+            master.grad = None if p.grad is None else _master_grad(master, p.grad,
+                                                                   reuse_grad_buffers)
             params[i] = master
             swapped.append((params, i, p, master))
     optimizer._qt_swapped = swapped
+
+
+# master -> its gradient buffer (beside it, not on it: a checkpoint of the optimizer's state
+# must not carry it)
+_grad_buffers: dict = {}  # id(master) -> (weak reference to it, buffer)
+
+
+def _master_grad(master, grad, reuse: bool = True):
+    """An FP32 copy of the parameter's gradient for its master: into the buffer of the previous
+    step where it fits (a new buffer of that size each step costs more, in allocation and page
+    faults, than the copy). The master's .grad is None between steps, so nothing else holds it."""
+    g = _plain(grad.detach())
+    entry = _grad_buffers.get(id(master))
+    buf = entry[1] if entry is not None and entry[0]() is master else None
+    if (not reuse or buf is None or buf.shape != g.shape or buf.device != g.device
+            or buf.dtype != master.dtype or type(g) is not torch.Tensor):
+        buf = g.to(master.dtype, copy=True)
+        if reuse and type(g) is torch.Tensor:
+            key = id(master)
+            _grad_buffers[key] = (weakref.ref(master, lambda _r: _grad_buffers.pop(key, None)),
+                                  buf)
+        return buf
+    return buf.copy_(g)
 
 
 def swapped_masters(optimizer) -> dict:
@@ -153,7 +176,8 @@ class _MasterClosure:
     def __call__(self):
         _restore(self.optimizer, copy_back=True)
         loss = self.closure()
-        _swap_in(self.optimizer)
+        # (a new gradient each call: the step may still hold the previous call's)
+        _swap_in(self.optimizer, reuse_grad_buffers=False)
         return loss
 
 

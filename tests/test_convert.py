@@ -1233,3 +1233,91 @@ def test_nested_tensors_refused_clearly():
     q = qt.as_qtensor(torch.randn(2, 3, 4), qt.bf16)
     with pytest.raises(NotImplementedError, match="nested tensor"):
         torch._nested_tensor_from_mask(q, torch.ones(2, 3, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------
+# Operand roundings of weights, kept while the weight is unchanged (qtensor.dispatch)
+
+def _mx_mlp():
+    torch.manual_seed(0)
+    return qt.convert(nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 32)),
+                      qt.recipes.mxfp6)
+
+
+def _count_roundings(monkeypatch):
+    from qtensor import dispatch
+    calls = [0]
+    quantize = dispatch.quantize
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return quantize(*a, **kw)
+    monkeypatch.setattr(dispatch, "quantize", counted)
+    return calls
+
+
+def test_cached_weight_operand_roundings_give_the_bits_of_rounding_per_use(monkeypatch):
+    """Training with microbatches (each weight's operand rounding reused by the second one),
+    AdamW on FP32 masters, and evaluation after each step: the same bits with the cache as
+    with rounding per use, and fewer roundings."""
+    from qtensor import dispatch
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(3, 2, 8, 64, generator=g), torch.randint(0, 32, (3, 2, 8), generator=g)
+
+    def train(cache):
+        monkeypatch.setattr(dispatch, "CACHE_OPERANDS", cache)
+        calls = _count_roundings(monkeypatch)
+        m = _mx_mlp()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        out = []
+        for step in range(3):
+            for micro in range(2):
+                loss = F.cross_entropy(m(x[step, micro]).dequantize(), y[step, micro])
+                loss.backward()
+                out.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                out.append(m(x[step, 0]).dequantize())
+        monkeypatch.undo()
+        return out + [p.detach().dequantize() for p in m.parameters()], calls[0]
+
+    cached, n_cached = train(True)
+    per_use, n_per_use = train(False)
+    for i, (a, b) in enumerate(zip(cached, per_use)):
+        assert_bits_equal(a, b, f"output {i}")
+    assert n_cached < n_per_use
+
+
+def test_weight_operand_cache_follows_every_change_of_the_weight(monkeypatch):
+    """An in-place update of the weight (through the QTensor, or of its payload), ``w.data =``
+    and an optimizer step each give the next forward the new weight's rounding."""
+    from qtensor import dispatch
+    monkeypatch.setattr(dispatch, "CACHE_OPERANDS", True)  # (off by default)
+    m = _mx_mlp()
+    w = m[0].weight
+    x = torch.randn(8, 64)
+
+    def check(what):  # the forward of m against a copy without cached roundings
+        with torch.no_grad():
+            got, fresh = m(x).dequantize(), copy.deepcopy(m)(x).dequantize()
+        assert_bits_equal(got, fresh, what)
+        return got
+
+    before = check("first use")
+    assert w.__dict__.get("_qt_operands"), "the weight's operand rounding was not kept"
+    with torch.no_grad():
+        w.add_(0.25)
+    after = check("after w.add_")
+    assert not torch.equal(before, after)
+    with torch.no_grad():
+        w[3:5].mul_(-2.0)  # through a view
+    check("after a view's mul_")
+    w.payload.mul_(0.5)  # the payload itself
+    check("after payload.mul_")
+    w.data = qt.as_qtensor(torch.randn(48, 64), w.fmt, mm_fmt=w.mm_fmt)
+    check("after w.data =")
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    m(x).dequantize().square().mean().backward()
+    opt.step()
+    check("after an optimizer step")

@@ -475,6 +475,9 @@ def test_cast_fast_path_matches_quantize(name):
                       448.0, 464.0, 57344.0, 61440.0, 1e-40, -1e-45])])
     fmt = qt.format(name)
     assert_bits_equal(dispatch.quantize(x, fmt), qt.quantize(x, fmt), name)
+    # the cast itself (CUDA, traced graphs; eager CPU float8 takes the kernel: its casts are slow)
+    cast = x.to(dispatch._CAST_DTYPES[id(fmt)]).to(x.dtype)
+    assert_bits_equal(cast, qt.quantize(x, fmt), name + " cast")
     y = qt.QTensor(x.clone(), fmt)
     dispatch._round_inplace(y)
     assert_bits_equal(y.dequantize(), qt.quantize(x, fmt), name + " in place")
@@ -730,3 +733,23 @@ def test_block_axis_through_stack_cat_and_embedding():
     assert in_format(e)
     assert_bits_equal(e.dequantize(), qt.quantize(F.embedding(torch.tensor([[3, 1], [0, 2]]), v),
                                                   e.fmt))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "mxfp8_e4m3", "mxfp6_e3m2", "fp6_e2m3"])
+def test_outputs_rounded_in_place_leave_the_inputs_alone(name):
+    """dispatch rounds an op's own new outputs in place: the same bits as qt.quantize of the
+    FP32 result, and the inputs (whose payloads an op may hand back) keep theirs."""
+    fmt = qt.format(name)
+    torch.manual_seed(0)
+    x = torch.randn(6, 64) * 3
+    a = qt.as_qtensor(x, fmt)
+    before = a.dequantize().clone()
+    v = a.dequantize()
+    for what, op in [("mul 1", lambda t: t * 1.0), ("relu", torch.relu), ("exp", torch.exp),
+                     ("add", lambda t: t + t), ("sum", lambda t: t.sum(0)),
+                     ("transposed", lambda t: t.t() * 2.0), ("max", lambda t: t.max(0).values),
+                     ("to fp16", lambda t: t.to(torch.float16))]:
+        out = op(a)
+        ref = qt.quantize(op(v.clone()).float(), out.fmt)  # (t(): blocked along dim 0)
+        assert_bits_equal(out.dequantize().float(), ref, what)
+        assert_bits_equal(a.dequantize(), before, what + ": input changed")

@@ -563,3 +563,29 @@ def test_sparse_gradient_optimizers_one_step(optname, master):
                 assert type(value) is torch.Tensor and value.dtype == torch.float32
             else:
                 assert isinstance(value, qt.QTensor) and value.fmt == qt.fp32
+
+
+def test_master_gradient_buffer_is_reused_and_holds_each_steps_gradient():
+    """FP32 master weights: each step copies the parameter's gradient into the buffer of the
+    previous step (no new buffer per step); the masters follow FP32 SGD exactly, and the
+    optimizer's state_dict carries no buffer."""
+    from qtensor import training
+    torch.manual_seed(0)
+    lin = qt.convert(torch.nn.Linear(8, 4, bias=False), qt.fp8_e4m3)  # FP32 masters
+    opt = torch.optim.SGD(lin.parameters(), lr=0.25)
+    master = lin.weight.dequantize().clone()
+    buffers = []
+    for step in range(3):
+        x = torch.randn(5, 8)
+        lin(x).dequantize().square().sum().backward()
+        g = lin.weight.grad.dequantize().clone()
+        opt.step()
+        m = training.master_weight(opt, lin.weight)
+        buffers.append(training._grad_buffers[id(m)][1])
+        master = master - 0.25 * g  # FP32 SGD on the master
+        assert torch.equal(m, master), step
+        opt.zero_grad()
+    assert buffers[0] is buffers[1] is buffers[2]
+    state = opt.state_dict()["state"][0]
+    assert set(state) == {training.MASTER_KEY, "momentum_buffer"} or \
+        set(state) == {training.MASTER_KEY}
