@@ -1,12 +1,12 @@
 """Compiled training steps against compiled FP32, with and without qtensor's decompositions.
 
-    python benchmarks/bench_compiled.py --only chargpt,mlp_mxfp8
-    python benchmarks/bench_compiled.py --only chargpt --without-decompositions   # before
+    python benchmarks/bench_compiled.py --only chargpt,mlp_mxfp8                      # default
+    python benchmarks/bench_compiled.py --only chargpt,mlp_mxfp8 --with-decompositions
 
 The configurations, the step and the timing are benchmarks/bench_training.py's (its names for
 --only; the model compiled, the optimizer step eager): FP32 and emulated steps interleaved,
-medians, one thread. --without-decompositions keeps the rounding ops as inductor extern kernels
-(qtensor/decompositions.py not registered): the state before the decompositions. The first step
+medians, one thread. --with-decompositions gives inductor the rounding ops as fusable pointwise
+torch ops (qtensor/decompositions.py, off by default); without it they are extern kernel calls. The first step
 (compile) is timed with an empty inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR, FX graph and
 AOTAutograd caches off), so its time is the full compile.
 """
@@ -21,16 +21,32 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="qt_bench_compil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import bench_training  # noqa: E402
 import qtensor as qt  # noqa: E402
 from qtensor import decompositions  # noqa: E402
 
 
+# The losses computed from the QTensor output, as a compiled converted model needs (README: give
+# a compiled QTensor output a QTensor gradient), not from its .dequantize() as bench_training's.
+def _mlp_loss(model, b):
+    x, y = b
+    return F.cross_entropy(model(x), y)
+
+
+def _gpt_step_fn(hf):
+    def loss_of(model, b):
+        x, y = b[:, :-1], b[:, 1:]
+        logits = model(x).logits if hf else model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return loss_of
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="chargpt,mlp_fp8,mlp_mxfp8")
-    p.add_argument("--without-decompositions", action="store_true")
+    p.add_argument("--with-decompositions", action="store_true")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true")
@@ -39,11 +55,11 @@ def main(argv=None):
     qt.set_flush_warnings(False)
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    if args.without_decompositions:
-        decompositions.register = lambda: None  # ops.py's fake impls call it through the module
-    label = "without" if args.without_decompositions else "with"
+    decompositions.set_enabled(args.with_decompositions)
+    label = "with" if args.with_decompositions else "without"
     print(f"torch {torch.__version__}, 1 thread, decompositions: {label}; medians of "
           f"{args.steps} interleaved steps after {args.warmup}")
+    bench_training._mlp_loss, bench_training._gpt_step_fn = _mlp_loss, _gpt_step_fn
     for name in args.only.split(","):
         made = bench_training.make_pair(name, args.quick, True)
         if isinstance(made, str):

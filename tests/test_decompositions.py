@@ -114,7 +114,14 @@ def _many(x, h):
     return out
 
 
-def test_inductor_fuses_the_roundings_with_the_kernels_bits():
+@pytest.fixture
+def _enabled():
+    decompositions.set_enabled(True)
+    yield
+    decompositions.set_enabled(False)
+
+
+def test_inductor_fuses_the_roundings_with_the_kernels_bits(_enabled):
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     x = _values() / 2
@@ -130,4 +137,19 @@ def test_inductor_fuses_the_roundings_with_the_kernels_bits():
         assert_bits_equal(g, w, f"compiled {f} {m} {g.dtype}")
     # only nvfp4 (amax rule) is an extern call; everything else is generated code
     assert code.count("torch.ops.qtensor.quantize_block.default(") == 1, code
-    assert "quantize_float" not in code and "quantize_fixed" not in code
+    assert "qtensor.quantize_float" not in code and "qtensor.quantize_fixed" not in code
+
+
+def test_off_by_default_the_ops_stay_extern_calls():
+    """Without set_enabled(True) inductor calls the kernels (faster on CPU), with their bits."""
+    from torch._inductor.utils import run_and_get_code
+    assert not decompositions._enabled
+    torch._dynamo.reset()
+    f = qt.fp6_e2m3
+    x = _values()
+    fn = lambda a: _call(f, a * 2.0, "nearest", "kernel")  # noqa: E731
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        got, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), x / 2)
+    assert "torch.ops.qtensor.quantize_float.default(" in code
+    assert_bits_equal(got, fn(x / 2))
