@@ -5,10 +5,10 @@
 
 The configurations, the step and the timing are benchmarks/bench_training.py's (its names for
 --only; the model compiled, the optimizer step eager): FP32 and emulated steps interleaved,
-medians, one thread. --with-decompositions gives inductor the rounding ops as fusable pointwise
-torch ops (qtensor/decompositions.py, off by default); without it they are extern kernel calls. The first step
-(compile) is timed with an empty inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR, FX graph and
-AOTAutograd caches off), so its time is the full compile.
+medians, one thread. --with-decompositions gives inductor the rounding ops as fusable
+pointwise torch ops (qtensor/decompositions.py, off by default); without it they are extern
+kernel calls. The first step (compile) is timed with an empty inductor cache (a fresh
+TORCHINDUCTOR_CACHE_DIR, FX graph and AOTAutograd caches off), so its time is the full compile.
 """
 from __future__ import annotations
 
