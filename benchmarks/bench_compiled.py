@@ -8,7 +8,10 @@ The configurations, the step and the timing are benchmarks/bench_training.py's (
 medians, one thread. --with-decompositions gives inductor the rounding ops as fusable
 pointwise torch ops (qtensor/decompositions.py, off by default); without it they are extern
 kernel calls. The first step (compile) is timed with an empty inductor cache (a fresh
-TORCHINDUCTOR_CACHE_DIR, FX graph and AOTAutograd caches off), so its time is the full compile.
+TORCHINDUCTOR_CACHE_DIR, FX graph and AOTAutograd caches off), so its time is the full compile
+for the first configuration of a run only: later ones reuse the kernels compiled in the process
+(and FP32's first step pays inductor's one-time start-up). For compile times, one configuration
+per run.
 """
 from __future__ import annotations
 
