@@ -132,9 +132,10 @@ if _C is not None:
             def functional(x, *args, _op=family):
                 _check_op_fake(_op, x, x, args)
                 # torch.compile traces the op on fake tensors before inductor picks its
-                # decompositions: then inductor gets the rounding as pointwise torch ops that it
-                # fuses into the producing kernels (qtensor/decompositions.py). Registered here,
-                # not at import, so that importing qtensor does not import inductor.
+                # decompositions: where enabled (QTENSOR_INDUCTOR_DECOMPOSITIONS=1), inductor
+                # gets the rounding as pointwise torch ops that it fuses into the producing
+                # kernels (qtensor/decompositions.py). Registered here, not at import, so that
+                # importing qtensor does not import inductor.
                 decompositions.register()
                 return torch.empty_like(x, memory_format=torch.contiguous_format)
 
