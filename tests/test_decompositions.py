@@ -153,3 +153,26 @@ def test_off_by_default_the_ops_stay_extern_calls():
         got, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), x / 2)
     assert "torch.ops.qtensor.quantize_float.default(" in code
     assert_bits_equal(got, fn(x / 2))
+
+
+def test_environment_variable_turns_them_on_at_the_first_trace():
+    """QTENSOR_INDUCTOR_DECOMPOSITIONS=1: the fake implementation (run when torch.compile traces
+    the op) puts the decompositions in inductor's table; without it, nothing is registered."""
+    import os
+    import subprocess
+    import sys
+    script = (
+        "import torch, qtensor as qt\n"
+        "from qtensor import ops\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "name, args = ops.op_args(qt.fp6_e2m3)\n"
+        "with FakeTensorMode():\n"
+        "    torch.ops.qtensor.quantize_float(torch.empty(4), *args, 0, 0)\n"
+        "from torch._inductor.decomposition import select_decomp_table\n"
+        "print(torch.ops.qtensor.quantize_float.default in select_decomp_table())\n")
+    for value, want in (("1", "True"), ("0", "False")):
+        env = dict(os.environ, QTENSOR_INDUCTOR_DECOMPOSITIONS=value)
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, check=True, cwd=os.path.dirname(os.path.dirname(
+                                 os.path.abspath(__file__))))
+        assert out.stdout.strip().splitlines()[-1] == want, out.stderr
