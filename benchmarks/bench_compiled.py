@@ -2,6 +2,7 @@
 
     python benchmarks/bench_compiled.py --only chargpt,mlp_mxfp8                      # default
     python benchmarks/bench_compiled.py --only chargpt,mlp_mxfp8 --with-decompositions
+    python benchmarks/bench_compiled.py --rounding     # one rounding: kernel vs fused decomposition
 
 The configurations, the step and the timing are benchmarks/bench_training.py's (its names for
 --only; the model compiled, the optimizer step eager): FP32 and emulated steps interleaved,
@@ -22,11 +23,11 @@ import tempfile
 
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="qt_bench_compiled_")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import bench_training  # noqa: E402
 import qtensor as qt  # noqa: E402
 from qtensor import decompositions  # noqa: E402
 
@@ -46,6 +47,35 @@ def _gpt_step_fn(hf):
     return loss_of
 
 
+def bench_rounding(repeat=15):
+    """One rounding of 1.5 * x (x 1024x1024 float32): eager (mul, then the kernel), compiled with
+    the decomposition fused, and compiled mul + add (the floor), in CPU time (thread_time, so
+    that other processes' load does not count), medians."""
+    import statistics
+    import time
+    from qtensor import ops
+    x = torch.randn(1024, 1024)
+    decompositions.set_enabled(True)
+    for name in ["fp8_e4m3", "mxfp8_e4m3"]:
+        name_op, args = ops.op_args(qt.format(name))
+        op = getattr(torch.ops.qtensor, name_op)
+
+        def eager(a):
+            return op(a * 1.5, *args, 0, 0)
+        comp = torch.compile(eager)
+        floor = torch.compile(lambda a: a * 1.5 + 1.0)
+        comp(x), floor(x)
+        times = [[], [], []]
+        for _ in range(repeat):
+            for fn, t in zip((eager, comp, floor), times):
+                t0 = time.thread_time()
+                fn(x)
+                t.append(time.thread_time() - t0)
+        e, c, f = (statistics.median(t) * 1e3 for t in times)
+        print(f"| {name} | {e:.2f} ms | {c:.2f} ms | {f:.2f} ms |", flush=True)
+    decompositions.set_enabled(False)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="chargpt,mlp_fp8,mlp_mxfp8")
@@ -53,13 +83,18 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounding", action="store_true", help="only the one-rounding comparison")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     qt.set_flush_warnings(False)
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
+    if args.rounding:
+        print("| format | eager mul + kernel | compiled, fused decomposition | compiled mul + add |")
+        return bench_rounding()
     decompositions.set_enabled(args.with_decompositions)
     label = "with" if args.with_decompositions else "without"
+    import bench_training  # (benchmarks/bench_training.py)
     print(f"torch {torch.__version__}, 1 thread, decompositions: {label}; medians of "
           f"{args.steps} interleaved steps after {args.warmup}")
     bench_training._mlp_loss, bench_training._gpt_step_fn = _mlp_loss, _gpt_step_fn
