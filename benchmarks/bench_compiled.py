@@ -90,7 +90,8 @@ def main(argv=None):
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     if args.rounding:
-        print("| format | eager mul + kernel | compiled, fused decomposition | compiled mul + add |")
+        print("| format | eager mul + kernel | compiled, fused decomposition | "
+              "compiled mul + add |")
         return bench_rounding()
     decompositions.set_enabled(args.with_decompositions)
     label = "with" if args.with_decompositions else "without"

@@ -10,8 +10,9 @@ operation, so the bits are the eager kernel's wherever inductor computes the sam
 :func:`set_enabled` (or ``QTENSOR_INDUCTOR_DECOMPOSITIONS=1``) adds the decompositions to
 inductor's table (only inductor's: torch.export and eager keep the custom op). They are off by
 default: on CPU the generated integer code is slower than the hand-vectorized kernels, extra
-pass over memory included (benchmarks/RESULTS.md, "Compiled roundings"). A decomposition returns ``NotImplemented`` (the custom op stays) where
-it is not exact or not written:
+pass over memory included (benchmarks/RESULTS.md, "Compiled roundings and the build"). A
+decomposition returns ``NotImplemented`` (the custom op stays) where it is not exact or not
+written:
 
 - stochastic rounding (the kernels' random words depend on the element's index in the tensor's
   logical order and on a seed; under compile QTensor refuses stochastic rounding anyway);
@@ -248,7 +249,7 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
 
 # Off by default: on CPU, inductor's code for these integer formulas is slower than the
 # hand-vectorized kernels plus their extra pass over memory (benchmarks/RESULTS.md, "Compiled
-# roundings"). QTENSOR_INDUCTOR_DECOMPOSITIONS=1 or set_enabled(True) turns them on.
+# roundings and the build"). QTENSOR_INDUCTOR_DECOMPOSITIONS=1 or set_enabled(True) turns them on.
 _enabled = os.environ.get("QTENSOR_INDUCTOR_DECOMPOSITIONS", "0") == "1"
 _registered = False
 

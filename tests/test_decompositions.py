@@ -98,7 +98,8 @@ def test_not_decomposed_where_not_exact(fmt):
 # one compiled function for several formats (compiling is slow on CI's few cores)
 _COMPILED = [(qt.format(s), m) for s, m in [
     ("fp8_e4m3", "nearest"), ("fp6_e2m3", "toward_zero"), ("e8m0", "nearest"),
-    ("e4m3(specials=ieee, saturate=False)", "nearest_away"), ("fixed8.4(signed=False)", "nearest")]] + [
+    ("e4m3(specials=ieee, saturate=False)", "nearest_away"),
+    ("fixed8.4(signed=False)", "nearest")]] + [
     (qt.mxfp4_e2m1, "nearest_away"), (qt.mxint8, "toward_zero"),
     (BlockFormat("fp8_e5m2", block_size=24, axis=0, scale_rule="ceil"), "nearest")]
 
