@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import reference, selfcheck
+from . import decompositions, reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
 from .checks import resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format
@@ -134,6 +134,12 @@ if _C is not None:
         for family in ("quantize_float", "quantize_fixed", "quantize_block"):
             def functional(x, *args, _op=family):
                 _check_op_fake(_op, x, x, args)
+                # torch.compile traces the op on fake tensors before inductor picks its
+                # decompositions: where enabled (QTENSOR_INDUCTOR_DECOMPOSITIONS=1), inductor
+                # gets the rounding as pointwise torch ops that it fuses into the producing
+                # kernels (qtensor/decompositions.py). Registered here, not at import, so that
+                # importing qtensor does not import inductor.
+                decompositions.register()
                 return torch.empty_like(x, memory_format=torch.contiguous_format)
 
             def out_variant(x, *args, out, _op=family):
