@@ -31,7 +31,7 @@ from . import block_specials as _block_specials
 from . import gemm as _gemm
 from . import ops as _ops
 from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
-from .formats import PRESETS as _PRESETS, BlockFormat, Format
+from .formats import PRESETS as _PRESETS, BlockFormat, Format, is_stochastic
 
 aten = torch.ops.aten
 
@@ -469,7 +469,7 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
     """
     fmt = fit_format(fmt, x.dim())
     if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
-            and fmt.rounding != "stochastic"):
+            and not is_stochastic(fmt.rounding)):
         ax = fmt.axis % x.dim()
         if ax != x.dim() - 1 or not x.is_contiguous():
             xm = x.movedim(ax, -1)
@@ -485,11 +485,11 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
             if type(x) is torch.Tensor:  # eager
                 return x.to(dt).to(torch.float32)
             return _round_to_dtype(x, dt)  # traced (fake/functional payloads)
-    if (_CPU_KERNELS and fmt.rounding != "stochastic" and x.dtype in _KERNEL_DTYPES
+    if (_CPU_KERNELS and not is_stochastic(fmt.rounding) and x.dtype in _KERNEL_DTYPES
             and x.device.type == "cpu"):
         op, args = _kernel_call(fmt)
         return op(x, *args)
-    if fmt.rounding == "stochastic" and type(x) is not torch.Tensor:
+    if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor:
         raise _ops.stochastic_under_tracing(fmt)
     return _ops.quantize(x, fmt)
 
