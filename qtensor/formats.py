@@ -453,8 +453,8 @@ class BlockFormat(Format):
         p_elem, p_scale = _significant_bits(elem), scale.man + 1
         if p_elem + p_scale > _F32_MAN + 1:
             raise FormatError(
-                f"scale_rule={self.scale_rule!r} with {elem} elements ({p_elem} significant bits) and {scale} "
-                f"scales ({p_scale}): their products need {p_elem + p_scale} bits, more than the "
+                f"scale_rule={self.scale_rule!r} with {elem} elements ({p_elem} significant "
+                f"bits) and {scale} scales ({p_scale}): their products need {p_elem + p_scale} bits, more than the "
                 f"float32 carrier's 24; use a scale of at most {_F32_MAN + 1 - p_elem} significant "
                 f"bits (e.g. e8m{_F32_MAN - p_elem})")
         if self.tensor_scale and self.tensor_scale_bits < 1:
@@ -464,8 +464,8 @@ class BlockFormat(Format):
                 f"{p_elem + p_scale + 2} significant bits, more than the float32 carrier's 24")
         if isinstance(elem, FixedFormat) and elem.signed and not elem.symmetric:
             raise FormatError(
-                f"scale_rule={self.scale_rule!r} maps a block's amax to the element's max {elem.max}, so an "
-                f"element range with one more negative code ({elem}) would let a block round to a "
+                f"scale_rule={self.scale_rule!r} maps a block's amax to the element's max "
+                f"{elem.max}, so an element range with one more negative code ({elem}) would let a block round to a "
                 "value whose own scale is larger; use symmetric=True")
 
     @property

@@ -354,3 +354,56 @@ def test_kernels_match_reference(fmt):
     y = x.clone()  # in place
     qt.quantize_(y, fmt)
     assert_bits_equal(y, reference.quantize(x, fmt), "in place")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: mxfp8_pretraining (arXiv 2506.08027) and nvfp4_4over6 (Transformer Engine)
+
+def test_preset_mxfp8_pretraining():
+    r = qt.recipes.mxfp8_pretraining
+    mx = BlockFormat(P["fp8_e4m3"], 32, scale=P["e8m0"], scale_rule="ceil")
+    assert r.weight == qt.Role(P["fp32"], mx)
+    assert r.activation == qt.Role(P["bf16"], mx) == r.grad  # E4M3 for gradients too
+    assert r.master_weights and r.bias == qt.Role(P["fp32"])
+    assert mx.rounding == "nearest" and mx.scale_rule == "ceil"
+    assert "2506.08027" in r.source and "mxfp8_pretraining" in qt.recipes.describe(False)
+    # the paper's point: the scale rounded up keeps a block max that floor saturates
+    x = torch.tensor([[480.0] + [1.0] * 31])
+    assert qt.quantize(x, mx)[0, 0] == 480.0
+    assert qt.quantize(x, "mxfp8_e4m3")[0, 0] == 448.0
+
+
+def test_preset_nvfp4_4over6():
+    r = qt.recipes.nvfp4_4over6
+    f46 = BlockFormat(P["fp4_e2m1"], 16, scale=P["fp8_e4m3"], scale_rule="4over6",
+                      tensor_scale=True)
+    assert r.weight == qt.Role(P["fp32"], f46)
+    assert r.activation == qt.Role(P["bf16"], f46)
+    assert r.grad == qt.Role(P["bf16"], P["nvfp4"].replace(rounding="stochastic"))
+    assert f46.rounding == "nearest" and r.master_weights
+    assert "4over6" in r.source and "nvfp4_4over6" in qt.recipes.describe(False)
+    for role in ("weight", "activation", "grad"):
+        f = getattr(r, role).mm_fmt
+        assert qt.format(str(f)) == f
+
+
+@pytest.mark.parametrize("name", ["mxfp8_pretraining", "nvfp4_4over6"])
+def test_presets_round_the_forward_operands(name):
+    """A converted Linear's forward product takes x and W rounded to the preset's operand format
+    along the reduction dim (checked against the product of the rounded operands), and a
+    training step runs."""
+    r = getattr(qt.recipes, name)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 8, bias=False)
+    w = lin.weight.detach().clone()
+    x = torch.randn(4, 64)
+    want = x_q = qt.quantize(x.to(torch.bfloat16).float(), r.activation.mm_fmt)
+    want = torch.nn.functional.linear(x_q, qt.quantize(w, r.weight.mm_fmt))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    qt.convert(lin, r)
+    out = lin(x)
+    got = out.dequantize() if isinstance(out, qt.QTensor) else out
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2,
+                               atol=1e-3)
+    got.sum().backward() if got.requires_grad else out.sum().backward()
+    opt.step()
