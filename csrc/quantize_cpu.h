@@ -153,13 +153,17 @@ uint32_t amax_bits(const T* x, const Layout& L) {
 // fp4_round_scaled: no division). BS > 0 fixes the block size at compile time (one vector).
 constexpr int64_t kFp4Run = 64;  // blocks per run: the run's amaxes and scales stay in registers/L1
 
-template <int MODE, int BS, typename T>
+// F46: the 4over6 rule (block_4over6's choice, here in float32 where it is exact: both
+// candidates' scales as the amax rule's below, X4 from the divisor 4 (times the tensor scale),
+// then per block the error sums of both in double, in element order: |q - |x|| of two float32s
+// within a factor of two, or |x| where q = 0, is exact).
+template <int MODE, int BS, typename T, bool F46 = false>
 void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
                    const qtensor::FastGrid& sg, uint32_t smax, uint32_t sovf, float elem_max,
                    const BlockArgs& a) {
   const int64_t bs = BS > 0 ? BS : bs_rt;
   uint32_t amax[kFp4Run];
-  float X[kFp4Run];
+  float X[kFp4Run], X4[F46 ? kFp4Run : 1];
   const int64_t nfull = std::min(nblk, avail / bs);
   // amax from the bits: |x| as integers orders like the values, NaN and Inf on top
   auto block_amax = [&](const T* xp, int64_t m) {
@@ -186,6 +190,22 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
                                                              sovf, 0u));
     X[b] = s == s ? s * ts : 0.0f;
   }
+  if (F46) {
+    const float div4 = a.tensor_scale ? (float)(4.0 * a.ts) : 4.0f;
+    qtensor::AmaxBlockSpec s4 = a.amax_spec;
+    s4.elem_max = 4.0;
+    for (int64_t b = 0; b < nblk; ++b) {
+      const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / div4), g,
+                                                               smax, sovf, 0u));
+      const float Xb = s == s ? s * ts : 0.0f;
+      X4[F46 ? b : 0] = (amax[b] >= kInfBits || !(Xb > 0.0f)) ? Xb
+          : (float)qtensor::settle_amax_scale(
+                (double)Xb, s4, a.tensor_scale, a.ts, [&](double sc) {
+                  return f2u(qtensor::round_amax_elem_t<MODE, false>(u2f(amax[b]), sc, s4,
+                                                                     a.tensor_scale, 0u));
+                });
+    }
+  }
   // Idempotence: a block whose amax does not round to 6 X (a scale in E4M3's subnormal range,
   // toward_zero) takes the scale of its rounded amax (round.h, settle_amax_scale): rare. The
   // amax rounds to 6 iff it is past the boundary 5 X (toward_zero: 6 X), exact in float32.
@@ -203,10 +223,22 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
           });
     }
   }
-  auto block_elems = [&](const T* xp, T* yp, int64_t m, uint32_t am, float Xb) {
+  auto block_elems = [&](const T* xp, T* yp, int64_t m, uint32_t am, float Xb, int64_t b) {
     if (am >= kInfBits) {  // NaN or Inf in the block: all NaN
       for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
       return;
+    }
+    if (F46) {  // 4over6: the candidate with the lower error sum (6 on a tie)
+      const float X4b = X4[F46 ? b : 0];
+      const qtensor::Fp4Bounds b6 = qtensor::fp4_bounds<MODE>(Xb), b4 =
+          qtensor::fp4_bounds<MODE>(X4b);
+      double e6 = 0.0, e4 = 0.0;
+      for (int64_t j = 0; j < m; ++j) {
+        const float ax = u2f(load_bits<T>(xp + j) & kAbsMask);
+        e6 += std::fabs((double)qtensor::fp4_round_scaled<MODE>(ax, b6, Xb) - (double)ax);
+        e4 += std::fabs((double)qtensor::fp4_round_scaled<MODE>(ax, b4, X4b) - (double)ax);
+      }
+      if (e4 < e6) Xb = X4b;
     }
     const qtensor::Fp4Bounds bd = qtensor::fp4_bounds<MODE>(Xb);
     for (int64_t j = 0; j < m; ++j) {
@@ -215,9 +247,11 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
       store_bits<T>(yp + j, f2u(q) | (u & kSignBit));
     }
   };
-  for (int64_t b = 0; b < nfull; ++b) block_elems(x + b * bs, y + b * bs, bs, amax[b], X[b]);
+  for (int64_t b = 0; b < nfull; ++b)
+    block_elems(x + b * bs, y + b * bs, bs, amax[b], X[b], b);
   if (nfull < nblk)
-    block_elems(x + nfull * bs, y + nfull * bs, avail - nfull * bs, amax[nfull], X[nfull]);
+    block_elems(x + nfull * bs, y + nfull * bs, avail - nfull * bs, amax[nfull], X[nfull],
+                nfull);
 }
 
 // ---- blocks along an axis: a plan (which path applies, with its parameters), then one function
@@ -265,7 +299,8 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   // points, >= 2^(qlow-1)) are float32 normals: below 2^-126 the division's error is absolute
   // (2^-150), not relative, and a quotient can round onto a threshold (a bf16 scale's tie).
   const bool scale_grid =
-      a.scale_rule == kRuleAmax && !a.amax_spec.up && MODE != kStochastic && !a.elem_fixed &&
+      ((a.scale_rule == kRuleAmax && !a.amax_spec.up) || a.scale_rule == kRule4over6) &&
+      MODE != kStochastic && !a.elem_fixed &&
       a.man + ssp.man <= 21 && !ssp.is_unsigned && ssp.qlow >= -124 && a.qlow >= -124 &&
       qtensor::make_fast_grid(p.sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
@@ -574,7 +609,11 @@ QT_BLOCK_FN void block_pow2(const Block<T>& b, uint32_t amax, const BlockPlan& P
                             const BlockArgs& a) {
   int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
                                    a.elem_max, a.scale_emin, a.scale_emax, a.even_mbits);
-  if (a.scale_rule == kRuleEven) k = settle_even_exp<MODE, T>(b, amax, k, P, a);
+  // (under nearest and nearest_away a float or signed element's rounded max keeps the exponent:
+  // docs/formats.md, Idempotence)
+  if (a.scale_rule == kRuleEven &&
+      (MODE == kTowardZero || MODE == kStochastic || (a.elem_fixed && !a.is_signed)))
+    k = settle_even_exp<MODE, T>(b, amax, k, P, a);
   // the element grid shifted by the scale 2^k (built directly: this runs once per block)
   qtensor::FastGrid g;
   const int ek = a.emin + k, qk = a.elem_fixed ? k - a.fl : a.qlow + k;
@@ -640,7 +679,10 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
         const int64_t j0 = bidx * bs;
         const T* xp = x + oc.ox + j0;
         T* yp = y + oc.oy + j0;
-        if (bs == 16)
+        if (a.scale_rule == kRule4over6)
+          fp4_block_run<MODE, 0, T, true>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
+                                          P.elem_max_f, a);
+        else if (bs == 16)
           fp4_block_run<MODE, 16, T>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
                                      P.elem_max_f, a);
         else
