@@ -152,6 +152,9 @@ def block_formats(draw):
     else:
         scale = draw(st.sampled_from(AMAX_SCALES if rule in ("amax", "4over6") else POW2_SCALES))
     ts = draw(st.booleans()) and (rule in ("amax", "4over6") or scale.man > 0)
+    # (known exception, docs/formats.md: unsigned elements clamp a negative tensor amax to 0,
+    # so the tensor scale derived again is smaller; found with amax and ceil alike)
+    assume(not (ts and isinstance(elem, FixedFormat) and not elem.signed))
     bs = draw(st.sampled_from((1, 2, 3, 8, 16, 32, None)))
     axis = draw(st.sampled_from((-1, 0, None)))
     try:
