@@ -198,7 +198,11 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
       const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / div4), g,
                                                                smax, sovf, 0u));
       const float Xb = s == s ? s * ts : 0.0f;
-      X4[F46 ? b : 0] = (amax[b] >= kInfBits || !(Xb > 0.0f)) ? Xb
+      // settled at once where the amax rounds to 4 X (usual): exact float32 comparisons
+      const bool settled = amax[b] >= kInfBits || !(Xb > 0.0f) ||
+          qtensor::fp4_round_scaled<MODE>(u2f(amax[b]), qtensor::fp4_bounds<MODE>(Xb), Xb) ==
+              4.0f * Xb;
+      X4[F46 ? b : 0] = settled ? Xb
           : (float)qtensor::settle_amax_scale(
                 (double)Xb, s4, a.tensor_scale, a.ts, [&](double sc) {
                   return f2u(qtensor::round_amax_elem_t<MODE, false>(u2f(amax[b]), sc, s4,
