@@ -52,10 +52,14 @@ inline void check_out(const at::Tensor& x, const at::Tensor& out, const char* op
 }
 
 inline void check_rounding(int64_t rounding, const char* op) {
-  TORCH_CHECK(rounding >= kNearest && rounding <= kStochastic, "qtensor::", op,
-              ": rounding must be ", (int)kNearest, " (nearest), ", (int)kNearestAway,
-              " (nearest_away), ", (int)kTowardZero, " (toward_zero) or ", (int)kStochastic,
-              " (stochastic), got ", rounding);
+  // (stochasticN: kStochastic + 256 * (32 - N), N = 1..31; round.h, sr_or_mask)
+  const int64_t base = rounding & 0xFF, drop = rounding >> 8;
+  TORCH_CHECK(rounding >= 0 && base >= kNearest && base <= kStochastic && drop <= 31 &&
+                  (drop == 0 || base == kStochastic),
+              "qtensor::", op, ": rounding must be ", (int)kNearest, " (nearest), ",
+              (int)kNearestAway, " (nearest_away), ", (int)kTowardZero, " (toward_zero), ",
+              (int)kStochastic, " (stochastic) or ", (int)kStochastic,
+              " + 256 * (32 - N) (stochastic with N = 1..31 random bits), got ", rounding);
 }
 
 // The checks of every quantize op, on every device: x, out (x itself for the in-place variants)
@@ -78,7 +82,8 @@ inline int64_t constant_code(const std::string& name) {
       {"rounding.nearest", kNearest},     {"rounding.nearest_away", kNearestAway},
       {"rounding.toward_zero", kTowardZero}, {"rounding.stochastic", kStochastic},
       {"scale_rule.floor", kRuleFloor},   {"scale_rule.ceil", kRuleCeil},
-      {"scale_rule.amax", kRuleAmax},     {"overflow.saturate", kSaturate},
+      {"scale_rule.amax", kRuleAmax},     {"scale_rule.even", kRuleEven},
+      {"scale_rule.4over6", kRule4over6}, {"overflow.saturate", kSaturate},
       {"overflow.inf", kInf},             {"overflow.nan", kNaN}};
   for (const auto& e : table)
     if (name == e.first) return e.second;
@@ -136,11 +141,23 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
               "[1, wl, fl, signed, symmetric, emax]");
   TORCH_CHECK(scale.size() == 6, "qtensor::quantize_block: scale must be [man, emin, emax, "
               "subnormals, overflow, unsigned]");
-  TORCH_CHECK(scale_rule >= kRuleFloor && scale_rule <= kRuleAmax, "qtensor::quantize_block: "
-              "scale_rule must be ", (int)kRuleFloor, " (floor), ", (int)kRuleCeil, " (ceil) or ",
-              (int)kRuleAmax, " (amax), got ", scale_rule);
-  TORCH_CHECK(!tensor_scale || scale_rule == kRuleAmax,
-              "qtensor::quantize_block: tensor_scale needs scale_rule amax");
+  TORCH_CHECK(scale_rule >= kRuleFloor && scale_rule <= kRule4over6, "qtensor::quantize_block: "
+              "scale_rule must be ", (int)kRuleFloor, " (floor), ", (int)kRuleCeil, " (ceil), ",
+              (int)kRuleAmax, " (amax), ", (int)kRuleEven, " (even) or ", (int)kRule4over6,
+              " (4over6), got ", scale_rule);
+  // ceil with a scale of mantissa bits (fp8_e4m3): the amax rule, the scale rounded up
+  const bool amax_up = scale_rule == kRuleCeil && scale[0] > 0;
+  if (amax_up) scale_rule = kRuleAmax;
+  TORCH_CHECK(!(scale_rule == kRuleFloor || scale_rule == kRuleEven) || scale[0] == 0,
+              "qtensor::quantize_block: scale_rule floor and even need an exponent-only scale");
+  TORCH_CHECK(scale_rule != kRule4over6 ||
+                  (elem[0] == 0 && elem[1] == 1 && elem[2] == 0 && elem[3] != 0 &&
+                   elem_max == 6.0 && scale[0] > 0),
+              "qtensor::quantize_block: scale_rule 4over6 needs e2m1 elements and a scale with "
+              "mantissa bits");
+  TORCH_CHECK(!tensor_scale || scale_rule == kRuleAmax || scale_rule == kRule4over6,
+              "qtensor::quantize_block: tensor_scale needs scale_rule amax, 4over6, or ceil with "
+              "a scale of mantissa bits");
   BlockArgs a;
   a.whole_tensor = !axis.has_value() || x.dim() == 0;
   a.axis = 0;
@@ -180,6 +197,14 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
   a.amax_spec.ef.qlow = a.qlow;
   a.amax_spec.ex = make_fixed_spec<uint64_t>(a.wl, a.fl, a.is_signed, a.symmetric, 0);
   a.amax_spec.elem_max = elem_max;
+  a.amax_spec.up = amax_up;
+  // even: the element's significant bits after the leading one (formats._significant_bits - 1)
+  a.even_mbits = scale_rule != kRuleEven ? -1
+               : (a.elem_fixed ? (a.is_signed ? a.wl - 2 : a.wl - 1) : a.man);
+  a.sr_or = 0;
+  // 4over6: the largest power of two at most max_scale * 4/6 (BlockFormat.tensor_scale_bound)
+  a.ts_bound = scale_max;
+  if (scale_rule == kRule4over6) a.ts_bound = std::ldexp(1.0, (int)std::floor(std::log2(scale_max * 4.0 / 6.0)));
   // the tensor scale (BlockFormat.tensor_scale_bits): element, scale and rounding boundary times
   // it stay float32s exactly; the block scales saturate (amax_block <= amax_tensor: a ratio past
   // the scale's max comes from rounding the tensor scale down, not from overflow)
@@ -201,7 +226,7 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
 // rounded down to a.ts_bits significant bits and to a multiple of 2^ts_jmin (reference.py's
 // _tensor_scale; the double quotient has the exact one's floor)
 inline double tensor_scale_from_amax(uint32_t amax_bits, const BlockArgs& a) {
-  const double t = (double)u2f(amax_bits) / (a.elem_max * u2d(a.amax_spec.scale.max_bits));
+  const double t = (double)u2f(amax_bits) / (a.elem_max * a.ts_bound);
   if (!(t > 0)) return 0.0;
   int e;
   std::frexp(t, &e);

@@ -130,6 +130,11 @@ at::Tensor& quantize_fixed_(at::Tensor& x, int64_t wl, int64_t fl, bool is_signe
 }
 
 // ---- block -------------------------------------------------------------------------------------
+at::Tensor quantize_block(const at::Tensor& x, at::IntArrayRef elem, double elem_max,
+                          int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
+                          at::IntArrayRef scale, double scale_max, bool tensor_scale,
+                          int64_t rounding, int64_t seed);
+
 at::Tensor& quantize_block_out(const at::Tensor& x, at::IntArrayRef elem, double elem_max,
                                int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
                                at::IntArrayRef scale, double scale_max, bool tensor_scale,
@@ -138,6 +143,14 @@ at::Tensor& quantize_block_out(const at::Tensor& x, at::IntArrayRef elem, double
   check_op(x, out, rounding, "quantize_block");
   BlockArgs a = block_args(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
                            tensor_scale);
+  if (a.whole_tensor && a.scale_rule == kRule4over6 && !(x.is_contiguous() && out.is_contiguous())) {
+    // one 4over6 block over a strided tensor: rounded as its contiguous copy (the same logical
+    // order, so the same random words)
+    at::Tensor y = quantize_block(x.contiguous(), elem, elem_max, block_size, axis, scale_rule,
+                                  scale, scale_max, tensor_scale, rounding, seed);
+    out.copy_(y);
+    return out;
+  }
   Layout L = make_layout(x, out);
   if (a.whole_tensor && L.contiguous) L = flat_layout(x.numel());
   if (a.whole_tensor && L.contiguous) { a.whole_tensor = false; a.axis = 0; }

@@ -153,13 +153,17 @@ uint32_t amax_bits(const T* x, const Layout& L) {
 // fp4_round_scaled: no division). BS > 0 fixes the block size at compile time (one vector).
 constexpr int64_t kFp4Run = 64;  // blocks per run: the run's amaxes and scales stay in registers/L1
 
-template <int MODE, int BS, typename T>
+// F46: the 4over6 rule (block_4over6's choice, here in float32 where it is exact: both
+// candidates' scales as the amax rule's below, X4 from the divisor 4 (times the tensor scale),
+// then per block the error sums of both in double, in element order: |q - |x|| of two float32s
+// within a factor of two, or |x| where q = 0, is exact).
+template <int MODE, int BS, typename T, bool F46 = false>
 void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
                    const qtensor::FastGrid& sg, uint32_t smax, uint32_t sovf, float elem_max,
                    const BlockArgs& a) {
   const int64_t bs = BS > 0 ? BS : bs_rt;
   uint32_t amax[kFp4Run];
-  float X[kFp4Run];
+  float X[kFp4Run], X4[F46 ? kFp4Run : 1];
   const int64_t nfull = std::min(nblk, avail / bs);
   // amax from the bits: |x| as integers orders like the values, NaN and Inf on top
   auto block_amax = [&](const T* xp, int64_t m) {
@@ -186,6 +190,26 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
                                                              sovf, 0u));
     X[b] = s == s ? s * ts : 0.0f;
   }
+  if (F46) {
+    const float div4 = a.tensor_scale ? (float)(4.0 * a.ts) : 4.0f;
+    qtensor::AmaxBlockSpec s4 = a.amax_spec;
+    s4.elem_max = 4.0;
+    for (int64_t b = 0; b < nblk; ++b) {
+      const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / div4), g,
+                                                               smax, sovf, 0u));
+      const float Xb = s == s ? s * ts : 0.0f;
+      // settled at once where the amax rounds to 4 X (usual): exact float32 comparisons
+      const bool settled = amax[b] >= kInfBits || !(Xb > 0.0f) ||
+          qtensor::fp4_round_scaled<MODE>(u2f(amax[b]), qtensor::fp4_bounds<MODE>(Xb), Xb) ==
+              4.0f * Xb;
+      X4[F46 ? b : 0] = settled ? Xb
+          : (float)qtensor::settle_amax_scale(
+                (double)Xb, s4, a.tensor_scale, a.ts, [&](double sc) {
+                  return f2u(qtensor::round_amax_elem_t<MODE, false>(u2f(amax[b]), sc, s4,
+                                                                     a.tensor_scale, 0u));
+                });
+    }
+  }
   // Idempotence: a block whose amax does not round to 6 X (a scale in E4M3's subnormal range,
   // toward_zero) takes the scale of its rounded amax (round.h, settle_amax_scale): rare. The
   // amax rounds to 6 iff it is past the boundary 5 X (toward_zero: 6 X), exact in float32.
@@ -203,10 +227,22 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
           });
     }
   }
-  auto block_elems = [&](const T* xp, T* yp, int64_t m, uint32_t am, float Xb) {
+  auto block_elems = [&](const T* xp, T* yp, int64_t m, uint32_t am, float Xb, int64_t b) {
     if (am >= kInfBits) {  // NaN or Inf in the block: all NaN
       for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
       return;
+    }
+    if (F46) {  // 4over6: the candidate with the lower error sum (6 on a tie)
+      const float X4b = X4[F46 ? b : 0];
+      const qtensor::Fp4Bounds b6 = qtensor::fp4_bounds<MODE>(Xb), b4 =
+          qtensor::fp4_bounds<MODE>(X4b);
+      double e6 = 0.0, e4 = 0.0;
+      for (int64_t j = 0; j < m; ++j) {
+        const float ax = u2f(load_bits<T>(xp + j) & kAbsMask);
+        e6 += std::fabs((double)qtensor::fp4_round_scaled<MODE>(ax, b6, Xb) - (double)ax);
+        e4 += std::fabs((double)qtensor::fp4_round_scaled<MODE>(ax, b4, X4b) - (double)ax);
+      }
+      if (e4 < e6) Xb = X4b;
     }
     const qtensor::Fp4Bounds bd = qtensor::fp4_bounds<MODE>(Xb);
     for (int64_t j = 0; j < m; ++j) {
@@ -215,9 +251,11 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
       store_bits<T>(yp + j, f2u(q) | (u & kSignBit));
     }
   };
-  for (int64_t b = 0; b < nfull; ++b) block_elems(x + b * bs, y + b * bs, bs, amax[b], X[b]);
+  for (int64_t b = 0; b < nfull; ++b)
+    block_elems(x + b * bs, y + b * bs, bs, amax[b], X[b], b);
   if (nfull < nblk)
-    block_elems(x + nfull * bs, y + nfull * bs, avail - nfull * bs, amax[nfull], X[nfull]);
+    block_elems(x + nfull * bs, y + nfull * bs, avail - nfull * bs, amax[nfull], X[nfull],
+                nfull);
 }
 
 // ---- blocks along an axis: a plan (which path applies, with its parameters), then one function
@@ -241,6 +279,7 @@ struct BlockPlan {
   bool fp4_rows;
   float elem_max_f;
   float kmax_f, kmin_abs_f;      // fixed-point elements: the limits' integers (times 2^(k - fl))
+  uint32_t sr_or;                // limited-bit stochastic rounding (round.h, sr_or_mask)
 };
 
 template <int MODE>
@@ -264,7 +303,8 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   // points, >= 2^(qlow-1)) are float32 normals: below 2^-126 the division's error is absolute
   // (2^-150), not relative, and a quotient can round onto a threshold (a bf16 scale's tie).
   const bool scale_grid =
-      a.scale_rule == kRuleAmax && MODE != kStochastic && !a.elem_fixed &&
+      ((a.scale_rule == kRuleAmax && !a.amax_spec.up) || a.scale_rule == kRule4over6) &&
+      MODE != kStochastic && !a.elem_fixed &&
       a.man + ssp.man <= 21 && !ssp.is_unsigned && ssp.qlow >= -124 && a.qlow >= -124 &&
       qtensor::make_fast_grid(p.sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
@@ -283,6 +323,7 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   p.elem_max_f = (float)a.elem_max;
   p.kmax_f = a.is_signed ? (float)((1 << (a.wl - 1)) - 1) : (float)((1 << a.wl) - 1);
   p.kmin_abs_f = a.is_signed ? (float)((1 << (a.wl - 1)) - (a.symmetric ? 1 : 0)) : 0.0f;
+  p.sr_or = a.sr_or;
   return p;
 }
 
@@ -294,6 +335,7 @@ struct Block {
   int64_t m;
   uint64_t l0;
   uint32_t key, ikey0;  // the seed's key, the index key of l0
+  uint32_t sr_or;       // OR-ed into each random word (limited-bit stochastic rounding)
   bool one_key;         // the block's logical indices share their high half (and so ikey0)
   bool unit;            // unit strides, and for stochastic rounding consecutive logical indices
 };
@@ -302,7 +344,7 @@ template <int MODE, typename T>
 QT_BLOCK_FN Block<T> make_block(const T* xp, T* yp, int64_t m, uint64_t l0, const BlockPlan& P,
                     uint32_t key) {
   Block<T> b;
-  b.xp = xp; b.yp = yp; b.m = m; b.l0 = l0; b.key = key;
+  b.xp = xp; b.yp = yp; b.m = m; b.l0 = l0; b.key = key; b.sr_or = P.sr_or;
   const uint64_t llast = l0 + (uint64_t)((m - 1) * P.sal);
   b.one_key = (l0 >> 32) == (llast >> 32);
   b.ikey0 = index_key(key, l0);
@@ -315,7 +357,7 @@ template <int MODE, typename T>
 QT_BLOCK_FN uint32_t block_word(const Block<T>& b, int64_t sal, int64_t j) {
   if (MODE != kStochastic) return 0u;
   const uint64_t li = b.l0 + (uint64_t)(j * sal);
-  return random_word(b.one_key ? b.ikey0 : index_key(b.key, li), (uint32_t)li);
+  return random_word(b.one_key ? b.ikey0 : index_key(b.key, li), (uint32_t)li) | b.sr_or;
 }
 
 // amax of a block from the bits: |x| as integers orders like the values, NaN on top
@@ -339,9 +381,8 @@ QT_BLOCK_FN uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_s
 // store, so that in-place rounding still reads x).
 template <int MODE, typename T>
 QT_BLOCK_FN double settled_scale(const Block<T>& b, uint32_t amax, double sc, const BlockPlan& P,
-                                 const BlockArgs& a) {
+                                 const BlockArgs& a, const qtensor::AmaxBlockSpec& sp) {
   if (amax >= kInfBits) return sc;
-  const qtensor::AmaxBlockSpec& sp = a.amax_spec;
   const bool ts = a.tensor_scale;
   if (qtensor::rounded_amax_from_amax<MODE>(sp)) {
     return qtensor::settle_amax_scale(sc, sp, ts, a.ts, [&](double s) {
@@ -371,7 +412,7 @@ QT_BLOCK_FN void block_amax_fast32(const Block<T>& b, uint32_t amax, const Block
   // reference's double quotient, by the argument below (a midpoint of the scale format
   // times max_elem has at most 24 significant bits)
   const double sc = settled_scale<MODE, T>(b, amax, (double)u2f(qtensor::round_float_fast<kNearest>(
-      f2u(u2f(amax) / P.elem_max_f), P.sg, P.smax, P.sovf, 0u)), P, a);
+      f2u(u2f(amax) / P.elem_max_f), P.sg, P.smax, P.sovf, 0u)), P, a, a.amax_spec);
   // Deterministic rounding with a scale of few significant bits (NVFP4): the float32
   // quotient z = x / X rounds to the same grid point as the exact one (and so as the
   // reference's double quotient): a grid point or midpoint m times X has at most 24
@@ -401,13 +442,14 @@ QT_BLOCK_FN void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockPl
   T* yp = b.yp;
   const int64_t m = b.m;
   const double sc = settled_scale<MODE, T>(
-      b, amax, qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts), P, a);
+      b, amax, qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts), P, a,
+      a.amax_spec);
   const qtensor::AmaxBlockSpec sp = a.amax_spec;
   const bool ts = a.tensor_scale;
   const uint32_t ikey0 = b.ikey0;
   const uint32_t lo = (uint32_t)b.l0;
   for (int64_t j = 0; j < m; ++j) {
-    const uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+    const uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) | b.sr_or : 0u;
     const float q = qtensor::round_amax_elem_t<MODE, false>(u2f(load_bits<T>(xp + j)), sc,
                                                             sp, ts, r);
     store_bits<T>(yp + j, f2u(q));
@@ -419,12 +461,42 @@ template <int MODE, typename T>
 QT_BLOCK_FN void block_amax_general(const Block<T>& b, uint32_t amax, const BlockPlan& P,
                         const BlockArgs& a) {
   const double sc = settled_scale<MODE, T>(
-      b, amax, qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts), P, a);
+      b, amax, qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts), P, a,
+      a.amax_spec);
   for (int64_t j = 0; j < b.m; ++j) {
     float xv = u2f(load_bits<T>(b.xp + j * P.sax));
     float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale,
                                              block_word<MODE>(b, P.sal, j));
     store_bits<T>(b.yp + j * P.say, f2u(q));
+  }
+}
+
+// 4over6 (NVFP4, Transformer Engine): the amax-rule scales mapping the block's max to 6 and to 4,
+// each settled (idempotence), then the one whose sum of |q - x| (double, in element order, as
+// the reference) is lower; 6 on a tie. Two read-only passes, then the stores.
+template <int MODE, typename T>
+QT_BLOCK_FN void block_4over6(const Block<T>& b, uint32_t amax, const BlockPlan& P,
+                              const BlockArgs& a) {
+  const qtensor::AmaxBlockSpec& s6 = a.amax_spec;
+  qtensor::AmaxBlockSpec s4 = s6;
+  s4.elem_max = 4.0;
+  const bool ts = a.tensor_scale;
+  const double sc6 = settled_scale<MODE, T>(
+      b, amax, qtensor::amax_block_scale(amax, s6, ts, a.ts), P, a, s6);
+  const double sc4 = settled_scale<MODE, T>(
+      b, amax, qtensor::amax_block_scale(amax, s4, ts, a.ts), P, a, s4);
+  double e6 = 0.0, e4 = 0.0;
+  for (int64_t j = 0; j < b.m; ++j) {
+    const float xv = u2f(load_bits<T>(b.xp + j * P.sax));
+    const uint32_t r = block_word<MODE>(b, P.sal, j);
+    e6 += std::fabs((double)qtensor::round_amax_elem<MODE>(xv, sc6, s6, ts, r) - (double)xv);
+    e4 += std::fabs((double)qtensor::round_amax_elem<MODE>(xv, sc4, s6, ts, r) - (double)xv);
+  }
+  const double sc = e4 < e6 ? sc4 : sc6;
+  for (int64_t j = 0; j < b.m; ++j) {
+    const float xv = u2f(load_bits<T>(b.xp + j * P.sax));
+    store_bits<T>(b.yp + j * P.say, f2u(qtensor::round_amax_elem<MODE>(
+                                        xv, sc, s6, ts, block_word<MODE>(b, P.sal, j))));
   }
 }
 
@@ -445,13 +517,13 @@ QT_BLOCK_FN void block_pow2_fast(const Block<T>& b, const qtensor::FastGrid& gk,
     const uint32_t pos = f2u(P.kmax_f * qf), neg = f2u(P.kmin_abs_f * qf);
     const uint32_t neg_sat = neg != 0 ? (neg | kSignBit) : 0u;
     for (int64_t j = 0; j < m; ++j) {
-      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) | b.sr_or : 0u;
       store_bits<T>(yp + j, qtensor::round_fixed_fast<MODE>(load_bits<T>(xp + j), g, pos,
                                                             neg, neg_sat, r));
     }
   } else {
     for (int64_t j = 0; j < m; ++j) {
-      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) | b.sr_or : 0u;
       uint32_t u = load_bits<T>(xp + j);
       uint32_t rr = qtensor::round_magnitude_fast<MODE>(u & kAbsMask, g, r);
       rr = rr > mx ? mx : rr;
@@ -472,7 +544,7 @@ QT_BLOCK_FN void block_pow2_unit(const Block<T>& b, const qtensor::BlockElemSpec
   if (s.is_fixed) {
     const auto sx = s.x;
     for (int64_t j = 0; j < m; ++j) {
-      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) | b.sr_or : 0u;
       store_bits<T>(yp + j, qtensor::round_fixed<MODE, false, uint32_t>(
                                 load_bits<T>(xp + j), sx, r));
     }
@@ -480,7 +552,7 @@ QT_BLOCK_FN void block_pow2_unit(const Block<T>& b, const qtensor::BlockElemSpec
     const int emin = s.f.emin, man = s.f.man, qlow = s.f.qlow;
     const uint32_t mx = s.f.max_bits;
     for (int64_t j = 0; j < m; ++j) {
-      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) : 0u;
+      uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) | b.sr_or : 0u;
       uint32_t u = load_bits<T>(xp + j);
       uint32_t rr = qtensor::round_magnitude<MODE, uint32_t>(u & kAbsMask, emin, man,
                                                               qlow, r);
@@ -508,11 +580,44 @@ inline qtensor::BlockElemSpec shifted_elem(const BlockArgs& a, int k) {
 }
 
 // power-of-two scales (floor and ceil rules): the scale, then the fastest path that applies
+// The even rule's idempotence (reference.py, settled): while the exponent derived again from the
+// rounded block's max is lower, the block takes it. The rounded max from the amax alone where
+// rounding is monotone (deterministic, no unsigned fixed-point element), else from a read-only
+// pass over the block.
+template <int MODE, typename T>
+QT_BLOCK_FN int settle_even_exp(const Block<T>& b, uint32_t amax, int k, const BlockPlan& P,
+                                const BlockArgs& a) {
+  const bool from_amax = MODE != kStochastic && !(a.elem_fixed && !a.is_signed);
+  while (true) {
+    const qtensor::BlockElemSpec s = shifted_elem(a, k);
+    uint32_t m = 0;
+    if (from_amax) {
+      m = qtensor::round_block_elem<MODE>(amax, s, 0u) & kAbsMask;
+    } else {
+      for (int64_t j = 0; j < b.m; ++j) {
+        const uint32_t v = qtensor::round_block_elem<MODE>(load_bits<T>(b.xp + j * P.sax), s,
+                                                            block_word<MODE>(b, P.sal, j)) &
+                           kAbsMask;
+        m = v > m ? v : m;
+      }
+    }
+    const int k2 = qtensor::block_scale_exp(m, 0, a.elem_emax, a.elem_max, a.scale_emin,
+                                            a.scale_emax, a.even_mbits);
+    if (k2 >= k) return k;
+    k = k2;
+  }
+}
+
 template <int MODE, typename T>
 QT_BLOCK_FN void block_pow2(const Block<T>& b, uint32_t amax, const BlockPlan& P,
                             const BlockArgs& a) {
-  const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
-                                         a.elem_max, a.scale_emin, a.scale_emax);
+  int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
+                                   a.elem_max, a.scale_emin, a.scale_emax, a.even_mbits);
+  // (under nearest and nearest_away a float or signed element's rounded max keeps the exponent:
+  // docs/formats.md, Idempotence)
+  if (a.scale_rule == kRuleEven &&
+      (MODE == kTowardZero || MODE == kStochastic || (a.elem_fixed && !a.is_signed)))
+    k = settle_even_exp<MODE, T>(b, amax, k, P, a);
   // the element grid shifted by the scale 2^k (built directly: this runs once per block)
   qtensor::FastGrid g;
   const int ek = a.emin + k, qk = a.elem_fixed ? k - a.fl : a.qlow + k;
@@ -537,6 +642,8 @@ QT_BLOCK_FN void round_block(const Block<T>& b, const BlockPlan& P, const BlockA
   const uint32_t amax = block_amax<T>(b.xp, b.m, P.sax, P.unit_stride);
   if (amax >= kInfBits) {  // NaN or Inf in the block: all NaN
     for (int64_t j = 0; j < b.m; ++j) store_bits<T>(b.yp + j * P.say, kNaNBits);
+  } else if (a.scale_rule == kRule4over6) {
+    block_4over6<MODE, T>(b, amax, P, a);
   } else if (a.scale_rule == kRuleAmax) {
     if (P.amax_fast32 && P.unit_stride)
       block_amax_fast32<MODE, T>(b, amax, P, a);
@@ -576,7 +683,10 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
         const int64_t j0 = bidx * bs;
         const T* xp = x + oc.ox + j0;
         T* yp = y + oc.oy + j0;
-        if (bs == 16)
+        if (a.scale_rule == kRule4over6)
+          fp4_block_run<MODE, 0, T, true>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
+                                          P.elem_max_f, a);
+        else if (bs == 16)
           fp4_block_run<MODE, 16, T>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
                                      P.elem_max_f, a);
         else
@@ -607,7 +717,8 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
 // max of fn(x_i, r_i) over a strided tensor in logical order, storing nothing (one thread: only
 // the rare re-rounding of a whole-tensor amax-rule block, stochastic or unsigned elements)
 template <bool STOCH, typename T, typename Fn>
-uint32_t max_of_elementwise(const T* x, const Layout& L, uint32_t key, const Fn& fn) {
+uint32_t max_of_elementwise(const T* x, const Layout& L, uint32_t key, uint32_t sr_or,
+                            const Fn& fn) {
   Counter c;
   c.nd = L.ndim;
   for (int d = 0; d < L.ndim; ++d) {
@@ -616,7 +727,8 @@ uint32_t max_of_elementwise(const T* x, const Layout& L, uint32_t key, const Fn&
   c.set(0);
   uint32_t m = 0;
   for (int64_t i = 0; i < L.numel; ++i) {
-    const uint32_t r = STOCH ? random_word(index_key(key, (uint64_t)i), (uint32_t)(uint64_t)i) : 0u;
+    const uint32_t r =
+        STOCH ? random_word(index_key(key, (uint64_t)i), (uint32_t)(uint64_t)i) | sr_or : 0u;
     const uint32_t v = fn(load_bits<T>(x + c.ox), r);
     m = v > m ? v : m;
     c.next();
@@ -643,20 +755,33 @@ void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, u
       });
     } else {
       sc = qtensor::settle_amax_scale(sc, spec, use_ts, a.ts, [&](double s) {
-        return max_of_elementwise<STOCH, T>(x, L, key, [=](uint32_t u, uint32_t r) {
+        return max_of_elementwise<STOCH, T>(x, L, key, a.sr_or, [=](uint32_t u, uint32_t r) {
           return f2u(qtensor::round_amax_elem<MODE>(u2f(u), s, spec, use_ts, r)) & kAbsMask;
         });
       });
     }
+    const uint32_t om = a.sr_or;
     elementwise<STOCH, T>(x, y, L, key, [=](uint32_t u, uint32_t r) {
-      return f2u(qtensor::round_amax_elem<MODE>(u2f(u), sc, spec, use_ts, r));
+      return f2u(qtensor::round_amax_elem<MODE>(u2f(u), sc, spec, use_ts, r | om));
     });
   } else {
-    const int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
-                                           a.elem_max, a.scale_emin, a.scale_emax);
+    int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,
+                                     a.elem_max, a.scale_emin, a.scale_emax, a.even_mbits);
+    while (a.scale_rule == kRuleEven) {  // idempotence (settle_even_exp), before any store
+      const qtensor::BlockElemSpec sk = shifted_elem(a, k);
+      const uint32_t m = max_of_elementwise<STOCH, T>(x, L, key, a.sr_or,
+                                                      [=](uint32_t u, uint32_t r) {
+        return qtensor::round_block_elem<MODE>(u, sk, r) & kAbsMask;
+      });
+      const int k2 = qtensor::block_scale_exp(m, 0, a.elem_emax, a.elem_max, a.scale_emin,
+                                              a.scale_emax, a.even_mbits);
+      if (k2 >= k) break;
+      k = k2;
+    }
     const qtensor::BlockElemSpec s = shifted_elem(a, k);
+    const uint32_t om = a.sr_or;
     elementwise<STOCH, T>(x, y, L, key, [=](uint32_t u, uint32_t r) {
-      return qtensor::round_block_elem<MODE>(u, s, r);
+      return qtensor::round_block_elem<MODE>(u, s, r | om);
     });
   }
 }
@@ -666,7 +791,9 @@ void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, u
 
 template <typename T>
 void float_kernel(const T* x, T* y, const Layout& L, const qtensor::FloatSpec<uint32_t>& s,
-                  int mode, uint32_t key) {
+                  int mode_arg, uint32_t key) {
+  const uint32_t om = qtensor::sr_or_mask(mode_arg);
+  const int mode = qtensor::mode_base(mode_arg);
   const qtensor::FloatSpec<uint32_t> sp = s;
   qtensor::FastGrid g;
   const bool all_normal = s.emin == -126 && s.qlow == s.emin - s.man;
@@ -674,45 +801,51 @@ void float_kernel(const T* x, T* y, const Layout& L, const qtensor::FloatSpec<ui
       qtensor::make_fast_grid(g, s.man, s.emin, s.qlow, all_normal, false, mode == kStochastic)) {
     const uint32_t mx = s.max_bits, ovf = s.ovf_bits;
     QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
-                                                         [g, mx, ovf](uint32_t u, uint32_t r) {
-      return qtensor::round_float_fast<M>(u, g, mx, ovf, r);
+                                                         [g, mx, ovf, om](uint32_t u, uint32_t r) {
+      return qtensor::round_float_fast<M>(u, g, mx, ovf, r | om);
     }));
     return;
   }
   QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
-                                                       [sp](uint32_t u, uint32_t r) {
-    return qtensor::round_float<M, uint32_t>(u, sp, r);
+                                                       [sp, om](uint32_t u, uint32_t r) {
+    return qtensor::round_float<M, uint32_t>(u, sp, r | om);
   }));
 }
 
 template <typename T>
 void fixed_kernel(const T* x, T* y, const Layout& L, const qtensor::FixedSpec<uint32_t>& s,
-                  bool wrap, int mode, uint32_t key) {
+                  bool wrap, int mode_arg, uint32_t key) {
+  const uint32_t om = qtensor::sr_or_mask(mode_arg);
+  const int mode = qtensor::mode_base(mode_arg);
   const qtensor::FixedSpec<uint32_t> sp = s;
   qtensor::FastGrid g;
   if (!wrap && qtensor::make_fast_grid(g, 0, 0, s.qexp, false, true, mode == kStochastic)) {
     const uint32_t pos = s.pos_bits, neg = s.neg_bits, neg_sat = s.neg_sat_bits;
     QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(
-                             x, y, L, key, [g, pos, neg, neg_sat](uint32_t u, uint32_t r) {
-      return qtensor::round_fixed_fast<M>(u, g, pos, neg, neg_sat, r);
+                             x, y, L, key, [g, pos, neg, neg_sat, om](uint32_t u, uint32_t r) {
+      return qtensor::round_fixed_fast<M>(u, g, pos, neg, neg_sat, r | om);
     }));
     return;
   }
   if (wrap) {
     QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
-                                                         [sp](uint32_t u, uint32_t r) {
-      return qtensor::round_fixed<M, true, uint32_t>(u, sp, r);
+                                                         [sp, om](uint32_t u, uint32_t r) {
+      return qtensor::round_fixed<M, true, uint32_t>(u, sp, r | om);
     }));
   } else {
     QT_MODE_SWITCH(mode, elementwise<M == kStochastic, T>(x, y, L, key,
-                                                         [sp](uint32_t u, uint32_t r) {
-      return qtensor::round_fixed<M, false, uint32_t>(u, sp, r);
+                                                         [sp, om](uint32_t u, uint32_t r) {
+      return qtensor::round_fixed<M, false, uint32_t>(u, sp, r | om);
     }));
   }
 }
 
 template <typename T>
-void block_kernel(const T* x, T* y, const Layout& L, const BlockArgs& a, int mode, uint32_t key) {
+void block_kernel(const T* x, T* y, const Layout& L, const BlockArgs& args, int mode_arg,
+                  uint32_t key) {
+  BlockArgs a = args;
+  a.sr_or = qtensor::sr_or_mask(mode_arg);
+  const int mode = qtensor::mode_base(mode_arg);
   if (a.whole_tensor) {
     QT_MODE_SWITCH(mode, whole_tensor_block<M, T>(x, y, L, a, key));
   } else {

@@ -31,7 +31,7 @@ from . import block_specials as _block_specials
 from . import gemm as _gemm
 from . import ops as _ops
 from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
-from .formats import PRESETS as _PRESETS, BlockFormat, Format
+from .formats import PRESETS as _PRESETS, BlockFormat, Format, is_stochastic
 
 aten = torch.ops.aten
 
@@ -508,7 +508,7 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
     """
     fmt = fit_format(fmt, x.dim())
     if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
-            and fmt.rounding != "stochastic"):
+            and not is_stochastic(fmt.rounding)):
         ax = fmt.axis % x.dim()
         # (2D tiles: only their own two dims may be swapped; another axis is a FormatError)
         if (ax != x.dim() - 1 or not x.is_contiguous()) and (
@@ -533,7 +533,7 @@ def _round_fresh(out, fmt, func):
     ``quantize``, without a second buffer), else by ``quantize``; block formats are watched
     for NaN blocks (qtensor.block_specials)."""
     block = type(fmt) is BlockFormat
-    if (fmt.rounding == "stochastic" or not _eager_cpu_kernel(out) or not out.is_contiguous()
+    if (is_stochastic(fmt.rounding) or not _eager_cpu_kernel(out) or not out.is_contiguous()
             or out.is_neg() or (block and fmt.block_shape is not None)  # (2D tiles: qtensor.ops)
             or (block and fmt.axis is not None and out.dim() > 1
                 and fmt.axis % out.dim() != out.dim() - 1)):
@@ -553,7 +553,7 @@ def _round_fresh(out, fmt, func):
 
 def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     if type(fmt) is BlockFormat and fmt.block_shape is not None:  # 2D tiles: qtensor.ops
-        if fmt.rounding == "stochastic" and type(x) is not torch.Tensor:
+        if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor:
             raise _ops.stochastic_under_tracing(fmt)
         return _ops.quantize(x, fmt)
     if x.dtype is torch.float32:
@@ -563,11 +563,11 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
                 return _round_to_dtype(x, dt)  # traced (fake/functional payloads)
             if dt not in _SLOW_CPU_CASTS or not _eager_cpu_kernel(x):
                 return x.to(dt).to(torch.float32)  # eager
-    if (_CPU_KERNELS and fmt.rounding != "stochastic" and x.dtype in _KERNEL_DTYPES
+    if (_CPU_KERNELS and not is_stochastic(fmt.rounding) and x.dtype in _KERNEL_DTYPES
             and x.device.type == "cpu"):
         op, args = _kernel_call(fmt)
         return op(x, *args)
-    if fmt.rounding == "stochastic" and type(x) is not torch.Tensor:
+    if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor:
         raise _ops.stochastic_under_tracing(fmt)
     return _ops.quantize(x, fmt)
 
@@ -588,7 +588,7 @@ def _round_inplace(q, func=None) -> None:
 
 def _round_inplace_to(data, fmt) -> None:
     dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
-    kernel = (fmt.rounding != "stochastic" and _eager_cpu_kernel(data)
+    kernel = (not is_stochastic(fmt.rounding) and _eager_cpu_kernel(data)
               and getattr(fmt, "block_shape", None) is None)  # (2D tiles: qtensor.ops)
     if dt is not None and not (kernel and dt in _SLOW_CPU_CASTS):
         data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
@@ -713,7 +713,7 @@ def _operand_cache_root(a):
 def _rounded_operand(a, x, fmt):
     """x (the payload of the QTensor operand a) rounded to fmt for one contraction."""
     root = _operand_cache_root(a) if CACHE_OPERANDS else None
-    if (root is None or fmt.rounding == "stochastic" or type(x) is not torch.Tensor
+    if (root is None or is_stochastic(fmt.rounding) or type(x) is not torch.Tensor
             or torch.compiler.is_compiling()):
         return quantize(x, fmt, keep_layout=False)
     base = root._data

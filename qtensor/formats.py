@@ -25,13 +25,19 @@ from .torch_function import TorchFunctionTarget
 
 __all__ = [
     "ROUNDING_MODES", "SPECIALS", "SCALE_RULES", "Format", "FormatError", "FloatFormat",
-    "FixedFormat", "BlockFormat", "format", "PRESETS", "ALIASES",
+    "FixedFormat", "BlockFormat", "format", "PRESETS", "ALIASES", "is_stochastic",
+    "stochastic_bits",
 ]
 
+# (besides these, "stochasticN" for N = 1..31: stochastic rounding with N random bits, as
+# hardware does it: NVIDIA's cvt.rs takes 8; "stochastic" uses 32)
 ROUNDING_MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")
 SPECIALS = ("ieee", "fn", "none")
-# floor/ceil: power-of-two scales (OCP MX floor, RCEIL); amax: scale = Q_scale(amax / max_elem)
-SCALE_RULES = ("floor", "ceil", "amax")
+# floor/even: OCP's and torchao's power-of-two scales from amax's exponent; ceil (= torchao's
+# RCEIL, also spelled "rceil"): the smallest scale with amax / X <= max_elem; amax: scale =
+# Q_scale(amax / max_elem); 4over6: NVFP4 blocks whose max maps to 4 or to 6 (Transformer Engine)
+SCALE_RULES = ("floor", "ceil", "amax", "even", "4over6")
+_SCALE_RULE_ALIASES = {"rceil": "ceil"}
 
 # The float32 carrier: every value of every format must be a float32 exactly.
 _F32_MAN = 23
@@ -53,10 +59,32 @@ def _significant_bits(f) -> int:
     return f.man + 1
 
 
+def stochastic_bits(rounding: str) -> Optional[int]:
+    """The random bits per element of a stochastic rounding mode (32 for ``"stochastic"``, N for
+    ``"stochasticN"``), None for the deterministic modes."""
+    if rounding == "stochastic":
+        return 32
+    if isinstance(rounding, str):
+        m = re.fullmatch(r"stochastic([1-9][0-9]?)", rounding)
+        if m and int(m.group(1)) <= 31:
+            return int(m.group(1))
+    return None
+
+
+def is_stochastic(rounding: str) -> bool:
+    """Whether a rounding mode draws random bits (``"stochastic"`` or ``"stochasticN"``)."""
+    return stochastic_bits(rounding) is not None
+
+
 def _check_rounding(rounding: str) -> None:
-    if rounding not in ROUNDING_MODES:
+    if rounding not in ROUNDING_MODES and stochastic_bits(rounding) is None:
+        hint = ""
+        if isinstance(rounding, str) and rounding.startswith("stochastic"):
+            hint = ("; limited-bit stochastic rounding is 'stochasticN' with N = 1..31 random "
+                    "bits per element ('stochastic' uses 32)")
         raise FormatError(
-            f"unknown rounding mode {rounding!r}; expected one of {', '.join(ROUNDING_MODES)}")
+            f"unknown rounding mode {rounding!r}; expected one of {', '.join(ROUNDING_MODES)} "
+            f"or stochasticN (N = 1..31){hint}")
 
 
 def _check_int(name: str, value) -> None:
@@ -335,11 +363,27 @@ class BlockFormat(Format):
 
     ``block_size=None``: the whole axis is one block; ``axis=None``: the whole tensor is one block.
     scale: the scale's format (``e8m0`` for MX, ``fp8_e4m3`` for NVFP4).
-    scale_rule: ``floor`` (OCP MX: 2^(floor(log2 amax) - emax_elem)), ``ceil`` (the smallest power
-    of two with amax/X <= max_elem), ``amax`` (X = scale-format rounding of amax / max_elem).
+    scale_rule (torchao's ScaleCalculationMode names; docs/formats.md, "Scale rules"):
+      ``floor`` (OCP MX, torchao FLOOR: 2^(floor(log2 amax) - emax_elem));
+      ``even`` (torchao EVEN: as floor, of amax rounded half away from zero to the element's
+      significant bits, so that a block max which would round up to the next binade gets the
+      next scale);
+      ``ceil``, also spelled ``rceil`` (torchao RCEIL, cuBLAS's and the MXFP8 recipe's
+      "round the scale up": the smallest scale X with amax/X <= max_elem; for a power-of-two
+      scale 2^ceil(log2(amax / max_elem)), for a scale with mantissa bits such as fp8_e4m3 the
+      scale format's rounding of amax / max_elem upward). torchao's CEIL,
+      2^(ceil(log2 amax) - emax_elem), is none of these: it equals ceil where max_elem is a power
+      of two and is one binade larger for amax/2^k in (2^emax_elem, max_elem];
+      ``amax`` (NVFP4: X = the scale format's nearest value to amax / max_elem);
+      ``4over6`` (Transformer Engine's NVFP4 4over6: e2m1 elements, a scale with mantissa bits;
+      each block takes the amax-rule scale that maps its max to 6 or the one that maps it to 4,
+      whichever gives the lower sum of |x - q| over the block, 6 on a tie; with a tensor scale,
+      the tensor scale's bound is 256 instead of 448, as TE's default).
+      floor and even need an exponent-only scale (as e8m0).
     tensor_scale: an extra per-tensor scale amax_tensor / (max_elem * max_scale), rounded down to
     ``tensor_scale_bits`` significant bits (NVFP4's two-level scaling; needs a second pass over
-    the tensor). The amax rule is idempotent: docs/formats.md.
+    the tensor; rules amax, 4over6 and ceil with a scale of mantissa bits). Every rule is
+    idempotent: docs/formats.md.
     The element format always saturates; its rounding is the block's rounding.
 
     block_shape=(r, c): 2D blocks (tiles) of r x c elements over the *last two dims* of a
@@ -401,16 +445,36 @@ class BlockFormat(Format):
                     f"axis={_int_str(self.axis)} is no tensor's dim (a dim index, negative from "
                     "the end, or None for the whole tensor)")
         _check_bool("tensor_scale", self.tensor_scale)
-        if self.scale_rule not in SCALE_RULES:
+        rule = _SCALE_RULE_ALIASES.get(self.scale_rule, self.scale_rule)
+        if rule not in SCALE_RULES:
             raise FormatError(
-                f"unknown scale_rule {self.scale_rule!r}; expected one of {', '.join(SCALE_RULES)}")
-        if self.scale_rule in ("floor", "ceil") and scale.man != 0:
+                f"unknown scale_rule {self.scale_rule!r}; expected one of "
+                f"{', '.join(SCALE_RULES + tuple(_SCALE_RULE_ALIASES))}")
+        object.__setattr__(self, "scale_rule", rule)
+        if rule in ("floor", "even") and scale.man != 0:
             raise FormatError(
-                f"scale_rule={self.scale_rule!r} gives power-of-two scales: it needs an "
-                f"exponent-only scale format such as e8m0, got {scale}")
-        if self.tensor_scale and self.scale_rule != "amax":
-            raise FormatError("tensor_scale=True needs scale_rule='amax' (NVFP4-style scales)")
-        if self.scale_rule == "amax":
+                f"scale_rule={rule!r} derives a power-of-two scale from the exponent of the "
+                f"block's amax: it needs an exponent-only scale format such as e8m0, got {scale} "
+                "(whose mantissa bits it would never use); for such a scale use scale_rule="
+                "'amax' (nearest, NVFP4), 'ceil' (rounded up: the block max never saturates) or "
+                "'4over6'")
+        if rule == "4over6":
+            if not (isinstance(elem, FloatFormat) and (elem.exp, elem.man, elem.bias,
+                                                         elem.subnormals) == (2, 1, 1, True)):
+                raise FormatError(
+                    f"scale_rule='4over6' maps a block's max to 4 or to 6 of the fp4_e2m1 grid "
+                    f"(NVFP4): it needs fp4_e2m1 elements, got {elem}")
+            if scale.man == 0:
+                raise FormatError(
+                    f"scale_rule='4over6' chooses between the scales amax/6 and amax/4, which a "
+                    f"power-of-two scale ({scale}) cannot tell apart; use a scale with mantissa "
+                    "bits such as fp8_e4m3")
+        if self.tensor_scale and self.power_of_two_scales:
+            raise FormatError(
+                f"tensor_scale=True needs scales with significant bits (scale_rule 'amax', "
+                f"'4over6', or 'ceil' with a scale such as fp8_e4m3; NVFP4-style), got "
+                f"scale_rule={rule!r} with {scale} scales")
+        if not self.power_of_two_scales:
             self._check_amax_rule(elem, scale)
         if self.min_quantum_exp < _F32_MIN_QUANTUM_EXP:
             raise FormatError(
@@ -478,8 +542,8 @@ class BlockFormat(Format):
         p_elem, p_scale = _significant_bits(elem), scale.man + 1
         if p_elem + p_scale > _F32_MAN + 1:
             raise FormatError(
-                f"scale_rule='amax' with {elem} elements ({p_elem} significant bits) and {scale} "
-                f"scales ({p_scale}): their products need {p_elem + p_scale} bits, more than the "
+                f"scale_rule={self.scale_rule!r} with {elem} elements ({p_elem} significant "
+                f"bits) and {scale} scales ({p_scale}): their products need {p_elem + p_scale} bits, more than the "
                 f"float32 carrier's 24; use a scale of at most {_F32_MAN + 1 - p_elem} significant "
                 f"bits (e.g. e8m{_F32_MAN - p_elem})")
         if self.tensor_scale and self.tensor_scale_bits < 1:
@@ -489,9 +553,27 @@ class BlockFormat(Format):
                 f"{p_elem + p_scale + 2} significant bits, more than the float32 carrier's 24")
         if isinstance(elem, FixedFormat) and elem.signed and not elem.symmetric:
             raise FormatError(
-                f"scale_rule='amax' maps a block's amax to the element's max {elem.max}, so an "
-                f"element range with one more negative code ({elem}) would let a block round to a "
+                f"scale_rule={self.scale_rule!r} maps a block's amax to the element's max "
+                f"{elem.max}, so an element range with one more negative code ({elem}) would let a block round to a "
                 "value whose own scale is larger; use symmetric=True")
+
+    @property
+    def power_of_two_scales(self) -> bool:
+        """Whether the scales come from amax's exponent alone (rules floor, even, and ceil with
+        an exponent-only scale format): the element grid shifted by a power of two. Otherwise
+        (amax, 4over6, ceil with mantissa bits) the scale is a rounding of amax / max_elem."""
+        return self.scale_rule in ("floor", "even") or (self.scale_rule == "ceil"
+                                                          and self.scale.man == 0)
+
+    @property
+    def tensor_scale_bound(self) -> float:
+        """The scale value a tensor scale maps the tensor's amax to: max_scale, or for 4over6
+        the largest power of two at most max_scale * 4/6 (256 for fp8_e4m3, TE's 4over6 bound:
+        the map-to-4 scale of the tensor's largest block, 1.5 times the map-to-6 one, still
+        fits)."""
+        if self.scale_rule == "4over6":
+            return 2.0 ** math.floor(math.log2(self.scale.max * 4 / 6))
+        return self.scale.max
 
     @property
     def tensor_scale_bits(self) -> int:

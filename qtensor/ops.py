@@ -21,12 +21,21 @@ import torch.autograd.forward_ad as _fwad
 from . import decompositions, reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
 from .checks import resolve_rounding
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, stochastic_bits
 
 __all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
 
 _ROUNDING_CODE = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "stochastic": 3}
-_SCALE_RULE_CODE = {"floor": 0, "ceil": 1, "amax": 2}
+_SCALE_RULE_CODE = {"floor": 0, "ceil": 1, "amax": 2, "even": 3, "4over6": 4}
+
+
+def rounding_code(rounding: str) -> int:
+    """The op's rounding argument: the mode's code, and for "stochasticN" 3 + 256 * (32 - N)
+    (the random bits dropped; csrc/include/qtensor/round.h, sr_or_mask)."""
+    code = _ROUNDING_CODE.get(rounding)
+    if code is not None:
+        return code
+    return _ROUNDING_CODE["stochastic"] + 256 * (32 - stochastic_bits(rounding))
 
 try:
     # import_module, not `from . import _C`: the latter hides the real cause behind "cannot import
@@ -119,9 +128,11 @@ def _check_op_fake(op: str, x: torch.Tensor, out: torch.Tensor, args: tuple) -> 
     torch._check(out.shape == x.shape, lambda: (
         f"qtensor::{op}: out has shape {list(out.shape)} but x has shape {list(x.shape)}"))
     rounding = args[-2]  # every family ends with (rounding, seed)
-    torch._check(0 <= rounding < len(_ROUNDING_CODE), lambda: (
-        f"qtensor::{op}: rounding must be 0 (nearest), 1 (nearest_away), 2 (toward_zero) or "
-        f"3 (stochastic), got {rounding}"))
+    torch._check(0 <= rounding < len(_ROUNDING_CODE) or (
+        rounding & 0xFF == 3 and 1 <= rounding >> 8 <= 31), lambda: (
+        f"qtensor::{op}: rounding must be 0 (nearest), 1 (nearest_away), 2 (toward_zero), "
+        f"3 (stochastic) or 3 + 256 * (32 - N) (stochastic with N = 1..31 random bits), "
+        f"got {rounding}"))
     if op == "quantize_block" and args[3] is not None and x.dim() > 0:
         axis = args[3]
         torch._check_index(-x.dim() <= axis < x.dim(), lambda: (
@@ -163,9 +174,27 @@ def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
         return False
     if x.device.type == "meta":
         return True
+    if x.device.type == "cuda" and not _cuda_has_kernel(fmt, rounding):
+        return False
     # CUDA: the kernel family must first agree with the reference there (qtensor/selfcheck.py)
     return kernels_available(x.device) and selfcheck.trusted(
         x.device.type, selfcheck.family(fmt, rounding), x.device)
+
+
+def _cuda_has_kernel(fmt: Format, rounding: str) -> bool:
+    """What the CUDA kernels lack (csrc/cuda/quantize_cuda.cu): limited-bit stochastic rounding,
+    the 4over6 rule, and the even rule's settling (toward_zero, stochastic, unsigned fixed-point
+    elements); those go to the reference."""
+    if stochastic_bits(rounding) not in (None, 32):
+        return False
+    if isinstance(fmt, BlockFormat):
+        if fmt.scale_rule == "4over6":
+            return False
+        if fmt.scale_rule == "even" and (
+                rounding not in ("nearest", "nearest_away")
+                or (isinstance(fmt.elem, FixedFormat) and not fmt.elem.signed)):
+            return False
+    return True
 
 
 def _sample_check(family: str):
@@ -173,7 +202,7 @@ def _sample_check(family: str):
     def check(device: torch.device) -> Optional[str]:
         for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
             name, args = op_args(fmt)
-            got = getattr(torch.ops.qtensor, name)(x, *args, _ROUNDING_CODE[rounding],
+            got = getattr(torch.ops.qtensor, name)(x, *args, rounding_code(rounding),
                                                    _seed_arg(seed))
             found = selfcheck.difference(got, reference.quantize_with_seed(x, fmt, rounding, seed))
             if found is not None:
@@ -198,7 +227,7 @@ def stochastic_under_tracing(fmt) -> NotImplementedError:
 def _seed(generator: Optional[torch.Generator], rounding: str, fmt=None) -> int:
     """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way."""
     check_generator(generator)
-    if rounding != "stochastic":
+    if stochastic_bits(rounding) is None:
         return 0
     if torch.compiler.is_compiling():  # the seed would be a data-dependent symbolic int
         raise stochastic_under_tracing(str(fmt))
@@ -242,7 +271,7 @@ def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int, out=None) -> tor
     of r*c for the quantize_block kernel (the same bits as the reference). Stochastic rounding
     goes to the reference: its random bits follow each element's index in x, not in the tiled
     layout."""
-    if rounding == "stochastic" or not _use_kernel(x, fmt, rounding):
+    if is_stochastic(rounding) or not _use_kernel(x, fmt, rounding):
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
         return q if out is None else out.copy_(q)
     y, restore, fmt1 = reference.tile_blocks(x.detach(), fmt)
@@ -264,7 +293,7 @@ def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
         return q if out is None else out.copy_(q)
     name, args = op_args(fmt)
-    args = (*args, _ROUNDING_CODE[rounding], _seed_arg(seed))
+    args = (*args, rounding_code(rounding), _seed_arg(seed))
     x = x.detach()
     if out is None:
         return getattr(torch.ops.qtensor, name)(x, *args)
@@ -367,7 +396,7 @@ def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))
     name, args = op_args(fmt)
-    args = (*args, _ROUNDING_CODE[rounding], _seed_arg(seed))
+    args = (*args, rounding_code(rounding), _seed_arg(seed))
     if x.is_neg() or x.is_conj():
         # a lazily negated view: torch's math-bit fallback for an in-place op reads a freed
         # tensor (valgrind; a heap corruption now and then): round a copy, copy_ writes it back

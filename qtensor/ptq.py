@@ -45,7 +45,7 @@ from torch import nn
 
 from .convert import conversion_of, convert, is_converted
 from .dispatch import quantize as _round, with_axis
-from .formats import BlockFormat, FloatFormat, Format
+from .formats import BlockFormat, FloatFormat, Format, is_stochastic
 from .plans import Recipe, _plain, round_to
 from .recipes import direct_cast
 from .reference import _round_scalar, _tensor_scale, block_scale, round_with_scale
@@ -189,11 +189,17 @@ class _Grid:
     def __init__(self, fmt: Format, w0: torch.Tensor, run: int, name: str):
         self.fmt, self.name = fmt, name
         rounding = getattr(fmt, "rounding", None)
-        if rounding == "stochastic":
+        if rounding is not None and is_stochastic(rounding):
             raise ValueError(f"qtensor.ptq: {name}'s weight format {fmt} rounds stochastically; "
                              "GPTQ and error diffusion choose each rounding: give a format that "
                              "rounds to nearest (fmt.replace(rounding='nearest'))")
         self.block = isinstance(fmt, BlockFormat)
+        if self.block and (fmt.block_shape is not None or fmt.scale_rule == "4over6"):
+            what = ("2D blocks (block_shape)" if fmt.block_shape is not None
+                    else "the 4over6 scale rule (a block's scale picked by its rounding error)")
+            raise ValueError(f"qtensor.ptq: {name}'s weight format {fmt} has {what}, which "
+                             "GPTQ and error diffusion, deciding one column at a time, do not "
+                             "support; use a 1D block format")
         if self.block and fmt.axis is None and fmt.scale_rule == "amax":
             raise ValueError(f"qtensor.ptq: {name}: a per-tensor block format with the amax scale "
                              f"rule ({fmt}) is not supported; block it along an axis")

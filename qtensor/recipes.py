@@ -14,6 +14,8 @@ Roles are those of docs/convert.md; a pair is (value format, contraction operand
   ``quartet`` (Castro et al., 2505.14669, approximated: see its source).
 - DeepSeek-V3 (arXiv 2412.19437): ``deepseek_v3_fp8`` (E4M3 GEMM operands of every linear layer
   with FP32 block scales: 1x128 activation tiles, 128x128 weight blocks; FP32 promotion every 128).
+- ``mxfp8_pretraining`` (Mishra et al. 2025, arXiv 2506.08027: MXFP8 E4M3 everywhere, scales
+  rounded up) and ``nvfp4_4over6`` (Transformer Engine's NVFP4 with 4over6 block scales).
 
 Each preset's source, formats and where the emulation differs from it: docs/convert.md
 ("Published low-precision recipes").
@@ -31,7 +33,7 @@ from .accum import PRESETS as _accum_presets
 __all__ = ["mxfp6", "mxfp4_weights", "mx_all", "direct_cast", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
            "mxint8_inference", "fp16", "block8", "swalp", "wage", "nvfp4_nvidia",
            "fp4_all_the_way", "quartet", "describe", "PRESETS_BY_NAME",
-           "deepseek_v3_fp8"]
+           "deepseek_v3_fp8", "mxfp8_pretraining", "nvfp4_4over6"]
 
 _P = PRESETS
 _fp32, _bf16 = _P["fp32"], _P["bf16"]
@@ -197,10 +199,46 @@ deepseek_v3_fp8 = Recipe(
     "gates need a rule to stay out of FP8 (.replace(rules={'lm_head': qt.bf16})); FP32 scales "
     "are rounded to 20 significant bits (amax_scale_format: element times scale a float32)")
 
+# MXFP8 pre-training (Mishra, Stosic, Layton, Micikevicius 2025, arXiv 2506.08027): MXFP8 E4M3
+# (blocks of 32, E8M0 scales) for the operands of all three GEMMs, weights, activations and
+# gradients alike (E4M3 for gradients too), the scale rounded up ("round-to-infinity": the
+# smallest power of two with amax / X <= 448, scale_rule ceil = torchao's RCEIL) instead of OCP's
+# floor, which saturates the block max and made their 8B run diverge; BF16 elsewhere, FP32
+# master weights. Each operand is rounded along its GEMM's reduction dim from the high-precision
+# source (a transpose is not a re-rounding of the other layout).
+_mxfp8_rceil = BlockFormat(_P["fp8_e4m3"], 32, scale=_P["e8m0"], scale_rule="ceil")
+mxfp8_pretraining = Recipe(
+    weight=(_fp32, _mxfp8_rceil), bias=_fp32,
+    activation=(_bf16, _mxfp8_rceil), grad=(_bf16, _mxfp8_rceil),
+    optimizer_state=None, master_weights=True,
+    name="mxfp8_pretraining", source="Mishra et al. 2025 (arXiv 2506.08027), Recipes for "
+    "Pre-training LLMs with MXFP8: MXFP8 E4M3 operands of every GEMM (weights, activations, "
+    "gradients), block 32, E8M0 scales rounded up (RCEIL), BF16 vector ops, FP32 master weights")
+
+# Transformer Engine's NVFP4BlockScaling with NVTE_NVFP4_4OVER6=all (TE's default error metric
+# MAE, E4M3 bound 256): weight and activation operands NVFP4 (e2m1, 16-element E4M3 scales
+# under an FP32 tensor scale) whose blocks pick the scale mapping their max to 4 or to 6 (the
+# lower sum of |x - q|); gradients plain NVFP4 with stochastic rounding (TE refuses 4over6 with
+# stochastic rounding). TE targets 4over6 at post-training and has no 4over6 path with the
+# Random Hadamard Transform, so none here. Differs from TE: 1x16 weight blocks (TE's NVFP4
+# weights are 16x16 2D blocks), the error sum exact in double (TE: float32).
+_nvfp4_4over6 = BlockFormat(_P["fp4_e2m1"], 16, scale=_P["fp8_e4m3"], scale_rule="4over6",
+                            tensor_scale=True)
+_nvfp4_sr = _P["nvfp4"].replace(rounding="stochastic")
+nvfp4_4over6 = Recipe(
+    weight=(_fp32, _nvfp4_4over6), bias=_fp32,
+    activation=(_bf16, _nvfp4_4over6), grad=(_bf16, _nvfp4_sr),
+    optimizer_state=None, master_weights=True,
+    name="nvfp4_4over6", source="Transformer Engine NVFP4BlockScaling, 4over6 (NVTE_NVFP4_4OVER6"
+    "=all, MAE, E4M3 bound 256): NVFP4 weight and activation operands whose 16-element blocks "
+    "map their max to 4 or 6 (lower block error), NVFP4 gradients with stochastic rounding, no "
+    "RHT (TE has none with 4over6), 1x16 weight blocks (TE: 16x16), BF16 vector ops, FP32 "
+    "master weights")
+
 PRESETS_BY_NAME = {r.name: r for r in (mxfp6, mxfp4_weights, mx_all_mxfp8, mx_all_mxfp6,
                                        mx_all_mxfp4, mxint8_inference, fp16, block8, swalp, wage,
                                        nvfp4_nvidia, fp4_all_the_way, quartet,
-                                       deepseek_v3_fp8)}
+                                       deepseek_v3_fp8, mxfp8_pretraining, nvfp4_4over6)}
 
 
 def describe(print_table: bool = True) -> Optional[str]:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from .checks import check_axis, check_generator, check_input, resolve_rounding
-from .formats import BlockFormat, FixedFormat, FloatFormat
+from .formats import BlockFormat, FixedFormat, FloatFormat, _significant_bits, stochastic_bits
 
 __all__ = ["quantize", "quantize_with_seed", "draw_seed", "check_generator", "random_bits"]
 
@@ -82,12 +82,13 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
 
 
 def _tensor_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """NVFP4's per-tensor scale (a 0-dim float64 tensor): amax / (max_elem * max_scale), rounded
+    """NVFP4's per-tensor scale (a 0-dim float64 tensor): amax / (max_elem * max_scale) (4over6:
+    fmt.tensor_scale_bound instead of max_scale), rounded
     down to ``fmt.tensor_scale_bits`` significant bits and to a multiple of
     2^fmt.tensor_scale_min_exp, so that every element value v * X * s and every rounding
     boundary (a midpoint between v's) times X * s is a float32 exactly; rounded down, the
     tensor's amax gets the largest scale."""
-    t = amax / (fmt.elem.max * fmt.scale.max)  # the floor of this double is the exact one's
+    t = amax / (fmt.elem.max * fmt.tensor_scale_bound)  # its floor is the exact one's
     positive = t > 0
     t1 = torch.where(positive, t, torch.ones_like(t))
     _, e = torch.frexp(t1)  # t = m * 2^e, m in [1/2, 1)
@@ -107,9 +108,12 @@ def _round_magnitude(y: torch.Tensor, rounding: str, index: Optional[torch.Tenso
         return lo + (frac >= 0.5).to(y.dtype)
     if rounding == "toward_zero":
         return lo
-    if rounding == "stochastic":
-        threshold = torch.floor(frac * 2.0 ** 32)
-        bits = random_bits(seed, index).to(torch.float64)
+    nbits = stochastic_bits(rounding)
+    if nbits is not None:
+        # N random bits: the top N of the element's 32-bit word against floor(frac * 2^N), so
+        # P(up) = floor(frac * 2^N) / 2^N (biased low by less than 2^-N of a quantum)
+        threshold = torch.floor(frac * 2.0 ** nbits)
+        bits = (random_bits(seed, index) >> (32 - nbits)).to(torch.float64)
         return lo + (bits < threshold).to(y.dtype)
     raise ValueError(f"unknown rounding mode {rounding!r}")
 
@@ -139,6 +143,21 @@ def _round_float(x: torch.Tensor, fmt: FloatFormat, rounding: str,
         q = torch.where(q == 0, torch.full_like(q, fmt.min_normal), q)
         return torch.where(x > 0, q, torch.full_like(q, float("nan")))
     return torch.copysign(q, x)
+
+
+def _round_float_up(r: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Non-negative finite r (float64) rounded up to a value of the signed FloatFormat fmt (the
+    ceil scale rule): the value toward zero, and if that is below r the next one (past max:
+    fmt's overflow value)."""
+    t = _round_float(r, fmt, "toward_zero", None, None)
+    _, e = torch.frexp(t)
+    qexp = torch.where(t > 0, torch.clamp(e.to(torch.int64) - 1, min=fmt.emin) - fmt.man,
+                       torch.full_like(e, fmt.emin - fmt.man if fmt.subnormals else fmt.emin,
+                                       dtype=torch.int64))
+    nxt = t + _pow2(qexp)
+    overflow = fmt.max if fmt.saturate else (float("inf") if fmt.has_inf else float("nan"))
+    nxt = torch.where(nxt > fmt.max, torch.full_like(nxt, overflow), nxt)
+    return torch.where(t < r, nxt, t)
 
 
 def _round_fixed(x: torch.Tensor, fmt: FixedFormat, rounding: str,
@@ -202,30 +221,66 @@ def tile_blocks(x: torch.Tensor, fmt: BlockFormat):
     return y, restore, fmt1
 
 
+def block_tensor_scale(x64: torch.Tensor, fmt: BlockFormat) -> Optional[torch.Tensor]:
+    """The per-tensor scale of x (float64) for ``fmt.tensor_scale``, else None."""
+    if not fmt.tensor_scale:
+        return None
+    # the largest finite |x| (0 if none): no boolean indexing, so no device sync
+    amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
+    return _tensor_scale(amax_t, fmt)
+
+
+def scale_candidates(fmt: BlockFormat, tensor_scale: Optional[torch.Tensor] = None) -> list:
+    """The functions amax -> X (times the tensor scale) of blocks whose largest magnitude is
+    amax (finite float64, >= 0), by ``fmt.scale_rule``: one, or two for 4over6 (the block's max
+    mapped to max_elem and to 4; the block takes the one with the lower error)."""
+    elem = fmt.elem
+    emax_elem, max_elem = elem.emax, elem.max
+    if fmt.power_of_two_scales:  # floor, even, ceil: 2^k from amax's exponent
+        def scale_of(a):
+            _, e = torch.frexp(a)
+            b = e.to(torch.int64) - 1  # floor(log2 a); -1 for a = 0
+            if fmt.scale_rule == "even":
+                # a rounded half away from zero to the element's significant bits reaches the
+                # next binade: a >= 2^(b+1) - 2^(b-m-1), m the bits after the leading one
+                m = _significant_bits(elem) - 1
+                b = b + (a >= _pow2(b + 1) - _pow2(b - m - 1)).to(torch.int64)
+            k = b - emax_elem
+            if fmt.scale_rule == "ceil":
+                k = k + (a / _pow2(k) > max_elem).to(torch.int64)
+            return _pow2(torch.clamp(k, fmt.scale.emin, fmt.scale.emax))
+        return [scale_of]
+    # amax, 4over6, ceil: a rounding of amax / max_elem to the scale format
+    scale_fmt = fmt.amax_scale_format.replace(rounding="nearest")
+    if tensor_scale is not None:
+        # amax_block <= amax_tensor: a ratio past the scale's max is an artefact of rounding
+        # the tensor scale down, never an overflow
+        scale_fmt = scale_fmt.replace(saturate=True)
+    rnd = _round_float_up if fmt.scale_rule == "ceil" else (
+        lambda r, f: _round_float(r, f, "nearest", None, None))
+
+    def amax_scale(a, target):  # the scale X (times the tensor scale) mapping a to target
+        if tensor_scale is None:
+            return rnd(a / target, scale_fmt)
+        denom = target * tensor_scale
+        ratio = torch.where(denom > 0, a / denom, torch.zeros_like(a))
+        return rnd(ratio, scale_fmt) * tensor_scale
+    targets = (max_elem, 4.0) if fmt.scale_rule == "4over6" else (max_elem,)
+    return [lambda a, t=t: amax_scale(a, t) for t in targets]
+
+
 def block_scale(amax: torch.Tensor, fmt: BlockFormat,
                 tensor_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The scale X (times the tensor scale, for ``fmt.tensor_scale``) of blocks whose largest
     magnitude is ``amax`` (finite float64, >= 0), by ``fmt.scale_rule``; ``tensor_scale`` is
-    :func:`_tensor_scale` of the tensor's amax when ``fmt.tensor_scale``. (qtensor.ptq decides
-    the scale of each block of a weight from the values the block holds when it is reached.)"""
-    elem = fmt.elem
-    if fmt.scale_rule in ("floor", "ceil"):
-        _, e = torch.frexp(amax)
-        k = e.to(torch.int64) - 1 - elem.emax
-        if fmt.scale_rule == "ceil":
-            k = k + (amax / _pow2(k) > elem.max).to(torch.int64)
-        k = torch.clamp(k, fmt.scale.emin, fmt.scale.emax)
-        return _pow2(k)
-    # amax: the scale is the scale format's nearest value to amax / max_elem
-    scale_fmt = fmt.amax_scale_format.replace(rounding="nearest")
-    if tensor_scale is None:
-        return _round_float(amax / elem.max, scale_fmt, "nearest", None, None)
-    # amax_block <= amax_tensor: a ratio past the scale's max is an artefact of rounding the
-    # tensor scale down, never an overflow
-    scale_fmt = scale_fmt.replace(saturate=True)
-    denom = elem.max * tensor_scale
-    ratio = torch.where(denom > 0, amax / denom, torch.zeros_like(amax))
-    return _round_float(ratio, scale_fmt, "nearest", None, None) * tensor_scale
+    :func:`block_tensor_scale` of the tensor when ``fmt.tensor_scale``. (qtensor.ptq decides
+    the scale of each block of a weight from the values the block holds when it is reached.)
+    4over6 has no single scale of an amax (a block picks by its rounding error): ValueError."""
+    candidates = scale_candidates(fmt, tensor_scale)
+    if len(candidates) != 1:
+        raise ValueError(f"{fmt}: the 4over6 rule picks each block's scale by the block's "
+                         "rounding error, not from its amax alone")
+    return candidates[0](amax)
 
 
 def round_with_scale(x64: torch.Tensor, scale: torch.Tensor, fmt: BlockFormat,
@@ -276,29 +331,25 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
     bad = ~torch.isfinite(amax)
     amax_f = torch.where(bad, torch.zeros_like(amax), amax)
 
-    tensor_scale = None
-    if fmt.tensor_scale:
-        # the largest finite |x| (0 if none): no boolean indexing, so no device sync
-        amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
-        tensor_scale = _tensor_scale(amax_t, fmt)
-
-    def amax_scale(a):
-        return block_scale(a, fmt, tensor_scale)
-    scale = amax_scale(amax_f)
+    tensor_scale = block_tensor_scale(x64, fmt)
+    candidates = scale_candidates(fmt, tensor_scale)
 
     def round_at(scale):
         return round_with_scale(blocks, scale, fmt, rounding, idx, seed)
 
-    q = round_at(scale)
-    if fmt.scale_rule == "amax":
+    def settled(scale_of):
+        scale = scale_of(amax_f)
+        q = round_at(scale)
+        if fmt.scale_rule in ("floor", "ceil") and fmt.power_of_two_scales:
+            return q  # (their blocks keep their scale: a lower one would give the same values)
         # Idempotence: the scale of the rounded block, derived again from its own amax, must be
         # X. Rounding can lower the block's max below max_elem * X (a scale in the subnormal
-        # range, toward_zero, stochastic); then the block is rounded again with the scale of its
-        # rounded max, until that scale repeats. Each step lowers X (the rounded max is at most
-        # max_elem * X), so this ends; usually after the first step.
+        # range, toward_zero, stochastic; for even, a max rounded down out of the top binade);
+        # then the block is rounded again with the scale of its rounded max, until that scale
+        # repeats. Each step lowers X, so this ends; usually after the first step.
         while True:
             rmax = q.abs().amax(dim=-1, keepdim=True) if q.numel() else q.sum(-1, True)
-            again = amax_scale(torch.where(bad, torch.zeros_like(rmax), rmax))
+            again = scale_of(torch.where(bad, torch.zeros_like(rmax), rmax))
             lower = again < scale
             # (the loop's test is one device sync per step on CUDA; meta tensors hold no values:
             # one step stands for all)
@@ -306,6 +357,17 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
                 break
             scale = torch.where(lower, again, scale)
             q = torch.where(lower, round_at(scale), q)
+        return q
+
+    q = settled(candidates[0])
+    if len(candidates) == 2:  # 4over6: map to 4 where its error sum is lower (6 on a tie)
+        q4 = settled(candidates[1])
+        err6 = torch.zeros_like(amax_f)
+        err4 = torch.zeros_like(amax_f)
+        for j in range(blocks.shape[-1]):  # in element order, as the kernels add them
+            err6 = err6 + (q[..., j:j + 1] - blocks[..., j:j + 1]).abs()
+            err4 = err4 + (q4[..., j:j + 1] - blocks[..., j:j + 1]).abs()
+        q = torch.where(err4 < err6, q4, q)
     q = torch.where(bad, torch.full_like(q, float("nan")), q)
     q = q.reshape(*moved.shape[:-1], -1)[..., :n]
     if axis is None:
@@ -324,7 +386,7 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
     if x.numel() == 0:
         return x.detach().clone()
     index = None
-    if rounding == "stochastic":
+    if stochastic_bits(rounding) is not None:
         index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
     x64 = x.detach().to(torch.float64)
     if isinstance(fmt, BlockFormat):
@@ -345,5 +407,5 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
     check_generator(generator)
-    seed = draw_seed(generator) if rounding == "stochastic" else 0
+    seed = draw_seed(generator) if stochastic_bits(rounding) is not None else 0
     return quantize_with_seed(x, fmt, rounding, seed)

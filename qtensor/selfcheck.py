@@ -49,7 +49,7 @@ _verdicts: dict = {}  # (device type, family) -> True: the kernel agreed; False:
 
 def family(fmt, rounding: str) -> str:
     """The kernel family that rounds to ``fmt`` with ``rounding``."""
-    if rounding == "stochastic":
+    if rounding.startswith("stochastic"):  # (also "stochasticN")
         return "stochastic"
     return "block" if isinstance(fmt, BlockFormat) else "scalar"
 

@@ -18,7 +18,7 @@ from conftest import assert_bits_equal
 from qtensor import leaks
 from qtensor.formats import BlockFormat, FixedFormat, FloatFormat, FormatError
 
-MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")
+MODES = ("nearest", "nearest_away", "toward_zero", "stochastic", "stochastic8")
 BLOCK_PRESETS = [n for n, f in qt.PRESETS.items() if isinstance(f, BlockFormat)]
 NVFP4_SINGLE = BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="amax")
 
@@ -73,6 +73,20 @@ BLOCKS_2D = [
 ]
 
 
+# The scale rules of issue 21 (torchao's EVEN and RCEIL = ceil, ceil on an E4M3 scale, TE's
+# 4over6): even and 4over6 settle their blocks as the amax rule does (docs/formats.md).
+NEW_RULES = [
+    BlockFormat(qt.fp8_e4m3, 32, scale_rule="even"),
+    BlockFormat(qt.fp4_e2m1, 32, scale_rule="even"),
+    BlockFormat(FixedFormat(8, 6, symmetric=True), 32, scale_rule="even"),
+    BlockFormat(qt.fp8_e4m3, 32, scale_rule="rceil"),
+    BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="ceil"),
+    BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="ceil", tensor_scale=True),
+    BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="4over6"),
+    BlockFormat(qt.fp4_e2m1, 16, scale=qt.fp8_e4m3, scale_rule="4over6", tensor_scale=True),
+]
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", BLOCKS_2D, ids=str)
 def test_2d_and_fp32_scale_blocks_idempotent(quantize, fmt, mode):
@@ -81,6 +95,24 @@ def test_2d_and_fp32_scale_blocks_idempotent(quantize, fmt, mode):
         if fmt.tensor_scale:  # (the NaN and Inf away from the tensor's amax block, as above)
             x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
         assert_idempotent(quantize, x.reshape(2, 24, 300), fmt, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", NEW_RULES, ids=str)
+def test_new_scale_rules_idempotent(quantize, fmt, mode):
+    assert_idempotent(quantize, wide_blocks(48, 64, seed=3), fmt, mode)
+    assert_idempotent(quantize, wide_blocks(48, 64, seed=8, lo=-12, hi=-4), fmt, mode)
+
+
+def test_even_settles_a_max_rounded_out_of_the_top_binade(quantize):
+    """even, toward_zero: 500 gets scale 2 (500 rounds half away to 512 at 4 significant bits),
+    500 / 2 = 250 rounds toward zero to 240, so 480, whose own even scale is 1, where 480
+    saturates to 448: the block settles at scale 1 (500 -> 448) at once."""
+    fmt = BlockFormat(qt.fp8_e4m3, 2, scale_rule="even")
+    x = torch.tensor([[500.0, 1.0]])
+    q = quantize(x, fmt, rounding="toward_zero")
+    assert q.tolist() == [[448.0, 1.0]]
+    assert_bits_equal(quantize(q, fmt), q, "re-rounded")
 
 
 def test_nvfp4_subnormal_scale_regression(quantize):
@@ -136,9 +168,17 @@ AMAX_SCALES = [qt.fp8_e4m3, qt.fp8_e5m2, qt.bf16, qt.fp16, FloatFormat(5, 3),
 @st.composite
 def block_formats(draw):
     elem = draw(st.sampled_from(ELEMS))
-    rule = draw(st.sampled_from(("floor", "ceil", "amax")))
-    scale = draw(st.sampled_from(AMAX_SCALES if rule == "amax" else POW2_SCALES))
-    ts = rule == "amax" and draw(st.booleans())
+    rule = draw(st.sampled_from(("floor", "ceil", "amax", "even", "4over6")))
+    if rule == "4over6":
+        elem = qt.fp4_e2m1
+    if rule == "ceil":  # power-of-two scales, or a scale rounded up
+        scale = draw(st.sampled_from(AMAX_SCALES + POW2_SCALES))
+    else:
+        scale = draw(st.sampled_from(AMAX_SCALES if rule in ("amax", "4over6") else POW2_SCALES))
+    ts = draw(st.booleans()) and (rule in ("amax", "4over6") or scale.man > 0)
+    # (known exception, docs/formats.md: unsigned elements clamp a negative tensor amax to 0,
+    # so the tensor scale derived again is smaller; found with amax and ceil alike)
+    assume(not (ts and isinstance(elem, FixedFormat) and not elem.signed))
     bs = draw(st.sampled_from((1, 2, 3, 8, 16, 32, None)))
     shape = draw(st.sampled_from((None, None, (1, 4), (3, 2), (4, 4), (8, 16))))
     axis = draw(st.sampled_from((-1, 0, None) if shape is None else (-1, -2, 0)))
@@ -153,7 +193,7 @@ def value_bits(fmt) -> int:
     """Significant bits of the format's values (element, scale, tensor scale)."""
     e = fmt.elem
     bits = e.man + 1 if isinstance(e, FloatFormat) else (e.wl - 1 if e.signed else e.wl)
-    if fmt.scale_rule == "amax":
+    if not fmt.power_of_two_scales:
         bits += fmt.amax_scale_format.man + 1
     if fmt.tensor_scale:
         bits += fmt.tensor_scale_bits

@@ -27,6 +27,8 @@ qc::DType dtype_of(const at::Tensor& x) {
 
 void check_cuda(const at::Tensor& x, const at::Tensor& out, int64_t rounding, const char* op) {
   check_op(x, out, rounding, op);
+  TORCH_CHECK((rounding >> 8) == 0, "qtensor::", op, ": stochastic rounding with fewer than 32 "
+              "random bits has no CUDA kernel (qtensor.ops sends it to the reference)");
   TORCH_CHECK(x.is_cuda(), "qtensor::", op, ": expected a CUDA tensor");
 }
 
@@ -85,6 +87,14 @@ void block_out(const at::Tensor& x, at::IntArrayRef elem, double elem_max, int64
   const c10::cuda::CUDAGuard guard(x.device());
   BlockArgs a = block_args(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
                            tensor_scale);
+  // (qtensor.ops sends these to the reference: the CUDA kernels have neither the 4over6 choice
+  // nor the even rule's settling, which only toward_zero, stochastic rounding and unsigned
+  // fixed-point elements need)
+  TORCH_CHECK(a.scale_rule != kRule4over6 &&
+                  !(a.scale_rule == kRuleEven &&
+                    (rounding == kTowardZero || rounding == kStochastic ||
+                     (a.elem_fixed && !a.is_signed))),
+              "qtensor::quantize_block: no CUDA kernel for this scale rule and rounding");
   const Layout L = make_layout(x, out);
   if (x.numel() == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();

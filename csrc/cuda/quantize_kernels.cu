@@ -182,8 +182,9 @@ __device__ __forceinline__ BlockScale block_scale(uint32_t amax, const BlockArgs
   b.pow2 = a.scale_rule != kRuleAmax;
   b.sc = 0.0;
   if (b.pow2) {
+    // (even: nearest modes only, whose blocks never need settle_even_exp: quantize_cuda.cu)
     const int k = block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax, a.elem_max,
-                                  a.scale_emin, a.scale_emax);
+                                  a.scale_emin, a.scale_emax, a.even_mbits);
     b.e = shift_elem(a.elem_fixed, a.man, a.emin, a.qlow, a.elem_max, a.wl, a.fl, a.is_signed,
                      a.symmetric, k);
   } else {

@@ -50,7 +50,7 @@ def block_elements_ok(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
         allowed = elem.man + 1
     else:
         allowed = elem.wl - 1 if elem.signed else elem.wl
-    if fmt.scale_rule == "amax":  # the scale has significant bits of its own
+    if not fmt.power_of_two_scales:  # the scale has significant bits of its own
         allowed += fmt.amax_scale_format.man + 1
     nz = finite & (x32 != 0)
     nsig, quantum = sig_bits_and_quantum(torch.where(nz, x32, torch.ones_like(x32)))

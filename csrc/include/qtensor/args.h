@@ -8,7 +8,8 @@
 namespace qtensor {
 
 constexpr int kMaxDims = 16;
-enum ScaleRule : int { kRuleFloor = 0, kRuleCeil = 1, kRuleAmax = 2 };
+// (ceil with a scale of mantissa bits runs as kRuleAmax with amax_spec.up: op_common.h)
+enum ScaleRule : int { kRuleFloor = 0, kRuleCeil = 1, kRuleAmax = 2, kRuleEven = 3, kRule4over6 = 4 };
 
 // A tensor's logical shape with the strides (in elements) of the input x, of the output y and of
 // the logical row-major order (ls, which numbers elements for stochastic rounding).
@@ -33,11 +34,14 @@ struct BlockArgs {
   double elem_max;
   // power-of-two scales: exponent range
   int scale_emin, scale_emax;
+  int even_mbits;      // scale_rule even: the element's significant bits after the leading one
   // scale_rule == amax
   AmaxBlockSpec amax_spec;
   bool tensor_scale;
   double ts;  // the per-tensor scale (when tensor_scale)
   int ts_bits, ts_jmin;  // its significant bits and smallest quantum exponent (formats.py)
+  double ts_bound;       // the scale value the tensor's amax maps to (tensor_scale_bound)
+  uint32_t sr_or;        // limited-bit stochastic rounding: OR-ed into each random word
 };
 
 }  // namespace qtensor

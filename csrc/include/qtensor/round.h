@@ -47,6 +47,16 @@ enum Rounding : int { kNearest = 0, kNearestAway = 1, kTowardZero = 2, kStochast
       constexpr int M = ::qtensor::kStochastic; __VA_ARGS__; break; }                 \
   }
 
+// A rounding mode argument carries, above its low byte, the random bits a stochastic rounding
+// drops (32 - N for "stochasticN", 0 for "stochastic"): the element's word is OR-ed with that
+// many low one bits, so that up = (w | low) < thr, thr = floor(frac * 2^32), is exactly
+// (w >> (32 - N)) < floor(frac * 2^N): N random bits against the top N bits of the fraction.
+QT_HD int mode_base(int mode) { return mode & 0xFF; }
+QT_HD uint32_t sr_or_mask(int mode) {
+  const int drop = (mode >> 8) & 31;
+  return drop ? (((uint32_t)1 << drop) - 1u) : 0u;
+}
+
 // What a float format gives on overflow: its max, Inf, or NaN.
 enum Overflow : int { kSaturate = 0, kInf = 1, kNaN = 2 };
 
@@ -386,11 +396,19 @@ QT_HD uint32_t round_fixed_fast(uint32_t u, const FastGrid& g, uint32_t pos_bits
 
 // ---- blocks ------------------------------------------------------------------------------------
 // Power-of-two scale 2^k of a block from its amax (float32 bits, finite): floor or ceil rule,
-// clamped to the scale format's exponent range.
+// or even (even_mbits >= 0: the element's significant bits after the leading one), clamped to
+// the scale format's exponent range.
 QT_HD int block_scale_exp(uint32_t amax_bits, int rule_ceil, int elem_emax, double elem_max,
-                          int scale_emin, int scale_emax) {
+                          int scale_emin, int scale_emax, int even_mbits = -1) {
   // binade of amax; frexp(0) gives exponent 0, i.e. binade -1 (as the reference)
   int b = amax_bits == 0 ? -1 : binade_of<uint32_t>(amax_bits);
+  if (even_mbits >= 0) {
+    // amax rounded half away from zero to even_mbits + 1 significant bits reaches the next
+    // binade: amax >= 2^(b+1) - 2^(b - even_mbits - 1) (exact in double)
+    const double thr = u2d(pow2_bits<uint64_t>(b + 1)) -
+                       u2d(pow2_bits<uint64_t>(b - even_mbits - 1));
+    b += (double)u2f(amax_bits) >= thr ? 1 : 0;
+  }
   int k = b - elem_emax;
   if (rule_ceil) {
     // amax / 2^k > max_elem, exactly (2^k*max_elem is a double product without rounding)
@@ -443,8 +461,24 @@ struct AmaxBlockSpec {
   bool elem_fixed;
   FloatSpec<uint64_t> ef;      // elements as doubles (saturating)
   FixedSpec<uint64_t> ex;
-  double elem_max;
+  double elem_max;  // the element value a block's amax maps to (4over6: also 4)
+  bool up;          // the scale rounds amax / elem_max up (scale_rule ceil), else to nearest
 };
+
+// Non-negative finite r rounded up to a value of the (signed) scale format s: toward zero, and
+// if that is below r the next value (past max: the overflow value). reference._round_float_up
+QT_HD double round_float_up(double r, const FloatSpec<uint64_t>& s) {
+  const uint64_t tb = round_float<kTowardZero, uint64_t>(d2u(r), s, 0);
+  const double t = u2d(tb);
+  if (!(t < r)) return t;
+  int qexp = s.qlow;
+  if (t > 0) {
+    const int b = binade_of<uint64_t>(tb);
+    qexp = (b > s.emin ? b : s.emin) - s.man;
+  }
+  const double nxt = t + u2d(pow2_bits<uint64_t>(qexp));
+  return nxt > u2d(s.max_bits) ? u2d(s.ovf_bits) : nxt;
+}
 
 // The block scale (0 or negative/NaN means "no scale": the block becomes zeros, signed for float
 // elements).
@@ -458,7 +492,8 @@ QT_HD double amax_block_scale(uint32_t amax_bits, const AmaxBlockSpec& s, bool u
   } else {
     ratio = amax / s.elem_max;
   }
-  double sc = u2d(round_float<kNearest, uint64_t>(d2u(ratio), s.scale, 0));
+  double sc = s.up ? round_float_up(ratio, s.scale)
+                   : u2d(round_float<kNearest, uint64_t>(d2u(ratio), s.scale, 0));
   if (use_tensor_scale) sc = sc * tensor_scale;
   return sc;
 }
