@@ -1,6 +1,7 @@
 """The FP4 training recipes of 2025 in miniature: a char-GPT and the digits CNN trained in FP32,
 naive MXFP4, NVFP4 (with and without its per-tensor scale), the presets ``nvfp4_nvidia``,
-``fp4_all_the_way`` and ``quartet``, and the ablations of the NVIDIA recipe (no RHT, no
+``fp4_all_the_way``, ``quartet``, ``mxfp8_pretraining``, ``nvfp4_4over6`` and
+``deepseek_v3_fp8``, and the ablations of the NVIDIA recipe (no RHT, no
 stochastic gradients, no BF16 last layers); 3 seeds each, mean and spread.
 
     python examples/fp4_recipes_study.py --threads 1 --out examples/results   # the recorded run
@@ -14,7 +15,8 @@ three GEMMs (forward, dgrad, wgrad) of each Linear/Conv (``Recipe.gemm``):
 - ``mxfp4``: every operand MXFP4 (E2M1, blocks of 32, E8M0 floor scale), round to nearest.
 - ``nvfp4``: every operand NVFP4 (E2M1, E4M3 scales of 16, FP32 tensor scale), nearest;
   ``nvfp4_single``: the same without the tensor scale (``qt.nvfp4_single``).
-- ``nvfp4_nvidia``, ``fp4_all_the_way``, ``quartet``: the presets (``qt.recipes.describe()``).
+- ``nvfp4_nvidia``, ``fp4_all_the_way``, ``quartet``, ``mxfp8_pretraining``, ``nvfp4_4over6``,
+  ``deepseek_v3_fp8``: the presets (``qt.recipes.describe()``).
 - ``nvidia-rht``, ``nvidia-sr``, ``nvidia-last``: ``nvfp4_nvidia`` without its wgrad RHT,
   without stochastic rounding of dY, without the BF16 last layers.
 
@@ -67,6 +69,9 @@ RECIPES = {
     "nvidia-last": R.nvfp4_nvidia.replace(last_layers=None),
     "fp4_all_the_way": R.fp4_all_the_way,
     "quartet": R.quartet,
+    "mxfp8_pretraining": R.mxfp8_pretraining,
+    "nvfp4_4over6": R.nvfp4_4over6,
+    "deepseek_v3_fp8": R.deepseek_v3_fp8,
 }
 LABELS = {
     "fp32": "FP32", "mxfp4": "naive MXFP4 (all operands, nearest)",
@@ -76,6 +81,8 @@ LABELS = {
     "nvidia-sr": "nvfp4_nvidia without SR on dY",
     "nvidia-last": "nvfp4_nvidia without BF16 last layers",
     "fp4_all_the_way": "qt.recipes.fp4_all_the_way", "quartet": "qt.recipes.quartet",
+    "mxfp8_pretraining": "qt.recipes.mxfp8_pretraining", "nvfp4_4over6": "qt.recipes.nvfp4_4over6",
+    "deepseek_v3_fp8": "qt.recipes.deepseek_v3_fp8",
 }
 # What each paper reports for the recipe against its high-precision baseline (at its scale)
 PAPER = {
@@ -87,6 +94,9 @@ PAPER = {
     "fp4_all_the_way": "7B, 200B tokens: downstream on par with BF16 (2505.19115)",
     "quartet": "Llama up to 7B: competitive with FP8/BF16 (2505.14669)",
     "nvfp4_single": "no tensor scale: gradients flush to 0, no training (issue 21)",
+    "mxfp8_pretraining": "8B, 15T tokens: MXFP8 matches BF16 (2506.08027)",
+    "nvfp4_4over6": "TE's NVFP4 variant: lower block error than 6-only scales",
+    "deepseek_v3_fp8": "671B MoE, 14.8T tokens: loss within 0.25% of BF16 (2412.19437)",
 }
 RUNS = list(RECIPES)
 DEFAULTS = dict(d=64, layers=2, heads=4, context=32, batch=8, lr=1e-2, steps=100,
