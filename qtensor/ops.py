@@ -21,7 +21,7 @@ import torch.autograd.forward_ad as _fwad
 from . import decompositions, reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
 from .checks import resolve_rounding
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, stochastic_bits
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, is_stochastic, stochastic_bits
 
 __all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
 
