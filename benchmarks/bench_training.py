@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import math
 import os
 import pstats
 import statistics

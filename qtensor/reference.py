@@ -18,7 +18,6 @@ The exact computation and the random-bits formula the kernels implement: docs/fo
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
