@@ -521,8 +521,8 @@ class BlockFormat(Format):
 
     @property
     def amax_scale_format(self) -> FloatFormat:
-        """The format the amax rule rounds a block's scale to: the scale format, except a
-        float32 scale ('fp32', DeepSeek-V3's FP32 block scales), which rounds to the float32
+        """The format the amax, ceil and 4over6 rules round a block's scale to: the scale
+        format, except a float32 scale ('fp32', DeepSeek-V3's FP32 block scales), which rounds to the float32
         numbers of 24 - (element bits) significant bits that are multiples of 2^(-149 - the
         element's lowest bit exponent), so that element times scale is a float32 exactly: 20
         bits and multiples of 2^-140 for E4M3 elements (:class:`Fp32ScaleGrid`)."""
@@ -592,7 +592,7 @@ class BlockFormat(Format):
 
     @property
     def scale_emin(self) -> int:
-        s = self.amax_scale_format if self.scale_rule == "amax" else self.scale
+        s = self.scale if self.power_of_two_scales else self.amax_scale_format
         return s.emin if not s.subnormals else s.min_quantum_exp
 
     @property

@@ -91,7 +91,7 @@ def op_args(fmt: Format) -> tuple:
             elem = [0, e.man, e.emin, int(e.subnormals), 0, e.emax]
         else:
             elem = [1, e.wl, e.fl, int(e.signed), int(e.symmetric), e.emax]
-        s = fmt.amax_scale_format if fmt.scale_rule == "amax" else fmt.scale
+        s = fmt.scale if fmt.power_of_two_scales else fmt.amax_scale_format
         man, emin, subnormals, smax, overflow, unsigned = _float_args(s)
         scale = [man, emin, s.emax, int(subnormals), overflow, int(unsigned)]
         block_size = 0 if fmt.block_size is None else fmt.block_size

@@ -221,7 +221,7 @@ def test_fp32_scale_limits():
     scales; a float32-like scale of 23 mantissa bits that is not FP32 is still refused."""
     with pytest.raises(FormatError, match="tensor_scale=True with fp8_e4m3 elements"):
         BlockFormat(qt.fp8_e4m3, 128, scale="fp32", scale_rule="amax", tensor_scale=True)
-    with pytest.raises(FormatError, match="power-of-two scales"):
+    with pytest.raises(FormatError, match="exponent-only scale format"):
         BlockFormat(qt.fp8_e4m3, 128, scale="fp32")
     with pytest.raises(FormatError, match="more than the float32 carrier's 24"):
         BlockFormat(qt.fp8_e4m3, 128, scale=qt.FloatFormat(8, 22), scale_rule="amax")
