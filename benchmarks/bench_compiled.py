@@ -26,25 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import qtensor as qt  # noqa: E402
 from qtensor import decompositions  # noqa: E402
-
-
-# The losses computed from the QTensor output, as a compiled converted model needs (README: give
-# a compiled QTensor output a QTensor gradient), not from its .dequantize() as bench_training's.
-def _mlp_loss(model, b):
-    x, y = b
-    return F.cross_entropy(model(x), y)
-
-
-def _gpt_step_fn(hf):
-    def loss_of(model, b):
-        x, y = b[:, :-1], b[:, 1:]
-        logits = model(x).logits if hf else model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    return loss_of
 
 
 def bench_rounding(repeat=15):
@@ -98,7 +82,6 @@ def main(argv=None):
     import bench_training  # (benchmarks/bench_training.py)
     print(f"torch {torch.__version__}, 1 thread, decompositions: {label}; medians of "
           f"{args.steps} interleaved steps after {args.warmup}")
-    bench_training._mlp_loss, bench_training._gpt_step_fn = _mlp_loss, _gpt_step_fn
     for name in args.only.split(","):
         made = bench_training.make_pair(name, args.quick, True)
         if isinstance(made, str):

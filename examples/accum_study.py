@@ -34,7 +34,6 @@ accum_study_refs.md and accum_study_refs.png.
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
 import sys
 
@@ -102,13 +101,7 @@ def run_gpt(name, corpus, args):
     model = common.CharGPT(corpus.vocab, d=args.d, layers=2, heads=4, context=args.context)
     qt.convert(model, recipe(RUNS[name]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, args.gpt_steps // 20)
-
-    def lr_at(step):  # linear warmup, cosine decay to 10% (as examples/mx_training.py)
-        if step < warmup:
-            return 1e-2 * (step + 1) / warmup
-        t = (step - warmup) / max(1, args.gpt_steps - warmup)
-        return 1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    lr_at = common.warmup_cosine(1e-2, args.gpt_steps)
 
     g = torch.Generator().manual_seed(seed)
     hi = len(corpus.train) - args.context - 1

@@ -245,6 +245,19 @@ def plain_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def warmup_cosine(lr: float, steps: int):
+    """The learning rate of each step: a linear warmup over the first 5% of the steps, then a
+    cosine decay to 10% of ``lr`` (the schedule of the char-GPT studies)."""
+    warmup = max(1, steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    return lr_at
+
+
 def smooth(values: Sequence[float], window: int) -> List[float]:
     """Trailing moving average (window shrinks at the start), for readable loss curves."""
     out, acc = [], 0.0

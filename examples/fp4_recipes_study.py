@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import pathlib
 import statistics
 import sys
@@ -111,13 +110,7 @@ def gpt_run(name, corpus, args, seed):
         qt.convert(model, RECIPES[name])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
-    warmup = max(1, args.steps // 20)
-
-    def lr_at(step):  # linear warmup, cosine decay to 10%
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, args.steps - warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    lr_at = common.warmup_cosine(args.lr, args.steps)
 
     g = torch.Generator().manual_seed(seed)  # the same batches for every recipe of one seed
     hi = len(corpus.train) - args.context - 1

@@ -24,7 +24,6 @@ one machine, not across Python versions.
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
 import sys
 
@@ -118,13 +117,7 @@ def train(name, corpus, args):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 20)
-
-    def lr_at(step):  # linear warmup, cosine decay to 10%
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, args.steps - warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    lr_at = common.warmup_cosine(args.lr, args.steps)
 
     g = torch.Generator().manual_seed(seed)  # the same batches for every run of one seed
     hi = len(corpus.train) - args.context - 1
