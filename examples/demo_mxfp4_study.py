@@ -13,7 +13,11 @@ operands of every matmul/conv) and small changes to it, one at a time:
   gradient operands only / for every operand;
 - ``fwd_ceil``: the ceil rule for the weight and activation operands only;
 - ``grad_bf16``: gradient operands left BF16 (weights and activations still MXFP4);
-- ``lr_half``: the demo's recipe at half the learning rate (0.025).
+- ``lr_half``: the demo's recipe at half the learning rate (0.025);
+- ``fc2_grad_ceil`` / ``not_fc2_grad_ceil``: the ceil rule for the gradient operands of the
+  last layer (fc2, whose dY is dL/dlogits) only / of every layer but fc2;
+- ``linear_dgrad_ceil`` / ``linear_wgrad_ceil``: the ceil rule for dY in the dgrad / the wgrad
+  GEMMs of the Linear layers (fc1, fc2) only (``Recipe.gemm``).
 
 Per run: test accuracy, the training loss (first, minimum, last 20 steps), the step at which
 the loss first exceeds 3 (chance is ln 10 = 2.30) and its peak, and, every ``--every``
@@ -53,6 +57,14 @@ VARIANTS = {
     "fwd_ceil": (_recipe(w=CEIL, a=CEIL), 1.0),
     "grad_bf16": (_recipe(g=None), 1.0),
     "lr_half": (_recipe(), 0.5),
+    # Where in the network: the ceil rule for the gradient operands of fc2 (the logits' layer)
+    # only, and for every layer's but fc2's
+    "fc2_grad_ceil": (_recipe().replace(rules={"fc2": {"grad": (qt.bf16, CEIL)}}), 1.0),
+    "not_fc2_grad_ceil": (_recipe(g=CEIL).replace(rules={"fc2": {"grad": (qt.bf16, FP4)}}), 1.0),
+    # Which GEMM: the ceil rule for dY in the dgrad (dX = dY W) / wgrad (dW = dY^T X) GEMMs of
+    # the Linear layers (fc1 and fc2) only
+    "linear_dgrad_ceil": (_recipe().replace(gemm={"linear": {"dgrad": (CEIL, None)}}), 1.0),
+    "linear_wgrad_ceil": (_recipe().replace(gemm={"linear": {"wgrad": (None, CEIL)}}), 1.0),
 }
 
 
