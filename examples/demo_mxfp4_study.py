@@ -7,7 +7,7 @@ The demo's configuration (examples/demo.py: the digits CNN, SGD lr 0.05, momentu
 steps of 64, the MX paper's recipe with MXFP4 E2M1 for the weight, activation and gradient
 operands of every matmul/conv) and small changes to it, one at a time:
 
-- ``base``: the demo's mxfp4_e2m1 row;
+- ``fp32``: plain FP32 (the demo's fp32 row); ``base``: the demo's mxfp4_e2m1 row;
 - ``grad_ceil`` / ``all_ceil``: the ceil scale rule (no saturation: a block's amax maps into
   (3, 6] times the scale instead of OCP's floor rule's [4, 8), whose top clips at 6) for the
   gradient operands only / for every operand;
@@ -51,6 +51,7 @@ def _recipe(w=FP4, a=FP4, g=FP4):
 
 
 VARIANTS = {
+    "fp32": (None, 1.0),  # plain FP32: the reference
     "base": (_recipe(), 1.0),
     "grad_ceil": (_recipe(g=CEIL), 1.0),
     "all_ceil": (_recipe(CEIL, CEIL, CEIL), 1.0),
@@ -81,12 +82,20 @@ def clipped_share(x: torch.Tensor, axis: int, block: int = 32) -> float:
     return float(((x.abs() > 6 * scale) & nz).sum()) / max(1, int(nz.sum()))
 
 
-def run(name, data, seed, steps, every):
+def row_sum_bias(dy: torch.Tensor, fmt) -> float:
+    """Mean over the rows of dL/dlogits (which sum to 0) of sum(q(row)) / sum(|row|), q the
+    rounding to ``fmt`` along the classes (the dgrad GEMM's blocks)."""
+    q = qt.quantize(dy.float(), fmt)
+    return float((q.sum(1) / dy.float().abs().sum(1).clamp_min(1e-30)).mean())
+
+
+def run(name, data, seed, steps, every, trace=0):
     spec, lr_factor = VARIANTS[name]
     x_tr, y_tr, x_te, y_te = data
     torch.manual_seed(seed)
     model = common.DigitsCNN()
-    qt.convert(model, spec)
+    if spec is not None:
+        qt.convert(model, spec)
     opt = torch.optim.SGD(model.parameters(), lr=demo.LR * lr_factor, momentum=demo.MOMENTUM)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear,
                                                                       torch.nn.Conv2d))}
@@ -96,8 +105,14 @@ def run(name, data, seed, steps, every):
             lambda mod, gin, gout, n=n: dy.__setitem__(n, common.plain(gout[0].detach())))
     clip = {n: [] for n in layers}
     gnorm = {n: 0.0 for n in layers}
+    traced = []
 
     def callback(step):
+        if step < trace:  # fc2's |dW| and |W|, conv1's |dW|, the row-sum bias of fc2's dY
+            traced.append((step, float(common.plain(model.fc2.weight.grad).norm()),
+                           float(common.plain(model.fc2.weight.detach()).norm()),
+                           float(common.plain(model.conv1.weight.grad).norm()),
+                           row_sum_bias(dy["fc2"], FP4), row_sum_bias(dy["fc2"], CEIL)))
         for n, m in layers.items():
             g = m.weight.grad
             if g is not None:
@@ -116,7 +131,7 @@ def run(name, data, seed, steps, every):
             "peak": max(losses),
             "clip": {n: sum(v) / len(v) for n, v in clip.items() if v},
             "clip_max": {n: max(v) for n, v in clip.items() if v}, "gnorm": gnorm,
-            "losses": losses}
+            "losses": losses, "trace": traced}
 
 
 def main(argv=None):
@@ -126,6 +141,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=int, default=10, help="dY clipping measured every N steps")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--trace", type=int, default=0,
+                   help="also print the first N steps of each run: loss, fc2's |dW| and |W|, "
+                   "conv1's |dW|, fc2's dY row sum / L1 rounded with the floor and ceil rules")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     qt.set_flush_warnings(False)
@@ -135,7 +153,7 @@ def main(argv=None):
     print("|:--|--:|--:|--:|--:|:--|:--|")
     for name in args.variants.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
-            r = run(name, data, seed, args.steps, args.every)
+            r = run(name, data, seed, args.steps, args.every, args.trace)
             clip = ", ".join(f"{n} {100 * v:.2f}% ({100 * r['clip_max'][n]:.1f})"
                              for n, v in r["clip"].items())
             gn = ", ".join(f"{n} {v:.3g}" for n, v in r["gnorm"].items())
@@ -143,6 +161,10 @@ def main(argv=None):
                   f"{r['min']:.4f} / {r['last']:.4f} | {r['spike']} ({r['peak']:.1f}) | "
                   f"{clip} | {gn} |",
                   flush=True)
+            for step, g2, w2, g1, bf, bc in r["trace"]:
+                print(f"    step {step:3d}: loss {r['losses'][step]:6.2f}, fc2 |dW| {g2:6.2f} "
+                      f"|W| {w2:5.2f}, conv1 |dW| {g1:5.2f}, fc2 dY row sum / L1: floor "
+                      f"{bf:+.3f}, ceil {bc:+.3f}", flush=True)
 
 
 if __name__ == "__main__":
