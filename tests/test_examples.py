@@ -204,3 +204,21 @@ def test_mx_contractions_of_the_gpt_match_quantize_then_multiply():
     got = (wrap(att) @ wrap(v)).dequantize()
     want = qt.quantize(q(att, -1) @ q(v, -2), qt.bf16)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_demo_mxfp4_study_quick():
+    """The script behind RESULTS.md's explanation of the demo's MXFP4 divergence runs and
+    prints one row per variant and seed; its clipping count matches the floor rule by hand."""
+    out = run_example("demo_mxfp4_study.py", "--variants", "base,grad_ceil", "--seeds", "0",
+                      "--steps", "3", "--every", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| base |")
+            or line.startswith("| grad_ceil |")]
+    assert len(rows) == 2, out
+    sys.path.insert(0, str(EXAMPLES))
+    import torch
+    import demo_mxfp4_study as study
+    # block amax 7 -> floor scale 2^(2 - 2) = 1: 7 and 6.5 exceed 6 (clipped), 6 does not
+    x = torch.zeros(2, 32)
+    x[0, :4] = torch.tensor([7.0, 6.5, 6.0, 1.0])
+    x[1, :2] = torch.tensor([5.0, 1.0])  # amax 5 -> scale 1: nothing clipped
+    assert study.clipped_share(x, 1) == 2 / 6
