@@ -250,10 +250,27 @@ class _RoundActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        accum = ctx.accum
+        if torch.compiler.is_compiling() and _is_q(g):
+            # dynamo traces this for a guessed gradient, a QTensor in the output's formats,
+            # which round_to would pass as is (activation and grad roles alike), but when run
+            # it may come plain (the output dequantized in the compiled code): round its values
+            accum = _accum_of(g) or accum
+            g = _traced_values(g)
         q = grad_with_accum(round_to(g, ctx.grad_role, name=f"gradient of the {ctx.name}",
-                                     kind="grad"), ctx.accum)
+                                     kind="grad"), accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
         return (_plain(q) if ctx.plain_input else q), None, None, None  # (a DTensor too)
+
+
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def _traced_values(g):
+    """g's values as a plain tensor by ops that a traced graph replays on a QTensor and on a
+    plain tensor alike: a view of the bits as integers (plain for a QTensor: its payload's) and
+    back (g._data would fail on a plain one)."""
+    return g.view(_BITS[g.element_size()]).view(g.dtype)
 
 
 def _to_plain(x):
