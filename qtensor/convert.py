@@ -35,7 +35,7 @@ from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
                     gemm_for, round_to, GEMMS, GemmFormats, last_layers_count)
 from .spec import as_recipe
-from .tensor import _accum_of, grad_with_accum, refuse_transformed
+from .tensor import _accum_of, _grad_values, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
@@ -256,21 +256,11 @@ class _RoundActivation(torch.autograd.Function):
             # which round_to would pass as is (activation and grad roles alike), but when run
             # it may come plain (the output dequantized in the compiled code): round its values
             accum = _accum_of(g) or accum
-            g = _traced_values(g)
+            g = _grad_values(g)
         q = grad_with_accum(round_to(g, ctx.grad_role, name=f"gradient of the {ctx.name}",
                                      kind="grad"), accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
         return (_plain(q) if ctx.plain_input else q), None, None, None  # (a DTensor too)
-
-
-_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
-
-
-def _traced_values(g):
-    """g's values as a plain tensor by ops that a traced graph replays on a QTensor and on a
-    plain tensor alike: a view of the bits as integers (plain for a QTensor: its payload's) and
-    back (g._data would fail on a plain one)."""
-    return g.view(_BITS[g.element_size()]).view(g.dtype)
 
 
 def _to_plain(x):

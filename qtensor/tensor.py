@@ -655,6 +655,22 @@ def _accum_of(x: torch.Tensor):
     return x.accum if isinstance(x, QTensor) else None
 
 
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def _grad_values(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's values as a plain tensor, in an autograd.Function's backward. Dynamo traces
+    that backward for a guessed gradient, a QTensor where forward returned one, which is plain
+    when run if the output was dequantized in the compiled code: there the values are taken by
+    a view of the bits as integers (plain for a QTensor: its payload's) and back, which replays
+    on either (g._data would fail on a plain one)."""
+    if not isinstance(g, QTensor):
+        return g
+    if torch.compiler.is_compiling():
+        return g.view(_BITS[g.element_size()]).view(g.dtype)
+    return g._data
+
+
 def grad_with_accum(g, accum):
     """The gradient ``g`` (rounded at a tensor that carries ``accum``) with that accumulator
     where it has none, so the contractions it meets further back sum with it (a plain
@@ -676,8 +692,8 @@ class _AsQTensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         # straight through; a plain input gets a plain gradient of its own dtype
-        if ctx.plain and isinstance(g, QTensor):
-            g = g._data
+        if ctx.plain:
+            g = _grad_values(g)
         if g.dtype != ctx.dtype and not isinstance(g, QTensor):
             g = g.to(ctx.dtype)
         return g, None, None, None
@@ -692,7 +708,7 @@ class _QuantizeGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        q = _ops.quantize(_payload_of(g), ctx.fmt, rounding=ctx.rounding)
+        q = _ops.quantize(_payload_of(_grad_values(g)), ctx.fmt, rounding=ctx.rounding)
         q = QTensor._wrap(q, ctx.fmt, ctx.mm_fmt, accum=_accum_of(g) or ctx.accum)
         return q, None, None, None
 

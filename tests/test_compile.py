@@ -627,6 +627,26 @@ def test_compiled_dequantize_inside_matches_eager(loss):
         _assert_same(got[name], g, f"grad of {name} (loss compiled)")
 
 
+_DEQUANTIZED_INSIDE = {  # compiled code whose QTensor is dequantized in it, before the loss
+    "as_qtensor": lambda x: (qt.as_qtensor(x, "bf16").dequantize() * 1.37).sum(),
+    "quantize_grad": lambda x: (qt.quantize_grad(qt.as_qtensor(x, "bf16"), "fp8_e4m3")
+                                .dequantize() * 1.37).sum(),
+}
+
+
+@pytest.mark.parametrize("fn", list(_DEQUANTIZED_INSIDE))
+def test_compiled_function_dequantizing_inside_matches_eager(fn):
+    """as_qtensor's and quantize_grad's backwards, traced by dynamo for a QTensor gradient,
+    get a plain one when run (the dequantize after them): they failed in AOTAutograd ("'Tensor'
+    object has no attribute '_data'"); now the plain gradient of eager, bit for bit."""
+    x = torch.randn(8, 16, requires_grad=True)
+    _DEQUANTIZED_INSIDE[fn](x).backward()
+    want, x.grad = x.grad, None
+    torch.compile(_DEQUANTIZED_INSIDE[fn], backend="aot_eager", fullgraph=True)(x).backward()
+    assert type(x.grad) is torch.Tensor
+    assert_bits_equal(x.grad, want, "grad of x")
+
+
 def test_compiled_hf_gpt2_with_its_default_cache():
     """HF GPT2LMHeadModel converted with qt.recipes.mxfp6 and compiled, with its default
     use_cache=True (the cache and the logits get no gradient from the loss it returns):
