@@ -35,7 +35,7 @@ from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
                     gemm_for, round_to, GEMMS, GemmFormats, last_layers_count)
 from .spec import as_recipe
-from .tensor import _accum_of, grad_with_accum, refuse_transformed
+from .tensor import _accum_of, _grad_values, grad_with_accum, refuse_transformed
 from .warn import warn as _warn, warn_once as _warn_once
 
 __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert", "describe",
@@ -250,8 +250,15 @@ class _RoundActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        accum = ctx.accum
+        if torch.compiler.is_compiling() and _is_q(g):
+            # dynamo traces this for a guessed gradient, a QTensor in the output's formats,
+            # which round_to would pass as is (activation and grad roles alike), but when run
+            # it may come plain (the output dequantized in the compiled code): round its values
+            accum = _accum_of(g) or accum
+            g = _grad_values(g)
         q = grad_with_accum(round_to(g, ctx.grad_role, name=f"gradient of the {ctx.name}",
-                                     kind="grad"), ctx.accum)
+                                     kind="grad"), accum)
         # a plain input gets a plain gradient (as as_qtensor does), with the rounded values
         return (_plain(q) if ctx.plain_input else q), None, None, None  # (a DTensor too)
 

@@ -208,7 +208,12 @@ def _accept_zero_tangents() -> None:
     does not use: a cache, HF's logits beside its loss) take the plain zeros that autograd
     makes for it: AOTAutograd expects a QTensor tangent there and refused the zeros ("Expected
     a QTensor tangent but got a plain Tensor"). Zeros are zeros in every format; any other
-    plain tangent is refused as before. A torch without this private function keeps the error."""
+    plain tangent (the output dequantized outside the compiled code) is refused with an error
+    that says what to do instead (_plain_tangent_error): the backward was traced for a QTensor
+    gradient in the output's formats, and no QTensor made of the plain one gives eager's
+    gradients in general (a rounding to the output's format, skipped in the traced graph as
+    a no-op, is one that eager makes on the plain gradient). A torch without this private
+    function keeps torch's error."""
     try:
         from torch._functorch._aot_autograd.runtime_wrappers import AOTDispatchAutograd
         from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
@@ -221,9 +226,26 @@ def _accept_zero_tangents() -> None:
                 and meta.original_subclass_type is QTensor and not x.any()):
             fmt, mm_fmt, accum = meta.meta
             x = QTensor._wrap(x, fmt, mm_fmt, accum=accum)
+        elif type(x) is torch.Tensor and isinstance(meta, SubclassCreationMeta) and (
+                meta.original_subclass_type is QTensor):
+            raise _plain_tangent_error(meta.meta[0], args[0] if args else
+                                       kwargs.get("tangent_idx"))
         return process(x, meta, *args, **kwargs)
 
     AOTDispatchAutograd.process_runtime_tangent = staticmethod(process_runtime_tangent)
+
+
+def _plain_tangent_error(fmt, index) -> RuntimeError:
+    where = "" if index is None else f" (gradient index {index})"
+    return RuntimeError(
+        f"torch.compile: a QTensor output (fmt={fmt}) of the compiled code got a plain "
+        f"gradient{where}: it was turned into a plain tensor (e.g. .dequantize()) outside the "
+        "compiled code, but its backward was compiled for a QTensor gradient, which rounds "
+        "differently than eager does with a plain one. Make the plain tensor inside the "
+        "compiled code: compile the function that dequantizes, e.g. "
+        "torch.compile(lambda x: model(x).dequantize()) or one that computes the loss, or "
+        "compute the loss on the QTensor output itself (loss = F.mse_loss(model(x), y) "
+        "works on QTensors).")
 
 
 def _check_not_lowering_a_dynamic_output(t) -> None:
@@ -633,6 +655,22 @@ def _accum_of(x: torch.Tensor):
     return x.accum if isinstance(x, QTensor) else None
 
 
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def _grad_values(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's values as a plain tensor, in an autograd.Function's backward. Dynamo traces
+    that backward for a guessed gradient, a QTensor where forward returned one, which is plain
+    when run if the output was dequantized in the compiled code: there the values are taken by
+    a view of the bits as integers (plain for a QTensor: its payload's) and back, which replays
+    on either (g._data would fail on a plain one)."""
+    if not isinstance(g, QTensor):
+        return g
+    if torch.compiler.is_compiling():
+        return g.view(_BITS[g.element_size()]).view(g.dtype)
+    return g._data
+
+
 def grad_with_accum(g, accum):
     """The gradient ``g`` (rounded at a tensor that carries ``accum``) with that accumulator
     where it has none, so the contractions it meets further back sum with it (a plain
@@ -654,8 +692,8 @@ class _AsQTensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         # straight through; a plain input gets a plain gradient of its own dtype
-        if ctx.plain and isinstance(g, QTensor):
-            g = g._data
+        if ctx.plain:
+            g = _grad_values(g)
         if g.dtype != ctx.dtype and not isinstance(g, QTensor):
             g = g.to(ctx.dtype)
         return g, None, None, None
@@ -670,7 +708,7 @@ class _QuantizeGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        q = _ops.quantize(_payload_of(g), ctx.fmt, rounding=ctx.rounding)
+        q = _ops.quantize(_payload_of(_grad_values(g)), ctx.fmt, rounding=ctx.rounding)
         q = QTensor._wrap(q, ctx.fmt, ctx.mm_fmt, accum=_accum_of(g) or ctx.accum)
         return q, None, None, None
 

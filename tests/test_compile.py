@@ -575,6 +575,78 @@ def test_compiled_output_without_a_gradient(fullgraph):
         _assert_same(got[name], g, f"grad of {name}")
 
 
+def _mlp():
+    torch.manual_seed(0)
+    return qt.convert(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)),
+                      qt.recipes.mxfp6)
+
+
+_TARGET = torch.tensor([0, 3, 1, 2, 0, 1, 3, 2])
+_PLAIN_LOSSES = {  # losses of a plain tensor (the output, dequantized)
+    "mean_square": lambda t: t.square().mean(),
+    "cross_entropy": lambda t: F.cross_entropy(t, _TARGET),
+}
+
+
+@pytest.mark.parametrize("loss", list(_PLAIN_LOSSES))
+def test_compiled_output_made_plain_outside_is_refused_precisely(loss):
+    """torch.compile(model) returns a QTensor; dequantized after it, its gradient comes back
+    plain, but the compiled backward was traced for a QTensor gradient (torch failed deep in
+    AOTAutograd: "Expected a QTensor tangent but got a plain Tensor"). No QTensor made of the
+    plain gradient gives eager's gradients in general (cross_entropy's did not), so backward
+    refuses it with an error that says where to dequantize instead."""
+    model = _mlp()
+    y = torch.compile(model, backend="aot_eager")(torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match=r"fmt=bf16\) of the compiled code got a plain "
+                       r"gradient.*torch\.compile\(lambda x: model\(x\)\.dequantize\(\)\)"):
+        _PLAIN_LOSSES[loss](y.dequantize()).backward()
+
+
+@pytest.mark.parametrize("loss", list(_PLAIN_LOSSES))
+def test_compiled_dequantize_inside_matches_eager(loss):
+    """What the error above says to do: the dequantize inside the compiled code (a compiled
+    function that returns model(x).dequantize(), or one that computes the loss) gives eager's
+    gradients bit for bit."""
+    model = _mlp()
+    x = torch.randn(8, 16)
+
+    def grads(run):
+        run().backward()
+        g = {n: p.grad for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return g
+
+    want = grads(lambda: _PLAIN_LOSSES[loss](model(x).dequantize()))
+    plain = torch.compile(lambda x: model(x).dequantize(), backend="aot_eager", fullgraph=True)
+    got = grads(lambda: _PLAIN_LOSSES[loss](plain(x)))
+    for name, g in want.items():
+        _assert_same(got[name], g, f"grad of {name}")
+    got = grads(torch.compile(lambda: _PLAIN_LOSSES[loss](model(x).dequantize()),
+                              backend="aot_eager"))
+    for name, g in want.items():
+        _assert_same(got[name], g, f"grad of {name} (loss compiled)")
+
+
+_DEQUANTIZED_INSIDE = {  # compiled code whose QTensor is dequantized in it, before the loss
+    "as_qtensor": lambda x: (qt.as_qtensor(x, "bf16").dequantize() * 1.37).sum(),
+    "quantize_grad": lambda x: (qt.quantize_grad(qt.as_qtensor(x, "bf16"), "fp8_e4m3")
+                                .dequantize() * 1.37).sum(),
+}
+
+
+@pytest.mark.parametrize("fn", list(_DEQUANTIZED_INSIDE))
+def test_compiled_function_dequantizing_inside_matches_eager(fn):
+    """as_qtensor's and quantize_grad's backwards, traced by dynamo for a QTensor gradient,
+    get a plain one when run (the dequantize after them): they failed in AOTAutograd ("'Tensor'
+    object has no attribute '_data'"); now the plain gradient of eager, bit for bit."""
+    x = torch.randn(8, 16, requires_grad=True)
+    _DEQUANTIZED_INSIDE[fn](x).backward()
+    want, x.grad = x.grad, None
+    torch.compile(_DEQUANTIZED_INSIDE[fn], backend="aot_eager", fullgraph=True)(x).backward()
+    assert type(x.grad) is torch.Tensor
+    assert_bits_equal(x.grad, want, "grad of x")
+
+
 def test_compiled_hf_gpt2_with_its_default_cache():
     """HF GPT2LMHeadModel converted with qt.recipes.mxfp6 and compiled, with its default
     use_cache=True (the cache and the logits get no gradient from the loss it returns):
