@@ -38,7 +38,6 @@ import common  # noqa: E402
 import mx_training  # noqa: E402  (its Corpus and mean_loss: the same data pipeline)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import qtensor as qt  # noqa: E402
 
@@ -116,19 +115,7 @@ def gpt_run(name, corpus, args, seed):
     hi = len(corpus.train) - args.context - 1
     losses = []
     for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        x, y = corpus.batch(corpus.train, torch.randint(0, hi, (args.batch,), generator=g),
-                            args.context)
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            flat = common.plain(logits.detach()).reshape(-1, logits.shape[-1])
-            losses.append(float(F.cross_entropy(flat, y.reshape(-1))))
+        losses.append(mx_training.train_step(model, opt, corpus, g, hi, args, lr_at(step)))
     gv = torch.Generator().manual_seed(12345)  # the same validation windows for every run
     starts = torch.randint(0, len(corpus.val) - args.context - 1, (args.eval_windows,),
                            generator=gv)

@@ -102,6 +102,25 @@ def eval_windows(corpus, args):
     return train_eval, val_eval
 
 
+def train_step(model, opt, corpus, g, hi, args, lr):
+    """One AdamW step of the char-GPT on a batch of training windows drawn with g (starts below
+    hi), at learning rate lr, gradients clipped to norm 1; its loss, recorded in FP32 from the
+    emulated logits (see common.py)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    x, y = Corpus.batch(corpus.train, torch.randint(0, hi, (args.batch,), generator=g),
+                        args.context)
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        flat = common.plain(logits.detach()).reshape(-1, logits.shape[-1])
+        return float(F.cross_entropy(flat, y.reshape(-1)))
+
+
 def train(name, corpus, args):
     recipe, _, offset = name.partition("@")
     seed = args.seed + int(offset or 0)
@@ -126,19 +145,7 @@ def train(name, corpus, args):
     eval_every = max(1, args.steps // args.evals)
     with common.Timer() as t:
         for step in common.progress(range(args.steps), desc=f"{name:>13}"):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            x, y = Corpus.batch(corpus.train, torch.randint(0, hi, (args.batch,), generator=g),
-                                args.context)
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            with torch.no_grad():  # recorded in FP32 from the emulated logits (see common.py)
-                flat = common.plain(logits.detach()).reshape(-1, logits.shape[-1])
-                losses.append(float(F.cross_entropy(flat, y.reshape(-1))))
+            losses.append(train_step(model, opt, corpus, g, hi, args, lr_at(step)))
             if (step + 1) % eval_every == 0 and step + 1 < args.steps:
                 val_curve.append((step + 1, mean_loss(model, corpus.val, val_eval[:args.batch * 2],
                                                       args.context, args.batch)))
