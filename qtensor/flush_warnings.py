@@ -26,19 +26,23 @@ or the environment variable ``QTENSOR_FLUSH_WARNINGS=0`` turns it off. ``observe
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Callable, List, Optional
 
 import torch
 
+from . import reference
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format
 from .warn import warn
 
 __all__ = ["check", "set_flush_warnings", "flush_warnings_enabled", "observe", "FLUSH_LIMIT",
-           "SATURATE_LIMIT", "fractions"]
+           "SATURATE_LIMIT", "CLIP_LIMIT", "fractions", "clipping"]
 
 FLUSH_LIMIT = 0.5      # share of the nonzero values rounded to zero
 SATURATE_LIMIT = 0.1   # share of the finite nonzero values clamped to the range or overflowed
+CLIP_LIMIT = 0.03      # share of the tensor's L1 norm removed by clipping to the blocks' scales
+_FP32_MAX = 3.4028234663852886e38
 
 _enabled = [os.environ.get("QTENSOR_FLUSH_WARNINGS", "1").strip().lower()
             not in ("0", "false", "no", "off")]
@@ -103,6 +107,107 @@ def fractions(before: torch.Tensor, after: torch.Tensor, fmt: Format) -> dict:
         out["finite"] = int(finite_in.sum())
         out["saturated"] = int((hit & finite_in).sum())
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Clipping inside a block: values above the largest value of their block's grid
+
+def _blocks(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """x laid out as [..., blocks, block size] (zero-padded at the ends, which clips nothing)
+    by fmt's blocking, as the rounding blocks it (reference.py's layout)."""
+    if fmt.block_shape is not None:
+        return reference.tile_blocks(x, fmt)[0]
+    if fmt.axis is None or x.dim() == 0:
+        return x.reshape(1, -1)
+    moved = x.movedim(fmt.axis, -1)
+    n = moved.shape[-1]
+    bs = max(min(fmt.block_size or n, n), 1)
+    pad = (-n) % bs
+    if pad:
+        moved = torch.nn.functional.pad(moved, (0, pad))
+    return moved.reshape(*moved.shape[:-1], -1, bs)
+
+
+def _settled(fmt: BlockFormat) -> bool:
+    """Whether fmt's rounding may lower a block's scale below the scale of the block's amax
+    (the reference's idempotence step: rules amax, even, 4over6, ceil with mantissa bits)."""
+    return not (fmt.scale_rule in ("floor", "ceil") and fmt.power_of_two_scales)
+
+
+def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None) -> Optional[dict]:
+    """How much rounding x to the block format fmt clips inside its blocks (None for other
+    formats: a scalar format has no block scale; its range is ``saturated``'s).
+
+    A value is clipped when it lies beyond its block's largest value, ``elem.max * X`` (``X``
+    the block's scale, times the tensor scale with ``tensor_scale``; ``elem.min * X`` for a
+    negative value), where the saturating element rounds it to that value: |q| < |x|. Returns
+    ``clipped`` (the number of such values), ``lost`` (the sum of |x| - |q| over them) and
+    ``magnitude`` (the sum of |x| over the finite blocks). Blocks that hold Inf/NaN (rounded to
+    NaN) and blocks of zero scale (flushed) clip nothing.
+
+    X is the block's scale exactly: rules floor and ceil with power-of-two scales derive it
+    from the block's amax, as the rounding does; for the others (amax, even, ceil with
+    mantissa bits, 4over6) rounding can lower it (the reference's idempotence step), and it is
+    the scale of the rounded block's amax, which is the block's scale (each rule maps its
+    grid's top back to X, and the step ends when the scale stops falling). That needs ``q``
+    (x rounded to fmt; without it x is rounded here). 4over6 blocks take the map-to-6 scale
+    when their rounded max is that grid's top, else the map-to-4 one, whose top (1.5 times the
+    block's amax) clips nothing: a map-to-4 block whose max happens to equal the map-to-6
+    grid's top counts as map-to-6, an upper bound.
+    Cost: one amax per block and three elementwise passes (|x|, minus the top, clamp) and two
+    sums; x of any float dtype, compared with the tops in float32 (which hold them exactly)."""
+    if not isinstance(fmt, BlockFormat):
+        return None
+    from .dispatch import fit_format  # (dispatch imports this module's users)
+    fmt = fit_format(fmt, x.dim())
+    elem = fmt.elem
+    hi = float(elem.max)
+    lo = float(elem.min) if isinstance(elem, FixedFormat) else -hi
+    if x.numel() == 0 or (not _settled(fmt) and fmt.scale_rule == "ceil"
+                          and min(hi, -lo) * fmt.scale.max >= _FP32_MAX):
+        # ceil with power-of-two scales: amax / X <= max_elem unless X is the scale's max,
+        # and e8m0's 2^127 * max_elem is past float32: nothing clips
+        return {"clipped": 0, "lost": 0.0, "magnitude": float(x.abs().sum(dtype=torch.float64))}
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        x = x.float()
+    b = _blocks(x, fmt)
+    a = b.abs()
+    ts = None
+    if fmt.tensor_scale:  # the tensor's amax over finite values, as the rounding takes it
+        ts = reference._tensor_scale(
+            torch.where(torch.isfinite(x), x.abs(), 0).amax().double(), fmt)
+    candidates = reference.scale_candidates(fmt, ts)
+    amax = a.amax(dim=-1, keepdim=True).double()
+    bad = ~torch.isfinite(amax)
+    if _settled(fmt):
+        if q is None:
+            from .dispatch import quantize
+            q = quantize(x.float(), fmt, keep_layout=False)
+        rmax = _blocks(q, fmt).abs().amax(dim=-1, keepdim=True).double()
+        bad |= ~torch.isfinite(rmax)
+        rmax = torch.where(bad, 0.0, rmax)
+        scale = candidates[0](rmax)
+        if len(candidates) == 2:  # 4over6: map-to-6 where the block's max is its top
+            scale = torch.where(rmax == hi * scale, scale, candidates[1](rmax))
+    else:
+        scale = candidates[0](torch.where(bad, 0.0, amax))
+    keep = ~bad & (scale > 0)
+    inf = torch.full_like(scale, float("inf"))
+    top = torch.where(keep, hi * scale, inf).float()  # (past float32: Inf, clips nothing)
+    if lo == -hi:
+        over = (a - top).clamp_min_(0)
+    else:  # an element range with one more negative code: each sign its own top
+        bottom = torch.where(keep, lo * scale, -inf).float()
+        over = (b - top).clamp_min_(0) + (bottom - b).clamp_min_(0)
+    lost = over.sum(dtype=torch.float64)
+    magnitude = a.sum(dtype=torch.float64)
+    lost, magnitude = torch.stack([lost, magnitude]).tolist()
+    if not (math.isfinite(lost) and math.isfinite(magnitude)):  # Inf/NaN blocks: left out
+        over.nan_to_num_(0.0, posinf=0.0)
+        lost = float(over.sum(dtype=torch.float64))
+        magnitude = float(torch.where(keep.float().expand_as(a) > 0, a, 0)
+                          .nan_to_num(0.0, posinf=0.0).sum(dtype=torch.float64))
+    return {"clipped": int(torch.count_nonzero(over)), "lost": lost, "magnitude": magnitude}
 
 
 def _tracing(t: torch.Tensor) -> bool:

@@ -108,3 +108,132 @@ def test_weights_flushed_at_conversion_warn_at_the_convert_line():
     found = [w for w in caught if "weight role" in str(w.message)]
     assert len(found) == 1 and found[0].filename == __file__
     assert "weight (weight role, shape (64, 64)) in fp8_e4m3: 100.0%" in str(found[0].message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Clipping inside a block: fw.clipping against a per-block float64 oracle
+
+def _e4m3_nearest(v: float) -> float:
+    """v >= 0 rounded to nearest-even OCP E4M3 (saturating at 448), by its grid."""
+    import math
+    if v >= 448:
+        return 448.0
+    e = max(math.floor(math.log2(v)), -6) if v > 0 else -6
+    q = 2.0 ** (e - 3)
+    return round(v / q) * q  # Python's round: ties to even
+
+
+def _oracle(x: torch.Tensor, rule: str, elem_max: float, emax: int, bs=None, tile=None,
+            elem_min=None, nvfp4=False):
+    """(clipped, lost) of x (2D): each block's scale by the rule, in float64, block by block;
+    a value is clipped where it lies beyond elem_max * X (below elem_min * X)."""
+    import math
+    x = x.double()
+    elem_min = -elem_max if elem_min is None else elem_min
+    R, C = x.shape
+    if tile is not None:
+        r, c = tile
+        blocks = [x[i:i + r, j:j + c].reshape(-1) for i in range(0, R, r) for j in range(0, C, c)]
+    else:
+        blocks = [x[i, j:j + bs] for i in range(R) for j in range(0, C, bs)]
+    ts = None
+    if nvfp4:  # amax_tensor / (6 * 448) rounded down to 17 significant bits
+        t = float(x.abs().max()) / (6 * 448)
+        m, e = math.frexp(t)
+        ts = math.floor(m * 2 ** 17) * 2.0 ** (e - 17)
+    count, lost = 0, 0.0
+    for blk in blocks:
+        amax = float(blk.abs().max())
+        if amax == 0:
+            continue
+        if rule == "floor":
+            X = 2.0 ** (math.floor(math.log2(amax)) - emax)
+        elif rule == "ceil":
+            X = 2.0 ** math.ceil(math.log2(amax / elem_max))
+        else:  # NVFP4: the E4M3 scale nearest to amax / 6, times the tensor scale
+            X = _e4m3_nearest(amax / (6 * ts)) * ts
+        for v in blk.tolist():
+            if v > elem_max * X:
+                count, lost = count + 1, lost + v - elem_max * X
+            elif v < elem_min * X:
+                count, lost = count + 1, lost + elem_min * X - v
+    return count, lost
+
+
+def _heavy(shape, seed):
+    """Values whose blocks' amax spreads over the binade, with a few outliers and zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g))
+    x[0, :5] = 0.0
+    x[1, 1] = -1.99 * 2 ** 8  # a block max just below its binade's end: even MXINT8 clips it
+    return x
+
+
+@pytest.mark.parametrize("name,elem_max,emax", [("mxfp4_e2m1", 6.0, 2), ("mxfp8_e4m3", 448.0, 8),
+                                                 ("mxint8", 127 / 64, 0), ("mxfp6_e3m2", 28.0, 4)])
+@pytest.mark.parametrize("rule", ["floor", "ceil"])
+def test_clipped_against_a_per_block_oracle(name, elem_max, emax, rule):
+    x = _heavy((16, 80), 1)  # 80: two full blocks of 32 and a partial one per row
+    fmt = qt.format(name).replace(scale_rule=rule)
+    want, lost = _oracle(x, rule, elem_max, emax, bs=32)
+    got = fw.clipping(x, fmt)
+    q = qt.quantize(x, fmt)
+    assert got["clipped"] == want and got["lost"] == pytest.approx(lost, rel=1e-6, abs=1e-30)
+    assert fw.clipping(x, fmt, q) == got  # the rounded values give the same scales
+    if rule == "ceil":
+        assert want == 0
+    else:
+        assert want > 0
+        assert want <= int((q.abs() < x.abs()).sum())  # each of them rounded down
+    assert got["magnitude"] == pytest.approx(float(x.abs().double().sum()))
+
+
+def test_clipped_nvfp4_against_a_per_block_oracle():
+    x = _heavy((16, 64), 2)
+    got = fw.clipping(x, qt.nvfp4, qt.quantize(x, qt.nvfp4))
+    want, lost = _oracle(x, "amax", 6.0, 2, bs=16, nvfp4=True)
+    assert got["clipped"] == want and got["lost"] == pytest.approx(lost, rel=1e-6)
+    # the amax rule clips a block's max only where its scale rounded down: by < 2^-4 of it
+    assert 0 < want < x.numel() / 16 and got["lost"] / got["magnitude"] < 0.01
+    assert fw.clipping(x, qt.nvfp4) == got  # rounded here: the same
+
+
+def test_clipped_custom_block_format_with_one_more_negative_code():
+    # int8 elements with -128 (min -2, max 127/64), blocks of 8, the floor rule
+    fmt = qt.BlockFormat(qt.FixedFormat(8, 6), 8, scale="e8m0")
+    x = _heavy((8, 40), 3)
+    x[2, 9] = 1.995 * 2 ** 8  # clipped to 127/64 * 2^8
+    x[1, 1] = -1.999 * 2 ** 8  # not: -2 * 2^8 is on the grid
+    want, lost = _oracle(x, "floor", 127 / 64, 0, bs=8, elem_min=-2.0)
+    got = fw.clipping(x, fmt)
+    assert got["clipped"] == want > 0 and got["lost"] == pytest.approx(lost, rel=1e-6)
+    q = qt.quantize(x, fmt)
+    assert q[1, 1] == -512 and q[2, 9] == 127 / 64 * 2 ** 8  # as the rounding has it
+
+
+@pytest.mark.parametrize("axis", [-1, -2])
+def test_clipped_2d_tiles(axis):
+    fmt = qt.format("mxfp4_e2m1").replace(block_shape=(4, 8), axis=axis)
+    x = _heavy((10, 20), 4)  # partial tiles at both ends
+    tile = (4, 8) if axis == -1 else (8, 4)
+    want, lost = _oracle(x, "floor", 6.0, 2, tile=tile)
+    got = fw.clipping(x, fmt)
+    assert got["clipped"] == want > 0 and got["lost"] == pytest.approx(lost, rel=1e-6)
+
+
+def test_clipped_scalar_and_degenerate_cases():
+    x = _heavy((4, 64), 5)
+    assert fw.clipping(x, qt.format("fp8_e4m3")) is None  # no block scale
+    fmt = qt.format("mxfp4_e2m1")
+    y = x.clone()
+    y[0, 3] = float("inf")  # its block rounds to NaN: left out, the others counted
+    base = fw.clipping(x, fmt)
+    got = fw.clipping(y, fmt)
+    blk = x[0, :32]
+    amax = float(blk.abs().max())
+    import math
+    top = 6 * 2.0 ** (math.floor(math.log2(amax)) - 2)
+    assert got["clipped"] == base["clipped"] - int((blk.abs() > top).sum())
+    assert fw.clipping(torch.zeros(0, 32), fmt)["clipped"] == 0
+    assert fw.clipping(x.to(torch.bfloat16), fmt)["clipped"] == fw.clipping(
+        x.to(torch.bfloat16).float(), fmt)["clipped"]
