@@ -5,7 +5,9 @@ one converted copy per layer in which only that layer takes the recipe's formats
 
 - every role rounding of the converted copy (weights at conversion, activations and gradients
   as they run: those :mod:`qtensor.flush_warnings` watches), by role and tensor: relative
-  error, SNR (dB), fractions flushed to zero, saturated and turned NaN; for a role with an
+  error, SNR (dB), fractions flushed to zero, saturated, clipped by their block's scale
+  (:func:`qtensor.flush_warnings.clipping`; with the share of the L1 norm that clipping
+  removed) and turned NaN; for a role with an
   operand format (``mm_fmt``) the operand rounding too, as role ``"<role> operand"`` (blocked
   along the last axis, the reduction axis of a linear layer's operands);
 - every contraction module (``nn.Linear``, ``nn.Conv1d/2d/3d``; bias excluded) on the operands
@@ -58,10 +60,16 @@ class _TensorStats:
     def __init__(self, role: str, name: str, fmt: str):
         self.role, self.name, self.fmt = role, name, fmt
         self.numel = self.nonzero = self.flushed = self.saturated = self.finite = self.nan = 0
-        self.signal = self.noise = 0.0
+        self.clipped = 0
+        self.signal = self.noise = self.clip_lost = self.clip_magnitude = 0.0
         self.calls = 0
 
-    def add(self, before: torch.Tensor, after: torch.Tensor, fmt) -> None:
+    def add(self, before: torch.Tensor, after: torch.Tensor, fmt, source=None,
+            clip_fmt=None, rounded=True) -> None:
+        """``source``: the tensor rounded to ``after`` (default ``before``; an operand rounding
+        rounds the role's rounded value), ``clip_fmt``: fmt as it blocked it; ``rounded=False``:
+        ``after`` is no rounding of ``before`` (optimizer state: the clipping is that of
+        rounding ``before``)."""
         b, a = before.detach().double(), after.detach().double()
         finite = torch.isfinite(b)
         both = finite & torch.isfinite(a)
@@ -73,6 +81,13 @@ class _TensorStats:
         self.saturated += c["saturated"]
         self.finite += c["finite"]
         self.nan += int((finite & torch.isnan(a)).sum())
+        clip = flush_warnings.clipping(before if source is None else source,
+                                       fmt if clip_fmt is None else clip_fmt,
+                                       after if rounded else None)
+        if clip is not None:  # block formats: values beyond their block's largest value
+            self.clipped += clip["clipped"]
+            self.clip_lost += clip["lost"]
+            self.clip_magnitude += clip["magnitude"]
         self.numel += b.numel()
         self.calls += 1
 
@@ -84,6 +99,9 @@ class _TensorStats:
                 "calls": self.calls, "rel_error": rel, "snr_db": snr,
                 "flushed": self.flushed / self.nonzero if self.nonzero else 0.0,
                 "saturated": self.saturated / self.finite if self.finite else 0.0,
+                "clipped": self.clipped / self.finite if self.finite else 0.0,
+                "clip_loss": (self.clip_lost / self.clip_magnitude if self.clip_magnitude > 0
+                              else 0.0),
                 "nan": self.nan / self.numel if self.numel else 0.0}
 
 
@@ -91,19 +109,20 @@ class _Recorder:
     def __init__(self):
         self.stats: Dict[tuple, _TensorStats] = {}
 
-    def _add(self, role, name, fmt, before, after):
+    def _add(self, role, name, fmt, before, after, source=None, clip_fmt=None, rounded=True):
         key = (role, name)
         if key not in self.stats:
             self.stats[key] = _TensorStats(role, name, str(fmt))
-        self.stats[key].add(before, after, fmt)
+        self.stats[key].add(before, after, fmt, source, clip_fmt, rounded)
 
     def __call__(self, role, name, formats, before, after):
         with torch.no_grad():
             self._add(role, name, formats.fmt, before, after)
             mm = formats.mm_fmt
             if mm is not None and mm != formats.fmt and after.dim() > 0:
-                operand = _round(after, with_axis(mm, -1), keep_layout=False)
-                self._add(f"{role} operand", name, mm, before, operand)
+                mm1 = with_axis(mm, -1)
+                operand = _round(after, mm1, keep_layout=False)
+                self._add(f"{role} operand", name, mm, before, operand, after, mm1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,7 +490,8 @@ def _optimizer_step(model: nn.Module, optimizer: Callable, recorder: "_Recorder"
             if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
                     and isinstance(want.get(key), torch.Tensor)):
                 recorder._add("optimizer_state", f"{key!r} of {n}", plan.optimizer_state.fmt,
-                              want[key].detach(), _plain(value).detach().float())
+                              want[key].detach(), _plain(value).detach().float(),
+                              rounded=False)
 
 
 def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
@@ -530,8 +550,9 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
             mm = getattr(x, "mm_fmt", None) if isinstance(x, QTensor) else None
             if mm is not None:  # the activation operand as this contraction rounds it
                 xv = _plain(x).float()
+                axis = -1 if isinstance(m, nn.Linear) else 1
                 recorder._add("activation operand", f"input of {n}", mm, xv,
-                              _operand(xv, mm, -1 if isinstance(m, nn.Linear) else 1))
+                              _operand(xv, mm, axis), clip_fmt=with_axis(mm, axis))
 
     grads = [{"parameter": n, "grad_cos": _cosine(ref["grads"], full["grads"], [n])}
              for n in ref["grads"] if ref["grads"][n] is not None]
@@ -580,7 +601,7 @@ def _num(v) -> str:
     return str(v)
 
 
-_PCT = ("flushed", "saturated", "nan")
+_PCT = ("flushed", "saturated", "clipped", "clip_loss", "nan")
 
 
 def _cells(row: dict, keys) -> List[str]:
@@ -589,7 +610,8 @@ def _cells(row: dict, keys) -> List[str]:
 
 _TABLES = (
     ("tensors", "Rounded tensors by role",
-     ("role", "tensor", "format", "numel", "rel_error", "snr_db", "flushed", "saturated", "nan")),
+     ("role", "tensor", "format", "numel", "rel_error", "snr_db", "flushed", "saturated",
+      "clipped", "clip_loss", "nan")),
     ("contractions", "Contractions: local error (relative, Frobenius) against the FP32 product of "
      "the unrounded operands, the exact product of the rounded operands, and the operands' share",
      ("layer", "type", "shape", "operand_formats", "accumulator", "vs_fp32", "vs_exact_rounded",
@@ -702,7 +724,7 @@ class AnalysisReport:
 
         whole = [r for r in self.sensitivity if r.get("role", "all") == "all"]
         by_role = [r for r in self.sensitivity if r.get("role", "all") != "all"]
-        fig, axes = plt.subplots(4 if by_role else 3, 1, figsize=(10, 14 if by_role else 11))
+        fig, axes = plt.subplots(5 if by_role else 4, 1, figsize=(10, 17 if by_role else 14))
         ax = axes[0]
         if whole:
             names = [r["layer"] for r in whole]
@@ -735,8 +757,22 @@ class AnalysisReport:
         ax.set_xticks(range(len(roles)), roles)
         ax.set_ylabel("SNR (dB)")
         ax.set_title("Rounded tensors: SNR by role (one point per tensor)")
+        ax = axes[3]
+        for i, role in enumerate(roles):
+            rows = [r for r in self.tensors if r["role"] == role]
+            ax.scatter([i - 0.1] * len(rows), [100 * r["clipped"] for r in rows], marker="o",
+                       label="values clipped" if i == 0 else None, color="C0")
+            ax.scatter([i + 0.1] * len(rows), [100 * r["clip_loss"] for r in rows], marker="x",
+                       label="L1 norm removed" if i == 0 else None, color="C3")
+        ax.axhline(100 * flush_warnings.CLIP_LIMIT, color="C3", lw=0.5, ls="--")
+        ax.set_xticks(range(len(roles)), roles)
+        ax.set_ylabel("%")
+        if roles:
+            ax.legend()
+        ax.set_title("Rounded tensors: clipped by their block's scale (dashed: the warning's "
+                     "limit on the L1 norm removed)")
         if by_role:
-            ax = axes[3]
+            ax = axes[4]
             names = list(dict.fromkeys(r["layer"] for r in by_role))
             kl = {(r["layer"], r["role"]): r["kl"] for r in by_role}
             width = 0.8 / len(ROLES)

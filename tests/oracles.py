@@ -339,3 +339,56 @@ def sample_float32(n: int, emin: int, emax: int, man: int, seed: int = 0):
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), fmax, -fmax,
                             tiny, -tiny, 2.0 ** -149, -(2.0 ** -149)], dtype=torch.float32)
     return torch.cat([special, part1, part2, part3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Clipping inside a block (qtensor.flush_warnings.clipping)
+
+def _e4m3_nearest(v: float) -> float:
+    """v >= 0 rounded to nearest-even OCP E4M3 (saturating at 448), by its grid."""
+    if v >= 448:
+        return 448.0
+    e = max(math.floor(math.log2(v)), -6) if v > 0 else -6
+    q = 2.0 ** (e - 3)
+    return round(v / q) * q  # Python's round: ties to even
+
+
+def block_clipping(x, rule: str, elem_max: float, emax: int, bs=None, tile=None,
+                   elem_min=None, nvfp4=False):
+    """(clipped, lost) of x (a list of rows): each block's scale by the rule, block by block
+    in float64; a value is clipped where it lies beyond elem_max * X (below elem_min * X), and
+    loses its distance to that value. Rules: "floor" (2^(floor(log2 amax) - emax)), "ceil"
+    (2^ceil(log2(amax / elem_max))), "amax" with ``nvfp4`` (the E4M3 scale nearest to
+    amax / (6 * T), T the tensor's amax / (6 * 448) rounded down to 17 significant bits; no
+    idempotence step: blocks of normal scales). Blocks of ``bs`` along the rows, or tiles
+    ``tile`` = (rows, cols), partial at the ends."""
+    elem_min = -elem_max if elem_min is None else elem_min
+    R, C = len(x), len(x[0])
+    if tile is not None:
+        r, c = tile
+        blocks = [[x[i][j] for i in range(i0, min(i0 + r, R)) for j in range(j0, min(j0 + c, C))]
+                  for i0 in range(0, R, r) for j0 in range(0, C, c)]
+    else:
+        blocks = [x[i][j:j + bs] for i in range(R) for j in range(0, C, bs)]
+    ts = None
+    if nvfp4:
+        t = max(abs(v) for row in x for v in row) / (6 * 448)
+        m, e = math.frexp(t)
+        ts = math.floor(m * 2 ** 17) * 2.0 ** (e - 17)
+    count, lost = 0, 0.0
+    for blk in blocks:
+        amax = max(abs(v) for v in blk)
+        if amax == 0:
+            continue
+        if rule == "floor":
+            X = 2.0 ** (math.floor(math.log2(amax)) - emax)
+        elif rule == "ceil":
+            X = 2.0 ** math.ceil(math.log2(amax / elem_max))
+        else:
+            X = _e4m3_nearest(amax / (6 * ts)) * ts
+        for v in blk:
+            if v > elem_max * X:
+                count, lost = count + 1, lost + v - elem_max * X
+            elif v < elem_min * X:
+                count, lost = count + 1, lost + elem_min * X - v
+    return count, lost

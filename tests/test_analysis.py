@@ -283,3 +283,42 @@ def test_layers_limits_the_rows_and_the_counted_bits():
     assert report.bits() == pytest.approx((160 * 8.25 + 5 * 32) / 165)
     with pytest.raises(ValueError, match="not modules of the model"):
         qt.analyze(model, x, qt.recipes.direct_cast(MX8), layers=["3"])
+
+
+@pytest.mark.parametrize("rule", ["floor", "ceil"])
+def test_clipped_by_the_block_scale_against_a_per_block_oracle(rule):
+    from oracles import block_clipping
+    fp4 = qt.format("mxfp4_e2m1").replace(scale_rule=rule)
+    layer = torch.nn.Linear(64, 10)
+    torch.manual_seed(0)
+    x = torch.randn(128, 64)
+    y = torch.randint(0, 10, (128,))
+    seen = {}  # the values the converted copy rounded
+
+    def keep(role, name, formats, before, after):
+        seen[(role, name)] = after.clone()
+    # the demo's recipe: FP32 weights and BF16 gradients, MXFP4 operands
+    with qt.flush_warnings.observe(keep):
+        report = qt.analyze(layer, x, qt.Recipe(weight=(qt.fp32, fp4), grad=(qt.bf16, fp4)),
+                            loss_fn=lambda out: F.cross_entropy(out, y), sensitivity=False)
+    rows = {(r["role"], r["tensor"]): r for r in report.tensors}
+    w = layer.weight.detach()
+    n, lost = block_clipping(w.double().tolist(), rule, 6.0, 2, bs=32)
+    r = rows[("weight operand", "weight")]
+    assert r["clipped"] == pytest.approx(n / w.numel()) and r["clip_loss"] == pytest.approx(
+        lost / float(w.abs().double().sum()), rel=1e-6)
+    # dL/dlogits in BF16, blocked along the classes as the dgrad GEMM's operand
+    g = seen[("grad", "gradient of the output of the model")]
+    n, lost = block_clipping(g.double().tolist(), rule, 6.0, 2, bs=32)
+    r = rows[("grad operand", "gradient of the output of the model")]
+    assert r["clipped"] == pytest.approx(n / g.numel()) and r["clip_loss"] == pytest.approx(
+        lost / float(g.abs().double().sum()), rel=1e-5)
+    if rule == "floor":  # the true class's p - 1 of most rows: one value of ten
+        assert r["clipped"] > 0.05 and r["clip_loss"] > 0.03
+    else:
+        assert r["clipped"] == 0 and r["clip_loss"] == 0
+    assert rows[("grad", "gradient of the output of the model")]["clipped"] == 0  # BF16
+    for text in (report.table(), report.markdown()):
+        assert "clipped" in text and "clip_loss" in text
+    data = {(t["role"], t["tensor"]): t for t in json.loads(report.to_json())["tensors"]}
+    assert data[("grad operand", "gradient of the output of the model")]["clipped"] == r["clipped"]

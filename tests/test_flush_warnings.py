@@ -113,51 +113,9 @@ def test_weights_flushed_at_conversion_warn_at_the_convert_line():
 # ---------------------------------------------------------------------------------------------
 # Clipping inside a block: fw.clipping against a per-block float64 oracle
 
-def _e4m3_nearest(v: float) -> float:
-    """v >= 0 rounded to nearest-even OCP E4M3 (saturating at 448), by its grid."""
-    import math
-    if v >= 448:
-        return 448.0
-    e = max(math.floor(math.log2(v)), -6) if v > 0 else -6
-    q = 2.0 ** (e - 3)
-    return round(v / q) * q  # Python's round: ties to even
-
-
-def _oracle(x: torch.Tensor, rule: str, elem_max: float, emax: int, bs=None, tile=None,
-            elem_min=None, nvfp4=False):
-    """(clipped, lost) of x (2D): each block's scale by the rule, in float64, block by block;
-    a value is clipped where it lies beyond elem_max * X (below elem_min * X)."""
-    import math
-    x = x.double()
-    elem_min = -elem_max if elem_min is None else elem_min
-    R, C = x.shape
-    if tile is not None:
-        r, c = tile
-        blocks = [x[i:i + r, j:j + c].reshape(-1) for i in range(0, R, r) for j in range(0, C, c)]
-    else:
-        blocks = [x[i, j:j + bs] for i in range(R) for j in range(0, C, bs)]
-    ts = None
-    if nvfp4:  # amax_tensor / (6 * 448) rounded down to 17 significant bits
-        t = float(x.abs().max()) / (6 * 448)
-        m, e = math.frexp(t)
-        ts = math.floor(m * 2 ** 17) * 2.0 ** (e - 17)
-    count, lost = 0, 0.0
-    for blk in blocks:
-        amax = float(blk.abs().max())
-        if amax == 0:
-            continue
-        if rule == "floor":
-            X = 2.0 ** (math.floor(math.log2(amax)) - emax)
-        elif rule == "ceil":
-            X = 2.0 ** math.ceil(math.log2(amax / elem_max))
-        else:  # NVFP4: the E4M3 scale nearest to amax / 6, times the tensor scale
-            X = _e4m3_nearest(amax / (6 * ts)) * ts
-        for v in blk.tolist():
-            if v > elem_max * X:
-                count, lost = count + 1, lost + v - elem_max * X
-            elif v < elem_min * X:
-                count, lost = count + 1, lost + elem_min * X - v
-    return count, lost
+def _oracle(x, *args, **kwargs):
+    from oracles import block_clipping
+    return block_clipping(x.double().tolist(), *args, **kwargs)
 
 
 def _heavy(shape, seed):
