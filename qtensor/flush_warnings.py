@@ -37,11 +37,13 @@ from .formats import BlockFormat, FixedFormat, FloatFormat, Format
 from .warn import warn
 
 __all__ = ["check", "set_flush_warnings", "flush_warnings_enabled", "observe", "FLUSH_LIMIT",
-           "SATURATE_LIMIT", "CLIP_LIMIT", "fractions", "clipping"]
+           "SATURATE_LIMIT", "CLIP_LIMIT", "CLIP_MIN_VALUES", "fractions", "clipping",
+           "check_operand"]
 
 FLUSH_LIMIT = 0.5      # share of the nonzero values rounded to zero
 SATURATE_LIMIT = 0.1   # share of the finite nonzero values clamped to the range or overflowed
 CLIP_LIMIT = 0.03      # share of the tensor's L1 norm removed by clipping to the blocks' scales
+CLIP_MIN_VALUES = 512  # smaller tensors are not judged: a few blocks' maxima are no statistic
 _FP32_MAX = 3.4028234663852886e38
 
 _enabled = [os.environ.get("QTENSOR_FLUSH_WARNINGS", "1").strip().lower()
@@ -216,19 +218,114 @@ def _tracing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()  # cannot read back
 
 
+def _an_operand(role: str, name: str) -> bool:
+    """Whether a role rounding's value enters contractions, where its operand format rounds
+    it: activations, weights, and the gradients of module outputs and inputs ("gradient of the
+    output of fc2"); not a parameter's gradient ("gradient of fc2.weight") nor a bias."""
+    return role in ("activation", "weight") or (role == "grad"
+                                                 and name.startswith("gradient of the "))
+
+
+def _block_roundings(role, name, formats, before, after):
+    """The block-format roundings of a role rounding: (what, input, format, rounded or None):
+    the value format's (``before`` to ``after``), and the operand format's (``mm_fmt``: of
+    ``after``, blocked along the last axis as qt.analyze's operand rows; not rounded here)."""
+    out = []
+    fmt, mm = formats.fmt, getattr(formats, "mm_fmt", None)
+    if isinstance(fmt, BlockFormat):
+        out.append(("", before, fmt, after))
+    if isinstance(mm, BlockFormat) and mm != fmt and after.dim() > 0 and _an_operand(role, name):
+        from .dispatch import with_axis
+        out.append(("as an operand ", after, with_axis(mm, -1), None))
+    return out
+
+
+def _clips(role, name, formats) -> bool:
+    return isinstance(formats.fmt, BlockFormat) or (isinstance(
+        getattr(formats, "mm_fmt", None), BlockFormat) and _an_operand(role, name))
+
+
 def check(role: str, name: str, formats, before: torch.Tensor, after: torch.Tensor) -> None:
     """Warn (once per ``(role, name)``) if rounding ``before`` to ``formats`` (a
     :class:`qtensor.plans.Role`: its value format ``fmt``, its operand format ``mm_fmt``) gave
-    ``after`` with most nonzero values flushed to zero or saturated; feed the observers."""
-    if not _observers and (not _enabled[0] or (role, name) in _warned):
+    ``after`` with most nonzero values flushed to zero or saturated, and (once more) if a block
+    format of it clips more than :data:`CLIP_LIMIT` of the tensor's L1 norm to its blocks'
+    largest values; feed the observers."""
+    range_done = (role, name) in _warned
+    clip_done = (role, name, "clip") in _warned or not _clips(role, name, formats)
+    if not _observers and (not _enabled[0] or (range_done and clip_done)):
         return
     if after.numel() == 0 or not after.is_floating_point() or _tracing(after) or \
             _tracing(before):
         return
     for callback in list(_observers):
         callback(role, name, formats, before, after)
-    if not _enabled[0] or (role, name) in _warned:
+    if not _enabled[0]:
         return
+    if not range_done:
+        _check_range(role, name, formats, before, after)
+    if not clip_done:
+        _check_clipping(role, name, formats, before, after)
+
+
+def check_operand(role: str, name: str, formats, value: torch.Tensor) -> None:
+    """For a value that reached its role already in the role's formats (an op rounded it, as
+    the dispatch rounds an op's output on QTensors): nothing was rounded here, but its operand
+    format (``mm_fmt``) will round it in each contraction; warn once per ``(role, name)`` if
+    that clips more than :data:`CLIP_LIMIT` of its L1 norm, and tell the observers that have an
+    ``operand`` method (``callback.operand(role, name, formats, value)``)."""
+    if not isinstance(getattr(formats, "mm_fmt", None), BlockFormat) or formats.mm_fmt == \
+            formats.fmt or not _an_operand(role, name):
+        return
+    hears = [c for c in _observers if hasattr(c, "operand")]
+    done = not _enabled[0] or (role, name, "clip") in _warned
+    if (done and not hears) or value.numel() == 0 or not value.is_floating_point() or \
+            value.dim() == 0 or _tracing(value):
+        return
+    for callback in hears:
+        callback.operand(role, name, formats, value)
+    if not done:
+        _check_clipping(role, name, formats, value, value, value_rounded=False)
+
+
+def _check_clipping(role, name, formats, before, after, value_rounded=True) -> None:
+    roundings = _block_roundings(role, name, formats, before, after)
+    if not value_rounded:  # only the operand rounding happens here
+        roundings = [r for r in roundings if r[3] is None]
+    for what, x, fmt, q in roundings:
+        if x.numel() < CLIP_MIN_VALUES:
+            continue
+        c = clipping(x, fmt, q)
+        share = c["lost"] / c["magnitude"] if c["magnitude"] > 0 else 0.0
+        if share <= CLIP_LIMIT:
+            continue
+        _warned.add((role, name, "clip"))
+        n = int(torch.count_nonzero(x))
+        warn(f"qtensor: {name} ({role} role, shape {tuple(after.shape)}) {what}in {fmt}: "
+             f"{100 * c['clipped'] / max(n, 1):.1f}% of its {n} nonzero values lie beyond their "
+             f"block's largest value (the element's max times the block's scale) and were "
+             f"clipped to it, removing {100 * share:.1f}% of the tensor's L1 norm (the limit: "
+             f"{100 * CLIP_LIMIT:g}%, qtensor.flush_warnings.CLIP_LIMIT). {_clip_hint(fmt)}; use "
+             "scale_rule='ceil' (the smallest scale that holds the "
+             "block's amax), or a rule that keeps this tensor in higher precision. (Once per "
+             "role and tensor; qt.set_flush_warnings(False) or QTENSOR_FLUSH_WARNINGS=0 turns "
+             "these warnings off; qt.analyze measures every tensor.)")
+        return
+
+
+def _clip_hint(fmt: BlockFormat) -> str:
+    """Why fmt's scale rule clips: floor (and even) put a block's amax anywhere below
+    2^(emax_elem + 1) times the scale, past the element's max."""
+    if fmt.scale_rule in ("floor", "even"):
+        return (f"The {fmt.scale_rule} scale rule (OCP MX's is floor) maps a block's amax up to "
+                f"{2.0 ** (fmt.elem.emax + 1):g} times its scale, past the element's largest "
+                f"value {fmt.elem.max:g}")
+    return (f"The {fmt.scale_rule} scale rule's scale of a block maps its amax past the "
+            f"element's largest value {fmt.elem.max:g} (a scale rounded down, or at the scale "
+            "format's range)")
+
+
+def _check_range(role, name, formats, before, after) -> None:
     fmt = formats.fmt
     c = fractions(before, after, fmt)
     flushed = c["flushed"] / c["nonzero"] if c["nonzero"] else 0.0

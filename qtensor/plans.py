@@ -450,6 +450,8 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor",
     if role.full_precision:
         return _plain(x)
     if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
+        if kind is not None:  # an op gave it in its formats: its operand format still clips
+            flush_warnings.check_operand(kind, name, role, x._data)
         return x
     try:
         y = as_qtensor(x, role.fmt, mm_fmt=role.mm_fmt)  # keeps x's accumulator
