@@ -115,6 +115,14 @@ class _Recorder:
             self.stats[key] = _TensorStats(role, name, str(fmt))
         self.stats[key].add(before, after, fmt, source, clip_fmt, rounded)
 
+    def operand(self, role, name, formats, value):
+        """A value that reached its role already in the role's formats (an op rounded it):
+        only its operand rounding is measured here."""
+        with torch.no_grad():
+            mm1 = with_axis(formats.mm_fmt, -1)
+            self._add(f"{role} operand", name, formats.mm_fmt, value,
+                      _round(value, mm1, keep_layout=False), value, mm1)
+
     def __call__(self, role, name, formats, before, after):
         with torch.no_grad():
             self._add(role, name, formats.fmt, before, after)

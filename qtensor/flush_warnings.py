@@ -44,11 +44,14 @@ FLUSH_LIMIT = 0.5      # share of the nonzero values rounded to zero
 SATURATE_LIMIT = 0.1   # share of the finite nonzero values clamped to the range or overflowed
 CLIP_LIMIT = 0.03      # share of the tensor's L1 norm removed by clipping to the blocks' scales
 CLIP_MIN_VALUES = 512  # smaller tensors are not judged: a few blocks' maxima are no statistic
+CLIP_CHECK_FIRST = 4   # the clipping of a (role, tensor) is measured on its first 4 roundings,
+CLIP_CHECK_EVERY = 16  # then on one in 16 (it costs a block amax and four passes)
 _FP32_MAX = 3.4028234663852886e38
 
 _enabled = [os.environ.get("QTENSOR_FLUSH_WARNINGS", "1").strip().lower()
             not in ("0", "false", "no", "off")]
-_warned: set = set()   # (role, tensor name): once each
+_warned: set = set()   # (role, tensor name) and (role, tensor name, "clip"): once each
+_clip_calls: dict = {}  # (role, tensor name): roundings seen, for the clipping's schedule
 _observers: List[Callable] = []
 
 
@@ -130,13 +133,24 @@ def _blocks(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return moved.reshape(*moved.shape[:-1], -1, bs)
 
 
+def can_clip(fmt: BlockFormat) -> bool:
+    """False where no finite float32 can lie beyond its block's largest value: the ceil rule
+    with power-of-two scales has amax / X <= max_elem unless X is the scale's max, and with
+    e8m0's 2^127 that is past float32."""
+    if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:
+        lo = fmt.elem.min if isinstance(fmt.elem, FixedFormat) else -fmt.elem.max
+        return min(fmt.elem.max, -lo) * fmt.scale.max < _FP32_MAX
+    return True
+
+
 def _settled(fmt: BlockFormat) -> bool:
     """Whether fmt's rounding may lower a block's scale below the scale of the block's amax
     (the reference's idempotence step: rules amax, even, 4over6, ceil with mantissa bits)."""
     return not (fmt.scale_rule in ("floor", "ceil") and fmt.power_of_two_scales)
 
 
-def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None) -> Optional[dict]:
+def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
+             count: bool = True) -> Optional[dict]:
     """How much rounding x to the block format fmt clips inside its blocks (None for other
     formats: a scalar format has no block scale; its range is ``saturated``'s).
 
@@ -144,8 +158,9 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None) -> 
     the block's scale, times the tensor scale with ``tensor_scale``; ``elem.min * X`` for a
     negative value), where the saturating element rounds it to that value: |q| < |x|. Returns
     ``clipped`` (the number of such values), ``lost`` (the sum of |x| - |q| over them) and
-    ``magnitude`` (the sum of |x| over the finite blocks). Blocks that hold Inf/NaN (rounded to
-    NaN) and blocks of zero scale (flushed) clip nothing.
+    ``magnitude`` (the sum of |x| over the finite blocks; both sums in float32, pairwise).
+    ``count=False`` leaves ``clipped`` out (None; the watch counts only when it warns). Blocks
+    that hold Inf/NaN (rounded to NaN) and blocks of zero scale (flushed) clip nothing.
 
     X is the block's scale exactly: rules floor and ceil with power-of-two scales derive it
     from the block's amax, as the rounding does; for the others (amax, even, ceil with
@@ -165,22 +180,21 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None) -> 
     elem = fmt.elem
     hi = float(elem.max)
     lo = float(elem.min) if isinstance(elem, FixedFormat) else -hi
-    if x.numel() == 0 or (not _settled(fmt) and fmt.scale_rule == "ceil"
-                          and min(hi, -lo) * fmt.scale.max >= _FP32_MAX):
-        # ceil with power-of-two scales: amax / X <= max_elem unless X is the scale's max,
-        # and e8m0's 2^127 * max_elem is past float32: nothing clips
-        return {"clipped": 0, "lost": 0.0, "magnitude": float(x.abs().sum(dtype=torch.float64))}
+    if x.numel() == 0 or not can_clip(fmt):
+        return {"clipped": 0, "lost": 0.0, "magnitude": float(x.abs().sum().float())}
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         x = x.float()
     b = _blocks(x, fmt)
     a = b.abs()
-    ts = None
-    if fmt.tensor_scale:  # the tensor's amax over finite values, as the rounding takes it
-        ts = reference._tensor_scale(
-            torch.where(torch.isfinite(x), x.abs(), 0).amax().double(), fmt)
-    candidates = reference.scale_candidates(fmt, ts)
     amax = a.amax(dim=-1, keepdim=True).double()
     bad = ~torch.isfinite(amax)
+    ts = None
+    if fmt.tensor_scale:  # the tensor's amax over finite values, as the rounding takes it
+        ts = torch.where(bad, 0.0, amax).amax() if bad.numel() else amax.new_zeros(())
+        if bool(bad.any()):  # a block with Inf/NaN: its finite values count too
+            ts = torch.where(torch.isfinite(x), x.abs(), 0).amax().double()
+        ts = reference._tensor_scale(ts, fmt)
+    candidates = reference.scale_candidates(fmt, ts)
     if _settled(fmt):
         if q is None:
             from .dispatch import quantize
@@ -201,15 +215,14 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None) -> 
     else:  # an element range with one more negative code: each sign its own top
         bottom = torch.where(keep, lo * scale, -inf).float()
         over = (b - top).clamp_min_(0) + (bottom - b).clamp_min_(0)
-    lost = over.sum(dtype=torch.float64)
-    magnitude = a.sum(dtype=torch.float64)
-    lost, magnitude = torch.stack([lost, magnitude]).tolist()
+    lost, magnitude = torch.stack([over.sum(), a.sum().float()]).tolist()
     if not (math.isfinite(lost) and math.isfinite(magnitude)):  # Inf/NaN blocks: left out
         over.nan_to_num_(0.0, posinf=0.0)
-        lost = float(over.sum(dtype=torch.float64))
-        magnitude = float(torch.where(keep.float().expand_as(a) > 0, a, 0)
-                          .nan_to_num(0.0, posinf=0.0).sum(dtype=torch.float64))
-    return {"clipped": int(torch.count_nonzero(over)), "lost": lost, "magnitude": magnitude}
+        lost = float(over.sum())
+        magnitude = float(torch.where(keep.expand_as(a), a, 0).nan_to_num(0.0, posinf=0.0)
+                          .sum().float())
+    return {"clipped": int(torch.count_nonzero(over)) if count else None, "lost": lost,
+            "magnitude": magnitude}
 
 
 def _tracing(t: torch.Tensor) -> bool:
@@ -232,17 +245,24 @@ def _block_roundings(role, name, formats, before, after):
     ``after``, blocked along the last axis as qt.analyze's operand rows; not rounded here)."""
     out = []
     fmt, mm = formats.fmt, getattr(formats, "mm_fmt", None)
-    if isinstance(fmt, BlockFormat):
+    if isinstance(fmt, BlockFormat) and can_clip(fmt):
         out.append(("", before, fmt, after))
-    if isinstance(mm, BlockFormat) and mm != fmt and after.dim() > 0 and _an_operand(role, name):
+    if isinstance(mm, BlockFormat) and mm != fmt and after.dim() > 0 and can_clip(mm) and \
+            _an_operand(role, name):
         from .dispatch import with_axis
         out.append(("as an operand ", after, with_axis(mm, -1), None))
     return out
 
 
 def _clips(role, name, formats) -> bool:
-    return isinstance(formats.fmt, BlockFormat) or (isinstance(
-        getattr(formats, "mm_fmt", None), BlockFormat) and _an_operand(role, name))
+    """Whether this rounding's clipping is checked now: a block format that can clip, and
+    the first CLIP_CHECK_FIRST roundings of (role, name), then one in CLIP_CHECK_EVERY."""
+    fmt, mm = formats.fmt, getattr(formats, "mm_fmt", None)
+    if not ((isinstance(fmt, BlockFormat) and can_clip(fmt)) or (
+            isinstance(mm, BlockFormat) and can_clip(mm) and _an_operand(role, name))):
+        return False
+    n = _clip_calls[(role, name)] = _clip_calls.get((role, name), 0) + 1
+    return n <= CLIP_CHECK_FIRST or n % CLIP_CHECK_EVERY == 0
 
 
 def check(role: str, name: str, formats, before: torch.Tensor, after: torch.Tensor) -> None:
@@ -274,11 +294,11 @@ def check_operand(role: str, name: str, formats, value: torch.Tensor) -> None:
     format (``mm_fmt``) will round it in each contraction; warn once per ``(role, name)`` if
     that clips more than :data:`CLIP_LIMIT` of its L1 norm, and tell the observers that have an
     ``operand`` method (``callback.operand(role, name, formats, value)``)."""
-    if not isinstance(getattr(formats, "mm_fmt", None), BlockFormat) or formats.mm_fmt == \
-            formats.fmt or not _an_operand(role, name):
+    mm = getattr(formats, "mm_fmt", None)
+    if not isinstance(mm, BlockFormat) or mm == formats.fmt or not _an_operand(role, name):
         return
     hears = [c for c in _observers if hasattr(c, "operand")]
-    done = not _enabled[0] or (role, name, "clip") in _warned
+    done = not _enabled[0] or (role, name, "clip") in _warned or not _clips(role, name, formats)
     if (done and not hears) or value.numel() == 0 or not value.is_floating_point() or \
             value.dim() == 0 or _tracing(value):
         return
@@ -295,10 +315,11 @@ def _check_clipping(role, name, formats, before, after, value_rounded=True) -> N
     for what, x, fmt, q in roundings:
         if x.numel() < CLIP_MIN_VALUES:
             continue
-        c = clipping(x, fmt, q)
+        c = clipping(x, fmt, q, count=False)
         share = c["lost"] / c["magnitude"] if c["magnitude"] > 0 else 0.0
         if share <= CLIP_LIMIT:
             continue
+        c = clipping(x, fmt, q)  # (the count for the message)
         _warned.add((role, name, "clip"))
         n = int(torch.count_nonzero(x))
         warn(f"qtensor: {name} ({role} role, shape {tuple(after.shape)}) {what}in {fmt}: "

@@ -15,6 +15,7 @@ from qtensor import flush_warnings as fw
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(fw, "_warned", set())
+    monkeypatch.setattr(fw, "_clip_calls", {})
     monkeypatch.setattr(fw, "_enabled", [True])
 
 
@@ -136,7 +137,7 @@ def test_clipped_against_a_per_block_oracle(name, elem_max, emax, rule):
     want, lost = _oracle(x, rule, elem_max, emax, bs=32)
     got = fw.clipping(x, fmt)
     q = qt.quantize(x, fmt)
-    assert got["clipped"] == want and got["lost"] == pytest.approx(lost, rel=1e-6, abs=1e-30)
+    assert got["clipped"] == want and got["lost"] == pytest.approx(lost, rel=1e-5, abs=1e-30)
     assert fw.clipping(x, fmt, q) == got  # the rounded values give the same scales
     if rule == "ceil":
         assert want == 0
@@ -150,7 +151,7 @@ def test_clipped_nvfp4_against_a_per_block_oracle():
     x = _heavy((16, 64), 2)
     got = fw.clipping(x, qt.nvfp4, qt.quantize(x, qt.nvfp4))
     want, lost = _oracle(x, "amax", 6.0, 2, bs=16, nvfp4=True)
-    assert got["clipped"] == want and got["lost"] == pytest.approx(lost, rel=1e-6)
+    assert got["clipped"] == want and got["lost"] == pytest.approx(lost, rel=1e-5)
     # the amax rule clips a block's max only where its scale rounded down: by < 2^-4 of it
     assert 0 < want < x.numel() / 16 and got["lost"] / got["magnitude"] < 0.01
     assert fw.clipping(x, qt.nvfp4) == got  # rounded here: the same
@@ -164,7 +165,7 @@ def test_clipped_custom_block_format_with_one_more_negative_code():
     x[1, 1] = -1.999 * 2 ** 8  # not: -2 * 2^8 is on the grid
     want, lost = _oracle(x, "floor", 127 / 64, 0, bs=8, elem_min=-2.0)
     got = fw.clipping(x, fmt)
-    assert got["clipped"] == want > 0 and got["lost"] == pytest.approx(lost, rel=1e-6)
+    assert got["clipped"] == want > 0 and got["lost"] == pytest.approx(lost, rel=1e-5)
     q = qt.quantize(x, fmt)
     assert q[1, 1] == -512 and q[2, 9] == 127 / 64 * 2 ** 8  # as the rounding has it
 
@@ -176,7 +177,7 @@ def test_clipped_2d_tiles(axis):
     tile = (4, 8) if axis == -1 else (8, 4)
     want, lost = _oracle(x, "floor", 6.0, 2, tile=tile)
     got = fw.clipping(x, fmt)
-    assert got["clipped"] == want > 0 and got["lost"] == pytest.approx(lost, rel=1e-6)
+    assert got["clipped"] == want > 0 and got["lost"] == pytest.approx(lost, rel=1e-5)
 
 
 def test_clipped_scalar_and_degenerate_cases():
@@ -195,3 +196,49 @@ def test_clipped_scalar_and_degenerate_cases():
     assert fw.clipping(torch.zeros(0, 32), fmt)["clipped"] == 0
     assert fw.clipping(x.to(torch.bfloat16), fmt)["clipped"] == fw.clipping(
         x.to(torch.bfloat16).float(), fmt)["clipped"]
+
+
+def _demo_recipe(rule):
+    """examples/demo.py's MXFP4 row: BF16 values (FP32 weights), MXFP4 operands."""
+    f = qt.format("mxfp4_e2m1").replace(scale_rule=rule)
+    return qt.recipes.mxfp6.replace(weight=(qt.fp32, f), activation=(qt.bf16, f),
+                                    grad=(qt.bf16, f))
+
+
+def _clip_warnings(found):
+    return [str(w.message) for w in found if "clipped to it" in str(w.message)]
+
+
+def test_mxfp4_floor_clips_fc2s_gradient_and_the_ceil_rule_does_not():
+    # the demo's divergence: OCP's floor scale clips the true class's p - 1 in each row of
+    # dL/dlogits (blocks along the 10 classes) from up to 8 down to 6 times the block scale
+    # nn.Linear's uniform init: a quarter of each block's values above 6/8 of its max
+    with pytest.warns(UserWarning, match=r"0.weight \(weight role.*25.3% .* clipped to it"):
+        model = qt.convert(_mlp(), _demo_recipe("floor"))
+    found = _step(model, n=3)
+    msgs = _clip_warnings(found)
+    fc2 = [m for m in msgs if m.startswith("qtensor: gradient of the output of 2 (grad role, "
+                                           "shape (512, 10)) as an operand in mxfp4_e2m1")]
+    assert len(fc2) == 1, msgs  # once over three steps
+    assert "10.0% of its 5120 nonzero values" in fc2[0] and "scale_rule='ceil'" in fc2[0]
+    assert all(w.filename == __file__ for w in found)
+    assert not any("gradient of 2.bias" in m or "gradient of 2.weight" in m for m in msgs)
+    model = qt.convert(_mlp(), _demo_recipe("ceil"))
+    assert _clip_warnings(_step(model, n=3)) == []
+
+
+def test_clipping_is_checked_on_a_schedule():
+    role = qt.Role(qt.bf16, mm_fmt=qt.format("mxfp4_e2m1"))
+    healthy = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    clipped = torch.full((64, 64), 0.1)
+    clipped[:, ::16] = -0.95  # each block's max 0.95: clipped to 0.75, 1 value in 16
+    calls = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(1, 40):
+            fw.check_operand("grad", "gradient of the output of fc", role,
+                             clipped if i >= 6 else healthy)
+            if caught and not calls:
+                calls.append(i)
+    # checked on roundings 1-4, then one in 16: the first clipped one checked is the 16th
+    assert calls == [fw.CLIP_CHECK_EVERY] and len(_clip_warnings(caught)) == 1
