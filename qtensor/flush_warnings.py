@@ -1,4 +1,5 @@
-"""A warning when rounding a model's tensor to its format flushes most of it to zero or saturates it.
+"""A warning when rounding a model's tensor to its format flushes most of it to zero, saturates it,
+or clips it inside its blocks.
 
 A format that is too narrow for a tensor fails silently: single-level NVFP4 (``nvfp4_single``:
 E4M3 block scales, no FP32 tensor scale) cannot scale a weight gradient of magnitude 1e-6, so
@@ -15,10 +16,19 @@ at the user's line, once per role and tensor (module or parameter) when
 - or more than :data:`SATURATE_LIMIT` (10%) of its finite nonzero values reached the format's
   largest magnitude (clamped) or overflowed to Inf/NaN. A few clamped outliers are the price of
   a range chosen on purpose (WAGE clips at +-1); when a tenth of the values clamp, the range
-  sits inside the bulk of the distribution.
+  sits inside the bulk of the distribution;
+- or (a separate warning) a block format of the role, its value format or its operand format
+  (``mm_fmt``, on values that enter contractions), clips more than :data:`CLIP_LIMIT` (3%) of
+  the tensor's L1 norm to its blocks' largest values (:func:`clipping`: OCP MX's floor scale
+  rule maps a block's amax up to 8 times its scale, E2M1 ends at 6). Its share of values is no
+  criterion: MXFP8's floor rule clips as many values of dL/dlogits as MXFP4's (10%), by at most
+  1/8 of each instead of 1/4, and trains. Tensors of fewer than :data:`CLIP_MIN_VALUES` values
+  are not judged; it is measured on the first :data:`CLIP_CHECK_FIRST` roundings of each role
+  and tensor, then on one in :data:`CLIP_CHECK_EVERY`.
 
 Cost: two ``count_nonzero`` and one ``aminmax`` per rounding (the saturation count only when the
-largest output reaches the format's range), one host read; nothing under torch.compile or other
+largest output reaches the format's range), one host read; when the clipping is measured, one
+amax per block and four elementwise passes (docs/analysis.md has the numbers); nothing under torch.compile or other
 tracing, nothing for a (role, tensor) that has warned. On by default; ``qt.set_flush_warnings(False)``
 or the environment variable ``QTENSOR_FLUSH_WARNINGS=0`` turns it off. ``observe`` lets
 :mod:`qtensor.analysis` see every such rounding (it needs the values, not only the counts).
