@@ -28,9 +28,9 @@ at the user's line, once per role and tensor (module or parameter) when
 
 Cost: two ``count_nonzero`` and one ``aminmax`` per rounding (the saturation count only when the
 largest output reaches the format's range), one host read; when the clipping is measured, one
-amax per block and four elementwise passes (docs/analysis.md has the numbers); nothing under torch.compile or other
-tracing, nothing for a (role, tensor) that has warned. On by default; ``qt.set_flush_warnings(False)``
-or the environment variable ``QTENSOR_FLUSH_WARNINGS=0`` turns it off. ``observe`` lets
+amax per block and four elementwise passes (docs/analysis.md has the numbers); nothing under
+torch.compile or other tracing, nothing for a (role, tensor) that has warned. On by default;
+``qt.set_flush_warnings(False)`` or the environment variable ``QTENSOR_FLUSH_WARNINGS=0`` turns it off. ``observe`` lets
 :mod:`qtensor.analysis` see every such rounding (it needs the values, not only the counts).
 """
 from __future__ import annotations
