@@ -242,3 +242,21 @@ def test_clipping_is_checked_on_a_schedule():
                 calls.append(i)
     # checked on roundings 1-4, then one in 16: the first clipped one checked is the 16th
     assert calls == [fw.CLIP_CHECK_EVERY] and len(_clip_warnings(caught)) == 1
+
+
+@pytest.mark.parametrize("fmt", [qt.nvfp4.replace(rounding="toward_zero"), qt.nvfp4_single,
+                                 qt.format("mxfp4_e2m1").replace(scale_rule="even"),
+                                 qt.nvfp4.replace(scale_rule="4over6")],
+                         ids=["nvfp4_toward_zero", "nvfp4_single", "mxfp4_even", "4over6"])
+def test_clipped_values_are_rounded_down_to_their_blocks_top(fmt):
+    # rules whose rounding may lower a block's scale: X from the rounded block; every value
+    # counted lies above |q| at its block's rounded max, and x alone (rounded here) agrees
+    x = _heavy((32, 64), 6) * torch.exp(
+        3 * torch.randn(32, 1, generator=torch.Generator().manual_seed(7)))
+    q = qt.quantize(x, fmt)
+    got = fw.clipping(x, fmt, q)
+    b, bq = fw._blocks(x, fmt), fw._blocks(q, fmt)
+    at_top = (b.abs() > bq.abs()) & (bq.abs() == bq.abs().amax(-1, keepdim=True))
+    assert 0 < got["clipped"] <= int(at_top.sum())
+    assert got["lost"] <= float(((b.abs() - bq.abs()) * at_top).double().sum()) * (1 + 1e-5)
+    assert fw.clipping(x, fmt) == got
