@@ -281,6 +281,8 @@ def check(role: str, name: str, formats, before: torch.Tensor, after: torch.Tens
     ``after`` with most nonzero values flushed to zero or saturated, and (once more) if a block
     format of it clips more than :data:`CLIP_LIMIT` of the tensor's L1 norm to its blocks'
     largest values; feed the observers."""
+    if torch.compiler.is_compiling():  # no values (and no bookkeeping to trace)
+        return
     range_done = (role, name) in _warned
     clip_done = (role, name, "clip") in _warned or not _clips(role, name, formats)
     if not _observers and (not _enabled[0] or (range_done and clip_done)):
@@ -305,7 +307,8 @@ def check_operand(role: str, name: str, formats, value: torch.Tensor) -> None:
     that clips more than :data:`CLIP_LIMIT` of its L1 norm, and tell the observers that have an
     ``operand`` method (``callback.operand(role, name, formats, value)``)."""
     mm = getattr(formats, "mm_fmt", None)
-    if not isinstance(mm, BlockFormat) or mm == formats.fmt or not _an_operand(role, name):
+    if torch.compiler.is_compiling() or not isinstance(mm, BlockFormat) or mm == formats.fmt \
+            or not _an_operand(role, name):
         return
     hears = [c for c in _observers if hasattr(c, "operand")]
     done = not _enabled[0] or (role, name, "clip") in _warned or not _clips(role, name, formats)
