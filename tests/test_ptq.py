@@ -520,3 +520,131 @@ def test_act_order_must_be_a_bool():
     lin, x = _layer()
     with pytest.raises(TypeError, match="act_order"):
         qt.gptq(copy.deepcopy(lin), x, "mxfp4_e2m1", act_order="yes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped, 3D and transposed convolutions: one problem per conv group, on its patches
+
+def one_hot_patches(mod, x):
+    """Each conv group's patch matrix (N, P*Cg), columns (kernel position, channel), built by
+    running the layer's own functional op (float64) on that group's channels with one-hot
+    kernels: output channel p*Cg + c copies channel c at kernel position p (for a transposed
+    conv, position p of the flipped kernel: the equivalent forward convolution's order)."""
+    nd = len(mod.kernel_size)
+    transposed = isinstance(mod, torch.nn.modules.conv._ConvTransposeNd)
+    G, C = mod.groups, mod.in_channels
+    Cg, P = C // G, math.prod(mod.kernel_size)
+    eye = torch.zeros(P * Cg, Cg, P, dtype=torch.float64)
+    for p in range(P):
+        for c in range(Cg):
+            eye[((P - 1 - p) if transposed else p) * Cg + c, c, p] = 1
+    eye = eye.reshape(P * Cg, Cg, *mod.kernel_size)
+    out = []
+    for g in range(G):
+        xg = x[:, g * Cg:(g + 1) * Cg].double()
+        if transposed:
+            fn = getattr(F, f"conv_transpose{nd}d")
+            y = fn(xg, eye.transpose(0, 1), stride=mod.stride, padding=mod.padding,
+                   output_padding=mod.output_padding, dilation=mod.dilation)
+        else:
+            fn = getattr(F, f"conv{nd}d")
+            y = fn(xg, eye, stride=mod.stride, padding=mod.padding, dilation=mod.dilation)
+        out.append(y.reshape(y.shape[0], P * Cg, -1).permute(0, 2, 1).reshape(-1, P * Cg))
+    return out
+
+
+def group_weights(mod, w):
+    """Each group's weight (O/G, P*Cg) in the columns of one_hot_patches."""
+    G, Cg, P = mod.groups, mod.in_channels // mod.groups, math.prod(mod.kernel_size)
+    if isinstance(mod, torch.nn.modules.conv._ConvTransposeNd):  # (C, O/G, *k)
+        return [w[g * Cg:(g + 1) * Cg].reshape(Cg, -1, P).flip(2).permute(1, 2, 0)
+                .reshape(-1, P * Cg) for g in range(G)]
+    Og = w.shape[0] // G
+    return [w[g * Og:(g + 1) * Og].reshape(Og, Cg, P).permute(0, 2, 1).reshape(Og, P * Cg)
+            for g in range(G)]
+
+
+def from_group_weights(mod, qs, shape):
+    G, Cg, P = mod.groups, mod.in_channels // mod.groups, math.prod(mod.kernel_size)
+    if isinstance(mod, torch.nn.modules.conv._ConvTransposeNd):
+        return torch.cat([q.reshape(-1, P, Cg).flip(1).permute(2, 0, 1) for q in qs]).reshape(
+            shape)
+    return torch.cat([q.reshape(q.shape[0], P, Cg).permute(0, 2, 1) for q in qs]).reshape(shape)
+
+
+CONV_CASES = {  # (layer, input shape, format)
+    "conv2d_groups2_nvfp4": (lambda: torch.nn.Conv2d(48, 6, 3, padding=1, groups=2),
+                             (2, 48, 5, 5), "nvfp4"),
+    "conv1d_groups3_mxfp4": (lambda: torch.nn.Conv1d(24, 6, 3, stride=2, dilation=2, groups=3,
+                                                     padding=2), (3, 24, 11), "mxfp4_e2m1"),
+    "conv1d_depthwise_fp8": (lambda: torch.nn.Conv1d(8, 8, 5, padding=2, groups=8),
+                             (4, 8, 9), "fp8_e4m3"),
+    "conv3d_mxfp4": (lambda: torch.nn.Conv3d(40, 4, (2, 3, 2), padding=(1, 0, 1),
+                                             stride=(1, 2, 1)), (2, 40, 3, 5, 3), "mxfp4_e2m1"),
+    "convT2d_mxfp4": (lambda: torch.nn.ConvTranspose2d(40, 4, 3, stride=2, padding=1,
+                                                       output_padding=1), (2, 40, 3, 3),
+                      "mxfp4_e2m1"),
+    "convT1d_groups2_nvfp4": (lambda: torch.nn.ConvTranspose1d(32, 6, 3, stride=2, dilation=2,
+                                                               groups=2), (3, 32, 6), "nvfp4"),
+    "convT3d_groups2_custom": (lambda: torch.nn.ConvTranspose3d(16, 4, 2, stride=(2, 1, 1),
+                                                                groups=2), (2, 16, 2, 3, 2),
+                               CUSTOM_AMAX),
+}
+
+
+@pytest.mark.parametrize("flow", ["gptq", "gptq_act_order", "error_diffusion"])
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_conv_kinds_equal_the_reference_on_each_groups_patches(case, flow):
+    make, shape, fmt = CONV_CASES[case]
+    torch.manual_seed(0)
+    conv = make()
+    with torch.no_grad():  # the largest weight in the last group (NVFP4: the pin is there)
+        conv.weight.view(-1)[-3] = 3 * conv.weight.abs().max()
+    x = torch.randn(*shape)
+    w0 = conv.weight.detach().clone()
+    f = qt.format(fmt) if isinstance(fmt, str) else fmt
+    done = (qt.gptq(torch.nn.Sequential(conv), x, fmt, act_order=True)
+            if flow == "gptq_act_order" else getattr(qt, flow)(torch.nn.Sequential(conv), x, fmt))
+    got = weight_of(done[0])
+    transposed = isinstance(conv, torch.nn.modules.conv._ConvTransposeNd)
+    fw = f.replace(axis=-1) if isinstance(f, qt.BlockFormat) else f
+    xq = operand(x, f, axis=1)
+    run = conv.in_channels // conv.groups
+    qs, pins = [], 0
+    for wg, pq, px in zip(group_weights(conv, w0), one_hot_patches(conv, xq),
+                          one_hot_patches(conv, x)):
+        ref, grid = (ref_diffusion(wg, px, pq, fw, run, whole=w0) if flow == "error_diffusion"
+                     else ref_gptq(wg, pq, fw, run, act_order=flow == "gptq_act_order",
+                                   whole=w0))
+        qs.append(ref)
+        pins += grid.pin is not None
+    assert pins == (1 if f == qt.nvfp4 else 0)
+    ref = from_group_weights(conv, qs, w0.shape)
+    assert torch.equal(bits(got), bits(ref.float())), (got - ref).abs().max()
+    axis = 0 if transposed else 1
+    assert in_format(got, f, axis=axis)  # the contraction's blocking: re-rounding is the identity
+    assert not torch.equal(got, operand(w0, f, axis))  # not the direct cast
+    # the converted layer computes with these weights as they are
+    with torch.no_grad():
+        out = done(x)
+        out = out.dequantize() if isinstance(out, qt.QTensor) else out
+        fn = conv._conv_forward if not transposed else None
+        expect = (fn(xq, got, conv.bias.detach()) if fn is not None else
+                  getattr(F, f"conv_transpose{len(conv.kernel_size)}d")(
+                      xq, got, conv.bias.detach(), conv.stride, conv.padding,
+                      conv.output_padding, conv.groups, conv.dilation))
+    assert torch.allclose(out, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_a_grouped_transposed_conv_whose_blocks_span_its_groups_stays_direct_cast():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ConvTranspose2d(16, 4, 3, groups=2))  # 8 channels/group
+    x = torch.randn(2, 16, 4, 4)
+    with pytest.warns(UserWarning, match="weight blocks of 32 along its input channels span"):
+        done = qt.gptq(copy.deepcopy(model), x, "mxfp4_e2m1")
+    assert torch.equal(weight_of(done[0]), model[0].weight.detach())
+    with pytest.raises(ValueError, match="span its groups"):
+        qt.gptq(copy.deepcopy(model), x, "mxfp4_e2m1", layers=["0"])
+    done = qt.gptq(copy.deepcopy(model), x, CUSTOM_AMAX)  # blocks of 8: one group's channels
+    assert in_format(weight_of(done[0]), CUSTOM_AMAX, axis=0)
+    assert not torch.equal(weight_of(done[0]), operand(model[0].weight.detach(), CUSTOM_AMAX, 0))
