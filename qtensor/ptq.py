@@ -449,6 +449,11 @@ def _layers(model: nn.Module, layers, who: str) -> List[Tuple[str, nn.Module, Fo
         if names is not None and name not in names:
             continue
         if not isinstance(mod, LAYERS):
+            if names is not None and isinstance(mod, nn.Embedding):
+                raise ValueError(
+                    f"{who}: {name} is an nn.Embedding: its lookup is not a contraction (its "
+                    "input is one-hot, the Hessian diagonal), so GPTQ and error diffusion reduce "
+                    "to rounding each weight to nearest, the direct cast it already has")
             if names is not None:
                 raise ValueError(f"{who}: {name} is a {type(mod).__name__}, not one of "
                                  f"{', '.join(t.__name__ for t in LAYERS)}")
@@ -469,6 +474,16 @@ def _layers(model: nn.Module, layers, who: str) -> List[Tuple[str, nn.Module, Fo
             raise ValueError(f"{who}: no layer named {', '.join(sorted(missing))}")
     if skipped:
         warnings.warn(f"{who}: left in direct cast: {'; '.join(skipped)}", stacklevel=3)
+    owners: Dict[int, List[str]] = {}
+    for n, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(n)
+    for name, mod, _ in chosen:
+        others = [n for n in owners.get(id(mod.weight), []) if n != name]
+        if others:  # tied weights (a language model's head and its token embedding, say)
+            warnings.warn(f"{who}: {name}'s weight is shared with {', '.join(others)}: the "
+                          f"values rounded for {name}'s contraction are written into it, and "
+                          f"{', '.join(others)} use them too", stacklevel=3)
     return chosen
 
 

@@ -648,3 +648,29 @@ def test_a_grouped_transposed_conv_whose_blocks_span_its_groups_stays_direct_cas
     done = qt.gptq(copy.deepcopy(model), x, CUSTOM_AMAX)  # blocks of 8: one group's channels
     assert in_format(weight_of(done[0]), CUSTOM_AMAX, axis=0)
     assert not torch.equal(weight_of(done[0]), operand(model[0].weight.detach(), CUSTOM_AMAX, 0))
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, t):
+        return self.head(torch.tanh(self.emb(t)))
+
+
+def test_an_embedding_is_left_as_converted_and_a_tied_weight_is_said():
+    """An Embedding's lookup is a one-hot product: H is diagonal, GPTQ and error diffusion
+    round each weight to nearest (direct cast), so it is not processed; naming it says why.
+    A weight tied to it is written with the head's rounding, with a warning."""
+    torch.manual_seed(0)
+    model, t = _Tied(), torch.randint(0, 50, (4, 16))
+    with pytest.raises(ValueError, match="Embedding: its lookup is not a contraction"):
+        qt.gptq(copy.deepcopy(model), t, "mxfp4_e2m1", layers=["emb"])
+    with pytest.warns(UserWarning, match="head's weight is shared with emb"):
+        done = qt.gptq(copy.deepcopy(model), t, "mxfp4_e2m1")
+    assert in_format(weight_of(done.head), qt.mxfp4_e2m1)
+    untied = torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.Linear(32, 4))
+    done = qt.error_diffusion(copy.deepcopy(untied), t, "mxfp4_e2m1")
+    assert torch.equal(weight_of(done[0]), untied[0].weight.detach())  # FP32, as direct cast
