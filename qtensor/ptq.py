@@ -3,14 +3,17 @@
 ``qt.gptq(model, calib_inputs, spec)`` and ``qt.error_diffusion(model, calib_inputs, spec)``
 convert ``model`` in place with ``spec`` (a format F means ``qt.recipes.direct_cast(F)``: the
 weights and activations enter every contraction in F, FP32 elsewhere; a ``qt.Recipe`` is used as
-given) and replace the weight of every ``nn.Linear``/``nn.Conv1d``/``nn.Conv2d`` whose
-contraction rounds it by values chosen to keep the layer's output on the calibration data:
+given) and replace the weight of every ``nn.Linear``, ``nn.Conv1d/2d/3d`` and
+``nn.ConvTranspose1d/2d/3d`` whose contraction rounds it by values chosen to keep the layer's
+output on the calibration data:
 
 - GPTQ (Frantar et al. 2022, arXiv 2210.17323): the weight's columns (the reduction axis) are
   rounded one at a time, and the rounding error of each is compensated on the columns not yet
   rounded through the inverse Hessian of the layer's least-squares problem (H = 2 X^T X / N, X
   the layer's input as the contraction receives it in the partly quantized model, damped by
-  ``damp`` times its mean diagonal), with lazy batch updates one block at a time.
+  ``damp`` times its mean diagonal), with lazy batch updates one block at a time. With
+  ``act_order=True`` the columns are taken in decreasing order of the Hessian diagonal, kept
+  to the format's blocks (:meth:`_Grid.act_order`, docs/analysis.md).
 - Error diffusion (after Khodamoradi et al. 2024, arXiv 2410.11203: hyperparameter-free, no
   Hessian, no backpropagation, the quantization error diffused layer by layer): the layer's
   output error on the calibration batch, u = X W^T - X~ Q^T (X the FP32 model's input of the
@@ -32,6 +35,17 @@ scale, until it is one, as the reference rounding does for the amax rule; and wi
 scale (NVFP4) the tensor scale is the original weight's, and the element that held the tensor's
 largest magnitude takes the format's largest value (sign kept), so that the rounded tensor has
 that tensor scale again. Scalar formats round each column alone.
+
+Convolutions are least-squares problems on their patches (the windows of the padded input
+under each output position, input channels innermost); a grouped convolution is one problem per
+group (its output channels, on the patches of its input channels, with its own Hessian), whose
+weights share the tensor scale; a transposed convolution is the forward convolution (stride 1)
+of its zero-inserted input with its flipped, transposed kernel, solved as that one (its weight
+blocks, along its input channels, are the same; a grouped one whose blocks would span two
+groups is left in direct cast). ``nn.Embedding`` is not processed: its lookup is a product with
+one-hot rows, whose Hessian is diagonal (the token counts), so that both flows would round each
+weight to nearest, its direct cast (GPTQ would also zero the rows of tokens absent from the
+calibration data).
 """
 from __future__ import annotations
 
@@ -561,12 +575,18 @@ def gptq(model: nn.Module, calib_inputs, spec, *, damp: float = 0.01, act_order:
     """GPTQ (Frantar et al. 2022) of a trained model in any format, from a calibration batch.
 
     Converts ``model`` in place with ``spec`` (a format F: ``qt.recipes.direct_cast(F)``; or a
-    ``qt.Recipe``) and replaces the weight of each ``nn.Linear``/``Conv1d``/``Conv2d`` whose
-    contraction rounds it (or the ``layers`` named) by its GPTQ rounding in that format, layer
-    after layer in the order they run, each on its inputs in the model quantized so far (as the
-    contraction receives them: rounded to the activation operand format). ``calib_inputs``: a
+    ``qt.Recipe``) and replaces the weight of each ``nn.Linear``, ``nn.Conv1d/2d/3d`` and
+    ``nn.ConvTranspose1d/2d/3d`` (grouped ones too) whose contraction rounds it (or the
+    ``layers`` named) by its GPTQ rounding in that format, layer after layer in the order they
+    run, each on its inputs in the model quantized so far (as the contraction receives them:
+    rounded to the activation operand format). ``calib_inputs``: a
     tensor, a tuple of positional arguments, or a list of them. ``damp``: the fraction of the
-    Hessian's mean diagonal added to it. Returns ``model``. See the module docstring and
+    Hessian's mean diagonal added to it. ``act_order``: GPTQ's act-order (``--act-order`` of
+    the reference implementation: the columns in decreasing order of the Hessian diagonal);
+    with a block format the blocks are taken in decreasing order of their largest diagonal
+    entry and the columns of each block in decreasing order within it, so that every block is
+    the format's and its scale is decided when its first column is reached (a scalar format:
+    GPTQ's own order). Returns ``model``. See the module docstring and
     docs/analysis.md."""
     if not (isinstance(damp, (int, float)) and damp >= 0):
         raise ValueError(f"qt.gptq: damp must be a number >= 0, got {damp!r}")
