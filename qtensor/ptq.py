@@ -261,10 +261,13 @@ def weight_groups(fmt: Format, K: int, run: int) -> List[Tuple[int, int]]:
 class _Grid:
     """The rounding of one flattened weight (out, K) to ``fmt``, a column at a time: group
     ``group`` of a layer's weight ``whole`` (groups, out, K); a tensor scale is the whole
-    weight's, and its largest magnitude is pinned in the group that holds it."""
+    weight's, and its largest magnitude is pinned in the group that holds it. A per-tensor
+    block (axis=None) has one scale for the whole weight, ``whole_scale`` (default: from the
+    whole weight's largest magnitude)."""
 
     def __init__(self, fmt: Format, w0: torch.Tensor, run: int, name: str,
-                 whole: Optional[torch.Tensor] = None, group: int = 0):
+                 whole: Optional[torch.Tensor] = None, group: int = 0,
+                 whole_scale: Optional[torch.Tensor] = None):
         self.fmt, self.name = fmt, name
         rounding = getattr(fmt, "rounding", None)
         if rounding is not None and is_stochastic(rounding):
@@ -281,7 +284,15 @@ class _Grid:
         if self.block and fmt.axis is None and fmt.scale_rule == "amax":
             raise ValueError(f"qtensor.ptq: {name}: a per-tensor block format with the amax scale "
                              f"rule ({fmt}) is not supported; block it along an axis")
+        if self.block and fmt.axis is None and fmt.tensor_scale:
+            raise ValueError(f"qtensor.ptq: {name}: a per-tensor block format with a tensor "
+                             f"scale ({fmt}) is not supported; block it along an axis")
         self.groups = weight_groups(fmt, w0.shape[1], run)
+        self.whole_scale = None
+        if self.block and fmt.axis is None:
+            src = w0 if whole is None else whole
+            self.whole_scale = (block_scale(src.abs().amax().reshape(1, 1), fmt, None)
+                                if whole_scale is None else whole_scale)
         self.ts, self.pin = None, None
         if self.block and fmt.tensor_scale:
             whole = w0[None] if whole is None else whole
@@ -318,6 +329,8 @@ class _Grid:
         """The scale (out, 1) of each row's block [a, b), from its current values ``cur``."""
         if not self.block:
             return None
+        if self.whole_scale is not None:  # one scale for the tensor (see _flow)
+            return self.whole_scale.expand(len(cur), 1).clone()
         x = block_scale(cur.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
         if self.pin is not None and a <= self.pin[1] < b:
             x[self.pin[0], 0] = self.pin[3]
@@ -345,7 +358,7 @@ class _Grid:
         change; that scale goes into ``scale``. (With a power-of-two scale a halved scale keeps
         the values unless the element's largest value is not 2^(emax+1) minus one ulp, as in
         E4M3, whose 240 doubles to 480 > 448; with the amax rule any smaller scale moves them.)"""
-        if not self.block:
+        if not self.block or self.whole_scale is not None:  # (per-tensor: checked in _flow)
             return torch.zeros(len(rows), dtype=torch.bool)
         again = block_scale(q.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
         moved = (round_with_scale(q, again, self.fmt, self.fmt.rounding) != q).any(dim=1)
@@ -539,10 +552,22 @@ def _flow(model, calib_inputs, spec, layers, who, quantize_layer, need_fp32_inpu
             raise ValueError(f"{who}: {name}'s weight has Inf/NaN values")
         flat, run = _flat_weight(mod, w0)  # one least-squares problem per conv group
         x = fp32_inputs[name] if fp32_inputs is not None else None
-        q = [quantize_layer(flat[g], xq[g], x[g] if x is not None else None,
-                            _Grid(fmt, flat[g], run, name, whole=flat, group=g))
-             for g in range(flat.shape[0])]
-        _write(mod, name, torch.stack(q), fmt, who)
+
+        def solve(whole_scale=None):
+            grids = [_Grid(fmt, flat[g], run, name, whole=flat, group=g,
+                           whole_scale=whole_scale) for g in range(flat.shape[0])]
+            q = torch.stack([quantize_layer(flat[g], xq[g], x[g] if x is not None else None,
+                                            grids[g]) for g in range(flat.shape[0])])
+            return q, grids[0].whole_scale
+
+        q, scale = solve()
+        while scale is not None:  # a per-tensor block: the whole weight must be a fixed point
+            again = block_scale(q.abs().amax().reshape(1, 1), fmt, None)
+            if not bool((again < scale).all()) or torch.equal(
+                    round_with_scale(q, again, fmt, fmt.rounding), q):
+                break
+            q, scale = solve(again)  # rounding lowered its maximum: again with its own scale
+        _write(mod, name, q, fmt, who)
     return model
 
 

@@ -674,3 +674,29 @@ def test_an_embedding_is_left_as_converted_and_a_tied_weight_is_said():
     untied = torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.Linear(32, 4))
     done = qt.error_diffusion(copy.deepcopy(untied), t, "mxfp4_e2m1")
     assert torch.equal(weight_of(done[0]), untied[0].weight.detach())  # FP32, as direct cast
+
+
+@pytest.mark.parametrize("flow", ["gptq", "error_diffusion"])
+def test_a_per_tensor_block_format_has_one_scale_for_the_whole_weight(flow):
+    """axis=None: one power-of-two scale S for the whole weight (all rows, all conv groups),
+    from its largest magnitude; the flows then equal the scalar flows of the element format on
+    W / S, times S (a power of two: exact). Each row took its own scale before, so that a row
+    8x larger than the others left the weight out of the format (an AssertionError)."""
+    fmt = qt.BlockFormat(qt.format("fp4_e2m1"), axis=None, scale="e8m0", scale_rule="floor")
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(16, 4, 3, groups=2)
+    with torch.no_grad():
+        conv.weight[0] *= 8
+    x = torch.randn(4, 16, 5, 5)
+    w0 = conv.weight.detach().clone()
+    got = weight_of(getattr(qt, flow)(torch.nn.Sequential(copy.deepcopy(conv)), x, fmt)[0])
+    assert torch.equal(bits(qt.quantize(got, fmt)), bits(got))
+    S = 2.0 ** (math.frexp(float(w0.abs().max()))[1] - 1 - fmt.elem.emax)
+    xq = qt.quantize(x, fmt)  # the input: one scale too
+    qs = []
+    for wg, pq, px in zip(group_weights(conv, w0), one_hot_patches(conv, xq),
+                          one_hot_patches(conv, x)):
+        ref, _ = (ref_gptq(wg / S, pq, fmt.elem, 8) if flow == "gptq"
+                  else ref_diffusion(wg / S, px, pq, fmt.elem, 8))
+        qs.append(ref * S)
+    assert torch.equal(bits(got), bits(from_group_weights(conv, qs, w0.shape).float()))
