@@ -700,3 +700,32 @@ def test_a_per_tensor_block_format_has_one_scale_for_the_whole_weight(flow):
                   else ref_diffusion(wg / S, px, pq, fmt.elem, 8))
         qs.append(ref * S)
     assert torch.equal(bits(got), bits(from_group_weights(conv, qs, w0.shape).float()))
+
+
+class _Up(torch.nn.Module):
+    def __init__(self, output_padding=0):
+        super().__init__()
+        self.up = torch.nn.ConvTranspose2d(32, 4, 3, stride=2, padding=1,
+                                           output_padding=output_padding)
+
+    def forward(self, x):
+        if self.up.output_padding[0]:
+            return self.up(x)
+        return self.up(x, output_size=[2 * x.shape[-2], 2 * x.shape[-1]])
+
+
+def test_a_transposed_conv_called_with_output_size_takes_its_output_padding():
+    """output_size=(8, 8) from 4 x 4 means an output padding of 1: the same problem as the
+    layer built with output_padding=1."""
+    torch.manual_seed(0)
+    a, b = _Up(), _Up(output_padding=1)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 32, 4, 4)
+    for flow in ("gptq", "error_diffusion"):
+        wa = weight_of(getattr(qt, flow)(copy.deepcopy(a), x, "mxfp4_e2m1").up)
+        wb = weight_of(getattr(qt, flow)(copy.deepcopy(b), x, "mxfp4_e2m1").up)
+        assert torch.equal(bits(wa), bits(wb))
+        plain = torch.nn.ConvTranspose2d(32, 4, 3, stride=2, padding=1)  # output padding 0
+        plain.load_state_dict(a.up.state_dict())
+        wc = weight_of(getattr(qt, flow)(torch.nn.Sequential(plain), x, "mxfp4_e2m1")[0])
+        assert not torch.equal(bits(wa), bits(wc))  # the last row and column of patches count
