@@ -3,14 +3,17 @@
 ``qt.gptq(model, calib_inputs, spec)`` and ``qt.error_diffusion(model, calib_inputs, spec)``
 convert ``model`` in place with ``spec`` (a format F means ``qt.recipes.direct_cast(F)``: the
 weights and activations enter every contraction in F, FP32 elsewhere; a ``qt.Recipe`` is used as
-given) and replace the weight of every ``nn.Linear``/``nn.Conv1d``/``nn.Conv2d`` whose
-contraction rounds it by values chosen to keep the layer's output on the calibration data:
+given) and replace the weight of every ``nn.Linear``, ``nn.Conv1d/2d/3d`` and
+``nn.ConvTranspose1d/2d/3d`` whose contraction rounds it by values chosen to keep the layer's
+output on the calibration data:
 
 - GPTQ (Frantar et al. 2022, arXiv 2210.17323): the weight's columns (the reduction axis) are
   rounded one at a time, and the rounding error of each is compensated on the columns not yet
   rounded through the inverse Hessian of the layer's least-squares problem (H = 2 X^T X / N, X
   the layer's input as the contraction receives it in the partly quantized model, damped by
-  ``damp`` times its mean diagonal), with lazy batch updates one block at a time.
+  ``damp`` times its mean diagonal), with lazy batch updates one block at a time. With
+  ``act_order=True`` the columns are taken in decreasing order of the Hessian diagonal, kept
+  to the format's blocks (:meth:`_Grid.act_order`, docs/analysis.md).
 - Error diffusion (after Khodamoradi et al. 2024, arXiv 2410.11203: hyperparameter-free, no
   Hessian, no backpropagation, the quantization error diffused layer by layer): the layer's
   output error on the calibration batch, u = X W^T - X~ Q^T (X the FP32 model's input of the
@@ -32,10 +35,22 @@ scale, until it is one, as the reference rounding does for the amax rule; and wi
 scale (NVFP4) the tensor scale is the original weight's, and the element that held the tensor's
 largest magnitude takes the format's largest value (sign kept), so that the rounded tensor has
 that tensor scale again. Scalar formats round each column alone.
+
+Convolutions are least-squares problems on their patches (the windows of the padded input
+under each output position, input channels innermost); a grouped convolution is one problem per
+group (its output channels, on the patches of its input channels, with its own Hessian), whose
+weights share the tensor scale; a transposed convolution is the forward convolution (stride 1)
+of its zero-inserted input with its flipped, transposed kernel, solved as that one (its weight
+blocks, along its input channels, are the same; a grouped one whose blocks would span two
+groups is left in direct cast). ``nn.Embedding`` is not processed: its lookup is a product with
+one-hot rows, whose Hessian is diagonal (the token counts), so that both flows would round each
+weight to nearest, its direct cast (GPTQ would also zero the rows of tokens absent from the
+calibration data).
 """
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -53,7 +68,8 @@ from .tensor import QTensor
 
 __all__ = ["gptq", "error_diffusion", "weight_groups", "LAYERS"]
 
-LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
+LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+          nn.ConvTranspose3d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,56 +87,113 @@ def _batches(calib_inputs) -> List[tuple]:
                     f"non-empty list of them, got {type(calib_inputs).__name__}")
 
 
-def _reduction_axis(mod: nn.Module) -> int:
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _input_axis(mod: nn.Module) -> int:
+    """The axis along which the contraction rounds the layer's input (its blocks' axis)."""
     return -1 if isinstance(mod, nn.Linear) else 1
 
 
-def _columns(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The rows (N, K) that multiply the flattened weight (see :func:`_flat_weight`)."""
+def _weight_axis(mod: nn.Module) -> int:
+    """The axis along which the contraction rounds the weight: in_features of a Linear, the
+    input channels of a Conv (dim 1 of (O, C/groups, *k)) and of a ConvTranspose (dim 0 of
+    (C, O/groups, *k))."""
+    return -1 if isinstance(mod, nn.Linear) else 0 if isinstance(mod, _TRANSPOSED) else 1
+
+
+def _pad(x: torch.Tensor, pads) -> torch.Tensor:
+    """x (B, C, *S) zero-padded by (lo, hi) per spatial dim; negative amounts crop."""
+    return F.pad(x, [p for lo_hi in reversed(pads) for p in lo_hi])
+
+
+def _columns(mod: nn.Module, x: torch.Tensor, output_size=None) -> torch.Tensor:
+    """The rows (groups, N, K/groups) that multiply each group's flattened weight (see
+    :func:`_flat_weight`): a Linear's inputs (one group); a convolution's patches (the windows
+    of its padded input under each output position, built with Tensor.unfold on each spatial
+    dim, input channels innermost), one set per conv group from that group's channels. A
+    transposed convolution is the convolution (stride 1) of its input with zeros inserted
+    between the elements (stride - 1 of them), padded by dilation * (k - 1) - padding (and the
+    output padding at the end), with the flipped, transposed kernel: its patches are those."""
     x = x.double()
     if isinstance(mod, nn.Linear):
-        return x.reshape(-1, x.shape[-1])
-    pad = (0,) * len(mod.kernel_size) if isinstance(mod.padding, str) else mod.padding  # valid
-    if x.dim() == len(mod.kernel_size) + 1:  # an unbatched input
+        return x.reshape(1, -1, x.shape[-1])
+    nd = len(mod.kernel_size)
+    if x.dim() == nd + 1:  # an unbatched input
         x = x.unsqueeze(0)
-    if isinstance(mod, nn.Conv1d):  # as a Conv2d of height 1
-        x = x.unsqueeze(2)
-        k, d, p, s = (1, mod.kernel_size[0]), (1, mod.dilation[0]), (0, pad[0]), \
-            (1, mod.stride[0])
+    k, dil = mod.kernel_size, mod.dilation
+    if isinstance(mod, _TRANSPOSED):
+        b, c, *size = x.shape
+        z = x.new_zeros(b, c, *((n - 1) * s + 1 for n, s in zip(size, mod.stride)))
+        z[(..., *(slice(None, None, s) for s in mod.stride))] = x
+        op = mod._output_padding(x, output_size, list(mod.stride), list(mod.padding),
+                                 list(k), nd, list(dil))
+        pads = [(d * (kk - 1) - p, d * (kk - 1) - p + o)
+                for kk, d, p, o in zip(k, dil, mod.padding, op)]
+        x, stride = z, (1,) * nd
     else:
-        k, d, p, s = mod.kernel_size, mod.dilation, pad, mod.stride
-    cols = F.unfold(x, k, dilation=d, padding=p, stride=s)  # (B, C*kh*kw, L), C outermost
-    c = x.shape[1]
-    b, _, L = cols.shape
-    cols = cols.reshape(b, c, -1, L).permute(0, 3, 2, 1)  # (B, L, kh*kw, C): C innermost
-    return cols.reshape(b * L, -1)
+        pad = (0,) * nd if isinstance(mod.padding, str) else mod.padding  # 'valid'
+        pads, stride = [(p, p) for p in pad], mod.stride
+    x = _pad(x, pads)
+    for i, (kk, s, d) in enumerate(zip(k, stride, dil)):
+        x = x.unfold(2 + i, d * (kk - 1) + 1, s)
+    win = x[(..., *(slice(None, None, d) for d in dil))]  # (B, C, *L, *k)
+    b, c = win.shape[:2]
+    g = mod.groups
+    win = win.reshape(b, g, c // g, -1, math.prod(k)).permute(1, 0, 3, 4, 2)  # (G, B, L, P, Cg)
+    return win.reshape(g, -1, math.prod(k) * (c // g))
+
+
+def _grouped_kernel(mod: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """A convolution's weight as (groups, O/groups, C/groups, *k), the kernel of each group's
+    forward convolution (a ConvTranspose's: transposed and flipped, see :func:`_columns`)."""
+    g = mod.groups
+    if isinstance(mod, _TRANSPOSED):
+        c, og, *k = w.shape
+        return w.reshape(g, c // g, og, *k).transpose(1, 2).flip(list(range(3, 3 + len(k))))
+    o, cg, *k = w.shape
+    return w.reshape(g, o // g, cg, *k)
 
 
 def _flat_weight(mod: nn.Module, w: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """The weight as a matrix (out, K) whose columns run along the reduction axis innermost
-    (the blocks' axis), and the length of one run (in_features; a Conv's input channels)."""
+    """The weight as matrices (groups, out/groups, K/groups) whose columns run along the
+    reduction axis innermost (the blocks' axis), and the length of one run (in_features; a
+    Conv's input channels per group)."""
     if isinstance(mod, nn.Linear):
-        return w, w.shape[1]
-    o, c = w.shape[:2]
-    return w.reshape(o, c, -1).permute(0, 2, 1).reshape(o, -1), c
+        return w[None], w.shape[1]
+    kern = _grouped_kernel(mod, w)
+    g, og, cg = kern.shape[:3]
+    return kern.reshape(g, og, cg, -1).permute(0, 1, 3, 2).reshape(g, og, -1), cg
 
 
 def _unflatten_weight(mod: nn.Module, flat: torch.Tensor, shape) -> torch.Tensor:
     if isinstance(mod, nn.Linear):
-        return flat.reshape(shape)
-    o, c = shape[:2]
-    return flat.reshape(o, -1, c).permute(0, 2, 1).reshape(shape)
+        return flat[0].reshape(shape)
+    k = tuple(_grouped_kernel(mod, torch.empty(shape, device="meta")).shape[3:])
+    g, og = flat.shape[:2]
+    kern = flat.reshape(g, og, math.prod(k), -1).permute(0, 1, 3, 2).reshape(g, og, -1, *k)
+    if isinstance(mod, _TRANSPOSED):
+        kern = kern.flip(list(range(3, 3 + len(k)))).transpose(1, 2)
+    return kern.reshape(shape)
 
 
-def _check_layer(name: str, mod: nn.Module) -> Optional[str]:
+def _check_layer(name: str, mod: nn.Module, fmt: Optional[Format]) -> Optional[str]:
     """Why this layer cannot be processed (None if it can)."""
-    if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
-        if mod.groups != 1:
-            return f"{name}: a grouped convolution (groups={mod.groups})"
+    if isinstance(mod, _CONVS + _TRANSPOSED):
         if mod.padding_mode != "zeros":
             return f"{name}: padding_mode={mod.padding_mode!r} (only 'zeros')"
         if isinstance(mod.padding, str) and mod.padding != "valid":
             return f"{name}: padding={mod.padding!r} (give the padding as numbers)"
+    if isinstance(mod, _TRANSPOSED) and mod.groups > 1 and isinstance(fmt, BlockFormat) \
+            and fmt.axis is not None:
+        # its weight (C, O/groups, *k) is blocked along C across the groups: a block that
+        # straddles two groups holds the weights of two independent least-squares problems
+        cg, bs = mod.in_channels // mod.groups, fmt.block_size or mod.in_channels
+        if cg % bs:
+            return (f"{name}: a grouped transposed convolution whose weight blocks of "
+                    f"{bs} along its input channels span its groups ({cg} channels "
+                    "each)")
     return None
 
 
@@ -134,7 +207,7 @@ class _Inputs:
         self.root_plan = conv.module_plans.get("") if conv is not None else None
 
     def _hook(self, name, mod):
-        def hook(m, args):
+        def hook(m, args, kwargs):
             if not args or not isinstance(args[0], torch.Tensor):
                 raise TypeError(f"qtensor.ptq: {name} was called without a tensor input")
             x = args[0].detach()
@@ -145,12 +218,14 @@ class _Inputs:
             mm = x.mm_fmt if isinstance(x, QTensor) else None
             xv = _plain(x).float()
             if self.operand and mm is not None:  # the input as this contraction rounds it
-                xv = _round(xv, with_axis(mm, _reduction_axis(m)), keep_layout=False)
-            self.seen[name].append(_columns(m, xv))
+                xv = _round(xv, with_axis(mm, _input_axis(m)), keep_layout=False)
+            out_size = args[1] if len(args) > 1 else kwargs.get("output_size")  # ConvTranspose
+            self.seen[name].append(_columns(m, xv, out_size))
         return hook
 
     def run(self, batches) -> Dict[str, torch.Tensor]:
-        handles = [self.model.get_submodule(n).register_forward_pre_hook(self._hook(n, None))
+        handles = [self.model.get_submodule(n).register_forward_pre_hook(self._hook(n, None),
+                                                                         with_kwargs=True)
                    for n in self.names]
         try:
             with torch.no_grad():
@@ -164,7 +239,7 @@ class _Inputs:
             if not xs:
                 raise ValueError(f"qtensor.ptq: the layer {n} did not run on the calibration "
                                  "inputs; pass layers=[...] without it")
-            out[n] = torch.cat(xs)
+            out[n] = torch.cat(xs, dim=1)
         return out
 
 
@@ -184,9 +259,15 @@ def weight_groups(fmt: Format, K: int, run: int) -> List[Tuple[int, int]]:
 
 
 class _Grid:
-    """The rounding of one flattened weight (out, K) to ``fmt``, a column at a time."""
+    """The rounding of one flattened weight (out, K) to ``fmt``, a column at a time: group
+    ``group`` of a layer's weight ``whole`` (groups, out, K); a tensor scale is the whole
+    weight's, and its largest magnitude is pinned in the group that holds it. A per-tensor
+    block (axis=None) has one scale for the whole weight, ``whole_scale`` (default: from the
+    whole weight's largest magnitude)."""
 
-    def __init__(self, fmt: Format, w0: torch.Tensor, run: int, name: str):
+    def __init__(self, fmt: Format, w0: torch.Tensor, run: int, name: str,
+                 whole: Optional[torch.Tensor] = None, group: int = 0,
+                 whole_scale: Optional[torch.Tensor] = None):
         self.fmt, self.name = fmt, name
         rounding = getattr(fmt, "rounding", None)
         if rounding is not None and is_stochastic(rounding):
@@ -203,22 +284,53 @@ class _Grid:
         if self.block and fmt.axis is None and fmt.scale_rule == "amax":
             raise ValueError(f"qtensor.ptq: {name}: a per-tensor block format with the amax scale "
                              f"rule ({fmt}) is not supported; block it along an axis")
+        if self.block and fmt.axis is None and fmt.tensor_scale:
+            raise ValueError(f"qtensor.ptq: {name}: a per-tensor block format with a tensor "
+                             f"scale ({fmt}) is not supported; block it along an axis")
         self.groups = weight_groups(fmt, w0.shape[1], run)
+        self.whole_scale = None
+        if self.block and fmt.axis is None:
+            src = w0 if whole is None else whole
+            self.whole_scale = (block_scale(src.abs().amax().reshape(1, 1), fmt, None)
+                                if whole_scale is None else whole_scale)
         self.ts, self.pin = None, None
         if self.block and fmt.tensor_scale:
-            amax = w0.abs().amax()
+            whole = w0[None] if whole is None else whole
+            amax = whole.abs().amax()
             self.ts = _tensor_scale(amax, fmt)
-            if float(self.ts) > 0:
-                flat = int(w0.abs().argmax())
+            g, flat = divmod(int(whole.abs().argmax()), w0.numel())
+            if float(self.ts) > 0 and g == group:
                 r, c = divmod(flat, w0.shape[1])
                 top = torch.tensor(fmt.elem.max * fmt.scale.max, dtype=torch.float64) * self.ts
                 value = torch.copysign(top, w0[r, c])
                 self.pin = (r, c, value, block_scale(top.reshape(1, 1), fmt, self.ts)[0, 0])
 
+    def act_order(self, diag: torch.Tensor) -> torch.Tensor:
+        """GPTQ's act-order kept to the format's blocks: the permutation of the columns that
+        takes the blocks in decreasing order of their largest Hessian diagonal entry, and each
+        block's columns in decreasing order of theirs (ties: the original order), so that a
+        block's columns stay consecutive and its scale is decided when its first column is
+        reached. Each column a block of its own (a scalar format): GPTQ's own act-order.
+        The grid's groups and pin become those of the permuted columns."""
+        inner = [a + torch.argsort(diag[a:b], descending=True, stable=True)
+                 for a, b in self.groups]
+        top = torch.stack([diag[a:b].max() for a, b in self.groups])
+        order = torch.argsort(top, descending=True, stable=True).tolist()
+        perm = torch.cat([inner[i] for i in order])
+        sizes = [self.groups[i][1] - self.groups[i][0] for i in order]
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        self.groups = [(e - n, e) for e, n in zip(ends, sizes)]
+        if self.pin is not None:
+            where = int((perm == self.pin[1]).nonzero())
+            self.pin = (self.pin[0], where) + self.pin[2:]
+        return perm
+
     def scales(self, cur: torch.Tensor, a: int, b: int) -> Optional[torch.Tensor]:
         """The scale (out, 1) of each row's block [a, b), from its current values ``cur``."""
         if not self.block:
             return None
+        if self.whole_scale is not None:  # one scale for the tensor (see _flow)
+            return self.whole_scale.expand(len(cur), 1).clone()
         x = block_scale(cur.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
         if self.pin is not None and a <= self.pin[1] < b:
             x[self.pin[0], 0] = self.pin[3]
@@ -246,7 +358,7 @@ class _Grid:
         change; that scale goes into ``scale``. (With a power-of-two scale a halved scale keeps
         the values unless the element's largest value is not 2^(emax+1) minus one ulp, as in
         E4M3, whose 240 doubles to 480 > 448; with the amax rule any smaller scale moves them.)"""
-        if not self.block:
+        if not self.block or self.whole_scale is not None:  # (per-tensor: checked in _flow)
             return torch.zeros(len(rows), dtype=torch.bool)
         again = block_scale(q.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
         moved = (round_with_scale(q, again, self.fmt, self.fmt.rounding) != q).any(dim=1)
@@ -260,13 +372,18 @@ class _Grid:
 # ---------------------------------------------------------------------------------------------
 # The two algorithms, on one flattened weight (float64)
 
-def _gptq_matrix(w: torch.Tensor, xq: torch.Tensor, grid: _Grid, damp: float) -> torch.Tensor:
+def _gptq_matrix(w: torch.Tensor, xq: torch.Tensor, grid: _Grid, damp: float,
+                 act_order: bool = False) -> torch.Tensor:
     w = w.clone()
     n = xq.shape[0]
     h = 2.0 * xq.T @ xq / n
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0  # an input that is always zero: its weight does not matter (GPTQ)
+    perm = None
+    if act_order:  # the columns in the order of grid.act_order (the diagonal before damping)
+        perm = grid.act_order(torch.diagonal(h).clone())
+        w, h = w[:, perm], h[perm][:, perm]
     h += damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
     try:
         u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
@@ -295,7 +412,7 @@ def _gptq_matrix(w: torch.Tensor, xq: torch.Tensor, grid: _Grid, damp: float) ->
                 scale[rows] = sc
             rows = rows[lower]
         w[:, b:] -= err @ u[a:b, b:]
-    return q
+    return q if perm is None else q[:, torch.argsort(perm)]
 
 
 def _diffusion_matrix(w: torch.Tensor, x: torch.Tensor, xq: torch.Tensor,
@@ -348,7 +465,7 @@ def _weight_format(mod: nn.Module) -> Optional[Format]:
     if isinstance(fmt, FloatFormat) and fmt.exp == 8 and fmt.man == 23:
         return None
     if isinstance(fmt, BlockFormat):
-        fmt = with_axis(fmt, _reduction_axis(mod) if fmt.axis is not None else None)
+        fmt = with_axis(fmt, _weight_axis(mod) if fmt.axis is not None else None)
     return fmt
 
 
@@ -359,12 +476,17 @@ def _layers(model: nn.Module, layers, who: str) -> List[Tuple[str, nn.Module, Fo
         if names is not None and name not in names:
             continue
         if not isinstance(mod, LAYERS):
+            if names is not None and isinstance(mod, nn.Embedding):
+                raise ValueError(
+                    f"{who}: {name} is an nn.Embedding: its lookup is not a contraction (its "
+                    "input is one-hot, the Hessian diagonal), so GPTQ and error diffusion reduce "
+                    "to rounding each weight to nearest, the direct cast it already has")
             if names is not None:
                 raise ValueError(f"{who}: {name} is a {type(mod).__name__}, not one of "
                                  f"{', '.join(t.__name__ for t in LAYERS)}")
             continue
-        why = _check_layer(name, mod)
         fmt = _weight_format(mod)
+        why = _check_layer(name, mod, fmt)
         if why is not None:
             if names is not None:
                 raise ValueError(f"{who}: cannot process {why}")
@@ -379,6 +501,16 @@ def _layers(model: nn.Module, layers, who: str) -> List[Tuple[str, nn.Module, Fo
             raise ValueError(f"{who}: no layer named {', '.join(sorted(missing))}")
     if skipped:
         warnings.warn(f"{who}: left in direct cast: {'; '.join(skipped)}", stacklevel=3)
+    owners: Dict[int, List[str]] = {}
+    for n, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(n)
+    for name, mod, _ in chosen:
+        others = [n for n in owners.get(id(mod.weight), []) if n != name]
+        if others:  # tied weights (a language model's head and its token embedding, say)
+            warnings.warn(f"{who}: {name}'s weight is shared with {', '.join(others)}: the "
+                          f"values rounded for {name}'s contraction are written into it, and "
+                          f"{', '.join(others)} use them too", stacklevel=3)
     return chosen
 
 
@@ -418,10 +550,24 @@ def _flow(model, calib_inputs, spec, layers, who, quantize_layer, need_fp32_inpu
         w0 = _plain(mod.weight).detach().double()
         if not bool(torch.isfinite(w0).all()):
             raise ValueError(f"{who}: {name}'s weight has Inf/NaN values")
-        flat, run = _flat_weight(mod, w0)
-        grid = _Grid(fmt, flat, run, name)
+        flat, run = _flat_weight(mod, w0)  # one least-squares problem per conv group
         x = fp32_inputs[name] if fp32_inputs is not None else None
-        _write(mod, name, quantize_layer(flat, xq, x, grid), fmt, who)
+
+        def solve(whole_scale=None):
+            grids = [_Grid(fmt, flat[g], run, name, whole=flat, group=g,
+                           whole_scale=whole_scale) for g in range(flat.shape[0])]
+            q = torch.stack([quantize_layer(flat[g], xq[g], x[g] if x is not None else None,
+                                            grids[g]) for g in range(flat.shape[0])])
+            return q, grids[0].whole_scale
+
+        q, scale = solve()
+        while scale is not None:  # a per-tensor block: the whole weight must be a fixed point
+            again = block_scale(q.abs().amax().reshape(1, 1), fmt, None)
+            if not bool((again < scale).all()) or torch.equal(
+                    round_with_scale(q, again, fmt, fmt.rounding), q):
+                break
+            q, scale = solve(again)  # rounding lowered its maximum: again with its own scale
+        _write(mod, name, q, fmt, who)
     return model
 
 
@@ -449,22 +595,31 @@ def _execution_order(model, names, batches) -> Dict[str, int]:
     return order
 
 
-def gptq(model: nn.Module, calib_inputs, spec, *, damp: float = 0.01,
+def gptq(model: nn.Module, calib_inputs, spec, *, damp: float = 0.01, act_order: bool = False,
          layers: Optional[Sequence[str]] = None) -> nn.Module:
     """GPTQ (Frantar et al. 2022) of a trained model in any format, from a calibration batch.
 
     Converts ``model`` in place with ``spec`` (a format F: ``qt.recipes.direct_cast(F)``; or a
-    ``qt.Recipe``) and replaces the weight of each ``nn.Linear``/``Conv1d``/``Conv2d`` whose
-    contraction rounds it (or the ``layers`` named) by its GPTQ rounding in that format, layer
-    after layer in the order they run, each on its inputs in the model quantized so far (as the
-    contraction receives them: rounded to the activation operand format). ``calib_inputs``: a
+    ``qt.Recipe``) and replaces the weight of each ``nn.Linear``, ``nn.Conv1d/2d/3d`` and
+    ``nn.ConvTranspose1d/2d/3d`` (grouped ones too) whose contraction rounds it (or the
+    ``layers`` named) by its GPTQ rounding in that format, layer after layer in the order they
+    run, each on its inputs in the model quantized so far (as the contraction receives them:
+    rounded to the activation operand format). ``calib_inputs``: a
     tensor, a tuple of positional arguments, or a list of them. ``damp``: the fraction of the
-    Hessian's mean diagonal added to it. Returns ``model``. See the module docstring and
+    Hessian's mean diagonal added to it. ``act_order``: GPTQ's act-order (``--act-order`` of
+    the reference implementation: the columns in decreasing order of the Hessian diagonal);
+    with a block format the blocks are taken in decreasing order of their largest diagonal
+    entry and the columns of each block in decreasing order within it, so that every block is
+    the format's and its scale is decided when its first column is reached (a scalar format:
+    GPTQ's own order). Returns ``model``. See the module docstring and
     docs/analysis.md."""
     if not (isinstance(damp, (int, float)) and damp >= 0):
         raise ValueError(f"qt.gptq: damp must be a number >= 0, got {damp!r}")
+    if not isinstance(act_order, bool):
+        raise TypeError(f"qt.gptq: act_order must be True or False, got {act_order!r}")
     return _flow(model, calib_inputs, spec, layers, "qt.gptq",
-                 lambda w, xq, x, grid: _gptq_matrix(w, xq, grid, float(damp)), False)
+                 lambda w, xq, x, grid: _gptq_matrix(w, xq, grid, float(damp), act_order),
+                 False)
 
 
 def error_diffusion(model: nn.Module, calib_inputs, spec, *,
