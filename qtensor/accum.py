@@ -804,49 +804,74 @@ def _operand_block_fmt(q):
     fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
     fmt = getattr(fmt, "base", fmt)  # a per-GEMM operand tag (qtensor.gemm)
     if (isinstance(fmt, BlockFormat) and fmt.block_size and isinstance(fmt.elem, FloatFormat)
-            and fmt.scale_rule in ("floor", "amax")
             and getattr(fmt, "block_shape", None) is None):  # 2D tiles: scales are not runs along K
         return fmt
     return None
 
 
-def _block_scales(x: torch.Tensor, fmt, kdim: int):
+def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
     """The block scales of x, whose values were rounded to the block format fmt along kdim,
     recovered from the values: (X, ts), X the scale-format factor of each block (float64, x's
     shape with kdim cut into blocks), ts the per-tensor scale (a 0-dim float64 tensor; 1.0
-    without tensor_scale); None where that does not give x back exactly (x / (X * ts) elements
-    of the element format). The scale rules are idempotent (docs/formats.md): the scale re-derived from
-    a rounded block's own maximum is the one it was rounded with (floor: the maximum's binade;
-    amax: its E4M3 rounding, and NVFP4's tensor scale from the rounded tensor's maximum, which
-    is max_elem * max_scale * ts)."""
-    from .reference import _round_float, _tensor_scale
+    without tensor_scale); None where no scale, or more than one, gives x back exactly (x / (X *
+    ts) elements of the element format). need: ``"value"`` (X itself is used: promotion) or
+    ``"exponent"`` (only floor(log2 X): group exponents, clamps), which decides when two
+    decompositions of a block are a real ambiguity.
+
+    Each rule's scale of the rounded block, derived again from its own maximum rmax
+    (docs/formats.md, idempotence; docs/accum.md lists what each rule allows):
+    - floor, even: 2^(floor(log2 rmax) - emax_elem) (even's round-half-up of the max never moves
+      a value of the element grid, and the quantizer settles a block on the scale of its
+      rounded max), clamped to the scale format as the quantizer clamps it;
+    - amax (NVFP4, FP32 scales on amax_scale_format's grid) and ceil with mantissa bits: the
+      scale format's rounding of rmax / max_elem (the quantizer settles each block on it);
+      NVFP4's tensor scale from the rounded tensor's maximum (max_elem * max_scale * ts);
+    - ceil with power-of-two scales: the smallest 2^k with rmax / 2^k <= max_elem; a block whose
+      rounded max is max_elem * 2^k came from 2^k or from 2^(k+1) (max_elem / 2 is on the
+      grid, and the quantizer keeps the scale of the unrounded max): two candidates;
+    - 4over6: the amax-rule scales mapping rmax to 6 and to 4: two candidates.
+    Of two candidates the one whose elements are exact is the scale; where both are (a block of
+    elements on both grids) and they differ in what ``need`` uses, the block is ambiguous: None.
+    """
+    from .reference import scale_candidates, _tensor_scale
     compiling = torch.compiler.is_compiling()  # no data-dependent branch in a graph
-    if fmt is None or x.numel() == 0 or (not compiling and not torch.isfinite(x).all()):
+    if fmt is None or x.numel() == 0:
         return None
     bs = fmt.block_size
-    xk = x.double().movedim(kdim, -1)
+    xk = x.float().movedim(kdim, -1)
     K = xk.shape[-1]
     blocks = torch.nn.functional.pad(xk, (0, -K % bs)).unflatten(-1, (-1, bs))
-    amax = blocks.abs().amax(-1)
+    amax = blocks.abs().amax(-1).double()  # exact (float32 values): one pass over x
+    if not compiling and not torch.isfinite(amax).all():  # inf or NaN in some block
+        return None
     ts = torch.ones((), dtype=torch.float64, device=x.device)
-    if fmt.scale_rule == "floor":
-        k = torch.frexp(amax).exponent.to(torch.int64) - 1 - fmt.elem.emax
-        X = _pow2(k.clamp(fmt.scale.emin, fmt.scale.emax))
-    else:
-        sfmt = fmt.amax_scale_format.replace(rounding="nearest")
-        if fmt.tensor_scale:
-            ts = _tensor_scale(xk.abs().amax(), fmt)
-            ts = torch.where(ts > 0, ts, 1.0)  # an all-zero tensor: any scale
-            sfmt = sfmt.replace(saturate=True)
-        X = _round_float(amax / (fmt.elem.max * ts), sfmt, "nearest", None, None)
-    X = torch.where(amax == 0, 1.0, X)  # an all-zero block: any scale (its products are 0)
-    if not compiling:  # the elements must be the element format's values (the kernel rounds)
-        e = blocks / (X * ts)[..., None]
-        e32 = e.float()
-        if not ((X > 0).all() and torch.equal(e32.double(), e)
-                and torch.equal(_ops.quantize(e32, fmt.elem, rounding="nearest"), e32)):
+    if fmt.tensor_scale:
+        ts = _tensor_scale(amax.amax(), fmt)
+        ts = torch.where(ts > 0, ts, 1.0)  # an all-zero tensor: any scale
+    cands = [c(amax) for c in scale_candidates(fmt, ts if fmt.tensor_scale else None)]
+    if fmt.tensor_scale:
+        cands = [X / ts for X in cands]  # (exact: X has the scale format's few bits)
+    if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:  # rmax = max_elem * 2^k
+        X = cands[0]
+        cands.append(torch.where((amax == fmt.elem.max * X) & (X < 2.0 ** fmt.scale.emax),
+                                 2 * X, X))
+    cands = [torch.where(amax == 0, 1.0, X) for X in cands]  # all-zero block: any scale
+    if compiling:
+        return cands[0].movedim(-1, kdim), ts
+    ok = []
+    for X in cands:  # exact elements: x / Xt rounds to itself and back (e * Xt is exact)
+        Xt = (X * ts).float()[..., None]
+        if not (Xt > 0).all():
             return None
-    return X.movedim(-1, kdim), ts
+        e = _ops.quantize(blocks / Xt, fmt.elem, rounding="nearest")
+        ok.append((e * Xt == blocks).all(-1))
+    if len(cands) == 1:
+        return (cands[0].movedim(-1, kdim), ts) if bool(ok[0].all()) else None
+    (X1, X2), (v1, v2) = cands, ok
+    same = (_exponent(X1, None) == _exponent(X2, None)) if need == "exponent" else X1 == X2
+    if not bool((v1 | v2).all()) or bool((v1 & v2 & ~same).any()):
+        return None
+    return torch.where(v1, X1, X2).movedim(-1, kdim), ts
 
 
 def _scale_exps(X: torch.Tensor, fmt) -> torch.Tensor:
@@ -865,9 +890,9 @@ def _mx_emin(x: torch.Tensor, q, kdim: int):
     the block's scale exponent) where one of its elements is subnormal in its format, else None
     (then its float32 exponents are already the hardware's: no clamp binds)."""
     fmt = _operand_block_fmt(q)
-    if fmt is None or fmt.scale_rule != "floor":
+    if fmt is None or not fmt.power_of_two_scales:
         return None
-    sc = _block_scales(x, fmt, kdim)
+    sc = _block_scales(x, fmt, kdim, "exponent")
     if sc is None:
         return None
     em = _per_element(_scale_exps(sc[0], fmt), fmt.block_size, kdim % x.dim(),
@@ -908,8 +933,9 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
     if f.scales == "instruction":
         if fa.block_size % f.group or fb.block_size % f.group:
             return a, b, kw, post
-        sa, sb = _block_scales(a, fa, a_kdim), _block_scales(b, fb, b_kdim)
-        if sa is None or sb is None:
+        sa = _block_scales(a, fa, a_kdim, "exponent")
+        sb = _block_scales(b, fb, b_kdim, "exponent") if sa is not None else None
+        if sb is None:
             return a, b, kw, post
         G = -(-a.shape[a_kdim] // f.group)
         kw["a_gexp"] = _scale_exps(sa[0], fa).repeat_interleave(
