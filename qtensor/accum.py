@@ -861,10 +861,9 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
     ok = []
     for X in cands:  # exact elements: x / Xt rounds to itself and back (e * Xt is exact)
         Xt = (X * ts).float()[..., None]
-        if not (Xt > 0).all():
-            return None
-        e = _ops.quantize(blocks / Xt, fmt.elem, rounding="nearest")
-        ok.append((e * Xt == blocks).all(-1))
+        pos = Xt > 0  # (a candidate's scale can round to 0: not a scale of a nonzero block)
+        e = _ops.quantize(blocks / torch.where(pos, Xt, 1.0), fmt.elem, rounding="nearest")
+        ok.append(((e * Xt == blocks) & pos).all(-1))
     if len(cands) == 1:
         return (cands[0].movedim(-1, kdim), ts) if bool(ok[0].all()) else None
     (X1, X2), (v1, v2) = cands, ok
@@ -974,8 +973,10 @@ def _block_matmul(a, qa, b, qb, f: AccumFormat, kw: dict) -> torch.Tensor:
     a2, b2, extra, post = _scale_plan(f, a, qa, b, qb)
     if "a_scale" in extra or post is not None:
         kw = {k: v for k, v in kw.items() if k not in ("a_emin", "b_emin")}
-        if post is not None and kw.get("c") is not None:  # C is in the scaled units: as before
-            return accum_matmul(a, b, f, **kw)
+        if post is not None and kw.get("c") is not None:
+            # the datapath sums unscaled products, alpha = post scales its result: an initial
+            # accumulator C enters as fp32(C / alpha), so that alpha * D is C + A @ B
+            kw["c"] = kw["c"].float() / post
     out = accum_matmul(a2, b2, f, **{**kw, **extra})
     return out if post is None else out * post
 

@@ -1833,3 +1833,116 @@ def test_converted_linear_promotion_scales(scale, monkeypatch):
     assert torch.equal(bits(y), bits(want))
     old = accum.accum_matmul(qt.quantize(x, fmt), qt.quantize(w, fmt).t(), f)
     assert torch.equal(bits(y), bits(old)) == (scale == "e8m0")
+
+
+def _quantizer_split(t, fmt):
+    """t rounded to the block format fmt (blocks along the last dim) by the quantizer's own
+    steps on the unrounded blocks (an oracle independent of accum's scale recovery): (elements,
+    block scales X, tensor scale ts); 4over6 picks the candidate of the lower error (6 on a
+    tie), as Transformer Engine."""
+    from qtensor.reference import block_tensor_scale, round_with_scale, scale_candidates
+    bs = fmt.block_size
+    t64 = t.double()
+    blocks = t64.unflatten(-1, (-1, bs))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    ts = block_tensor_scale(t64, fmt)
+
+    def settled(scale_of):  # a block whose rounded max has a lower scale takes that one
+        X = scale_of(amax)
+        q = round_with_scale(blocks, X, fmt, "nearest")
+        while True:
+            again = scale_of(q.abs().amax(-1, keepdim=True))
+            if not (again < X).any():
+                return X, q
+            X = torch.minimum(again, X)
+            q = round_with_scale(blocks, X, fmt, "nearest")
+    cands, qs = zip(*[settled(c) for c in scale_candidates(fmt, ts)])
+    X, q = cands[0], qs[0]
+    if len(cands) == 2:
+        err = [sum((qq[..., j:j + 1] - blocks[..., j:j + 1]).abs() for j in range(bs))
+               for qq in qs]  # in element order
+        X = torch.where(err[1] < err[0], cands[1], cands[0])
+        q = torch.where(err[1] < err[0], qs[1], qs[0])
+    assert torch.equal(q.flatten(-2).float(), qt.quantize(t, fmt))  # the quantizer's values
+    ts = torch.ones((), dtype=torch.float64) if ts is None else ts
+    X = torch.where(X == 0, ts, X) / ts  # a block rounded to zeros: any scale
+    e = (q / (X * ts)).flatten(-2).float()
+    assert torch.equal(qt.quantize(e, fmt.elem), e)
+    return e, X[..., 0].float(), ts
+
+
+@pytest.mark.parametrize("fmt, f", [
+    (qt.BlockFormat("fp4_e2m1", 32, scale="e8m0", scale_rule="even"), accum.blackwell_mxfp4),
+    (qt.BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="4over6"),
+     accum.blackwell_nvfp4),
+    (qt.BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="4over6", tensor_scale=True),
+     accum.blackwell_nvfp4),
+    (qt.BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="ceil", tensor_scale=True),
+     accum.blackwell_nvfp4)], ids=["mxfp4_even", "nvfp4_4over6", "nvfp4_4over6_ts", "nvfp4_ceil"])
+def test_converted_linear_other_scale_rules_pass_block_scales(fmt, f):
+    """Scale rules besides MX floor and NVFP4 amax through a converted nn.Linear with a
+    Blackwell block-scaled preset: the scales recovered from the rounded operands are the
+    quantizer's (even: the rounded max's binade; 4over6: the one of its two candidates whose
+    elements are exact; ceil with E4M3 scales: the upward rounding of the rounded max / 6),
+    so the output equals accum_matmul of the elements with those scales (per-tensor scales as
+    alpha), bit for bit; the values alone give other bits."""
+    x, w = _nvfp4_operands()
+    if fmt.block_size == 32:  # MX: a block of x that cancels at 2^60, far above the others
+        x[:2, :32] = torch.tensor([2.0 ** 60, -2.0 ** 60] * 16)
+        w[:, :32] = 1.0
+    lin = torch.nn.Linear(64, 3, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
+                                  accumulate=f))
+    y = m(x)
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    xe, xs, tx = _quantizer_split(x, fmt)
+    we, ws, tw = _quantizer_split(w, fmt)
+    want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t())
+    if fmt.tensor_scale:
+        want = want * (tx.float() * tw.float())
+    assert torch.equal(bits(y), bits(want))
+    old = accum.accum_matmul(qt.quantize(x, fmt), qt.quantize(w, fmt).t(), f)
+    assert not torch.equal(bits(y), bits(old))
+
+
+def test_block_scales_ceil_power_of_two_is_ambiguous():
+    """MX ceil (RCEIL) scales are not a function of the rounded block: a block whose rounded max
+    is max_elem * 2^k rounds from 2^k (max 6) as from 2^(k+1) (max 3): recovery refuses it
+    (the values are used), and recovers the scales of a tensor without such blocks."""
+    from qtensor.accum import _block_scales
+    fmt = qt.BlockFormat("fp4_e2m1", 32, scale="e8m0", scale_rule="ceil")
+    a = torch.full((1, 32), 1.0)
+    a[0, 0] = 5.5  # scale 1, max 6 (from 2^0) ...
+    b = a.clone()
+    b[0, 0] = 6.2  # ... or scale 2, max 3 * 2 = 6: the same rounded block
+    qa, qb = qt.quantize(a, fmt), qt.quantize(b, fmt)
+    assert torch.equal(qa, qb) and _block_scales(qa, fmt, -1) is None
+    c = a.clone()
+    c[0, 0] = 4.4  # max 4: scale 1 only
+    sc = _block_scales(qt.quantize(c, fmt), fmt, -1)
+    assert sc is not None and sc[0].item() == 1.0
+
+
+def test_addmm_nvfp4_feeds_c_through_the_datapath():
+    """addmm(C, A, B) of NVFP4 operands (per-tensor scales) under blackwell_nvfp4: the datapath
+    sums the unscaled products with the E4M3 block scales, alpha = ts_a * ts_b scales its
+    result, so C (of the output's shape) is its initial accumulator as fp32(C / alpha):
+    fp32(alpha * D(C / alpha)), bit for bit; the values with C (the previous behaviour) differ."""
+    f = accum.blackwell_nvfp4
+    x, w = _nvfp4_operands()
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(5, 3, generator=g)
+    qa = qt.QTensor(x, "fp32", mm_fmt="nvfp4", accum=f)
+    qb = qt.QTensor(w.t().contiguous(), "fp32", mm_fmt="nvfp4", accum=f)
+    y = torch.addmm(c, qa, qb)
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    nv = qt.formats.format("nvfp4")
+    xe, xs, tx = _quantizer_split(x, nv)
+    we, ws, tw = _quantizer_split(w, nv)
+    alpha = tx.float() * tw.float()
+    want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t(), c=c / alpha) * alpha
+    assert torch.equal(bits(y), bits(want))
+    old = accum.accum_matmul(qt.quantize(x, nv), qt.quantize(w, nv).t(), f, c=c)
+    assert not torch.equal(bits(y), bits(old))
