@@ -1096,57 +1096,73 @@ def _cols(xp, k, stride, dilation, groups, size):
     return win.reshape(N, groups, L, P * (C // groups))
 
 
-def _conv_scale_plan(f: AccumFormat, xp, qx, w, qw, groups, to_a, to_b):
-    """_scale_plan for a convolution's GEMM (a = to_a(w), b = to_b(xp), K = (kernel position,
-    channel)): the operands' block scales along their channel dim 1, mapped to K like the
-    values, where every block and group lies in one kernel position and one conv group (the
-    channels per group a multiple of the block); else none. (xp, w, kw, post)."""
+def _conv_operand_scales(f: AccumFormat, n: int, ops):
+    """The block scales of a convolution GEMM's operands for the datapath f, each K-group of n
+    (f.group, or the promotion interval) inside one block of each operand: ops is two (t, q,
+    dim, to) (the a side, then the b side): t the operand's values in their own layout, rounded
+    by the block format of the QTensor q along dim (the blocks' own partition: along a conv's
+    global channel dim they may cross conv groups), ``to`` maps a t-shaped tensor to the GEMM
+    operand (a: (g, M, K), b: (g, K, N)). The caller has checked that the GEMM's K-groups of n
+    lie in runs of one block (K = ..., dim innermost in runs of a multiple of n, and the blocks
+    a multiple of n). (ts_a, ts_b, per-element X of a, of b, fa, fb) or None."""
+    out = []
+    for t, q, dim, to in ops:
+        fmt = _operand_block_fmt(q)
+        if fmt is None or fmt.block_size % n:
+            return None
+        sc = _block_scales(t, fmt, dim, "exponent" if f.scales == "instruction" else "value")
+        if sc is None:
+            return None
+        out.append((sc[1], _per_element(sc[0], fmt.block_size, dim, t.shape[dim]), fmt))
+    (ta, Xa, fa), (tb, Xb, fb) = out
+    return ta, tb, Xa, Xb, fa, fb
+
+
+def _conv_scale_plan(f: AccumFormat, n_ok, ops):
+    """_scale_plan for a convolution's GEMM; ops: two (t, q, dim, to) as _conv_operand_scales
+    takes them; n_ok(n): whether the GEMM's K runs along the blocked dims in runs of a multiple
+    of n (K-groups of n inside one kernel position / one output position). Returns the two
+    operands' values (their own layouts: unscaled where the scales travel separately), the
+    accum_matmul keywords and post (the per-tensor scales' product, or None)."""
+    (a, qa, da, to_a), (b, qb, db, to_b) = ops
     kw, post = {}, None
-    Cg = w.shape[1]
-    fx, fw = _operand_block_fmt(qx), _operand_block_fmt(qw)
-
-    def fits(fmt, n):  # blocks (and n-groups of K) inside one position and one conv group
-        return fmt is not None and Cg % n == 0 and (groups == 1 or Cg % fmt.block_size == 0)
-
     if f.scales == "instruction" and f.group == 1:  # per-element clamps of MX operands
-        if fits(fx, 1):
-            ex = _mx_emin(xp, qx, 1)
-            if ex is not None:
-                kw["b_emin"] = to_b(ex)
-        if fits(fw, 1):
-            ew = _mx_emin(w, qw, 1)
-            if ew is not None:
-                kw["a_emin"] = to_a(ew)
-        return xp, w, kw, post
+        ea, eb = _mx_emin(a, qa, da), _mx_emin(b, qb, db)
+        if ea is not None:
+            kw["a_emin"] = to_a(ea)
+        if eb is not None:
+            kw["b_emin"] = to_b(eb)
+        return a, b, kw, post
     n = f.group if f.scales == "instruction" else (
         f.chunk * f.promote if f.scales == "promotion" else 0)
-    if not n or not fits(fx, n) or not fits(fw, n) or (
-            f.scales == "instruction" and (fx.block_size % n or fw.block_size % n)) or (
-            f.scales == "promotion" and (fx.block_size != n or fw.block_size != n)):
-        return xp, w, kw, post
-    sx, sw = _block_scales(xp, fx, 1), _block_scales(w, fw, 1)
-    if sx is None or sw is None:
-        return xp, w, kw, post
-    Xx = _per_element(sx[0], fx.block_size, 1, xp.shape[1])
-    Xw = _per_element(sw[0], fw.block_size, 1, Cg)
+    if not n or not n_ok(n):
+        return a, b, kw, post
+    sc = _conv_operand_scales(f, n, ops)
+    if sc is None:
+        return a, b, kw, post
+    ta, tb, Xa, Xb, fa, fb = sc
     if f.scales == "instruction":
-        kw["b_gexp"] = to_b(_scale_exps(Xx, fx))[:, ::n, :]
-        kw["a_gexp"] = to_a(_scale_exps(Xw, fw))[..., ::n]
-        if fx.tensor_scale or fw.tensor_scale:
-            xp, w = (xp.double() / sx[1]).float(), (w.double() / sw[1]).float()
-            post = sx[1].float() * sw[1].float()
-        return xp, w, kw, post
-    Xx, Xw = Xx * sx[1], Xw * sw[1]  # promotion: unscaled elements, a scale per K-block
-    kw = dict(b_scale=to_b(Xx)[:, ::n, :].float(), a_scale=to_a(Xw)[..., ::n].float(),
-              b_emin=fx.elem.emin, a_emin=fw.elem.emin)
-    return (xp.double() / Xx).float(), (w.double() / Xw).float(), kw, post
+        kw["a_gexp"] = to_a(_scale_exps(Xa, fa))[..., ::n]
+        kw["b_gexp"] = to_b(_scale_exps(Xb, fb))[..., ::n, :]
+        if fa.tensor_scale or fb.tensor_scale:
+            a, b = (a.double() / ta).float(), (b.double() / tb).float()
+            post = ta.float() * tb.float()
+        return a, b, kw, post
+    Xa, Xb = Xa * ta, Xb * tb  # promotion: unscaled elements, a scale per K-block
+    kw = dict(a_scale=to_a(Xa)[..., ::n].float(), b_scale=to_b(Xb)[..., ::n, :].float(),
+              a_emin=fa.elem.emin, b_emin=fb.elem.emin)
+    return (a.double() / Xa).float(), (b.double() / Xb).float(), kw, post
 
 
-def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(None, None)):
+def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(None, None),
+               wsrc=None):
     """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size).
-    q: the QTensors of (x, w) (their block formats: _conv_scale_plan)."""
+    q: the QTensors of (x, w) (their block formats: _conv_scale_plan); wsrc: (w0, dim, wmap)
+    where w is wmap(w0) of a weight w0 blocked along its dim (a transposed convolution's
+    regrouped, flipped kernel), else w is blocked along its dim 1."""
     (O, Cg, *k), N, L = w.shape, xp.shape[0], math.prod(size)
     K = math.prod(k) * Cg
+    w0, wdim, wmap = wsrc if wsrc is not None else (w, 1, lambda t: t)
 
     def to_b(t):  # (N, C, *S) -> (groups, K, N * L): one GEMM per group
         cols = _cols(t, k, stride, dilation, groups, size)  # (N, g, L, K)
@@ -1156,7 +1172,13 @@ def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(Non
         return t.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(
             groups, O // groups, K)
 
-    xp, w, kw, post = _conv_scale_plan(f, xp, q[0], w, q[1], groups, to_a, to_b)
+    # K = (kernel position, channel of the group): a K-group of n lies in one position where
+    # the group's channels are a multiple of n; the blocks (a multiple of n, from a multiple of
+    # n: a group starts at g * Cg) then hold whole K-groups, also where they cross conv groups
+    w0, xp, kw, post = _conv_scale_plan(
+        f, lambda n: Cg % n == 0,
+        ((w0, q[1], wdim, lambda t: to_a(wmap(t))), (xp, q[0], 1, to_b)))
+    w = wmap(w0)
     out = accum_matmul(to_a(w), to_b(xp), f, **{"a_emin": em[1], "b_emin": em[0], **kw})
     if post is not None:
         out = out * post
@@ -1173,7 +1195,8 @@ def _conv(x, w, geo, size, f, em=(None, None), q=(None, None)):
 
 def _conv_transpose(x, w, geo, size, f, em=(None, None), q=(None, None)):
     """The transposed convolution of x (N, C, *S) with w (C, O/groups, *k) to spatial ``size``,
-    as the forward convolution over the zero-inserted x (the section comment)."""
+    as the forward convolution over the zero-inserted x (the section comment). w's blocks run
+    along its dim 0 (C, across the groups), as dispatch rounds it."""
     stride, padding, dilation, groups = geo
     N, C, *S = x.shape
     k = w.shape[2:]
@@ -1183,23 +1206,57 @@ def _conv_transpose(x, w, geo, size, f, em=(None, None), q=(None, None)):
     for i, (kk, d) in enumerate(zip(k, dilation)):
         lo = d * (kk - 1) - padding[i]
         pads.append((lo, size[i] + d * (kk - 1) - z.shape[2 + i] - lo))
-    wf = w.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)  # (O, C/groups, *k)
-    wf = wf.flip(list(range(2, wf.dim())))
-    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f, em, q)
+
+    def wmap(t):  # (C, O/groups, *k) -> (O, C/groups, *k), flipped
+        t = t.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)
+        return t.flip(list(range(2, t.dim())))
+    return _gemm_conv(_pad(z, pads), wmap(w), (1,) * len(k), dilation, groups, size, f, em, q,
+                      wsrc=(w, 0, wmap))
 
 
-def _conv_weight_grad(x, go, k, geo, f, em=(None, None)):
+def _conv_weight_grad(x, go, k, geo, f, em=(None, None), q=(None, None)):
     """The weight gradient (O, C/groups, *k) of the forward convolution of x (N, C, *S) whose
-    output gradient is go (N, O, *So): a contraction over (batch, output position)."""
+    output gradient is go (N, O, *So): a contraction over (batch, output position). q: the
+    QTensors of (x, go), blocked along the batch (dispatch's axis 0 for grad_weight): where
+    both are block-scaled for a K-group / interval of n (the batch and the blocks a multiple of
+    n), K runs (output position, batch) instead, the batch innermost, so that each block is a
+    run of K (in batch-outer order a block's elements lie L apart) and the scales go with it."""
     stride, padding, dilation, groups = geo
     (N, O, *size), Cg = go.shape, x.shape[1] // groups
     L, P = math.prod(size), math.prod(k)
-    cols = _cols(_pad(x, [(p, p) for p in padding]), k, stride, dilation, groups, size)
-    b = cols.transpose(0, 1).reshape(groups, N * L, P * Cg)
-    a = go.reshape(N, groups, O // groups, L).permute(1, 2, 0, 3)  # (g, O/g, N, L)
-    a = a.reshape(groups, O // groups, N * L)
-    out = accum_matmul(a, b, f, a_emin=em[1], b_emin=em[0])  # em: of (x, go)
+    xp = _pad(x, [(p, p) for p in padding])
+
+    def to_b(t, batch_inner):  # (N, C, *S) -> (groups, K, P * Cg)
+        cols = _cols(t, k, stride, dilation, groups, size)  # (N, g, L, P * Cg)
+        cols = cols.permute(1, 2, 0, 3) if batch_inner else cols.transpose(0, 1)
+        return cols.reshape(groups, N * L, P * Cg)
+
+    def to_a(t, batch_inner):  # (N, O, *So) -> (groups, O/groups, K)
+        t = t.reshape(N, groups, O // groups, L)
+        t = t.permute(1, 2, 3, 0) if batch_inner else t.permute(1, 2, 0, 3)
+        return t.reshape(groups, O // groups, N * L)
+
+    def n_ok(n):
+        return N % n == 0
+    inner = f.scales in ("instruction", "promotion") and not (
+        f.scales == "instruction" and f.group == 1) and _conv_operand_block_fits(
+        f, n_ok, (q[1], q[0]))
+    go, xp, kw, post = _conv_scale_plan(
+        f, n_ok if inner else (lambda n: False),
+        ((go, q[1], 0, lambda t: to_a(t, inner)), (xp, q[0], 0, lambda t: to_b(t, inner))))
+    out = accum_matmul(to_a(go, inner), to_b(xp, inner), f,
+                       **{"a_emin": em[1], "b_emin": em[0], **kw})  # em: of (x, go)
+    if post is not None:
+        out = out * post
     return out.reshape(O, P, Cg).transpose(1, 2).reshape(O, Cg, *k)
+
+
+def _conv_operand_block_fits(f: AccumFormat, n_ok, qs) -> bool:
+    """Whether both operands (QTensors qs) are block-scaled with blocks of a multiple of the
+    datapath's K-group / interval n, and n_ok(n)."""
+    n = f.group if f.scales == "instruction" else f.chunk * f.promote
+    fmts = [_operand_block_fmt(q) for q in qs]
+    return n_ok(n) and all(m is not None and m.block_size % n == 0 for m in fmts)
 
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
@@ -1236,7 +1293,8 @@ def _conv_backward(uargs, ukwargs, f, em=(None, None, None), q=(None, None, None
     if mask[1]:  # a transposed convolution's weight is that of the forward map go -> x
         a, b = (go32, x32) if transposed else (x32, go32)
         eab = (em[0], em[1]) if transposed else (em[1], em[0])
-        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f, eab).to(go.dtype)
+        qab = (q[0], q[1]) if transposed else (q[1], q[0])
+        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f, eab, qab).to(go.dtype)
     if mask[2]:  # grad_bias: a sum of grad_output values, not a contraction
         gb = go.sum([0, *range(2, go.dim())])
     return (gi, gw, gb)
