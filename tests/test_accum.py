@@ -1946,3 +1946,145 @@ def test_addmm_nvfp4_feeds_c_through_the_datapath():
     assert torch.equal(bits(y), bits(want))
     old = accum.accum_matmul(qt.quantize(x, nv), qt.quantize(w, nv).t(), f, c=c)
     assert not torch.equal(bits(y), bits(old))
+
+
+def _mx_split(t, dim, fmt="mxfp4"):
+    """MX rounding of t along dim by hand: elements and E8M0 scales (2^e, one per block of 32,
+    the blocks' dim kept at its number of blocks) of the unrounded blocks."""
+    f = qt.formats.format(fmt)
+    tq = qt.quantize(t, f.replace(axis=dim))
+    amax = t.movedim(dim, -1).abs().unflatten(-1, (-1, 32)).amax(-1)
+    e = (torch.frexp(amax).exponent - 1 - f.elem.emax).clamp(-127, 127).movedim(-1, dim)
+    s = torch.exp2(e.float())
+    return tq / s.repeat_interleave(32, dim), s
+
+
+def test_converted_grouped_conv2d_blocks_across_groups_pass_scales():
+    """A grouped nn.Conv2d (2 groups of 16 channels) with MXFP4 operands under
+    blackwell_mxfp4: the input's blocks of 32 channels span both groups, but each K-group of 16
+    (one kernel position, 16 channels of one group) lies in one block, so the convolution's
+    per-group GEMMs get the scales: equal, bit for bit, to accum_matmul per group of the
+    elements with their scales; the values alone (the previous fallback) differ."""
+    f = accum.blackwell_mxfp4
+    g = torch.Generator().manual_seed(7)
+    conv = torch.nn.Conv2d(32, 4, 3, groups=2, bias=False)
+    x = torch.randn(1, 32, 4, 4, generator=g)
+    x = x * 2.0 ** torch.randint(-4, 5, (1, 1, 4, 4), generator=g)
+    x[0, :16, 1, 1] = torch.tensor([2.0 ** 60, -2.0 ** 60] * 8)  # a group cancels at 2^58
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(4, 16, 3, 3, generator=g))
+        conv.weight[:, :, 1, 1] = 1.0
+    m = qt.convert(conv, qt.Recipe(weight=("fp32", "mxfp4"), activation=("fp32", "mxfp4"),
+                                   accumulate=f))
+    y = m(x)
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    xe, xs = _mx_split(x, 1)  # (1, 32, 4, 4), (1, 1, 4, 4)
+    wpad = torch.nn.functional.pad(conv.weight.detach(), (0, 0, 0, 0, 0, 16))  # blocks of 32
+    we, ws = _mx_split(wpad, 1)
+    we = we[:, :16]  # (4, 16, 3, 3), ws (4, 1, 3, 3)
+
+    def cols(t):  # (1, C, 4, 4) -> (C, 9, L=4)
+        return torch.nn.functional.unfold(t, 3)[0].unflatten(0, (t.shape[1], 9))
+    want = []
+    for grp in range(2):
+        a = we[2 * grp:2 * grp + 2].permute(0, 2, 3, 1).reshape(2, 144)  # K = (position, c)
+        asc = ws[2 * grp:2 * grp + 2].reshape(2, 9)
+        b = cols(xe)[16 * grp:16 * grp + 16].transpose(0, 1).reshape(144, 4)
+        bsc = cols(xs)[0]  # (9, L): the one block of the 32 channels at each position
+        want.append(accum.accum_matmul(a, b, f, a_scale=asc, b_scale=bsc))
+    want = torch.cat(want).reshape(1, 4, 2, 2)
+    assert torch.equal(bits(y), bits(want))
+    xq = qt.quantize(x, qt.formats.format("mxfp4").replace(axis=1))
+    wq = qt.quantize(conv.weight.detach(), qt.formats.format("mxfp4").replace(axis=1))
+    old = torch.cat([accum.accum_matmul(
+        wq[2 * grp:2 * grp + 2].permute(0, 2, 3, 1).reshape(2, 144),
+        cols(xq)[16 * grp:16 * grp + 16].transpose(0, 1).reshape(144, 4), f)
+        for grp in range(2)]).reshape(1, 4, 2, 2)
+    assert not torch.equal(bits(y), bits(old))
+
+
+def test_converted_conv2d_grad_weight_passes_block_scales():
+    """The weight gradient of a converted nn.Conv2d with MXFP4 input and gradient operands
+    (blocked along the batch, as dispatch rounds grad_weight's operands) under
+    blackwell_mxfp4: K runs (output position, batch), the batch innermost, so each block of 32
+    is a run of K and the GEMM gets both operands' scales: equal, bit for bit, to accum_matmul of
+    the elements with their scales; the values alone (the previous fallback) differ."""
+    f = accum.blackwell_mxfp4
+    g = torch.Generator().manual_seed(9)
+    N, L, P = 32, 4, 4
+    conv = torch.nn.Conv2d(1, 2, 2, bias=False)
+    x = torch.randn(N, 1, 3, 3, generator=g)
+    x[:2] = 1.0
+    go = torch.randn(N, 2, 2, 2, generator=g)
+    go[:2, 0, 0, 0] = torch.tensor([2.0 ** 60, -2.0 ** 60])  # cancels at 2^58, position 0
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(2, 1, 2, 2, generator=g))
+    mx = ("fp32", "mxfp4")
+    m = qt.convert(conv, qt.Recipe(weight=mx, activation=mx, grad=mx, accumulate=f))
+    m(x).backward(go)
+    gw = m.weight.grad
+    gw = gw.dequantize() if isinstance(gw, qt.QTensor) else gw
+    xe, xs = _mx_split(x, 0)  # (N, 1, 3, 3), (1, 1, 3, 3)
+    ge, gs = _mx_split(go, 0)  # (N, 2, 2, 2), (1, 2, 2, 2)
+
+    def cols(t):  # (n, 1, 3, 3) -> (n, P, L)
+        return torch.nn.functional.unfold(t, 2)
+    a = ge.reshape(N, 2, L).permute(1, 2, 0).reshape(2, L * N)  # K = (l, n)
+    asc = gs.reshape(2, L)
+    b = cols(xe).permute(2, 0, 1).reshape(L * N, P)
+    bsc = cols(xs)[0].t()  # (L, P)
+    want = accum.accum_matmul(a, b, f, a_scale=asc, b_scale=bsc).reshape(2, 1, 2, 2)
+    assert torch.equal(bits(gw), bits(want))
+    xq = qt.quantize(x, qt.formats.format("mxfp4").replace(axis=0))
+    gq = qt.quantize(go, qt.formats.format("mxfp4").replace(axis=0))
+    old = accum.accum_matmul(gq.reshape(N, 2, L).permute(1, 0, 2).reshape(2, N * L),
+                             cols(xq).permute(0, 2, 1).reshape(N * L, P), f)
+    assert not torch.equal(bits(gw), bits(old.reshape(2, 1, 2, 2)))
+
+
+def test_converted_grouped_conv_transpose2d_weight_blocks_across_groups():
+    """A grouped nn.ConvTranspose2d (2 groups) with MXFP4 operands under blackwell_mxfp4: the
+    weight (C_in, O/groups, kh, kw) is blocked along C_in, 32 channels across both groups, and
+    group 0's weights are 1/4 of group 1's, so the shared block scale is group 1's: the GEMM
+    (K = flipped kernel position, C_in of the group) gets that scale for both groups (a block
+    partition of the regrouped kernel would give group 0 a smaller one), bit for bit as
+    accum_matmul per group of the elements with their scales."""
+    f = accum.blackwell_mxfp4
+    g = torch.Generator().manual_seed(11)
+    conv = torch.nn.ConvTranspose2d(32, 4, 2, groups=2, bias=False)
+    x = torch.randn(1, 32, 3, 3, generator=g)
+    x[0, :16, 1, 1] = torch.tensor([2.0 ** 36, -2.0 ** 36] * 8)  # the others: ~36 bits below
+    with torch.no_grad():
+        w = torch.randn(32, 2, 2, 2, generator=g)
+        w[:16] *= 0.25
+        w[1:16:2] = w[0:16:2]  # x's pairs +-2^36 at (1, 1) cancel in every product group
+        conv.weight.copy_(w)
+    m = qt.convert(conv, qt.Recipe(weight=("fp32", "mxfp4"), activation=("fp32", "mxfp4"),
+                                   accumulate=f))
+    y = m(x)
+    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    xe, xs = _mx_split(x, 1)  # (1, 32, 3, 3), (1, 1, 3, 3)
+    we, ws = _mx_split(w, 0)  # (32, 2, 2, 2), (1, 2, 2, 2)
+    we, ws = we.flip(2, 3), ws.flip(2, 3)
+
+    def cols(t):  # (1, C, 3, 3) padded by 1 -> (C, 4 positions, L=16)
+        u = torch.nn.functional.unfold(torch.nn.functional.pad(t, (1, 1, 1, 1)), 2)[0]
+        return u.unflatten(0, (t.shape[1], 4))
+    want = []
+    for grp in range(2):
+        a = we[16 * grp:16 * grp + 16].permute(1, 2, 3, 0).reshape(2, 64)  # K = (position, c)
+        asc = ws[0].reshape(2, 4)
+        b = cols(xe)[16 * grp:16 * grp + 16].transpose(0, 1).reshape(64, 16)
+        bsc = cols(xs)[0]  # (4, 16)
+        want.append(accum.accum_matmul(a, b, f, a_scale=asc, b_scale=bsc))
+    want = torch.cat(want).reshape(1, 4, 4, 4)
+    assert torch.equal(bits(y), bits(want))
+    # group 0's own maxima give other scales (smaller, with valid elements too): other bits
+    wrong = ws.clone()
+    w0 = we[:16].abs().flatten(1).amax(0).reshape(2, 2, 2) * ws[0]
+    wrong = torch.exp2(torch.floor(torch.log2(w0)) - 2)
+    a = (we[:16] * ws[0] / wrong).permute(1, 2, 3, 0).reshape(2, 64)
+    assert torch.equal(qt.quantize(a, "fp4_e2m1"), a)
+    other = accum.accum_matmul(a, cols(xe)[:16].transpose(0, 1).reshape(64, 16), f,
+                               a_scale=wrong.reshape(2, 4), b_scale=cols(xs)[0])
+    assert not torch.equal(bits(want[0, :2].reshape(2, 16)), bits(other))
