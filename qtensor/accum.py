@@ -838,10 +838,15 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
     if fmt is None or x.numel() == 0:
         return None
     bs = fmt.block_size
-    xk = x.float().movedim(kdim, -1)
-    K = xk.shape[-1]
-    blocks = torch.nn.functional.pad(xk, (0, -K % bs)).unflatten(-1, (-1, bs))
-    amax = blocks.abs().amax(-1).double()  # exact (float32 values): one pass over x
+    d = kdim % x.dim()
+    xk = x.float()
+    K = xk.shape[d]
+    if K % bs:
+        xk = torch.nn.functional.pad(xk, (0, 0) * (x.dim() - 1 - d) + (0, -K % bs))
+    # in x's own layout (a reduction over a middle dim runs in vectors; no copy of x)
+    blocks = xk.unflatten(d, (-1, bs))
+    r = d + 1  # the dim of a block's elements
+    amax = blocks.abs().amax(r).double()  # exact (float32 values)
     if not compiling and not torch.isfinite(amax).all():  # inf or NaN in some block
         return None
     ts = torch.ones((), dtype=torch.float64, device=x.device)
@@ -857,20 +862,28 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
                                  2 * X, X))
     cands = [torch.where(amax == 0, 1.0, X) for X in cands]  # all-zero block: any scale
     if compiling:
-        return cands[0].movedim(-1, kdim), ts
-    ok = []
-    for X in cands:  # exact elements: x / Xt rounds to itself and back (e * Xt is exact)
-        Xt = (X * ts).float()[..., None]
+        return cands[0], ts
+
+    def exact(X, per_block):  # the elements x / Xt round to themselves, e * Xt is exact
+        Xt = (X * ts).float().unsqueeze(r)
         pos = Xt > 0  # (a candidate's scale can round to 0: not a scale of a nonzero block)
+        if not per_block:
+            if not bool(pos.all()):
+                return False
+            inv = fmt.power_of_two_scales  # (1 / 2^k: exact in float32 for E8M0's range)
+            e = _ops.quantize(blocks * (1 / Xt) if inv else blocks / Xt, fmt.elem,
+                              rounding="nearest")
+            return torch.equal(e * Xt, blocks)
         e = _ops.quantize(blocks / torch.where(pos, Xt, 1.0), fmt.elem, rounding="nearest")
-        ok.append(((e * Xt == blocks) & pos).all(-1))
+        return ((e * Xt == blocks) & pos).all(r)
     if len(cands) == 1:
-        return (cands[0].movedim(-1, kdim), ts) if bool(ok[0].all()) else None
-    (X1, X2), (v1, v2) = cands, ok
+        return (cands[0], ts) if exact(cands[0], False) else None
+    (X1, X2) = cands
+    v1, v2 = exact(X1, True), exact(X2, True)
     same = (_exponent(X1, None) == _exponent(X2, None)) if need == "exponent" else X1 == X2
     if not bool((v1 | v2).all()) or bool((v1 & v2 & ~same).any()):
         return None
-    return torch.where(v1, X1, X2).movedim(-1, kdim), ts
+    return torch.where(v1, X1, X2), ts
 
 
 def _scale_exps(X: torch.Tensor, fmt) -> torch.Tensor:
@@ -894,13 +907,17 @@ def _mx_emin(x: torch.Tensor, q, kdim: int):
     sc = _block_scales(x, fmt, kdim, "exponent")
     if sc is None:
         return None
-    em = _per_element(_scale_exps(sc[0], fmt), fmt.block_size, kdim % x.dim(),
-                      x.shape[kdim]) + fmt.elem.emin
-    if torch.compiler.is_compiling():  # no data-dependent branch in a graph
-        return em
-    if not ((x != 0) & (x.abs() < torch.exp2(em.double()))).any():
-        return None
-    return em
+    E = _scale_exps(sc[0], fmt) + fmt.elem.emin  # per block
+    d, bs = kdim % x.dim(), fmt.block_size
+    if not torch.compiler.is_compiling():  # (no data-dependent branch in a graph)
+        # a subnormal element: 0 < |x| < 2^E, tested per block (float32: 2^E >= 2^-149)
+        xk = x.float()
+        if xk.shape[d] % bs:
+            xk = torch.nn.functional.pad(xk, (0, 0) * (x.dim() - 1 - d) + (0, -xk.shape[d] % bs))
+        blocks = xk.unflatten(d, (-1, bs)).abs()
+        if not ((blocks < _pow2(E).float().unsqueeze(d + 1)) & (blocks != 0)).any():
+            return None
+    return _per_element(E, bs, d, x.shape[d])
 
 
 def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
@@ -942,7 +959,8 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
         kw["b_gexp"] = _scale_exps(sb[0], fb).repeat_interleave(
             fb.block_size // f.group, b_kdim).narrow(b_kdim, 0, G)
         if fa.tensor_scale or fb.tensor_scale:
-            a, b = (a.double() / sa[1]).float(), (b.double() / sb[1]).float()
+            # (float32 division: exact, the quotients are element * block scale values)
+            a, b = a.float() / sa[1].float(), b.float() / sb[1].float()
             post = sa[1].float() * sb[1].float()
         return a, b, kw, post
     if f.scales == "promotion":
@@ -954,8 +972,9 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
             return a, b, kw, post
         Xa, Xb = sa[0] * sa[1], sb[0] * sb[1]  # float32 exactly (the formats' values are)
         K = a.shape[a_kdim]
-        a = (a.double() / _per_element(Xa, blk, a_kdim % a.dim(), K)).float()
-        b = (b.double() / _per_element(Xb, blk, b_kdim % b.dim(), K)).float()
+        # (float32 division: exact, the quotients are the elements)
+        a = a.float() / _per_element(Xa.float(), blk, a_kdim % a.dim(), K)
+        b = b.float() / _per_element(Xb.float(), blk, b_kdim % b.dim(), K)
         kw = dict(a_scale=Xa.float(), b_scale=Xb.float(), a_emin=fa.elem.emin,
                   b_emin=fb.elem.emin)
     return a, b, kw, post
@@ -1145,13 +1164,13 @@ def _conv_scale_plan(f: AccumFormat, n_ok, ops):
         kw["a_gexp"] = to_a(_scale_exps(Xa, fa))[..., ::n]
         kw["b_gexp"] = to_b(_scale_exps(Xb, fb))[..., ::n, :]
         if fa.tensor_scale or fb.tensor_scale:
-            a, b = (a.double() / ta).float(), (b.double() / tb).float()
+            a, b = a.float() / ta.float(), b.float() / tb.float()  # (exact)
             post = ta.float() * tb.float()
         return a, b, kw, post
     Xa, Xb = Xa * ta, Xb * tb  # promotion: unscaled elements, a scale per K-block
     kw = dict(a_scale=to_a(Xa)[..., ::n].float(), b_scale=to_b(Xb)[..., ::n, :].float(),
               a_emin=fa.elem.emin, b_emin=fb.elem.emin)
-    return (a.double() / Xa).float(), (b.double() / Xb).float(), kw, post
+    return a.float() / Xa.float(), b.float() / Xb.float(), kw, post  # (exact)
 
 
 def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(None, None),
