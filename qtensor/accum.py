@@ -1237,9 +1237,11 @@ def _conv_weight_grad(x, go, k, geo, f, em=(None, None), q=(None, None)):
     """The weight gradient (O, C/groups, *k) of the forward convolution of x (N, C, *S) whose
     output gradient is go (N, O, *So): a contraction over (batch, output position). q: the
     QTensors of (x, go), blocked along the batch (dispatch's axis 0 for grad_weight): where
-    both are block-scaled for a K-group / interval of n (the batch and the blocks a multiple of
-    n), K runs (output position, batch) instead, the batch innermost, so that each block is a
-    run of K (in batch-outer order a block's elements lie L apart) and the scales go with it."""
+    both are block-scaled for the datapath's K-group / interval of n (1 for the per-element
+    clamps of MX operands; the batch and the blocks a multiple of n), K runs (output position,
+    batch) instead, the batch innermost, so that each block is a run of K, as a block-scaled
+    instruction takes its scales (in batch-outer order a block's elements lie L apart), and the
+    scales go with it."""
     stride, padding, dilation, groups = geo
     (N, O, *size), Cg = go.shape, x.shape[1] // groups
     L, P = math.prod(size), math.prod(k)
@@ -1257,8 +1259,7 @@ def _conv_weight_grad(x, go, k, geo, f, em=(None, None), q=(None, None)):
 
     def n_ok(n):
         return N % n == 0
-    inner = f.scales in ("instruction", "promotion") and not (
-        f.scales == "instruction" and f.group == 1) and _conv_operand_block_fits(
+    inner = f.scales in ("instruction", "promotion") and _conv_operand_block_fits(
         f, n_ok, (q[1], q[0]))
     go, xp, kw, post = _conv_scale_plan(
         f, n_ok if inner else (lambda n: False),
@@ -1273,7 +1274,7 @@ def _conv_weight_grad(x, go, k, geo, f, em=(None, None), q=(None, None)):
 def _conv_operand_block_fits(f: AccumFormat, n_ok, qs) -> bool:
     """Whether both operands (QTensors qs) are block-scaled with blocks of a multiple of the
     datapath's K-group / interval n, and n_ok(n)."""
-    n = f.group if f.scales == "instruction" else f.chunk * f.promote
+    n = f.group if f.scales == "instruction" else f.chunk * f.promote  # (MX clamps: 1)
     fmts = [_operand_block_fmt(q) for q in qs]
     return n_ok(n) and all(m is not None and m.block_size % n == 0 for m in fmts)
 

@@ -2003,13 +2003,16 @@ def test_converted_grouped_conv2d_blocks_across_groups_pass_scales():
     assert not torch.equal(bits(y), bits(old))
 
 
-def test_converted_conv2d_grad_weight_passes_block_scales():
-    """The weight gradient of a converted nn.Conv2d with MXFP4 input and gradient operands
-    (blocked along the batch, as dispatch rounds grad_weight's operands) under
-    blackwell_mxfp4: K runs (output position, batch), the batch innermost, so each block of 32
-    is a run of K and the GEMM gets both operands' scales: equal, bit for bit, to accum_matmul of
-    the elements with their scales; the values alone (the previous fallback) differ."""
-    f = accum.blackwell_mxfp4
+@pytest.mark.parametrize("fmt, f", [("mxfp4", accum.blackwell_mxfp4),
+                                    ("mxfp8_e4m3", accum.blackwell_mxf8f6f4)])
+def test_converted_conv2d_grad_weight_passes_block_scales(fmt, f, monkeypatch):
+    """The weight gradient of a converted nn.Conv2d with MX input and gradient operands
+    (blocked along the batch, as dispatch rounds grad_weight's operands) under a Blackwell
+    block-scaled preset: K runs (output position, batch), the batch innermost, so each block of
+    32 is a run of K and the GEMM gets both operands' scales (MXFP4: group exponents; MXFP8:
+    per-element clamps, E4M3 subnormals in some blocks): equal, bit for bit, to accum_matmul of
+    the elements with their scales; the values alone (the previous fallback, batch outermost)
+    differ."""
     g = torch.Generator().manual_seed(9)
     N, L, P = 32, 4, 4
     conv = torch.nn.Conv2d(1, 2, 2, bias=False)
@@ -2017,15 +2020,28 @@ def test_converted_conv2d_grad_weight_passes_block_scales():
     x[:2] = 1.0
     go = torch.randn(N, 2, 2, 2, generator=g)
     go[:2, 0, 0, 0] = torch.tensor([2.0 ** 60, -2.0 ** 60])  # cancels at 2^58, position 0
+    if fmt == "mxfp8_e4m3":
+        x[2:4] *= 2.0 ** -12  # E4M3 subnormals of their blocks
+        go[4:6] *= 2.0 ** -12
     with torch.no_grad():
         conv.weight.copy_(torch.randn(2, 1, 2, 2, generator=g))
-    mx = ("fp32", "mxfp4")
+    mx = ("fp32", fmt)
     m = qt.convert(conv, qt.Recipe(weight=mx, activation=mx, grad=mx, accumulate=f))
-    m(x).backward(go)
+    y = m(x)
+    calls = []
+    kernel = accum.accum_matmul
+
+    def spy(*args, **kw):
+        calls.append(sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor)))
+        return kernel(*args, **kw)
+    monkeypatch.setattr(accum, "accum_matmul", spy)
+    y.backward(go)
+    monkeypatch.undo()
+    assert calls == [["a_gexp", "b_gexp"] if f.group > 1 else ["a_emin", "b_emin"]]
     gw = m.weight.grad
     gw = gw.dequantize() if isinstance(gw, qt.QTensor) else gw
-    xe, xs = _mx_split(x, 0)  # (N, 1, 3, 3), (1, 1, 3, 3)
-    ge, gs = _mx_split(go, 0)  # (N, 2, 2, 2), (1, 2, 2, 2)
+    xe, xs = _mx_split(x, 0, fmt)  # (N, 1, 3, 3), (1, 1, 3, 3)
+    ge, gs = _mx_split(go, 0, fmt)  # (N, 2, 2, 2), (1, 2, 2, 2)
 
     def cols(t):  # (n, 1, 3, 3) -> (n, P, L)
         return torch.nn.functional.unfold(t, 2)
@@ -2035,8 +2051,8 @@ def test_converted_conv2d_grad_weight_passes_block_scales():
     bsc = cols(xs)[0].t()  # (L, P)
     want = accum.accum_matmul(a, b, f, a_scale=asc, b_scale=bsc).reshape(2, 1, 2, 2)
     assert torch.equal(bits(gw), bits(want))
-    xq = qt.quantize(x, qt.formats.format("mxfp4").replace(axis=0))
-    gq = qt.quantize(go, qt.formats.format("mxfp4").replace(axis=0))
+    xq = qt.quantize(x, qt.formats.format(fmt).replace(axis=0))
+    gq = qt.quantize(go, qt.formats.format(fmt).replace(axis=0))
     old = accum.accum_matmul(gq.reshape(N, 2, L).permute(1, 0, 2).reshape(2, N * L),
                              cols(xq).permute(0, 2, 1).reshape(N * L, P), f)
     assert not torch.equal(bits(gw), bits(old.reshape(2, 1, 2, 2)))
