@@ -1085,7 +1085,8 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
 #   loaded as zeros. Zero products move no alignment but take K slots, so they decide which
 #   products share an instruction: CUTLASS's 2-D strided dgrad skips them, and ATen's col2im
 #   path (a GEMM over channels only, the kernel positions added in float32) sums differently.
-# - grad_weight: (batch, output position).
+# - grad_weight: (batch, output position); (output position, batch) where both operands are
+#   block-scaled along the batch (their blocks then are runs of K: _conv_weight_grad).
 
 def _tup(v, nd):
     """A geometry argument (an int, or a list of 1 or nd ints) as nd ints."""
