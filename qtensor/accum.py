@@ -861,8 +861,10 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
         cands.append(torch.where((amax == fmt.elem.max * X) & (X < 2.0 ** fmt.scale.emax),
                                  2 * X, X))
     cands = [torch.where(amax == 0, 1.0, X) for X in cands]  # all-zero block: any scale
-    if compiling:
+    if compiling and len(cands) == 1:  # (no data-dependent branch in a graph: unchecked)
         return cands[0], ts
+    if compiling and fmt.scale_rule == "ceil":  # RCEIL's ambiguity needs a branch: values
+        return None
 
     def exact(X, per_block):  # the elements x / Xt round to themselves, e * Xt is exact
         Xt = (X * ts).float().unsqueeze(r)
@@ -880,6 +882,8 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
         return (cands[0], ts) if exact(cands[0], False) else None
     (X1, X2) = cands
     v1, v2 = exact(X1, True), exact(X2, True)
+    if compiling:  # 4over6 in a graph: the exact candidate per block (ties: the first, 6)
+        return torch.where(v1, X1, X2), ts
     same = (_exponent(X1, None) == _exponent(X2, None)) if need == "exponent" else X1 == X2
     if not bool((v1 | v2).all()) or bool((v1 & v2 & ~same).any()):
         return None
