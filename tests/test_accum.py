@@ -1786,7 +1786,7 @@ def test_converted_conv2d_mxfp4_passes_block_exponents(fmt, f, monkeypatch):
         assert not torch.equal(bits(y), bits(old.reshape(N, O, 3, 3)))
 
 
-@pytest.mark.parametrize("scale", ["e8m0", "bf16"])
+@pytest.mark.parametrize("scale", ["e8m0", "bf16", "fp32"])
 def test_converted_linear_promotion_scales(scale, monkeypatch):
     """DeepSeek-V3-style FP8 GEMM through a converted nn.Linear: operand formats of E4M3 blocks
     of 128 along K (power-of-two E8M0 scales, or BF16 amax scales) and hopper_fp8 with
@@ -1822,8 +1822,11 @@ def test_converted_linear_promotion_scales(scale, monkeypatch):
         amax = t.double().abs().unflatten(-1, (-1, 128)).amax(-1)
         if rule == "floor":
             s = torch.exp2((torch.frexp(amax).exponent - 1 - 8).double())
-        else:
+        elif scale == "bf16":
             s = (amax / 448).float().to(torch.bfloat16).double()
+        else:  # DeepSeek-V3's FP32 scales, nearest on the 20-bit grid (E4M3 x scale: float32)
+            m, e = torch.frexp(amax / 448)
+            s = torch.ldexp(torch.round(m * 2.0 ** 20) / 2.0 ** 20, e)
         e = (qt.quantize(t, fmt).double() / s.repeat_interleave(128, -1)).float()
         assert torch.equal(qt.quantize(e, "fp8_e4m3"), e)
         return e, s.float()
