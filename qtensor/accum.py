@@ -809,7 +809,20 @@ def _operand_block_fmt(q):
     return None
 
 
-def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
+def _payload_sources(q, x: torch.Tensor):
+    """Where dispatch rounded the operand x from the payload of its QTensor q (q has an operand
+    format, mm_fmt): the payload, or its transpose for a 2-D x (linear's weight.t()), as
+    candidates of x's shape (the caller checks that rounding one gives x)."""
+    data = getattr(q, "_data", None)
+    if getattr(q, "mm_fmt", None) is None or not isinstance(data, torch.Tensor):
+        return []
+    out = [data] if data.shape == x.shape else []
+    if data.dim() == 2 and data.t().shape == x.shape:
+        out.append(data.t())
+    return out
+
+
+def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
     """The block scales of x, whose values were rounded to the block format fmt along kdim,
     recovered from the values: (X, ts), X the scale-format factor of each block (float64, x's
     shape with kdim cut into blocks), ts the per-tensor scale (a 0-dim float64 tensor; 1.0
@@ -831,7 +844,9 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
       grid, and the quantizer keeps the scale of the unrounded max): two candidates;
     - 4over6: the amax-rule scales mapping rmax to 6 and to 4: two candidates.
     Of two candidates the one whose elements are exact is the scale; where both are (a block of
-    elements on both grids) and they differ in what ``need`` uses, the block is ambiguous: None.
+    elements on both grids) and they differ in what ``need`` uses, the block is ambiguous: None;
+    except for ceil, where q (x's QTensor) gives the payload x was rounded from and rounding it
+    again gives x: then the scale of its unrounded blocks, the quantizer's own.
     """
     from .reference import scale_candidates, _tensor_scale
     compiling = torch.compiler.is_compiling()  # no data-dependent branch in a graph
@@ -886,6 +901,16 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value"):
         return torch.where(v1, X1, X2), ts
     same = (_exponent(X1, None) == _exponent(X2, None)) if need == "exponent" else X1 == X2
     if not bool((v1 | v2).all()) or bool((v1 & v2 & ~same).any()):
+        from .formats import is_stochastic
+        if fmt.scale_rule != "ceil" or is_stochastic(fmt.rounding):
+            return None
+        for src in _payload_sources(q, x):  # RCEIL: the unrounded payload decides
+            if torch.equal(_ops.quantize(src, fmt.replace(axis=d)), x):
+                s = src.float()
+                if K % bs:
+                    s = torch.nn.functional.pad(s, (0, 0) * (x.dim() - 1 - d) + (0, -K % bs))
+                X = scale_candidates(fmt)[0](s.unflatten(d, (-1, bs)).abs().amax(r).double())
+                return (X, ts) if exact(X, False) else None
         return None
     return torch.where(v1, X1, X2), ts
 
@@ -908,7 +933,7 @@ def _mx_emin(x: torch.Tensor, q, kdim: int):
     fmt = _operand_block_fmt(q)
     if fmt is None or not fmt.power_of_two_scales:
         return None
-    sc = _block_scales(x, fmt, kdim, "exponent")
+    sc = _block_scales(x, fmt, kdim, "exponent", q)
     if sc is None:
         return None
     E = _scale_exps(sc[0], fmt) + fmt.elem.emin  # per block
@@ -953,8 +978,8 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
     if f.scales == "instruction":
         if fa.block_size % f.group or fb.block_size % f.group:
             return a, b, kw, post
-        sa = _block_scales(a, fa, a_kdim, "exponent")
-        sb = _block_scales(b, fb, b_kdim, "exponent") if sa is not None else None
+        sa = _block_scales(a, fa, a_kdim, "exponent", qa)
+        sb = _block_scales(b, fb, b_kdim, "exponent", qb) if sa is not None else None
         if sb is None:
             return a, b, kw, post
         G = -(-a.shape[a_kdim] // f.group)
@@ -971,7 +996,8 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
         blk = f.chunk * f.promote
         if fa.block_size != blk or fb.block_size != blk:
             return a, b, kw, post
-        sa, sb = _block_scales(a, fa, a_kdim), _block_scales(b, fb, b_kdim)
+        sa, sb = _block_scales(a, fa, a_kdim, "value", qa), _block_scales(b, fb, b_kdim,
+                                                                        "value", qb)
         if sa is None or sb is None:
             return a, b, kw, post
         Xa, Xb = sa[0] * sa[1], sb[0] * sb[1]  # float32 exactly (the formats' values are)
@@ -1134,7 +1160,8 @@ def _conv_operand_scales(f: AccumFormat, n: int, ops):
         fmt = _operand_block_fmt(q)
         if fmt is None or fmt.block_size % n:
             return None
-        sc = _block_scales(t, fmt, dim, "exponent" if f.scales == "instruction" else "value")
+        sc = _block_scales(t, fmt, dim, "exponent" if f.scales == "instruction" else "value",
+                           q)
         if sc is None:
             return None
         out.append((sc[1], _per_element(sc[0], fmt.block_size, dim, t.shape[dim]), fmt))

@@ -1853,12 +1853,13 @@ def _quantizer_split(t, fmt):
     def settled(scale_of):  # a block whose rounded max has a lower scale takes that one
         X = scale_of(amax)
         q = round_with_scale(blocks, X, fmt, "nearest")
-        while True:
+        while fmt.scale_rule != "ceil" or not fmt.power_of_two_scales:  # (RCEIL keeps X)
             again = scale_of(q.abs().amax(-1, keepdim=True))
             if not (again < X).any():
                 return X, q
             X = torch.minimum(again, X)
             q = round_with_scale(blocks, X, fmt, "nearest")
+        return X, q
     cands, qs = zip(*[settled(c) for c in scale_candidates(fmt, ts)])
     X, q = cands[0], qs[0]
     if len(cands) == 2:
@@ -1881,14 +1882,17 @@ def _quantizer_split(t, fmt):
     (qt.BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="4over6", tensor_scale=True),
      accum.blackwell_nvfp4),
     (qt.BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="ceil", tensor_scale=True),
-     accum.blackwell_nvfp4)], ids=["mxfp4_even", "nvfp4_4over6", "nvfp4_4over6_ts", "nvfp4_ceil"])
+     accum.blackwell_nvfp4),
+    (qt.BlockFormat("fp4_e2m1", 32, scale="e8m0", scale_rule="rceil"), accum.blackwell_mxfp4)],
+    ids=["mxfp4_even", "nvfp4_4over6", "nvfp4_4over6_ts", "nvfp4_ceil", "mxfp4_rceil"])
 def test_converted_linear_other_scale_rules_pass_block_scales(fmt, f):
     """Scale rules besides MX floor and NVFP4 amax through a converted nn.Linear with a
     Blackwell block-scaled preset: the scales recovered from the rounded operands are the
     quantizer's (even: the rounded max's binade; 4over6: the one of its two candidates whose
-    elements are exact; ceil with E4M3 scales: the upward rounding of the rounded max / 6),
-    so the output equals accum_matmul of the elements with those scales (per-tensor scales as
-    alpha), bit for bit; the values alone give other bits."""
+    elements are exact; ceil with E4M3 scales: the upward rounding of the rounded max / 6;
+    MX RCEIL, ambiguous in the rounded blocks: the scales of the unrounded payloads the operands
+    were rounded from), so the output equals accum_matmul of the elements with those scales
+    (per-tensor scales as alpha), bit for bit; the values alone give other bits."""
     x, w = _nvfp4_operands()
     if fmt.block_size == 32:  # MX: a block of x that cancels at 2^60, far above the others
         x[:2, :32] = torch.tensor([2.0 ** 60, -2.0 ** 60] * 16)
@@ -1900,6 +1904,8 @@ def test_converted_linear_other_scale_rules_pass_block_scales(fmt, f):
                                   accumulate=f))
     y = m(x)
     y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:  # the rounded x alone: ambiguous
+        assert accum._block_scales(qt.quantize(x, fmt), fmt, -1) is None
     xe, xs, tx = _quantizer_split(x, fmt)
     we, ws, tw = _quantizer_split(w, fmt)
     want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t())
@@ -1912,8 +1918,8 @@ def test_converted_linear_other_scale_rules_pass_block_scales(fmt, f):
 
 def test_block_scales_ceil_power_of_two_is_ambiguous():
     """MX ceil (RCEIL) scales are not a function of the rounded block: a block whose rounded max
-    is max_elem * 2^k rounds from 2^k (max 6) as from 2^(k+1) (max 3): recovery refuses it
-    (the values are used), and recovers the scales of a tensor without such blocks."""
+    is max_elem * 2^k rounds from 2^k (max 6) as from 2^(k+1) (max 3): recovery from the rounded
+    values alone refuses it, and recovers the scales of a tensor without such blocks."""
     from qtensor.accum import _block_scales
     fmt = qt.BlockFormat("fp4_e2m1", 32, scale="e8m0", scale_rule="ceil")
     a = torch.full((1, 32), 1.0)
