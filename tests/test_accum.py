@@ -2113,3 +2113,43 @@ def test_converted_grouped_conv_transpose2d_weight_blocks_across_groups():
     other = accum.accum_matmul(a, cols(xe)[:16].transpose(0, 1).reshape(64, 16), f,
                                a_scale=wrong.reshape(2, 4), b_scale=cols(xs)[0])
     assert not torch.equal(bits(want[0, :2].reshape(2, 16)), bits(other))
+
+
+def test_converted_conv2d_grad_weight_promotion_scales():
+    """DeepSeek-V3-style FP8 weight gradient of a converted nn.Conv2d: E4M3 blocks of 128 along
+    the batch with BF16 amax scales and hopper_fp8 with scales="promotion": K runs (output
+    position, batch), each 128-K interval is one block of each operand, promoted with its
+    scales; bit for bit as accum_matmul with a_scale/b_scale; the values (batch outermost, the
+    previous fallback) differ."""
+    f = accum.hopper_fp8.replace(scales="promotion")
+    fmt = qt.BlockFormat("fp8_e4m3", 128, scale="bf16", scale_rule="amax")
+    g = torch.Generator().manual_seed(1)
+    N, L, P = 128, 4, 4
+    conv = torch.nn.Conv2d(1, 2, 2, bias=False)
+    x, go = torch.randn(N, 1, 3, 3, generator=g), torch.randn(N, 2, 2, 2, generator=g)
+    r = ("fp32", fmt)
+    m = qt.convert(conv, qt.Recipe(weight=r, activation=r, grad=r, accumulate=f))
+    m(x).backward(go)
+    gw = m.weight.grad
+    gw = gw.dequantize() if isinstance(gw, qt.QTensor) else gw
+
+    def split(t):  # the quantizer's BF16 scales of the unrounded batch blocks, the elements
+        amax = t.double().abs().amax(0, keepdim=True)
+        s = (amax / 448).float().to(torch.bfloat16).double()
+        e = (qt.quantize(t, fmt.replace(axis=0)).double() / s).float()
+        assert torch.equal(qt.quantize(e, "fp8_e4m3"), e)
+        return e, s[0].float()
+    xe, xs = split(x)
+    ge, gs = split(go)
+
+    def cols(t):  # (n, 1, 3, 3) -> (n, P, L)
+        return torch.nn.functional.unfold(t, 2)
+    a = ge.reshape(N, 2, L).permute(1, 2, 0).reshape(2, L * N)  # K = (l, n)
+    b = cols(xe).permute(2, 0, 1).reshape(L * N, P)
+    want = accum.accum_matmul(a, b, f, a_scale=gs.reshape(2, L), b_scale=cols(xs[None])[0].t(),
+                              a_emin=-6, b_emin=-6).reshape(2, 1, 2, 2)
+    assert torch.equal(bits(gw), bits(want))
+    xq, gq = qt.quantize(x, fmt.replace(axis=0)), qt.quantize(go, fmt.replace(axis=0))
+    old = accum.accum_matmul(gq.reshape(N, 2, L).permute(1, 0, 2).reshape(2, N * L),
+                             cols(xq).permute(0, 2, 1).reshape(N * L, P), f)
+    assert not torch.equal(bits(gw), bits(old.reshape(2, 1, 2, 2)))
