@@ -804,49 +804,115 @@ def _operand_block_fmt(q):
     fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
     fmt = getattr(fmt, "base", fmt)  # a per-GEMM operand tag (qtensor.gemm)
     if (isinstance(fmt, BlockFormat) and fmt.block_size and isinstance(fmt.elem, FloatFormat)
-            and fmt.scale_rule in ("floor", "amax")
             and getattr(fmt, "block_shape", None) is None):  # 2D tiles: scales are not runs along K
         return fmt
     return None
 
 
-def _block_scales(x: torch.Tensor, fmt, kdim: int):
+def _payload_sources(q, x: torch.Tensor):
+    """Where dispatch rounded the operand x from the payload of its QTensor q (q has an operand
+    format, mm_fmt): the payload, or its transpose for a 2-D x (linear's weight.t()), as
+    candidates of x's shape (the caller checks that rounding one gives x)."""
+    data = getattr(q, "_data", None)
+    if getattr(q, "mm_fmt", None) is None or not isinstance(data, torch.Tensor):
+        return []
+    out = [data] if data.shape == x.shape else []
+    if data.dim() == 2 and data.t().shape == x.shape:
+        out.append(data.t())
+    return out
+
+
+def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
     """The block scales of x, whose values were rounded to the block format fmt along kdim,
     recovered from the values: (X, ts), X the scale-format factor of each block (float64, x's
     shape with kdim cut into blocks), ts the per-tensor scale (a 0-dim float64 tensor; 1.0
-    without tensor_scale); None where that does not give x back exactly (x / (X * ts) elements
-    of the element format). The scale rules are idempotent (docs/formats.md): the scale re-derived from
-    a rounded block's own maximum is the one it was rounded with (floor: the maximum's binade;
-    amax: its E4M3 rounding, and NVFP4's tensor scale from the rounded tensor's maximum, which
-    is max_elem * max_scale * ts)."""
-    from .reference import _round_float, _tensor_scale
+    without tensor_scale); None where no scale, or more than one, gives x back exactly (x / (X *
+    ts) elements of the element format). need: ``"value"`` (X itself is used: promotion) or
+    ``"exponent"`` (only floor(log2 X): group exponents, clamps), which decides when two
+    decompositions of a block are a real ambiguity.
+
+    Each rule's scale of the rounded block, derived again from its own maximum rmax
+    (docs/formats.md, idempotence; docs/accum.md lists what each rule allows):
+    - floor, even: 2^(floor(log2 rmax) - emax_elem) (even's round-half-up of the max never moves
+      a value of the element grid, and the quantizer settles a block on the scale of its
+      rounded max), clamped to the scale format as the quantizer clamps it;
+    - amax (NVFP4, FP32 scales on amax_scale_format's grid) and ceil with mantissa bits: the
+      scale format's rounding of rmax / max_elem (the quantizer settles each block on it);
+      NVFP4's tensor scale from the rounded tensor's maximum (max_elem * max_scale * ts);
+    - ceil with power-of-two scales: the smallest 2^k with rmax / 2^k <= max_elem; a block whose
+      rounded max is max_elem * 2^k came from 2^k or from 2^(k+1) (max_elem / 2 is on the
+      grid, and the quantizer keeps the scale of the unrounded max): two candidates;
+    - 4over6: the amax-rule scales mapping rmax to 6 and to 4: two candidates.
+    Of two candidates the one whose elements are exact is the scale; where both are (a block of
+    elements on both grids) and they differ in what ``need`` uses, the block is ambiguous: None;
+    except for ceil, where q (x's QTensor) gives the payload x was rounded from and rounding it
+    again gives x: then the scale of its unrounded blocks, the quantizer's own.
+    """
+    from .reference import scale_candidates, _tensor_scale
     compiling = torch.compiler.is_compiling()  # no data-dependent branch in a graph
-    if fmt is None or x.numel() == 0 or (not compiling and not torch.isfinite(x).all()):
+    if fmt is None or x.numel() == 0:
         return None
     bs = fmt.block_size
-    xk = x.double().movedim(kdim, -1)
-    K = xk.shape[-1]
-    blocks = torch.nn.functional.pad(xk, (0, -K % bs)).unflatten(-1, (-1, bs))
-    amax = blocks.abs().amax(-1)
+    d = kdim % x.dim()
+    xk = x.float()
+    K = xk.shape[d]
+    if K % bs:
+        xk = torch.nn.functional.pad(xk, (0, 0) * (x.dim() - 1 - d) + (0, -K % bs))
+    # in x's own layout (a reduction over a middle dim runs in vectors; no copy of x)
+    blocks = xk.unflatten(d, (-1, bs))
+    r = d + 1  # the dim of a block's elements
+    amax = blocks.abs().amax(r).double()  # exact (float32 values)
+    if not compiling and not torch.isfinite(amax).all():  # inf or NaN in some block
+        return None
     ts = torch.ones((), dtype=torch.float64, device=x.device)
-    if fmt.scale_rule == "floor":
-        k = torch.frexp(amax).exponent.to(torch.int64) - 1 - fmt.elem.emax
-        X = _pow2(k.clamp(fmt.scale.emin, fmt.scale.emax))
-    else:
-        sfmt = fmt.amax_scale_format.replace(rounding="nearest")
-        if fmt.tensor_scale:
-            ts = _tensor_scale(xk.abs().amax(), fmt)
-            ts = torch.where(ts > 0, ts, 1.0)  # an all-zero tensor: any scale
-            sfmt = sfmt.replace(saturate=True)
-        X = _round_float(amax / (fmt.elem.max * ts), sfmt, "nearest", None, None)
-    X = torch.where(amax == 0, 1.0, X)  # an all-zero block: any scale (its products are 0)
-    if not compiling:  # the elements must be the element format's values (the kernel rounds)
-        e = blocks / (X * ts)[..., None]
-        e32 = e.float()
-        if not ((X > 0).all() and torch.equal(e32.double(), e)
-                and torch.equal(_ops.quantize(e32, fmt.elem, rounding="nearest"), e32)):
+    if fmt.tensor_scale:
+        ts = _tensor_scale(amax.amax(), fmt)
+        ts = torch.where(ts > 0, ts, 1.0)  # an all-zero tensor: any scale
+    cands = [c(amax) for c in scale_candidates(fmt, ts if fmt.tensor_scale else None)]
+    if fmt.tensor_scale:
+        cands = [X / ts for X in cands]  # (exact: X has the scale format's few bits)
+    if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:  # rmax = max_elem * 2^k
+        X = cands[0]
+        cands.append(torch.where((amax == fmt.elem.max * X) & (X < 2.0 ** fmt.scale.emax),
+                                 2 * X, X))
+    cands = [torch.where(amax == 0, 1.0, X) for X in cands]  # all-zero block: any scale
+    if compiling and len(cands) == 1:  # (no data-dependent branch in a graph: unchecked)
+        return cands[0], ts
+    if compiling and fmt.scale_rule == "ceil":  # RCEIL's ambiguity needs a branch: values
+        return None
+
+    def exact(X, per_block):  # the elements x / Xt round to themselves, e * Xt is exact
+        Xt = (X * ts).float().unsqueeze(r)
+        pos = Xt > 0  # (a candidate's scale can round to 0: not a scale of a nonzero block)
+        if not per_block:
+            if not bool(pos.all()):
+                return False
+            inv = fmt.power_of_two_scales  # (1 / 2^k: exact in float32 for E8M0's range)
+            e = _ops.quantize(blocks * (1 / Xt) if inv else blocks / Xt, fmt.elem,
+                              rounding="nearest")
+            return torch.equal(e * Xt, blocks)
+        e = _ops.quantize(blocks / torch.where(pos, Xt, 1.0), fmt.elem, rounding="nearest")
+        return ((e * Xt == blocks) & pos).all(r)
+    if len(cands) == 1:
+        return (cands[0], ts) if exact(cands[0], False) else None
+    (X1, X2) = cands
+    v1, v2 = exact(X1, True), exact(X2, True)
+    if compiling:  # 4over6 in a graph: the exact candidate per block (ties: the first, 6)
+        return torch.where(v1, X1, X2), ts
+    same = (_exponent(X1, None) == _exponent(X2, None)) if need == "exponent" else X1 == X2
+    if not bool((v1 | v2).all()) or bool((v1 & v2 & ~same).any()):
+        from .formats import is_stochastic
+        if fmt.scale_rule != "ceil" or is_stochastic(fmt.rounding):
             return None
-    return X.movedim(-1, kdim), ts
+        for src in _payload_sources(q, x):  # RCEIL: the unrounded payload decides
+            if torch.equal(_ops.quantize(src, fmt.replace(axis=d)), x):
+                s = src.float()
+                if K % bs:
+                    s = torch.nn.functional.pad(s, (0, 0) * (x.dim() - 1 - d) + (0, -K % bs))
+                X = scale_candidates(fmt)[0](s.unflatten(d, (-1, bs)).abs().amax(r).double())
+                return (X, ts) if exact(X, False) else None
+        return None
+    return torch.where(v1, X1, X2), ts
 
 
 def _scale_exps(X: torch.Tensor, fmt) -> torch.Tensor:
@@ -865,18 +931,22 @@ def _mx_emin(x: torch.Tensor, q, kdim: int):
     the block's scale exponent) where one of its elements is subnormal in its format, else None
     (then its float32 exponents are already the hardware's: no clamp binds)."""
     fmt = _operand_block_fmt(q)
-    if fmt is None or fmt.scale_rule != "floor":
+    if fmt is None or not fmt.power_of_two_scales:
         return None
-    sc = _block_scales(x, fmt, kdim)
+    sc = _block_scales(x, fmt, kdim, "exponent", q)
     if sc is None:
         return None
-    em = _per_element(_scale_exps(sc[0], fmt), fmt.block_size, kdim % x.dim(),
-                      x.shape[kdim]) + fmt.elem.emin
-    if torch.compiler.is_compiling():  # no data-dependent branch in a graph
-        return em
-    if not ((x != 0) & (x.abs() < torch.exp2(em.double()))).any():
-        return None
-    return em
+    E = _scale_exps(sc[0], fmt) + fmt.elem.emin  # per block
+    d, bs = kdim % x.dim(), fmt.block_size
+    if not torch.compiler.is_compiling():  # (no data-dependent branch in a graph)
+        # a subnormal element: 0 < |x| < 2^E, tested per block (float32: 2^E >= 2^-149)
+        xk = x.float()
+        if xk.shape[d] % bs:
+            xk = torch.nn.functional.pad(xk, (0, 0) * (x.dim() - 1 - d) + (0, -xk.shape[d] % bs))
+        blocks = xk.unflatten(d, (-1, bs)).abs()
+        if not ((blocks < _pow2(E).float().unsqueeze(d + 1)) & (blocks != 0)).any():
+            return None
+    return _per_element(E, bs, d, x.shape[d])
 
 
 def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
@@ -908,8 +978,9 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
     if f.scales == "instruction":
         if fa.block_size % f.group or fb.block_size % f.group:
             return a, b, kw, post
-        sa, sb = _block_scales(a, fa, a_kdim), _block_scales(b, fb, b_kdim)
-        if sa is None or sb is None:
+        sa = _block_scales(a, fa, a_kdim, "exponent", qa)
+        sb = _block_scales(b, fb, b_kdim, "exponent", qb) if sa is not None else None
+        if sb is None:
             return a, b, kw, post
         G = -(-a.shape[a_kdim] // f.group)
         kw["a_gexp"] = _scale_exps(sa[0], fa).repeat_interleave(
@@ -917,20 +988,23 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
         kw["b_gexp"] = _scale_exps(sb[0], fb).repeat_interleave(
             fb.block_size // f.group, b_kdim).narrow(b_kdim, 0, G)
         if fa.tensor_scale or fb.tensor_scale:
-            a, b = (a.double() / sa[1]).float(), (b.double() / sb[1]).float()
+            # (float32 division: exact, the quotients are element * block scale values)
+            a, b = a.float() / sa[1].float(), b.float() / sb[1].float()
             post = sa[1].float() * sb[1].float()
         return a, b, kw, post
     if f.scales == "promotion":
         blk = f.chunk * f.promote
         if fa.block_size != blk or fb.block_size != blk:
             return a, b, kw, post
-        sa, sb = _block_scales(a, fa, a_kdim), _block_scales(b, fb, b_kdim)
+        sa, sb = _block_scales(a, fa, a_kdim, "value", qa), _block_scales(b, fb, b_kdim,
+                                                                        "value", qb)
         if sa is None or sb is None:
             return a, b, kw, post
         Xa, Xb = sa[0] * sa[1], sb[0] * sb[1]  # float32 exactly (the formats' values are)
         K = a.shape[a_kdim]
-        a = (a.double() / _per_element(Xa, blk, a_kdim % a.dim(), K)).float()
-        b = (b.double() / _per_element(Xb, blk, b_kdim % b.dim(), K)).float()
+        # (float32 division: exact, the quotients are the elements)
+        a = a.float() / _per_element(Xa.float(), blk, a_kdim % a.dim(), K)
+        b = b.float() / _per_element(Xb.float(), blk, b_kdim % b.dim(), K)
         kw = dict(a_scale=Xa.float(), b_scale=Xb.float(), a_emin=fa.elem.emin,
                   b_emin=fb.elem.emin)
     return a, b, kw, post
@@ -948,8 +1022,10 @@ def _block_matmul(a, qa, b, qb, f: AccumFormat, kw: dict) -> torch.Tensor:
     a2, b2, extra, post = _scale_plan(f, a, qa, b, qb)
     if "a_scale" in extra or post is not None:
         kw = {k: v for k, v in kw.items() if k not in ("a_emin", "b_emin")}
-        if post is not None and kw.get("c") is not None:  # C is in the scaled units: as before
-            return accum_matmul(a, b, f, **kw)
+        if post is not None and kw.get("c") is not None:
+            # the datapath sums unscaled products, alpha = post scales its result: an initial
+            # accumulator C enters as fp32(C / alpha), so that alpha * D is C + A @ B
+            kw["c"] = kw["c"].float() / post
     out = accum_matmul(a2, b2, f, **{**kw, **extra})
     return out if post is None else out * post
 
@@ -1039,7 +1115,8 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
 #   loaded as zeros. Zero products move no alignment but take K slots, so they decide which
 #   products share an instruction: CUTLASS's 2-D strided dgrad skips them, and ATen's col2im
 #   path (a GEMM over channels only, the kernel positions added in float32) sums differently.
-# - grad_weight: (batch, output position).
+# - grad_weight: (batch, output position); (output position, batch) where both operands are
+#   block-scaled along the batch (their blocks then are runs of K: _conv_weight_grad).
 
 def _tup(v, nd):
     """A geometry argument (an int, or a list of 1 or nd ints) as nd ints."""
@@ -1069,57 +1146,74 @@ def _cols(xp, k, stride, dilation, groups, size):
     return win.reshape(N, groups, L, P * (C // groups))
 
 
-def _conv_scale_plan(f: AccumFormat, xp, qx, w, qw, groups, to_a, to_b):
-    """_scale_plan for a convolution's GEMM (a = to_a(w), b = to_b(xp), K = (kernel position,
-    channel)): the operands' block scales along their channel dim 1, mapped to K like the
-    values, where every block and group lies in one kernel position and one conv group (the
-    channels per group a multiple of the block); else none. (xp, w, kw, post)."""
+def _conv_operand_scales(f: AccumFormat, n: int, ops):
+    """The block scales of a convolution GEMM's operands for the datapath f, each K-group of n
+    (f.group, or the promotion interval) inside one block of each operand: ops is two (t, q,
+    dim, to) (the a side, then the b side): t the operand's values in their own layout, rounded
+    by the block format of the QTensor q along dim (the blocks' own partition: along a conv's
+    global channel dim they may cross conv groups), ``to`` maps a t-shaped tensor to the GEMM
+    operand (a: (g, M, K), b: (g, K, N)). The caller has checked that the GEMM's K-groups of n
+    lie in runs of one block (K = ..., dim innermost in runs of a multiple of n, and the blocks
+    a multiple of n). (ts_a, ts_b, per-element X of a, of b, fa, fb) or None."""
+    out = []
+    for t, q, dim, to in ops:
+        fmt = _operand_block_fmt(q)
+        if fmt is None or fmt.block_size % n:
+            return None
+        sc = _block_scales(t, fmt, dim, "exponent" if f.scales == "instruction" else "value",
+                           q)
+        if sc is None:
+            return None
+        out.append((sc[1], _per_element(sc[0], fmt.block_size, dim, t.shape[dim]), fmt))
+    (ta, Xa, fa), (tb, Xb, fb) = out
+    return ta, tb, Xa, Xb, fa, fb
+
+
+def _conv_scale_plan(f: AccumFormat, n_ok, ops):
+    """_scale_plan for a convolution's GEMM; ops: two (t, q, dim, to) as _conv_operand_scales
+    takes them; n_ok(n): whether the GEMM's K runs along the blocked dims in runs of a multiple
+    of n (K-groups of n inside one kernel position / one output position). Returns the two
+    operands' values (their own layouts: unscaled where the scales travel separately), the
+    accum_matmul keywords and post (the per-tensor scales' product, or None)."""
+    (a, qa, da, to_a), (b, qb, db, to_b) = ops
     kw, post = {}, None
-    Cg = w.shape[1]
-    fx, fw = _operand_block_fmt(qx), _operand_block_fmt(qw)
-
-    def fits(fmt, n):  # blocks (and n-groups of K) inside one position and one conv group
-        return fmt is not None and Cg % n == 0 and (groups == 1 or Cg % fmt.block_size == 0)
-
     if f.scales == "instruction" and f.group == 1:  # per-element clamps of MX operands
-        if fits(fx, 1):
-            ex = _mx_emin(xp, qx, 1)
-            if ex is not None:
-                kw["b_emin"] = to_b(ex)
-        if fits(fw, 1):
-            ew = _mx_emin(w, qw, 1)
-            if ew is not None:
-                kw["a_emin"] = to_a(ew)
-        return xp, w, kw, post
+        ea, eb = _mx_emin(a, qa, da), _mx_emin(b, qb, db)
+        if ea is not None:
+            kw["a_emin"] = to_a(ea)
+        if eb is not None:
+            kw["b_emin"] = to_b(eb)
+        return a, b, kw, post
     n = f.group if f.scales == "instruction" else (
         f.chunk * f.promote if f.scales == "promotion" else 0)
-    if not n or not fits(fx, n) or not fits(fw, n) or (
-            f.scales == "instruction" and (fx.block_size % n or fw.block_size % n)) or (
-            f.scales == "promotion" and (fx.block_size != n or fw.block_size != n)):
-        return xp, w, kw, post
-    sx, sw = _block_scales(xp, fx, 1), _block_scales(w, fw, 1)
-    if sx is None or sw is None:
-        return xp, w, kw, post
-    Xx = _per_element(sx[0], fx.block_size, 1, xp.shape[1])
-    Xw = _per_element(sw[0], fw.block_size, 1, Cg)
+    if not n or not n_ok(n):
+        return a, b, kw, post
+    sc = _conv_operand_scales(f, n, ops)
+    if sc is None:
+        return a, b, kw, post
+    ta, tb, Xa, Xb, fa, fb = sc
     if f.scales == "instruction":
-        kw["b_gexp"] = to_b(_scale_exps(Xx, fx))[:, ::n, :]
-        kw["a_gexp"] = to_a(_scale_exps(Xw, fw))[..., ::n]
-        if fx.tensor_scale or fw.tensor_scale:
-            xp, w = (xp.double() / sx[1]).float(), (w.double() / sw[1]).float()
-            post = sx[1].float() * sw[1].float()
-        return xp, w, kw, post
-    Xx, Xw = Xx * sx[1], Xw * sw[1]  # promotion: unscaled elements, a scale per K-block
-    kw = dict(b_scale=to_b(Xx)[:, ::n, :].float(), a_scale=to_a(Xw)[..., ::n].float(),
-              b_emin=fx.elem.emin, a_emin=fw.elem.emin)
-    return (xp.double() / Xx).float(), (w.double() / Xw).float(), kw, post
+        kw["a_gexp"] = to_a(_scale_exps(Xa, fa))[..., ::n]
+        kw["b_gexp"] = to_b(_scale_exps(Xb, fb))[..., ::n, :]
+        if fa.tensor_scale or fb.tensor_scale:
+            a, b = a.float() / ta.float(), b.float() / tb.float()  # (exact)
+            post = ta.float() * tb.float()
+        return a, b, kw, post
+    Xa, Xb = Xa * ta, Xb * tb  # promotion: unscaled elements, a scale per K-block
+    kw = dict(a_scale=to_a(Xa)[..., ::n].float(), b_scale=to_b(Xb)[..., ::n, :].float(),
+              a_emin=fa.elem.emin, b_emin=fb.elem.emin)
+    return a.float() / Xa.float(), b.float() / Xb.float(), kw, post  # (exact)
 
 
-def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(None, None)):
+def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(None, None),
+               wsrc=None):
     """The forward convolution of the padded xp with w (O, C/groups, *k): (N, O, *size).
-    q: the QTensors of (x, w) (their block formats: _conv_scale_plan)."""
+    q: the QTensors of (x, w) (their block formats: _conv_scale_plan); wsrc: (w0, dim, wmap)
+    where w is wmap(w0) of a weight w0 blocked along its dim (a transposed convolution's
+    regrouped, flipped kernel), else w is blocked along its dim 1."""
     (O, Cg, *k), N, L = w.shape, xp.shape[0], math.prod(size)
     K = math.prod(k) * Cg
+    w0, wdim, wmap = wsrc if wsrc is not None else (w, 1, lambda t: t)
 
     def to_b(t):  # (N, C, *S) -> (groups, K, N * L): one GEMM per group
         cols = _cols(t, k, stride, dilation, groups, size)  # (N, g, L, K)
@@ -1129,7 +1223,13 @@ def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(Non
         return t.reshape(groups, O // groups, Cg, -1).transpose(2, 3).reshape(
             groups, O // groups, K)
 
-    xp, w, kw, post = _conv_scale_plan(f, xp, q[0], w, q[1], groups, to_a, to_b)
+    # K = (kernel position, channel of the group): a K-group of n lies in one position where
+    # the group's channels are a multiple of n; the blocks (a multiple of n, from a multiple of
+    # n: a group starts at g * Cg) then hold whole K-groups, also where they cross conv groups
+    w0, xp, kw, post = _conv_scale_plan(
+        f, lambda n: Cg % n == 0,
+        ((w0, q[1], wdim, lambda t: to_a(wmap(t))), (xp, q[0], 1, to_b)))
+    w = wmap(w0)
     out = accum_matmul(to_a(w), to_b(xp), f, **{"a_emin": em[1], "b_emin": em[0], **kw})
     if post is not None:
         out = out * post
@@ -1146,7 +1246,8 @@ def _conv(x, w, geo, size, f, em=(None, None), q=(None, None)):
 
 def _conv_transpose(x, w, geo, size, f, em=(None, None), q=(None, None)):
     """The transposed convolution of x (N, C, *S) with w (C, O/groups, *k) to spatial ``size``,
-    as the forward convolution over the zero-inserted x (the section comment)."""
+    as the forward convolution over the zero-inserted x (the section comment). w's blocks run
+    along its dim 0 (C, across the groups), as dispatch rounds it."""
     stride, padding, dilation, groups = geo
     N, C, *S = x.shape
     k = w.shape[2:]
@@ -1156,23 +1257,58 @@ def _conv_transpose(x, w, geo, size, f, em=(None, None), q=(None, None)):
     for i, (kk, d) in enumerate(zip(k, dilation)):
         lo = d * (kk - 1) - padding[i]
         pads.append((lo, size[i] + d * (kk - 1) - z.shape[2 + i] - lo))
-    wf = w.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)  # (O, C/groups, *k)
-    wf = wf.flip(list(range(2, wf.dim())))
-    return _gemm_conv(_pad(z, pads), wf, (1,) * len(k), dilation, groups, size, f, em, q)
+
+    def wmap(t):  # (C, O/groups, *k) -> (O, C/groups, *k), flipped
+        t = t.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)
+        return t.flip(list(range(2, t.dim())))
+    return _gemm_conv(_pad(z, pads), wmap(w), (1,) * len(k), dilation, groups, size, f, em, q,
+                      wsrc=(w, 0, wmap))
 
 
-def _conv_weight_grad(x, go, k, geo, f, em=(None, None)):
+def _conv_weight_grad(x, go, k, geo, f, em=(None, None), q=(None, None)):
     """The weight gradient (O, C/groups, *k) of the forward convolution of x (N, C, *S) whose
-    output gradient is go (N, O, *So): a contraction over (batch, output position)."""
+    output gradient is go (N, O, *So): a contraction over (batch, output position). q: the
+    QTensors of (x, go), blocked along the batch (dispatch's axis 0 for grad_weight): where
+    both are block-scaled for the datapath's K-group / interval of n (1 for the per-element
+    clamps of MX operands; the batch and the blocks a multiple of n), K runs (output position,
+    batch) instead, the batch innermost, so that each block is a run of K, as a block-scaled
+    instruction takes its scales (in batch-outer order a block's elements lie L apart), and the
+    scales go with it."""
     stride, padding, dilation, groups = geo
     (N, O, *size), Cg = go.shape, x.shape[1] // groups
     L, P = math.prod(size), math.prod(k)
-    cols = _cols(_pad(x, [(p, p) for p in padding]), k, stride, dilation, groups, size)
-    b = cols.transpose(0, 1).reshape(groups, N * L, P * Cg)
-    a = go.reshape(N, groups, O // groups, L).permute(1, 2, 0, 3)  # (g, O/g, N, L)
-    a = a.reshape(groups, O // groups, N * L)
-    out = accum_matmul(a, b, f, a_emin=em[1], b_emin=em[0])  # em: of (x, go)
+    xp = _pad(x, [(p, p) for p in padding])
+
+    def to_b(t, batch_inner):  # (N, C, *S) -> (groups, K, P * Cg)
+        cols = _cols(t, k, stride, dilation, groups, size)  # (N, g, L, P * Cg)
+        cols = cols.permute(1, 2, 0, 3) if batch_inner else cols.transpose(0, 1)
+        return cols.reshape(groups, N * L, P * Cg)
+
+    def to_a(t, batch_inner):  # (N, O, *So) -> (groups, O/groups, K)
+        t = t.reshape(N, groups, O // groups, L)
+        t = t.permute(1, 2, 3, 0) if batch_inner else t.permute(1, 2, 0, 3)
+        return t.reshape(groups, O // groups, N * L)
+
+    def n_ok(n):
+        return N % n == 0
+    inner = f.scales in ("instruction", "promotion") and _conv_operand_block_fits(
+        f, n_ok, (q[1], q[0]))
+    go, xp, kw, post = _conv_scale_plan(
+        f, n_ok if inner else (lambda n: False),
+        ((go, q[1], 0, lambda t: to_a(t, inner)), (xp, q[0], 0, lambda t: to_b(t, inner))))
+    out = accum_matmul(to_a(go, inner), to_b(xp, inner), f,
+                       **{"a_emin": em[1], "b_emin": em[0], **kw})  # em: of (x, go)
+    if post is not None:
+        out = out * post
     return out.reshape(O, P, Cg).transpose(1, 2).reshape(O, Cg, *k)
+
+
+def _conv_operand_block_fits(f: AccumFormat, n_ok, qs) -> bool:
+    """Whether both operands (QTensors qs) are block-scaled with blocks of a multiple of the
+    datapath's K-group / interval n, and n_ok(n)."""
+    n = f.group if f.scales == "instruction" else f.chunk * f.promote  # (MX clamps: 1)
+    fmts = [_operand_block_fmt(q) for q in qs]
+    return n_ok(n) and all(m is not None and m.block_size % n == 0 for m in fmts)
 
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
@@ -1209,7 +1345,8 @@ def _conv_backward(uargs, ukwargs, f, em=(None, None, None), q=(None, None, None
     if mask[1]:  # a transposed convolution's weight is that of the forward map go -> x
         a, b = (go32, x32) if transposed else (x32, go32)
         eab = (em[0], em[1]) if transposed else (em[1], em[0])
-        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f, eab).to(go.dtype)
+        qab = (q[0], q[1]) if transposed else (q[1], q[0])
+        gw = _conv_weight_grad(a, b, w.shape[2:], geo, f, eab, qab).to(go.dtype)
     if mask[2]:  # grad_bias: a sum of grad_output values, not a contraction
         gb = go.sum([0, *range(2, go.dim())])
     return (gi, gw, gb)
