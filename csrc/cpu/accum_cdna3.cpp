@@ -7,7 +7,7 @@
 // products, then the partial) with a floor at each and a 31-bit floor before the FP32 rounding,
 // and fp8's two interleaved halves. The operands are decoded once into doubles and their
 // alignment exponents (a: (B, M, K); b: panels of P columns, (B, N / P, K, P)); a task runs
-// one row of a against one panel, the K loop innermost (cpu/accum_cdna3.h), compiled for the
+// R rows of a against one panel, the K loop innermost (cpu/accum_cdna3.h), compiled for the
 // baseline, AVX2 and AVX-512 (the P lanes vectorize), picked at run time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,7 +21,8 @@
 
 namespace {
 
-constexpr int P = 8;  // output columns per task: the lanes
+constexpr int P = 8;  // output columns per task
+constexpr int R = 4;  // rows of a per task: R * P independent chains
 
 namespace cdna3_base {
 #include "cpu/accum_cdna3.h"
@@ -45,16 +46,16 @@ namespace cdna3_avx512 {
 #pragma GCC pop_options
 #endif
 
-using Chain = void (*)(const double*, const int*, const double*, const int*, int64_t, int, int,
-                       bool, int, double*, float*);
+using Chain = void (*)(const double*, const int*, int64_t, const double*, const int*, int64_t,
+                       int, int, bool, int, double*, float*);
 
 Chain chain_for_isa() {
 #if defined(QT_HAVE_ISA_CLONES)
   const int isa = qtensor_cpu::cpu_isa();
-  if (isa == 2) return &cdna3_avx512::chain_panel<P>;
-  if (isa == 1) return &cdna3_avx2::chain_panel<P>;
+  if (isa == 2) return &cdna3_avx512::chain_panel<R, P>;
+  if (isa == 1) return &cdna3_avx2::chain_panel<R, P>;
 #endif
-  return &cdna3_base::chain_panel<P>;
+  return &cdna3_base::chain_panel<R, P>;
 }
 
 // Per-element clamps (int32 in x's shape) or undefined.
@@ -100,8 +101,10 @@ at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   const at::Tensor ev = clamps(a_emins, a, "a_emins"), fv = clamps(b_emins, b, "b_emins");
   // decoded once: values as doubles, alignment exponents (accum.h's acc_exp_f32)
-  at::Tensor ad = at::empty({B, M, K}, a.options().dtype(at::kDouble));
-  at::Tensor ea = at::empty({B, M, K}, a.options().dtype(at::kInt));
+  // a's rows padded to whole tasks (zero rows), b's columns to whole panels (zero columns)
+  const int64_t MR = (M + R - 1) / R * R;
+  at::Tensor ad = at::empty({B, MR, K}, a.options().dtype(at::kDouble));
+  at::Tensor ea = at::empty({B, MR, K}, a.options().dtype(at::kInt));
   at::Tensor bd = at::empty({B, NP, K, P}, a.options().dtype(at::kDouble));
   at::Tensor eb = at::empty({B, NP, K, P}, a.options().dtype(at::kInt));
   {
@@ -109,10 +112,17 @@ at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8
     const int* pv = ev.defined() ? ev.data_ptr<int>() : nullptr;
     double* pad = ad.data_ptr<double>();
     int* pea = ea.data_ptr<int>();
-    at::parallel_for(0, B * M * K, 1 << 14, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) {
-        pad[i] = (double)pa[i];
-        pea[i] = qtensor::acc_exp_f32(pa[i], pv ? pv[i] : (int)a_emin);
+    at::parallel_for(0, B * MR, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K)),
+                     [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {  // t: (batch, row)
+        const int64_t bi = t / MR, i = t % MR;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t src = (bi * M + i) * K + k;
+          const bool in = i < M;
+          pad[t * K + k] = in ? (double)pa[src] : 0.0;
+          pea[t * K + k] = in ? qtensor::acc_exp_f32(pa[src], pv ? pv[src] : (int)a_emin)
+                              : qtensor::kAccZeroExp;
+        }
       }
     });
     const float* pb = bc.data_ptr<float>();
@@ -141,19 +151,23 @@ at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8
   const float* pc = c ? cc.data_ptr<float>() : nullptr;
   float* po = out.data_ptr<float>();
   const int ch = (int)chunk, F = (int)frac_bits, pr = (int)promote;
-  // tasks (batch, panel, row), rows fastest: consecutive tasks share the panel (in cache)
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, P * K));
-  at::parallel_for(0, B * NP * M, grain, [&](int64_t lo, int64_t hi) {
+  // tasks (batch, panel, R rows), rows fastest: consecutive tasks share the panel (in cache)
+  const int64_t TM = MR / R;
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, R * P * K));
+  at::parallel_for(0, B * NP * TM, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t bi = t / (NP * M), q = t / M % NP, i = t % M;
-      const int64_t row = (bi * M + i) * K, panel = (bi * NP + q) * K * P;
-      const int64_t n = std::min<int64_t>(P, N - q * P);
-      double p[P];
-      float o[P];
-      for (int j = 0; j < P; ++j)  // the initial accumulator (as the reference: 0 + c)
-        p[j] = 0.0 + (pc && j < n ? (double)pc[(bi * M + i) * N + q * P + j] : 0.0);
-      chain(pad + row, pea + row, pbd + panel, peb + panel, K, ch, F, fp8, pr, p, o);
-      std::copy(o, o + n, po + (bi * M + i) * N + q * P);
+      const int64_t bi = t / (NP * TM), q = t / TM % NP, i0 = t % TM * R;
+      const int64_t row = (bi * MR + i0) * K, panel = (bi * NP + q) * K * P;
+      const int64_t nc = std::min<int64_t>(P, N - q * P), nr = std::min<int64_t>(R, M - i0);
+      double p[R * P];
+      float o[R * P];
+      for (int r = 0; r < R; ++r)  // the initial accumulator (as the reference: 0 + c)
+        for (int j = 0; j < P; ++j)
+          p[r * P + j] = 0.0 + (pc && r < nr && j < nc
+                                    ? (double)pc[(bi * M + i0 + r) * N + q * P + j] : 0.0);
+      chain(pad + row, pea + row, K, pbd + panel, peb + panel, K, ch, F, fp8, pr, p, o);
+      for (int64_t r = 0; r < nr; ++r)
+        std::copy(o + r * P, o + r * P + nc, po + (bi * M + i0 + r) * N + q * P);
     }
   });
   return out;

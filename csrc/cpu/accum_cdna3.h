@@ -90,81 +90,117 @@ inline double step_general(const double* a, const double* b, int64_t sb, const i
   return second_stage(D, ed, isfinite(p) ? p : 0.0, F, fp8);
 }
 
-// A chain for one row of a (K doubles, exponents ea) against a panel of P columns (b: (K, P),
-// exponents eb), from the partials p (P of them, c's row or 0) to the outputs out (P floats).
-template <int P>
-void chain_panel(const double* a, const int* ea, const double* b, const int* eb, int64_t K,
-                 int chunk, int F, bool fp8, int promote, double* p, float* out) {
-  float acc[P];
-  for (int j = 0; j < P; ++j) acc[j] = 0.0f;
+// Lane-wise helpers of the vector loops (bit casts the vectorizer takes).
+QT_HD double pow2v(int64_t e) { return __builtin_bit_cast(double, (e + 1023) << 52); }
+QT_HD int64_t dexpv(double x) {  // dexp of a finite nonzero double
+  const int64_t e = (int64_t)((__builtin_bit_cast(uint64_t, x) >> 52) & 0x7ff) - 1023;
+  return e < -126 ? -126 : e;
+}
+QT_HD bool finitev(double x) {
+  return (__builtin_bit_cast(uint64_t, x) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+}
+
+// The chains of R rows of a (each K doubles, exponents ea, rows lda apart) against a panel of
+// P columns (b: (K, P), exponents eb), from the partials p (R * P of them, row-major: c's or
+// 0) to the outputs out (R * P floats). The R * P lanes are independent chains: their second
+// stages (a long dependent sequence per chunk) overlap. The lanes' loops are second_stage and
+// step_general's finite case written lane-wise.
+template <int R, int P, bool FP8>
+void chain_lanes(const double* a, const int* ea, int64_t lda, const double* b, const int* eb,
+                 int64_t K, int chunk, int F, int promote, double* p, float* out) {
+  constexpr int L = R * P;
+  constexpr int64_t S = FP8 ? 2 : 1;  // the fused sets' stride along K
+  float acc[L];
+  for (int j = 0; j < L; ++j) acc[j] = 0.0f;
   // a lane's chunk takes step_general from this exponent on: an inf/NaN operand (kAccBadExp)
   // in a product; cdna3 also a product exponent of 127 or more (the product may reach 2^128)
-  const int lim = fp8 ? qtensor::kAccBadExp / 2 : 127;
+  const int lim = FP8 ? qtensor::kAccBadExp / 2 : 127;
   int c = 0;
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t n = K - k0 < chunk ? K - k0 : chunk;
-    const double* ak = a + k0;
-    const int* eak = ea + k0;
     const double* bk = b + k0 * P;
     const int* ebk = eb + k0 * P;
     // each fused set's largest exponent (zero products at about kAccZeroExp: below -50000)
-    int em0[P], em1[P];
-    for (int j = 0; j < P; ++j) em0[j] = em1[j] = 2 * qtensor::kAccZeroExp;
-    const int64_t step = fp8 ? 2 : 1;
-    for (int64_t k = 0; k < n; k += step)
-      for (int j = 0; j < P; ++j) {
-        const int e = eak[k] + ebk[k * P + j];
-        em0[j] = e > em0[j] ? e : em0[j];
+    int em0[L], em1[L];
+    for (int j = 0; j < L; ++j) em0[j] = em1[j] = 2 * qtensor::kAccZeroExp;
+    for (int64_t k = 0; k < n; ++k) {
+      const int* f = ebk + k * P;
+      int* em = FP8 && (k & 1) ? em1 : em0;
+      for (int r = 0; r < R; ++r) {
+        const int e = ea[r * lda + k0 + k];
+#pragma omp simd
+        for (int j = 0; j < P; ++j)
+          em[r * P + j] = e + f[j] > em[r * P + j] ? e + f[j] : em[r * P + j];
       }
-    if (fp8)
-      for (int64_t k = 1; k < n; k += 2)
-        for (int j = 0; j < P; ++j) {
-          const int e = eak[k] + ebk[k * P + j];
-          em1[j] = e > em1[j] ? e : em1[j];
-        }
-    bool slow = false;
-    double sc0[P], sc1[P];
-    int ed0[P], ed1[P];
-    for (int j = 0; j < P; ++j) {
-      slow |= (em0[j] > em1[j] ? em0[j] : em1[j]) >= lim || !isfinite(p[j]);
+    }
+    double sc0[L], sc1[L], D0[L], D1[L];
+    int64_t ed0[L], ed1[L];
+    int slow = 0;
+#pragma omp simd reduction(| : slow)
+    for (int j = 0; j < L; ++j) {
+      const int em = em0[j] > em1[j] ? em0[j] : em1[j];
+      slow |= em >= lim || !finitev(p[j]);
       ed0[j] = em0[j] < qtensor::kAccZeroExp / 2 ? kAllZero : em0[j];
       ed1[j] = em1[j] < qtensor::kAccZeroExp / 2 ? kAllZero : em1[j];
-      sc0[j] = qtensor::acc_pow2(F - ed0[j]);
-      sc1[j] = qtensor::acc_pow2(F - ed1[j]);
+      sc0[j] = pow2v(F - ed0[j]);
+      sc1[j] = pow2v(F - ed1[j]);
+      D0[j] = D1[j] = 0.0;
     }
     // the truncated sums: (a * b) * 2^(F - e), to an integer toward zero (zero products add 0)
-    double D0[P], D1[P];
-    for (int j = 0; j < P; ++j) D0[j] = D1[j] = 0.0;
-    for (int64_t k = 0; k < n; k += step)
-      for (int j = 0; j < P; ++j) D0[j] += trunc(ak[k] * bk[k * P + j] * sc0[j]);
-    if (fp8)
-      for (int64_t k = 1; k < n; k += 2)
-        for (int j = 0; j < P; ++j) D1[j] += trunc(ak[k] * bk[k * P + j] * sc1[j]);
-    for (int j = 0; j < P; ++j) {
-      int ed = ed0[j];
-      double D = D0[j];
-      if (fp8) {
-        ed = ed0[j] > ed1[j] ? ed0[j] : ed1[j];
-        D = floor(D0[j] * qtensor::acc_pow2(ed0[j] - ed)) +
-            floor(D1[j] * qtensor::acc_pow2(ed1[j] - ed));
+    for (int64_t k = 0; k < n; ++k) {
+      const double* y = bk + k * P;
+      double* D = FP8 && (k & 1) ? D1 : D0;
+      const double* sc = FP8 && (k & 1) ? sc1 : sc0;
+      for (int r = 0; r < R; ++r) {
+        const double x = a[r * lda + k0 + k];
+#pragma omp simd
+        for (int j = 0; j < P; ++j) D[r * P + j] += trunc(x * y[j] * sc[r * P + j]);
       }
-      sc0[j] = second_stage(D, ed, isfinite(p[j]) ? p[j] : 0.0, F, fp8);  // (sc0: the new p)
+    }
+    double np[L];
+#pragma omp simd
+    for (int j = 0; j < L; ++j) {  // second_stage, lane-wise
+      int64_t ed = ed0[j];
+      double D = D0[j];
+      if (FP8) {  // the two halves added at F bits of the larger exponent, each floored
+        ed = ed0[j] > ed1[j] ? ed0[j] : ed1[j];
+        D = floor(D0[j] * pow2v(ed0[j] - ed)) + floor(D1[j] * pow2v(ed1[j] - ed));
+      }
+      const double pj = finitev(p[j]) ? p[j] : 0.0;
+      const int64_t ec = pj == 0.0 ? -126 : dexpv(pj);
+      const int64_t em = ed > ec ? ed : ec;
+      const double sd = floor(D * pow2v(ed - F) * pow2v(kF2 + 1 - em));
+      double sc = floor(pj * pow2v(F - em));
+      if (FP8) sc = ec < em - F - 1 ? 0.0 : sc;
+      const double v = sd * pow2v(em - kF2 - 1) + sc * pow2v(em - F);
+      const int64_t ev = v == 0.0 ? 0 : dexpv(v);
+      const double r = floor(v * pow2v(kF2 - ev)) * pow2v(ev - kF2);
+      np[j] = (double)(float)r + 0.0;  // to nearest FP32 (inf from 2^128); a zero is +0
     }
     if (slow)
-      for (int j = 0; j < P; ++j)
-        if ((em0[j] > em1[j] ? em0[j] : em1[j]) >= lim || !isfinite(p[j]))
-          sc0[j] = step_general(ak, bk + j, P, eak, ebk + j, n, p[j], F, fp8);
-    for (int j = 0; j < P; ++j) p[j] = sc0[j];
+      for (int j = 0; j < L; ++j)
+        if ((em0[j] > em1[j] ? em0[j] : em1[j]) >= lim || !isfinite(p[j])) {
+          const int64_t row = j / P * lda + k0, col = j % P;
+          np[j] = step_general(a + row, bk + col, P, ea + row, ebk + col, n, p[j], F, FP8);
+        }
+    for (int j = 0; j < L; ++j) p[j] = np[j];
     if (promote > 0 && (++c == promote || k0 + n == K)) {  // a float32 add into the accumulator
-      for (int j = 0; j < P; ++j) {
+      for (int j = 0; j < L; ++j) {
         acc[j] = acc[j] + (float)p[j];
         p[j] = 0.0;
       }
       c = 0;
     }
   }
-  for (int j = 0; j < P; ++j) {
+  for (int j = 0; j < L; ++j) {
     const float o = promote > 0 && K > 0 ? acc[j] : (float)p[j];
     out[j] = isnan(o) ? qtensor::u2f(qtensor::F32::QNAN) : o;
   }
+}
+
+template <int R, int P>
+void chain_panel(const double* a, const int* ea, int64_t lda, const double* b, const int* eb,
+                 int64_t K, int chunk, int F, bool fp8, int promote, double* p, float* out) {
+  (fp8 ? chain_lanes<R, P, true> : chain_lanes<R, P, false>)(a, ea, lda, b, eb, K, chunk, F,
+                                                               promote, p, out);
 }
