@@ -119,9 +119,12 @@ at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8
         for (int64_t k = 0; k < K; ++k) {
           const int64_t src = (bi * M + i) * K + k;
           const bool in = i < M;
-          pad[t * K + k] = in ? (double)pa[src] : 0.0;
-          pea[t * K + k] = in ? qtensor::acc_exp_f32(pa[src], pv ? pv[src] : (int)a_emin)
-                              : qtensor::kAccZeroExp;
+          // a value that is 0 as a double is a zero term (a float32 subnormal under
+          // torch.set_flush_denormal(True), as in the reference's float64 operands)
+          const double x = in ? (double)pa[src] : 0.0;
+          pad[t * K + k] = x;
+          pea[t * K + k] = x != 0.0 ? qtensor::acc_exp_f32(pa[src], pv ? pv[src] : (int)a_emin)
+                                    : qtensor::kAccZeroExp;
         }
       }
     });
@@ -136,9 +139,10 @@ at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8
         for (int j = 0; j < P; ++j) {
           const int64_t col = q * P + j, src = (bi * K + k) * N + col;
           const bool in = col < N;  // zero columns pad the last panel
-          pbd[t * P + j] = in ? (double)pb[src] : 0.0;
-          peb[t * P + j] = in ? qtensor::acc_exp_f32(pb[src], pw ? pw[src] : (int)b_emin)
-                              : qtensor::kAccZeroExp;
+          const double x = in ? (double)pb[src] : 0.0;
+          pbd[t * P + j] = x;
+          peb[t * P + j] = x != 0.0 ? qtensor::acc_exp_f32(pb[src], pw ? pw[src] : (int)b_emin)
+                                    : qtensor::kAccZeroExp;
         }
       }
     });

@@ -109,7 +109,6 @@ template <int R, int P, bool FP8>
 void chain_lanes(const double* a, const int* ea, int64_t lda, const double* b, const int* eb,
                  int64_t K, int chunk, int F, int promote, double* p, float* out) {
   constexpr int L = R * P;
-  constexpr int64_t S = FP8 ? 2 : 1;  // the fused sets' stride along K
   float acc[L];
   for (int j = 0; j < L; ++j) acc[j] = 0.0f;
   // a lane's chunk takes step_general from this exponent on: an inf/NaN operand (kAccBadExp)
