@@ -80,7 +80,8 @@ class AccumFormat:
     MMA_TR_FDPA, ``cdna3``; MMA_GTR_FDPA, ``cdna3_fp8``, whose products are fused as two
     interleaved halves): the products fused with frac_bits bits (truncated), the partial added
     in a second alignment with floor at 32 / frac_bits bits, the sum floored to 31 bits and
-    rounded to nearest FP32 (the other fields keep their defaults; reference only, no kernel).
+    rounded to nearest FP32 (the other fields keep their defaults; on CPU their own kernel,
+    csrc/cpu/accum_cdna3.cpp, for frac_bits <= 24).
     scales: where the scales ``a_scale``/``b_scale`` given to accum_matmul (elements unscaled)
     are applied: ``instruction`` (inside the MMA, per K-block: Blackwell's block-scaled
     tcgen05), ``promotion`` (each promotion interval's partial sum of unscaled products is
