@@ -1444,6 +1444,28 @@ def test_cdna3_kernel_with_flush_denormal():
 
 
 @needs_cdna3
+def test_cdna3_kernel_opcheck_fake_and_errors():
+    a, b = torch.randn(2, 3, 40), torch.randn(2, 40, 5)
+    op = torch.ops.qtensor.accum_matmul_cdna3
+    torch.library.opcheck(op.default, (a, b, True, 16, 24, 0, -7, -15, None))
+    torch.library.opcheck(op.default, (a, b, False, 8, 24, 2, -14, -14, torch.randn(2, 3, 5)))
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        out = op(torch.empty(2, 3, 40), torch.empty(2, 40, 5), False, 8, 24, 0, -14, -14, None)
+        assert out.shape == (2, 3, 5) and out.dtype == torch.float32
+    fn = torch.compile(lambda x, y: accum.accum_matmul(x, y, accum.cdna3_fp8), fullgraph=True)
+    assert _same(fn(a[0], b[0]), accum.accum_matmul_reference(a[0], b[0], accum.cdna3_fp8))
+    with pytest.raises(RuntimeError, match=r"frac_bits must be in \[0, 24\], got 25"):
+        op(a, b, False, 8, 25, 0, -14, -14, None)
+    with pytest.raises(RuntimeError, match=r"must be float32, got Double"):
+        op(a.double(), b, False, 8, 24, 0, -14, -14, None)
+    with pytest.raises(RuntimeError, match=r"a \(batch, M, K\) and b \(batch, K, N\)"):
+        op(a, b[:, :5], False, 8, 24, 0, -14, -14, None)
+    # frac_bits above 24: the reference (the same result through accum_matmul)
+    f = accum.cdna3_bf16.replace(frac_bits=30)
+    assert _same(accum.accum_matmul(a, b, f), accum.accum_matmul_reference(a, b, f))
+
+
+@needs_cdna3
 @pytest.mark.parametrize("isa", ["base", "avx2"])
 def test_cdna3_kernel_on_other_isas(isa):
     """The baseline and AVX2 copies of the CDNA3 loops (QTENSOR_CPU_ISA caps the ISA)."""
