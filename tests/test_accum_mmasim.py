@@ -171,6 +171,19 @@ def test_reference_equals_mmasim(name, i):
             assert same_bits(got, want), (name, ta, tb, K, nonfinite)
 
 
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+def test_cdna3_fp8_one_element_last_chunk_equals_mmasim(fn):
+    """K = 1 and 2 * 16 + 1: the last instruction's odd half is all padding (the reference's
+    empty half, which failed before)."""
+    f = accum.cdna3_fp8
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    for i, (ta, tb, make) in enumerate(CASES["cdna3_fp8"]):
+        for K in (1, 33):
+            g = torch.Generator().manual_seed(zlib.crc32(f"odd{i}{K}".encode()))
+            a, b = operands(g, ta, tb, 5, K, 6)
+            assert same_bits(ours(a, b, f, run), mmasim_chain(make, a, b, f)), (ta, tb, K)
+
+
 @pytest.mark.parametrize("name", ["volta_fp16", "ampere_bf16", "hopper_fp16", "hopper_fp8"])
 def test_reference_rules_one_by_one(name):
     """Hand-picked cases of the three rules, each of which the old model got wrong."""
