@@ -49,7 +49,7 @@ def extensions():
     # per instruction set (csrc/cpu/isa_*.cpp). Listed longest first, so that with two jobs the
     # longest one does not start last (ninja starts them in this order).
     sources = ["csrc/cpu/isa_base.cpp", "csrc/quantize.cpp", "csrc/cpu/isa_avx512.cpp",
-               "csrc/cpu/isa_avx2.cpp", "csrc/cpu/accum.cpp"]
+               "csrc/cpu/isa_avx2.cpp", "csrc/cpu/accum.cpp", "csrc/cpu/accum_cdna3.cpp"]
     missing = set(glob.glob("csrc/cpu/*.cpp")) - set(sources)
     if missing:
         raise RuntimeError(f"setup.py: add {sorted(missing)} to the sources")

@@ -12,8 +12,9 @@ FP8 ones (blackwell_f8f6f4 included), FP4 E2M1 for blackwell_mxfp4/nvfp4, and th
 modes QTensor contractions use: "mxfp4+blockexp" (blackwell_mxfp4 on MXFP4 operands with the
 block-scale exponents), "nvfp4+scales" (blackwell_nvfp4 on NVFP4 operands with the E4M3 scales'
 exponents), "mxfp8+clamps" (blackwell_mxf8f6f4 on MXFP8 operands with per-element clamps where
-an element is subnormal); the AMD CDNA3 presets run the PyTorch reference (no kernel: only the
-first size). Which kernel path each takes: docs/accum.md. The "fp32 operands" rows: hopper_bf16
+an element is subnormal); the AMD CDNA3 presets run their own kernel (csrc/cpu/accum_cdna3.cpp;
+the reference where the extension lacks it: then only the first size). Which kernel path each
+takes: docs/accum.md. The "fp32 operands" rows: hopper_bf16
 on the unrounded float32 operands (products exact in double only: accum_lanes.h's dot_lanes),
 against their torch.mm. Prints the time of each, the ratio accum / plain measured in the same
 run, and the accum time per product (quantization included). One thread by default (--threads):
@@ -95,7 +96,8 @@ def main():
     for si, (M, K, N) in enumerate(sizes):
         a, b = torch.randn(M, K), torch.randn(K, N)
         for label, f, fmt in cases(names):
-            if f.stages != "fused" and si:  # the reference: the first size only
+            if (f.stages != "fused" and si  # without its kernel: the reference, the first size only
+                    and not hasattr(torch.ops.qtensor, "accum_matmul_cdna3")):
                 continue
             block = fmt.startswith(("mx", "nvfp4"))
 

@@ -80,7 +80,8 @@ class AccumFormat:
     MMA_TR_FDPA, ``cdna3``; MMA_GTR_FDPA, ``cdna3_fp8``, whose products are fused as two
     interleaved halves): the products fused with frac_bits bits (truncated), the partial added
     in a second alignment with floor at 32 / frac_bits bits, the sum floored to 31 bits and
-    rounded to nearest FP32 (the other fields keep their defaults; reference only, no kernel).
+    rounded to nearest FP32 (the other fields keep their defaults; on CPU their own kernel,
+    csrc/cpu/accum_cdna3.cpp, for frac_bits <= 24).
     scales: where the scales ``a_scale``/``b_scale`` given to accum_matmul (elements unscaled)
     are applied: ``instruction`` (inside the MMA, per K-block: Blackwell's block-scaled
     tcgen05), ``promotion`` (each promotion interval's partial sum of unscaled products is
@@ -342,6 +343,8 @@ def _trunc_fuse(t, et, F):
     """MMA-Sim's truncated fused sum of the nonzero terms t (dim -2) at alignment exponents et:
     (the integer sum of trunc(t * 2^(F - emax)), emax); emax -999 where all are zero."""
     et = torch.where(t == 0, -999, et)
+    if et.shape[-2] == 0:  # an empty half (a last chunk of one K-element): its slots are zeros
+        return t.sum(-2), torch.full(t.sum(-2).shape, -999, dtype=torch.int64, device=t.device)
     emax = et.amax(-2)
     return torch.trunc(t * _pow2(F - emax)[..., None, :]).sum(-2), emax
 
@@ -667,6 +670,11 @@ def _register_fake():
     def _(a, b, *args):
         return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
 
+    if hasattr(torch.ops.qtensor, "accum_matmul_cdna3"):
+        @torch.library.register_fake("qtensor::accum_matmul_cdna3")
+        def _(a, b, *args, **kw):
+            return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
 
 _register_fake()
 
@@ -726,6 +734,10 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
                        dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c))
     kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
     tensors = isinstance(a_emin, torch.Tensor) or isinstance(b_emin, torch.Tensor)
+    if (f.stages != "fused" and a.device.type == "cpu" and _kernel_ready(a) and f.frac_bits <= 24
+            and a_gexp is None and b_gexp is None
+            and hasattr(torch.ops.qtensor, "accum_matmul_cdna3")):
+        return _cdna3_matmul(a, b, f, a_emin, b_emin, c)
     # CUDA: the kernel must first agree with the reference there (qtensor/selfcheck.py)
     if (not _kernel_ready(a) or f.stages != "fused"  # the kernel has one alignment stage
             or (tensors and a.device.type != "cpu")  # per-element clamps: the CPU kernel
@@ -752,6 +764,26 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
     b3 = b.float().expand(*batch, K, N).reshape(B, K, N)
     out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp, c,
                                          a_emins, b_emins)
+    return out.reshape(*batch, M, N)
+
+
+def _cdna3_matmul(a, b, f: AccumFormat, a_emin, b_emin, c) -> torch.Tensor:
+    """The CDNA3 stages on CPU: csrc/cpu/accum_cdna3.cpp (the reference's bits; frac_bits <= 24)."""
+    a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    B = math.prod(batch)
+    a_emins = b_emins = None
+    if isinstance(a_emin, torch.Tensor):  # per-element clamps
+        a_emins, a_emin = a_emin.expand(*batch, M, K).reshape(B, M, K).int(), -1000
+    if isinstance(b_emin, torch.Tensor):
+        b_emins, b_emin = b_emin.expand(*batch, K, N).reshape(B, K, N).int(), -1000
+    if c is not None:
+        c = c.float().expand(*batch, M, N).reshape(B, M, N)
+    out = torch.ops.qtensor.accum_matmul_cdna3(
+        a.float().expand(*batch, M, K).reshape(B, M, K), b.float().expand(*batch, K, N).reshape(
+            B, K, N), f.stages == "cdna3_fp8", f.chunk, f.frac_bits,
+        0 if f.promote is None else f.promote, a_emin, b_emin, c, a_emins, b_emins)
     return out.reshape(*batch, M, N)
 
 

@@ -184,8 +184,8 @@ CUSTOM = [
     AccumFormat(chunk=16, frac_bits=20, group=4, promote=1),
     AccumFormat(chunk=2, frac_bits=3, acc_man=5, promote=3),
 ]
-# the one-stage (NVIDIA) datapaths; AMD CDNA3's two stages (stages="cdna3*", reference only)
-# are checked against MMA-Sim in tests/test_accum_mmasim.py
+# the one-stage (NVIDIA) datapaths; AMD CDNA3's two stages (stages="cdna3*": their kernel against
+# the reference in test_cdna3_kernel_*) are checked against MMA-Sim in tests/test_accum_mmasim.py
 FORMATS = [p for p in accum.PRESETS.values() if p.stages == "fused"] + CUSTOM
 INPUTS = {"random": lambda g: _random(g, 3, 70, 4),
           "fp8": lambda g: _random(g, 3, 300, 2, "fp8_e4m3"),
@@ -1289,6 +1289,187 @@ def test_fast_path_floor_of_a_subnormal_term(flush):
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(bits(got), bits(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# AMD CDNA3 (stages "cdna3" / "cdna3_fp8"): the kernel (csrc/cpu/accum_cdna3.cpp: the two-stage
+# step lane-wise, step_general for a lane with inf/NaN, a nonfinite partial or a product that
+# may reach 2^128) against the reference, bit for bit; tests/test_accum_mmasim.py holds both to
+# MMA-Sim. Operands are codes of the instructions' input formats.
+
+CDNA3_FORMATS = [
+    accum.cdna3_fp16, accum.cdna3_bf16, accum.cdna3_fp8,
+    accum.cdna3_bf16.replace(promote=2),             # promotion into FP32 every 2 instructions
+    accum.cdna3_fp8.replace(promote=3),
+    accum.cdna3_fp16.replace(chunk=4, frac_bits=20),  # other widths of the first stage
+    accum.cdna3_fp8.replace(chunk=6, frac_bits=11),
+]
+_CDNA3_DTYPES = {"cdna3": [torch.float16, torch.bfloat16],
+                 "cdna3_fp8": [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]}
+
+
+def _cdna3_codes(g, dtype, shape, nonfinite):
+    """Values of dtype from its codes: the whole code range (subnormals, the largest exponents,
+    inf/NaN when nonfinite), moderate values, zeros and subnormals, mixed signs."""
+    nbits = 8 if dtype.itemsize == 1 else 16
+    codes = torch.randint(0, 1 << nbits, shape, generator=g)
+    u = torch.rand(shape, generator=g)
+    small = torch.randint(1, 8, shape, generator=g) | (torch.randint(0, 2, shape, generator=g)
+                                                       << (nbits - 1))  # subnormal codes
+    codes = torch.where(u < 0.15, small, torch.where(u < 0.3, 0, codes))
+    view = torch.uint8 if nbits == 8 else torch.int16
+    x = codes.to(torch.int32).to(view).view(dtype).float()
+    moderate = (torch.randn(shape, generator=g) * 2.0 ** torch.randint(-3, 4, shape, generator=g))
+    x = torch.where(u > 0.7, moderate.to(dtype).float(), x)
+    if not nonfinite:
+        x = torch.where(torch.isfinite(x), x, 0.0)
+    return x.to(dtype)
+
+
+def _cdna3_case(seed, f, M, K, N, nonfinite=False):
+    """(a, b) of the format's input types, with exactly cancelling pairs along K."""
+    g = torch.Generator().manual_seed(seed)
+    ta, tb = _CDNA3_DTYPES[f.stages][seed % 2], _CDNA3_DTYPES[f.stages][seed // 2 % 2]
+    a, b = _cdna3_codes(g, ta, (M, K), nonfinite), _cdna3_codes(g, tb, (K, N), nonfinite)
+    for k in range(0, K - 1, 5):  # a[:, k + 1] = -a[:, k], b[k + 1] = b[k]
+        a[:, k + 1] = (-a[:, k].float()).to(ta)
+        b[k + 1] = b[k]
+    return a, b
+
+
+def _same(x, y):
+    """Equal as bits, every NaN one NaN."""
+    nx, ny = torch.isnan(x), torch.isnan(y)
+    return torch.equal(nx, ny) and torch.equal(bits(torch.where(nx, 0.0, x)),
+                                               bits(torch.where(ny, 0.0, y)))
+
+
+def _cdna3_check(a, b, f, **kw):
+    want = accum.accum_matmul_reference(a, b, f, **kw)
+    got = accum.accum_matmul(a, b, f, **kw)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert _same(got, want), (f, (got != want).nonzero()[:5].tolist())
+
+
+needs_cdna3 = pytest.mark.skipif(
+    not (qt.ops.kernels_available() and hasattr(torch.ops.qtensor, "accum_matmul_cdna3")),
+    reason="the compiled qtensor._C extension (with accum_matmul_cdna3) is not built")
+
+
+@needs_cdna3
+@pytest.mark.parametrize("f", CDNA3_FORMATS, ids=str)
+def test_cdna3_kernel_equals_reference(f, monkeypatch):
+    """Codes of the input formats on odd shapes: M and N of 1 and odd (a task is 4 rows x 8
+    columns), K of one element, of a short last chunk and of several instructions."""
+    cases = []
+    for i, (M, K, N, nonfinite) in enumerate([(1, 1, 1, False), (1, 37, 5, True),
+                                              (7, 3 * f.chunk + 5, 1, False),
+                                              (5, 2 * f.chunk, 9, True), (9, 77, 19, False),
+                                              (6, 8 * f.chunk + 1, 11, True)]):
+        a, b = _cdna3_case(zlib.crc32(f"{f}{i}".encode()), f, M, K, N, nonfinite)
+        cases.append((a, b, accum.accum_matmul_reference(a, b, f)))
+    # the kernel runs (not the reference)
+    monkeypatch.setattr(accum, "_cdna3_chunk", lambda *a: pytest.fail("the reference ran"))
+    for a, b, want in cases:
+        assert _same(accum.accum_matmul(a, b, f), want), (f, a.shape, b.shape)
+
+
+@needs_cdna3
+@pytest.mark.parametrize("f", CDNA3_FORMATS[:5], ids=str)
+def test_cdna3_kernel_hard_cases(f):
+    g = torch.Generator().manual_seed(zlib.crc32(f"hard{f}".encode()))
+    fp8 = f.stages == "cdna3_fp8"
+    K = 4 * f.chunk + 3
+    # exponent spread: float32 carriers over float32's whole range, zeros, subnormals
+    a, b = _spread(g, 5, K, 9)
+    _cdna3_check(a, b, f)
+    # products at and past 2^128 (bf16 codes of the largest exponents: cdna3 makes them inf;
+    # fp8's halves keep them, the result overflows when rounded to FP32), mixed signs
+    x = torch.randn(6, K, generator=g) * 2.0 ** torch.randint(50, 80, (6, K), generator=g)
+    y = torch.randn(K, 10, generator=g) * 2.0 ** torch.randint(40, 70, (K, 10), generator=g)
+    x, y = qt.quantize(x, "bf16"), qt.quantize(y, "bf16")
+    _cdna3_check(x, y, f)
+    _cdna3_check(x.bfloat16() if not fp8 else x, y.bfloat16() if not fp8 else y, f)
+    # an inf/NaN partial followed by products 25 binades above it (fp8 drops such a partial)
+    x = torch.ones(3, 2 * f.chunk)
+    y = torch.ones(2 * f.chunk, 4)
+    x[0, 0], x[1, 0], x[2, 0] = math.inf, math.nan, -math.inf
+    x[:, f.chunk:] = 2.0 ** 20
+    y[f.chunk:, 1] = 2.0 ** 10
+    y[f.chunk:, 2] = 2.0 ** 2
+    y[f.chunk:, 3] = -(2.0 ** 12)
+    _cdna3_check(x, y, f)
+    # a products' sum exactly cancelled against the partial, then tiny terms
+    x = torch.zeros(2, 2 * f.chunk)
+    y = torch.zeros(2 * f.chunk, 3)
+    x[:, 0], y[0] = 1.5, 2.0 ** torch.arange(3.0)
+    x[:, f.chunk], y[f.chunk] = -1.5, 2.0 ** torch.arange(3.0)
+    x[:, f.chunk + 1:], y[f.chunk + 1:] = 2.0 ** -30, 2.0 ** -2
+    _cdna3_check(x, y, f)
+    # the 31-bit floor before the FP32 rounding: a partial of 1 (the first instruction) and
+    # products 2^-24 + 2^-32 below it: 1 + 2^-24 after the floor (a tie: 1.0), above the tie
+    # without it (1 + 2^-23); the other columns: other signs and a sticky bit further down
+    x = torch.zeros(1, 2 * f.chunk)
+    y = torch.zeros(2 * f.chunk, 4)
+    x[0, 0], x[0, f.chunk], x[0, f.chunk + 1] = 1.0, 2.0 ** -24, 2.0 ** -32
+    y[0], y[f.chunk], y[f.chunk + 1] = 1.0, 1.0, torch.tensor([1.0, 0.5, -1.0, 0.25])
+    y[0, 2] = -1.0
+    y[f.chunk, 2] = -1.0
+    _cdna3_check(x, y, f)
+    assert accum.accum_matmul(x, y, f)[0, 0] == (1.0 if f.frac_bits == 24 else 1 + 2.0 ** -23)
+    # the initial accumulator c (moderate, huge, tiny, subnormal, zero, inf, NaN) and batches
+    a, b = _cdna3_case(zlib.crc32(f"c{f}".encode()), f, 6, 3 * f.chunk + 1, 7)
+    c = torch.randn(6, 7, generator=g) * 2.0 ** torch.randint(-150, 128, (6, 7), generator=g)
+    c[0, 0], c[1, 1], c[2, 2], c[3, 3], c[4, 4] = 0.0, -0.0, math.inf, math.nan, 2.0 ** -140
+    _cdna3_check(a, b, f, c=c)
+    _cdna3_check(a[:, :0], b[:0], f, c=c)  # K = 0: c itself
+    _cdna3_check(a.float().expand(3, 6, -1), b.float().expand(3, -1, -1), f, c=c[:1])
+    # per-element clamps (as an MX operand's) and explicit ones
+    em = torch.randint(-20, 3, a.shape, generator=g)
+    _cdna3_check(a.float(), b.float(), f, a_emin=em, b_emin=-9)
+
+
+@needs_cdna3
+def test_cdna3_kernel_with_flush_denormal():
+    """Under torch.set_flush_denormal(True) a subnormal operand is a zero term in both."""
+    a, b = _cdna3_case(3, accum.cdna3_fp16, 5, 40, 9)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for f in (accum.cdna3_fp16, accum.cdna3_fp8):
+            x, y = a.float() * 2.0 ** -110, b.float()
+            _cdna3_check(x, y, f)
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@needs_cdna3
+def test_cdna3_kernel_opcheck_fake_and_errors():
+    a, b = torch.randn(2, 3, 40), torch.randn(2, 40, 5)
+    op = torch.ops.qtensor.accum_matmul_cdna3
+    torch.library.opcheck(op.default, (a, b, True, 16, 24, 0, -7, -15, None))
+    torch.library.opcheck(op.default, (a, b, False, 8, 24, 2, -14, -14, torch.randn(2, 3, 5)))
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        out = op(torch.empty(2, 3, 40), torch.empty(2, 40, 5), False, 8, 24, 0, -14, -14, None)
+        assert out.shape == (2, 3, 5) and out.dtype == torch.float32
+    fn = torch.compile(lambda x, y: accum.accum_matmul(x, y, accum.cdna3_fp8), fullgraph=True)
+    assert _same(fn(a[0], b[0]), accum.accum_matmul_reference(a[0], b[0], accum.cdna3_fp8))
+    with pytest.raises(RuntimeError, match=r"frac_bits must be in \[0, 24\], got 25"):
+        op(a, b, False, 8, 25, 0, -14, -14, None)
+    with pytest.raises(RuntimeError, match=r"must be float32, got Double"):
+        op(a.double(), b, False, 8, 24, 0, -14, -14, None)
+    with pytest.raises(RuntimeError, match=r"a \(batch, M, K\) and b \(batch, K, N\)"):
+        op(a, b[:, :5], False, 8, 24, 0, -14, -14, None)
+    # frac_bits above 24: the reference (the same result through accum_matmul)
+    f = accum.cdna3_bf16.replace(frac_bits=30)
+    assert _same(accum.accum_matmul(a, b, f), accum.accum_matmul_reference(a, b, f))
+
+
+@needs_cdna3
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_cdna3_kernel_on_other_isas(isa):
+    """The baseline and AVX2 copies of the CDNA3 loops (QTENSOR_CPU_ISA caps the ISA)."""
+    _pytest_under_isa(isa, "cdna3_kernel and not on_other_isas")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -171,6 +171,19 @@ def test_reference_equals_mmasim(name, i):
             assert same_bits(got, want), (name, ta, tb, K, nonfinite)
 
 
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+def test_cdna3_fp8_one_element_last_chunk_equals_mmasim(fn):
+    """K = 1 and 2 * 16 + 1: the last instruction's odd half is all padding (the reference's
+    empty half, which failed before)."""
+    f = accum.cdna3_fp8
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    for i, (ta, tb, make) in enumerate(CASES["cdna3_fp8"]):
+        for K in (1, 33):
+            g = torch.Generator().manual_seed(zlib.crc32(f"odd{i}{K}".encode()))
+            a, b = operands(g, ta, tb, 5, K, 6)
+            assert same_bits(ours(a, b, f, run), mmasim_chain(make, a, b, f)), (ta, tb, K)
+
+
 @pytest.mark.parametrize("name", ["volta_fp16", "ampere_bf16", "hopper_fp16", "hopper_fp8"])
 def test_reference_rules_one_by_one(name):
     """Hand-picked cases of the three rules, each of which the old model got wrong."""
@@ -331,7 +344,7 @@ def _acc_init(g, M, N):
 
 @pytest.mark.parametrize("fn", ["reference", "kernel"])
 @pytest.mark.parametrize("name", ["volta_fp16", "ampere_bf16", "hopper_fp16", "hopper_fp8",
-                                  "blackwell_bf16"])
+                                  "blackwell_bf16", "cdna3_fp16", "cdna3_bf16", "cdna3_fp8"])
 def test_initial_accumulator_equals_mmasim(name, fn):
     """C fed into the first instruction as its accumulator input (mma's C operand)."""
     if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
@@ -405,14 +418,15 @@ def test_blackwell_f8f6f4_small_types_equal_mmasim(ta, tb):
 @needs_kernel
 @pytest.mark.parametrize("isa", ["base", "avx2"])
 def test_kernel_equals_mmasim_on_other_isas(isa):
-    """The baseline and AVX2 copies of the lanes (their e_zero and emin handling) too."""
+    """The baseline and AVX2 copies of the lanes (their e_zero and emin handling) and of the
+    CDNA3 loops too."""
     import os
     import subprocess
     import sys
     if os.environ.get("QTENSOR_CPU_ISA"):
         pytest.skip("already under a capped ISA")
     sel = ("kernel_equals_mmasim and (ampere_bf16 or hopper_fp8-0 or volta or f8f6f4-1 or "
-           "blackwell_mxfp4 or blackwell_nvfp4 or hopper_fp8_f16-0) or qtensor_mxfp4")
+           "blackwell_mxfp4 or blackwell_nvfp4 or hopper_fp8_f16-0 or cdna3) or qtensor_mxfp4")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.abspath(__file__), "-k", sel],
                        env=dict(os.environ, QTENSOR_CPU_ISA=isa), capture_output=True,

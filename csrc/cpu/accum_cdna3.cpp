@@ -1,0 +1,187 @@
+// qtensor::accum_matmul_cdna3: a batched matrix product summed by AMD CDNA3's (MI300) MFMA
+// datapath (AccumFormat stages "cdna3" / "cdna3_fp8", MMA-Sim's MMA_TR_FDPA / MMA_GTR_FDPA) on
+// CPU, bit for bit qtensor/accum.py's accum_matmul_reference (its _cdna3_chunk per instruction,
+// chains, promotion, an initial accumulator c).
+//
+// The one-stage kernel of cpu/accum.cpp has one alignment per chunk; CDNA3 has two (the
+// products, then the partial) with a floor at each and a 31-bit floor before the FP32 rounding,
+// and fp8's two interleaved halves. The operands are decoded once into doubles and their
+// alignment exponents (a: (B, M, K); b: panels of P columns, (B, N / P, K, P)); a task runs
+// R rows of a against one panel, the K loop innermost (cpu/accum_cdna3.h), compiled for the
+// baseline, AVX2 and AVX-512 (the P lanes vectorize), picked at run time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cpu/kernels.h"
+#include "qtensor/accum.h"
+
+namespace {
+
+constexpr int P = 8;  // output columns per task
+constexpr int R = 4;  // rows of a per task: R * P independent chains
+
+namespace cdna3_base {
+#include "cpu/accum_cdna3.h"
+}  // namespace cdna3_base
+#if defined(QT_HAVE_ISA_CLONES)
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace cdna3_avx2 {
+#include "cpu/accum_cdna3.h"
+}  // namespace cdna3_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace cdna3_avx512 {
+#include "cpu/accum_cdna3.h"
+}  // namespace cdna3_avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
+using Chain = void (*)(const double*, const int*, int64_t, const double*, const int*, int64_t,
+                       int, int, bool, int, double*, float*);
+
+Chain chain_for_isa() {
+#if defined(QT_HAVE_ISA_CLONES)
+  const int isa = qtensor_cpu::cpu_isa();
+  if (isa == 2) return &cdna3_avx512::chain_panel<R, P>;
+  if (isa == 1) return &cdna3_avx2::chain_panel<R, P>;
+#endif
+  return &cdna3_base::chain_panel<R, P>;
+}
+
+// Per-element clamps (int32 in x's shape) or undefined.
+at::Tensor clamps(const c10::optional<at::Tensor>& v, const at::Tensor& x, const char* name) {
+  if (!v) return at::Tensor();
+  TORCH_CHECK(v->sizes() == x.sizes() && !at::isFloatingType(v->scalar_type()),
+              "qtensor::accum_matmul_cdna3: ", name, " must be an integer tensor of shape ",
+              x.sizes(), ", got ", v->sizes());
+  return v->to(at::kInt).contiguous();
+}
+
+at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8, int64_t chunk,
+                              int64_t frac_bits, int64_t promote, int64_t a_emin, int64_t b_emin,
+                              const c10::optional<at::Tensor>& c,
+                              const c10::optional<at::Tensor>& a_emins,
+                              const c10::optional<at::Tensor>& b_emins) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
+              "qtensor::accum_matmul_cdna3: a (batch, M, K) and b (batch, K, N), got ", a.sizes(),
+              " and ", b.sizes());
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat,
+              "qtensor::accum_matmul_cdna3: a and b must be float32, got ", a.scalar_type(),
+              " and ", b.scalar_type());
+  TORCH_CHECK(chunk >= 1 && chunk <= 65536, "qtensor::accum_matmul_cdna3: chunk must be in "
+              "[1, 65536], got ", chunk);
+  // frac_bits <= 24: every step exact in double and the all-zero exponent's scales normal
+  TORCH_CHECK(frac_bits >= 0 && frac_bits <= 24, "qtensor::accum_matmul_cdna3: frac_bits must "
+              "be in [0, 24], got ", frac_bits);
+  TORCH_CHECK(promote >= 0 && promote <= INT32_MAX, "qtensor::accum_matmul_cdna3: promote must "
+              "be >= 0 (0: never), got ", promote);
+  TORCH_CHECK(a_emin >= -1000 && a_emin <= 127 && b_emin >= -1000 && b_emin <= 127,
+              "qtensor::accum_matmul_cdna3: a_emin and b_emin must be in [-1000, 127], got ",
+              a_emin, " and ", b_emin);
+  const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  const int64_t NP = (N + P - 1) / P;
+  at::Tensor out = at::empty({B, M, N}, a.options());
+  if (out.numel() == 0) return out;
+  at::Tensor cc;
+  if (c) {
+    TORCH_CHECK(c->scalar_type() == at::kFloat, "qtensor::accum_matmul_cdna3: c must be "
+                "float32, got ", c->scalar_type());
+    cc = c->expand({B, M, N}).contiguous();
+  }
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const at::Tensor ev = clamps(a_emins, a, "a_emins"), fv = clamps(b_emins, b, "b_emins");
+  // decoded once: values as doubles, alignment exponents (accum.h's acc_exp_f32)
+  // a's rows padded to whole tasks (zero rows), b's columns to whole panels (zero columns)
+  const int64_t MR = (M + R - 1) / R * R;
+  at::Tensor ad = at::empty({B, MR, K}, a.options().dtype(at::kDouble));
+  at::Tensor ea = at::empty({B, MR, K}, a.options().dtype(at::kInt));
+  at::Tensor bd = at::empty({B, NP, K, P}, a.options().dtype(at::kDouble));
+  at::Tensor eb = at::empty({B, NP, K, P}, a.options().dtype(at::kInt));
+  {
+    const float* pa = ac.data_ptr<float>();
+    const int* pv = ev.defined() ? ev.data_ptr<int>() : nullptr;
+    double* pad = ad.data_ptr<double>();
+    int* pea = ea.data_ptr<int>();
+    at::parallel_for(0, B * MR, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K)),
+                     [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {  // t: (batch, row)
+        const int64_t bi = t / MR, i = t % MR;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t src = (bi * M + i) * K + k;
+          const bool in = i < M;
+          // a value that is 0 as a double is a zero term (a float32 subnormal under
+          // torch.set_flush_denormal(True), as in the reference's float64 operands)
+          const double x = in ? (double)pa[src] : 0.0;
+          pad[t * K + k] = x;
+          pea[t * K + k] = x != 0.0 ? qtensor::acc_exp_f32(pa[src], pv ? pv[src] : (int)a_emin)
+                                    : qtensor::kAccZeroExp;
+        }
+      }
+    });
+    const float* pb = bc.data_ptr<float>();
+    const int* pw = fv.defined() ? fv.data_ptr<int>() : nullptr;
+    double* pbd = bd.data_ptr<double>();
+    int* peb = eb.data_ptr<int>();
+    at::parallel_for(0, B * NP * K, std::max<int64_t>(1, (1 << 14) / P), [&](int64_t lo,
+                                                                            int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {  // t: (batch, panel, k)
+        const int64_t bi = t / (NP * K), q = t / K % NP, k = t % K;
+        for (int j = 0; j < P; ++j) {
+          const int64_t col = q * P + j, src = (bi * K + k) * N + col;
+          const bool in = col < N;  // zero columns pad the last panel
+          const double x = in ? (double)pb[src] : 0.0;
+          pbd[t * P + j] = x;
+          peb[t * P + j] = x != 0.0 ? qtensor::acc_exp_f32(pb[src], pw ? pw[src] : (int)b_emin)
+                                    : qtensor::kAccZeroExp;
+        }
+      }
+    });
+  }
+  const Chain chain = chain_for_isa();
+  const double* pad = ad.data_ptr<double>();
+  const int* pea = ea.data_ptr<int>();
+  const double* pbd = bd.data_ptr<double>();
+  const int* peb = eb.data_ptr<int>();
+  const float* pc = c ? cc.data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  const int ch = (int)chunk, F = (int)frac_bits, pr = (int)promote;
+  // tasks (batch, panel, R rows), rows fastest: consecutive tasks share the panel (in cache)
+  const int64_t TM = MR / R;
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, R * P * K));
+  at::parallel_for(0, B * NP * TM, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bi = t / (NP * TM), q = t / TM % NP, i0 = t % TM * R;
+      const int64_t row = (bi * MR + i0) * K, panel = (bi * NP + q) * K * P;
+      const int64_t nc = std::min<int64_t>(P, N - q * P), nr = std::min<int64_t>(R, M - i0);
+      double p[R * P];
+      float o[R * P];
+      for (int r = 0; r < R; ++r)  // the initial accumulator (as the reference: 0 + c)
+        for (int j = 0; j < P; ++j)
+          p[r * P + j] = 0.0 + (pc && r < nr && j < nc
+                                    ? (double)pc[(bi * M + i0 + r) * N + q * P + j] : 0.0);
+      chain(pad + row, pea + row, K, pbd + panel, peb + panel, K, ch, F, fp8, pr, p, o);
+      for (int64_t r = 0; r < nr; ++r)
+        std::copy(o + r * P, o + r * P + nc, po + (bi * M + i0 + r) * N + q * P);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(qtensor, m) {
+  m.def("accum_matmul_cdna3(Tensor a, Tensor b, bool fp8, int chunk, int frac_bits, int promote, "
+        "int a_emin, int b_emin, Tensor? c, Tensor? a_emins=None, Tensor? b_emins=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(qtensor, CPU, m) { m.impl("accum_matmul_cdna3", &accum_matmul_cdna3); }
