@@ -497,14 +497,49 @@ def _(x, dtype):
     return torch.empty_like(x)
 
 
+# Eager CPU blocks along a strided axis of a dense tensor with another contiguous dim go to the
+# kernel as they lie (its tiles: csrc/quantize_cpu.h, blocks_tiled) instead of through a
+# transposing copy; False takes the copy (the same bits: tests/test_strided_blocks.py).
+STRIDED_BLOCKS = True
+
+
+def _strided_blocks(x, fmt, ax):
+    """x (a dense eager CPU tensor) rounded to the deterministic 1D-block format fmt along its
+    non-innermost axis ax by the kernel's tiles, in x's layout; None where they do not apply."""
+    if x.is_contiguous():
+        xp, perm = x, None
+    else:  # a permutation of a contiguous tensor (e.g. W.mT): round that, permute back
+        perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+        xp = x.permute(perm)
+        if not xp.is_contiguous():
+            return None
+        ax = perm.index(ax)
+    n = xp.dim()
+    # the tiles need the block axis strided and a contiguous dim besides it (the kernel's lanes:
+    # the last dim of size > 1); where the axis is the innermost, the flat kernel is faster
+    if ax == n - 1 or not any(xp.size(d) > 1 for d in range(ax + 1, n)):
+        return None
+    op, args = _kernel_call(with_axis(fmt, ax - n))
+    q = op(xp, *args)
+    if perm is None:
+        return q
+    inv = [0] * n
+    for i, d in enumerate(perm):
+        inv[d] = i
+    return q.permute(inv)
+
+
 def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Tensor:
     """One rounding of a plain payload tensor to fmt (the fused kernel when available).
 
-    Block formats along an axis other than the innermost contiguous one are rounded on a view
-    that makes the block axis innermost (the kernels are several times faster there; the blocks,
-    hence the bits, are the same). keep_layout=False (contraction operands, consumed at once)
-    returns that layout as it is; otherwise the result gets x's layout back when x was
-    contiguous. Not for stochastic rounding, whose random bits follow the element order.
+    Block formats along an axis other than the innermost contiguous one: eager CPU tensors that
+    are dense with another contiguous dim (a matrix with blocks along its first dim, a transposed
+    view with blocks along its last) go to the kernel as they lie (STRIDED_BLOCKS: tiles across
+    the contiguous dim), the result in x's layout. Others are rounded on a view that makes the
+    block axis innermost (a transposing copy; the blocks, hence the bits, are the same):
+    keep_layout=False (contraction operands, consumed at once) returns that layout as it is;
+    otherwise the result gets x's layout back when x was contiguous. Not for stochastic
+    rounding, whose random bits follow the element order.
     """
     fmt = fit_format(fmt, x.dim())
     if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
@@ -513,6 +548,11 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
         # (2D tiles: only their own two dims may be swapped; another axis is a FormatError)
         if (ax != x.dim() - 1 or not x.is_contiguous()) and (
                 fmt.block_shape is None or ax == x.dim() - 2):
+            if (STRIDED_BLOCKS and fmt.block_shape is None and fmt.scale_rule != "4over6"
+                    and _eager_cpu_kernel(x)):
+                q = _strided_blocks(x, fmt, ax)
+                if q is not None:
+                    return q
             xm = x.movedim(ax, -1)
             inner = with_axis(fmt, -1)
             if not xm.is_contiguous() and _eager_cpu_kernel(xm) and fmt.block_shape is None:
@@ -528,6 +568,14 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
     return _quantize_flat(x, fmt)
 
 
+def _tiles_in_place(out, fmt):
+    """Whether the in-place kernel rounds the contiguous ``out`` along its non-innermost block
+    axis by its tiles (STRIDED_BLOCKS), with no copy: a dim of size > 1 after the axis."""
+    ax = fmt.axis % out.dim()
+    return (STRIDED_BLOCKS and fmt.scale_rule != "4over6"
+            and any(out.size(d) > 1 for d in range(ax + 1, out.dim())))
+
+
 def _round_fresh(out, fmt, func):
     """An op's own new output rounded to fmt: in place where the kernels can (the same bits as
     ``quantize``, without a second buffer), else by ``quantize``; block formats are watched
@@ -536,7 +584,8 @@ def _round_fresh(out, fmt, func):
     if (is_stochastic(fmt.rounding) or not _eager_cpu_kernel(out) or not out.is_contiguous()
             or out.is_neg() or (block and fmt.block_shape is not None)  # (2D tiles: qtensor.ops)
             or (block and fmt.axis is not None and out.dim() > 1
-                and fmt.axis % out.dim() != out.dim() - 1)):
+                and fmt.axis % out.dim() != out.dim() - 1
+                and not _tiles_in_place(out, fmt))):
         before, out = out, quantize(out, fmt)
         if block:
             _block_specials.check(before, out, fmt, op=func)
