@@ -42,7 +42,6 @@ FORMATS = [
     BlockFormat(FixedFormat(8, 6, symmetric=True), 8, scale=P["fp8_e4m3"], scale_rule="amax"),
     BlockFormat(FixedFormat(5, 3, signed=False), 8, scale=P["fp8_e4m3"], scale_rule="amax"),
     BlockFormat(P["fp4_e2m1"], 16, scale=P["fp8_e4m3"], scale_rule="ceil"),  # amax rule, up
-    BlockFormat(FloatFormat(8, 0, bias=140), 4),         # grids past float32's: per-block path
     BlockFormat(FloatFormat(3, 4, bias=3), 32, scale_rule="ceil"),
 ]
 
@@ -62,7 +61,9 @@ def _layouts(x2, x3):
     return [("rows-axis0", x2, 0), ("rows-axis-2", x2, -2),
             ("transposed-axis-1", x2.t().contiguous().t(), -1),
             ("3d-axis1", x3, 1), ("3d-axis0", x3, 0),
-            ("3d-permuted", x3.permute(2, 0, 1).contiguous().permute(1, 2, 0), 1)]
+            ("3d-permuted-axis0", x3.permute(2, 0, 1).contiguous().permute(1, 2, 0), 0),
+            ("3d-permuted-axis1 (innermost: the copy)",
+             x3.permute(2, 0, 1).contiguous().permute(1, 2, 0), 1)]
 
 
 def _reference(x, fmt):
@@ -184,11 +185,18 @@ def _train(fmt, strided, steps=3):
             loss = model(x).square().mean()
             opt.zero_grad()
             loss.backward()
-            grads.append([p.grad.detach().clone() for p in model.parameters()])
+            grads.append([torch.as_tensor(p.grad).detach().clone() for p in model.parameters()])
             opt.step()
         return [p.detach().clone() for p in model.parameters()], grads
     finally:
         dispatch.STRIDED_BLOCKS = old
+
+
+def _recipe(name):
+    """as qt.recipes.mxfp6: f matmul operands, BF16 values, FP32 master weights"""
+    f = P[name]
+    return qt.Recipe(weight=(P["fp32"], f), bias=P["fp32"], activation=(P["bf16"], f),
+                     grad=(P["bf16"], f), optimizer_state=None, master_weights=True)
 
 
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4"])
@@ -199,13 +207,34 @@ def test_converted_model_same_bits(name, monkeypatch):
     real = dispatch._strided_blocks
     monkeypatch.setattr(dispatch, "_strided_blocks",
                         lambda *a: calls.append(1) or real(*a))
-    p_on, g_on = _train(qt.PRESETS[name], True)
+    p_on, g_on = _train(_recipe(name), True)
     assert calls, "the strided path was not taken"
     n_on = len(calls)
-    p_off, g_off = _train(qt.PRESETS[name], False)
+    p_off, g_off = _train(_recipe(name), False)
     assert len(calls) == n_on
     for a, b in zip(p_on, p_off):
         assert_bits_equal(a, b, f"{name} parameters")
     for step_on, step_off in zip(g_on, g_off):
         for a, b in zip(step_on, step_off):
             assert_bits_equal(a, b, f"{name} gradients")
+
+
+def test_round_fresh_in_place():
+    """An op's fresh output blocked along a non-innermost axis is rounded in place by the tiles
+    (no copy), with the copy path's bits."""
+    x = _inputs(50, 150, seed=16)
+    for fmt in (P["mxfp8_e4m3"].replace(axis=0), P["nvfp4"].replace(axis=0)):
+        want = _via_copy(x, fmt)
+        out = x.clone()
+        got = dispatch._round_fresh(out, fmt, torch.ops.aten.mm.default)
+        assert got is out
+        assert_bits_equal(got, want, f"{fmt} fresh")
+        old = dispatch.STRIDED_BLOCKS
+        dispatch.STRIDED_BLOCKS = False
+        try:
+            out = x.clone()
+            got = dispatch._round_fresh(out, fmt, torch.ops.aten.mm.default)
+        finally:
+            dispatch.STRIDED_BLOCKS = old
+        assert got is not out  # (the copy path)
+        assert_bits_equal(got, want, f"{fmt} fresh, copy")
