@@ -196,7 +196,8 @@ def _convolution_backward(func, args, uargs, ukwargs, acc=None):
 
     def rounded(i, fmt, axis, transform):
         x = uargs[i] if transform is None else transform.apply(uargs[i], axis)
-        return x if fmt is None else quantize(x, with_axis(fmt, axis), keep_layout=False)
+        return x if fmt is None else quantize(x, with_axis(fmt, axis), keep_layout=False,
+                                              tiles=False)
 
     gi = gw = gb = None
     if mask[0]:  # grad_input: reduction over output channels
@@ -529,7 +530,8 @@ def _strided_blocks(x, fmt, ax):
     return q.permute(inv)
 
 
-def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Tensor:
+def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True,
+             tiles: bool = True) -> torch.Tensor:
     """One rounding of a plain payload tensor to fmt (the fused kernel when available).
 
     Block formats along an axis other than the innermost contiguous one: eager CPU tensors that
@@ -539,7 +541,8 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
     block axis innermost (a transposing copy; the blocks, hence the bits, are the same):
     keep_layout=False (contraction operands, consumed at once) returns that layout as it is;
     otherwise the result gets x's layout back when x was contiguous. Not for stochastic
-    rounding, whose random bits follow the element order.
+    rounding, whose random bits follow the element order. tiles=False (convolution operands:
+    convolutions pick their algorithm, hence their last bits, by layout) keeps the copy's layout.
     """
     fmt = fit_format(fmt, x.dim())
     if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
@@ -548,7 +551,7 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
         # (2D tiles: only their own two dims may be swapped; another axis is a FormatError)
         if (ax != x.dim() - 1 or not x.is_contiguous()) and (
                 fmt.block_shape is None or ax == x.dim() - 2):
-            if (STRIDED_BLOCKS and fmt.block_shape is None and fmt.scale_rule != "4over6"
+            if (STRIDED_BLOCKS and tiles and fmt.block_shape is None and fmt.scale_rule != "4over6"
                     and _eager_cpu_kernel(x)):
                 q = _strided_blocks(x, fmt, ax)
                 if q is not None:
@@ -759,21 +762,22 @@ def _operand_cache_root(a):
     return root if getattr(root, "_is_param", False) and type(root) is QTensor else None
 
 
-def _rounded_operand(a, x, fmt):
-    """x (the payload of the QTensor operand a) rounded to fmt for one contraction."""
+def _rounded_operand(a, x, fmt, tiles=True):
+    """x (the payload of the QTensor operand a) rounded to fmt for one contraction (tiles:
+    quantize's)."""
     root = _operand_cache_root(a) if CACHE_OPERANDS else None
     if (root is None or is_stochastic(fmt.rounding) or type(x) is not torch.Tensor
             or torch.compiler.is_compiling()):
-        return quantize(x, fmt, keep_layout=False)
+        return quantize(x, fmt, keep_layout=False, tiles=tiles)
     base = root._data
     # (views made inside dispatch have no _base: their storage tells; a view of a payload
     # that ``p.data = x`` replaced holds the old storage)
     if x is not base and x.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-        return quantize(x, fmt, keep_layout=False)
+        return quantize(x, fmt, keep_layout=False, tiles=tiles)
     cache = root.__dict__.get("_qt_operands")
     if cache is None:
         cache = root.__dict__["_qt_operands"] = {}
-    key = (id(fmt), x.storage_offset(), tuple(x.shape), x.stride())
+    key = (id(fmt), x.storage_offset(), tuple(x.shape), x.stride(), tiles)
     versions = (root._version, base._version)
     hit = cache.get(key)
     if hit is not None:
@@ -781,15 +785,15 @@ def _rounded_operand(a, x, fmt):
             return hit[2]
         if hit[1] is not base:  # p.data = x: every entry is of the old payload
             cache.clear()
-    q = quantize(x, fmt, keep_layout=False)
+    q = quantize(x, fmt, keep_layout=False, tiles=tiles)
     cache[key] = (versions, base, q, fmt)  # (fmt: keeps it alive, so its id stays its own)
     return q
 
 
-def _round_operand(args, uargs, pos, axis):
+def _round_operand(args, uargs, pos, axis, tiles=True):
     a = args[pos] if pos < len(args) else None
     if isinstance(a, QTensor) and a.mm_fmt is not None:
-        uargs[pos] = _rounded_operand(a, uargs[pos], with_axis(a.mm_fmt, axis))
+        uargs[pos] = _rounded_operand(a, uargs[pos], with_axis(a.mm_fmt, axis), tiles)
 
 
 def _own_mm_fmt(a):
@@ -800,7 +804,7 @@ def _own_mm_fmt(a):
     return m.base if type(m) is _gemm.GemmOperand else m
 
 
-def _round_gemm_operands(args, uargs, operands):
+def _round_gemm_operands(args, uargs, operands, tiles=True):
     """Round the operands of a contraction one of which has per-GEMM formats (qtensor.gemm):
     the args with those formats as the operands' mm_fmt (what an accumulator reads), or None
     when none has."""
@@ -816,9 +820,9 @@ def _round_gemm_operands(args, uargs, operands):
             if fmt is not None:
                 fa = with_axis(fmt, axis)
                 # (a transformed payload is a new tensor: no cache of the parameter's roundings)
-                uargs[pos] = (_rounded_operand(a, uargs[pos], fa)
+                uargs[pos] = (_rounded_operand(a, uargs[pos], fa, tiles)
                               if isinstance(a, QTensor) and transform is None
-                              else quantize(uargs[pos], fa, keep_layout=False))
+                              else quantize(uargs[pos], fa, keep_layout=False, tiles=tiles))
     return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts)
 
 
@@ -847,10 +851,12 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
     if op.handler is not None:
         return op.handler(func, args, uargs, ukwargs, acc)
     operands = op.operands(args) if callable(op.operands) else op.operands
-    tagged = _round_gemm_operands(args, uargs, operands)
+    # (a convolution picks its algorithm, hence its bits, by its operands' layout: the copy's)
+    tiles = "convolution" not in func._opname
+    tagged = _round_gemm_operands(args, uargs, operands, tiles)
     if tagged is None:
         for pos, axis in operands:
-            _round_operand(args, uargs, pos, axis)
+            _round_operand(args, uargs, pos, axis, tiles)
     else:
         args = tagged
     if acc is not None:  # the products summed by the operands' accumulator
