@@ -176,6 +176,7 @@ def _train(fmt, strided, steps=3, conv=False):
         torch.manual_seed(0)
         if conv:  # a convolution's operands keep the copy's layout (its algorithm follows it)
             model = torch.nn.Sequential(torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.GELU(),
+                                        torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.GELU(),
                                         torch.nn.Flatten(), torch.nn.Linear(32 * 36, 32))
         else:
             model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(),
