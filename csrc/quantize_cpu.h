@@ -153,6 +153,32 @@ uint32_t amax_bits(const T* x, const Layout& L) {
 // fp4_round_scaled: no division). BS > 0 fixes the block size at compile time (one vector).
 constexpr int64_t kFp4Run = 64;  // blocks per run: the run's amaxes and scales stay in registers/L1
 
+// A block's scale times the tensor scale (0: no scale) from its amax, as float32 (see
+// fp4_block_run), before the idempotence check (fp4_settled)
+QT_BLOCK_FN float fp4_scale(uint32_t amax, const qtensor::FastGrid& g, uint32_t smax,
+                            uint32_t sovf, float div, float ts) {
+  const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax) / div), g, smax, sovf,
+                                                           0u));
+  return s == s ? s * ts : 0.0f;
+}
+
+// Idempotence: a block whose amax does not round to 6 X (a scale in E4M3's subnormal range,
+// toward_zero) takes the scale of its rounded amax (round.h, settle_amax_scale): rare. The
+// amax rounds to 6 iff it is past the boundary 5 X (toward_zero: 6 X), exact in float32.
+template <int MODE>
+QT_BLOCK_FN float fp4_settled(uint32_t amax, float Xb, const BlockArgs& a) {
+  const float am = u2f(amax);
+  const float top = (MODE == kTowardZero ? 6.0f : 5.0f) * Xb;
+  const bool settled = amax >= kInfBits || !(Xb > 0.0f) ||
+                       (MODE == kNearest ? am > top : am >= top);
+  if (__builtin_expect(settled, 1)) return Xb;
+  const qtensor::AmaxBlockSpec& sp = a.amax_spec;
+  return (float)qtensor::settle_amax_scale(
+      (double)Xb, sp, a.tensor_scale, a.ts, [&](double sc) {
+        return f2u(qtensor::round_amax_elem_t<MODE, false>(am, sc, sp, a.tensor_scale, 0u));
+      });
+}
+
 // F46: the 4over6 rule (block_4over6's choice, here in float32 where it is exact: both
 // candidates' scales as the amax rule's below, X4 from the divisor 4 (times the tensor scale),
 // then per block the error sums of both in double, in element order: |q - |x|| of two float32s
@@ -185,11 +211,7 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   const qtensor::FastGrid g = sg;
   const float ts = a.tensor_scale ? (float)a.ts : 1.0f;
   const float div = a.tensor_scale ? (float)(a.elem_max * a.ts) : elem_max;
-  for (int64_t b = 0; b < nblk; ++b) {
-    const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / div), g, smax,
-                                                             sovf, 0u));
-    X[b] = s == s ? s * ts : 0.0f;
-  }
+  for (int64_t b = 0; b < nblk; ++b) X[b] = fp4_scale(amax[b], g, smax, sovf, div, ts);
   if (F46) {
     const float div4 = a.tensor_scale ? (float)(4.0 * a.ts) : 4.0f;
     qtensor::AmaxBlockSpec s4 = a.amax_spec;
@@ -210,23 +232,8 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
                 });
     }
   }
-  // Idempotence: a block whose amax does not round to 6 X (a scale in E4M3's subnormal range,
-  // toward_zero) takes the scale of its rounded amax (round.h, settle_amax_scale): rare. The
-  // amax rounds to 6 iff it is past the boundary 5 X (toward_zero: 6 X), exact in float32.
-  for (int64_t b = 0; b < nblk; ++b) {
-    const float Xb = X[b], am = u2f(amax[b]);
-    const float top = (MODE == kTowardZero ? 6.0f : 5.0f) * Xb;
-    const bool settled = amax[b] >= kInfBits || !(Xb > 0.0f) ||
-                         (MODE == kNearest ? am > top : am >= top);
-    if (__builtin_expect(!settled, 0)) {
-      const qtensor::AmaxBlockSpec& sp = a.amax_spec;
-      X[b] = (float)qtensor::settle_amax_scale(
-          (double)Xb, sp, a.tensor_scale, a.ts, [&](double sc) {
-            return f2u(qtensor::round_amax_elem_t<MODE, false>(u2f(amax[b]), sc, sp,
-                                                               a.tensor_scale, 0u));
-          });
-    }
-  }
+  // idempotence (fp4_settled)
+  for (int64_t b = 0; b < nblk; ++b) X[b] = fp4_settled<MODE>(amax[b], X[b], a);
   auto block_elems = [&](const T* xp, T* yp, int64_t m, uint32_t am, float Xb, int64_t b) {
     if (am >= kInfBits) {  // NaN or Inf in the block: all NaN
       for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
@@ -277,6 +284,7 @@ struct BlockPlan {
   // NVFP4 (e2m1 elements, scales of <= 4 significant bits whose products with the boundaries
   // 2^-2..5 stay exact in float32), blocks along contiguous rows: fp4_block_run
   bool fp4_rows;
+  bool fp4_fmt;                  // the format of fp4_rows, any layout (blocks_tiled)
   float elem_max_f;
   float kmax_f, kmin_abs_f;      // fixed-point elements: the limits' integers (times 2^(k - fl))
   uint32_t sr_or;                // limited-bit stochastic rounding (round.h, sr_or_mask)
@@ -315,9 +323,9 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   p.smax = f2u((float)qtensor::u2d(ssp.max_bits));
   // a tensor scale keeps the fp4 path (the block scales in float32, see fp4_block_run)
   const bool fp4_scales = p.amax_fast32 || (scale_grid && a.tensor_scale);
-  p.fp4_rows = fp4_scales && p.inner == 1 && p.unit_stride && a.man == 1 && a.emin == 0 &&
-               a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 &&
-               qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
+  p.fp4_fmt = fp4_scales && a.man == 1 && a.emin == 0 && a.qlow == -1 && a.elem_max == 6.0 &&
+              ssp.man <= 3 && qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
+  p.fp4_rows = p.fp4_fmt && p.inner == 1 && p.unit_stride;
   p.sovf = ssp.ovf_bits == ssp.max_bits ? p.smax
          : (ssp.ovf_bits == qtensor::Carrier<uint64_t>::INF ? kInfBits : kNaNBits);
   p.elem_max_f = (float)a.elem_max;
@@ -667,9 +675,225 @@ inline Counter dims_counter(const Layout& L, int d0, int d1) {
   return c;
 }
 
+// ---- blocks along a strided axis, a tile at a time (issue 23) --------------------------------
+// Where the block axis is not contiguous but another dim (the lanes) is, in x and in y (e.g. a
+// contiguous matrix with blocks along its rows' dim, or a transposed view with blocks along its
+// last dim), a tile of one block (up to bs steps along the axis) times kTileW neighbouring lanes is
+// rounded at once: the lanes' amaxes (a vector max per step), each lane's scale (the functions of
+// the contiguous path), then the elements (vectorized across lanes). The bits are those of the
+// per-block paths; a tile whose scales need a grid the FastGrid cannot do is rounded block by
+// block (round_block on strided blocks). Deterministic rounding only (stochastic rounding's
+// words follow the element order) and not 4over6: those keep the per-block loop.
+constexpr int64_t kTileW = 64;
+
+// L with its lane dim (the last one that is contiguous in x and in y, not the axis) moved last;
+// false where there is none or the axis is contiguous.
+inline bool tile_layout(const Layout& L, int ax, Layout& Lt, int& axt) {
+  if (L.ndim < 2 || (L.xs[ax] == 1 && L.ys[ax] == 1)) return false;
+  int lane = -1;
+  for (int d = L.ndim - 1; d >= 0 && lane < 0; --d)
+    if (d != ax && L.xs[d] == 1 && L.ys[d] == 1 && L.sizes[d] > 1) lane = d;
+  if (lane < 0) return false;
+  Lt = L;
+  Lt.contiguous = false;
+  int k = 0;
+  for (int d = 0; d < L.ndim; ++d) {
+    if (d == lane) continue;
+    Lt.sizes[k] = L.sizes[d]; Lt.xs[k] = L.xs[d]; Lt.ys[k] = L.ys[d]; Lt.ls[k] = L.ls[d];
+    if (d == ax) axt = k;
+    ++k;
+  }
+  Lt.sizes[k] = L.sizes[lane]; Lt.xs[k] = 1; Lt.ys[k] = 1; Lt.ls[k] = L.ls[lane];
+  return true;
+}
+
+// y[j*say + c] = fn(x[j*sax + c], c) for j < m, c < w; NaN where nan[c] (the lane's block holds a
+// NaN or an Inf). (x may be y: each element is read before it is written.)
+template <typename T, typename Fn>
+QT_BLOCK_FN void tile_elems(const T* __restrict__ xt, int64_t sax, T* __restrict__ yt, int64_t say,
+                            int64_t m, int64_t w, const uint32_t* nan, const Fn& fn) {
+  for (int64_t j = 0; j < m; ++j) {
+    const T* __restrict__ xr = xt + j * sax;
+    T* __restrict__ yr = yt + j * say;
+    for (int64_t c = 0; c < w; ++c) {
+      const uint32_t q = fn(load_bits<T>(xr + c), c);
+      store_bits<T>(yr + c, nan[c] != 0 ? kNaNBits : q);
+    }
+  }
+}
+
+// One tile: m steps along the axis from xt/yt, w lanes.
+template <int MODE, typename T>
+void round_tile(const T* xt, T* yt, int64_t m, int64_t w, const BlockPlan& P,
+                const BlockArgs& a, uint32_t key) {
+  uint32_t amax[kTileW], nan[kTileW];
+  for (int64_t c = 0; c < w; ++c) amax[c] = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const T* xr = xt + j * P.sax;
+    for (int64_t c = 0; c < w; ++c) {
+      const uint32_t v = load_bits<T>(xr + c) & kAbsMask;
+      amax[c] = v > amax[c] ? v : amax[c];
+    }
+  }
+  for (int64_t c = 0; c < w; ++c) nan[c] = amax[c] >= kInfBits ? 1u : 0u;
+  // lane c's block as the per-block paths see it (strided, read-only here)
+  auto lane_block = [&](int64_t c) {
+    return make_block<MODE, T>(xt + c, yt + c, m, 0, P, key);
+  };
+  if (a.scale_rule == kRuleAmax) {
+    if (P.fp4_fmt) {  // NVFP4: fp4_block_run's scales and elements
+      float X[kTileW];
+      const float ts = a.tensor_scale ? (float)a.ts : 1.0f;
+      const float div = a.tensor_scale ? (float)(a.elem_max * a.ts) : P.elem_max_f;
+      const qtensor::FastGrid g = P.sg;
+      for (int64_t c = 0; c < w; ++c) X[c] = fp4_scale(amax[c], g, P.smax, P.sovf, div, ts);
+      for (int64_t c = 0; c < w; ++c) X[c] = fp4_settled<MODE>(amax[c], X[c], a);
+      tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
+        const float Xc = X[c];
+        const qtensor::Fp4Bounds bd = qtensor::fp4_bounds<MODE>(Xc);
+        return f2u(qtensor::fp4_round_scaled<MODE>(u2f(u & kAbsMask), bd, Xc)) | (u & kSignBit);
+      });
+    } else if (P.amax_fast32) {  // block_amax_fast32's scales and elements
+      float Xs[kTileW];
+      uint32_t ok[kTileW];
+      for (int64_t c = 0; c < w; ++c) {
+        double sc = 1.0;
+        if (!nan[c])
+          sc = settled_scale<MODE, T>(lane_block(c), amax[c], (double)u2f(
+              qtensor::round_float_fast<kNearest>(f2u(u2f(amax[c]) / P.elem_max_f), P.sg,
+                                                  P.smax, P.sovf, 0u)), P, a, a.amax_spec);
+        ok[c] = sc > 0 ? 1u : 0u;
+        Xs[c] = sc > 0 ? (float)sc : 1.0f;
+      }
+      const qtensor::FastGrid g = P.eg;
+      const uint32_t mx = f2u(P.elem_max_f);
+      tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
+        const float X = Xs[c];
+        const uint32_t zb = f2u(u2f(u) / X);
+        uint32_t rr = qtensor::round_magnitude_fast<MODE>(zb & kAbsMask, g, 0u);
+        rr = rr > mx ? mx : rr;
+        const float q = u2f(rr | (u & kSignBit)) * X;
+        return ok[c] != 0 ? f2u(q) : (u & kSignBit);
+      });
+    } else {  // block_amax_unit / block_amax_general: in double
+      double S[kTileW];
+      for (int64_t c = 0; c < w; ++c)
+        S[c] = nan[c] ? 1.0 : settled_scale<MODE, T>(
+            lane_block(c), amax[c],
+            qtensor::amax_block_scale(amax[c], a.amax_spec, a.tensor_scale, a.ts), P, a,
+            a.amax_spec);
+      const qtensor::AmaxBlockSpec sp = a.amax_spec;
+      const bool ts = a.tensor_scale;
+      tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
+        return f2u(qtensor::round_amax_elem<MODE>(u2f(u), S[c], sp, ts, 0u));
+      });
+    }
+    return;
+  }
+  // power-of-two scales 2^k (block_pow2): each lane's k, then its element grid as a FastGrid
+  // (block_pow2_fast), kept as arrays (the loop below builds each lane's grid from them)
+  uint32_t nmin[kTileW], lim0[kTileW], lim1[kTileW], lim2[kTileW];
+  float gC[kTileW], gq[kTileW], gh[kTileW];
+  bool all_fast = true;
+  for (int64_t c = 0; c < w; ++c) {
+    qtensor::FastGrid g;
+    int k = 0;
+    bool fast = true;
+    if (!nan[c]) {
+      k = qtensor::block_scale_exp(amax[c], a.scale_rule == kRuleCeil, a.elem_emax, a.elem_max,
+                                   a.scale_emin, a.scale_emax, a.even_mbits);
+      if (a.scale_rule == kRuleEven && (MODE == kTowardZero || (a.elem_fixed && !a.is_signed)))
+        k = settle_even_exp<MODE, T>(lane_block(c), amax[c], k, P, a);
+      const int ek = a.emin + k, qk = a.elem_fixed ? k - a.fl : a.qlow + k;
+      fast = a.elem_fixed ? qtensor::make_fast_grid(g, 0, 0, qk, false, true, false)
+                          : qtensor::make_fast_grid(g, a.man, ek, qk,
+                                                    ek == -126 && a.qlow == a.emin - a.man,
+                                                    false, false);
+      if (fast && a.elem_fixed) {
+        const float qf = qtensor::pow2f(qk);
+        lim0[c] = f2u(P.kmax_f * qf);
+        lim1[c] = f2u(P.kmin_abs_f * qf);
+        lim2[c] = lim1[c] != 0 ? (lim1[c] | kSignBit) : 0u;
+      } else if (fast) {
+        lim0[c] = f2u(P.elem_max_f * qtensor::pow2f(k));
+        lim1[c] = lim2[c] = 0;
+      }
+    }
+    if (nan[c] || !fast) {  // (a NaN lane's values are overwritten)
+      g.normal_min = 0; g.C = 1.0f; g.q = 1.0f; g.h = 0.5f;
+      lim0[c] = lim1[c] = lim2[c] = 0;
+    }
+    all_fast = all_fast && fast;
+    nmin[c] = g.normal_min; gC[c] = g.C; gq[c] = g.q; gh[c] = g.h;
+  }
+  if (!all_fast) {  // rare (scales near float32's limits): block by block
+    for (int64_t c = 0; c < w; ++c) round_block<MODE, T>(lane_block(c), P, a);
+    return;
+  }
+  const int d = a.elem_fixed ? 0 : 23 - a.man;
+  auto lane_grid = [&](int64_t c) {
+    qtensor::FastGrid g;
+    g.d = d; g.mask = ((uint32_t)1 << d) - 1;
+    g.normal_min = nmin[c]; g.C = gC[c]; g.q = gq[c]; g.h = gh[c]; g.sto = 0.0f;
+    return g;
+  };
+  if (a.elem_fixed) {
+    tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
+      return qtensor::round_fixed_fast<MODE>(u, lane_grid(c), lim0[c], lim1[c], lim2[c], 0u);
+    });
+  } else {
+    tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
+      uint32_t rr = qtensor::round_magnitude_fast<MODE>(u & kAbsMask, lane_grid(c), 0u);
+      rr = rr > lim0[c] ? lim0[c] : rr;
+      return rr | (u & kSignBit);
+    });
+  }
+}
+
+// All blocks of a layout from tile_layout (lanes last): units (outer index, block, lane chunk),
+// lane chunks fastest (neighbouring units touch neighbouring memory).
+template <int MODE, typename T>
+void blocks_tiled(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
+  const BlockPlan P = block_plan<MODE>(L, a);
+  const int lane = L.ndim - 1;
+  const int64_t W = L.sizes[lane], nch = (W + kTileW - 1) / kTileW;
+  const int64_t bs = P.bs, len = P.len, nb = P.nb;
+  const int64_t outer = L.numel / (len * W);
+  const int64_t units = outer * nb * nch;
+  const int64_t grain = std::max<int64_t>(1, kGrain / (bs * kTileW));
+  at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
+    Counter oc;  // the dims but the axis and the lanes
+    oc.nd = 0;
+    for (int d = 0; d < lane; ++d) {
+      if (d == P.ax) continue;
+      oc.size[oc.nd] = L.sizes[d]; oc.sx[oc.nd] = L.xs[d]; oc.sy[oc.nd] = L.ys[d];
+      oc.sl[oc.nd] = 0;
+      ++oc.nd;
+    }
+    for (int64_t u = ub; u < ue; ++u) {
+      const int64_t ch = u % nch, r = u / nch;
+      const int64_t b = r % nb, o = r / nb;
+      if (u == ub || ch == 0) oc.set(o);
+      const int64_t j0 = b * bs, c0 = ch * kTileW;
+      round_tile<MODE, T>(x + oc.ox + j0 * P.sax + c0, y + oc.oy + j0 * P.say + c0,
+                          std::min(bs, len - j0), std::min(kTileW, W - c0), P, a, key);
+    }
+  });
+}
+
 template <int MODE, typename T>
 void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
   if (L.numel == 0) return;
+  if (MODE != kStochastic && a.scale_rule != kRule4over6) {
+    Layout Lt;
+    int axt = 0;
+    if (tile_layout(L, a.axis, Lt, axt)) {
+      BlockArgs at = a;
+      at.axis = axt;
+      blocks_tiled<MODE, T>(x, y, Lt, at, key);
+      return;
+    }
+  }
   const BlockPlan P = block_plan<MODE>(L, a);
   const int64_t inner = P.inner, nb = P.nb, bs = P.bs, len = P.len;
   at::parallel_for(0, P.units, P.grain, [&](int64_t ub, int64_t ue) {

@@ -196,7 +196,8 @@ def _convolution_backward(func, args, uargs, ukwargs, acc=None):
 
     def rounded(i, fmt, axis, transform):
         x = uargs[i] if transform is None else transform.apply(uargs[i], axis)
-        return x if fmt is None else quantize(x, with_axis(fmt, axis), keep_layout=False)
+        return x if fmt is None else quantize(x, with_axis(fmt, axis), keep_layout=False,
+                                              tiles=False)
 
     gi = gw = gb = None
     if mask[0]:  # grad_input: reduction over output channels
@@ -497,14 +498,51 @@ def _(x, dtype):
     return torch.empty_like(x)
 
 
-def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Tensor:
+# Eager CPU blocks along a strided axis of a dense tensor with another contiguous dim go to the
+# kernel as they lie (its tiles: csrc/quantize_cpu.h, blocks_tiled) instead of through a
+# transposing copy; False takes the copy (the same bits: tests/test_strided_blocks.py).
+STRIDED_BLOCKS = True
+
+
+def _strided_blocks(x, fmt, ax):
+    """x (a dense eager CPU tensor) rounded to the deterministic 1D-block format fmt along its
+    non-innermost axis ax by the kernel's tiles, in x's layout; None where they do not apply."""
+    if x.is_contiguous():
+        xp, perm = x, None
+    else:  # a permutation of a contiguous tensor (e.g. W.mT): round that, permute back
+        perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+        xp = x.permute(perm)
+        if not xp.is_contiguous():
+            return None
+        ax = perm.index(ax)
+    n = xp.dim()
+    # the tiles need the block axis strided and a contiguous dim besides it (the kernel's lanes:
+    # the last dim of size > 1); where the axis is the innermost, the flat kernel is faster
+    if ax == n - 1 or not any(xp.size(d) > 1 for d in range(ax + 1, n)):
+        return None
+    op, args = _kernel_call(with_axis(fmt, ax - n))
+    q = op(xp, *args)
+    if perm is None:
+        return q
+    inv = [0] * n
+    for i, d in enumerate(perm):
+        inv[d] = i
+    return q.permute(inv)
+
+
+def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True,
+             tiles: bool = True) -> torch.Tensor:
     """One rounding of a plain payload tensor to fmt (the fused kernel when available).
 
-    Block formats along an axis other than the innermost contiguous one are rounded on a view
-    that makes the block axis innermost (the kernels are several times faster there; the blocks,
-    hence the bits, are the same). keep_layout=False (contraction operands, consumed at once)
-    returns that layout as it is; otherwise the result gets x's layout back when x was
-    contiguous. Not for stochastic rounding, whose random bits follow the element order.
+    Block formats along an axis other than the innermost contiguous one: eager CPU tensors that
+    are dense with another contiguous dim (a matrix with blocks along its first dim, a transposed
+    view with blocks along its last) go to the kernel as they lie (STRIDED_BLOCKS: tiles across
+    the contiguous dim), the result in x's layout. Others are rounded on a view that makes the
+    block axis innermost (a transposing copy; the blocks, hence the bits, are the same):
+    keep_layout=False (contraction operands, consumed at once) returns that layout as it is;
+    otherwise the result gets x's layout back when x was contiguous. Not for stochastic
+    rounding, whose random bits follow the element order. tiles=False (convolution operands:
+    convolutions pick their algorithm, hence their last bits, by layout) keeps the copy's layout.
     """
     fmt = fit_format(fmt, x.dim())
     if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
@@ -513,6 +551,11 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
         # (2D tiles: only their own two dims may be swapped; another axis is a FormatError)
         if (ax != x.dim() - 1 or not x.is_contiguous()) and (
                 fmt.block_shape is None or ax == x.dim() - 2):
+            if (STRIDED_BLOCKS and tiles and fmt.block_shape is None and fmt.scale_rule != "4over6"
+                    and _eager_cpu_kernel(x)):
+                q = _strided_blocks(x, fmt, ax)
+                if q is not None:
+                    return q
             xm = x.movedim(ax, -1)
             inner = with_axis(fmt, -1)
             if not xm.is_contiguous() and _eager_cpu_kernel(xm) and fmt.block_shape is None:
@@ -528,6 +571,14 @@ def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True) -> torch.Te
     return _quantize_flat(x, fmt)
 
 
+def _tiles_in_place(out, fmt):
+    """Whether the in-place kernel rounds the contiguous ``out`` along its non-innermost block
+    axis by its tiles (STRIDED_BLOCKS), with no copy: a dim of size > 1 after the axis."""
+    ax = fmt.axis % out.dim()
+    return (STRIDED_BLOCKS and fmt.scale_rule != "4over6"
+            and any(out.size(d) > 1 for d in range(ax + 1, out.dim())))
+
+
 def _round_fresh(out, fmt, func):
     """An op's own new output rounded to fmt: in place where the kernels can (the same bits as
     ``quantize``, without a second buffer), else by ``quantize``; block formats are watched
@@ -536,7 +587,8 @@ def _round_fresh(out, fmt, func):
     if (is_stochastic(fmt.rounding) or not _eager_cpu_kernel(out) or not out.is_contiguous()
             or out.is_neg() or (block and fmt.block_shape is not None)  # (2D tiles: qtensor.ops)
             or (block and fmt.axis is not None and out.dim() > 1
-                and fmt.axis % out.dim() != out.dim() - 1)):
+                and fmt.axis % out.dim() != out.dim() - 1
+                and not _tiles_in_place(out, fmt))):
         before, out = out, quantize(out, fmt)
         if block:
             _block_specials.check(before, out, fmt, op=func)
@@ -710,21 +762,22 @@ def _operand_cache_root(a):
     return root if getattr(root, "_is_param", False) and type(root) is QTensor else None
 
 
-def _rounded_operand(a, x, fmt):
-    """x (the payload of the QTensor operand a) rounded to fmt for one contraction."""
+def _rounded_operand(a, x, fmt, tiles=True):
+    """x (the payload of the QTensor operand a) rounded to fmt for one contraction (tiles:
+    quantize's)."""
     root = _operand_cache_root(a) if CACHE_OPERANDS else None
     if (root is None or is_stochastic(fmt.rounding) or type(x) is not torch.Tensor
             or torch.compiler.is_compiling()):
-        return quantize(x, fmt, keep_layout=False)
+        return quantize(x, fmt, keep_layout=False, tiles=tiles)
     base = root._data
     # (views made inside dispatch have no _base: their storage tells; a view of a payload
     # that ``p.data = x`` replaced holds the old storage)
     if x is not base and x.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-        return quantize(x, fmt, keep_layout=False)
+        return quantize(x, fmt, keep_layout=False, tiles=tiles)
     cache = root.__dict__.get("_qt_operands")
     if cache is None:
         cache = root.__dict__["_qt_operands"] = {}
-    key = (id(fmt), x.storage_offset(), tuple(x.shape), x.stride())
+    key = (id(fmt), x.storage_offset(), tuple(x.shape), x.stride(), tiles)
     versions = (root._version, base._version)
     hit = cache.get(key)
     if hit is not None:
@@ -732,15 +785,15 @@ def _rounded_operand(a, x, fmt):
             return hit[2]
         if hit[1] is not base:  # p.data = x: every entry is of the old payload
             cache.clear()
-    q = quantize(x, fmt, keep_layout=False)
+    q = quantize(x, fmt, keep_layout=False, tiles=tiles)
     cache[key] = (versions, base, q, fmt)  # (fmt: keeps it alive, so its id stays its own)
     return q
 
 
-def _round_operand(args, uargs, pos, axis):
+def _round_operand(args, uargs, pos, axis, tiles=True):
     a = args[pos] if pos < len(args) else None
     if isinstance(a, QTensor) and a.mm_fmt is not None:
-        uargs[pos] = _rounded_operand(a, uargs[pos], with_axis(a.mm_fmt, axis))
+        uargs[pos] = _rounded_operand(a, uargs[pos], with_axis(a.mm_fmt, axis), tiles)
 
 
 def _own_mm_fmt(a):
@@ -751,7 +804,7 @@ def _own_mm_fmt(a):
     return m.base if type(m) is _gemm.GemmOperand else m
 
 
-def _round_gemm_operands(args, uargs, operands):
+def _round_gemm_operands(args, uargs, operands, tiles=True):
     """Round the operands of a contraction one of which has per-GEMM formats (qtensor.gemm):
     the args with those formats as the operands' mm_fmt (what an accumulator reads), or None
     when none has."""
@@ -767,9 +820,9 @@ def _round_gemm_operands(args, uargs, operands):
             if fmt is not None:
                 fa = with_axis(fmt, axis)
                 # (a transformed payload is a new tensor: no cache of the parameter's roundings)
-                uargs[pos] = (_rounded_operand(a, uargs[pos], fa)
+                uargs[pos] = (_rounded_operand(a, uargs[pos], fa, tiles)
                               if isinstance(a, QTensor) and transform is None
-                              else quantize(uargs[pos], fa, keep_layout=False))
+                              else quantize(uargs[pos], fa, keep_layout=False, tiles=tiles))
     return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts)
 
 
@@ -798,10 +851,12 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
     if op.handler is not None:
         return op.handler(func, args, uargs, ukwargs, acc)
     operands = op.operands(args) if callable(op.operands) else op.operands
-    tagged = _round_gemm_operands(args, uargs, operands)
+    # (a convolution picks its algorithm, hence its bits, by its operands' layout: the copy's)
+    tiles = "convolution" not in func._opname
+    tagged = _round_gemm_operands(args, uargs, operands, tiles)
     if tagged is None:
         for pos, axis in operands:
-            _round_operand(args, uargs, pos, axis)
+            _round_operand(args, uargs, pos, axis, tiles)
     else:
         args = tagged
     if acc is not None:  # the products summed by the operands' accumulator
