@@ -1871,6 +1871,17 @@ def _nvfp4_operands():
     return x.flatten(1), w.flatten(1)
 
 
+def _converted_linear_output(x, w, fmt, f):
+    """x through qt.convert(nn.Linear with weight w), fmt at both operands, accumulator f."""
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
+                                  accumulate=f))
+    y = m(x)
+    return y.dequantize() if isinstance(y, qt.QTensor) else y
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4_single", "nvfp4"])
 def test_converted_linear_nvfp4_passes_block_scales(fmt):
     """qt.convert(nn.Linear) with NVFP4 weight and activation operand formats and
@@ -1880,13 +1891,7 @@ def test_converted_linear_nvfp4_passes_block_scales(fmt):
     scales (each group at its own sum's exponent, the previous behaviour) the bits differ."""
     f = accum.blackwell_nvfp4
     x, w = _nvfp4_operands()
-    lin = torch.nn.Linear(64, 3, bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
-                                  accumulate=f))
-    y = m(x)
-    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    y = _converted_linear_output(x, w, fmt, f)
     if fmt == "nvfp4_single":
         xe, xs = _e4m3_scales(x)
         we, ws = _e4m3_scales(w)
@@ -2078,13 +2083,7 @@ def test_converted_linear_other_scale_rules_pass_block_scales(fmt, f):
     if fmt.block_size == 32:  # MX: a block of x that cancels at 2^60, far above the others
         x[:2, :32] = torch.tensor([2.0 ** 60, -2.0 ** 60] * 16)
         w[:, :32] = 1.0
-    lin = torch.nn.Linear(64, 3, bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
-                                  accumulate=f))
-    y = m(x)
-    y = y.dequantize() if isinstance(y, qt.QTensor) else y
+    y = _converted_linear_output(x, w, fmt, f)
     if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:  # the rounded x alone: ambiguous
         assert accum._block_scales(qt.quantize(x, fmt), fmt, -1) is None
     xe, xs, tx = _quantizer_split(x, fmt)
