@@ -202,7 +202,10 @@ def make_pair(name, quick, compiled):
     for m in (ref, emu):
         opt = make_opt(m)
         if compiled:
-            m = torch.compile(m)
+            # static shapes: the models' shapes differ, and a recompilation with automatic
+            # dynamic shapes meets torch 2.13's subclass-stride issue (qtensor refuses it with
+            # a precise error; benchmarks/RESULTS.md "Compiled training steps")
+            m = torch.compile(m, dynamic=False)
         pair.append(Trainer(m, opt, loss_of, batches))
     return pair[0], pair[1], what
 

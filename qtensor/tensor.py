@@ -272,6 +272,11 @@ def _check_not_lowering_a_dynamic_output(t) -> None:
         "program (ep.module()) computes QTensors with a dynamic batch.")
 
 
+def _describe_sizes(sizes) -> str:
+    return "(" + ", ".join(f"<tensor of shape {tuple(v.shape)}>" if isinstance(v, torch.Tensor)
+                           else str(v) for v in (sizes or ())) + ")"
+
+
 class QTensor(torch.Tensor):
     """A tensor whose values are in ``fmt``; contractions see them in ``mm_fmt`` (optional).
 
@@ -358,6 +363,17 @@ class QTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
         fmt, mm_fmt, accum = meta
+        if any(isinstance(s, torch.Tensor) for s in (*(outer_size or ()), *(outer_stride or ()))):
+            # torch 2.13's AOTAutograd subclass wrapper can hand a tensor where a symbolic
+            # stride's runtime value belongs (seen after a recompilation with automatic dynamic
+            # shapes, benchmarks/RESULTS.md); its other arguments are then shifted too, so no
+            # value here can be trusted: refuse precisely instead of building a wrong tensor
+            raise RuntimeError(
+                "qtensor: torch.compile passed a tensor as a QTensor output's size or stride "
+                f"(size {_describe_sizes(outer_size)}, stride {_describe_sizes(outer_stride)}). "
+                "This is a torch.compile issue with dynamic shapes after a recompilation; "
+                "compile with torch.compile(..., dynamic=False), or call "
+                "torch._dynamo.reset() before compiling another model in the same process.")
         return QTensor._wrap(inner_tensors["_data"], fmt, mm_fmt, outer_size, outer_stride,
                              accum=accum)
 

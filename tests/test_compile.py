@@ -671,3 +671,18 @@ def test_compiled_hf_gpt2_with_its_default_cache():
     _assert_same(loss_c, loss, "loss")
     for name, g in want.items():
         _assert_same(got[name], g, f"grad of {name}")
+
+
+def test_a_tensor_passed_as_an_output_stride_is_refused_precisely():
+    """torch 2.13's AOTAutograd subclass wrapper was seen handing an activation tensor where a
+    QTensor output's symbolic stride belongs (after a recompilation with automatic dynamic
+    shapes: bench_training --compile, char-GPT then HF GPT-2). _make_wrapper_subclass then failed
+    with "type must be tuple of ints"; the arguments are shifted, so the QTensor refuses with a
+    message that names the workaround instead of building a tensor from them."""
+    q = qt.QTensor(torch.randn(4, 8), "mxfp8_e4m3")
+    inner, meta = q.__tensor_flatten__()
+    data = {name: getattr(q, name) for name in inner}
+    ok = qt.QTensor.__tensor_unflatten__(data, meta, (4, 8), (8, 1))
+    assert torch.equal(ok.dequantize(), q.dequantize())
+    with pytest.raises(RuntimeError, match=r"dynamic=False.*torch\._dynamo\.reset\(\)"):
+        qt.QTensor.__tensor_unflatten__(data, meta, (4, 8), (8, torch.randn(2, 3)))
