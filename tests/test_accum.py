@@ -1871,6 +1871,19 @@ def _nvfp4_operands():
     return x.flatten(1), w.flatten(1)
 
 
+def _spy_on_scale_arguments(monkeypatch):
+    """A list that collects, per accum_matmul call, the names of its tensor keyword arguments
+    (the scales and clamps the kernel was given)."""
+    calls = []
+    kernel = accum.accum_matmul
+
+    def spy(*args, **kw):
+        calls.append(sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor)))
+        return kernel(*args, **kw)
+    monkeypatch.setattr(accum, "accum_matmul", spy)
+    return calls
+
+
 def _converted_linear_output(x, w, fmt, f):
     """x through qt.convert(nn.Linear with weight w), fmt at both operands, accumulator f."""
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
@@ -1936,13 +1949,7 @@ def test_converted_conv2d_mxfp4_passes_block_exponents(fmt, f, monkeypatch):
             x[:, 16:] = x[:, :16] * 2.0 ** -15
     m = qt.convert(conv, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt),
                                    accumulate=f))
-    calls = []
-    kernel = accum.accum_matmul
-
-    def spy(*args, **kw):
-        calls.append(sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor)))
-        return kernel(*args, **kw)
-    monkeypatch.setattr(accum, "accum_matmul", spy)
+    calls = _spy_on_scale_arguments(monkeypatch)
     y = m(x)
     monkeypatch.undo()
     assert calls[0] == (["a_gexp", "b_gexp"] if f.group > 1 else ["b_emin"])
@@ -2217,13 +2224,7 @@ def test_converted_conv2d_grad_weight_passes_block_scales(fmt, f, monkeypatch):
     mx = ("fp32", fmt)
     m = qt.convert(conv, qt.Recipe(weight=mx, activation=mx, grad=mx, accumulate=f))
     y = m(x)
-    calls = []
-    kernel = accum.accum_matmul
-
-    def spy(*args, **kw):
-        calls.append(sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor)))
-        return kernel(*args, **kw)
-    monkeypatch.setattr(accum, "accum_matmul", spy)
+    calls = _spy_on_scale_arguments(monkeypatch)
     y.backward(go)
     monkeypatch.undo()
     assert calls == [["a_gexp", "b_gexp"] if f.group > 1 else ["a_emin", "b_emin"]]
