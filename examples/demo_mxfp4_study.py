@@ -37,9 +37,9 @@ import common  # noqa: E402
 import demo  # noqa: E402  (its recipe, learning rate, momentum and batch: the same run)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import qtensor as qt  # noqa: E402
+from qtensor import flush_warnings  # noqa: E402
 
 FP4 = qt.format("mxfp4_e2m1")
 CEIL = dataclasses.replace(FP4, scale_rule="ceil")
@@ -69,17 +69,13 @@ VARIANTS = {
 }
 
 
-def clipped_share(x: torch.Tensor, axis: int, block: int = 32) -> float:
+def clipped_share(x: torch.Tensor, axis: int) -> float:
     """Share of the nonzero values of x that OCP's floor scale clips in MXFP4 (E2M1 max 6,
-    emax 2): |x| > 6 * 2^(floor(log2 amax) - 2), blocks of ``block`` along ``axis``."""
-    x = x.detach().float().movedim(axis, -1)
-    n = x.shape[-1]
-    pad = (-n) % block
-    x = F.pad(x, (0, pad)).reshape(-1, (n + pad) // block, block)
-    amax = x.abs().amax(-1, keepdim=True)
-    scale = torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-38))) - 2)
-    nz = x != 0
-    return float(((x.abs() > 6 * scale) & nz).sum()) / max(1, int(nz.sum()))
+    emax 2): |x| > 6 * 2^(floor(log2 amax) - 2), blocks of 32 along ``axis``
+    (qtensor.flush_warnings.clipping, the count qt.analyze and the warnings report)."""
+    x = x.detach().float()
+    c = flush_warnings.clipping(x, dataclasses.replace(FP4, axis=axis))
+    return c["clipped"] / max(1, int(torch.count_nonzero(x)))
 
 
 def row_sum_bias(dy: torch.Tensor, fmt) -> float:
