@@ -132,15 +132,7 @@ def _blocks(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     by fmt's blocking, as the rounding blocks it (reference.py's layout)."""
     if fmt.block_shape is not None:
         return reference.tile_blocks(x, fmt)[0]
-    if fmt.axis is None or x.dim() == 0:
-        return x.reshape(1, -1)
-    moved = x.movedim(fmt.axis, -1)
-    n = moved.shape[-1]
-    bs = max(min(fmt.block_size or n, n), 1)
-    pad = (-n) % bs
-    if pad:
-        moved = torch.nn.functional.pad(moved, (0, pad))
-    return moved.reshape(*moved.shape[:-1], -1, bs)
+    return reference.block_layout(x, fmt)
 
 
 def can_clip(fmt: BlockFormat) -> bool:

@@ -296,6 +296,19 @@ def round_with_scale(x64: torch.Tensor, scale: torch.Tensor, fmt: BlockFormat,
     return torch.where(scale > 0, q, zero)
 
 
+def block_layout(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """x laid out as [..., blocks, block size] by fmt's 1D blocking: the block axis moved last
+    (axis=None: the whole tensor one block), zero-padded to whole blocks at its end."""
+    moved = x.reshape(1, -1) if fmt.axis is None or x.dim() == 0 else x.movedim(fmt.axis, -1)
+    n = moved.shape[-1]
+    bs = fmt.block_size if (fmt.block_size is not None and fmt.axis is not None) else n
+    bs = max(min(bs, n), 1)  # a block longer than the axis is the axis (no padding to 2**62)
+    pad = (-n) % bs
+    if pad:
+        moved = torch.nn.functional.pad(moved, (0, pad))
+    return moved.reshape(*moved.shape[:-1], -1, bs)
+
+
 def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
                      index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
     """x (float64) rounded to a BlockFormat, as float64 (float32-exact values)."""
@@ -307,25 +320,14 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
         return restore(_quantize_blocks(y, fmt1, rounding, iy, seed))
     shape = x64.shape
     if fmt.axis is None or x64.dim() == 0:
-        moved = x64.reshape(1, -1)
-        idx = index.reshape(1, -1) if index is not None else None
         axis = None
     else:
         check_axis(x64, fmt)
         axis = fmt.axis
-        moved = x64.movedim(axis, -1)
-        idx = index.movedim(axis, -1) if index is not None else None
+    blocks = block_layout(x64, fmt)
+    idx = block_layout(index, fmt) if index is not None else None
+    moved = x64.reshape(1, -1) if axis is None else x64.movedim(axis, -1)
     n = moved.shape[-1]
-    bs = fmt.block_size if (fmt.block_size is not None and fmt.axis is not None) else n
-    bs = max(min(bs, n), 1)  # a block longer than the axis is the axis (no padding to 2**62)
-    pad = (-n) % bs
-    if pad:
-        moved = torch.nn.functional.pad(moved, (0, pad))
-        if idx is not None:
-            idx = torch.nn.functional.pad(idx, (0, pad))
-    blocks = moved.reshape(*moved.shape[:-1], -1, bs)
-    if idx is not None:
-        idx = idx.reshape(blocks.shape)
     amax = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.sum(-1, True)
     bad = ~torch.isfinite(amax)
     amax_f = torch.where(bad, torch.zeros_like(amax), amax)
