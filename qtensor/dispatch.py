@@ -34,10 +34,12 @@ from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
 from .formats import PRESETS as _PRESETS, BlockFormat, Format, is_stochastic
 
 aten = torch.ops.aten
+_compiler = torch.compiler  # (its _is_exporting_flag is what is_exporting() returns)
+_increment_version = getattr(torch._C, "_increment_version", torch.autograd.graph.increment_version)
 
 __all__ = ["dispatch", "OPS", "OpRule", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
 
-# Op kinds.
+# Op kinds (those from FOREACH on take paths of their own).
 COMPUTE, MOVE_KIND, CONTRACT_KIND, FOREACH, DECOMPOSE, COLLECTIVE = 0, 1, 2, 3, 4, 5
 
 # torch.distributed's op namespaces: functional collectives (DTensor, FSDP2) and c10d's
@@ -241,7 +243,8 @@ class Rule:
     refined by overload) and its schema's aliasing; computed once, cached."""
 
     __slots__ = ("kind", "moves", "name", "op", "mutated", "out_alias", "is_view", "inplace_view",
-                 "order", "transpose", "returns_void", "dim_pos", "dim_default", "stacks")
+                 "order", "transpose", "returns_void", "dim_pos", "dim_default", "stacks",
+                 "call", "single", "aliases_self")
 
     def __init__(self, func):
         packet = func._opname
@@ -283,6 +286,56 @@ class Rule:
         self.dim_default = (None if self.dim_pos is None
                             else schema.arguments[self.dim_pos].default_value)
         self.stacks = op.block == STACK  # its dim is a new one
+        # the fast path (_single_move) of a move whose one tensor argument is self and whose
+        # one output is a tensor (views, reshapes, t, detach, clone, ...): the callable that
+        # runs it on the payload, and whether its output aliases self (a view: its wrapper
+        # must share the input wrapper's storage, as return_and_correct_aliasing makes it)
+        # the function that runs the op on payloads: OpOverload.__call__'s own (without its
+        # frame), not where a subclass of OpOverload has a __call__ of its own
+        self.call = func._op if type(func) is torch._ops.OpOverload else func
+        self.single, self.aliases_self = None, False
+        if (self.kind == MOVE_KIND and op.move_if is None and not self.mutated
+                and not self.inplace_view and _one_tensor_in_one_out(schema)):
+            if not self.is_view:
+                self.single = _PAYLOAD_CALLS.get(self.name, self.call)
+            elif _aliases_self_only(func):
+                self.single, self.aliases_self = _PAYLOAD_CALLS.get(self.name, self.call), True
+
+
+def _one_tensor_in_one_out(schema) -> bool:
+    """Whether an op's only tensor argument is its first and it returns one tensor."""
+    args, rets = schema.arguments, schema.returns
+    return (len(rets) == 1 and str(rets[0].type) == "Tensor" and len(args) > 0
+            and str(args[0].type) == "Tensor"
+            and not any("Tensor" in str(a.type) for a in args[1:]))
+
+
+def _aliases_self_only(func) -> bool:
+    """Whether return_and_correct_aliasing does nothing for a view op but make its output share
+    the storage of its first argument (what _single_move does instead)."""
+    try:
+        from torch.utils._python_dispatch import get_alias_info
+        info = get_alias_info(func)
+        return (list(info.read_only_alias_match_indexes) == [(0, 0)]
+                and info.outs_write_aliases is None and not info.is_inplace_view_op)
+    except Exception:  # noqa: BLE001 (another torch: the general path)
+        return False
+
+
+# The payload call of the hottest moves (by overload name): the Tensor method runs the same
+# aten overload (tests/test_dispatch_fast.py checks each) at about half the Python cost of an
+# OpOverload call, which parses its arguments against the schema. Other single moves call the
+# overload's own function (OpOverload.__call__ without its frame).
+_PAYLOAD_CALLS = {
+    "view.default": torch.Tensor.view, "t.default": torch.Tensor.t,
+    "transpose.int": torch.Tensor.transpose, "permute.default": torch.Tensor.permute,
+    "expand.default": torch.Tensor.expand, "detach.default": torch.Tensor.detach,
+    "unsqueeze.default": torch.Tensor.unsqueeze, "squeeze.dim": torch.Tensor.squeeze,
+    "squeeze.dims": torch.Tensor.squeeze, "squeeze.default": torch.Tensor.squeeze,
+    "select.int": torch.Tensor.select, "as_strided.default": torch.Tensor.as_strided,
+    "unfold.default": torch.Tensor.unfold, "diagonal.default": torch.Tensor.diagonal,
+    "clone.default": torch.Tensor.clone,
+}
 
 
 _RULES: dict = {}
@@ -452,16 +505,17 @@ _KERNEL_CALLS: dict = {}
 
 
 def _kernel_call(fmt, inplace=False):
-    """(op overload, trailing args) of the fused kernel for a deterministic format (its in-place
-    variant with ``inplace``), cached by id (a format's own hash walks all its fields): building
-    them in qtensor.ops costs more than rounding a small tensor."""
+    """(the op overload's function, trailing args) of the fused kernel for a deterministic
+    format (its in-place variant with ``inplace``), cached by id (a format's own hash walks all
+    its fields): building them in qtensor.ops costs more than rounding a small tensor. (The
+    function is OpOverload.__call__'s own, called without that frame.)"""
     entry = _KERNEL_CALLS.get(id(fmt))
     if entry is None:
         name, args = _ops.op_args(fmt)
         args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
         entry = _KERNEL_CALLS[id(fmt)] = (
-            (getattr(torch.ops.qtensor, name).default, args),
-            (getattr(torch.ops.qtensor, name + "_").default, args),
+            (getattr(torch.ops.qtensor, name).default._op, args),
+            (getattr(torch.ops.qtensor, name + "_").default._op, args),
             fmt)  # keeps fmt alive: its id stays unique
     return entry[1] if inplace else entry[0]
 
@@ -481,7 +535,7 @@ _SLOW_CPU_CASTS = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 def _eager_cpu_kernel(x) -> bool:
     """Whether x is an eager CPU tensor that the compiled kernels take."""
-    return (_CPU_KERNELS and type(x) is torch.Tensor and x.device.type == "cpu"
+    return (_CPU_KERNELS and type(x) is torch.Tensor and x.is_cpu  # (.device costs more)
             and x.dtype in _KERNEL_DTYPES)
 
 
@@ -580,11 +634,12 @@ def _tiles_in_place(out, fmt):
 
 
 def _round_fresh(out, fmt, func):
-    """An op's own new output rounded to fmt: in place where the kernels can (the same bits as
-    ``quantize``, without a second buffer), else by ``quantize``; block formats are watched
-    for NaN blocks (qtensor.block_specials)."""
+    """An op's own new output, an eager CPU tensor that the kernels take (_eager_cpu_kernel),
+    rounded to fmt: in place where the kernels can (the same bits as ``quantize``, without a
+    second buffer), else by ``quantize``; block formats are watched for NaN blocks
+    (qtensor.block_specials)."""
     block = type(fmt) is BlockFormat
-    if (is_stochastic(fmt.rounding) or not _eager_cpu_kernel(out) or not out.is_contiguous()
+    if (is_stochastic(fmt.rounding) or not out.is_contiguous()
             or out.is_neg() or (block and fmt.block_shape is not None)  # (2D tiles: qtensor.ops)
             or (block and fmt.axis is not None and out.dim() > 1
                 and fmt.axis % out.dim() != out.dim() - 1
@@ -596,10 +651,10 @@ def _round_fresh(out, fmt, func):
     if (block and _block_specials.watching() and out.numel()
             and not torch.isfinite(out.sum())):  # an Inf or NaN may spread over its block
         before = out.clone()
-        _round_inplace_to(out, fmt)
+        _round_inplace_to(out, fmt, kernel=True)
         _block_specials.check(before, out, fmt, op=func)
         return out
-    _round_inplace_to(out, fmt)
+    _round_inplace_to(out, fmt, kernel=True)
     return out
 
 
@@ -638,17 +693,20 @@ def _round_inplace(q, func=None) -> None:
     _round_inplace_to(data, fmt)
 
 
-def _round_inplace_to(data, fmt) -> None:
+def _round_inplace_to(data, fmt, kernel=None) -> None:
+    """data rounded to fmt in place; ``kernel``: whether the in-place kernels take it, where
+    the caller knows (deterministic, an eager CPU tensor, no 2D tiles)."""
     dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
-    kernel = (not is_stochastic(fmt.rounding) and _eager_cpu_kernel(data)
-              and getattr(fmt, "block_shape", None) is None)  # (2D tiles: qtensor.ops)
+    if kernel is None:
+        kernel = (not is_stochastic(fmt.rounding) and _eager_cpu_kernel(data)
+                  and getattr(fmt, "block_shape", None) is None)  # (2D tiles: qtensor.ops)
     if dt is not None and not (kernel and dt in _SLOW_CPU_CASTS):
         data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
     elif kernel and data.is_contiguous() and not data.is_neg():
         # the in-place kernel, without qt.quantize_'s checks (as ops._round_ calls it)
         op, args = _kernel_call(fmt, inplace=True)
         op(data, *args)
-        torch.autograd.graph.increment_version(data)
+        _increment_version((data,))  # (torch.autograd.graph.increment_version's own call)
     elif data.is_contiguous():
         _ops.quantize_(data, fmt)
     else:
@@ -897,15 +955,41 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
                     "converted nn.TransformerEncoder does: it skips its nested fast path)")
             if rnd:
                 if fresh and _eager_cpu_kernel(out) and _owns(out, fresh):
-                    out = _round_fresh(out, fit_format(fmt, out.dim()), func)
+                    fmt = fit_format(fmt, out.dim())
+                    out = _round_fresh(out, fmt, func)
                 else:
                     before, out = out, quantize(out, fmt)
                     if type(fmt) is BlockFormat:
                         _block_specials.check(before, out, fmt, op=func)
+            if type(out) is torch.Tensor and not _compiler._is_exporting_flag:
+                return QTensor._wrap_eager(out, fit_format(fmt, out.dim()), mm_fmt)
             return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
         return out
     if isinstance(out, (tuple, list)):
         return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func, fresh) for o in out)
+    return out
+
+
+def _single_move(call, func, rule, a, args, kwargs):
+    """dispatch's fast path for a move of one eager QTensor ``a`` (Rule.single): what the general
+    path does for it, with the steps that cannot apply left out (no other operand: no rounding
+    unless its blocks are regrouped; one output; no mutation)."""
+    out = call(a._data, *args[1:], **kwargs) if kwargs else call(a._data, *args[1:])
+    fmt = a.fmt
+    rnd = False
+    if type(fmt) is BlockFormat and fmt.axis is not None:
+        fmt, rnd = _block_out(fmt, func, rule, args, kwargs, a, out, False)
+    if (rnd or out.dtype not in FLOAT_DTYPES or out.layout != torch.strided
+            or out.is_nested):  # (as the general path)
+        out = _wrap_out(out, fmt, a.mm_fmt, rnd, func)
+        if not isinstance(out, QTensor):
+            return out
+    else:
+        out = QTensor._wrap_eager(out, fit_format(fmt, out.dim()), a.mm_fmt)
+    if a._accum is not None:
+        out._accum = a._accum
+    if rule.aliases_self:
+        torch._functionalize_unsafe_set(out, a)  # (return_and_correct_aliasing's one step)
     return out
 
 
@@ -914,11 +998,18 @@ def dispatch(func, args, kwargs):
     rule = getattr(func, "_qtensor_rule", None)
     if rule is None:
         rule = rule_of(func)
-    if rule.kind == FOREACH:
-        return _dispatch_foreach(func, rule, args, kwargs)
-    if rule.kind == DECOMPOSE:
-        return func.decompose(*args, **(kwargs or {}))
-    if rule.kind == COLLECTIVE:
+    if rule.single is not None:
+        a = args[0]
+        # eager payloads only (traced ones take the general path), not while torch.export
+        # traces (QTensor._wrap records the constructions)
+        if (type(a) is QTensor and type(a._data) is torch.Tensor
+                and not _compiler._is_exporting_flag):
+            return _single_move(rule.single, func, rule, a, args, kwargs)
+    if rule.kind >= FOREACH:
+        if rule.kind == FOREACH:
+            return _dispatch_foreach(func, rule, args, kwargs)
+        if rule.kind == DECOMPOSE:
+            return func.decompose(*args, **(kwargs or {}))
         return _collective(func, args, kwargs)
     qs = []
     uargs, ukwargs, plain = _unwrap(args, kwargs, qs)
@@ -926,7 +1017,7 @@ def dispatch(func, args, kwargs):
         if rule.kind == CONTRACT_KIND:
             out = _contract(func, rule, args, kwargs, uargs, ukwargs)
         else:
-            out = func(*uargs, **ukwargs)
+            out = rule.call(*uargs, **ukwargs)
     except RuntimeError as err:
         if "device" in str(err):
             _device_error(func, args, kwargs, err)

@@ -32,6 +32,7 @@ __all__ = [
 # (besides these, "stochasticN" for N = 1..31: stochastic rounding with N random bits, as
 # hardware does it: NVIDIA's cvt.rs takes 8; "stochastic" uses 32)
 ROUNDING_MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")
+_DETERMINISTIC = frozenset({"nearest", "nearest_away", "toward_zero"})
 SPECIALS = ("ieee", "fn", "none")
 # floor/even: OCP's and torchao's power-of-two scales from amax's exponent; ceil (= torchao's
 # RCEIL, also spelled "rceil"): the smallest scale with amax / X <= max_elem; amax: scale =
@@ -64,6 +65,8 @@ def stochastic_bits(rounding: str) -> Optional[int]:
     ``"stochasticN"``), None for the deterministic modes."""
     if rounding == "stochastic":
         return 32
+    if rounding in _DETERMINISTIC:  # (no regex: this runs on every rounding)
+        return None
     if isinstance(rounding, str):
         m = re.fullmatch(r"stochastic([1-9][0-9]?)", rounding)
         if m and int(m.group(1)) <= 31:

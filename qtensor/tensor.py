@@ -42,6 +42,7 @@ from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _p
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 
 _TENSOR_DATA = torch._C.TensorBase.data  # the C getter/setter of Tensor.data
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _compiler = torch.compiler  # (its _is_compiling_flag is what is_compiling() returns, eagerly)
 
 try:  # dynamo's frame callback (None: no compiled region on the stack) and its frame skip list
@@ -348,6 +349,21 @@ class QTensor(torch.Tensor):
         if torch.compiler.is_exporting():
             _record_construction(t, data, fmt, mm_fmt, outer_size, outer_stride, requires_grad,
                                  accum)
+        return t
+
+    @staticmethod
+    def _wrap_eager(data, fmt, mm_fmt):
+        """_wrap for dispatch's fast path: an eager payload (a plain tensor) while neither dynamo
+        (which never traces dispatch) nor torch.export (whose constructions _wrap records) runs."""
+        if _is_functorch_wrapped(data):
+            refuse_transformed(data, "the payload")
+        # (size, strides, storage_offset, memory_format, dtype, layout, device: positional
+        # arguments parse faster)
+        t = _make_wrapper_subclass(QTensor, data.shape, data.stride(), data.storage_offset(),
+                                   None, data.dtype, data.layout, data.device)
+        t._data = data
+        t.fmt = fmt
+        t.mm_fmt = mm_fmt
         return t
 
     def __init__(self, *args, **kwargs):
