@@ -970,6 +970,11 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
     return out
 
 
+# Moves of one eager QTensor take _single_move (False: the general path, the same results:
+# tests/test_dispatch_fast.py compares them).
+FAST_MOVES = True
+
+
 def _single_move(call, func, rule, a, args, kwargs):
     """dispatch's fast path for a move of one eager QTensor ``a`` (Rule.single): what the general
     path does for it, with the steps that cannot apply left out (no other operand: no rounding
@@ -998,7 +1003,7 @@ def dispatch(func, args, kwargs):
     rule = getattr(func, "_qtensor_rule", None)
     if rule is None:
         rule = rule_of(func)
-    if rule.single is not None:
+    if rule.single is not None and FAST_MOVES:
         a = args[0]
         # eager payloads only (traced ones take the general path), not while torch.export
         # traces (QTensor._wrap records the constructions)
