@@ -357,6 +357,7 @@ def rule_of(func) -> Rule:
 # Formats of outputs
 
 _FIT_CACHE: dict = {}
+_CACHE_SIZE = 4096  # entries of the format caches below, before they start again
 
 
 def fit_format(fmt: Format, ndim: int) -> Format:
@@ -372,8 +373,9 @@ def fit_format(fmt: Format, ndim: int) -> Format:
             return fmt
     elif ndim >= 2 and -ndim <= fmt.axis < ndim:
         return fmt  # (an axis that is not one of the last two: quantize says so, FormatError)
-    key = (fmt, ndim)
-    f = _FIT_CACHE.get(key)
+    key = (id(fmt), ndim)  # (by id, as _kernel_call: a format's own hash walks its fields)
+    hit = _FIT_CACHE.get(key)
+    f = None if hit is None else hit[1]
     if f is None:
         if fmt.block_shape is None:
             f = fmt.replace(axis=-1)
@@ -383,7 +385,9 @@ def fit_format(fmt: Format, ndim: int) -> Format:
             r, c = fmt.block_shape
             along_row = c if fmt.axis in (-1, 1) else r  # (1: the last dim of a matrix)
             f = fmt.replace(block_shape=None, block_size=along_row, axis=-1)
-        _FIT_CACHE[key] = f
+        if len(_FIT_CACHE) > _CACHE_SIZE:  # (formats made anew per call: bounded)
+            _FIT_CACHE.clear()
+        _FIT_CACHE[key] = (fmt, f)  # (fmt: keeps it alive, so its id stays its own)
     return f
 
 
@@ -394,11 +398,13 @@ def with_axis(fmt: Format, axis: int) -> Format:
     """A BlockFormat blocked along ``axis`` (axis=None formats, per-tensor, are kept)."""
     if type(fmt) is not BlockFormat or fmt.axis is None or fmt.axis == axis:
         return fmt
-    key = (fmt, axis)
-    f = _AXIS_CACHE.get(key)
-    if f is None:
-        f = _AXIS_CACHE[key] = fmt.replace(axis=axis)
-    return f
+    key = (id(fmt), axis)  # (by id, as _kernel_call: a format's own hash walks its fields)
+    hit = _AXIS_CACHE.get(key)
+    if hit is None:
+        if len(_AXIS_CACHE) > _CACHE_SIZE:
+            _AXIS_CACHE.clear()
+        hit = _AXIS_CACHE[key] = (fmt, fmt.replace(axis=axis))  # (fmt kept alive: see above)
+    return hit[1]
 
 
 def _transposed_fmt(fmt, func, args, in_ndim):
