@@ -932,26 +932,29 @@ def _contract(func, rule, args, kwargs, uargs, ukwargs):
 # ---------------------------------------------------------------------------------------------
 # Output wrapping
 
-def _owns(out, inputs) -> bool:
-    """Whether out shares no storage with the inputs (an op's own buffer, safe to round in
-    place; a schema promises it for a computing op's outputs, and this checks it)."""
+def _owns(out, uargs, ukwargs) -> bool:
+    """Whether out shares no storage with the tensors among the op's (payload) arguments (an
+    op's own buffer, safe to round in place; a schema promises it for a computing op's
+    outputs, and this checks it)."""
     ptr = out.untyped_storage().data_ptr()
     if ptr == 0:  # (no storage: nothing to gain)
         return False
-    for u in inputs:
-        if u is None:
-            continue
-        if u is out or u.layout != torch.strided or u.is_nested:  # (sparse: no storage to ask)
-            return False
-        if u.untyped_storage().data_ptr() == ptr:
-            return False
+    for inputs in (uargs, ukwargs.values()):
+        for u in inputs:
+            if not isinstance(u, torch.Tensor):
+                continue
+            if u is out or u.layout != torch.strided or u.is_nested:  # (sparse: no storage)
+                return False
+            if u.untyped_storage().data_ptr() == ptr:
+                return False
     return True
 
 
-def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
+def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None):
     """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd.
-    ``fresh``: the op's inputs when its outputs are new tensors of its own (a computing op,
-    no view, no mutation): those are rounded in place unless one of them is an input."""
+    ``fresh``: the op's (payload args, payload kwargs) when its outputs are new tensors of its
+    own (a computing op, no view, no mutation): those are rounded in place unless one of them
+    shares an argument's storage."""
     if isinstance(out, torch.Tensor):
         if out.dtype in FLOAT_DTYPES and out.layout == torch.strided:  # sparse stays plain
             if out.is_nested:  # a QTensor cannot hold one; plain, it would compute in FP32
@@ -960,7 +963,7 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
                     "tensors cannot carry a number format. Pad the values instead (a "
                     "converted nn.TransformerEncoder does: it skips its nested fast path)")
             if rnd:
-                if fresh and _eager_cpu_kernel(out) and _owns(out, fresh):
+                if fresh is not None and _eager_cpu_kernel(out) and _owns(out, *fresh):
                     fmt = fit_format(fmt, out.dim())
                     out = _round_fresh(out, fmt, func)
                 else:
@@ -981,22 +984,24 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=()):
 FAST_MOVES = True
 
 
-def _single_move(call, func, rule, a, args, kwargs):
+def _single_move(call, func, rule, a, data, args, kwargs):
     """dispatch's fast path for a move of one eager QTensor ``a`` (Rule.single): what the general
     path does for it, with the steps that cannot apply left out (no other operand: no rounding
     unless its blocks are regrouped; one output; no mutation)."""
-    out = call(a._data, *args[1:], **kwargs) if kwargs else call(a._data, *args[1:])
+    out = call(data, *args[1:], **kwargs) if kwargs else call(data, *args[1:])
     fmt = a.fmt
     rnd = False
-    if type(fmt) is BlockFormat and fmt.axis is not None:
-        fmt, rnd = _block_out(fmt, func, rule, args, kwargs, a, out, False)
+    if type(fmt) is BlockFormat:
+        if fmt.axis is not None:
+            fmt, rnd = _block_out(fmt, func, rule, args, kwargs, a, out, False)
+        fmt = fit_format(fmt, out.dim())
     if (rnd or out.dtype not in FLOAT_DTYPES or out.layout != torch.strided
             or out.is_nested):  # (as the general path)
         out = _wrap_out(out, fmt, a.mm_fmt, rnd, func)
         if not isinstance(out, QTensor):
             return out
     else:
-        out = QTensor._wrap_eager(out, fit_format(fmt, out.dim()), a.mm_fmt)
+        out = QTensor._wrap_eager(out, fmt, a.mm_fmt)
     if a._accum is not None:
         out._accum = a._accum
     if rule.aliases_self:
@@ -1011,11 +1016,12 @@ def dispatch(func, args, kwargs):
         rule = rule_of(func)
     if rule.single is not None and FAST_MOVES:
         a = args[0]
+        data = getattr(a, "_data", None)
         # eager payloads only (traced ones take the general path), not while torch.export
         # traces (QTensor._wrap records the constructions)
-        if (type(a) is QTensor and type(a._data) is torch.Tensor
+        if (type(data) is torch.Tensor and type(a) is QTensor
                 and not _compiler._is_exporting_flag):
-            return _single_move(rule.single, func, rule, a, args, kwargs)
+            return _single_move(rule.single, func, rule, a, data, args, kwargs)
     if rule.kind >= FOREACH:
         if rule.kind == FOREACH:
             return _dispatch_foreach(func, rule, args, kwargs)
@@ -1034,7 +1040,7 @@ def dispatch(func, args, kwargs):
             _device_error(func, args, kwargs, err)
         raise
 
-    src = _first_q(rule, args, qs)
+    src = qs[0] if rule.order is None else _first_q(rule, args, qs)
     fmt, mm_fmt = src.fmt, src.mm_fmt
     if type(mm_fmt) is _gemm.GemmOperand and rule.kind != MOVE_KIND:
         mm_fmt = mm_fmt.base  # per-GEMM tags: kept by data movement only (qtensor.gemm)
@@ -1056,10 +1062,9 @@ def dispatch(func, args, kwargs):
 
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
-    fresh = ()
+    fresh = None
     if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
-        fresh = [u for u in (*uargs, *ukwargs.values()) if isinstance(u, torch.Tensor)]
-        fresh = fresh or (None,)
+        fresh = (uargs, ukwargs)
     out = _wrap_out(out, fmt, mm_fmt, rnd, func, fresh)
     acc = _accum_of(qs)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
