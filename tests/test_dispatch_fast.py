@@ -228,3 +228,14 @@ def test_leak_check_reports_a_plain_tensor_met_through_views():
     with qt.leak_check(action="record") as report:
         x.t().unsqueeze(0).view(8, 8) * plain
     assert [f.kind for f in report.findings] == ["mixed"]
+
+
+def test_format_caches_by_id_stay_bounded_and_equal():
+    """with_axis/fit_format cache by the format object's id: formats made anew per call give
+    equal results and the caches start again at their bound (no growth without end)."""
+    for i in range(dispatch._CACHE_SIZE + 50):
+        f = MX6.replace(block_size=32, axis=-1)  # a new, equal object each time
+        assert dispatch.with_axis(f, 0) == MX6.replace(block_size=32, axis=0)
+        assert dispatch.fit_format(MX6.replace(axis=3), 2) == MX6.replace(axis=-1)
+    assert len(dispatch._AXIS_CACHE) <= dispatch._CACHE_SIZE + 1
+    assert len(dispatch._FIT_CACHE) <= dispatch._CACHE_SIZE + 1
