@@ -286,13 +286,13 @@ class Rule:
         self.dim_default = (None if self.dim_pos is None
                             else schema.arguments[self.dim_pos].default_value)
         self.stacks = op.block == STACK  # its dim is a new one
+        # the function that runs the op on payloads: OpOverload.__call__'s own (without its
+        # frame), not where a subclass of OpOverload has a __call__ of its own
+        self.call = func._op if type(func) is torch._ops.OpOverload else func
         # the fast path (_single_move) of a move whose one tensor argument is self and whose
         # one output is a tensor (views, reshapes, t, detach, clone, ...): the callable that
         # runs it on the payload, and whether its output aliases self (a view: its wrapper
         # must share the input wrapper's storage, as return_and_correct_aliasing makes it)
-        # the function that runs the op on payloads: OpOverload.__call__'s own (without its
-        # frame), not where a subclass of OpOverload has a __call__ of its own
-        self.call = func._op if type(func) is torch._ops.OpOverload else func
         self.single, self.aliases_self = None, False
         if (self.kind == MOVE_KIND and op.move_if is None and not self.mutated
                 and not self.inplace_view and _one_tensor_in_one_out(schema)):

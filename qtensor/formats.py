@@ -65,9 +65,9 @@ def stochastic_bits(rounding: str) -> Optional[int]:
     ``"stochasticN"``), None for the deterministic modes."""
     if rounding == "stochastic":
         return 32
-    if rounding in _DETERMINISTIC:  # (no regex: this runs on every rounding)
-        return None
     if isinstance(rounding, str):
+        if rounding in _DETERMINISTIC:  # (no regex: this runs on every rounding)
+            return None
         m = re.fullmatch(r"stochastic([1-9][0-9]?)", rounding)
         if m and int(m.group(1)) <= 31:
             return int(m.group(1))
