@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "cpu/kernels.h"
@@ -58,6 +59,34 @@ Chain chain_for_isa() {
   return &cdna3_base::chain_panel<R, P>;
 }
 
+// The fast chains (cpu/accum_cdna3.h's chain_fast): panels of PF columns, 16 on AVX-512 (one
+// float32 vector), else 8.
+using FastChain = void (*)(const float*, const int*, int64_t, const float*, const int*, int64_t,
+                           int, int, bool, int, double*, float*);
+
+FastChain fast_chain_for_isa(int* pf) {
+  *pf = 8;
+#if defined(QT_HAVE_ISA_CLONES)
+  const int isa = qtensor_cpu::cpu_isa();
+  if (isa == 2) {
+    *pf = 16;
+    return &cdna3_avx512::chain_fast_panel<R, 16>;
+  }
+  if (isa == 1) return &cdna3_avx2::chain_fast_panel<R, 8>;
+#endif
+  return &cdna3_base::chain_fast_panel<R, 8>;
+}
+
+// An operand the fast chains take: zero, or finite with at most 12 significant bits (products
+// exact in float32), its exponent and its alignment exponent e in [-kFastExp, kFastExp].
+inline bool fast_operand(float x, int e) {
+  if (x == 0.0f) return true;
+  const uint32_t u = qtensor::f2u(x);
+  const int be = (int)((u >> 23) & 0xff) - 127;
+  const int lim = cdna3_base::kFastExp;
+  return (u & 0xfffu) == 0 && be >= -lim && be <= lim && e >= -lim && e <= lim;
+}
+
 // Per-element clamps (int32 in x's shape) or undefined.
 at::Tensor clamps(const c10::optional<at::Tensor>& v, const at::Tensor& x, const char* name) {
   if (!v) return at::Tensor();
@@ -65,6 +94,85 @@ at::Tensor clamps(const c10::optional<at::Tensor>& v, const at::Tensor& x, const
               "qtensor::accum_matmul_cdna3: ", name, " must be an integer tensor of shape ",
               x.sizes(), ", got ", v->sizes());
   return v->to(at::kInt).contiguous();
+}
+
+// The fast chains over the whole product (accum_matmul_cdna3's fast conditions hold): a and b
+// (contiguous float32) decoded into float32 values and int32 alignment exponents (a: (B, MR, K);
+// b: panels of PF columns, (B, N / PF, K, PF)), tasks of R rows against one panel.
+at::Tensor fast_matmul(const at::Tensor& ac, const at::Tensor& bc, const at::Tensor& ev,
+                       const at::Tensor& fv, bool fp8, int64_t chunk, int64_t frac_bits,
+                       int64_t promote, int64_t a_emin, int64_t b_emin, const at::Tensor* cc,
+                       at::Tensor out) {
+  int PF;
+  const FastChain chain = fast_chain_for_isa(&PF);
+  const int64_t B = ac.size(0), M = ac.size(1), K = ac.size(2), N = bc.size(2);
+  const int64_t NP = (N + PF - 1) / PF, MR = (M + R - 1) / R * R;
+  at::Tensor af = at::empty({B, MR, K}, ac.options());
+  at::Tensor ea = at::empty({B, MR, K}, ac.options().dtype(at::kInt));
+  at::Tensor bf = at::empty({B, NP, K, PF}, ac.options());
+  at::Tensor eb = at::empty({B, NP, K, PF}, ac.options().dtype(at::kInt));
+  {
+    const float* pa = ac.data_ptr<float>();
+    const int* pv = ev.defined() ? ev.data_ptr<int>() : nullptr;
+    float* paf = af.data_ptr<float>();
+    int* pea = ea.data_ptr<int>();
+    at::parallel_for(0, B * MR, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K)),
+                     [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {  // t: (batch, row); rows past M are zeros
+        const int64_t bi = t / MR, i = t % MR;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t src = (bi * M + i) * K + k;
+          const float x = i < M ? pa[src] : 0.0f;
+          paf[t * K + k] = x != 0.0f ? x : 0.0f;
+          pea[t * K + k] = x != 0.0f ? qtensor::acc_exp_f32(x, pv ? pv[src] : (int)a_emin)
+                                     : qtensor::kAccZeroExp;
+        }
+      }
+    });
+    const float* pb = bc.data_ptr<float>();
+    const int* pw = fv.defined() ? fv.data_ptr<int>() : nullptr;
+    float* pbf = bf.data_ptr<float>();
+    int* peb = eb.data_ptr<int>();
+    at::parallel_for(0, B * NP * K, std::max<int64_t>(1, (1 << 14) / PF), [&](int64_t lo,
+                                                                             int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {  // t: (batch, panel, k); columns past N are zeros
+        const int64_t bi = t / (NP * K), q = t / K % NP, k = t % K;
+        for (int j = 0; j < PF; ++j) {
+          const int64_t col = q * PF + j, src = (bi * K + k) * N + col;
+          const float x = col < N ? pb[src] : 0.0f;
+          pbf[t * PF + j] = x != 0.0f ? x : 0.0f;
+          peb[t * PF + j] = x != 0.0f ? qtensor::acc_exp_f32(x, pw ? pw[src] : (int)b_emin)
+                                      : qtensor::kAccZeroExp;
+        }
+      }
+    });
+  }
+  const float* paf = af.data_ptr<float>();
+  const int* pea = ea.data_ptr<int>();
+  const float* pbf = bf.data_ptr<float>();
+  const int* peb = eb.data_ptr<int>();
+  const float* pc = cc ? cc->data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  const int ch = (int)chunk, F = (int)frac_bits, pr = (int)promote;
+  const int64_t TM = MR / R;
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, R * PF * K));
+  at::parallel_for(0, B * NP * TM, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {  // tasks (batch, panel, R rows), rows fastest
+      const int64_t bi = t / (NP * TM), q = t / TM % NP, i0 = t % TM * R;
+      const int64_t row = (bi * MR + i0) * K, panel = (bi * NP + q) * K * PF;
+      const int64_t nc = std::min<int64_t>(PF, N - q * PF), nr = std::min<int64_t>(R, M - i0);
+      double p[R * 16];
+      float o[R * 16];
+      for (int r = 0; r < R; ++r)  // the initial accumulator (as the reference: 0 + c)
+        for (int j = 0; j < PF; ++j)
+          p[r * PF + j] = 0.0 + (pc && r < nr && j < nc
+                                     ? (double)pc[(bi * M + i0 + r) * N + q * PF + j] : 0.0);
+      chain(paf + row, pea + row, K, pbf + panel, peb + panel, K, ch, F, fp8, pr, p, o);
+      for (int64_t r = 0; r < nr; ++r)
+        std::copy(o + r * PF, o + r * PF + nc, po + (bi * M + i0 + r) * N + q * PF);
+    }
+  });
+  return out;
 }
 
 at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8, int64_t chunk,
@@ -100,6 +208,28 @@ at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8
   }
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   const at::Tensor ev = clamps(a_emins, a, "a_emins"), fv = clamps(b_emins, b, "b_emins");
+  // the fast chains' conditions: every operand fast_operand, c finite, every chunk's int32 sum
+  // (below chunk * 2^(F + 2)) in range
+  bool fast = (int64_t)chunk << (frac_bits + 2) < ((int64_t)1 << 31);
+  if (fast && c) fast = at::isfinite(cc).all().item<bool>();
+  if (fast) {
+    std::atomic<bool> bad{false};
+    const auto scan = [&](const at::Tensor& x, const at::Tensor& v, int emin) {
+      const float* px = x.data_ptr<float>();
+      const int* pv = v.defined() ? v.data_ptr<int>() : nullptr;
+      at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t lo, int64_t hi) {
+        bool ok = true;
+        for (int64_t t = lo; t < hi && ok; ++t)
+          ok = fast_operand(px[t], qtensor::acc_exp_f32(px[t], pv ? pv[t] : emin));
+        if (!ok) bad = true;
+      });
+    };
+    scan(ac, ev, (int)a_emin);
+    if (!bad) scan(bc, fv, (int)b_emin);
+    fast = !bad;
+  }
+  if (fast) return fast_matmul(ac, bc, ev, fv, fp8, chunk, frac_bits, promote, a_emin, b_emin,
+                               c ? &cc : nullptr, out);
   // decoded once: values as doubles, alignment exponents (accum.h's acc_exp_f32)
   // a's rows padded to whole tasks (zero rows), b's columns to whole panels (zero columns)
   const int64_t MR = (M + R - 1) / R * R;

@@ -36,11 +36,13 @@ QT_HD double second_stage(double D, int ed, double p, int F, bool fp8) {
 
 // One chunk of n products for one output, every case of the reference: a (n), b (stride sb),
 // their exponents ea, eb (accum.h's acc_exp_f32: kAccZeroExp for 0, kAccBadExp for inf/NaN).
-inline double step_general(const double* a, const double* b, int64_t sb, const int* ea,
-                           const int* eb, int64_t n, double p, int F, bool fp8) {
+// T: double (the double lanes' operands) or float (chain_fast's).
+template <class T>
+inline double step_general(const T* a, const T* b, int64_t sb, const int* ea, const int* eb,
+                           int64_t n, double p, int F, bool fp8) {
   bool nan = false, pos = false, neg = false;
   const auto prod = [&](int64_t k, int* et) {
-    double t = a[k] * b[k * sb];
+    double t = (double)a[k] * (double)b[k * sb];
     *et = ea[k] + eb[k * sb];
     // cdna3: a product of 2^128 or more (its significand in [1, 4)) is inf
     if (!fp8 && isfinite(t) && t != 0.0 &&
@@ -73,7 +75,9 @@ inline double step_general(const double* a, const double* b, int64_t sb, const i
   double D = Dh[0];
   if (fp8) {  // the two halves added at F bits of the larger exponent, each floored
     ed = emh[0] > emh[1] ? emh[0] : emh[1];
-    D = floor(Dh[0] * qtensor::acc_pow2(emh[0] - ed)) + floor(Dh[1] * qtensor::acc_pow2(emh[1] - ed));
+    // (an all-zero half, kAllZero: its 0 scaled by 2^-1022 at least, as the reference)
+    D = floor(Dh[0] * qtensor::acc_pow2(std::max(emh[0] - ed, -1022))) +
+        floor(Dh[1] * qtensor::acc_pow2(std::max(emh[1] - ed, -1022)));
   }
   bool pbad = !isfinite(p);
   if (pbad && fp8) {  // an inf/NaN partial (aligned at -1) 25 or more binades below is dropped
@@ -163,7 +167,9 @@ void chain_lanes(const double* a, const int* ea, int64_t lda, const double* b, c
       double D = D0[j];
       if (FP8) {  // the two halves added at F bits of the larger exponent, each floored
         ed = ed0[j] > ed1[j] ? ed0[j] : ed1[j];
-        D = floor(D0[j] * pow2v(ed0[j] - ed)) + floor(D1[j] * pow2v(ed1[j] - ed));
+        const int64_t s0 = ed0[j] - ed < -1022 ? -1022 : ed0[j] - ed;  // an all-zero half: 0
+        const int64_t s1 = ed1[j] - ed < -1022 ? -1022 : ed1[j] - ed;
+        D = floor(D0[j] * pow2v(s0)) + floor(D1[j] * pow2v(s1));
       }
       const double pj = finitev(p[j]) ? p[j] : 0.0;
       const int64_t ec = pj == 0.0 ? -126 : dexpv(pj);
@@ -202,4 +208,128 @@ void chain_panel(const double* a, const int* ea, int64_t lda, const double* b, c
                  int64_t K, int chunk, int F, bool fp8, int promote, double* p, float* out) {
   (fp8 ? chain_lanes<R, P, true> : chain_lanes<R, P, false>)(a, ea, lda, b, eb, K, chunk, F,
                                                                promote, p, out);
+}
+
+// The fast chains (accum_cdna3.cpp's fast_ok holds for the operands: finite, zero or with
+// exponents in [-kFastExp, kFastExp], significands of at most 12 bits, c finite, chunk * 2^(F + 2)
+// below 2^31): every product a * b is exact and normal in float32 and its truncated term
+// trunc(a * b * 2^(F - emax)) (below 2^(F + 2): the product is below 2^(et + 2)) is a float32
+// multiply by an exact power of two and a float32-to-int32 conversion (toward zero), summed in
+// int32: the first stage runs on float32/int32 lanes (16 a vector on AVX-512), as
+// qtensor::accum_matmul's fast path. The second stage is second_stage's double operations, lane-
+// wise, regrouped (each exact): the sum V = sd + sc * 2^(32 - F) is an integer below 2^39, its
+// floor to 32 bits floor(V * 2^(31 - e(V))) * 2^(e(V) - 31) (e(V) from V's bits), then scaled by
+// 2^(em - 32). The model's clamp of e(v) at -126 binds only where em < -94 (v >= 2^(em - 32)
+// where V != 0); such a lane, like one with a nonfinite partial (an overflow to inf), is redone
+// by step_general.
+constexpr int kFastExp = 40;
+
+template <int R, int P, bool FP8>
+void chain_fast(const float* a, const int* ea, int64_t lda, const float* b, const int* eb,
+                int64_t K, int chunk, int F, int promote, double* p, float* out) {
+  constexpr int L = R * P;
+  float acc[L];
+  for (int j = 0; j < L; ++j) acc[j] = 0.0f;
+  const double k1 = qtensor::acc_pow2(kF2 + 1 - F), tiny = 0x1p-126;
+  const double drop = qtensor::acc_pow2(F + 1);  // fp8: p2 * 2^(F + 1) < 2^em drops p
+  constexpr uint64_t kExpBits = 0x7ff0000000000000ull, kLow21 = (1ull << 21) - 1;
+  const uint64_t bs = (uint64_t)(2 * 1023 + kF2 + 1 - F) << 52, bp = (uint64_t)(2 * 1023 + F) << 52;
+  constexpr uint64_t k32 = (uint64_t)(kF2 + 1) << 52;
+  int c = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t n = K - k0 < chunk ? K - k0 : chunk;
+    const float* bk = b + k0 * P;
+    const int* ebk = eb + k0 * P;
+    int em0[L], em1[L];  // each fused set's largest exponent (zero products: below -50000)
+    for (int j = 0; j < L; ++j) em0[j] = em1[j] = 2 * qtensor::kAccZeroExp;
+    for (int64_t k = 0; k < n; ++k) {
+      const int* f = ebk + k * P;
+      int* em = FP8 && (k & 1) ? em1 : em0;
+      for (int r = 0; r < R; ++r) {
+        const int e = ea[r * lda + k0 + k];
+#pragma omp simd
+        for (int j = 0; j < P; ++j)
+          em[r * P + j] = e + f[j] > em[r * P + j] ? e + f[j] : em[r * P + j];
+      }
+    }
+    float sc0[L], sc1[L];
+    int D0[L], D1[L];
+#pragma omp simd
+    for (int j = 0; j < L; ++j) {  // 2^(F - e) (an all-zero set: 2^127, its terms are 0)
+      em0[j] = em0[j] < qtensor::kAccZeroExp / 2 ? kAllZero : em0[j];
+      em1[j] = em1[j] < qtensor::kAccZeroExp / 2 ? kAllZero : em1[j];
+      const int s0 = F - em0[j] > 127 ? 127 : F - em0[j], s1 = F - em1[j] > 127 ? 127 : F - em1[j];
+      sc0[j] = __builtin_bit_cast(float, (s0 + 127) << 23);
+      sc1[j] = __builtin_bit_cast(float, (s1 + 127) << 23);
+      D0[j] = D1[j] = 0;
+    }
+    for (int64_t k = 0; k < n; ++k) {  // the truncated terms (exact products, exact scaling)
+      const float* y = bk + k * P;
+      int* D = FP8 && (k & 1) ? D1 : D0;
+      const float* sc = FP8 && (k & 1) ? sc1 : sc0;
+      for (int r = 0; r < R; ++r) {
+        const float x = a[r * lda + k0 + k];
+#pragma omp simd
+        for (int j = 0; j < P; ++j) D[r * P + j] += (int)(x * y[j] * sc[r * P + j]);
+      }
+    }
+    double np[L];
+    int slow = 0;
+#pragma omp simd reduction(| : slow)
+    for (int j = 0; j < L; ++j) {
+      int ed = em0[j], Di = D0[j];
+      if (FP8) {  // the two halves added at F bits of the larger exponent, each floored
+        ed = em0[j] > em1[j] ? em0[j] : em1[j];
+        const int d0 = ed - em0[j] > 31 ? 31 : ed - em0[j], d1 = ed - em1[j] > 31 ? 31 : ed - em1[j];
+        Di = (D0[j] >> d0) + (D1[j] >> d1);
+      }
+      const double pj = p[j];
+      const uint64_t pe = __builtin_bit_cast(uint64_t, pj) & kExpBits;  // 2^e(p)'s bits
+      slow |= pe == kExpBits;
+      const double p0 = __builtin_bit_cast(double, pe), e2 = pow2v(ed);
+      const double p2 = p0 > tiny ? p0 : tiny;  // 2^ec (a zero partial: 2^-126)
+      const double m2 = e2 > p2 ? e2 : p2;      // 2^em
+      slow |= m2 < 0x1p-94;
+      const uint64_t me = __builtin_bit_cast(uint64_t, m2);
+      // D * 2^(ed - F) * 2^(32 - em) and p * 2^(F - em), floored: sd and sc (2^(x - em): the
+      // bits of 2^x * 2^1023 less em's)
+      const double sd = floor((double)Di * e2 * __builtin_bit_cast(double, bs - me));
+      double sc = floor(pj * __builtin_bit_cast(double, bp - me));
+      if (FP8) sc = p2 * drop < m2 ? 0.0 : sc;  // ec < em - F - 1
+      const double V = sd + sc * k1;  // v in units of 2^(em - 32): an integer below 2^39
+      // its floor to 32 bits: the double's 21 low bits cleared (a negative V: its magnitude
+      // rounded up first)
+      const uint64_t vb = __builtin_bit_cast(uint64_t, V);
+      const uint64_t fb = (vb + (V < 0.0 ? kLow21 : 0)) & ~kLow21;
+      const double r = __builtin_bit_cast(double, fb) * __builtin_bit_cast(double, me - k32);
+      np[j] = (double)(float)r;  // to nearest FP32 (inf from 2^128); V is never -0
+    }
+    if (slow)
+      for (int j = 0; j < L; ++j) {
+        const int64_t ed = FP8 && em1[j] > em0[j] ? em1[j] : em0[j], ec = dexpv(p[j]);
+        if (!finitev(p[j]) || (ed > ec ? ed : ec) < -94) {
+          const int64_t row = j / P * lda + k0, col = j % P;
+          np[j] = step_general(a + row, bk + col, P, ea + row, ebk + col, n, p[j], F, FP8);
+        }
+      }
+    for (int j = 0; j < L; ++j) p[j] = np[j];
+    if (promote > 0 && (++c == promote || k0 + n == K)) {  // a float32 add into the accumulator
+      for (int j = 0; j < L; ++j) {
+        acc[j] = acc[j] + (float)p[j];
+        p[j] = 0.0;
+      }
+      c = 0;
+    }
+  }
+  for (int j = 0; j < L; ++j) {
+    const float o = promote > 0 && K > 0 ? acc[j] : (float)p[j];
+    out[j] = isnan(o) ? qtensor::u2f(qtensor::F32::QNAN) : o;
+  }
+}
+
+template <int R, int P>
+void chain_fast_panel(const float* a, const int* ea, int64_t lda, const float* b, const int* eb,
+                      int64_t K, int chunk, int F, bool fp8, int promote, double* p, float* out) {
+  (fp8 ? chain_fast<R, P, true> : chain_fast<R, P, false>)(a, ea, lda, b, eb, K, chunk, F,
+                                                           promote, p, out);
 }
