@@ -224,17 +224,18 @@ void chain_panel(const double* a, const int* ea, int64_t lda, const double* b, c
 // by step_general.
 constexpr int kFastExp = 40;
 
+QT_HD double fpow2(int e) {  // 2^e for e in float32's normal range, through a float32
+  return (double)__builtin_bit_cast(float, (e + 127) << 23);
+}
+
 template <int R, int P, bool FP8>
 void chain_fast(const float* a, const int* ea, int64_t lda, const float* b, const int* eb,
-                int64_t K, int chunk, int F, int promote, double* p, float* out) {
+                int64_t K, int chunk, int F, int promote, float* p, float* out) {
   constexpr int L = R * P;
   float acc[L];
   for (int j = 0; j < L; ++j) acc[j] = 0.0f;
-  const double k1 = qtensor::acc_pow2(kF2 + 1 - F), tiny = 0x1p-126;
-  const double drop = qtensor::acc_pow2(F + 1);  // fp8: p2 * 2^(F + 1) < 2^em drops p
-  constexpr uint64_t kExpBits = 0x7ff0000000000000ull, kLow21 = (1ull << 21) - 1;
-  const uint64_t bs = (uint64_t)(2 * 1023 + kF2 + 1 - F) << 52, bp = (uint64_t)(2 * 1023 + F) << 52;
-  constexpr uint64_t k32 = (uint64_t)(kF2 + 1) << 52;
+  const double k1 = qtensor::acc_pow2(kF2 + 1 - F);
+  constexpr uint64_t kLow21 = (1ull << 21) - 1;
   int c = 0;
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t n = K - k0 < chunk ? K - k0 : chunk;
@@ -273,7 +274,7 @@ void chain_fast(const float* a, const int* ea, int64_t lda, const float* b, cons
         for (int j = 0; j < P; ++j) D[r * P + j] += (int)(x * y[j] * sc[r * P + j]);
       }
     }
-    double np[L];
+    float np[L];
     int slow = 0;
 #pragma omp simd reduction(| : slow)
     for (int j = 0; j < L; ++j) {
@@ -283,53 +284,50 @@ void chain_fast(const float* a, const int* ea, int64_t lda, const float* b, cons
         const int d0 = ed - em0[j] > 31 ? 31 : ed - em0[j], d1 = ed - em1[j] > 31 ? 31 : ed - em1[j];
         Di = (D0[j] >> d0) + (D1[j] >> d1);
       }
-      const double pj = p[j];
-      const uint64_t pe = __builtin_bit_cast(uint64_t, pj) & kExpBits;  // 2^e(p)'s bits
-      slow |= pe == kExpBits;
-      const double p0 = __builtin_bit_cast(double, pe), e2 = pow2v(ed);
-      const double p2 = p0 > tiny ? p0 : tiny;  // 2^ec (a zero partial: 2^-126)
-      const double m2 = e2 > p2 ? e2 : p2;      // 2^em
-      slow |= m2 < 0x1p-94;
-      const uint64_t me = __builtin_bit_cast(uint64_t, m2);
-      // D * 2^(ed - F) * 2^(32 - em) and p * 2^(F - em), floored: sd and sc (2^(x - em): the
-      // bits of 2^x * 2^1023 less em's)
-      const double sd = floor((double)Di * e2 * __builtin_bit_cast(double, bs - me));
-      double sc = floor(pj * __builtin_bit_cast(double, bp - me));
-      if (FP8) sc = p2 * drop < m2 ? 0.0 : sc;  // ec < em - F - 1
+      // the exponents in int32 lanes: ec (a zero or subnormal partial: -126), em, the scales
+      const int pb = (int)(__builtin_bit_cast(uint32_t, p[j]) >> 23) & 0xff;
+      const int ec = (pb > 1 ? pb : 1) - 127, em = ed > ec ? ed : ec;
+      slow |= (pb == 255) | (em < -94);  // an inf/NaN partial; the -126 clamp of e(v)
+      const int x = ed - em + kF2 + 1 - F;  // D's scale: 2^x (x <= -31: 0 or -1 either way)
+      const double sdx = fpow2(x < -100 ? -100 : x), scx = fpow2(F - em), vx = fpow2(em - kF2 - 1);
+      const double sd = floor((double)Di * sdx);    // at 2^(em - 32)
+      double sc = floor((double)p[j] * scx);        // at 2^(em - F)
+      if (FP8) sc = ec < em - F - 1 ? 0.0 : sc;
       const double V = sd + sc * k1;  // v in units of 2^(em - 32): an integer below 2^39
       // its floor to 32 bits: the double's 21 low bits cleared (a negative V: its magnitude
       // rounded up first)
       const uint64_t vb = __builtin_bit_cast(uint64_t, V);
       const uint64_t fb = (vb + (V < 0.0 ? kLow21 : 0)) & ~kLow21;
-      const double r = __builtin_bit_cast(double, fb) * __builtin_bit_cast(double, me - k32);
-      np[j] = (double)(float)r;  // to nearest FP32 (inf from 2^128); V is never -0
+      np[j] = (float)(__builtin_bit_cast(double, fb) * vx);  // to nearest FP32 (inf from 2^128)
     }
     if (slow)
       for (int j = 0; j < L; ++j) {
-        const int64_t ed = FP8 && em1[j] > em0[j] ? em1[j] : em0[j], ec = dexpv(p[j]);
-        if (!finitev(p[j]) || (ed > ec ? ed : ec) < -94) {
+        const int ed = FP8 && em1[j] > em0[j] ? em1[j] : em0[j];
+        const int pb = (int)(__builtin_bit_cast(uint32_t, p[j]) >> 23) & 0xff;
+        const int ec = (pb > 1 ? pb : 1) - 127;
+        if (pb == 255 || (ed > ec ? ed : ec) < -94) {
           const int64_t row = j / P * lda + k0, col = j % P;
-          np[j] = step_general(a + row, bk + col, P, ea + row, ebk + col, n, p[j], F, FP8);
+          np[j] = (float)step_general(a + row, bk + col, P, ea + row, ebk + col, n, p[j], F, FP8);
         }
       }
     for (int j = 0; j < L; ++j) p[j] = np[j];
     if (promote > 0 && (++c == promote || k0 + n == K)) {  // a float32 add into the accumulator
       for (int j = 0; j < L; ++j) {
-        acc[j] = acc[j] + (float)p[j];
-        p[j] = 0.0;
+        acc[j] = acc[j] + p[j];
+        p[j] = 0.0f;
       }
       c = 0;
     }
   }
   for (int j = 0; j < L; ++j) {
-    const float o = promote > 0 && K > 0 ? acc[j] : (float)p[j];
+    const float o = promote > 0 && K > 0 ? acc[j] : p[j];
     out[j] = isnan(o) ? qtensor::u2f(qtensor::F32::QNAN) : o;
   }
 }
 
 template <int R, int P>
 void chain_fast_panel(const float* a, const int* ea, int64_t lda, const float* b, const int* eb,
-                      int64_t K, int chunk, int F, bool fp8, int promote, double* p, float* out) {
+                      int64_t K, int chunk, int F, bool fp8, int promote, float* p, float* out) {
   (fp8 ? chain_fast<R, P, true> : chain_fast<R, P, false>)(a, ea, lda, b, eb, K, chunk, F,
                                                            promote, p, out);
 }
