@@ -5,10 +5,12 @@
 //
 // The one-stage kernel of cpu/accum.cpp has one alignment per chunk; CDNA3 has two (the
 // products, then the partial) with a floor at each and a 31-bit floor before the FP32 rounding,
-// and fp8's two interleaved halves. The operands are decoded once into doubles and their
-// alignment exponents (a: (B, M, K); b: panels of P columns, (B, N / P, K, P)); a task runs
-// R rows of a against one panel, the K loop innermost (cpu/accum_cdna3.h), compiled for the
-// baseline, AVX2 and AVX-512 (the P lanes vectorize), picked at run time.
+// and fp8's two interleaved halves. Where the operands allow (fast_decode: FP16/BF16/FP8 values
+// within 2^+-40, c finite), the float32/int32 chains (cpu/accum_cdna3.h's chain_fast) run on
+// operands decoded into float32 values and int32 exponents; else the double lanes: the operands
+// decoded once into doubles and their alignment exponents (a: (B, M, K); b: panels of P columns,
+// (B, N / P, K, P)). A task runs R rows of a against one panel, the K loop innermost, compiled
+// for the baseline, AVX2 and AVX-512 (the lanes vectorize), picked at run time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -210,18 +210,20 @@ void chain_panel(const double* a, const int* ea, int64_t lda, const double* b, c
                                                                promote, p, out);
 }
 
-// The fast chains (accum_cdna3.cpp's fast_ok holds for the operands: finite, zero or with
-// exponents in [-kFastExp, kFastExp], significands of at most 12 bits, c finite, chunk * 2^(F + 2)
-// below 2^31): every product a * b is exact and normal in float32 and its truncated term
-// trunc(a * b * 2^(F - emax)) (below 2^(F + 2): the product is below 2^(et + 2)) is a float32
-// multiply by an exact power of two and a float32-to-int32 conversion (toward zero), summed in
-// int32: the first stage runs on float32/int32 lanes (16 a vector on AVX-512), as
-// qtensor::accum_matmul's fast path. The second stage is second_stage's double operations, lane-
-// wise, regrouped (each exact): the sum V = sd + sc * 2^(32 - F) is an integer below 2^39, its
-// floor to 32 bits floor(V * 2^(31 - e(V))) * 2^(e(V) - 31) (e(V) from V's bits), then scaled by
-// 2^(em - 32). The model's clamp of e(v) at -126 binds only where em < -94 (v >= 2^(em - 32)
-// where V != 0); such a lane, like one with a nonfinite partial (an overflow to inf), is redone
-// by step_general.
+// The float32/int32 chains, where accum_cdna3.cpp's fast_decode accepts every operand (zero, or
+// finite and normal with at most 12 significant bits, exponent and clamp in [-kFastExp,
+// kFastExp]), c is finite and chunk * 2^(F + 2) < 2^31: every product a * b is exact and normal
+// in float32 and its truncated term trunc(a * b * 2^(F - emax)) (below 2^(F + 2): the product is
+// below 2^(et + 2)) is a float32 multiply by an exact power of two and a float32-to-int32
+// conversion (toward zero), summed in int32, on float32/int32 lanes (P = 16 columns: one
+// AVX-512 vector), as qtensor::accum_matmul's fast path. The second stage is second_stage's,
+// regrouped, each step exact: the exponents (ec, em, the scales' powers of two) in int32 lanes,
+// the two floored terms in doubles; their sum V = sd + sc * 2^(32 - F) (v in units of
+// 2^(em - 32)) is an integer below 2^39, its floor to 32 bits is the double's 21 low bits
+// cleared (a negative V's magnitude rounded up first), then scaled by 2^(em - 32) and rounded
+// to FP32. The partials are float32 values. The model's clamp of e(v) at -126 binds only where
+// em < -94 (v >= 2^(em - 32) where V != 0); such a lane, like one with an inf/NaN partial, is
+// redone by step_general.
 constexpr int kFastExp = 40;
 
 QT_HD double fpow2(int e) {  // 2^e for e in float32's normal range, through a float32
