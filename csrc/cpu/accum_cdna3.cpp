@@ -62,7 +62,7 @@ Chain chain_for_isa() {
 }
 
 // The fast chains (cpu/accum_cdna3.h's chain_fast): panels of PF columns, 16 on AVX-512 (one
-// float32 vector), else 8.
+// float32 vector) and AVX2 (two: ~10% faster than one), 8 on the baseline.
 using FastChain = void (*)(const float*, const int*, int64_t, const float*, const int*, int64_t,
                            int, int, bool, int, float*, float*);
 
@@ -74,7 +74,10 @@ FastChain fast_chain_for_isa(int* pf) {
     *pf = 16;
     return &cdna3_avx512::chain_fast_panel<R, 16>;
   }
-  if (isa == 1) return &cdna3_avx2::chain_fast_panel<R, 8>;
+  if (isa == 1) {
+    *pf = 16;
+    return &cdna3_avx2::chain_fast_panel<R, 16>;
+  }
 #endif
   return &cdna3_base::chain_fast_panel<R, 8>;
 }
