@@ -345,8 +345,8 @@ def _trunc_fuse(t, et, F):
     et = torch.where(t == 0, -999, et)
     if et.shape[-2] == 0:  # an empty half (a last chunk of one K-element): its slots are zeros
         return t.sum(-2), torch.full(t.sum(-2).shape, -999, dtype=torch.int64, device=t.device)
-    emax = et.amax(-2)
-    return torch.trunc(t * _pow2(F - emax)[..., None, :]).sum(-2), emax
+    emax = et.amax(-2)  # (all zero, -999: the zeros scaled by 2^1023 at most)
+    return torch.trunc(t * _pow2((F - emax).clamp(max=1023))[..., None, :]).sum(-2), emax
 
 
 def _cdna3_chunk(a, b, ea, eb, p, f):
@@ -366,8 +366,9 @@ def _cdna3_chunk(a, b, ea, eb, p, f):
     else:  # two interleaved halves, each fused, then added at F bits of the larger exponent
         De, ee = _trunc_fuse(tf[..., 0::2, :], et[..., 0::2, :], F)
         Do, eo = _trunc_fuse(tf[..., 1::2, :], et[..., 1::2, :], F)
-        ed = torch.maximum(ee, eo)
-        D = (torch.floor(De * _pow2(ee - ed)) + torch.floor(Do * _pow2(eo - ed)))
+        ed = torch.maximum(ee, eo)  # (an all-zero half, -999: its 0 scaled by 2^-1022 at least)
+        D = (torch.floor(De * _pow2((ee - ed).clamp(min=-1022)))
+             + torch.floor(Do * _pow2((eo - ed).clamp(min=-1022))))
     pf = torch.where(pbad, 0.0, p)
     ec = torch.where(pf == 0, -126, _exponent(pf, -126))
     ec = torch.where(pbad, -1, ec)  # an inf/NaN partial aligns at -1 (frexp's exponent 0)
@@ -375,7 +376,7 @@ def _cdna3_chunk(a, b, ea, eb, p, f):
     if f.stages == "cdna3_fp8":  # a partial 25 or more binades below the products is dropped,
         pbad = pbad & ~(ec < em - F - 1)  # an inf/NaN one too (as MMA-Sim's MMA_GTR_FDPA)
     bad = tbad | pbad
-    sd = torch.floor(D * _pow2(ed - F) * _pow2(F2 + 1 - em))   # at 2^(em - 32)
+    sd = torch.floor(D * _pow2((ed - F).clamp(min=-1022)) * _pow2(F2 + 1 - em))  # at 2^(em - 32)
     sc = torch.floor(pf * _pow2(F - em))                      # at 2^(em - F)
     if f.stages == "cdna3_fp8":
         sc = torch.where(ec < em - F - 1, 0.0, sc)

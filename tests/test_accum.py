@@ -1429,6 +1429,90 @@ def test_cdna3_kernel_hard_cases(f):
     _cdna3_check(a.float(), b.float(), f, a_emin=em, b_emin=-9)
 
 
+def _cdna3_fast_values(g, shape, lo, hi):
+    """Values the kernel's float32 chains take (accum_cdna3.cpp's fast_operand): 11-bit
+    significands (FP16's), exponents in [lo, hi] (within [-40, 40]), mixed signs, 15% zeros."""
+    m = torch.randint(1 << 10, 1 << 11, shape, generator=g).double() / 2.0 ** 10
+    e = torch.randint(lo, hi + 1, shape, generator=g).double()
+    s = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+    x = (s * m * 2.0 ** e).float()
+    return torch.where(torch.rand(shape, generator=g) < 0.15, 0.0, x)
+
+
+@needs_cdna3
+@pytest.mark.parametrize("f", CDNA3_FORMATS, ids=str)
+def test_cdna3_kernel_fast_chains_hard_cases(f):
+    """The float32/int32 chains (operands of at most 12 significant bits with exponents within
+    [-40, 40], c finite): the products' exponent spread across the first alignment's width (the
+    truncated terms, fp8's halves 31 and more binades apart), the partial against the products
+    across the second alignment (its floors at 32 and frac_bits bits), exact cancellations,
+    the 31-bit floor of negative sums, a tiny or subnormal c with zero products (the -126 clamp:
+    step_general), c near FLT_MAX (an inf partial mid-chain) and the int32 sums' extremes."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"fast{f}".encode()))
+    K = 6 * f.chunk + 3
+    for lo, hi in ((-3, 3), (-14, 14), (-40, 40)):  # spreads around the alignment widths
+        a, b = _cdna3_fast_values(g, (9, K), lo, hi), _cdna3_fast_values(g, (K, 19), lo, hi)
+        _cdna3_check(a, b, f)
+        # the partial (c) from far below to far above the products, subnormal, zero
+        c = torch.randn(9, 19, generator=g) * 2.0 ** torch.randint(-140, 90, (9, 19), generator=g)
+        c[0, :4] = torch.tensor([0.0, -0.0, 2.0 ** -149, -(2.0 ** -130)])
+        _cdna3_check(a, b, f, c=c)
+    # fp8's halves far apart: even products large, odd ones tiny (or the other way round)
+    a = _cdna3_fast_values(g, (5, K), -2, 2)
+    b = _cdna3_fast_values(g, (K, 11), -2, 2)
+    a[:, 0::2] *= 2.0 ** 38
+    a[:, 1::2] *= 2.0 ** -38
+    _cdna3_check(a, b, f)
+    _cdna3_check(b.t().contiguous(), a.t().contiguous(), f)
+    # exact cancellations: pairs that cancel within a chunk, and a sum that cancels the partial
+    a = _cdna3_fast_values(g, (4, K), -10, 10)
+    b = _cdna3_fast_values(g, (K, 9), -10, 10)
+    a[:, 1::2] = -a[:, 0::2][:, :a[:, 1::2].shape[1]]
+    b[1::2] = b[0::2][:b[1::2].shape[0]]
+    _cdna3_check(a, b, f)
+    x, y = torch.zeros(2, 2 * f.chunk), torch.zeros(2 * f.chunk, 3)
+    x[:, 0], y[0] = 1.5, 2.0 ** torch.arange(3.0)
+    x[:, f.chunk], y[f.chunk] = -1.5, 2.0 ** torch.arange(3.0)
+    x[:, f.chunk + 1:], y[f.chunk + 1:] = 2.0 ** -30, -(2.0 ** -9)
+    _cdna3_check(x, y, f)
+    # the 31-bit floor of negative and positive sums: a partial of -1 / 1 and products just
+    # below its last bits (2^-24 + 2^-32 and beyond: floor toward -inf, ties, sticky bits)
+    for sgn in (1.0, -1.0):
+        x, y = torch.zeros(1, 2 * f.chunk), torch.zeros(2 * f.chunk, 6)
+        x[0, 0], x[0, f.chunk], x[0, f.chunk + 1], x[0, f.chunk + 2] = sgn, 2.0 ** -24, 2.0 ** -32, 2.0 ** -36
+        y[0], y[f.chunk] = 1.0, torch.tensor([1.0, -1.0, 1.0, -1.0, 0.5, -0.5])
+        y[f.chunk + 1] = torch.tensor([1.0, -1.0, -1.0, 1.0, 0.25, -0.75])
+        y[f.chunk + 2] = torch.tensor([0.0, 1.0, -1.0, -1.0, 1.0, 1.0])
+        _cdna3_check(x, y, f)
+    # zero products with a tiny or subnormal c (em < -94: the -126 clamp), one zero row
+    a = _cdna3_fast_values(g, (4, K), -5, 5)
+    a[1] = 0.0
+    b = _cdna3_fast_values(g, (K, 5), -5, 5)
+    c = torch.tensor([2.0 ** -149, -(2.0 ** -127), 2.0 ** -100, -(2.0 ** -95), 3.0 * 2.0 ** -96])
+    _cdna3_check(a, b, f, c=c.expand(4, 5).contiguous())
+    # c near FLT_MAX: the partial overflows to inf mid-chain (then a nonfinite partial)
+    c = torch.tensor([3.4e38, -3.4e38, 3.0e38, 1.0, -3.4e38])
+    b[:, 0], b[:, 1] = 2.0 ** 40, -(2.0 ** 40)
+    a[0] = a[0].abs() * 2.0 ** 30
+    _cdna3_check(a, b, f, c=c.expand(4, 5).contiguous())
+    # the int32 sums' extremes: every product the same sign at the largest significands
+    x = torch.full((3, K), (2.0 - 2.0 ** -10) * 2.0 ** 40)
+    y = torch.full((K, 4), (2.0 - 2.0 ** -10) * 2.0 ** 40)
+    y[:, 1] = -y[:, 1]
+    _cdna3_check(x, y, f, c=torch.full((3, 4), -1.0))
+
+
+def test_cdna3_reference_all_zero_chunk_at_25_bits():
+    """frac_bits 25 (past the kernel's 24: the reference runs): an all-zero instruction scaled
+    its 0 by 2^(-999 - 25), whose float64 bits are -inf, and 0 * -inf made the result NaN."""
+    x, y = torch.zeros(2, 24), torch.ones(24, 3)
+    x[0, 8:] = 1.0
+    x[1, 16:] = 0.5
+    for stages in ("cdna3", "cdna3_fp8"):
+        f = accum.AccumFormat(chunk=8, frac_bits=25, stages=stages)
+        assert accum.accum_matmul(x, y, f).tolist() == [[16.0] * 3, [4.0] * 3]
+
+
 @needs_cdna3
 def test_cdna3_kernel_with_flush_denormal():
     """Under torch.set_flush_denormal(True) a subnormal operand is a zero term in both."""

@@ -8,6 +8,7 @@ accumulator input, promoted into a float32 add every ``promote`` instructions (C
 DeepGEMM). K not a multiple of the chunk: MMA-Sim sees the operands zero-padded (as a kernel
 pads K to the instruction's K).
 """
+import math
 import zlib
 
 import pytest
@@ -182,6 +183,31 @@ def test_cdna3_fp8_one_element_last_chunk_equals_mmasim(fn):
             g = torch.Generator().manual_seed(zlib.crc32(f"odd{i}{K}".encode()))
             a, b = operands(g, ta, tb, 5, K, 6)
             assert same_bits(ours(a, b, f, run), mmasim_chain(make, a, b, f)), (ta, tb, K)
+
+
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+def test_cdna3_fp8_zero_half_beside_exponent_25_equals_mmasim(fn):
+    """One half of an instruction all zero, the other's largest product exponent 25: the zero
+    half's sum was scaled by 2^(-999 - 25) = 2^-1024, whose float64 bits are -inf, and 0 * -inf
+    made the result NaN (reference and kernel) where MMA-Sim gives 2^25."""
+    f = accum.cdna3_fp8
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    for ta, tb, make in CASES["cdna3_fp8"]:
+        if E5Z not in (ta, tb):
+            continue
+        x, y = (2.0 ** 13, 2.0 ** 12) if ta == tb else ((2.0 ** 13, 2.0 ** 7) if ta == E5Z
+                                                         else (2.0 ** 7, 2.0 ** 13))
+        for K in (1, 3, 17):  # the odd half padding; one odd zero product; a second instruction
+            a, b = torch.zeros(3, K), torch.zeros(K, 3)
+            a[:, 0], b[0] = x, y
+            b[0, 1], b[0, 2] = -y, y / 2
+            a[1, K - 1] = 1.0 if K > 1 else x
+            a[2, 0] = math.nan  # a NaN row: the kernel's double lanes (not its float32 chains)
+            a, b = a.to(ta), b.to(tb)
+            want = mmasim_chain(make, a, b, f)
+            assert torch.isfinite(want[:2]).all()
+            assert same_bits(ours(a, b, f, run), want), (ta, tb, K)
+            assert same_bits(ours(a[:2], b, f, run), want[:2]), (ta, tb, K)
 
 
 @pytest.mark.parametrize("name", ["volta_fp16", "ampere_bf16", "hopper_fp16", "hopper_fp8"])

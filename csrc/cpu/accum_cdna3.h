@@ -36,11 +36,13 @@ QT_HD double second_stage(double D, int ed, double p, int F, bool fp8) {
 
 // One chunk of n products for one output, every case of the reference: a (n), b (stride sb),
 // their exponents ea, eb (accum.h's acc_exp_f32: kAccZeroExp for 0, kAccBadExp for inf/NaN).
-inline double step_general(const double* a, const double* b, int64_t sb, const int* ea,
-                           const int* eb, int64_t n, double p, int F, bool fp8) {
+// T: double (the double lanes' operands) or float (chain_fast's).
+template <class T>
+inline double step_general(const T* a, const T* b, int64_t sb, const int* ea, const int* eb,
+                           int64_t n, double p, int F, bool fp8) {
   bool nan = false, pos = false, neg = false;
   const auto prod = [&](int64_t k, int* et) {
-    double t = a[k] * b[k * sb];
+    double t = (double)a[k] * (double)b[k * sb];
     *et = ea[k] + eb[k * sb];
     // cdna3: a product of 2^128 or more (its significand in [1, 4)) is inf
     if (!fp8 && isfinite(t) && t != 0.0 &&
@@ -73,7 +75,9 @@ inline double step_general(const double* a, const double* b, int64_t sb, const i
   double D = Dh[0];
   if (fp8) {  // the two halves added at F bits of the larger exponent, each floored
     ed = emh[0] > emh[1] ? emh[0] : emh[1];
-    D = floor(Dh[0] * qtensor::acc_pow2(emh[0] - ed)) + floor(Dh[1] * qtensor::acc_pow2(emh[1] - ed));
+    // (an all-zero half, kAllZero: its 0 scaled by 2^-1022 at least, as the reference)
+    D = floor(Dh[0] * qtensor::acc_pow2(std::max(emh[0] - ed, -1022))) +
+        floor(Dh[1] * qtensor::acc_pow2(std::max(emh[1] - ed, -1022)));
   }
   bool pbad = !isfinite(p);
   if (pbad && fp8) {  // an inf/NaN partial (aligned at -1) 25 or more binades below is dropped
@@ -163,7 +167,9 @@ void chain_lanes(const double* a, const int* ea, int64_t lda, const double* b, c
       double D = D0[j];
       if (FP8) {  // the two halves added at F bits of the larger exponent, each floored
         ed = ed0[j] > ed1[j] ? ed0[j] : ed1[j];
-        D = floor(D0[j] * pow2v(ed0[j] - ed)) + floor(D1[j] * pow2v(ed1[j] - ed));
+        const int64_t s0 = ed0[j] - ed < -1022 ? -1022 : ed0[j] - ed;  // an all-zero half: 0
+        const int64_t s1 = ed1[j] - ed < -1022 ? -1022 : ed1[j] - ed;
+        D = floor(D0[j] * pow2v(s0)) + floor(D1[j] * pow2v(s1));
       }
       const double pj = finitev(p[j]) ? p[j] : 0.0;
       const int64_t ec = pj == 0.0 ? -126 : dexpv(pj);
@@ -202,4 +208,128 @@ void chain_panel(const double* a, const int* ea, int64_t lda, const double* b, c
                  int64_t K, int chunk, int F, bool fp8, int promote, double* p, float* out) {
   (fp8 ? chain_lanes<R, P, true> : chain_lanes<R, P, false>)(a, ea, lda, b, eb, K, chunk, F,
                                                                promote, p, out);
+}
+
+// The float32/int32 chains, where accum_cdna3.cpp's fast_decode accepts every operand (zero, or
+// finite and normal with at most 12 significant bits, exponent and clamp in [-kFastExp,
+// kFastExp]), c is finite and chunk * 2^(F + 2) < 2^31: every product a * b is exact and normal
+// in float32 and its truncated term trunc(a * b * 2^(F - emax)) (below 2^(F + 2): the product is
+// below 2^(et + 2)) is a float32 multiply by an exact power of two and a float32-to-int32
+// conversion (toward zero), summed in int32, on float32/int32 lanes (P = 16 columns: one
+// AVX-512 vector), as qtensor::accum_matmul's fast path. The second stage is second_stage's,
+// regrouped, each step exact: the exponents (ec, em, the scales' powers of two) in int32 lanes,
+// the two floored terms in doubles; their sum V = sd + sc * 2^(32 - F) (v in units of
+// 2^(em - 32)) is an integer below 2^39, its floor to 32 bits is the double's 21 low bits
+// cleared (a negative V's magnitude rounded up first), then scaled by 2^(em - 32) and rounded
+// to FP32. The partials are float32 values. The model's clamp of e(v) at -126 binds only where
+// em < -94 (v >= 2^(em - 32) where V != 0); such a lane, like one with an inf/NaN partial, is
+// redone by step_general.
+constexpr int kFastExp = 40;
+
+QT_HD double fpow2(int e) {  // 2^e for e in float32's normal range, through a float32
+  return (double)__builtin_bit_cast(float, (e + 127) << 23);
+}
+
+template <int R, int P, bool FP8>
+void chain_fast(const float* a, const int* ea, int64_t lda, const float* b, const int* eb,
+                int64_t K, int chunk, int F, int promote, float* p, float* out) {
+  constexpr int L = R * P;
+  float acc[L];
+  for (int j = 0; j < L; ++j) acc[j] = 0.0f;
+  const double k1 = qtensor::acc_pow2(kF2 + 1 - F);
+  constexpr uint64_t kLow21 = (1ull << 21) - 1;
+  int c = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t n = K - k0 < chunk ? K - k0 : chunk;
+    const float* bk = b + k0 * P;
+    const int* ebk = eb + k0 * P;
+    int em0[L], em1[L];  // each fused set's largest exponent (zero products: below -50000)
+    for (int j = 0; j < L; ++j) em0[j] = em1[j] = 2 * qtensor::kAccZeroExp;
+    for (int64_t k = 0; k < n; ++k) {
+      const int* f = ebk + k * P;
+      int* em = FP8 && (k & 1) ? em1 : em0;
+      for (int r = 0; r < R; ++r) {
+        const int e = ea[r * lda + k0 + k];
+#pragma omp simd
+        for (int j = 0; j < P; ++j)
+          em[r * P + j] = e + f[j] > em[r * P + j] ? e + f[j] : em[r * P + j];
+      }
+    }
+    float sc0[L], sc1[L];
+    int D0[L], D1[L];
+#pragma omp simd
+    for (int j = 0; j < L; ++j) {  // 2^(F - e) (an all-zero set: 2^127, its terms are 0)
+      em0[j] = em0[j] < qtensor::kAccZeroExp / 2 ? kAllZero : em0[j];
+      em1[j] = em1[j] < qtensor::kAccZeroExp / 2 ? kAllZero : em1[j];
+      const int s0 = F - em0[j] > 127 ? 127 : F - em0[j], s1 = F - em1[j] > 127 ? 127 : F - em1[j];
+      sc0[j] = __builtin_bit_cast(float, (s0 + 127) << 23);
+      sc1[j] = __builtin_bit_cast(float, (s1 + 127) << 23);
+      D0[j] = D1[j] = 0;
+    }
+    for (int64_t k = 0; k < n; ++k) {  // the truncated terms (exact products, exact scaling)
+      const float* y = bk + k * P;
+      int* D = FP8 && (k & 1) ? D1 : D0;
+      const float* sc = FP8 && (k & 1) ? sc1 : sc0;
+      for (int r = 0; r < R; ++r) {
+        const float x = a[r * lda + k0 + k];
+#pragma omp simd
+        for (int j = 0; j < P; ++j) D[r * P + j] += (int)(x * y[j] * sc[r * P + j]);
+      }
+    }
+    float np[L];
+    int slow = 0;
+#pragma omp simd reduction(| : slow)
+    for (int j = 0; j < L; ++j) {
+      int ed = em0[j], Di = D0[j];
+      if (FP8) {  // the two halves added at F bits of the larger exponent, each floored
+        ed = em0[j] > em1[j] ? em0[j] : em1[j];
+        const int d0 = ed - em0[j] > 31 ? 31 : ed - em0[j], d1 = ed - em1[j] > 31 ? 31 : ed - em1[j];
+        Di = (D0[j] >> d0) + (D1[j] >> d1);
+      }
+      // the exponents in int32 lanes: ec (a zero or subnormal partial: -126), em, the scales
+      const int pb = (int)(__builtin_bit_cast(uint32_t, p[j]) >> 23) & 0xff;
+      const int ec = (pb > 1 ? pb : 1) - 127, em = ed > ec ? ed : ec;
+      slow |= (pb == 255) | (em < -94);  // an inf/NaN partial; the -126 clamp of e(v)
+      const int x = ed - em + kF2 + 1 - F;  // D's scale: 2^x (x <= -31: 0 or -1 either way)
+      const double sdx = fpow2(x < -100 ? -100 : x), scx = fpow2(F - em), vx = fpow2(em - kF2 - 1);
+      const double sd = floor((double)Di * sdx);    // at 2^(em - 32)
+      double sc = floor((double)p[j] * scx);        // at 2^(em - F)
+      if (FP8) sc = ec < em - F - 1 ? 0.0 : sc;
+      const double V = sd + sc * k1;  // v in units of 2^(em - 32): an integer below 2^39
+      // its floor to 32 bits: the double's 21 low bits cleared (a negative V: its magnitude
+      // rounded up first)
+      const uint64_t vb = __builtin_bit_cast(uint64_t, V);
+      const uint64_t fb = (vb + (V < 0.0 ? kLow21 : 0)) & ~kLow21;
+      np[j] = (float)(__builtin_bit_cast(double, fb) * vx);  // to nearest FP32 (inf from 2^128)
+    }
+    if (slow)
+      for (int j = 0; j < L; ++j) {
+        const int ed = FP8 && em1[j] > em0[j] ? em1[j] : em0[j];
+        const int pb = (int)(__builtin_bit_cast(uint32_t, p[j]) >> 23) & 0xff;
+        const int ec = (pb > 1 ? pb : 1) - 127;
+        if (pb == 255 || (ed > ec ? ed : ec) < -94) {
+          const int64_t row = j / P * lda + k0, col = j % P;
+          np[j] = (float)step_general(a + row, bk + col, P, ea + row, ebk + col, n, p[j], F, FP8);
+        }
+      }
+    for (int j = 0; j < L; ++j) p[j] = np[j];
+    if (promote > 0 && (++c == promote || k0 + n == K)) {  // a float32 add into the accumulator
+      for (int j = 0; j < L; ++j) {
+        acc[j] = acc[j] + p[j];
+        p[j] = 0.0f;
+      }
+      c = 0;
+    }
+  }
+  for (int j = 0; j < L; ++j) {
+    const float o = promote > 0 && K > 0 ? acc[j] : p[j];
+    out[j] = isnan(o) ? qtensor::u2f(qtensor::F32::QNAN) : o;
+  }
+}
+
+template <int R, int P>
+void chain_fast_panel(const float* a, const int* ea, int64_t lda, const float* b, const int* eb,
+                      int64_t K, int chunk, int F, bool fp8, int promote, float* p, float* out) {
+  (fp8 ? chain_fast<R, P, true> : chain_fast<R, P, false>)(a, ea, lda, b, eb, K, chunk, F,
+                                                           promote, p, out);
 }
