@@ -516,6 +516,16 @@ def _(x, man, emin, subnormals, max, overflow, is_unsigned, rounding):
     return torch.empty_like(x)
 
 
+def traced_round_float(x, args):
+    """quantize_float of a traced payload x with args = (man, emin, subnormals, max, overflow,
+    is_unsigned, rounding code) as the fusable round_float, or None where the short form does
+    not cover it (the caller then calls the qtensor:: op)."""
+    if (x.dtype is not torch.float32 or x.device.type != "cpu" or not _CPU_KERNELS
+            or not _decompositions.fast_float_applies(*args[:3], args[5], args[6])):
+        return None
+    return _round_float(x, *args)
+
+
 def _traced_float_args(x, fmt):
     """round_float's arguments after x for a traced float32 payload in a scalar float format
     that the short form covers, else None."""

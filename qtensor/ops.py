@@ -295,6 +295,12 @@ def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
     name, args = op_args(fmt)
     args = (*args, rounding_code(rounding), _seed_arg(seed))
     x = x.detach()
+    if out is None and name == "quantize_float" and (type(x) is not torch.Tensor
+                                                      or torch.compiler.is_compiling()):
+        from .dispatch import traced_round_float  # traced: the op inductor fuses
+        q = traced_round_float(x, args[:-1])
+        if q is not None:
+            return q
     if out is None:
         return getattr(torch.ops.qtensor, name)(x, *args)
     if out.is_neg() or out.is_conj():
