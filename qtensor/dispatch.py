@@ -506,8 +506,10 @@ def _round_float(x: torch.Tensor, man: int, emin: int, subnormals: bool, max: fl
     """qtensor::quantize_float (deterministic) as traced graphs call it for float32 payloads:
     an op of its own, whose decomposition inductor fuses into the producer
     (qtensor.decompositions.round_float) while a direct call of the qtensor:: op stays extern."""
-    return torch.ops.qtensor.quantize_float.default(x, man, emin, subnormals, max, overflow,
-                                                    is_unsigned, rounding, 0)
+    q = torch.ops.qtensor.quantize_float.default(x, man, emin, subnormals, max, overflow,
+                                                 is_unsigned, rounding, 0)
+    # x's layout, as the fake (empty_like) and the decomposition (pointwise) give it
+    return q if q.stride() == x.stride() else torch.empty_like(x).copy_(q)
 
 
 @_round_float.register_fake
