@@ -7,6 +7,15 @@ general ``round_magnitude``, ``round_float``, ``round_fixed``, ``block_scale_exp
 inductor fuses into the kernel that produces the input. Every step is an exact integer (int32)
 operation, so the bits are the eager kernel's wherever inductor computes the same float32 input.
 
+Two sets:
+
+- the scalar float formats' short form (:func:`round_float_fast`), the decompositions of
+  ``qtensor_dispatch::round_to_dtype`` and ``qtensor_dispatch::round_float``, the ops QTensor
+  code and traced ``qt.quantize`` call for float32 payloads: on by default (faster than the
+  extern kernels under inductor, once its bit casts are vectorized: :func:`_vectorize_bitcasts`),
+  :func:`set_scalar_fusion` or ``QTENSOR_INDUCTOR_FUSE_SCALAR=0`` turns them off;
+- the general formulas for the ``qtensor::`` ops themselves, below.
+
 :func:`set_enabled` (or ``QTENSOR_INDUCTOR_DECOMPOSITIONS=1``) adds the decompositions to
 inductor's table (only inductor's: torch.export and eager keep the custom op). They are off by
 default: on CPU the generated integer code is slower than the hand-vectorized kernels, extra
