@@ -60,6 +60,8 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     bt.qt.set_flush_warnings(False)
+    # the generated CPU kernels record themselves in the profile (else only extern calls show)
+    torch._inductor.config.cpp.enable_kernel_profile = True
     from torch._dynamo.utils import counters, compile_times
     for name in args.only.split(","):
         fp32, emu, what = bt.make_pair(name, args.quick, True)
