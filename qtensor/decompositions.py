@@ -11,9 +11,10 @@ Two sets:
 
 - the scalar float formats' short form (:func:`round_float_fast`), the decompositions of
   ``qtensor_dispatch::round_to_dtype`` and ``qtensor_dispatch::round_float``, the ops QTensor
-  code and traced ``qt.quantize`` call for float32 payloads: on by default (faster than the
-  extern kernels under inductor, once its bit casts are vectorized: :func:`_vectorize_bitcasts`),
-  :func:`set_scalar_fusion` or ``QTENSOR_INDUCTOR_FUSE_SCALAR=0`` turns them off;
+  code and traced ``qt.quantize`` call for float32 payloads (each rounding faster than the
+  extern kernel under inductor, once its bit casts are vectorized: :func:`_vectorize_bitcasts`;
+  off by default, the first compiled step takes about 3x longer): :func:`set_scalar_fusion` or
+  ``QTENSOR_INDUCTOR_FUSE_SCALAR=1`` turns them on;
 - the general formulas for the ``qtensor::`` ops themselves, below.
 
 :func:`set_enabled` (or ``QTENSOR_INDUCTOR_DECOMPOSITIONS=1``) adds the decompositions to
@@ -231,6 +232,7 @@ def round_to_dtype(x, dtype):
     if spec is None or x.dtype != torch.float32 or not _fast_enabled:
         return NotImplemented
     man, emin, sub, mx, ovf, nan_cpu, nan_other = spec
+    _vectorize_bitcasts()
     nan = nan_cpu if x.device.type == "cpu" else nan_other
     return round_float_fast(_bits(x), man, emin, sub, mx, ovf, _NEAREST, nan).view(torch.float32)
 
@@ -240,6 +242,7 @@ def round_float(x, man, emin, subnormals, max, overflow, is_unsigned, rounding):
     if (x.dtype != torch.float32 or not _fast_enabled
             or not fast_float_applies(man, emin, subnormals, is_unsigned, rounding)):
         return NotImplemented
+    _vectorize_bitcasts()
     return round_float_fast(_bits(x), man, emin, subnormals, max, overflow,
                             rounding).view(torch.float32)
 
@@ -377,18 +380,19 @@ _registered = False
 
 
 # The scalar short forms (round_float_fast) for qtensor_dispatch's ops, the ops that QTensor
-# code calls under tracing for scalar float formats: on by default (faster than the extern
-# kernels, benchmarks/RESULTS.md "Compiled scalar roundings fused"); QTENSOR_INDUCTOR_FUSE_SCALAR=0
-# or set_scalar_fusion(False) keeps them extern calls. The qtensor:: ops called directly keep
-# the switch above.
-_fast_enabled = os.environ.get("QTENSOR_INDUCTOR_FUSE_SCALAR", "1") != "0"
+# code calls under tracing for scalar float formats. Off by default: each rounding is faster
+# fused than as an extern call, but on the benchmark models the step gains at most a few percent
+# while the first compiled step takes about 3x longer (benchmarks/RESULTS.md "Compiled scalar
+# roundings fused"); QTENSOR_INDUCTOR_FUSE_SCALAR=1 or set_scalar_fusion(True) turns them on.
+# The qtensor:: ops called directly keep the switch below.
+_fast_enabled = os.environ.get("QTENSOR_INDUCTOR_FUSE_SCALAR", "0") == "1"
 _fast_registered = False
 
 
 def set_scalar_fusion(enabled: bool) -> None:
     """Whether inductor fuses QTensor's scalar float roundings (bf16, fp16, the FP8 presets, any
     signed float format in a deterministic rounding mode) into the kernels producing their
-    inputs (True, the default) or calls the kernels (False). Takes effect for graphs compiled
+    inputs (True) or calls the kernels (False, the default). Takes effect for graphs compiled
     afterwards (clear inductor's caches, or torch._dynamo.reset() and a fresh cache dir, when
     comparing the two in one process)."""
     global _fast_enabled
@@ -448,7 +452,6 @@ def _vectorize_bitcasts() -> None:
 def _add_to_inductor(table: dict) -> None:
     from torch._inductor import decomposition as inductor_decomp
     from torch._inductor import lowering
-    _vectorize_bitcasts()
     for op in table:
         if op not in lowering.lowerings:
             # where a decomposition declines, the op stays an extern kernel: its fallback made
@@ -486,6 +489,7 @@ def register() -> None:
     if _registered or not _enabled or not hasattr(torch.ops.qtensor, "quantize_float"):
         return
     _add_to_inductor(_ops_table())
+    _vectorize_bitcasts()
     _registered = True
 
 

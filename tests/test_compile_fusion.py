@@ -1,6 +1,7 @@
 """Scalar float roundings fused by inductor into the kernels that produce their inputs.
 
-Under torch.compile, QTensor code rounds float32 payloads to scalar float formats through
+With ``decompositions.set_scalar_fusion(True)`` (off by default), under torch.compile QTensor
+code rounds float32 payloads to scalar float formats through
 ``qtensor_dispatch::round_to_dtype`` (bf16, fp16 and the FP8 presets) and
 ``qtensor_dispatch::round_float`` (any other signed float format, deterministic rounding), whose
 inductor decompositions (``qtensor.decompositions.round_float_fast``: integer arithmetic on the
@@ -69,6 +70,13 @@ def assert_raw_bits(got, want, msg):
         f"{g[i].item() & 0xFFFFFFFF:#x} != {w[i].item() & 0xFFFFFFFF:#x}" for i in bad[:4])
 
 
+@pytest.fixture
+def _fusion_on():
+    decompositions.set_scalar_fusion(True)
+    yield
+    decompositions.set_scalar_fusion(False)
+
+
 def _kernel(fmt, x, rounding):
     name, args = ops.op_args(fmt)
     return getattr(torch.ops.qtensor, name)(x, *args, ops._ROUNDING_CODE[rounding], 0)
@@ -76,7 +84,7 @@ def _kernel(fmt, x, rounding):
 
 @pytest.mark.parametrize("rounding", MODES)
 @pytest.mark.parametrize("spec", FLOAT)
-def test_short_form_gives_the_kernels_bits(spec, rounding):
+def test_short_form_gives_the_kernels_bits(spec, rounding, _fusion_on):
     """round_float (the decomposition inductor fuses), run eagerly, against the kernel."""
     fmt = qt.format(spec)
     args = ops.op_args(fmt)[1]
@@ -88,7 +96,7 @@ def test_short_form_gives_the_kernels_bits(spec, rounding):
 
 
 @pytest.mark.parametrize("spec", list(CASTS))
-def test_cast_short_form_gives_eagers_bits(spec):
+def test_cast_short_form_gives_eagers_bits(spec, _fusion_on):
     """round_to_dtype's decomposition against what eager QTensor code gives on CPU: torch's cast
     down and back (bf16, fp16: NaNs as its vector loop makes them), the kernel for the float8
     dtypes (qtensor.dispatch._SLOW_CPU_CASTS)."""
@@ -138,14 +146,9 @@ def _compiled_code(fn, *args):
     return out, "\n".join(codes)
 
 
-@pytest.fixture
-def _fusion_off():
-    decompositions.set_scalar_fusion(False)
-    yield
-    decompositions.set_scalar_fusion(True)
 
 
-def test_inductor_fuses_qtensor_scalar_roundings_with_eagers_bits():
+def test_inductor_fuses_qtensor_scalar_roundings_with_eagers_bits(_fusion_on):
     """Compiled QTensor code on the specials: eager's bits, NaN payloads included, and no extern
     rounding call (the mul and its output rounding in one generated kernel), its bit casts
     vectorized."""
@@ -158,7 +161,9 @@ def test_inductor_fuses_qtensor_scalar_roundings_with_eagers_bits():
     assert "c10::bit_cast<int32_t>" not in code  # (the scalar loop of inductor's own bit cast)
 
 
-def test_scalar_fusion_off_calls_the_kernels(_fusion_off):
+def test_scalar_fusion_off_calls_the_kernels():
+    """Off by default: the roundings are extern calls of the kernels, with their bits."""
+    assert not decompositions._fast_enabled
     qs = _qtensors(torch.randn(64, 64))
     got, code = _compiled_code(_qtensor_code, qs)
     assert "torch.ops.qtensor_dispatch.round_to_dtype.default(" in code
@@ -181,7 +186,7 @@ class _Mlp(nn.Module):
 
 
 @pytest.mark.parametrize("spec", ["bf16", "bf16(rounding=nearest_away)"])
-def test_compiled_model_with_fused_roundings_is_bit_identical_to_eager(spec):
+def test_compiled_model_with_fused_roundings_is_bit_identical_to_eager(spec, _fusion_on):
     """A converted model, forward and backward, default inductor: the output and every
     gradient are eager's bits, and no rounding is an extern call (the addmm stays addmm)."""
     from torch._inductor.utils import run_and_get_code
