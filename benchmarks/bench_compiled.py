@@ -3,6 +3,8 @@
     python benchmarks/bench_compiled.py --only chargpt,mlp_mxfp8                      # default
     python benchmarks/bench_compiled.py --only chargpt,mlp_mxfp8 --with-decompositions
     python benchmarks/bench_compiled.py --rounding     # one rounding: kernel vs fused decomposition
+    QTENSOR_INDUCTOR_FUSE_SCALAR=0 python benchmarks/bench_compiled.py --only gpt256  # scalar
+        # float roundings as extern kernel calls (default 1: fused, qtensor.decompositions)
 
 The configurations, the step and the timing are benchmarks/bench_training.py's (its names for
 --only; the model compiled, the optimizer step eager): FP32 and emulated steps interleaved,
@@ -80,6 +82,7 @@ def main(argv=None):
     decompositions.set_enabled(args.with_decompositions)
     label = "with" if args.with_decompositions else "without"
     import bench_training  # (benchmarks/bench_training.py)
+    label += f", scalar fusion {'on' if decompositions._fast_enabled else 'off'}"
     print(f"torch {torch.__version__}, 1 thread, decompositions: {label}; medians of "
           f"{args.steps} interleaved steps after {args.warmup}")
     for name in args.only.split(","):

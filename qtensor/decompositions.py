@@ -7,6 +7,16 @@ general ``round_magnitude``, ``round_float``, ``round_fixed``, ``block_scale_exp
 inductor fuses into the kernel that produces the input. Every step is an exact integer (int32)
 operation, so the bits are the eager kernel's wherever inductor computes the same float32 input.
 
+Two sets:
+
+- the scalar float formats' short form (:func:`round_float_fast`), the decompositions of
+  ``qtensor_dispatch::round_to_dtype`` and ``qtensor_dispatch::round_float``, the ops QTensor
+  code and traced ``qt.quantize`` call for float32 payloads (each rounding faster than the
+  extern kernel under inductor, once its bit casts are vectorized: :func:`_vectorize_bitcasts`;
+  off by default, the first compiled step takes about 3x longer): :func:`set_scalar_fusion` or
+  ``QTENSOR_INDUCTOR_FUSE_SCALAR=1`` turns them on;
+- the general formulas for the ``qtensor::`` ops themselves, below.
+
 :func:`set_enabled` (or ``QTENSOR_INDUCTOR_DECOMPOSITIONS=1``) adds the decompositions to
 inductor's table (only inductor's: torch.export and eager keep the custom op). They are off by
 default: on CPU the generated integer code is slower than the hand-vectorized kernels, extra
@@ -28,7 +38,8 @@ import struct
 
 import torch
 
-__all__ = ["set_enabled", "register", "quantize_float", "quantize_fixed", "quantize_block"]
+__all__ = ["set_enabled", "register", "quantize_float", "quantize_fixed", "quantize_block",
+           "set_scalar_fusion", "register_scalar", "round_to_dtype", "round_float"]
 
 _INF = 0x7F800000
 _QNAN = 0x7FC00000
@@ -120,6 +131,120 @@ def _round_magnitude(A: torch.Tensor, emin, man, qlow, mode: int) -> torch.Tenso
     res_n = (A & ~mask) + (up.to(torch.int32) << dn)
     res_t = torch.where(up, _pow2_bits(qexp), torch.zeros_like(A))
     return torch.where(tiny, res_t, res_n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scalar float formats, the short form (on by default, through qtensor_dispatch's ops)
+#
+# For a signed float format with subnormals (or with none and emin >= -126) and man <= 22 the
+# rounding point of a finite float32 magnitude A sits d = max(23 - man, qlow + 150 - E) bits up
+# (E: A's exponent field; constant where the format's subnormals lie below float32's normals, as
+# for bf16): round.h's round_magnitude reduces to the integer add-and-mask of the float32 bits
+# (the carry into the exponent is the step to the next binade), plus a threshold compare for
+# the magnitudes below the format's smallest quantum. About half the operations of the general
+# formula, and inductor vectorizes them in the producing kernel.
+
+def fast_float_applies(man, emin, subnormals, is_unsigned, rounding) -> bool:
+    """Whether :func:`round_float_fast` covers this format and rounding."""
+    qlow = emin - man if subnormals else emin
+    return (rounding in (_NEAREST, _NEAREST_AWAY, _TOWARD_ZERO) and not is_unsigned
+            and 0 <= man <= 22 and -149 <= qlow and emin <= 127
+            and (subnormals or emin >= -126))
+
+
+def round_float_fast(u, man, emin, subnormals, fmax, overflow, rounding, nan_bits=None):
+    """round.h round_float on float32 bits u (int32), for fast_float_applies formats. NaN
+    inputs give u (the kernels) or nan_bits(u) (a cast's NaN)."""
+    qlow = emin - man if subnormals else emin
+    max_bits = _f32_bits(fmax)
+    ovf_bits = max_bits if overflow == 0 else (_INF if overflow == 1 else _QNAN)
+    sign, A = u & _MIN, u & _ABS
+    Am = torch.clamp(A, max=_INF)  # NaN -> Inf (replaced below): no int32 overflow
+    d0 = 23 - man
+    if not subnormals or qlow + 149 <= d0:
+        d = d0  # one rounding point for every magnitude above the tiny ones
+    else:
+        d = torch.clamp(qlow + 150 - torch.clamp(Am >> 23, min=max(1, qlow + 127)), min=d0)
+    if isinstance(d, int) and d < 23:
+        mask, lsb = (1 << d) - 1, (Am >> d) & 1
+    else:  # d = 23: the last kept bit is the implicit one (1; the exponent's bit is not it)
+        mask = ((torch.ones_like(Am) << d) if isinstance(d, int) else (torch.ones_like(d) << d)) - 1
+        lsb = ((Am | (1 << 23)) >> d) & 1
+    if rounding == _NEAREST:
+        r = (Am + (mask >> 1) + lsb) & ~mask
+    elif rounding == _NEAREST_AWAY:
+        r = (Am + (mask >> 1) + 1) & ~mask
+    else:
+        r = Am & ~mask
+    if qlow >= -126:  # magnitudes below 2^qlow: 0 or 2^qlow (a tie goes to 0, the even one)
+        low, half = _pow2_bits_int(qlow), _pow2_bits_int(qlow - 1)
+        if rounding == _TOWARD_ZERO:
+            tiny = torch.zeros_like(r)
+        else:
+            up = Am > half if rounding == _NEAREST else Am >= half
+            tiny = torch.where(up, low, torch.zeros_like(r))
+        r = torch.where(Am < low, tiny, r)
+    if rounding == _TOWARD_ZERO:
+        r = torch.where(r > max_bits, max_bits, r)
+        r = torch.where(Am >= _INF, ovf_bits, r)
+    else:  # Inf rounds to Inf, above max_bits
+        r = torch.where(r > max_bits, ovf_bits, r)
+    out = r | sign
+    nan = A > _INF
+    if nan_bits is None:
+        return torch.where(nan, u, out)
+    if overflow == 2:  # an overflow gives a NaN: a cast gives its own NaN there too
+        nan = nan | (r == _QNAN)
+    return torch.where(nan, u if nan_bits is None else nan_bits(u), out)
+
+
+def _bf16_cast_nan(u):
+    # torch's CPU cast to bfloat16 (eager, vectorized and not) makes every NaN 0xFFFF
+    return torch.full_like(u, -(1 << 16))
+
+
+def _f16_cast_nan(u):
+    # torch's vectorized CPU cast to float16 keeps the sign and the payload's top 9 bits, quiet
+    # (its scalar tail, the last < 64 elements of a tensor, gives 0x7FFFFFFF instead)
+    return (u & (_MIN | 0x003FE000)) | 0x7FC00000
+
+
+def _f8_cast_nan(quiet):
+    def nan(u):
+        return (u & _MIN) | quiet
+    return nan
+
+
+# round_to_dtype's dtypes: (man, emin, subnormals, max, overflow, NaN on CPU, NaN elsewhere).
+# Eager CPU payloads round to the float8 dtypes by the kernel (qtensor.dispatch._SLOW_CPU_CASTS):
+# the kernel's NaN (the input's) there; a cast's elsewhere.
+_CAST_FORMATS = {
+    torch.bfloat16: (7, -126, True, 3.3895313892515355e+38, 1, _bf16_cast_nan, _bf16_cast_nan),
+    torch.float16: (10, -14, True, 65504.0, 1, _f16_cast_nan, _f16_cast_nan),
+    torch.float8_e4m3fn: (3, -6, True, 448.0, 0, None, _f8_cast_nan(0x7FF00000)),
+    torch.float8_e5m2: (2, -14, True, 57344.0, 1, None, _f8_cast_nan(0x7FE00000)),
+}
+
+
+def round_to_dtype(x, dtype):
+    """qtensor_dispatch::round_to_dtype: float32 x cast to dtype and back, as eager rounds it."""
+    spec = _CAST_FORMATS.get(dtype)
+    if spec is None or x.dtype != torch.float32 or not _fast_enabled:
+        return NotImplemented
+    man, emin, sub, mx, ovf, nan_cpu, nan_other = spec
+    _vectorize_bitcasts()
+    nan = nan_cpu if x.device.type == "cpu" else nan_other
+    return round_float_fast(_bits(x), man, emin, sub, mx, ovf, _NEAREST, nan).view(torch.float32)
+
+
+def round_float(x, man, emin, subnormals, max, overflow, is_unsigned, rounding):
+    """qtensor_dispatch::round_float: qtensor::quantize_float (deterministic) of float32 x."""
+    if (x.dtype != torch.float32 or not _fast_enabled
+            or not fast_float_applies(man, emin, subnormals, is_unsigned, rounding)):
+        return NotImplemented
+    _vectorize_bitcasts()
+    return round_float_fast(_bits(x), man, emin, subnormals, max, overflow,
+                            rounding).view(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,6 +379,91 @@ _enabled = os.environ.get("QTENSOR_INDUCTOR_DECOMPOSITIONS", "0") == "1"
 _registered = False
 
 
+# The scalar short forms (round_float_fast) for qtensor_dispatch's ops, the ops that QTensor
+# code calls under tracing for scalar float formats. Off by default: each rounding is faster
+# fused than as an extern call, but on the benchmark models the step gains at most a few percent
+# while the first compiled step takes about 3x longer (benchmarks/RESULTS.md "Compiled scalar
+# roundings fused"); QTENSOR_INDUCTOR_FUSE_SCALAR=1 or set_scalar_fusion(True) turns them on.
+# The qtensor:: ops called directly keep the switch below.
+_fast_enabled = os.environ.get("QTENSOR_INDUCTOR_FUSE_SCALAR", "0") == "1"
+_fast_registered = False
+
+
+def set_scalar_fusion(enabled: bool) -> None:
+    """Whether inductor fuses QTensor's scalar float roundings (bf16, fp16, the FP8 presets, any
+    signed float format in a deterministic rounding mode) into the kernels producing their
+    inputs (True) or calls the kernels (False, the default). Takes effect for graphs compiled
+    afterwards (clear inductor's caches, or torch._dynamo.reset() and a fresh cache dir, when
+    comparing the two in one process)."""
+    global _fast_enabled
+    _fast_enabled = bool(enabled)
+
+
+def _fast_table() -> dict:
+    return {torch.ops.qtensor_dispatch.round_to_dtype.default: round_to_dtype,
+            torch.ops.qtensor_dispatch.round_float.default: round_float}
+
+
+def register_scalar() -> None:
+    """Add the scalar short forms to inductor's table (once; called by the ops' fake
+    implementations, i.e. when something traces them). Where a form declines (disabled, another
+    dtype), the op stays an extern call."""
+    global _fast_registered
+    if _fast_registered:
+        return
+    _add_to_inductor(_fast_table())
+    _fast_registered = True
+
+
+_bitcasts_vectorized = False
+
+
+def _vectorize_bitcasts() -> None:
+    """Inductor's CPU vector code bit casts float32 <-> int32 (Tensor.view(dtype)) through a
+    scalar loop over a stack buffer (torch 2.13: to_dtype_bitcast has no vector form), which
+    costs more than the rounding's integer arithmetic; at::vec::cast reinterprets the register.
+    Other bit casts keep inductor's code. (Once; skipped if inductor's internals differ.)"""
+    global _bitcasts_vectorized
+    if _bitcasts_vectorized:
+        return
+    _bitcasts_vectorized = True
+    try:
+        from torch._inductor.codegen import cpp
+        from torch._inductor.virtualized import V
+        scalarized = cpp.CppVecOverrides.__dict__["to_dtype_bitcast"].__func__
+        if getattr(scalarized, "_qtensor", False):
+            return
+    except (ImportError, KeyError, AttributeError):
+        return
+    same_width = {torch.float32, torch.int32}
+
+    def to_dtype_bitcast(x, dtype, src_dtype):
+        kernel = V.kernel
+        if ({dtype, src_dtype} == same_width and isinstance(kernel, cpp.CppVecKernel)
+                and kernel._get_num_vectors(torch.float32) == 1):
+            return f"at::vec::cast<{cpp.DTYPE_TO_CPP[dtype]}>({x})"
+        return scalarized(x, dtype, src_dtype)
+
+    to_dtype_bitcast._qtensor = True
+    to_dtype_bitcast.__name__ = "to_dtype_bitcast"
+    cpp.CppVecOverrides.to_dtype_bitcast = staticmethod(to_dtype_bitcast)
+
+
+def _add_to_inductor(table: dict) -> None:
+    from torch._inductor import decomposition as inductor_decomp
+    from torch._inductor import lowering
+    for op in table:
+        if op not in lowering.lowerings:
+            # where a decomposition declines, the op stays an extern kernel: its fallback made
+            # here, as inductor's implicit one (which refuses an op that has a decomposition)
+            tag = lowering.get_layout_constraint_tag(op, with_default=True)
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag),
+                                   warn=False, override_decomp=True)
+    inductor_decomp.decompositions.update(table)
+    # the table inductor selects is a cached copy (fast_random_decomps): update it too
+    inductor_decomp.fast_random_decomps().update(table)
+
+
 def _ops_table() -> dict:
     return {torch.ops.qtensor.quantize_float.default: quantize_float,
             torch.ops.qtensor.quantize_fixed.default: quantize_fixed,
@@ -278,19 +488,8 @@ def register() -> None:
     global _registered
     if _registered or not _enabled or not hasattr(torch.ops.qtensor, "quantize_float"):
         return
-    from torch._inductor import decomposition as inductor_decomp
-    from torch._inductor import lowering
-    table = _ops_table()
-    for op in table:
-        if op not in lowering.lowerings:
-            # where a decomposition declines, the op stays an extern kernel: its fallback made
-            # here, as inductor's implicit one (which refuses an op that has a decomposition)
-            tag = lowering.get_layout_constraint_tag(op, with_default=True)
-            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag),
-                                   warn=False, override_decomp=True)
-    inductor_decomp.decompositions.update(table)
-    # the table inductor selects is a cached copy (fast_random_decomps): update it too
-    inductor_decomp.fast_random_decomps().update(table)
+    _add_to_inductor(_ops_table())
+    _vectorize_bitcasts()
     _registered = True
 
 

@@ -28,10 +28,11 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from . import accum as _accum
 from . import block_specials as _block_specials
+from . import decompositions as _decompositions
 from . import gemm as _gemm
 from . import ops as _ops
 from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
-from .formats import PRESETS as _PRESETS, BlockFormat, Format, is_stochastic
+from .formats import PRESETS as _PRESETS, BlockFormat, FloatFormat, Format, is_stochastic
 
 aten = torch.ops.aten
 _compiler = torch.compiler  # (its _is_exporting_flag is what is_exporting() returns)
@@ -555,7 +556,46 @@ def _round_to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @_round_to_dtype.register_fake
 def _(x, dtype):
+    _decompositions.register_scalar()  # inductor fuses it (qtensor.decompositions)
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("qtensor_dispatch::round_float", mutates_args=())
+def _round_float(x: torch.Tensor, man: int, emin: int, subnormals: bool, max: float,
+                 overflow: int, is_unsigned: bool, rounding: int) -> torch.Tensor:
+    """qtensor::quantize_float (deterministic) as traced graphs call it for float32 payloads:
+    an op of its own, whose decomposition inductor fuses into the producer
+    (qtensor.decompositions.round_float) while a direct call of the qtensor:: op stays extern."""
+    q = torch.ops.qtensor.quantize_float.default(x, man, emin, subnormals, max, overflow,
+                                                 is_unsigned, rounding, 0)
+    # x's layout, as the fake (empty_like) and the decomposition (pointwise) give it
+    return q if q.stride() == x.stride() else torch.empty_like(x).copy_(q)
+
+
+@_round_float.register_fake
+def _(x, man, emin, subnormals, max, overflow, is_unsigned, rounding):
+    _decompositions.register_scalar()
+    return torch.empty_like(x)
+
+
+def traced_round_float(x, args):
+    """quantize_float of a traced payload x with args = (man, emin, subnormals, max, overflow,
+    is_unsigned, rounding code) as the fusable round_float, or None where the short form does
+    not cover it (the caller then calls the qtensor:: op)."""
+    if (x.dtype is not torch.float32 or x.device.type != "cpu" or not _CPU_KERNELS
+            or not _decompositions.fast_float_applies(*args[:3], args[5], args[6])):
+        return None
+    return _round_float(x, *args)
+
+
+def _traced_float_args(x, fmt):
+    """round_float's arguments after x for a traced float32 payload in a scalar float format
+    that the short form covers, else None."""
+    if (type(fmt) is not FloatFormat or x.dtype is not torch.float32 or type(x) is torch.Tensor
+            or x.device.type != "cpu" or not _CPU_KERNELS or is_stochastic(fmt.rounding)):
+        return None
+    args = _kernel_call(fmt)[1][:-1]  # (man, emin, subnormals, max, overflow, unsigned, rounding)
+    return args if _decompositions.fast_float_applies(*args[:3], args[5], args[6]) else None
 
 
 # Eager CPU blocks along a strided axis of a dense tensor with another contiguous dim go to the
@@ -678,6 +718,10 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
                 return x.to(dt).to(torch.float32)  # eager
     if (_CPU_KERNELS and not is_stochastic(fmt.rounding) and x.dtype in _KERNEL_DTYPES
             and x.device.type == "cpu"):
+        if type(x) is not torch.Tensor:  # traced: scalar float formats as a fusable op
+            fargs = _traced_float_args(x, fmt)
+            if fargs is not None:
+                return _round_float(x, *fargs)
         op, args = _kernel_call(fmt)
         return op(x, *args)
     if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor:
@@ -713,6 +757,8 @@ def _round_inplace_to(data, fmt, kernel=None) -> None:
         op, args = _kernel_call(fmt, inplace=True)
         op(data, *args)
         _increment_version((data,))  # (torch.autograd.graph.increment_version's own call)
+    elif type(data) is not torch.Tensor and _traced_float_args(data, fmt) is not None:
+        data.copy_(_round_float(data, *_traced_float_args(data, fmt)))  # traced: fusable
     elif data.is_contiguous():
         _ops.quantize_(data, fmt)
     else:

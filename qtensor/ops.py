@@ -285,6 +285,15 @@ def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int, out=None) -> tor
     return restore(y, into=out)
 
 
+def _is_traced(x) -> bool:
+    """Whether x is a tracing payload (FakeTensor, or a functional wrapper of one): AOTAutograd
+    and export traces, where the roundings become graph nodes."""
+    if type(x) is torch.Tensor:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(x)
+
+
 def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
     """quantize_with_seed after its checks, outside autograd."""
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
@@ -295,6 +304,12 @@ def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
     name, args = op_args(fmt)
     args = (*args, rounding_code(rounding), _seed_arg(seed))
     x = x.detach()
+    if out is None and name == "quantize_float" and (torch.compiler.is_compiling()
+                                                      or _is_traced(x)):
+        from .dispatch import traced_round_float  # traced: the op inductor fuses
+        q = traced_round_float(x, args[:-1])
+        if q is not None:
+            return q
     if out is None:
         return getattr(torch.ops.qtensor, name)(x, *args)
     if out.is_neg() or out.is_conj():
