@@ -96,7 +96,8 @@ def main():
         row = []
         for b in ("old", "new"):
             v = res[(c, b)]
-            row.append((statistics.median(t[0] for t in v), statistics.median(t[0] / t[1] for t in v)))
+            row.append((statistics.median(t[0] for t in v),
+                        statistics.median(t[0] / t[1] for t in v)))
         print(f"| {n}x{n} {name} axis {axis} | {row[0][0] * 1e3:.2f} | {row[0][1]:.2f} | "
               f"{row[1][0] * 1e3:.2f} | **{row[1][1]:.2f}** | {row[0][0] / row[1][0]:.2f} |")
 

@@ -39,8 +39,8 @@ RULES = ["floor", "ceil", "even"]
 MODES = ["nearest", "nearest_away", "toward_zero"]
 # scale exponents: both ends of E8M0 (-127..127), where the shifted grid leaves float32's
 # normals, where c = 2^(binade + 23 - man) nears float32's top, and between
-KS = [-127, -126, -125, -124, -123, -121, -120, -119, -117, -116, -100, -60, -8, -1, 0, 1, 7,
-      60, 100, 104, 110, 111, 112, 113, 114, 116, 119, 120, 122, 124, 125, 126, 127]
+KS = [-127, -126, -125, -124, -121, -120, -119, -116, -60, -1, 0, 1, 100, 104, 110, 111, 112,
+      113, 116, 120, 124, 126, 127]
 F32_MAX = torch.finfo(torch.float32).max
 
 
@@ -139,7 +139,7 @@ def test_codes_times_scales(name, rule):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1", "mxint8"])
 def test_half_payloads(name, dtype):
     x = _inputs(name).to(dtype)
     for rule in RULES:
@@ -149,7 +149,7 @@ def test_half_payloads(name, dtype):
             _check(x.t().contiguous(), fmt.replace(axis=0), rounding, "tiles")
 
 
-@pytest.mark.parametrize("cols", [1, 7, 31, 33, 63, 97, 32 * 5 + 7])
+@pytest.mark.parametrize("cols", [1, 31, 33, 32 * 5 + 7])
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4_e2m1", "mxint8"])
 def test_partial_blocks_and_odd_lengths(name, cols):
     """The same values in rows of odd lengths: a partial last block in each row (and runs of
@@ -163,8 +163,8 @@ def test_partial_blocks_and_odd_lengths(name, cols):
             _check(x.t().contiguous(), fmt.replace(axis=0), rounding, "tiles")
 
 
-@pytest.mark.parametrize("bs", [7, 16, 64])
-@pytest.mark.parametrize("name", ["mxfp8_e5m2", "mxfp6_e2m3", "mxint8"])
+@pytest.mark.parametrize("bs", [7, 16])
+@pytest.mark.parametrize("name", ["mxfp8_e5m2", "mxint8"])
 def test_other_block_sizes(name, bs):
     """Block sizes other than MX's 32 (the run's size known only at run time)."""
     x = _inputs(name, bs)
@@ -194,11 +194,13 @@ def test_in_place_and_out():
 
 @pytest.mark.parametrize("isa", ["base", "avx2"])
 def test_other_isas(isa):
-    """This file's tests under QTENSOR_CPU_ISA=base|avx2 (the baseline and AVX2 copies of the
-    loops; the process's own run takes the best the CPU has, AVX-512 here), in a subprocess."""
+    """This file's float32 tests under QTENSOR_CPU_ISA=base|avx2 (the baseline and AVX2 copies
+    of the loops; the process's own run takes the best the CPU has, AVX-512 here), in a
+    subprocess."""
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__), "-k", "not other_isas"],
+                        os.path.abspath(__file__),
+                        "-k", "codes_times_scales or partial or in_place"],
                        env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=os.path.dirname(here),
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
