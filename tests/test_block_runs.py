@@ -5,7 +5,7 @@ round_fixed_fast_finite) against the reference, bit for bit, on the cases its ar
 The run path computes each block's exponent k from the amax's bits (pow2_scale_exp) and rounds
 float elements with c = 2^(max(binade, emin + k) + man') additions instead of the shifted grid's
 integer operations. Swept here: every element code of each MX element format (and the midpoints
-between neighbouring codes, and the floats next to those) times scales 2^k at both ends of E8M0's
+between neighbouring codes, values past max in its binade, and the floats next to those) times scales 2^k at both ends of E8M0's
 range and in between, with the block's max element pinning k; blocks of float32 subnormals, of
 signed zeros, with Inf/NaN, near float32's max (c would overflow: the per-block fallback) and at
 float32's smallest normal; tiny elements far below the grid's half ulp next to large ones; rows
@@ -69,9 +69,12 @@ def _blocks(elem, bs=32) -> torch.Tensor:
     special blocks."""
     codes = _codes(elem)
     mids = (codes[1:] + codes[:-1]) / 2
+    # past max in its binade (below 2^(emax+1): the floor rule's k is kept): the clamp to max
+    top = 2.0 ** (elem.emax + 1)
+    above = elem.max + (top - elem.max) * torch.arange(1, 8, dtype=torch.float64) / 8
     rows = []
     for k in KS:
-        vals = torch.cat([codes, mids]) * 2.0 ** k
+        vals = torch.cat([codes, mids, above]) * 2.0 ** k
         vals = _nudge32(vals.clamp(max=F32_MAX).to(torch.float32))
         vals = torch.cat([vals, -vals])
         vals = vals[torch.randperm(vals.numel(), generator=torch.Generator().manual_seed(k + 200))]
