@@ -852,19 +852,30 @@ void pow2_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail
   if (nfull < nblk) G.amax[nfull] = amax_of(x + nfull * bs, avail - nfull * bs);
   pow2_grids<FIXED>(G, nblk, P, a);
   const uint32_t dsh = FIXED ? 0u : (uint32_t)(23 - a.man) << 23;
-  auto block = [&](int64_t b, int64_t m) {
+  // the rare blocks out of line: round_block inlined here would keep gcc from inlining the
+  // element loops (a call per block, with a run-time trip count)
+  auto other = [&](int64_t b, int64_t m) __attribute__((noinline)) {
     const T* xp = x + b * bs;
     T* yp = y + b * bs;
-    if (__builtin_expect(G.bad[b] == 0, 1)) {
-      pow2_elems<MODE, FIXED, T>(xp, yp, m, G, b, dsh);
-    } else if (G.bad[b] == 1) {  // NaN or Inf in the block: all NaN
+    if (G.bad[b] == 1) {  // NaN or Inf in the block: all NaN
       for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
     } else {
       round_block<MODE, T>(make_block<MODE, T>(xp, yp, m, 0, P, 0u), P, a);
     }
   };
-  for (int64_t b = 0; b < nfull; ++b) block(b, bs);
-  if (nfull < nblk) block(nfull, avail - nfull * bs);
+  for (int64_t b = 0; b < nfull; ++b) {
+    if (__builtin_expect(G.bad[b] == 0, 1))
+      pow2_elems<MODE, FIXED, T>(x + b * bs, y + b * bs, bs, G, b, dsh);
+    else
+      other(b, bs);
+  }
+  if (nfull < nblk) {
+    const int64_t m = avail - nfull * bs;
+    if (G.bad[nfull] == 0)
+      pow2_elems<MODE, FIXED, T>(x + nfull * bs, y + nfull * bs, m, G, nfull, dsh);
+    else
+      other(nfull, m);
+  }
 }
 
 // ---- blocks along a strided axis, a tile at a time (issue 23) --------------------------------
