@@ -288,6 +288,12 @@ struct BlockPlan {
   float elem_max_f;
   float kmax_f, kmin_abs_f;      // fixed-point elements: the limits' integers (times 2^(k - fl))
   uint32_t sr_or;                // limited-bit stochastic rounding (round.h, sr_or_mask)
+  // power-of-two scales a run of blocks at a time (pow2_grids): deterministic rounding, floor,
+  // ceil, or even without settling; float elements with subnormals and man <= 22
+  // (round_magnitude_add), or fixed-point ones of wl <= 23. pow2_rows: blocks along contiguous
+  // rows (pow2_block_run); else the tiles (round_tile) use it.
+  bool pow2_run, pow2_rows;
+  uint32_t p2_bump;              // pow2_scale_exp: the significand field from which b steps up
 };
 
 template <int MODE>
@@ -332,6 +338,24 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   p.kmax_f = a.is_signed ? (float)((1 << (a.wl - 1)) - 1) : (float)((1 << a.wl) - 1);
   p.kmin_abs_f = a.is_signed ? (float)((1 << (a.wl - 1)) - (a.symmetric ? 1 : 0)) : 0.0f;
   p.sr_or = a.sr_or;
+  // pow2_scale_exp's step: ceil where amax / 2^(b - emax) > max, i.e. (max's binade being emax)
+  // where amax's significand field exceeds max's; even where amax rounded to even_mbits + 1 bits
+  // reaches the next binade (block_scale_exp's double comparisons, on the significand field)
+  const float emf = (float)a.elem_max;
+  const bool max_ok = a.elem_max > 0 && (double)emf == a.elem_max && std::isfinite(emf) &&
+                      (int)(f2u(emf) >> 23) - 127 == a.elem_emax;
+  const bool even_settles = MODE == kTowardZero || MODE == kStochastic ||
+                            (a.elem_fixed && !a.is_signed);
+  p.p2_bump = 0x01000000u;  // floor: never
+  if (a.scale_rule == kRuleCeil) p.p2_bump = (f2u(emf) & 0x007FFFFFu) + 1u;
+  if (a.scale_rule == kRuleEven && a.even_mbits <= 22)
+    p.p2_bump = 0x00800000u - ((uint32_t)1 << (22 - a.even_mbits));
+  const bool rule_ok = a.scale_rule == qtensor::kRuleFloor || (a.scale_rule == kRuleCeil && max_ok) ||
+                       (a.scale_rule == kRuleEven && a.even_mbits >= 0 && !even_settles);
+  const bool elem_ok = a.elem_fixed ? a.wl <= 23
+                                    : (a.man >= 1 && a.man <= 22 && a.qlow == a.emin - a.man);
+  p.pow2_run = MODE != kStochastic && rule_ok && elem_ok && !a.whole_tensor;
+  p.pow2_rows = p.pow2_run && p.inner == 1 && p.unit_stride;
   return p;
 }
 
@@ -675,6 +699,185 @@ inline Counter dims_counter(const Layout& L, int d0, int d1) {
   return c;
 }
 
+// ---- power-of-two scales for runs of blocks (issue 23) ----------------------------------------
+// As fp4_block_run: the blocks' amaxes, then their scale exponents and element grids in one
+// branch-free loop across the blocks (pow2_grids), then the elements with fixed trip counts
+// (round_magnitude_add, round_fixed_fast_finite). The bits are block_pow2_fast's: the same k,
+// the same shifted grid (each block's FastGrid numbers, or for float elements the equivalent
+// float additions of round.h), the same clamp; a block whose grid block_pow2_fast could not
+// build (scales near float32's limits) goes to round_block.
+constexpr int64_t kPow2Run = 64;  // blocks (tiles: lanes) per run
+
+// block_scale_exp (round.h) of a finite amax, in integer operations that vectorize: the binade
+// b from the bits (a subnormal's from its integer significand converted to float, exact; -1 for
+// 0), one step up where the significand field of amax (or of that conversion, the same value
+// times 2^149) reaches `bump` (BlockPlan.p2_bump: ceil's and even's double comparisons are
+// comparisons of significands at equal binades), minus emax, clamped to the scale's range.
+QT_BLOCK_FN int pow2_scale_exp(uint32_t A, uint32_t bump, int koff, int kmin, int kmax) {
+  const bool sub = A < 0x00800000u;
+  const uint32_t S = sub ? f2u((float)(int32_t)A) : A;
+  int b = (int)(S >> 23) - (sub ? 276 : 127);
+  b = A == 0 ? -1 : b;
+  b += (S & 0x007FFFFFu) >= bump ? 1 : 0;
+  const int k = b + koff;
+  return k < kmin ? kmin : (k > kmax ? kmax : k);
+}
+
+// A run's blocks (or a tile's lanes): amax in, per block `bad` (0: the grid below, 1: NaN or Inf
+// in the block, 2: round_block) and the element grid of its scale 2^k: float elements nmin_c =
+// 2^(emin + k) and the clamp lim0 = max * 2^k; fixed-point ones the FastGrid numbers C, q, h and
+// the limits lim0..2 (block_pow2_fast's pos, neg, neg_sat).
+struct Pow2Grids {
+  uint32_t amax[kPow2Run], bad[kPow2Run], nmin[kPow2Run];
+  uint32_t lim0[kPow2Run], lim1[kPow2Run], lim2[kPow2Run];
+  float C[kPow2Run], q[kPow2Run], h[kPow2Run];
+};
+
+template <bool FIXED>
+QT_BLOCK_FN void pow2_grids(Pow2Grids& G, int64_t n, const BlockPlan& P, const BlockArgs& a) {
+  const uint32_t bump = P.p2_bump;
+  const int koff = -a.elem_emax, kmin = a.scale_emin, kmax = a.scale_emax;
+  const int emin = a.emin, fl = a.fl;
+  const uint32_t dsh = FIXED ? 0u : (uint32_t)(23 - a.man) << 23;
+  const float emf = P.elem_max_f, kmf = P.kmax_f, kaf = P.kmin_abs_f;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t A = G.amax[i];
+    const int k = pow2_scale_exp(A, bump, koff, kmin, kmax);
+    bool fast;
+    if (FIXED) {
+      // make_fast_grid(g, 0, 0, k - fl, false, true, false)
+      const int qk = k - fl;
+      fast = qk + 23 <= 127 && qk >= -149;
+      const float qf = qtensor::pow2f(qk);
+      G.C[i] = qtensor::pow2f(qk + 23);
+      G.q[i] = qf;
+      G.h[i] = qtensor::pow2f(qk - 1 < -149 ? -149 : qk - 1);
+      const uint32_t l1 = f2u(kaf * qf);
+      G.lim0[i] = f2u(kmf * qf);
+      G.lim1[i] = l1;
+      G.lim2[i] = l1 != 0 ? (l1 | kSignBit) : 0u;
+    } else {
+      // make_fast_grid(g, man, ek, ek - man, ...) holds for ek >= -126 (qlow + k + 23 =
+      // ek + d <= 127 is implied below, qlow + k >= -148): and round_magnitude_add's c =
+      // 2^(max(binade, ek) + d) must stay finite up to the amax
+      const int ek = emin + k;
+      const uint32_t nm = (uint32_t)(ek + 127) << 23;
+      const uint32_t E = A & kInfBits;
+      fast = ek >= -126 && (E > nm ? E : nm) + dsh <= 0x7F000000u;
+      G.nmin[i] = nm;
+      G.lim0[i] = f2u(emf * qtensor::pow2f(k));  // block_pow2_fast's mx
+    }
+    G.bad[i] = A >= kInfBits ? 1u : (fast ? 0u : 2u);
+  }
+}
+
+// One block's (m) or lane's elements on the grid of pow2_grids' entry i.
+template <int MODE, bool FIXED, typename T>
+QT_BLOCK_FN void pow2_elems(const T* __restrict__ xp, T* __restrict__ yp, int64_t m,
+                            const Pow2Grids& G, int64_t i, uint32_t dsh) {
+  const uint32_t l0 = G.lim0[i];
+  if (FIXED) {
+    qtensor::FastGrid g;
+    g.d = 0; g.mask = 0; g.normal_min = 0xFFFFFFFFu; g.C = G.C[i]; g.q = G.q[i]; g.h = G.h[i];
+    g.sto = 0.0f;
+    const uint32_t l1 = G.lim1[i], l2 = G.lim2[i];
+    for (int64_t j = 0; j < m; ++j)
+      store_bits<T>(yp + j, qtensor::round_fixed_fast_finite<MODE>(load_bits<T>(xp + j), g, l0,
+                                                                   l1, l2));
+  } else {
+    const uint32_t nm = G.nmin[i];
+    for (int64_t j = 0; j < m; ++j) {
+      const uint32_t u = load_bits<T>(xp + j);
+      uint32_t rr = qtensor::round_magnitude_add<MODE>(u & kAbsMask, nm, dsh);
+      rr = rr > l0 ? l0 : rr;
+      store_bits<T>(yp + j, rr | (u & kSignBit));
+    }
+  }
+}
+
+// max |x| bits of 8 consecutive float32 blocks of 32 at x: per block the lanewise max of its 4
+// vectors of 8, then the 8 vectors reduced together by 3 levels of shuffles and maxes (a
+// transpose; a vector reduction per block costs about twice as much with 16 lanes). GCC vector
+// extensions: each ISA's copy splits or widens them as it can.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // (always inlined: no call passes a vector)
+typedef uint32_t qt_v8u __attribute__((vector_size(32)));
+QT_BLOCK_FN qt_v8u v8_max(qt_v8u a, qt_v8u b) { return a > b ? a : b; }
+QT_BLOCK_FN qt_v8u v8_abs_bits(const float* p) {
+  qt_v8u v;
+  std::memcpy(&v, p, 32);
+  return v & kAbsMask;
+}
+QT_BLOCK_FN void amax_8x32(const float* x, uint32_t* am) {
+  qt_v8u p[8], q[4], r[2];
+  for (int b = 0; b < 8; ++b) {
+    const float* xp = x + b * 32;
+    p[b] = v8_max(v8_max(v8_abs_bits(xp), v8_abs_bits(xp + 8)),
+                  v8_max(v8_abs_bits(xp + 16), v8_abs_bits(xp + 24)));
+  }
+  for (int i = 0; i < 4; ++i)  // lanes: p[2i] 0-3 | p[2i+1] 0-3, max with the 4-7s
+    q[i] = v8_max(__builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11),
+                  __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15));
+  for (int i = 0; i < 2; ++i)
+    r[i] = v8_max(__builtin_shufflevector(q[2 * i], q[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13),
+                  __builtin_shufflevector(q[2 * i], q[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15));
+  const qt_v8u t = v8_max(__builtin_shufflevector(r[0], r[1], 0, 8, 2, 10, 4, 12, 6, 14),
+                          __builtin_shufflevector(r[0], r[1], 1, 9, 3, 11, 5, 13, 7, 15));
+  // lane i of t is block {0, 4, 2, 6, 1, 5, 3, 7}[i]
+  am[0] = t[0]; am[4] = t[1]; am[2] = t[2]; am[6] = t[3];
+  am[1] = t[4]; am[5] = t[5]; am[3] = t[6]; am[7] = t[7];
+}
+#pragma GCC diagnostic pop
+
+// nblk consecutive blocks of bs (BS > 0: fixed at compile time) along a contiguous row from x,
+// the last possibly cut short by the row's end (avail elements left in the row).
+template <int MODE, int BS, bool FIXED, typename T>
+void pow2_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
+                    const BlockPlan& P, const BlockArgs& a) {
+  const int64_t bs = BS > 0 ? BS : bs_rt;
+  Pow2Grids G;
+  const int64_t nfull = std::min(nblk, avail / bs);
+  auto amax_of = [&](const T* xp, int64_t m) {
+    uint32_t am = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const uint32_t v = load_bits<T>(xp + j) & kAbsMask;
+      am = v > am ? v : am;
+    }
+    return am;
+  };
+  int64_t b0 = 0;
+  if constexpr (std::is_same<T, float>::value && BS == 32)
+    for (; b0 + 8 <= nfull; b0 += 8) amax_8x32(x + b0 * 32, G.amax + b0);
+  for (int64_t b = b0; b < nfull; ++b) G.amax[b] = amax_of(x + b * bs, bs);
+  if (nfull < nblk) G.amax[nfull] = amax_of(x + nfull * bs, avail - nfull * bs);
+  pow2_grids<FIXED>(G, nblk, P, a);
+  const uint32_t dsh = FIXED ? 0u : (uint32_t)(23 - a.man) << 23;
+  // the rare blocks out of line: round_block inlined here would keep gcc from inlining the
+  // element loops (a call per block, with a run-time trip count)
+  auto other = [&](int64_t b, int64_t m) __attribute__((noinline)) {
+    const T* xp = x + b * bs;
+    T* yp = y + b * bs;
+    if (G.bad[b] == 1) {  // NaN or Inf in the block: all NaN
+      for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
+    } else {
+      round_block<MODE, T>(make_block<MODE, T>(xp, yp, m, 0, P, 0u), P, a);
+    }
+  };
+  for (int64_t b = 0; b < nfull; ++b) {
+    if (__builtin_expect(G.bad[b] == 0, 1))
+      pow2_elems<MODE, FIXED, T>(x + b * bs, y + b * bs, bs, G, b, dsh);
+    else
+      other(b, bs);
+  }
+  if (nfull < nblk) {
+    const int64_t m = avail - nfull * bs;
+    if (G.bad[nfull] == 0)
+      pow2_elems<MODE, FIXED, T>(x + nfull * bs, y + nfull * bs, m, G, nfull, dsh);
+    else
+      other(nfull, m);
+  }
+}
+
 // ---- blocks along a strided axis, a tile at a time (issue 23) --------------------------------
 // Where the block axis is not contiguous but another dim (the lanes) is, in x and in y (e.g. a
 // contiguous matrix with blocks along its rows' dim, or a transposed view with blocks along its
@@ -786,6 +989,36 @@ void round_tile(const T* xt, T* yt, int64_t m, int64_t w, const BlockPlan& P,
       const bool ts = a.tensor_scale;
       tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
         return f2u(qtensor::round_amax_elem<MODE>(u2f(u), S[c], sp, ts, 0u));
+      });
+    }
+    return;
+  }
+  if (P.pow2_run) {  // the lanes' grids in one loop (pow2_grids), then the elements
+    static_assert(kTileW <= kPow2Run, "a tile's lanes are one run");
+    Pow2Grids G;
+    bool all_fast = true;
+    for (int64_t c = 0; c < w; ++c) G.amax[c] = amax[c];
+    if (a.elem_fixed) pow2_grids<true>(G, w, P, a);
+    else pow2_grids<false>(G, w, P, a);
+    for (int64_t c = 0; c < w; ++c) all_fast = all_fast && G.bad[c] != 2;
+    if (!all_fast) {  // rare (scales near float32's limits): block by block
+      for (int64_t c = 0; c < w; ++c) round_block<MODE, T>(lane_block(c), P, a);
+      return;
+    }
+    if (a.elem_fixed) {
+      tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
+        qtensor::FastGrid g;
+        g.d = 0; g.mask = 0; g.normal_min = 0xFFFFFFFFu; g.C = G.C[c]; g.q = G.q[c];
+        g.h = G.h[c]; g.sto = 0.0f;
+        return qtensor::round_fixed_fast_finite<MODE>(u, g, G.lim0[c], G.lim1[c], G.lim2[c]);
+      });
+    } else {
+      const uint32_t dsh = (uint32_t)(23 - a.man) << 23;
+      tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
+        // (a NaN lane's values are overwritten)
+        uint32_t rr = qtensor::round_magnitude_add<MODE>(u & kAbsMask, G.nmin[c], dsh);
+        rr = rr > G.lim0[c] ? G.lim0[c] : rr;
+        return rr | (u & kSignBit);
       });
     }
     return;
@@ -917,6 +1150,23 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
           fp4_block_run<MODE, 0, T>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
                                     P.elem_max_f, a);
         u += run - 1;  // and the loop's ++u
+        bidx += run;
+        if (bidx == nb) { bidx = 0; oc.next(); }
+        continue;
+      }
+      if (P.pow2_rows) {  // the same, power-of-two scales
+        const int64_t run = std::min(std::min(ue - u, nb - bidx), kPow2Run);
+        const int64_t j0 = bidx * bs;
+        const T* xp = x + oc.ox + j0;
+        T* yp = y + oc.oy + j0;
+        if (a.elem_fixed) {
+          if (bs == 32) pow2_block_run<MODE, 32, true, T>(xp, yp, run, bs, len - j0, P, a);
+          else pow2_block_run<MODE, 0, true, T>(xp, yp, run, bs, len - j0, P, a);
+        } else {
+          if (bs == 32) pow2_block_run<MODE, 32, false, T>(xp, yp, run, bs, len - j0, P, a);
+          else pow2_block_run<MODE, 0, false, T>(xp, yp, run, bs, len - j0, P, a);
+        }
+        u += run - 1;
         bidx += run;
         if (bidx == nb) { bidx = 0; oc.next(); }
         continue;

@@ -231,17 +231,9 @@ QT_HD bool make_fast_grid(FastGrid& g, int man, int emin, int qlow, bool all_nor
   return true;
 }
 
+// The fixed grid q alone (round_magnitude_fast below normal_min; all of a fixed-point grid).
 template <int MODE>
-QT_HD uint32_t round_magnitude_fast(uint32_t A, const FastGrid& g, uint32_t rbits) {
-  // relative grid: drop d bits of A (a carry into the exponent is the next binade)
-  const uint32_t fb = A & g.mask;
-  // parity of the kept part from the significand (at d = 23 the kept bit is the implicit one)
-  const uint32_t M = (A & F32::MANMASK) | (A > F32::MANMASK ? F32::MANMASK + 1u : 0u);
-  const uint32_t lo_odd = (M >> g.d) & 1u;
-  const uint32_t thr = (fb << (31 - g.d)) << 1;
-  const bool up = mode_word<MODE>(lo_odd, rbits) < thr;
-  const uint32_t rn = (A & ~g.mask) + ((uint32_t)up << g.d);
-  // fixed grid q below the normals
+QT_HD uint32_t round_low_fast(uint32_t A, const FastGrid& g, uint32_t rbits) {
   const float a = u2f(A);
   const float t = (a + g.C) - g.C;
   const float lo = t > a ? t - g.q : t;
@@ -259,8 +251,54 @@ QT_HD uint32_t round_magnitude_fast(uint32_t A, const FastGrid& g, uint32_t rbit
                               : (uint32_t)(int32_t)F;
     low = rbits < thr2 ? lo + g.q : lo;
   }
-  const uint32_t rl = a >= g.C ? A : f2u(low);  // a >= C: already on the grid
+  return a >= g.C ? A : f2u(low);  // a >= C: already on the grid
+}
+
+template <int MODE>
+QT_HD uint32_t round_magnitude_fast(uint32_t A, const FastGrid& g, uint32_t rbits) {
+  // relative grid: drop d bits of A (a carry into the exponent is the next binade)
+  const uint32_t fb = A & g.mask;
+  // parity of the kept part from the significand (at d = 23 the kept bit is the implicit one)
+  const uint32_t M = (A & F32::MANMASK) | (A > F32::MANMASK ? F32::MANMASK + 1u : 0u);
+  const uint32_t lo_odd = (M >> g.d) & 1u;
+  const uint32_t thr = (fb << (31 - g.d)) << 1;
+  const bool up = mode_word<MODE>(lo_odd, rbits) < thr;
+  const uint32_t rn = (A & ~g.mask) + ((uint32_t)up << g.d);
+  // fixed grid q below the normals
+  const uint32_t rl = round_low_fast<MODE>(A, g, rbits);
   return A >= g.normal_min ? rn : rl;
+}
+
+// round_magnitude_fast (deterministic modes) on the grid of a float format WITH subnormals whose
+// smallest normal is 2^ek (ek >= -126) and man <= 22 (d = 23 - man >= 1), in a few float
+// operations (the CPU's power-of-two block runs): nmin_c = 2^ek's bits, dsh = d << 23.
+// With E = max(binade(a), ek) the grid's spacing at a is s = 2^(E - man) (the normals' relative
+// grid; below 2^ek the subnormals' fixed one, the same s), and c = 2^(E + d) (bits
+// max(A & exponent, nmin_c) + dsh; the caller keeps E + d <= 127). a < 2^(E+1) <= c, so a + c lies
+// in [c, 2c], where the floats are the multiples of ulp(c) = s: the sum rounds (ties to even,
+// the float32 default) to the multiple of s nearest a, ties to the even multiple (c / s = 2^23
+// is even, so the parity is a's), and r = (a + c) - c is exact: the nearest-even rounding of a
+// to the grid, which is what round_magnitude_fast gives (above 2^ek it drops d bits, ties to the
+// even kept part; below it (a + C) - C with C = 2^(qlow + 23) = c; a float32 subnormal a on an
+// all-normal grid (ek = -126, normal_min 0) drops d bits of its pattern: spacing 2^(d - 149) = s).
+// nearest_away differs only at a tie rounded down (a - r = s/2, exact: both are multiples of
+// a's ulp, |a - r| <= s/2): one s up. toward_zero: r - s where r > a. s = c 2^-23 and
+// s/2 = c 2^-24 are powers of two >= 2^(-126 - man - 1) >= 2^-149: exact products.
+// (the float32 default environment: no flush-to-zero, as the fixed grid q above)
+template <int MODE>
+QT_HD uint32_t round_magnitude_add(uint32_t A, uint32_t nmin_c, uint32_t dsh) {
+  const uint32_t E = A & F32::INF;
+  const float a = u2f(A), c = u2f((E > nmin_c ? E : nmin_c) + dsh);
+  const float r = (a + c) - c;
+  if (MODE == kNearestAway) {
+    const float s = c * 1.1920928955078125e-07f, h = c * 5.9604644775390625e-08f;
+    return f2u((a - r) == h ? r + s : r);
+  }
+  if (MODE == kTowardZero) {
+    const float s = c * 1.1920928955078125e-07f;
+    return f2u(r > a ? r - s : r);
+  }
+  return f2u(r);
 }
 
 // What a finite value that rounds beyond max gives: toward_zero never rounds up past max.
@@ -392,6 +430,20 @@ QT_HD uint32_t round_fixed_fast(uint32_t u, const FastGrid& g, uint32_t pos_bits
   const uint32_t nonzero = (uint32_t)0 - (uint32_t)(r != 0);  // no negative zero
   const uint32_t out = over ? sat : (r | (sign & nonzero));
   return nan ? u : out;
+}
+
+// round_fixed_fast for a finite u (the power-of-two block runs write NaN/Inf blocks apart) on a
+// fixed-point FastGrid (normal_min above every magnitude): the same bits, fewer selects.
+template <int MODE>
+QT_HD uint32_t round_fixed_fast_finite(uint32_t u, const FastGrid& g, uint32_t pos_bits,
+                                       uint32_t neg_bits, uint32_t neg_sat_bits) {
+  const uint32_t sign = u & F32::SIGN, A = u & F32::ABS;
+  const uint32_t r = round_low_fast<MODE>(A, g, 0u);
+  const uint32_t neg = (uint32_t)((int32_t)u >> 31);
+  const uint32_t lim = (neg_bits & neg) | (pos_bits & ~neg);
+  const uint32_t sat = (neg_sat_bits & neg) | (pos_bits & ~neg);
+  const uint32_t nonzero = (uint32_t)0 - (uint32_t)(r != 0);  // no negative zero
+  return r > lim ? sat : (r | (sign & nonzero));
 }
 
 // ---- blocks ------------------------------------------------------------------------------------
