@@ -1117,14 +1117,16 @@ void blocks_tiled(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_
 template <int MODE, typename T>
 void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
   if (L.numel == 0) return;
-  if (MODE != kStochastic && a.scale_rule != kRule4over6) {
-    Layout Lt;
-    int axt = 0;
-    if (tile_layout(L, a.axis, Lt, axt)) {
-      BlockArgs at = a;
-      at.axis = axt;
-      blocks_tiled<MODE, T>(x, y, Lt, at, key);
-      return;
+  if constexpr (MODE != kStochastic) {  // (the tiles are not compiled for stochastic rounding)
+    if (a.scale_rule != kRule4over6) {
+      Layout Lt;
+      int axt = 0;
+      if (tile_layout(L, a.axis, Lt, axt)) {
+        BlockArgs at = a;
+        at.axis = axt;
+        blocks_tiled<MODE, T>(x, y, Lt, at, key);
+        return;
+      }
     }
   }
   const BlockPlan P = block_plan<MODE>(L, a);
@@ -1159,12 +1161,18 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
         const int64_t j0 = bidx * bs;
         const T* xp = x + oc.ox + j0;
         T* yp = y + oc.oy + j0;
-        if (a.elem_fixed) {
-          if (bs == 32) pow2_block_run<MODE, 32, true, T>(xp, yp, run, bs, len - j0, P, a);
-          else pow2_block_run<MODE, 0, true, T>(xp, yp, run, bs, len - j0, P, a);
-        } else {
-          if (bs == 32) pow2_block_run<MODE, 32, false, T>(xp, yp, run, bs, len - j0, P, a);
-          else pow2_block_run<MODE, 0, false, T>(xp, yp, run, bs, len - j0, P, a);
+        // (compiled only where the plan can take it: deterministic modes, and the fixed block
+        // size 32 for float32 payloads only: each instantiation is a large inlined loop nest per
+        // ISA, and the build time grows with them)
+        if constexpr (MODE != kStochastic) {
+          constexpr bool f32 = std::is_same<T, float>::value;
+          if (a.elem_fixed) {
+            if (f32 && bs == 32) pow2_block_run<MODE, f32 ? 32 : 0, true, T>(xp, yp, run, bs, len - j0, P, a);
+            else pow2_block_run<MODE, 0, true, T>(xp, yp, run, bs, len - j0, P, a);
+          } else {
+            if (f32 && bs == 32) pow2_block_run<MODE, f32 ? 32 : 0, false, T>(xp, yp, run, bs, len - j0, P, a);
+            else pow2_block_run<MODE, 0, false, T>(xp, yp, run, bs, len - j0, P, a);
+          }
         }
         u += run - 1;
         bidx += run;
