@@ -560,34 +560,6 @@ def _(x, dtype):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("qtensor_dispatch::round_float", mutates_args=())
-def _round_float(x: torch.Tensor, man: int, emin: int, subnormals: bool, max: float,
-                 overflow: int, is_unsigned: bool, rounding: int) -> torch.Tensor:
-    """qtensor::quantize_float (deterministic) as traced graphs call it for float32 payloads:
-    an op of its own, whose decomposition inductor fuses into the producer
-    (qtensor.decompositions.round_float) while a direct call of the qtensor:: op stays extern."""
-    q = torch.ops.qtensor.quantize_float.default(x, man, emin, subnormals, max, overflow,
-                                                 is_unsigned, rounding, 0)
-    # x's layout, as the fake (empty_like) and the decomposition (pointwise) give it
-    return q if q.stride() == x.stride() else torch.empty_like(x).copy_(q)
-
-
-@_round_float.register_fake
-def _(x, man, emin, subnormals, max, overflow, is_unsigned, rounding):
-    _decompositions.register_scalar()
-    return torch.empty_like(x)
-
-
-def traced_round_float(x, args):
-    """quantize_float of a traced payload x with args = (man, emin, subnormals, max, overflow,
-    is_unsigned, rounding code) as the fusable round_float, or None where the short form does
-    not cover it (the caller then calls the qtensor:: op)."""
-    if (x.dtype is not torch.float32 or x.device.type != "cpu" or not _CPU_KERNELS
-            or not _decompositions.fast_float_applies(*args[:3], args[5], args[6])):
-        return None
-    return _round_float(x, *args)
-
-
 def _traced_float_args(x, fmt):
     """round_float's arguments after x for a traced float32 payload in a scalar float format
     that the short form covers, else None."""
@@ -721,7 +693,7 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
         if type(x) is not torch.Tensor:  # traced: scalar float formats as a fusable op
             fargs = _traced_float_args(x, fmt)
             if fargs is not None:
-                return _round_float(x, *fargs)
+                return _ops.round_float(x, *fargs)
         op, args = _kernel_call(fmt)
         return op(x, *args)
     if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor:
@@ -758,7 +730,7 @@ def _round_inplace_to(data, fmt, kernel=None) -> None:
         op(data, *args)
         _increment_version((data,))  # (torch.autograd.graph.increment_version's own call)
     elif type(data) is not torch.Tensor and _traced_float_args(data, fmt) is not None:
-        data.copy_(_round_float(data, *_traced_float_args(data, fmt)))  # traced: fusable
+        data.copy_(_ops.round_float(data, *_traced_float_args(data, fmt)))  # traced: fusable
     elif data.is_contiguous():
         _ops.quantize_(data, fmt)
     else:

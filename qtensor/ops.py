@@ -166,6 +166,38 @@ if _C is not None:
     _register_fakes()
 
 
+# The traced form of a scalar float rounding (defined here, below which dispatch and
+# accum sit, so that qt.quantize under tracing and dispatch share it)
+
+@torch.library.custom_op("qtensor_dispatch::round_float", mutates_args=())
+def round_float(x: torch.Tensor, man: int, emin: int, subnormals: bool, max: float,
+                overflow: int, is_unsigned: bool, rounding: int) -> torch.Tensor:
+    """qtensor::quantize_float (deterministic) as traced graphs call it for float32 payloads:
+    an op of its own, whose decomposition inductor fuses into the producer
+    (qtensor.decompositions.round_float) while a direct call of the qtensor:: op stays extern."""
+    q = torch.ops.qtensor.quantize_float.default(x, man, emin, subnormals, max, overflow,
+                                                 is_unsigned, rounding, 0)
+    # x's layout, as the fake (empty_like) and the decomposition (pointwise) give it
+    return q if q.stride() == x.stride() else torch.empty_like(x).copy_(q)
+
+
+@round_float.register_fake
+def _(x, man, emin, subnormals, max, overflow, is_unsigned, rounding):
+    decompositions.register_scalar()
+    return torch.empty_like(x)
+
+
+def traced_round_float(x, args):
+    """quantize_float of a traced payload x with args = (man, emin, subnormals, max, overflow,
+    is_unsigned, rounding code) as the fusable round_float, or None where the short form does
+    not cover it (the caller then calls the qtensor:: op)."""
+    if (x.dtype is not torch.float32 or x.device.type != "cpu" or not kernels_available("cpu")
+            or not decompositions.fast_float_applies(*args[:3], args[5], args[6])):
+        return None
+    return round_float(x, *args)
+
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry points
 
@@ -306,8 +338,7 @@ def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
     x = x.detach()
     if out is None and name == "quantize_float" and (torch.compiler.is_compiling()
                                                       or _is_traced(x)):
-        from .dispatch import traced_round_float  # traced: the op inductor fuses
-        q = traced_round_float(x, args[:-1])
+        q = traced_round_float(x, args[:-1])  # traced: the op inductor fuses
         if q is not None:
             return q
     if out is None:
