@@ -7,7 +7,7 @@ package in a temporary folder, the new one from the checkout); the driver asks t
 round after round, for one timing of each case: the median of a few calls of
 ``qt.quantize(x, fmt, out=out)`` and of ``out.copy_(x)`` on the same tensor, taken alternately in
 that process. Reported: medians over the rounds of the kernel's time and of its ratio to copy_.
-Cases: float32 randn 1024x1024 and 4096x4096, MXFP8 E4M3, MXFP6 E3M2, MXFP4 E2M1, MXINT8, blocks
+Cases: randn 1024x1024 and 4096x4096 (float32, or --dtype bfloat16 / float16), MXFP8 E4M3, MXFP6 E3M2, MXFP4 E2M1, MXINT8, blocks
 along axis -1 (contiguous rows) and axis 0 (down the columns: the tiles), rounding nearest.
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ import qtensor as qt
 from qtensor import ops
 x_by = {}
 for line in sys.stdin:
-    n, name, axis, rounding, calls = json.loads(line)
-    if n not in x_by:
+    n, name, axis, rounding, calls, dtype = json.loads(line)
+    if (n, dtype) not in x_by:
         torch.manual_seed(0)
-        x_by[n] = torch.randn(n, n)
-    x = x_by[n]
+        x_by[(n, dtype)] = torch.randn(n, n).to(getattr(torch, dtype))
+    x = x_by[(n, dtype)]
     out = torch.empty_like(x)
     fmt = qt.PRESETS[name].replace(axis=axis)
     ops.quantize(x, fmt, rounding=rounding, out=out)
@@ -61,6 +61,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--sizes", default="1024,4096")
     ap.add_argument("--rounding", default="nearest")
+    ap.add_argument("--dtype", default="float32", help="the payload: float32, bfloat16, float16")
+    ap.add_argument("--formats", default=",".join(FORMATS))
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_mx_runs_")
     try:
@@ -71,7 +73,7 @@ def main():
         shutil.copy(args.old, os.path.join(pkg, so[0]))
         workers = {"old": _worker(tmp), "new": _worker(ROOT)}
         cases = [(n, name, axis) for n in map(int, args.sizes.split(","))
-                 for name in FORMATS for axis in (-1, 0)]
+                 for name in args.formats.split(",") for axis in (-1, 0)]
         res = {(c, b): [] for c in cases for b in workers}
         for r in range(args.rounds):
             for c in cases:
@@ -79,7 +81,7 @@ def main():
                 order = ("old", "new") if r % 2 == 0 else ("new", "old")
                 for b in order:
                     w = workers[b]
-                    w.stdin.write(json.dumps([*c, args.rounding, calls]) + "\n")
+                    w.stdin.write(json.dumps([*c, args.rounding, calls, args.dtype]) + "\n")
                     w.stdin.flush()
                     res[(c, b)].append(json.loads(w.stdout.readline()))
         for w in workers.values():
@@ -87,7 +89,7 @@ def main():
             w.wait()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"rounding {args.rounding}, 1 thread, median of {args.rounds} rounds "
+    print(f"{args.dtype}, rounding {args.rounding}, 1 thread, median of {args.rounds} rounds "
           "(each: median of 3-5 calls, copy_ alternating)")
     print("| case | old ms | old x copy_ | new ms | new x copy_ | speedup |")
     print("|---|---|---|---|---|---|")

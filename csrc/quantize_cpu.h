@@ -688,6 +688,15 @@ QT_BLOCK_FN void round_block(const Block<T>& b, const BlockPlan& P, const BlockA
   }
 }
 
+// round_block out of line, for the paths' rare fallbacks (a NaN, scales near float32's limits):
+// inlined at each of them, its ten loops would be compiled once per fallback site, mode, dtype
+// and ISA (the build time tripled with the run paths' sites)
+template <int MODE, typename T>
+__attribute__((noinline)) void round_block_out(const Block<T>& b, const BlockPlan& P,
+                                               const BlockArgs& a) {
+  round_block<MODE, T>(b, P, a);
+}
+
 // A counter over dims [d0, d1) of a layout, with the strides of x, y and the logical order.
 inline Counter dims_counter(const Layout& L, int d0, int d1) {
   Counter c;
@@ -837,19 +846,11 @@ void pow2_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail
   const int64_t bs = BS > 0 ? BS : bs_rt;
   Pow2Grids G;
   const int64_t nfull = std::min(nblk, avail / bs);
-  auto amax_of = [&](const T* xp, int64_t m) {
-    uint32_t am = 0;
-    for (int64_t j = 0; j < m; ++j) {
-      const uint32_t v = load_bits<T>(xp + j) & kAbsMask;
-      am = v > am ? v : am;
-    }
-    return am;
-  };
   int64_t b0 = 0;
   if constexpr (std::is_same<T, float>::value && BS == 32)
     for (; b0 + 8 <= nfull; b0 += 8) amax_8x32(x + b0 * 32, G.amax + b0);
-  for (int64_t b = b0; b < nfull; ++b) G.amax[b] = amax_of(x + b * bs, bs);
-  if (nfull < nblk) G.amax[nfull] = amax_of(x + nfull * bs, avail - nfull * bs);
+  for (int64_t b = b0; b < nfull; ++b) G.amax[b] = block_amax<T>(x + b * bs, bs, 1, true);
+  if (nfull < nblk) G.amax[nfull] = block_amax<T>(x + nfull * bs, avail - nfull * bs, 1, true);
   pow2_grids<FIXED>(G, nblk, P, a);
   const uint32_t dsh = FIXED ? 0u : (uint32_t)(23 - a.man) << 23;
   // the rare blocks out of line: round_block inlined here would keep gcc from inlining the
@@ -860,7 +861,7 @@ void pow2_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail
     if (G.bad[b] == 1) {  // NaN or Inf in the block: all NaN
       for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
     } else {
-      round_block<MODE, T>(make_block<MODE, T>(xp, yp, m, 0, P, 0u), P, a);
+      round_block_out<MODE, T>(make_block<MODE, T>(xp, yp, m, 0, P, 0u), P, a);
     }
   };
   for (int64_t b = 0; b < nfull; ++b) {
@@ -1002,7 +1003,7 @@ void round_tile(const T* xt, T* yt, int64_t m, int64_t w, const BlockPlan& P,
     else pow2_grids<false>(G, w, P, a);
     for (int64_t c = 0; c < w; ++c) all_fast = all_fast && G.bad[c] != 2;
     if (!all_fast) {  // rare (scales near float32's limits): block by block
-      for (int64_t c = 0; c < w; ++c) round_block<MODE, T>(lane_block(c), P, a);
+      for (int64_t c = 0; c < w; ++c) round_block_out<MODE, T>(lane_block(c), P, a);
       return;
     }
     if (a.elem_fixed) {
@@ -1060,7 +1061,7 @@ void round_tile(const T* xt, T* yt, int64_t m, int64_t w, const BlockPlan& P,
     nmin[c] = g.normal_min; gC[c] = g.C; gq[c] = g.q; gh[c] = g.h;
   }
   if (!all_fast) {  // rare (scales near float32's limits): block by block
-    for (int64_t c = 0; c < w; ++c) round_block<MODE, T>(lane_block(c), P, a);
+    for (int64_t c = 0; c < w; ++c) round_block_out<MODE, T>(lane_block(c), P, a);
     return;
   }
   const int d = a.elem_fixed ? 0 : 23 - a.man;
@@ -1181,7 +1182,7 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
       }
       const int64_t j0 = bidx * bs;
       const uint64_t l0 = (uint64_t)(oc.ol + ic.ol + j0 * P.sal);
-      round_block<MODE, T>(make_block<MODE, T>(x + oc.ox + ic.ox + j0 * P.sax,
+      round_block_out<MODE, T>(make_block<MODE, T>(x + oc.ox + ic.ox + j0 * P.sax,
                                                y + oc.oy + ic.oy + j0 * P.say,
                                                std::min(bs, len - j0), l0, P, key),
                            P, a);
@@ -1322,6 +1323,70 @@ void fixed_kernel(const T* x, T* y, const Layout& L, const qtensor::FixedSpec<ui
   }
 }
 
+// dst[logical order] = src[strides], or (TO_LOGICAL false) dst[strides] = src[logical order],
+// converting the element type (float32 <-> Half / BFloat16)
+template <bool TO_LOGICAL, typename TS, typename TD>
+void copy_logical(const TS* src, TD* dst, const Layout& L, const int64_t* strides) {
+  if (L.ndim == 0) { dst[0] = (TD)(float)src[0]; return; }
+  const int last = L.ndim - 1;
+  const int64_t w = L.sizes[last], st = strides[last];
+  at::parallel_for(0, L.numel / w, std::max<int64_t>(1, kGrain / w), [&](int64_t rb, int64_t re) {
+    Counter rows;  // the dims before the last, with the strided side's offsets
+    rows.nd = last;
+    for (int d = 0; d < last; ++d) {
+      rows.size[d] = L.sizes[d]; rows.sx[d] = strides[d]; rows.sy[d] = 0; rows.sl[d] = 0;
+    }
+    rows.set(rb);
+    for (int64_t r = rb; r < re; ++r, rows.next()) {
+      const int64_t o = rows.ox, lo = r * w;
+      if (TO_LOGICAL) {
+        if (st == 1) for (int64_t c = 0; c < w; ++c) dst[lo + c] = (TD)(float)src[o + c];
+        else for (int64_t c = 0; c < w; ++c) dst[lo + c] = (TD)(float)src[o + c * st];
+      } else {
+        if (st == 1) for (int64_t c = 0; c < w; ++c) dst[o + c] = (TD)src[lo + c];
+        else for (int64_t c = 0; c < w; ++c) dst[o + c * st] = (TD)src[lo + c];
+      }
+    }
+  });
+}
+
+// Half and BFloat16 payloads are rounded as their float32 copy in logical order: the same bits
+// (the widening is exact, every path stores the rounded value as float32 bits, and store_bits
+// narrows those bits as the conversion back does). One set of block loops per mode and ISA
+// instead of three (the build time, issue 23) against two conversion passes, done a chunk of
+// kStageChunk elements at a time (in cache) along dim 0, whole blocks per chunk. Stochastic
+// rounding stages the whole tensor: its words follow the logical indices from 0.
+constexpr int64_t kStageChunk = 1 << 15;
+
+template <int MODE, typename T>
+void blocks_via_float(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
+  if (L.numel == 0) return;
+  const int64_t n0 = L.ndim == 0 ? 1 : L.sizes[0], unit = L.numel / n0;
+  const int64_t step = L.ndim > 0 && a.axis == 0 ? a.block_size : 1;  // dim-0 indices per chunk
+  const int64_t cnt = MODE == kStochastic
+      ? n0 : std::min(n0, std::max<int64_t>(1, kStageChunk / (unit * step)) * step);
+  const int64_t nchunks = (n0 + cnt - 1) / cnt;
+  Layout Lf = L;  // a chunk's float32 copy: contiguous (its logical strides)
+  Lf.contiguous = true;
+  for (int d = 0; d < L.ndim; ++d) Lf.xs[d] = Lf.ys[d] = L.ls[d];
+  const int64_t sx0 = L.ndim ? L.xs[0] : 0, sy0 = L.ndim ? L.ys[0] : 0;
+  auto chunks = [&](int64_t cb, int64_t ce) {
+    std::unique_ptr<float[]> buf(new float[cnt * unit]);
+    for (int64_t c = cb; c < ce; ++c) {
+      const int64_t i0 = c * cnt, m = std::min(cnt, n0 - i0);
+      Layout Lc = L, Lcf = Lf;
+      if (L.ndim > 0) { Lc.sizes[0] = Lcf.sizes[0] = m; }
+      Lc.numel = Lcf.numel = m * unit;
+      copy_logical<true>(x + i0 * sx0, buf.get(), Lc, L.xs);
+      blocks<MODE, float>(buf.get(), buf.get(), Lcf, a, key);
+      copy_logical<false>(buf.get(), y + i0 * sy0, Lc, L.ys);
+    }
+  };
+  // (one chunk: called directly, so that the loops inside it still run in parallel)
+  if (nchunks == 1) chunks(0, 1);
+  else at::parallel_for(0, nchunks, 1, chunks);
+}
+
 template <typename T>
 void block_kernel(const T* x, T* y, const Layout& L, const BlockArgs& args, int mode_arg,
                   uint32_t key) {
@@ -1330,8 +1395,10 @@ void block_kernel(const T* x, T* y, const Layout& L, const BlockArgs& args, int 
   const int mode = qtensor::mode_base(mode_arg);
   if (a.whole_tensor) {
     QT_MODE_SWITCH(mode, whole_tensor_block<M, T>(x, y, L, a, key));
-  } else {
+  } else if constexpr (std::is_same<T, float>::value) {
     QT_MODE_SWITCH(mode, blocks<M, T>(x, y, L, a, key));
+  } else {
+    QT_MODE_SWITCH(mode, blocks_via_float<M, T>(x, y, L, a, key));
   }
 }
 

@@ -271,6 +271,47 @@ def test_half_dtypes(dtype):
             check(xb, P[name], rounding)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes_strided_blocks(dtype):
+    # Half/BFloat16 block rounding runs on a float32 copy in logical order (quantize_cpu.h,
+    # block_kernel): strided inputs and outputs, in place, odd shapes and every path's layout
+    # (rows, runs, tiles, per-block) against the reference, stochastic words included
+    x = block_inputs(48, 96, seed=21).clamp(-6e4, 6e4).to(dtype)
+    views = {"contiguous": x, "transposed": x.t(), "sliced": x[1::3, 3::2],
+             "4-d": x.reshape(4, 12, 8, 12).permute(2, 0, 3, 1), "0-d": x[3, 7] + 1,
+             "1-d odd": x.reshape(-1)[5:1000]}
+    # several staging chunks (kStageChunk = 2^15 elements, whole blocks along dim 0 each)
+    tall = (torch.randn(1000, 84, generator=torch.Generator().manual_seed(22)) *
+            2.0 ** torch.randint(-20, 20, (1000, 1), generator=torch.Generator().manual_seed(23)))
+    fmts = [P["mxfp8_e4m3"], P["mxfp6_e3m2"], P["mxint8"], P["nvfp4"],
+            BlockFormat(P["fp4_e2m1"], 8, axis=0), BlockFormat(FixedFormat(6, 4), 16),
+            BlockFormat(P["fp8_e5m2"], 32, axis=0, scale_rule="ceil")]
+    cases = [(views, fmts, MODES)]
+    cases.append(({"tall": tall.to(dtype), "tall transposed": tall.to(dtype).t(),
+                   "tall 1-d": tall.to(dtype).reshape(-1)[3:70000]},
+                  [P["mxfp8_e4m3"], BlockFormat(P["fp4_e2m1"], 8, axis=0),
+                   BlockFormat(FixedFormat(6, 4), 16)], ("nearest", "stochastic")))
+    for views_, fmts_, modes in cases:
+        for label, v in views_.items():
+            for fmt in fmts_:
+                for rounding in modes:
+                    _check_out_and_in_place(v, fmt, rounding, f"{label} {fmt} {rounding}")
+
+
+def _check_out_and_in_place(v, fmt, rounding, msg):
+    """ops.quantize_with_seed, out= a strided output, and in place, against the reference."""
+    want = reference.quantize_with_seed(v, fmt, rounding, 9)
+    assert_bits_equal(ops.quantize_with_seed(v, fmt, rounding, 9), want, msg)
+    if v.dim() > 0:
+        out = torch.full(v.shape[::-1], 7.0, dtype=v.dtype)
+        out = out.permute(*reversed(range(v.dim())))
+        ops.quantize_with_seed(v, fmt, rounding, 9, out=out)
+        assert_bits_equal(out, want, msg + " out= (strided)")
+        y = v.clone()
+        ops._round_(y, fmt, rounding, 9)  # (quantize_ after its checks, seeded)
+        assert_bits_equal(y, want, msg + " in place")
+
+
 def test_float64_uses_reference():
     x = scalar_inputs(256).double()
     for fmt in (P["fp8_e4m3"], FixedFormat(8, 4), P["mxfp4_e2m1"]):

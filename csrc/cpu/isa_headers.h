@@ -5,5 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "cpu/kernels.h"
