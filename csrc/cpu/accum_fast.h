@@ -122,28 +122,6 @@ inline void chunk_terms(const float* a, int64_t K, const float* b, int64_t k0, i
   }
 }
 
-// chunk_terms over the N (a constant) k from k0: the loop unrolled
-template <int MODE, int R, bool SHIFT, int N>
-inline void chunk_terms_n(const float* a, int64_t K, const float* b, int64_t k0, const VI* sh,
-                          VI* S) {
-  VI sc[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    sc[r] = SHIFT ? shl23(sh[r]) : shl23(addi(sh[r], i32(127)));
-    S[r] = izero();
-  }
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) {
-    const VF bk = loadf(b + (k0 + k) * FW);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const VF t = mulf(bk, bcastf(a[r * K + k0 + k]));
-      const VF x = SHIFT ? asf(addi(asi(t), sc[r])) : mulf(t, asf(sc[r]));
-      S[r] = addi(S[r], cvt_round<MODE>(x));
-    }
-  }
-}
-
 // The exponents of the fast path: int8, offset so that the largest nonzero one is 0, -128 for
 // zeros (a sum with a zero saturates there); a's for FR rows interleaved, each EA times (the
 // ISA's layout of E8), (K, FR * EA) per group, b's (K, FW) per panel. One saturating add and max
@@ -339,26 +317,39 @@ bool lean_tile(const float* a, const float* b, const Exps8& e, int64_t K,
       sh[r] = mini(subi(F, E[r]), i32(126));
     }
     if (many(gti(top, limit))) return false;  // an emax past lim.emax: the double path
-    VI S[R];
     // SHIFT where every sh >= 1 (every emax <= F - 1)
     const bool shift = !many(gti(top, Fm1));
-    if (CH > 0 && k1 - k0 == CH) {
-      if (shift) chunk_terms_n<0, R, true, CH>(a, K, b, k0, sh, S);
-      else chunk_terms_n<0, R, false, CH>(a, K, b, k0, sh, S);
-    } else {
-      if (shift) chunk_terms<0, R, true>(a, K, b, k0, k1, sh, S);
-      else chunk_terms<0, R, false>(a, K, b, k0, k1, sh, S);
-    }
     const bool promote = promoting && (++c == s.promote || k1 == K);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {  // finish<0, 1>: T = S + p's term, toward zero, scaled back
+    // finish<0, 1> of row r from its sum Sr: T = Sr + p's term, toward zero, scaled back
+    const auto finish_row = [&](int r, VI Sr) {
       const VI Fe = subi(F, E[r]);
-      const VI T = addi(S[r], p_term<0>(p[r], Fe));
+      const VI T = addi(Sr, p_term<0>(p[r], Fe));
       p[r] = scale_back(round_acc<0>(T, s, izero()), T, Fe);
       if (promote) {
         acc[r] = addf(acc[r], p[r]);
         p[r] = fzero();
       }
+    };
+    if (CH > 0 && k1 - k0 == CH && shift) {
+      // the common case row by row, each row's terms then its finish: few values live at a
+      // time (no spills of the 8 rows' sums, scales and exponents between the two loops)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const VI sc = shl23(sh[r]);
+        VI Sr = izero();
+#pragma GCC unroll 32
+        for (int k = 0; k < CH; ++k) {
+          const VF t = mulf(loadf(b + (k0 + k) * FW), bcastf(a[r * K + k0 + k]));
+          Sr = addi(Sr, cvt_round<0>(asf(addi(asi(t), sc))));
+        }
+        finish_row(r, Sr);
+      }
+    } else {
+      VI S[R];
+      if (shift) chunk_terms<0, R, true>(a, K, b, k0, k1, sh, S);
+      else chunk_terms<0, R, false>(a, K, b, k0, k1, sh, S);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) finish_row(r, S[r]);
     }
     if (promote) c = 0;
   }
