@@ -1291,6 +1291,80 @@ def test_fast_path_floor_of_a_subnormal_term(flush):
     assert torch.equal(bits(got), bits(want))
 
 
+# The lean tiles (csrc/cpu/accum_fast.h's lean_tile): full 8-row tiles of the NVIDIA presets'
+# datapath (alignment and result toward zero, p in the alignment, a float32 accumulator), the
+# chunk a compile-time constant for 4, 8, 16 and 32 (else read at run time), the emax checks once
+# per chunk over the 8 rows. The other tests above mostly use 5-7 rows (no full tile).
+LEAN_FORMATS = [
+    (accum.volta_fp16, "fp16"), (accum.ampere_tf32, "tf32"), (accum.ampere_bf16, "bf16"),
+    (accum.hopper_fp16, "fp16"), (accum.hopper_fp8, "fp8_e4m3"), (accum.ada_fp8, "fp8_e5m2"),
+    (accum.hopper_fp8_fast, "fp8_e4m3"), (accum.blackwell_tf32, "tf32"),
+    (AccumFormat(chunk=5, frac_bits=11, acc_man=7, promote=3), "bf16"),  # chunk at run time
+    (AccumFormat(chunk=4, frac_bits=9, acc_man=4, promote=1), "fp8_e4m3"),  # every chunk promotes
+]
+
+
+def _lean_cases(g, fmt, M=17, K=77, N=37):
+    """Operands of format fmt (M = 17: two full 8-row tiles and one row; K = 77: a short last
+    chunk for every chunk size; N = 37: a partial 16-lane panel), each stressing one step."""
+    def q(x):
+        return qt.quantize(x, fmt)
+    a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+    cases = {"random": (q(a), q(b))}
+    ea = torch.randint(-10, 11, (M, K), generator=g).float()
+    eb = torch.randint(-10, 11, (K, N), generator=g).float()
+    cases["exponent spread"] = (q(a * 2.0 ** ea), q(b * 2.0 ** eb))
+    # the format's subnormals (normal in float32): their alignment exponents are clamped
+    tiny = {"fp16": -16, "tf32": -128, "bf16": -128, "fp8_e4m3": -8, "fp8_e5m2": -16}[fmt]
+    sub = a.clone()
+    sub[:, ::3] *= 2.0 ** (tiny - 2)
+    if fmt in ("tf32", "bf16"):  # float32 subnormals: the double path (not the fast one)
+        sub[:, ::3] = torch.where(sub[:, ::3].abs() < 2.0 ** -126, 2.0 ** -126, sub[:, ::3])
+    cases["subnormal operands"] = (q(sub), q(b * 2.0 ** (tiny // 2)))
+    # zero rows, columns, a whole zero chunk in some rows (p alone sets emax there)
+    z, zb = a.clone(), b.clone()
+    z[3], z[9:12, 8:40], zb[:, 5], zb[60:] = 0.0, 0.0, 0.0, 0.0
+    cases["zeros"] = (q(z), q(zb))
+    # exact cancellation: the first chunks' products cancel (p = 0), then small products
+    c, cb = a.clone() * 2.0 ** -6, b.clone()
+    c[:, 0:16] = 3.0
+    cb[0:8], cb[8:16] = 5.0, -5.0
+    c[10:, 0:16:2] *= -1.0
+    cases["cancellation"] = (q(c), q(cb))
+    # a large partial swamping small later products (p sets emax), and the reverse
+    d = a.clone()
+    d[:, :8] *= 2.0 ** 8
+    d[8:, -8:] *= 2.0 ** 9
+    cases["partial dominates"] = (q(d), q(b))
+    # emax of F or more (the scale a float32 multiply, not an exponent add); fp8: its largest
+    big = {"fp8_e4m3": 2.0 ** 7, "fp8_e5m2": 2.0 ** 13}.get(fmt, 2.0 ** 13)
+    cases["large products"] = (q(a * big), q(b * big))
+    if fmt in ("bf16", "tf32"):  # emax past the fast path's limit in some rows: tiles redone
+        e = a.clone()
+        e[2:4, 40:] *= 2.0 ** 60
+        cases["emax limit"] = (q(e), q(b * 2.0 ** 50))
+    n = a.clone()
+    n[4, 7] = math.inf
+    cases["nonfinite"] = (q(n), q(b))
+    cases["K = 3"] = (q(a[:, :3]), q(b[:3]))
+    cases["K = 64"] = (q(a[:, :64]), q(b[:64]))
+    return cases
+
+
+@needs_kernel
+@pytest.mark.parametrize("f, fmt", LEAN_FORMATS, ids=str)
+def test_fast_path_lean_tiles(f, fmt):
+    g = torch.Generator().manual_seed(zlib.crc32(f"lean{f}{fmt}".encode()))
+    for name, (a, b) in _lean_cases(g, fmt).items():
+        want = accum.accum_matmul_reference(a, b, f)
+        assert torch.equal(bits(accum.accum_matmul(a, b, f)), bits(want)), name
+    # batched, with the tiles at other rows of a
+    a, b = _lean_cases(g, fmt, M=24, K=40, N=16)["exponent spread"]
+    a, b = a.reshape(3, 8, 40), b.expand(3, 40, 16)
+    assert torch.equal(bits(accum.accum_matmul(a, b, f)),
+                       bits(accum.accum_matmul_reference(a, b, f)))
+
+
 # ---------------------------------------------------------------------------------------------
 # AMD CDNA3 (stages "cdna3" / "cdna3_fp8"): the kernel (csrc/cpu/accum_cdna3.cpp: the two-stage
 # step lane-wise, step_general for a lane with inf/NaN, a nonfinite partial or a product that

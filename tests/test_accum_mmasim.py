@@ -351,6 +351,36 @@ def test_kernel_equals_mmasim(name, i):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", ["volta_fp16", "ampere_fp16", "ampere_tf32", "hopper_bf16",
+                                  "hopper_fp8", "ada_fp8", "hopper_tf32"])
+def test_kernel_lean_tiles_equal_mmasim(name):
+    """The fast path's lean tiles (accum_fast.h's lean_tile: full 8-row tiles of finite operands
+    whose products are exact in float32) against MMA-Sim: 16 rows, codes of the input formats
+    (fp16/fp8: the whole finite range, subnormals and zeros; tf32/bf16: moderate values, as
+    their float32-subnormal codes take the double path), exactly cancelling pairs, every K of
+    _ks (a short last chunk included)."""
+    f = accum.PRESETS[name]
+    for i, (ta, tb, make) in enumerate(CASES[name][:2]):
+        for K in _ks(f):
+            g = torch.Generator().manual_seed(zlib.crc32(f"lean{name}{i}{K}".encode()))
+            if ta in (TF32, BF16):
+                def moderate(shape):
+                    x = torch.randn(shape, generator=g) * 2.0 ** torch.randint(
+                        -20, 21, shape, generator=g)
+                    x[torch.rand(shape, generator=g) < 0.15] = 0.0
+                    if ta == BF16:
+                        return x.to(BF16)
+                    return (x.view(torch.int32) & ~0x1FFF).view(torch.float32)  # tf32 codes
+                a, b = moderate((16, K)), moderate((K, 11))
+                a[:, 1:K // 2:2] = -a[:, 0:K // 2 - 1:2]  # exact cancellation
+                b[1:K // 2:2] = b[0:K // 2 - 1:2]
+            else:
+                a, b = operands(g, ta, tb, 16, K, 11, nonfinite=False)
+            want = mmasim_chain(make, a, b, f)
+            assert same_bits(ours(a, b, f, accum.accum_matmul), want), (name, ta, tb, K)
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", list(BLOCK_CASES))
 def test_block_scaled_kernel_equals_mmasim(name):
     kind, shape = BLOCK_CASES[name]

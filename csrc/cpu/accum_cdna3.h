@@ -104,6 +104,27 @@ QT_HD bool finitev(double x) {
   return (__builtin_bit_cast(uint64_t, x) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
 }
 
+// The largest exponent ea[r][k] + eb[k][j] of each fused set of one chunk of n products, for
+// R rows of a (exponents ea from the chunk's first k, rows lda apart) and a panel of P columns
+// (ebk: (n, P)), in lane r * P + j: em0 (FP8: the even k; em1 the odd k, else it stays at the
+// start value 2 * kAccZeroExp). A zero product's exponent is about kAccZeroExp: an all-zero set
+// stays below kAccZeroExp / 2. The first step of both chains (chain_lanes, chain_fast).
+template <int R, int P, bool FP8>
+inline void fused_set_emax(const int* ea, int64_t lda, const int* ebk, int64_t n, int* em0,
+                           int* em1) {
+  for (int j = 0; j < R * P; ++j) em0[j] = em1[j] = 2 * qtensor::kAccZeroExp;
+  for (int64_t k = 0; k < n; ++k) {
+    const int* f = ebk + k * P;
+    int* em = FP8 && (k & 1) ? em1 : em0;
+    for (int r = 0; r < R; ++r) {
+      const int e = ea[r * lda + k];
+#pragma omp simd
+      for (int j = 0; j < P; ++j)
+        em[r * P + j] = e + f[j] > em[r * P + j] ? e + f[j] : em[r * P + j];
+    }
+  }
+}
+
 // The chains of R rows of a (each K doubles, exponents ea, rows lda apart) against a panel of
 // P columns (b: (K, P), exponents eb), from the partials p (R * P of them, row-major: c's or
 // 0) to the outputs out (R * P floats). The R * P lanes are independent chains: their second
@@ -125,17 +146,7 @@ void chain_lanes(const double* a, const int* ea, int64_t lda, const double* b, c
     const int* ebk = eb + k0 * P;
     // each fused set's largest exponent (zero products at about kAccZeroExp: below -50000)
     int em0[L], em1[L];
-    for (int j = 0; j < L; ++j) em0[j] = em1[j] = 2 * qtensor::kAccZeroExp;
-    for (int64_t k = 0; k < n; ++k) {
-      const int* f = ebk + k * P;
-      int* em = FP8 && (k & 1) ? em1 : em0;
-      for (int r = 0; r < R; ++r) {
-        const int e = ea[r * lda + k0 + k];
-#pragma omp simd
-        for (int j = 0; j < P; ++j)
-          em[r * P + j] = e + f[j] > em[r * P + j] ? e + f[j] : em[r * P + j];
-      }
-    }
+    fused_set_emax<R, P, FP8>(ea + k0, lda, ebk, n, em0, em1);
     double sc0[L], sc1[L], D0[L], D1[L];
     int64_t ed0[L], ed1[L];
     int slow = 0;
@@ -244,17 +255,7 @@ void chain_fast(const float* a, const int* ea, int64_t lda, const float* b, cons
     const float* bk = b + k0 * P;
     const int* ebk = eb + k0 * P;
     int em0[L], em1[L];  // each fused set's largest exponent (zero products: below -50000)
-    for (int j = 0; j < L; ++j) em0[j] = em1[j] = 2 * qtensor::kAccZeroExp;
-    for (int64_t k = 0; k < n; ++k) {
-      const int* f = ebk + k * P;
-      int* em = FP8 && (k & 1) ? em1 : em0;
-      for (int r = 0; r < R; ++r) {
-        const int e = ea[r * lda + k0 + k];
-#pragma omp simd
-        for (int j = 0; j < P; ++j)
-          em[r * P + j] = e + f[j] > em[r * P + j] ? e + f[j] : em[r * P + j];
-      }
-    }
+    fused_set_emax<R, P, FP8>(ea + k0, lda, ebk, n, em0, em1);
     float sc0[L], sc1[L];
     int D0[L], D1[L];
 #pragma omp simd

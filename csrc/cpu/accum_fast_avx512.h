@@ -84,12 +84,14 @@ inline VI p_term(VF p, VI Fe) {
 inline VI round_magnitude(VI aT, VI d, bool nearest);  // accum_fast.h
 
 // sign(T) * R: T rounded to acc_man bits below its leading bit (accum_fast.h's finish; KIND:
-// fin_kind, unused here: kFinishVariants is false, the branches stay in the row loop)
+// fin_kind, or -1: from s; kFinishVariants is false, fast_tile's branches stay in the row loop,
+// lean_tile passes 0)
 constexpr bool kFinishVariants = false;
 // dmin: the least number of dropped bits (a narrower accumulator's subnormal grid; kind 2 only)
 template <int KIND>
 inline VF round_acc(VI T, const qtensor::AccumSpec& s, VI dmin) {
-  if (s.acc_round == 0) {  // toward zero: the conversion truncates to 24 bits, the mask to fewer
+  // toward zero: the conversion truncates to 24 bits, the mask to fewer
+  if (KIND == 0 || (KIND < 0 && s.acc_round == 0)) {
     const VF r = _mm512_cvt_roundepi32_ps(T, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     return _mm512_castsi512_ps(
         _mm512_and_si512(_mm512_castps_si512(r), i32(-(1 << (23 - s.acc_man)))));
