@@ -1,10 +1,12 @@
 """First compiled training step, A/B between two checkouts, cold compile caches (issue 23).
 
-    OMP_NUM_THREADS=1 python benchmarks/ab_first_step.py --trees /tmp/main . --only gpt256,chargpt --rounds 3
+    OMP_NUM_THREADS=1 python benchmarks/ab_first_step.py --trees /tmp/main . \
+        --only gpt256,chargpt --rounds 3 [--warm]
 
 Each round runs one child process per checkout, alternating (A, B, A, B, ...), each with a fresh
 TORCHINDUCTOR_CACHE_DIR (so inductor's FX graph cache and AOTAutograd's cache start empty, as
-on a first run; with --warm the timed child runs on the cache that an untimed one filled). A child builds bench_training's pair of compiled models (FP32 and emulated),
+on a first run; with --warm the timed child runs on the cache that an untimed one filled). A
+child builds bench_training's pair of compiled models (FP32 and emulated),
 times the first step of each (FP32 first), dynamo's phases of the emulated one
 (compile_times), then ``--steps`` interleaved steady steps of both (medians), and a digest of
 the emulated model's parameters as bits after those steps: equal digests mean the two checkouts
@@ -36,8 +38,9 @@ torch._dynamo.utils.compilation_time_metrics.clear()
 t = time.perf_counter(); emu.step(); first_emu = time.perf_counter() - t
 phases = compile_times(repr="csv", aggregate=True)
 phases = dict(zip(phases[0], phases[1]))
-keep = {k: float(phases[k]) for k in ("bytecode_tracing", "compile_fx.<locals>.fw_compiler_base",
-        "compile_fx.<locals>.bw_compiler", "build_guards", "backward._backward_impl") if k in phases}
+keep = {k: float(phases[k]) for k in (
+    "bytecode_tracing", "compile_fx.<locals>.fw_compiler_base", "compile_fx.<locals>.bw_compiler",
+    "build_guards", "backward._backward_impl") if k in phases}
 tf, te = [], []
 for _ in range(steps):
     tf.append(fp32.timed_step()); te.append(emu.timed_step())
