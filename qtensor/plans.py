@@ -22,7 +22,7 @@ from . import block_specials
 from . import flush_warnings
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
 from .formats import format as _parse_format
-from .tensor import QTensor, as_qtensor
+from .tensor import QTensor, as_qtensor, same_formats
 from .transforms import check_transform
 from .torch_function import TorchFunctionTarget
 
@@ -449,7 +449,7 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor",
                                   shape=x.shape, stride=x.stride())
     if role.full_precision:
         return _plain(x)
-    if _is_q(x) and x.fmt == role.fmt and getattr(x, "mm_fmt", None) == role.mm_fmt:
+    if _is_q(x) and same_formats(x.fmt, x.mm_fmt, role.fmt, role.mm_fmt):
         if kind is not None:  # an op gave it in its formats: its operand format still clips
             flush_warnings.check_operand(kind, name, role, x._data)
         return x

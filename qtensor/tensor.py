@@ -148,20 +148,83 @@ except ImportError:  # an older torch: export fails where a QTensor is built in 
     pass
 
 
-def _graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum) -> dict:
+_FIELD_NAMES: dict = {}  # type -> its dataclass field names (_holds_its_fields)
+
+
+def _holds_its_fields(obj) -> bool:
+    """Whether a format or accumulator object has its field values: dynamo hands the objects
+    that the traced code itself constructs to a constant function as empty shells (their
+    fields are side effects it applies after the graph)."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    d = getattr(obj, "__dict__", None)
+    return d is not None and all(n in d for n in names)
+
+
+_TOKENS: dict = {}  # id(object) -> (object, its string form); see _graph_tokens
+_TOKENS_SIZE = 4096  # entries before the cache starts again (objects made anew: bounded)
+
+
+def _token(obj) -> str:
+    hit = _TOKENS.get(id(obj))
+    if hit is None:
+        if len(_TOKENS) > _TOKENS_SIZE:
+            _TOKENS.clear()
+        token = _accum_token(obj) if isinstance(obj, AccumFormat) else str(obj)
+        hit = _TOKENS[id(obj)] = (obj, token)  # (obj kept alive, so its id stays its own)
+    return hit[1]
+
+
+@torch.compiler.assume_constant_result
+def _graph_tokens(fmt, mm_fmt, accum):
+    """``(str(fmt), str(mm_fmt), accum token)`` (None for a None) for the QTensor call that
+    dynamo puts in a graph, computed on the real objects: dynamo calls this function while it
+    traces and takes the result for a constant, where tracing the string form itself (which
+    compares the format with every preset) was most of a converted model's tracing time
+    (issue 23). None where one of the objects was built by the traced code (dynamo passes
+    those without their fields): the caller then traces the string form, as before."""
+    objs = (fmt, mm_fmt, accum)
+    if not all(o is None or _holds_its_fields(o) for o in objs):
+        return None
+    return tuple(None if o is None else _token(o) for o in objs)
+
+
+@torch.compiler.assume_constant_result
+def _same_formats_constant(fmt, mm_fmt, fmt2, mm_fmt2):
+    """(fmt, mm_fmt) == (fmt2, mm_fmt2) on the real objects (see _graph_tokens), or None."""
+    objs = (fmt, mm_fmt, fmt2, mm_fmt2)
+    if not all(o is None or _holds_its_fields(o) for o in objs):
+        return None
+    return fmt == fmt2 and mm_fmt == mm_fmt2
+
+
+def same_formats(fmt, mm_fmt, fmt2, mm_fmt2) -> bool:
+    """Whether two (fmt, mm_fmt) pairs are equal. While dynamo traces, a constant it takes from
+    the real objects: a format's == compares every field, recursively, which dynamo would
+    trace (and guard) field by field."""
+    if torch.compiler.is_dynamo_compiling():
+        same = _same_formats_constant(fmt, mm_fmt, fmt2, mm_fmt2)
+        if same is not None:
+            return same
+    return fmt == fmt2 and mm_fmt == mm_fmt2
+
+
+def _graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum,
+                  tokens=None) -> dict:
     """The keyword arguments of a ``QTensor(data, str(fmt), ...)`` call put in a traced graph:
     the formats and the accumulator as strings (constants in the graph, where a format object
     would be rebuilt from its fields, symbolic ints under dynamic=True), defaults left out
-    (torch.export allows no None)."""
+    (torch.export allows no None). ``tokens``: _graph_tokens's, where it had them."""
     kwargs = {}
     if mm_fmt is not None:
-        kwargs["mm_fmt"] = str(mm_fmt)
+        kwargs["mm_fmt"] = str(mm_fmt) if tokens is None else tokens[1]
     if outer_size is not None:
         kwargs["outer_size"], kwargs["outer_stride"] = tuple(outer_size), tuple(outer_stride)
     if requires_grad:
         kwargs["requires_grad"] = True
     if accum is not None:
-        kwargs["accum"] = _accum_token(accum)
+        kwargs["accum"] = _accum_token(accum) if tokens is None else tokens[2]
     return kwargs
 
 
@@ -332,8 +395,10 @@ class QTensor(torch.Tensor):
             # dynamo cannot trace _make_wrapper_subclass, but puts a call to the class in the
             # graph as one node. The accumulator goes in the call too (a later t.accum = ...
             # would be a side effect applied after the graph, unseen by the contractions in it).
-            return QTensor(data, str(fmt),
-                           **_graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum))
+            tokens = _graph_tokens(fmt, mm_fmt, accum)
+            return QTensor(data, str(fmt) if tokens is None else tokens[0],
+                           **_graph_kwargs(mm_fmt, outer_size, outer_stride, requires_grad, accum,
+                                           tokens))
         if type(data) is torch.Tensor and _is_functorch_wrapped(data):
             refuse_transformed(data, "the payload")
         t = torch.Tensor._make_wrapper_subclass(
