@@ -137,17 +137,22 @@ def _traced_instructions(fn, *args):
     return counts
 
 
+def _mx_converted(*layers):
+    """nn.Sequential(*layers) converted with microxcaling's MXFP6 spec."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        recipe = qt.compat.mx.recipe(MX_SPECS_MXFP6)
+    return qt.convert(nn.Sequential(*layers), recipe)
+
+
 @needs_kernels
 def test_the_format_python_is_not_traced():
     # before: this MLP under microxcaling's MXFP6 spec made dynamo trace 76,000 bytecode
     # instructions of formats.py and dataclasses.py (the string forms, every preset's replace
     # and ==; 113,000 in all), now about 1,000 (format properties the rounding op's arguments
     # read; 17,000 in all)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        recipe = qt.compat.mx.recipe(MX_SPECS_MXFP6)
     torch.manual_seed(0)
-    model = qt.convert(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)), recipe)
+    model = _mx_converted(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
     x = torch.randn(4, 32)
 
     def step(x):
@@ -161,12 +166,8 @@ def test_the_format_python_is_not_traced():
 def test_compiled_converted_model_bits_unchanged():
     # forward and backward of a converted model under microxcaling's spec: aot_eager gives
     # eager's bits (the traced graph computes what it did before the constants)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        recipe = qt.compat.mx.recipe(MX_SPECS_MXFP6)
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8))
-    eager = qt.convert(base, recipe)
+    eager = _mx_converted(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8))
     import copy
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, backend="aot_eager")
