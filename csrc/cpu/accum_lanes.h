@@ -16,7 +16,7 @@
 // AVX-512 copy (accum.cpp defines QT_ACCUM_AVX512 for it) keeps the W lanes in one zmm (DV = 8)
 // and sums a chunk's terms in int64 (cvt_roundpd_epi64, the alignment rounding embedded; an add
 // of latency 1), the 4 rows' terms in one k-loop (chunk_sums: b converted once). On float32
-// operands, one thread, Zen 4, 256x1024x256: hopper_bf16 0.37 -> ~0.175 ns/product, hopper_fp8
+// operands, one thread, Intel Xeon (AVX-512), 256x1024x256: hopper_bf16 0.37 -> ~0.175 ns/product, hopper_fp8
 // 0.29 -> ~0.15-0.17 (the AVX2 copy unchanged: 0.38, 0.29); the emax loop and finish_chunk are
 // still about half of it at chunk 16.
 
