@@ -109,6 +109,37 @@ def test_compiled_as_qtensor_fullgraph():
     assert_bits_equal(xc.grad, x.grad, "straight-through gradient")
 
 
+def test_format_arguments_recompile():
+    """A format or Role passed to a compiled function as an argument: another one recompiles."""
+    from qtensor.plans import Role, round_to
+
+    x = torch.randn(64) * 3
+    f = torch.compile(lambda x, fmt: qt.quantize(x, fmt), backend="aot_eager")
+    g = torch.compile(lambda x, role: round_to(qt.as_qtensor(x, E4M3_COPY), role).dequantize(),
+                      backend="aot_eager")
+    for fmt in (qt.bf16, qt.fp8_e4m3, qt.PRESETS["fp4_e2m1"], qt.mxfp6_e3m2):
+        assert_bits_equal(f(x, fmt), qt.quantize(x, fmt), str(fmt))
+        assert_bits_equal(g(x, Role(fmt)), qt.quantize(qt.quantize(x, E4M3_COPY), fmt), str(fmt))
+
+
+E4M3_COPY = qt.fp8_e4m3.replace()  # equal to the preset, another object
+
+
+# PyTorch 2.13's dynamo tracks an object by its identity and keeps the source of its first use in
+# the frame: a format argument that IS a format object the function also uses directly (here the
+# global qt.bf16) gets no guard of its own, and a call with another format reuses the graph (a
+# wrong result, not an error). docs/dispatch.md ("torch.compile: format arguments") says so.
+# strict: this test fails (XPASS) when a torch fixes it, to drop the caveat.
+@pytest.mark.xfail(strict=True, reason="PyTorch 2.13 dynamo: an argument aliasing a global "
+                                       "object used in the frame is not guarded")
+def test_format_argument_aliasing_a_global_recompiles():
+    x = torch.randn(64) * 3
+    f = torch.compile(lambda x, fmt: qt.quantize(qt.quantize(x, qt.bf16), fmt),
+                      backend="aot_eager")
+    for fmt in (qt.bf16, qt.fp8_e4m3):
+        assert_bits_equal(f(x, fmt), qt.quantize(qt.quantize(x, qt.bf16), fmt), str(fmt))
+
+
 # dynamic=True: PyTorch 2.13's dynamo fails (at random, by PYTHONHASHSEED) to build the guards of
 # a frame whose input is a tensor subclass that another dynamic compiled frame returned ("sources
 # must not be empty for symbol ..."; torch's own TwoTensor does the same). qt.convert therefore
