@@ -688,9 +688,9 @@ QT_BLOCK_FN void round_block(const Block<T>& b, const BlockPlan& P, const BlockA
   }
 }
 
-// round_block out of line, for the paths' rare fallbacks (a NaN, scales near float32's limits):
-// inlined at each of them, its ten loops would be compiled once per fallback site, mode, dtype
-// and ISA (the build time tripled with the run paths' sites)
+// round_block out of line, for the per-block loop of blocks() and the run and tile paths' rare
+// fallbacks (a NaN, scales near float32's limits): inlined at each of these sites, its ten loops
+// were compiled once per site, mode, dtype and ISA (the build time tripled with the run paths)
 template <int MODE, typename T>
 __attribute__((noinline)) void round_block_out(const Block<T>& b, const BlockPlan& P,
                                                const BlockArgs& a) {

@@ -298,18 +298,20 @@ def test_half_dtypes_strided_blocks(dtype):
                     _check_out_and_in_place(v, fmt, rounding, f"{label} {fmt} {rounding}")
 
 
-def _check_out_and_in_place(v, fmt, rounding, msg):
-    """ops.quantize_with_seed, out= a strided output, and in place, against the reference."""
-    want = reference.quantize_with_seed(v, fmt, rounding, 9)
-    assert_bits_equal(ops.quantize_with_seed(v, fmt, rounding, 9), want, msg)
+def _check_out_and_in_place(v, fmt, rounding, msg, seed=9):
+    """ops.quantize_with_seed, out= a transposed (strided) output, and in place, against the
+    reference."""
+    want = reference.quantize_with_seed(v, fmt, rounding, seed)
+    assert_bits_equal(ops.quantize_with_seed(v, fmt, rounding, seed), want, msg)
+    out = torch.full(v.shape[::-1], 7.0, dtype=v.dtype)
     if v.dim() > 0:
-        out = torch.full(v.shape[::-1], 7.0, dtype=v.dtype)
         out = out.permute(*reversed(range(v.dim())))
-        ops.quantize_with_seed(v, fmt, rounding, 9, out=out)
-        assert_bits_equal(out, want, msg + " out= (strided)")
-        y = v.clone()
-        ops._round_(y, fmt, rounding, 9)  # (quantize_ after its checks, seeded)
-        assert_bits_equal(y, want, msg + " in place")
+    res = ops.quantize_with_seed(v, fmt, rounding, seed, out=out)
+    assert res is out
+    assert_bits_equal(out, want, msg + " out= (strided)")
+    y = v.clone()
+    ops._round_(y, fmt, rounding, seed)  # (quantize_ after its checks, seeded)
+    assert_bits_equal(y, want, msg + " in place")
 
 
 def test_float64_uses_reference():
@@ -328,14 +330,7 @@ def test_strided_inputs_and_outputs():
         for fmt in fmts:
             for rounding in ("nearest", "stochastic"):
                 check(v, fmt, rounding, msg=label)
-                want = reference.quantize_with_seed(v, fmt, rounding, 7)
-                # a transposed (non-contiguous) output
-                out = torch.full(v.shape[::-1], 9.0)
-                if v.dim() > 0:
-                    out = out.permute(*reversed(range(v.dim())))
-                res = ops.quantize_with_seed(v, fmt, rounding, 7, out=out)
-                assert res is out
-                assert_bits_equal(out, want, f"{label} {fmt} out= (strided)")
+                _check_out_and_in_place(v, fmt, rounding, f"{label} {fmt} {rounding}", seed=7)
 
 
 @pytest.mark.parametrize("n", [1, 3, 7, 31, 33, 65, 100, 1023])
