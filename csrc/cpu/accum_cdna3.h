@@ -130,6 +130,26 @@ inline void fused_set_emax(const int* ea, int64_t lda, const int* ebk, int64_t n
 // 0) to the outputs out (R * P floats). The R * P lanes are independent chains: their second
 // stages (a long dependent sequence per chunk) overlap. The lanes' loops are second_stage and
 // step_general's finite case written lane-wise.
+// A promotion: the last instruction's output (the double lanes' p, or the float32 chains') added
+// into the FP32 accumulator by a float32 add, and the chain restarted from zero.
+template <int L, typename PT>
+inline void promote_chain(float* acc, PT* p) {
+  for (int j = 0; j < L; ++j) {
+    acc[j] = acc[j] + (float)p[j];
+    p[j] = PT(0);
+  }
+}
+
+// A chain's outputs: the FP32 accumulator where it promoted, else the last instruction's output
+// (the double lanes' p, or the float32 chains'), NaN as the canonical quiet NaN.
+template <int L, typename PT>
+inline void store_chain_out(const float* acc, const PT* p, bool promoted, float* out) {
+  for (int j = 0; j < L; ++j) {
+    const float o = promoted ? acc[j] : (float)p[j];
+    out[j] = isnan(o) ? qtensor::u2f(qtensor::F32::QNAN) : o;
+  }
+}
+
 template <int R, int P, bool FP8>
 void chain_lanes(const double* a, const int* ea, int64_t lda, const double* b, const int* eb,
                  int64_t K, int chunk, int F, int promote, double* p, float* out) {
@@ -201,17 +221,11 @@ void chain_lanes(const double* a, const int* ea, int64_t lda, const double* b, c
         }
     for (int j = 0; j < L; ++j) p[j] = np[j];
     if (promote > 0 && (++c == promote || k0 + n == K)) {  // a float32 add into the accumulator
-      for (int j = 0; j < L; ++j) {
-        acc[j] = acc[j] + (float)p[j];
-        p[j] = 0.0;
-      }
+      promote_chain<L>(acc, p);
       c = 0;
     }
   }
-  for (int j = 0; j < L; ++j) {
-    const float o = promote > 0 && K > 0 ? acc[j] : (float)p[j];
-    out[j] = isnan(o) ? qtensor::u2f(qtensor::F32::QNAN) : o;
-  }
+  store_chain_out<L>(acc, p, promote > 0 && K > 0, out);
 }
 
 template <int R, int P>
@@ -315,17 +329,11 @@ void chain_fast(const float* a, const int* ea, int64_t lda, const float* b, cons
       }
     for (int j = 0; j < L; ++j) p[j] = np[j];
     if (promote > 0 && (++c == promote || k0 + n == K)) {  // a float32 add into the accumulator
-      for (int j = 0; j < L; ++j) {
-        acc[j] = acc[j] + p[j];
-        p[j] = 0.0f;
-      }
+      promote_chain<L>(acc, p);
       c = 0;
     }
   }
-  for (int j = 0; j < L; ++j) {
-    const float o = promote > 0 && K > 0 ? acc[j] : p[j];
-    out[j] = isnan(o) ? qtensor::u2f(qtensor::F32::QNAN) : o;
-  }
+  store_chain_out<L>(acc, p, promote > 0 && K > 0, out);
 }
 
 template <int R, int P>
