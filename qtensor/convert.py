@@ -650,11 +650,13 @@ def _attach_activation_hooks(model: nn.Module, conv: _Conversion) -> None:
 def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
     """Recipe.gemm: every converted Linear/Conv1d/2d/3d (its own forward, weight a QTensor)
     that no rule decides (neither the module nor its weight) runs its GEMMs in the per-GEMM
-    formats (qtensor.gemm); a module or weight a rule decides keeps its roles' mm_fmt.
+    formats (qtensor.gemm); a module or weight a rule decides keeps its roles' mm_fmt, unless the
+    module's rule gives "gemm" (its per-GEMM formats, which win over everything else).
     Recipe.last_layers: the last of those layers (model order, rules or not) run every GEMM
     operand in its format instead."""
     recipe = conv.recipe
-    if recipe.gemm is None and recipe.last_layers is None:
+    ruled = {p for p, spec in recipe.rules.items() if isinstance(spec, dict) and "gemm" in spec}
+    if recipe.gemm is None and recipe.last_layers is None and not ruled:
         return
     layers = [(mname, mod) for mname, mod in model.named_modules()
               if _gemm.kind_of(mod) is not None and _is_q(mod._parameters.get("weight"))
@@ -666,19 +668,23 @@ def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
             recipe.last_layers, len(layers)):]}
         high = GemmFormats(**{f"{gemm}_{o}": fmt for gemm, ops in GEMMS.items() for o in ops})
     for mname, mod in layers:
-        if mname in last:
+        mplan = conv.module_plans.get(mname)
+        if mplan is not None and mplan.rule in ruled:
+            g = gemm_for(recipe.rules[mplan.rule]["gemm"], _gemm.kind_of(mod))
+        elif mname in last:
             g = high
         else:
             g = None if recipe.gemm is None else gemm_for(recipe.gemm, _gemm.kind_of(mod))
             wplan = conv.tensor_plans.get(f"{mname}.weight" if mname else "weight")
-            mplan = conv.module_plans.get(mname)
-            if g is None or (wplan is not None and wplan.rule is not None) or (
+            if (wplan is not None and wplan.rule is not None) or (
                     mplan is not None and mplan.rule is not None):
                 continue
+        if g is None:
+            continue
         if not mname and isinstance(model.__dict__.get("forward"), ConvertedForward):
-            model.forward.inner = _gemm.GemmForward(mod, g)
+            model.forward.inner = _gemm.GemmForward(mod, g, mname)
         else:
-            mod.forward = _gemm.GemmForward(mod, g)
+            mod.forward = _gemm.GemmForward(mod, g, mname)
 
 
 def convert(model: nn.Module, spec, *, strict: bool = False) -> nn.Module:

@@ -48,7 +48,7 @@ from .warn import warn
 
 __all__ = ["check", "set_flush_warnings", "flush_warnings_enabled", "observe", "FLUSH_LIMIT",
            "SATURATE_LIMIT", "CLIP_LIMIT", "CLIP_MIN_VALUES", "fractions", "clipping",
-           "check_operand"]
+           "check_operand", "check_gemm_operand", "watching"]
 
 FLUSH_LIMIT = 0.5      # share of the nonzero values rounded to zero
 SATURATE_LIMIT = 0.1   # share of the finite nonzero values clamped to the range or overflowed
@@ -62,6 +62,7 @@ _enabled = [os.environ.get("QTENSOR_FLUSH_WARNINGS", "1").strip().lower()
             not in ("0", "false", "no", "off")]
 _warned: set = set()   # (role, tensor name) and (role, tensor name, "clip"): once each
 _clip_calls: dict = {}  # (role, tensor name): roundings seen, for the clipping's schedule
+_gemm_calls: dict = {}  # (role, tensor name): forward-GEMM operands seen, for their schedule
 _observers: List[Callable] = []
 
 
@@ -311,6 +312,51 @@ def check_operand(role: str, name: str, formats, value: torch.Tensor) -> None:
         callback.operand(role, name, formats, value)
     if not done:
         _check_clipping(role, name, formats, value, value, value_rounded=False)
+
+
+def watching() -> bool:
+    """Whether the warnings are on (a caller skips its own preparation when not)."""
+    return _enabled[0]
+
+
+class _Operand:  # the formats of a GEMM operand's rounding, as a Role gives them
+    def __init__(self, fmt):
+        self.fmt, self.mm_fmt = fmt, None
+
+
+def check_gemm_operand(role: str, name: str, fmt, value: torch.Tensor, axis: int,
+                       transform=None) -> None:
+    """Warn as :func:`check` does if rounding ``value`` (a converted Linear/Conv's input or
+    weight, payload) to ``fmt``, the format its forward GEMM gives it under ``Recipe.gemm``
+    (after ``transform`` along K, blocked along ``axis``), flushes, saturates or clips it.
+    Measured on the first CLIP_CHECK_FIRST forwards of each (role, name), then one in
+    CLIP_CHECK_EVERY (one extra rounding each); a stochastic format is measured rounding to
+    nearest (its scales, hence its clipping, are the same; torch's generator is not drawn
+    from, so the warnings do not change a run's bits)."""
+    if fmt is None or not _enabled[0] or torch.compiler.is_compiling():
+        return
+    name = f"{name} (forward GEMM operand)"
+    key = (role, name)
+    if key in _warned and (role, name, "clip") in _warned:
+        return
+    if value.numel() == 0 or not value.is_floating_point() or value.dim() == 0 or \
+            _tracing(value):
+        return
+    n = _gemm_calls[key] = _gemm_calls.get(key, 0) + 1
+    if not (n <= CLIP_CHECK_FIRST or n % CLIP_CHECK_EVERY == 0):
+        return
+    from .dispatch import quantize, with_axis
+    from .formats import is_stochastic
+    if is_stochastic(getattr(fmt, "rounding", None) or "nearest"):
+        fmt = fmt.replace(rounding="nearest")
+    x = value if transform is None else transform.apply(value, axis)
+    fa = with_axis(fmt, axis)
+    q = quantize(x, fa)
+    formats = _Operand(fa)
+    if key not in _warned:
+        _check_range(role, name, formats, x, q)
+    if (role, name, "clip") not in _warned and isinstance(fa, BlockFormat) and can_clip(fa):
+        _check_clipping(role, name, formats, x, q)
 
 
 def _check_clipping(role, name, formats, before, after, value_rounded=True) -> None:

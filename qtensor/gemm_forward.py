@@ -4,18 +4,20 @@ Details: docs/convert.md, "Per-GEMM operand formats".
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import flush_warnings
 from .gemm import GemmOperand
 from .gemm import fprop as _forward_gemm
 from .tensor import QTensor
 from .warn import warn_once
 
-__all__ = ["GemmForward", "tag", "kind_of", "SUPPORTED"]
+__all__ = ["GemmForward", "tag", "kind_of", "SUPPORTED", "gemm_formats", "installed_gemm",
+           "reduction_axes"]
 
 
 def _is_q(x) -> bool:
@@ -59,13 +61,70 @@ def kind_of(module: nn.Module) -> Optional[str]:
     return None if run is None else "linear" if run is _linear else "conv"
 
 
+def installed_gemm(module: nn.Module):
+    """The GemmFormats that ``qt.convert`` gave ``module`` (its GemmForward's; None: none)."""
+    f = module.__dict__.get("forward")
+    f = getattr(f, "inner", None) or f  # the root's ConvertedForward holds it as .inner
+    return f.gemm if isinstance(f, GemmForward) else None
+
+
+def reduction_axes(module: nn.Module) -> Dict[str, Tuple[int, int]]:
+    """The axis along which each GEMM of a Linear/Conv reduces (blocks) each of its operands, in
+    the order of :func:`gemm_formats`, on the tensors as the module holds them (x, W, dY): the
+    forward's K is in_features / the input channels, dgrad's the output features / channels,
+    wgrad's the tokens (dispatch's linear, mm and convolution_backward)."""
+    if kind_of(module) == "linear":
+        return {"fprop": (-1, -1), "dgrad": (-1, 0), "wgrad": (0, 0)}
+    return {"fprop": (1, 1), "dgrad": (1, 0), "wgrad": (0, 0)}
+
+
+def gemm_formats(module: nn.Module, x_fmt=None, dy_fmt=None, *,
+                 x_plain: bool = False) -> Optional[Dict[str, tuple]]:
+    """Which operand formats and transform each GEMM of ``module`` uses: ``{"fprop": (x, W, t),
+    "dgrad": (dY, W, t), "wgrad": (x, dY, t)}`` (the operand order of ``plans.GEMMS``), a format
+    None where that operand enters unrounded (at its values), ``t`` the transform applied to both
+    operands along K before rounding (None: none). What dispatch does (qtensor.gemm's tags):
+    ``Recipe.gemm`` / ``last_layers`` / a rule's ``"gemm"`` where ``qt.convert`` installed them,
+    else each operand's own operand format. ``x_fmt``, ``dy_fmt``: the own operand format
+    (mm_fmt) of the input and of the output's gradient, which the module does not know (the
+    producing module's activation and grad roles); ``x_plain``: the input is a plain tensor
+    (then nothing of x's applies: it is not tagged). None for a module that is not one
+    contraction (see :func:`kind_of`)."""
+    if kind_of(module) is None:
+        return None
+    w = module._parameters.get("weight")
+    w_q = isinstance(w, QTensor)
+    w_own = w.mm_fmt if w_q else None
+    x_fmt = None if x_plain else x_fmt
+    g = installed_gemm(module)
+    if g is None:
+        return {"fprop": (x_fmt, w_own, None), "dgrad": (dy_fmt, w_own, None),
+                "wgrad": (x_fmt, dy_fmt, None)}
+
+    def own(fmt, default):
+        return default if fmt is None else fmt
+
+    x_tag = not x_plain
+    return {
+        "fprop": (own(g.fprop_x, x_fmt) if x_tag else x_fmt,
+                  own(g.fprop_w, w_own) if w_q else w_own,
+                  g.fprop_transform if (x_tag or w_q) else None),
+        "dgrad": ((own(g.dgrad_dy, dy_fmt), own(g.dgrad_w, w_own), g.dgrad_transform) if w_q
+                  else (dy_fmt, w_own, None)),
+        "wgrad": ((own(g.wgrad_x, x_fmt), own(g.wgrad_dy, dy_fmt), g.wgrad_transform) if x_tag
+                  else (x_fmt, dy_fmt, None)),
+    }
+
+
 class GemmForward:
     """``forward`` of a converted Linear/Conv under ``Recipe.gemm``: the module's own forward on
-    tagged x and W (a small object, not a closure, so that the model pickles and deep-copies)."""
+    tagged x and W (a small object, not a closure, so that the model pickles and deep-copies).
+    ``name``: the module's qualified name (the flush and clipping warnings name it)."""
 
-    def __init__(self, module: nn.Module, gemm):
+    def __init__(self, module: nn.Module, gemm, name: str = ""):
         self.module = module
         self.gemm = gemm
+        self.name = name or type(module).__name__
         self.run = SUPPORTED[type(module).forward]
 
     @property
@@ -89,6 +148,16 @@ class GemmForward:
         if not _is_q(input) and g.wgrad_transform is not None:
             warn_once(f"Recipe.gemm: a {type(m).__name__} got a plain input (its activation role "
                       "is full precision): the transform of its wgrad GEMM does not apply")
+        if flush_warnings.watching():  # the forward GEMM's operands, as it rounds them
+            fx, fw, t = gemm_formats(m, getattr(input, "mm_fmt", None),
+                                     x_plain=not _is_q(input))["fprop"]
+            ax, aw = reduction_axes(m)["fprop"]
+            if _is_q(input):
+                flush_warnings.check_gemm_operand("activation", f"input of {self.name}", fx,
+                                                  input._data, ax, t)
+            if _is_q(m.weight):
+                flush_warnings.check_gemm_operand("weight", f"{self.name}.weight", fw,
+                                                  m.weight._data, aw, t)
         x = tag(input, g.fprop_x, g.wgrad_x, g.wgrad_dy, g.fprop_transform, g.wgrad_transform)
         w = tag(m.weight, g.fprop_w, g.dgrad_w, g.dgrad_dy, g.fprop_transform, g.dgrad_transform)
         with _forward_gemm():

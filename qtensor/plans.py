@@ -258,12 +258,14 @@ def _normalise_rule(pattern, spec):
     if isinstance(spec, Recipe):
         return {name: getattr(spec, name) for name in ROLE_NAMES}
     if isinstance(spec, dict):
-        unknown = [k for k in spec if k not in ROLE_NAMES]
+        unknown = [k for k in spec if k not in ROLE_NAMES and k != "gemm"]
         if unknown:
             raise ValueError(
                 f"rule {pattern!r}: unknown role(s) {', '.join(map(repr, unknown))}; roles are "
-                f"{', '.join(ROLE_NAMES)}")
-        return {k: Role.of(v, f"rule {pattern!r}, role {k}") for k, v in spec.items()}
+                f"{', '.join(ROLE_NAMES)} (and 'gemm': the matched Linear/Conv's per-GEMM "
+                "formats)")
+        return {k: gemm_of(v) if k == "gemm" else Role.of(v, f"rule {pattern!r}, role {k}")
+                for k, v in spec.items()}
     return Role.of(spec, f"rule {pattern!r}")
 
 
@@ -274,7 +276,9 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     Each role takes None (full precision), a format, a format string, or a pair
     ``(value_fmt, mm_fmt)``; they are normalised into :class:`Role` values.
     ``rules``: ``{pattern: format | pair | None | dict of roles}``, matched against qualified
-    parameter, buffer and module names (glob, or ``re:`` regex).
+    parameter, buffer and module names (glob, or ``re:`` regex); a dict may also give
+    ``"gemm"``: the per-GEMM formats of the Linear/Conv modules it matches (as ``gemm``; None:
+    none), which a rule otherwise turns off for them.
     ``gemm``: per-GEMM operand formats of converted Linear/Conv layers, ``{"fprop": (x, W),
     "dgrad": (dY, W), "wgrad": (x, dY)}`` (or per layer kind ``{"linear": ..., "conv": ...}``),
     normalised into :class:`GemmFormats` (docs/convert.md, "Per-GEMM operand formats").
@@ -309,6 +313,8 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
             check_signed(getattr(self, role), f"Recipe.{role}")
         for pattern, spec in self.rules.items():
             for key, role in ([("", spec)] if isinstance(spec, Role) else spec.items()):
+                if key == "gemm":  # (GemmFormats.of checked it)
+                    continue
                 check_signed(role, f"rule {pattern!r}" + (f", role {key}" if key else ""))
         if not isinstance(self.master_weights, bool):
             raise TypeError(f"Recipe.master_weights must be a bool, got {self.master_weights!r}")

@@ -94,20 +94,32 @@ def _gemm_from(data):
     return GemmFormats(**fields)
 
 
+def _gemm_spec_data(gemm):
+    """Recipe.gemm (or a rule's "gemm") as data: one GemmFormats, or per layer kind."""
+    return ({k: _gemm_data(v) for k, v in gemm.items()} if isinstance(gemm, dict)
+            else _gemm_data(gemm))
+
+
+def _gemm_spec_from(data):
+    if isinstance(data, dict) and set(data) <= set(LAYER_KINDS) and data:
+        return {k: _gemm_from(v) for k, v in data.items()}
+    return _gemm_from(data)
+
+
 def recipe_to_dict(recipe: Recipe) -> Dict[str, Any]:
     """A Recipe as JSON-able data (formats as their strings); :func:`recipe_from_dict` inverts it."""
     rules = {}
     for pattern, spec in recipe.rules.items():
         rules[pattern] = (_role_data(spec) if isinstance(spec, Role)
-                          else {k: _role_data(v) for k, v in spec.items()})
+                          else {k: _gemm_spec_data(v) if k == "gemm" else _role_data(v)
+                                for k, v in spec.items()})
     return {
         **{role: _role_data(getattr(recipe, role)) for role in ROLE_NAMES},
         "rules": rules,
         "master_weights": recipe.master_weights,
         "loss_scale": recipe.loss_scale,
         "accumulate": _accum_str(recipe.accumulate),
-        "gemm": ({k: _gemm_data(v) for k, v in recipe.gemm.items()}
-                 if isinstance(recipe.gemm, dict) else _gemm_data(recipe.gemm)),
+        "gemm": _gemm_spec_data(recipe.gemm),
         "last_layers": (None if recipe.last_layers is None
                         else [recipe.last_layers[0], str(recipe.last_layers[1])]),
         "name": recipe.name,
@@ -123,13 +135,10 @@ def _role_from(data) -> Role:
 
 def recipe_from_dict(data: Dict[str, Any]) -> Recipe:
     """The Recipe that :func:`recipe_to_dict` described."""
-    rules = {p: (_role_from(s) if isinstance(s, list) else {k: _role_from(v) for k, v in s.items()})
+    rules = {p: (_role_from(s) if isinstance(s, list) else
+                 {k: _gemm_spec_from(v) if k == "gemm" else _role_from(v) for k, v in s.items()})
              for p, s in data.get("rules", {}).items()}
-    gemm, last = data.get("gemm"), data.get("last_layers")
-    if isinstance(gemm, dict) and set(gemm) <= set(LAYER_KINDS) and gemm:
-        gemm = {k: _gemm_from(v) for k, v in gemm.items()}
-    else:
-        gemm = _gemm_from(gemm)
+    gemm, last = _gemm_spec_from(data.get("gemm")), data.get("last_layers")
     return Recipe(**{role: _role_from(data[role]) for role in ROLE_NAMES}, rules=rules,
                   master_weights=data.get("master_weights", False),
                   loss_scale=data.get("loss_scale"),
