@@ -27,7 +27,9 @@ Docs and examples: docs/analysis.md.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -37,15 +39,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import flush_warnings
+from . import flush_warnings, gemm_forward, reference
 from .convert import ModulePlan, Recipe, _InputHook, convert, conversion_of, unconvert
 from .dispatch import quantize as _round, with_axis
-from .formats import FloatFormat, Format
-from .plans import Role, _plain, round_to
+from .formats import FloatFormat, Format, is_stochastic
+from .plans import GEMMS, GemmFormats, Role, _plain, round_to
 from .spec import as_recipe
 from .tensor import QTensor
 
-__all__ = ["analyze", "AnalysisReport", "CONTRACTIONS", "convert_one_layer"]
+__all__ = ["analyze", "AnalysisReport", "CONTRACTIONS", "convert_one_layer", "gemm_part"]
 
 CONTRACTIONS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _FP32 = FloatFormat(8, 23)
@@ -153,13 +155,42 @@ def _default_loss(out: torch.Tensor) -> torch.Tensor:
     return 0.5 * out.float().pow(2).mean()
 
 
-def _run(model: nn.Module, inputs, loss_fn: Callable) -> dict:
+class _SameRandomness:
+    """Every run of one analysis starts from the same random state: torch's generators as the
+    call found them (restored after the run, so that the caller's stream is untouched), and
+    stochastic rounding drawing its seeds from a generator of its own, seeded alike, so that
+    dropout draws the same masks in every run whatever the recipe rounds stochastically."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_initialized()
+        self.seed = 0x5EED  # (any: the same in every run)
+        self.cpu = torch.get_rng_state()
+        self.gpu = torch.cuda.get_rng_state_all() if self.cuda else None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        devices = list(range(torch.cuda.device_count())) if self.cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda:
+                torch.cuda.set_rng_state_all(self.gpu)
+            before = reference.SEED_GENERATOR[0]
+            reference.SEED_GENERATOR[0] = torch.Generator().manual_seed(self.seed)
+            try:
+                yield
+            finally:
+                reference.SEED_GENERATOR[0] = before
+
+
+def _run(model: nn.Module, inputs, loss_fn: Callable, same=None) -> dict:
     args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     model.zero_grad(set_to_none=True)
-    out = _output_tensor(model(*args))
-    loss = loss_fn(out)
-    loss = _plain(loss)
-    loss.backward()
+    with (same() if same is not None else contextlib.nullcontext()):
+        out = _output_tensor(model(*args))
+        loss = loss_fn(out)
+        loss = _plain(loss)
+        if loss.requires_grad:  # (a model without parameters, inputs without gradient: none)
+            loss.backward()
     grads = {n: (None if p.grad is None else _plain(p.grad).detach().double().flatten())
              for n, p in model.named_parameters()}
     return {"out": out.detach().double(), "loss": float(loss.detach()), "grads": grads}
@@ -191,14 +222,31 @@ def _compare(ref: dict, got: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Contractions
 
-def _product(mod: nn.Module, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _product(mod: nn.Module, gemm: str, a: torch.Tensor, b: torch.Tensor, x_shape=None,
+             w_shape=None) -> torch.Tensor:
+    """The GEMM ``gemm`` of a Linear/Conv on its operands in :data:`GEMMS` order (fprop (x, W),
+    dgrad (dY, W), wgrad (x, dY)), as autograd runs it (a Linear's wgrad on 2D operands)."""
     if isinstance(mod, nn.Linear):
-        return F.linear(a, w)
-    return mod._conv_forward(a, w, None)
+        if gemm == "fprop":
+            return F.linear(a, b)
+        if gemm == "dgrad":
+            return a @ b
+        return b.T @ a  # dW = dY^T x
+    if gemm == "fprop":
+        return mod._conv_forward(a, b, None)
+    nd = len(mod.kernel_size)
+    grad = torch.nn.grad
+    kw = dict(stride=mod.stride, padding=mod.padding, dilation=mod.dilation, groups=mod.groups)
+    if gemm == "dgrad":
+        return getattr(grad, f"conv{nd}d_input")(x_shape, b, a, **kw)
+    return getattr(grad, f"conv{nd}d_weight")(a, w_shape, b, **kw)
 
 
-def _operand(x: torch.Tensor, mm, axis: int) -> torch.Tensor:
-    """x rounded to the operand format as the contraction rounds it (dispatch's blocking)."""
+def _operand(x: torch.Tensor, mm, axis: int, transform=None) -> torch.Tensor:
+    """x rounded to the operand format as the contraction rounds it (dispatch's blocking), after
+    the GEMM's transform along the same axis."""
+    if transform is not None:
+        x = transform.apply(x, axis)
     if mm is None:
         return x
     return _round(x, with_axis(mm, axis), keep_layout=False)
@@ -211,33 +259,75 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+def _nearest(fmt):
+    """fmt rounding to nearest where it rounds stochastically (re-rounding values already in
+    it: the identity, without drawing random bits)."""
+    r = getattr(fmt, "rounding", None)
+    return fmt.replace(rounding="nearest") if r is not None and is_stochastic(r) else fmt
+
+
+def _gemm_row(mod, gemm, a, b, ref_a, ref_b, fa, fb, transform, acc, shapes) -> dict:
+    """The local errors of one GEMM (see :func:`contraction_errors`): ``a``, ``b`` its operands
+    as it received them, ``ref_a``, ``ref_b`` the unrounded ones (FP32 weight), ``fa``, ``fb``
+    their formats, ``transform`` the GEMM's."""
+    axes = gemm_forward.reduction_axes(mod)[gemm]
+    ra = _operand(a, fa, axes[0], transform)
+    rb = _operand(b, fb, axes[1], transform)
+    # the emulated GEMM with FP32 outputs (no output rounding), on the operands rounded as
+    # above: the same formats and accumulator as in the model (dispatch rounds them again,
+    # which leaves them as they are)
+    ae = QTensor._wrap(ra.float(), _FP32, _nearest(fa), accum=acc) if (fa or acc) else ra.float()
+    be = QTensor._wrap(rb.float(), _FP32, _nearest(fb), accum=acc) if (fb or acc) else rb.float()
+    emulated = _plain(_product(mod, gemm, ae, be, *shapes)).double()
+    ref32 = _product(mod, gemm, ref_a.float(), ref_b.float(), *shapes)
+    exact_rounded = _product(mod, gemm, ra.double(), rb.double(), *shapes)
+    exact = _product(mod, gemm, ref_a.double(), ref_b.double(), *shapes)
+    t = "" if transform is None else f" ({transform})"
+    return {"gemm": gemm, "vs_fp32": _rel(emulated, ref32),
+            "vs_exact_rounded": _rel(emulated, exact_rounded), "operands": _rel(exact_rounded, exact),
+            "operand_formats": f"{fa or '-'} x {fb or '-'}{t}",
+            "accumulator": str(getattr(acc, "name", None) or acc or "FP32")}
+
+
 def contraction_errors(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor,
-                       fp32_weight: torch.Tensor) -> dict:
-    """The local errors of one contraction module: ``x`` the input it received (a QTensor with
-    its operand format, or plain), ``weight`` its converted weight, ``fp32_weight`` the weight
-    before conversion. Bias excluded."""
-    axis = -1 if isinstance(mod, nn.Linear) else 1  # the reduction axis of both operands
+                       fp32_weight: torch.Tensor, dy: Optional[torch.Tensor] = None,
+                       gemms=("fprop",)) -> List[dict]:
+    """The local errors of the GEMMs of one contraction module, one row each (``gemms``: some of
+    fprop, dgrad and wgrad; the backward ones need ``dy``): ``x`` the input it received (a
+    QTensor with its operand format, or plain), ``weight`` its converted weight, ``fp32_weight``
+    the weight before conversion, ``dy`` the gradient of its output as it arrived (bias
+    excluded). The operand formats and transforms are those each GEMM uses
+    (:func:`qtensor.gemm_forward.gemm_formats`: ``Recipe.gemm`` where it applies)."""
     with torch.no_grad():
         xv = _plain(x).detach().float()
         wv = _plain(weight).detach().float()
-        x_mm = getattr(x, "mm_fmt", None) if isinstance(x, QTensor) else None
-        w_mm = getattr(weight, "mm_fmt", None) if isinstance(weight, QTensor) else None
+        w32 = fp32_weight.detach().float()
         acc = getattr(weight, "accum", None) if isinstance(weight, QTensor) else None
         if acc is None and isinstance(x, QTensor):
             acc = x.accum
-        # the emulated contraction with FP32 outputs (no output rounding): the same operand
-        # formats and accumulator as in the model
-        xe = QTensor._wrap(xv.clone(), _FP32, x_mm, accum=acc) if (x_mm or acc) else xv
-        we = QTensor._wrap(wv.clone(), _FP32, w_mm, accum=acc) if (w_mm or acc) else wv
-        emulated = _plain(_product(mod, xe, we)).double()
-        ref32 = _product(mod, xv, fp32_weight.detach().float())
-        exact_rounded = _product(mod, _operand(xv, x_mm, axis).double(),
-                                 _operand(wv, w_mm, axis).double())
-        exact = _product(mod, xv.double(), fp32_weight.detach().double())
-    return {"vs_fp32": _rel(emulated, ref32), "vs_exact_rounded": _rel(emulated, exact_rounded),
-            "operands": _rel(exact_rounded, exact),
-            "operand_formats": f"{x_mm or '-'} x {w_mm or '-'}",
-            "accumulator": str(getattr(acc, "name", None) or acc or "FP32")}
+        formats = gemm_forward.gemm_formats(
+            mod, getattr(x, "mm_fmt", None) if isinstance(x, QTensor) else None,
+            getattr(dy, "mm_fmt", None) if isinstance(dy, QTensor) else None,
+            x_plain=not isinstance(x, QTensor))
+        rows = []
+        for gemm in gemms:
+            fa, fb, t = formats[gemm]
+            if gemm == "fprop":
+                ops, shapes = (xv, wv, xv, w32), ()
+            else:
+                if dy is None:
+                    continue
+                dv = _plain(dy).detach().float()
+                shapes = (tuple(xv.shape), tuple(wv.shape))
+                if gemm == "dgrad":
+                    ops = (dv, wv, dv, w32)
+                elif isinstance(mod, nn.Linear):  # tokens flattened, as autograd's mm has them
+                    x2, d2 = xv.reshape(-1, xv.shape[-1]), dv.reshape(-1, dv.shape[-1])
+                    ops = (x2, d2, x2, d2)
+                else:
+                    ops = (xv, dv, xv, dv)
+            rows.append(_gemm_row(mod, gemm, *ops, fa, fb, t, acc, shapes))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,16 +341,59 @@ def _layer_names(model: nn.Module) -> List[str]:
 ROLES = ("weight", "activation", "grad")  # the roles of one layer that analyze(roles=True) tries
 
 
-def _layer_plans(conv, layer: str, model: nn.Module) -> dict:
-    """What the full conversion gave ``layer``: its output's roles and its own parameters'."""
+def _aliases(model: nn.Module) -> Dict[int, List[str]]:
+    """Every name of each parameter (tied ones have several)."""
+    out: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(n)
+    return out
+
+
+def _counted_name(model: nn.Module, names: List[str]) -> str:
+    """The name under which a (tied) parameter is counted: the weight of a contraction that
+    uses it (a language model's head tied to its token embedding: its bits are the head's
+    GEMM's), else its first name."""
+    for n in names:
+        owner, _, attr = n.rpartition(".")
+        if attr == "weight" and isinstance(model.get_submodule(owner), CONTRACTIONS):
+            return n
+    return names[0]
+
+
+def _layer_plans(conv, layer: str, model: nn.Module, aliases=None) -> dict:
+    """What the full conversion gave ``layer``: its output's roles, its own parameters' (a tied
+    parameter under the one name it is counted by, :func:`_counted_name`) and the per-GEMM
+    formats of its GEMMs (``Recipe.gemm``; None: its roles' operand formats)."""
     mplan = conv.module_plans[layer]
+    aliases = _aliases(model) if aliases is None else aliases
     params = {}
-    for pname, _p in model.get_submodule(layer).named_parameters(recurse=False):
+    for pname, p in model.get_submodule(layer).named_parameters(recurse=False):
         qual = f"{layer}.{pname}"
-        tplan = conv.tensor_plans.get(qual)
+        names = aliases.get(id(p), [qual])
+        if _counted_name(model, names) != qual:
+            continue
+        tplan = next((conv.tensor_plans[n] for n in names if n in conv.tensor_plans), None)
         if tplan is not None:
             params[qual] = tplan
-    return {"activation": mplan.activation, "grad": mplan.grad, "params": params}
+    return {"activation": mplan.activation, "grad": mplan.grad, "params": params,
+            "gemm": conv.gemms.get(layer)}
+
+
+# the per-GEMM fields (GemmFormats) of each role of a layer: its weight W, its input x (its
+# activation), the gradient dY of its output; and the transforms of the GEMMs they enter
+ROLE_GEMM_FIELDS = {"weight": ("fprop_w", "dgrad_w", "fprop_transform", "dgrad_transform"),
+                    "activation": ("fprop_x", "wgrad_x", "fprop_transform", "wgrad_transform"),
+                    "grad": ("dgrad_dy", "wgrad_dy", "dgrad_transform", "wgrad_transform")}
+
+
+def gemm_part(g, roles) -> Optional[GemmFormats]:
+    """The fields of GemmFormats ``g`` that belong to ``roles`` (:data:`ROLE_GEMM_FIELDS`), the
+    others None (their own operand formats); None if none is left."""
+    if g is None:
+        return None
+    keep = {f for r in roles for f in ROLE_GEMM_FIELDS[r]}
+    return GemmFormats.of(GemmFormats(**{f.name: getattr(g, f.name)
+                                         for f in dataclasses.fields(g) if f.name in keep}))
 
 
 def _unit_rules(plans: dict, role: str = "all") -> Dict[str, Any]:
@@ -290,6 +423,8 @@ def _unit_rules(plans: dict, role: str = "all") -> Dict[str, Any]:
         rules_m = {"activation": act, "grad": None}
     else:  # grad: exact FP32 values, so that the output's gradient is rounded
         rules_m = {"activation": fp32 if not grad.full_precision else None, "grad": grad}
+    if plans.get("gemm") is not None:  # its GEMMs' formats (those of the role)
+        rules_m["gemm"] = gemm_part(plans["gemm"], ROLES if role == "all" else (role,))
     return {"module": rules_m, "params": rules}
 
 
@@ -414,14 +549,22 @@ def _bits(fmt: Optional[Format]) -> float:
     return 32.0 if fmt is None else float(fmt.bits)
 
 
-def _layer_info(model: nn.Module, conv, layer: str, outputs: int) -> dict:
-    """Sizes, formats and bits per value of one layer's roles (see :func:`suggestion`)."""
+def _layer_info(model: nn.Module, conv, layer: str, outputs: int, converted: nn.Module,
+                aliases=None) -> dict:
+    """Sizes, formats and bits per value of one layer's roles (see :func:`suggestion`); a
+    contraction's weight in the format its forward GEMM gives it (``Recipe.gemm`` included:
+    :func:`qtensor.gemm_forward.gemm_formats`)."""
     mod = model.get_submodule(layer)
-    plans = _layer_plans(conv, layer, model)
+    plans = _layer_plans(conv, layer, model, aliases)
     n_params, weight_bits, weight_fmts = 0, 0.0, set()
     for qual, t in plans["params"].items():
         n = model.get_parameter(qual).numel()
-        fmt = _computed_format(t.value, isinstance(mod, CONTRACTIONS) and t.kind == "weight")
+        owner, _, attr = qual.rpartition(".")
+        user = converted.get_submodule(owner)
+        fmt = _computed_format(t.value, isinstance(user, CONTRACTIONS) and attr == "weight")
+        used = gemm_forward.gemm_formats(user) if attr == "weight" else None
+        if used is not None and used["fprop"][1] is not None and not t.value.full_precision:
+            fmt = used["fprop"][1]
         n_params += n
         weight_bits += n * _bits(fmt)
         weight_fmts.add(str(fmt or "fp32"))
@@ -504,7 +647,8 @@ def _optimizer_step(model: nn.Module, optimizer: Callable, recorder: "_Recorder"
 
 def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
              progress, optimizer=None) -> "AnalysisReport":
-    ref = _run(copy.deepcopy(base), inputs, loss_fn)
+    same = _SameRandomness()
+    ref = _run(copy.deepcopy(base), inputs, loss_fn, same)
 
     # the converted copy: every role rounding, and the operands of every contraction
     recorder = _Recorder()
@@ -512,12 +656,22 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
     fp32_weights = {n: m.weight.detach().clone() for n, m in base.named_modules()
                     if isinstance(m, CONTRACTIONS)}
     seen: Dict[str, torch.Tensor] = {}
+    seen_dy: Dict[str, torch.Tensor] = {}
     out_numel: Dict[str, int] = {}
 
     def capture(name):
         def hook(mod, args):  # (returns None: the input is left as it is)
             if name not in seen and args and isinstance(args[0], torch.Tensor):
                 seen[name] = args[0].detach()
+        return hook
+
+    def capture_dy(name):  # the gradient of the output as the backward GEMMs receive it
+        def keep(g):
+            seen_dy.setdefault(name, g.detach())
+
+        def hook(mod, args, out):  # (before the converted output hook rounds it)
+            if name not in seen_dy and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(keep)
         return hook
 
     def count(name):
@@ -534,10 +688,12 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
     listed = list(dict.fromkeys(all_layers + list(layers or [])))
     handles = [m.register_forward_pre_hook(capture(n)) for n, m in conv_model.named_modules()
                if isinstance(m, CONTRACTIONS)]
+    handles += [m.register_forward_hook(capture_dy(n)) for n, m in conv_model.named_modules()
+                if isinstance(m, CONTRACTIONS)]
     handles += [conv_model.get_submodule(n).register_forward_hook(count(n)) for n in listed]
     with flush_warnings.observe(recorder):
         convert(conv_model, recipe)
-        full = _run(conv_model, inputs, loss_fn)
+        full = _run(conv_model, inputs, loss_fn, same)
         if optimizer is not None:
             _optimizer_step(conv_model, optimizer, recorder)
     for h in handles:
@@ -547,25 +703,36 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
     if "" in seen and not root_plan.plain and not root_plan.activation.full_precision:
         # the root's pre-hooks see its inputs before its converted forward rounds them
         seen[""] = round_to(seen[""], root_plan.activation)
-    contractions = []
+    contractions, backward = [], []
     for n, m in conv_model.named_modules():
         if n in seen:
-            row = {"layer": n, "type": type(m).__name__,
-                   "shape": "x".join(map(str, m.weight.shape))}
-            row.update(contraction_errors(m, seen[n], m.weight, fp32_weights[n]))
-            contractions.append(row)
+            head = {"layer": n, "type": type(m).__name__,
+                    "shape": "x".join(map(str, m.weight.shape))}
+            rows = contraction_errors(m, seen[n], m.weight, fp32_weights[n], seen_dy.get(n),
+                                      tuple(GEMMS))
+            contractions += [{**head, **r} for r in rows if r["gemm"] == "fprop"]
+            backward += [{**head, **r} for r in rows if r["gemm"] != "fprop"]
             x = seen[n]
-            mm = getattr(x, "mm_fmt", None) if isinstance(x, QTensor) else None
+            used = gemm_forward.gemm_formats(m, getattr(x, "mm_fmt", None),
+                                             x_plain=not isinstance(x, QTensor))
+            axes = gemm_forward.reduction_axes(m)["fprop"]
+            mm, wmm, t = used["fprop"]
             if mm is not None:  # the activation operand as this contraction rounds it
-                xv = _plain(x).float()
-                axis = -1 if isinstance(m, nn.Linear) else 1
+                xv = _operand(_plain(x).float(), None, axes[0], t)
                 recorder._add("activation operand", f"input of {n}", mm, xv,
-                              _operand(xv, mm, axis), clip_fmt=with_axis(mm, axis))
+                              _operand(xv, mm, axes[0]), clip_fmt=with_axis(mm, axes[0]))
+            if n in conv.gemms:  # its weight operand as its forward GEMM rounds it
+                recorder.stats.pop(("weight operand", f"{n}.weight"), None)
+                if wmm is not None:
+                    wv = _operand(_plain(m.weight).detach().float(), None, axes[1], t)
+                    recorder._add("weight operand", f"{n}.weight", wmm, wv,
+                                  _operand(wv, wmm, axes[1]), clip_fmt=with_axis(wmm, axes[1]))
 
     grads = [{"parameter": n, "grad_cos": _cosine(ref["grads"], full["grads"], [n])}
              for n in ref["grads"] if ref["grads"][n] is not None]
-    infos = [_layer_info(base, conv, n, out_numel.get(n, 0)) for n in listed]
-    plans = {n: _layer_plans(conv, n, base) for n in listed}
+    aliases = _aliases(base)
+    infos = [_layer_info(base, conv, n, out_numel.get(n, 0), conv_model, aliases) for n in listed]
+    plans = {n: _layer_plans(conv, n, base, aliases) for n in listed}
     sens = []
     if sensitivity:
         names = layers if layers is not None else all_layers
@@ -588,14 +755,14 @@ def _analyze(base, inputs, recipe, loss_fn, sensitivity, roles, layers,
         for layer, role in _progress(runs, "qt.analyze: layers", progress):
             m = convert_one_layer(copy.deepcopy(base), recipe, layer, role=role, _plans=conv)
             row = {"layer": layer, "role": role, "type": type(m.get_submodule(layer)).__name__}
-            row.update(_compare(ref, _run(m, inputs, loss_fn)))
+            row.update(_compare(ref, _run(m, inputs, loss_fn, same)))
             sens.append(row)
     return AnalysisReport(
         spec=recipe.name or recipe.describe().splitlines()[0], loss_fp32=ref["loss"],
         overall=_compare(ref, full), tensors=[s.row() for s in recorder.stats.values()
                                               if _is_operand_of_a_contraction(s, base)],
-        contractions=contractions, sensitivity=sens, gradients=grads, layers=infos,
-        recipe=recipe, plans=plans)
+        contractions=contractions, backward=backward, sensitivity=sens, gradients=grads,
+        layers=infos, recipe=recipe, plans=plans)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,6 +791,10 @@ _TABLES = (
      "the unrounded operands, the exact product of the rounded operands, and the operands' share",
      ("layer", "type", "shape", "operand_formats", "accumulator", "vs_fp32", "vs_exact_rounded",
       "operands")),
+    ("backward", "Backward GEMMs (dgrad: dY x W, wgrad: x x dY): the same errors, on the "
+     "gradient of each contraction's output as it arrived",
+     ("layer", "gemm", "operand_formats", "accumulator", "vs_fp32", "vs_exact_rounded",
+      "operands")),
     ("sensitivity", "Sensitivity: only this layer (role \"all\") or only this role of it in "
      "the recipe's formats", ("layer", "role", "type", "dloss", "kl", "grad_cos")),
     ("layers", "Layers: sizes (parameters; output values in this batch) and bits per value as "
@@ -647,6 +818,7 @@ class AnalysisReport:
     overall: dict
     tensors: List[dict] = field(default_factory=list)
     contractions: List[dict] = field(default_factory=list)
+    backward: List[dict] = field(default_factory=list)
     sensitivity: List[dict] = field(default_factory=list)
     gradients: List[dict] = field(default_factory=list)
     layers: List[dict] = field(default_factory=list)
@@ -716,7 +888,7 @@ class AnalysisReport:
                 return [clean(x) for x in v]
             return v
         data = {k: getattr(self, k) for k in ("spec", "loss_fp32", "overall", "tensors",
-                                             "contractions", "sensitivity", "gradients",
+                                             "contractions", "backward", "sensitivity", "gradients",
                                              "layers")}
         return json.dumps(clean(copy.deepcopy(data)), **kwargs)
 

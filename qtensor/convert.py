@@ -381,6 +381,7 @@ class _Conversion:
     skipped: List[str] = field(default_factory=list)       # non-floating tensors rules name
     dtypes: Dict[str, torch.dtype] = field(default_factory=dict)  # original dtypes, by name
     nested_off: list = field(default_factory=list)  # TransformerEncoders: their use_nested_tensor
+    gemms: Dict[str, Any] = field(default_factory=dict)  # module name: its GemmFormats, if any
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -681,6 +682,7 @@ def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
                 continue
         if g is None:
             continue
+        conv.gemms[mname] = g
         if not mname and isinstance(model.__dict__.get("forward"), ConvertedForward):
             model.forward.inner = _gemm.GemmForward(mod, g, mname)
         else:

@@ -65,9 +65,17 @@ def random_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
     return _lowbias32((index & _MASK32) ^ key ^ hi)
 
 
+# a generator that stands in for torch's default one in draw_seed (qt.analyze: stochastic
+# rounding then draws nothing from the stream that dropout draws its masks from)
+SEED_GENERATOR: list = [None]
+
+
 def draw_seed(generator: Optional[torch.Generator] = None) -> int:
-    """One 63-bit seed from ``generator`` (torch's default CPU generator when None)."""
+    """One 63-bit seed from ``generator`` (torch's default CPU generator when None, or
+    ``SEED_GENERATOR[0]`` while one is set)."""
     check_generator(generator)
+    if generator is None:
+        generator = SEED_GENERATOR[0]
     device = generator.device if generator is not None else "cpu"
     return int(torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device))
 
