@@ -887,13 +887,39 @@ def _module_rows(model: nn.Module, conv: _Conversion) -> List[Tuple[str, ...]]:
     return rows
 
 
+def _gemm_rows(model: nn.Module, conv: _Conversion) -> List[Tuple[str, ...]]:
+    """One row per GEMM of each converted Linear/Conv: its operands' formats and bits and its
+    transform (qtensor.gemm_forward.gemm_formats: Recipe.gemm, last_layers, rules)."""
+    rows = [("gemm", "module", "operands", "bits", "transform")]
+    for mname, mod in model.named_modules():
+        if not _is_q(mod._parameters.get("weight")):
+            continue
+        plan = conv.module_plans.get(mname)
+        act, grad = (plan.activation, plan.grad) if plan is not None else (Role(), Role())
+        used = _gemm.gemm_formats(mod, act.mm_fmt or act.fmt, grad.mm_fmt or grad.fmt)
+        if used is None:
+            continue
+        for gemm, (fa, fb, t) in used.items():
+            ops = GEMMS[gemm]
+            w = mod.weight
+            fmts = [w.fmt if f is None and o == "w" else f for o, f in zip(ops, (fa, fb))]
+            bits = ["32" if f is None else f"{f.bits:.4g}" for f in fmts]
+            rows.append((gemm, mname or "(model)",
+                         " x ".join(f"{o} {f if f is not None else 'fp32'}"
+                                    for o, f in zip(ops, fmts)),
+                         " x ".join(bits), "-" if t is None else str(t)))
+    return rows
+
+
 def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Optional[str]:
     """Print a table of every parameter and buffer (to ``file``, default stdout; returns None,
     so the REPL shows it once), or return it as a string with ``print_table=False``: name,
     shape, value format, operand (mm) format, bits per value, and the model's total size in
     bits against FP32. For a converted model also: which rule (or the role's default) chose
     each tensor's formats, and a second table, per module, of the activation and gradient
-    formats of its outputs and what chose them.
+    formats of its outputs and what chose them, and a third, per converted Linear/Conv, of the
+    operand formats (and bits) and transform of each of its GEMMs (fprop, dgrad, wgrad), which
+    ``Recipe.gemm`` can set apart from the roles; a weight's "mm format" then names its GEMMs'.
 
     Bits per value are the value format's (the operand format costs no storage), with block
     scales counted per block present; non-floating buffers count at their dtype's width in both
@@ -905,6 +931,11 @@ def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Option
     seen = set()
     entries = [(n, t, "param") for n, t in model.named_parameters(remove_duplicate=False)] + \
               [(n, t, "buffer") for n, t in model.named_buffers(remove_duplicate=False)]
+    gemm_weights = {}  # weights whose GEMMs do not use their own mm_fmt: (fprop's, dgrad's)
+    for mod in model.modules():
+        used = _gemm.gemm_formats(mod) if _gemm.installed_gemm(mod) is not None else None
+        if used is not None:
+            gemm_weights[id(mod.weight)] = (used["fprop"][1] or "-", used["dgrad"][1] or "-")
     names: Dict[int, List[str]] = {}
     for name, t, _what in entries:
         names.setdefault(id(t), []).append(name)
@@ -919,6 +950,9 @@ def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Option
         bits = size / n if n else 0.0
         if _is_q(t):
             fmt, mm = str(t.fmt), str(t.mm_fmt) if getattr(t, "mm_fmt", None) is not None else "-"
+            fw = gemm_weights.get(id(t))
+            if fw is not None:  # its GEMMs' formats, not its own mm_fmt (Recipe.gemm)
+                mm = f"{fw[0]} in fprop, {fw[1]} in dgrad (per-GEMM, below)"
         else:
             fmt, mm = f"plain {str(t.dtype).replace('torch.', '')}", "-"
         total += size
@@ -943,6 +977,13 @@ def describe(model: nn.Module, *, file=None, print_table: bool = True) -> Option
                          f"master weights: {conv.recipe.master_weights}")
         lines.append("")
         lines.extend(_table(_module_rows(model, conv)))
+        gemms = _gemm_rows(model, conv)
+        if len(gemms) > 1:
+            lines += ["", "GEMMs of each Linear/Conv: the operand formats (bits per value) and "
+                      "transform each uses (x and dY, where Recipe.gemm leaves them their own: the operand "
+                      "formats of this module's activation and grad roles, as its producer's are "
+                      "by default)"]
+            lines.extend(_table(gemms))
     text = "\n".join(lines)
     if print_table:
         print(text, file=file)

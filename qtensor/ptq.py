@@ -58,7 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .convert import conversion_of, convert, is_converted
+from .convert import conversion_of, convert, is_converted, unconvert
+from .gemm_forward import gemm_formats
 from .dispatch import quantize as _round, with_axis
 from .formats import BlockFormat, FloatFormat, Format, is_stochastic
 from .plans import Recipe, _plain, round_to
@@ -180,6 +181,11 @@ def _unflatten_weight(mod: nn.Module, flat: torch.Tensor, shape) -> torch.Tensor
 
 def _check_layer(name: str, mod: nn.Module, fmt: Optional[Format]) -> Optional[str]:
     """Why this layer cannot be processed (None if it can)."""
+    t = _fprop(mod)[2]
+    if t is not None and fmt is not None:
+        return (f"{name}: its forward GEMM rounds W after a transform ({t}, Recipe.gemm): the "
+                "values it rounds are not the weight's, and GPTQ and error diffusion round the "
+                "weight itself")
     if isinstance(mod, _CONVS + _TRANSPOSED):
         if mod.padding_mode != "zeros":
             return f"{name}: padding_mode={mod.padding_mode!r} (only 'zeros')"
@@ -215,7 +221,7 @@ class _Inputs:
                     and not self.root_plan.activation.full_precision:
                 # the root's pre-hooks see its inputs before its converted forward rounds them
                 x = round_to(x, self.root_plan.activation)
-            mm = x.mm_fmt if isinstance(x, QTensor) else None
+            mm = _fprop(m, x)[0]  # (as the forward GEMM rounds it: Recipe.gemm included)
             xv = _plain(x).float()
             if self.operand and mm is not None:  # the input as this contraction rounds it
                 xv = _round(xv, with_axis(mm, _input_axis(m)), keep_layout=False)
@@ -456,12 +462,24 @@ def _recipe(spec) -> Recipe:
     return spec if isinstance(spec, Recipe) else direct_cast(spec)
 
 
+def _fprop(mod: nn.Module, x=None) -> tuple:
+    """(x format, W format, transform) of the layer's forward GEMM (``Recipe.gemm`` included);
+    a ConvTranspose (no per-GEMM formats): its operands' own formats."""
+    used = gemm_formats(mod, getattr(x, "mm_fmt", None), x_plain=not isinstance(x, QTensor))
+    if used is not None:
+        return used["fprop"]
+    w = mod.weight
+    return (getattr(x, "mm_fmt", None) if isinstance(x, QTensor) else None,
+            w.mm_fmt if isinstance(w, QTensor) else None, None)
+
+
 def _weight_format(mod: nn.Module) -> Optional[Format]:
     """The format the layer's contraction gives its weight (None: FP32, nothing to do)."""
     w = mod.weight
     if not isinstance(w, QTensor):
         return None
-    fmt = w.mm_fmt if w.mm_fmt is not None else w.fmt
+    fmt = _fprop(mod)[1]
+    fmt = fmt if fmt is not None else w.fmt
     if isinstance(fmt, FloatFormat) and fmt.exp == 8 and fmt.man == 23:
         return None
     if isinstance(fmt, BlockFormat):
@@ -539,6 +557,27 @@ def _flow(model, calib_inputs, spec, layers, who, quantize_layer, need_fp32_inpu
                          "qt.unconvert(model) first")
     batches = _batches(calib_inputs)
     recipe = _recipe(spec)
+    # calibration runs in eval mode (no dropout, BatchNorm on its running statistics, which
+    # stay as they are); a call that fails leaves the model as it was: unconverted, its values
+    saved = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        return _flow_eval(model, batches, recipe, layers, who, quantize_layer, need_fp32_inputs)
+    except BaseException:
+        if is_converted(model):
+            unconvert(model)
+        with torch.no_grad():
+            for k, v in model.state_dict(keep_vars=True).items():
+                if k in saved:
+                    v.copy_(saved[k])
+        raise
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _flow_eval(model, batches, recipe, layers, who, quantize_layer, need_fp32_inputs):
     fp32_model = copy.deepcopy(model) if need_fp32_inputs else None
     convert(model, recipe)
     todo = _layers(model, layers, who)

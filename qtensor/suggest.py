@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .analysis import AnalysisReport, _check_count, _elements
+from .analysis import ROLE_GEMM_FIELDS, AnalysisReport, _check_count, _elements, gemm_part
 from .formats import format as _parse_format
-from .plans import Recipe
+from .plans import GemmFormats, Recipe
 
 __all__ = ["suggest_recipe", "suggestion", "Suggestion", "METRICS"]
 
@@ -324,6 +324,7 @@ def _build(reports, base: int, choice: dict) -> Recipe:
     """The base candidate's recipe with exact-name rules for the decided layers."""
     recipe = reports[base].recipe
     rules = dict(recipe.rules)
+    any_gemm = any(p.get("gemm") is not None for r in reports for p in r.plans.values())
     per_layer: Dict[str, dict] = {}
     for (layer, role), (_bits, _s, i) in choice.items():
         per_layer.setdefault(layer, {})[role] = reports[i].plans[layer]
@@ -334,6 +335,7 @@ def _build(reports, base: int, choice: dict) -> Recipe:
             return chosen.get(role) or chosen.get("all") or start
 
         w, a, g = pick("weight"), pick("activation"), pick("grad")
+        gemm = _gemm_of_choice(w, a, g) if any_gemm else None
         for qual, t in w["params"].items():
             grad_t = g["params"].get(qual, t)
             # (with the base's FP32 master weights the optimizer state is FP32: the base's
@@ -342,7 +344,21 @@ def _build(reports, base: int, choice: dict) -> Recipe:
             rules[qual] = {t.kind: t.value, "grad": grad_t.grad if not t.value.full_precision
                            else None, "optimizer_state": state}
         rules[layer] = {"activation": a["activation"], "grad": g["grad"]}
+        if any_gemm:  # (a rule turns Recipe.gemm off for its module: say what it takes)
+            rules[layer]["gemm"] = gemm
     return recipe.replace(rules=rules)
+
+
+def _gemm_of_choice(w: dict, a: dict, g: dict):
+    """The per-GEMM formats of a layer whose weight, input and output gradient take the GEMM
+    formats of the candidates chosen for its weight, activation and grad roles."""
+    fields = {}
+    for role, plans in (("weight", w), ("activation", a), ("grad", g)):
+        part = gemm_part(plans.get("gemm"), (role,))
+        for f in ROLE_GEMM_FIELDS[role]:
+            if f not in fields or fields[f] is None:
+                fields[f] = None if part is None else getattr(part, f)
+    return GemmFormats.of(GemmFormats(**fields))
 
 
 def suggest_recipe(reports, budget: float, **kwargs) -> Recipe:

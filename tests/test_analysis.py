@@ -344,3 +344,77 @@ def test_the_demos_mxfp4_gradient_clipping_is_in_the_report():
     assert rows["floor"][key]["clipped"] == pytest.approx(0.1, abs=0.01)
     assert rows["floor"][key]["clip_loss"] > 0.05
     assert rows["ceil"][key]["clipped"] == 0 and rows["ceil"][key]["rel_error"] > 0
+
+
+def _gemm_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def test_analyze_sees_the_formats_each_gemm_uses():
+    # nvfp4_nvidia: bf16 roles, NVFP4 operands in every Linear's three GEMMs (Recipe.gemm)
+    model, x = _gemm_mlp(), torch.randn(32, 64)
+    recipe = qt.recipes.nvfp4_nvidia
+    report = qt.analyze(model, x, recipe)
+    row = next(r for r in report.contractions if r["layer"] == "0")
+    fx, fw = recipe.gemm["linear"].fprop_x, recipe.gemm["linear"].fprop_w
+    assert row["operand_formats"] == f"{fx} x {fw}"
+    xb = qt.quantize(x, qt.bf16)  # the input as the layer receives it (the activation role)
+    xq = qt.quantize(xb, fx.replace(axis=-1))
+    w = model[0].weight.detach()
+    wq = qt.quantize(w, fw)
+    ref = xb.double() @ w.double().T
+    assert row["operands"] == pytest.approx(_rel(xq.double() @ wq.double().T, ref), rel=1e-6)
+    assert row["operands"] > 0.05  # NVFP4, not the bf16 roles
+    gemms = {(r["layer"], r["gemm"]): r for r in report.backward}
+    assert "stochastic" in gemms[("0", "dgrad")]["operand_formats"]
+    assert "Hadamard" in gemms[("0", "wgrad")]["operand_formats"]
+    assert gemms[("0", "wgrad")]["operands"] > 0.05
+    # the weight bits are those of its forward GEMM's format (bias: FP32)
+    info = {i["layer"]: i for i in report.layers}
+    assert info["0"]["weight_bits"] == pytest.approx((4096 * fw.bits + 64 * 32) / 4160)
+    assert info["4"]["weight_bits"] == pytest.approx((512 * 16 + 8 * 32) / 520)  # last_layers
+    # the one-layer run gives the layer its GEMM formats: its KL is NVFP4's, not bf16's
+    sens = {r["layer"]: r for r in report.sensitivity}
+    assert sens["0"]["kl"] > 1e-5 and sens["0"]["kl"] > 100 * sens["4"]["kl"]
+
+
+def test_analyze_in_training_mode_measures_no_dropout_noise():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(32, 8)).train()
+    x = torch.randn(8, 16)
+    rng = torch.get_rng_state()
+    report = qt.analyze(model, x, qt.Recipe.uniform(qt.fp32))
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's stream is untouched
+    assert report.overall["kl"] == 0 and report.overall["grad_cos"] == pytest.approx(1, abs=1e-12)
+    assert all(r["kl"] == 0 for r in report.sensitivity)
+    # stochastic rounding before the dropout draws no dropout mask of its own
+    sr = qt.Recipe(activation=qt.bf16.replace(rounding="stochastic"))
+    report = qt.analyze(model, x, sr)
+    assert report.overall["kl"] < 1e-4 and report.overall["grad_cos"] > 0.999
+
+
+def test_analyze_a_model_without_parameters():
+    report = qt.analyze(torch.nn.Sequential(torch.nn.Softmax(-1)), torch.randn(4, 8), qt.bf16)
+    assert report.overall["kl"] > 0 and report.layers == [] and report.sensitivity == []
+
+
+def test_a_tied_head_weight_counts_as_the_heads_gemm_operand():
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 64)
+            self.head = torch.nn.Linear(64, 32, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, i):
+            return self.head(self.emb(i))
+
+    torch.manual_seed(0)
+    report = qt.analyze(LM(), torch.randint(0, 32, (4, 8)), qt.recipes.direct_cast(MX8))
+    info = {i["layer"]: i for i in report.layers}
+    assert info["head"]["params"] == 32 * 64 and info["head"]["weight_bits"] == MX8.bits
+    assert info["emb"]["params"] == 0  # counted once, at the head
+    assert report.bits() == MX8.bits

@@ -1321,3 +1321,20 @@ def test_weight_operand_cache_follows_every_change_of_the_weight(monkeypatch):
     m(x).dequantize().square().mean().backward()
     opt.step()
     check("after an optimizer step")
+
+
+def test_describe_shows_the_formats_each_gemm_uses():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    qt.convert(model, qt.recipes.nvfp4_nvidia)
+    text = qt.describe(model, print_table=False)
+    g = qt.recipes.nvfp4_nvidia.gemm["linear"]
+    weight_row = next(line for line in text.splitlines() if line.startswith("0.weight"))
+    assert f"{g.fprop_w} in fprop" in weight_row and "bf16" not in weight_row
+    rows = [line.split() for line in text.splitlines() if line.split()[1:2] == ["0"]]
+    fprop = next(r for r in rows if r[0] == "fprop")
+    assert "nvfp4" in fprop and f"{g.fprop_x.bits:.4g}" in fprop
+    assert any("wgrad" in r and "Hadamard(16," in " ".join(r) for r in rows)
+    model = qt.convert(torch.nn.Sequential(torch.nn.Linear(64, 8)), qt.recipes.mxfp6)
+    text = qt.describe(model, print_table=False)
+    assert any(line.startswith("fprop ") and "6.25 x 6.25" in line
+               for line in text.splitlines())

@@ -16,6 +16,7 @@ from qtensor import flush_warnings as fw
 def fresh(monkeypatch):
     monkeypatch.setattr(fw, "_warned", set())
     monkeypatch.setattr(fw, "_clip_calls", {})
+    monkeypatch.setattr(fw, "_gemm_calls", {}, raising=False)
     monkeypatch.setattr(fw, "_enabled", [True])
 
 
@@ -260,3 +261,16 @@ def test_clipped_values_are_rounded_down_to_their_blocks_top(fmt):
     assert 0 < got["clipped"] <= int(at_top.sum())
     assert got["lost"] <= float(((b.abs() - bq.abs()) * at_top).double().sum()) * (1 + 1e-5)
     assert fw.clipping(x, fmt) == got
+
+
+def test_recipe_gemm_operands_are_watched():
+    # quartet's forward GEMM: MXFP4 with the floor scale rule (after a Hadamard transform) on
+    # values whose blocks' amax is 1.9 times a power of two: the largest values clip to 1.5
+    mx4 = qt.format("mxfp4_e2m1")
+    recipe = qt.Recipe(weight=qt.fp32, activation=qt.fp32, gemm={"fprop": (mx4, None)})
+    model = qt.convert(torch.nn.Sequential(torch.nn.Linear(64, 8)), recipe)
+    x = torch.full((16, 64), 1.9)
+    with pytest.warns(UserWarning, match=r"input of 0 \(forward GEMM operand\).*mxfp4_e2m1.*"
+                      "clipped"):
+        model(x)
+    model(x)  # (once per tensor)

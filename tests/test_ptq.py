@@ -729,3 +729,65 @@ def test_a_transposed_conv_called_with_output_size_takes_its_output_padding():
         plain.load_state_dict(a.up.state_dict())
         wc = weight_of(getattr(qt, flow)(torch.nn.Sequential(plain), x, "mxfp4_e2m1")[0])
         assert not torch.equal(bits(wa), bits(wc))  # the last row and column of patches count
+
+
+def _mlp_bn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64),
+                               torch.nn.Dropout(0.5), torch.nn.Linear(64, 32))
+
+
+def test_gptq_rounds_on_the_grid_of_recipe_gemm():
+    mx4 = qt.format("mxfp4_e2m1")
+    recipe = qt.Recipe(weight=qt.fp32, activation=qt.fp32,
+                       gemm={"fprop": (qt.format("mxfp8_e4m3"), mx4)})
+    model, x = _mlp_bn().eval(), torch.randn(128, 64)
+    w0 = model[0].weight.detach().clone()
+    qt.gptq(model, x, recipe)
+    w = model[0].weight.dequantize().detach()
+    assert torch.equal(qt.quantize(w, mx4.replace(axis=-1)).view(torch.int32), w.view(torch.int32))
+    assert not torch.equal(w, qt.quantize(w0, mx4.replace(axis=-1)))  # GPTQ's, not direct cast
+
+
+def test_gptq_warns_for_a_transform_of_the_forward_gemm():
+    model, x = _mlp_bn().eval(), torch.randn(128, 64)
+    with pytest.warns(UserWarning, match="left in direct cast.*transform"):
+        qt.gptq(model, x, qt.recipes.quartet)
+
+
+@pytest.mark.parametrize("flow", [qt.gptq, qt.error_diffusion])
+def test_calibration_changes_only_the_weights(flow):
+    model, x = _mlp_bn().train(), torch.randn(128, 64)
+    bn = {k: v.clone() for k, v in model[1].state_dict().items()}
+    flow(model, [x, x, x], qt.format("mxfp8_e4m3"))
+    assert model.training and model[2].training  # its modes are given back
+    for k, v in model[1].state_dict().items():
+        assert torch.equal(_plain_t(v), bn[k]), k
+    # dropout off while measuring: the same weights from the same data in eval mode
+    again = _mlp_bn().eval()
+    flow(again, [x, x, x], qt.format("mxfp8_e4m3"))
+    assert torch.equal(model[0].weight.dequantize(), again[0].weight.dequantize())
+
+
+def _plain_t(t):
+    return t.dequantize() if isinstance(t, qt.QTensor) else t
+
+
+def test_a_failed_call_leaves_the_model_as_it_was():
+    class Skip(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.unused = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.a(x)
+
+    torch.manual_seed(0)
+    model, x = Skip(), torch.randn(128, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="pass layers"):
+        qt.gptq(model, x, qt.format("mxfp8_e4m3"))
+    assert not qt.convert.__globals__["is_converted"](model)
+    for k, v in model.state_dict().items():
+        assert type(v) is torch.Tensor and torch.equal(v, before[k]), k
+    qt.gptq(model, x, qt.format("mxfp8_e4m3"), layers=["a"])  # its advice now works
