@@ -16,6 +16,13 @@ model as a whole:
   under ``find_unused_parameters``/``static_graph``, rounds the plain gradient that DDP creates
   for a parameter unused on this rank but used on another (:class:`_RoundDDPGrads`).
 
+- DDP's broadcasts (its start-up copy of rank 0's parameters and buffers, the buffers again at
+  each forward; also DCP's ``broadcast_from_rank0``) go through ``dist._broadcast_coalesced``,
+  which flattens all the tensors into one with a ``cat``: of QTensors of different formats (or
+  plain tensors among them) that cat would round every value to the first one's format.
+  :func:`_broadcast_coalesced` (installed in its place) sends the QTensors' payloads instead:
+  the values arrive unchanged, bit for bit.
+
 - FSDP2 (``fully_shard`` of a converted model): the sharded parameters are DTensors whose local
   tensors are QTensor shards; ``QTensor.fsdp_pre_all_gather``/``fsdp_post_all_gather`` (in
   qtensor.tensor) all-gather their payloads and give the unsharded parameter its formats.
@@ -30,6 +37,7 @@ The reduction rule, the wrap orders and what is not supported: docs/distributed.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -182,6 +190,33 @@ class _OnBackward:
                     continue
                 with torch.no_grad():
                     p.grad = round_to(g, plan.grad, name=f"gradient of {plan.name}")
+
+
+def _broadcast_coalesced(broadcast):
+    """``dist._broadcast_coalesced`` on the payloads of the QTensors among ``tensors``: it
+    flattens its tensors with one ``cat``, which would round values of other formats (and plain
+    ones) to the first one's format. Payloads are plain FP32 values, and the source rank's
+    values are in their formats: the copies written into the payloads need no rounding."""
+
+    @functools.wraps(broadcast)
+    def wrapper(process_group, tensors, *args, **kwargs):
+        if any(isinstance(t, QTensor) for t in tensors):
+            tensors = [t._data if isinstance(t, QTensor) else t for t in tensors]
+        return broadcast(process_group, tensors, *args, **kwargs)
+
+    wrapper._qtensor_payloads = True
+    return wrapper
+
+
+def _install_broadcast() -> None:
+    dist = torch.distributed
+    if not dist.is_available() or getattr(dist._broadcast_coalesced, "_qtensor_payloads", False):
+        return
+    # (callers look it up on torch.distributed at each call: DDP, torch.distributed.utils, DCP)
+    dist._broadcast_coalesced = _broadcast_coalesced(dist._broadcast_coalesced)
+
+
+_install_broadcast()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -438,6 +438,66 @@ def test_ddp_options_that_lose_the_formats_are_refused(ranks):
             assert "DDP(model)" in out[key], out[key]
 
 
+_WRAP_SPECS = {  # the parameters' formats differ (or some are plain): DDP flattens them together
+    "weight bf16, bias fp32": qt.Recipe(weight=qt.bf16, bias=qt.fp32),
+    "weight fp8, bias bf16": qt.Recipe(weight=qt.fp8_e4m3, bias=qt.bf16),
+    "mxfp6": qt.recipes.mxfp6,
+    "mx_all_mxfp8": qt.recipes.mx_all_mxfp8,
+}
+
+
+def _wrap_model(spec, rank):
+    """A converted block (Linear, BatchNorm) before a plain one, each rank with its own values
+    (DDP's start-up broadcast must give every rank rank 0's, exactly)."""
+    torch.manual_seed(rank)
+    head = nn.Sequential(nn.Linear(8, 40), nn.BatchNorm1d(40))
+    model = nn.Sequential(qt.convert(head, spec), nn.Linear(40, 4), nn.BatchNorm1d(4))
+    with torch.no_grad():  # values of every magnitude, plain buffers not in any format
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * torch.logspace(-3, 3, p.numel()).view(p.shape))
+        for mod in (model[0][1], model[2]):
+            mod.running_mean.copy_(torch.randn(mod.running_mean.shape) / 3)
+            mod.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def _values(model):
+    """name -> (formats, plain value) of every floating parameter and buffer."""
+    return {n.removeprefix("module."): (_fmt(t), qt_plain(t).clone())  # (not a view of t)
+            for n, t in model.state_dict().items() if t.is_floating_point()}
+
+
+def _sc_ddp_wrap(rank, world, name):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _wrap_model(_WRAP_SPECS[name], rank)
+    before = _values(model)
+    ddp = DDP(model)  # broadcasts rank 0's parameters and buffers
+    wrapped = _values(model)
+    if rank == 1:  # the buffers again at each forward (broadcast_buffers=True)
+        with torch.no_grad():
+            for mod in (model[0][1], model[2]):
+                mod.running_mean.mul_(3.0)
+    ddp.eval()
+    ddp(torch.randn(4, 8))
+    return before, wrapped, _values(model)
+
+
+@pytest.mark.parametrize("name", list(_WRAP_SPECS))
+def test_ddp_wrap_keeps_every_parameter_and_buffer_bit_for_bit(ranks, name):
+    # DDP's broadcast flattens all the tensors with one cat: with formats that differ, that cat
+    # rounded every value to the first one's format (FP32 biases became BF16 values, BF16 biases
+    # went onto the FP8 grid, the plain layer's values too)
+    res = ranks.run("_sc_ddp_wrap", name)
+    source = res[0][0]  # rank 0's values before wrapping
+    assert source.keys() == res[1][0].keys()
+    assert any(f is None for f, _v in source.values()), "no plain tensor in the model"
+    for rank, (before, wrapped, after_forward) in enumerate(res):
+        for what, state in (("wrapped", wrapped), ("after a forward", after_forward)):
+            for n, (fmt, value) in state.items():
+                assert fmt == before[n][0], (rank, what, n, fmt, before[n][0])
+                _assert_bits_equal(value, source[n][1], f"rank {rank} {what} {n}")
+
+
 def _sc_convert_wrapped(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
