@@ -263,9 +263,50 @@ def _attach_sharded(p, plan) -> None:
         training.bump_epoch()
 
 
+class _HookUnsharded:
+    """A forward hook of a module whose converted parameters FSDP2 shards, run before FSDP2's
+    post-forward reshard (registered in front): FSDP2's unsharded parameter, a new object that
+    it sets on the module for forward and backward, gets the converted parameter's gradient hook
+    (qtensor.convert's), once. Each rank's gradient is then in its grad role before the
+    reduce-scatter, as in one process; without it a rank would contribute the contraction's
+    gradient as is, which a block format may block along another axis (a Linear's weight
+    gradient along out_features, its grad role along in_features)."""
+
+    def __init__(self, grad_hook):
+        self.grad_hook = grad_hook
+        self.plans = {}  # parameter name -> plan: those FSDP2 all-gathers
+
+    def __call__(self, module, args, output):
+        for name, plan in self.plans.items():
+            p = module._parameters.get(name)
+            if (p is None or _is_dtensor(p) or not p.requires_grad
+                    or p.__dict__.get("_qt_unsharded_hooked")):
+                continue
+            p.register_hook(self.grad_hook(plan))
+            p._qt_unsharded_hooked = True
+        return None
+
+
+_GRAD_HOOK = None  # qtensor.convert's gradient hook class (that module imports this one)
+
+
+def register_grad_hook(cls) -> None:
+    global _GRAD_HOOK
+    _GRAD_HOOK = cls
+
+
+def _hook_unsharded(module: nn.Module, name: str, plan) -> None:
+    hook = module.__dict__.get("_qt_unsharded_hook")
+    if hook is None:
+        hook = module.__dict__["_qt_unsharded_hook"] = _HookUnsharded(_GRAD_HOOK)
+        # (first: FSDP2's post-forward hook puts the sharded parameter back)
+        module.register_forward_hook(hook, prepend=True)
+    hook.plans[name] = plan
+
+
 def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
     """FSDP2 is about to all-gather the sharded QTensor ``local`` of ``module``: hook its sharded
-    parameter once (see the module doc)."""
+    parameter and its unsharded one once (see the module doc)."""
     plans = module.__dict__.get(PLANS_ATTR)
     if not plans:
         return
@@ -274,6 +315,7 @@ def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
             plan = plans.get(name)
             if plan is not None:
                 _attach_sharded(p, plan)
+                _hook_unsharded(module, name, plan)
             return
 
 
