@@ -363,6 +363,9 @@ class _GradHook:
         return round_to(g, self.plan.grad, name=f"gradient of {self.plan.name}", kind="grad")
 
 
+distributed.register_grad_hook(_GradHook)  # (FSDP2's unsharded parameters get it too)
+
+
 # ---------------------------------------------------------------------------------------------
 # convert / unconvert
 

@@ -16,6 +16,13 @@ model as a whole:
   under ``find_unused_parameters``/``static_graph``, rounds the plain gradient that DDP creates
   for a parameter unused on this rank but used on another (:class:`_RoundDDPGrads`).
 
+- DDP's broadcasts (its start-up copy of rank 0's parameters and buffers, the buffers again at
+  each forward; also DCP's ``broadcast_from_rank0``) go through ``dist._broadcast_coalesced``,
+  which flattens all the tensors into one with a ``cat``: of QTensors of different formats (or
+  plain tensors among them) that cat would round every value to the first one's format.
+  :func:`_broadcast_coalesced` (installed in its place) sends the QTensors' payloads instead:
+  the values arrive unchanged, bit for bit.
+
 - FSDP2 (``fully_shard`` of a converted model): the sharded parameters are DTensors whose local
   tensors are QTensor shards; ``QTensor.fsdp_pre_all_gather``/``fsdp_post_all_gather`` (in
   qtensor.tensor) all-gather their payloads and give the unsharded parameter its formats.
@@ -30,6 +37,7 @@ The reduction rule, the wrap orders and what is not supported: docs/distributed.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -184,6 +192,33 @@ class _OnBackward:
                     p.grad = round_to(g, plan.grad, name=f"gradient of {plan.name}")
 
 
+def _broadcast_coalesced(broadcast):
+    """``dist._broadcast_coalesced`` on the payloads of the QTensors among ``tensors``: it
+    flattens its tensors with one ``cat``, which would round values of other formats (and plain
+    ones) to the first one's format. Payloads are plain FP32 values, and the source rank's
+    values are in their formats: the copies written into the payloads need no rounding."""
+
+    @functools.wraps(broadcast)
+    def wrapper(process_group, tensors, *args, **kwargs):
+        if any(isinstance(t, QTensor) for t in tensors):
+            tensors = [t._data if isinstance(t, QTensor) else t for t in tensors]
+        return broadcast(process_group, tensors, *args, **kwargs)
+
+    wrapper._qtensor_payloads = True
+    return wrapper
+
+
+def _install_broadcast() -> None:
+    dist = torch.distributed
+    if not dist.is_available() or getattr(dist._broadcast_coalesced, "_qtensor_payloads", False):
+        return
+    # (callers look it up on torch.distributed at each call: DDP, torch.distributed.utils, DCP)
+    dist._broadcast_coalesced = _broadcast_coalesced(dist._broadcast_coalesced)
+
+
+_install_broadcast()
+
+
 # ---------------------------------------------------------------------------------------------
 # FSDP2
 
@@ -228,9 +263,50 @@ def _attach_sharded(p, plan) -> None:
         training.bump_epoch()
 
 
+class _HookUnsharded:
+    """A forward hook of a module whose converted parameters FSDP2 shards, run before FSDP2's
+    post-forward reshard (registered in front): FSDP2's unsharded parameter, a new object that
+    it sets on the module for forward and backward, gets the converted parameter's gradient hook
+    (qtensor.convert's), once. Each rank's gradient is then in its grad role before the
+    reduce-scatter, as in one process; without it a rank would contribute the contraction's
+    gradient as is, which a block format may block along another axis (a Linear's weight
+    gradient along out_features, its grad role along in_features)."""
+
+    def __init__(self, grad_hook):
+        self.grad_hook = grad_hook
+        self.plans = {}  # parameter name -> plan: those FSDP2 all-gathers
+
+    def __call__(self, module, args, output):
+        for name, plan in self.plans.items():
+            p = module._parameters.get(name)
+            if (p is None or _is_dtensor(p) or not p.requires_grad
+                    or p.__dict__.get("_qt_unsharded_hooked")):
+                continue
+            p.register_hook(self.grad_hook(plan))
+            p._qt_unsharded_hooked = True
+        return None
+
+
+_GRAD_HOOK = None  # qtensor.convert's gradient hook class (that module imports this one)
+
+
+def register_grad_hook(cls) -> None:
+    global _GRAD_HOOK
+    _GRAD_HOOK = cls
+
+
+def _hook_unsharded(module: nn.Module, name: str, plan) -> None:
+    hook = module.__dict__.get("_qt_unsharded_hook")
+    if hook is None:
+        hook = module.__dict__["_qt_unsharded_hook"] = _HookUnsharded(_GRAD_HOOK)
+        # (first: FSDP2's post-forward hook puts the sharded parameter back)
+        module.register_forward_hook(hook, prepend=True)
+    hook.plans[name] = plan
+
+
 def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
     """FSDP2 is about to all-gather the sharded QTensor ``local`` of ``module``: hook its sharded
-    parameter once (see the module doc)."""
+    parameter and its unsharded one once (see the module doc)."""
     plans = module.__dict__.get(PLANS_ATTR)
     if not plans:
         return
@@ -239,6 +315,7 @@ def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
             plan = plans.get(name)
             if plan is not None:
                 _attach_sharded(p, plan)
+                _hook_unsharded(module, name, plan)
             return
 
 

@@ -223,7 +223,8 @@ def _data(steps, batch=8):
 
 
 def _spec(name):
-    return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3}[name]
+    return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3,
+            "mx_all_mxfp8": qt.recipes.mx_all_mxfp8}[name]
 
 
 def _state(model):
@@ -438,6 +439,66 @@ def test_ddp_options_that_lose_the_formats_are_refused(ranks):
             assert "DDP(model)" in out[key], out[key]
 
 
+_WRAP_SPECS = {  # the parameters' formats differ (or some are plain): DDP flattens them together
+    "weight bf16, bias fp32": qt.Recipe(weight=qt.bf16, bias=qt.fp32),
+    "weight fp8, bias bf16": qt.Recipe(weight=qt.fp8_e4m3, bias=qt.bf16),
+    "mxfp6": qt.recipes.mxfp6,
+    "mx_all_mxfp8": qt.recipes.mx_all_mxfp8,
+}
+
+
+def _wrap_model(spec, rank):
+    """A converted block (Linear, BatchNorm) before a plain one, each rank with its own values
+    (DDP's start-up broadcast must give every rank rank 0's, exactly)."""
+    torch.manual_seed(rank)
+    head = nn.Sequential(nn.Linear(8, 40), nn.BatchNorm1d(40))
+    model = nn.Sequential(qt.convert(head, spec), nn.Linear(40, 4), nn.BatchNorm1d(4))
+    with torch.no_grad():  # values of every magnitude, plain buffers not in any format
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * torch.logspace(-3, 3, p.numel()).view(p.shape))
+        for mod in (model[0][1], model[2]):
+            mod.running_mean.copy_(torch.randn(mod.running_mean.shape) / 3)
+            mod.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def _values(model):
+    """name -> (formats, plain value) of every floating parameter and buffer."""
+    return {n.removeprefix("module."): (_fmt(t), qt_plain(t).clone())  # (not a view of t)
+            for n, t in model.state_dict().items() if t.is_floating_point()}
+
+
+def _sc_ddp_wrap(rank, world, name):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _wrap_model(_WRAP_SPECS[name], rank)
+    before = _values(model)
+    ddp = DDP(model)  # broadcasts rank 0's parameters and buffers
+    wrapped = _values(model)
+    if rank == 1:  # the buffers again at each forward (broadcast_buffers=True)
+        with torch.no_grad():
+            for mod in (model[0][1], model[2]):
+                mod.running_mean.mul_(3.0)
+    ddp.eval()
+    ddp(torch.randn(4, 8))
+    return before, wrapped, _values(model)
+
+
+@pytest.mark.parametrize("name", list(_WRAP_SPECS))
+def test_ddp_wrap_keeps_every_parameter_and_buffer_bit_for_bit(ranks, name):
+    # DDP's broadcast flattens all the tensors with one cat: with formats that differ, that cat
+    # rounded every value to the first one's format (FP32 biases became BF16 values, BF16 biases
+    # went onto the FP8 grid, the plain layer's values too)
+    res = ranks.run("_sc_ddp_wrap", name)
+    source = res[0][0]  # rank 0's values before wrapping
+    assert source.keys() == res[1][0].keys()
+    assert any(f is None for f, _v in source.values()), "no plain tensor in the model"
+    for rank, (before, wrapped, after_forward) in enumerate(res):
+        for what, state in (("wrapped", wrapped), ("after a forward", after_forward)):
+            for n, (fmt, value) in state.items():
+                assert fmt == before[n][0], (rank, what, n, fmt, before[n][0])
+                _assert_bits_equal(value, source[n][1], f"rank {rank} {what} {n}")
+
+
 def _sc_convert_wrapped(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -508,7 +569,7 @@ def _full_state(model):
     return out
 
 
-def _sc_fsdp(rank, world, spec, steps, hidden=16):
+def _sc_fsdp(rank, world, spec, steps, hidden=16, optim="adam"):
     from torch.distributed.fsdp import fully_shard
     model = qt.convert(_mlp(hidden), _spec(spec))
     seen = {}
@@ -521,7 +582,7 @@ def _sc_fsdp(rank, world, spec, steps, hidden=16):
         model[int(name)].register_forward_pre_hook(record)
         fully_shard(model[int(name)])
     fully_shard(model)
-    opt = _optimizer("adam", model)  # after fully_shard: on the sharded parameters
+    opt = _optimizer(optim, model)  # after fully_shard: on the sharded parameters
     _train_shard(model, opt, rank, world, _data(steps))
     return _full_state(model), seen, _opt_state(opt)
 
@@ -557,6 +618,27 @@ def test_fsdp2_keeps_formats_and_follows_the_reduction_rule(ranks, spec, hidden)
         for key, (fmt, value) in opt_state.items():
             assert fmt == ref_state[key][0], (rank, key, fmt, ref_state[key][0])
             _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
+
+
+def test_fsdp2_block_value_formats_follow_the_reduction_rule(ranks):
+    # mx_all_mxfp8: MXFP8 values and gradients. A contraction blocks the weight gradient along
+    # out_features, the gradient role along in_features: in one process each micro-batch's
+    # gradient is in its role; FSDP2's unsharded parameters had no gradient hook, so the ranks
+    # reduced the contractions' gradients instead (1 of 640 values of 0.weight differed).
+    # SGD: Adam's state in MXFP8 has NaNs (eps rounds to 0). One step, the weights only: a 1-D
+    # shard (a bias) cuts MX blocks, which its reduced gradient and update round as blocks of
+    # the shard (docs/distributed.md, "Not supported"); later steps would differ by that
+    res = ranks.run("_sc_fsdp", "mx_all_mxfp8", 1, 80, "sgd")
+    ref = _reduced_reference("mx_all_mxfp8", 1, optim="sgd", hidden=80)
+    for rank, (state, seen, _opt_state) in enumerate(res):
+        assert state.keys() == ref.keys()
+        for n, (fmts, gfmts, value, grad) in state.items():
+            rf, rg, rv, rgrad = ref[n]
+            assert seen[n] == ("QTensor", rf), (rank, n, seen[n])
+            assert fmts == rf and gfmts == rg, (rank, n, fmts, gfmts, rf, rg)
+            if n.endswith("weight"):
+                _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
+                _assert_bits_equal(value, rv, f"rank {rank} {n}")
 
 
 # ---------------------------------------------------------------------------------------------
