@@ -649,6 +649,17 @@ def test_nan_bits_match_the_reference(dtype):
     user the same tensors as the kernels), by the rule docs/formats.md states. Before: a bfloat16
     NaN gave 0x7FC0 from the kernels and 0xFFFF from the reference, a float32 signalling NaN
     0x7F800001 and 0x7FC00001, a float16 payload 0x7E00 and 0x7E01."""
+    _check_nan_bits(dtype, "cpu")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nan_bits_cuda(dtype):
+    """The CUDA kernels write the same NaN bits (cvt's canonical half NaN is 0x7FFF)."""
+    _check_nan_bits(dtype, "cuda")
+
+
+def _check_nan_bits(dtype, device):
     x = _with_nans(dtype)
     width = 8 * x.element_size()
     fmts = ([P[n] for n in P] + CUSTOM_FLOATS + CUSTOM_FIXED + CUSTOM_BLOCKS
@@ -657,7 +668,7 @@ def test_nan_bits_match_the_reference(dtype):
     for fmt in fmts:
         xf = x.reshape(-1, 36) if isinstance(fmt, BlockFormat) else x
         for rounding in ("nearest", "stochastic"):
-            got = ops.quantize_with_seed(xf, fmt, rounding, SEED).reshape(-1)
+            got = ops.quantize_with_seed(xf.to(device), fmt, rounding, SEED).cpu().reshape(-1)
             want = reference.quantize_with_seed(xf, fmt, rounding, SEED).reshape(-1)
             msg = f"{fmt} {rounding} {dtype}"
             assert _ubits(got) == _ubits(want), msg + ": " + str(
