@@ -2,16 +2,18 @@
 
 In a block format a block that holds an Inf or NaN is NaN altogether (the MX rule: its shared
 scale is NaN), so a causal mask's -inf, rounded into MXFP8 with the scores, makes every score
-of its 32-value block NaN, silently. :func:`check` warns the first time it happens in a process
-(later NaN blocks are mostly its consequences), at the user's line, naming the op and the
-module. Until then it costs one reduction per rounding to a block format (a sum, NaN iff a
-value is NaN; it looks closer only when that finds one), after it nothing. Why, and the
-recipes that keep vector ops out of block formats: docs/formats.md ("Inf and NaN in block
-formats").
+of its 32-value block NaN, silently. :func:`check` warns once per converted model and op (a
+second model, say the next seed of a sweep, is told too), at the user's line, naming the op and
+the module; once a model was told, a block rounding whose values already hold NaN (later
+layers, the backward pass) follows from the first and is not said. It costs one reduction per
+rounding to a block format (a sum, NaN iff a value is NaN; it looks closer only when that
+finds one). Why, and the recipes that keep vector ops out of block formats: docs/formats.md
+("Inf and NaN in block formats").
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -20,12 +22,23 @@ from .warn import warn
 
 __all__ = ["check", "watching"]
 
-_said = [False]  # once per process: the first block is the cause, later ones its consequences
+# what has been said: per converted model (weakly: a model's entry goes with it, and a new model
+# at the same address is a new key), the ops and tensor names; outside a converted model, per op
+_said: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
+_said_unowned: set = set()
+_told = [False]  # whether anything was said in this process
 
 
 def watching() -> bool:
-    """Whether :func:`check` still looks (it stops after its warning)."""
-    return not _said[0]
+    """Whether :func:`check` looks at all (always: every model and op is told once)."""
+    return True
+
+
+def _reset() -> None:
+    """Forget what was said (tests)."""
+    _said.clear()
+    _said_unowned.clear()
+    _told[0] = False
 
 
 def _spread(before: torch.Tensor, after: torch.Tensor) -> bool:
@@ -38,8 +51,9 @@ def _spread(before: torch.Tensor, after: torch.Tensor) -> bool:
     return bool((torch.isnan(after) & finite).any()) and not bool(finite.all())
 
 
-def _module_on_stack() -> str:
-    """The innermost nn.Module running on the stack, by its name in the converted model."""
+def _modules_on_stack():
+    """The innermost nn.Module running on the stack and the outermost converted model around
+    it (None for either where there is none)."""
     inner = root = None
     frame = sys._getframe(2)
     while frame is not None:
@@ -49,6 +63,11 @@ def _module_on_stack() -> str:
             if getattr(owner, "_qt_conversion", None) is not None:
                 root = owner
         frame = frame.f_back
+    return inner, root
+
+
+def _describe(inner, root) -> str:
+    """Where ``inner`` is: its name in the converted model ``root``."""
     if inner is None:
         return ""
     if root is not None:
@@ -61,13 +80,23 @@ def _module_on_stack() -> str:
 
 def check(before: torch.Tensor, after: torch.Tensor, fmt, *, op=None,
           what: Optional[str] = None) -> None:
-    """Warn (once per process) if rounding ``before`` to the block format ``fmt`` gave
-    ``after`` with NaN for finite values because of an Inf or NaN in their block. ``op``: the
-    aten op whose output it is; ``what``: the tensor's name otherwise (a module's output)."""
-    if _said[0] or not _spread(before, after):
+    """Warn (once per converted model and ``op`` or ``what``) if rounding ``before`` to the
+    block format ``fmt`` gave ``after`` with NaN for finite values because of an Inf or NaN in
+    their block. ``op``: the aten op whose output it is; ``what``: the tensor's name otherwise
+    (a module's output)."""
+    if not _spread(before, after):
         return
-    _said[0] = True
-    where = f"{op}{_module_on_stack()}" if op is not None else (what or "a tensor")
+    inner, root = _modules_on_stack()
+    said = _said_unowned if root is None else _said.setdefault(root, set())
+    key = op if op is not None else what
+    # NaN already in the values, once the model (outside one, e.g. in backward: the process)
+    # was told: what an earlier block spread
+    told = bool(said) if root is not None else _told[0]
+    if key in said or (told and bool(torch.isnan(before).any())):
+        return
+    said.add(key)
+    _told[0] = True
+    where = f"{op}{_describe(inner, root)}" if op is not None else (what or "a tensor")
     warn(
         f"qtensor: {where}: rounding to the block format {fmt} turned finite values into NaN: "
         "the values hold an Inf or NaN (a mask's -inf?), and a block that holds one is NaN "

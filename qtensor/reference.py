@@ -403,8 +403,30 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
     else:
         q = _round_scalar(x64, fmt, rounding, index, seed)
     if x.dtype in (torch.float16, torch.bfloat16):
-        return q.to(torch.float32).to(x.dtype)
-    return q.to(x.dtype)
+        return _nan_bits(q.to(torch.float32).to(x.dtype), q, x, fmt)
+    return _nan_bits(q.to(x.dtype), q, x, fmt)
+
+
+def _half_bits(bits: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(bits - (1 << 16) if bits >> 15 else bits, dtype=torch.int16).view(dtype)
+
+
+def _nan_bits(out: torch.Tensor, q: torch.Tensor, x: torch.Tensor, fmt) -> torch.Tensor:
+    """out with its NaNs written as the kernels write them (docs/formats.md, "NaN bits"): in
+    float32/float64 a scalar signed format returns an input NaN with all its bits (the float64
+    detour would quiet a signalling one); a block format and e8m0 (no sign) give the positive
+    canonical NaN; float16 keeps the sign of the float32 result's NaN
+    with the quiet payload 0x7E00, bfloat16 is always 0x7FC0 (c10's scalar conversions, which
+    the kernels narrow with; torch's vectorised cast gives 0xFFFF)."""
+    nan = torch.isnan(q)
+    if out.dtype == torch.bfloat16:
+        return torch.where(nan, _half_bits(0x7FC0, out.dtype).to(out.device), out)
+    if out.dtype == torch.float16:
+        pos, neg = (_half_bits(b, out.dtype).to(out.device) for b in (0x7E00, 0xFE00))
+        return torch.where(nan, torch.where(torch.signbit(q), neg, pos), out)
+    if isinstance(fmt, BlockFormat) or (isinstance(fmt, FloatFormat) and not fmt.signed):
+        return out  # (the positive canonical NaN already)
+    return torch.where(torch.isnan(x), x.detach(), out)
 
 
 def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,

@@ -1118,9 +1118,9 @@ class TinyGPT(nn.Module):
 @pytest.fixture
 def block_nan_warning_armed():
     specials = importlib.import_module("qtensor.block_specials")
-    specials._said[0] = False  # said once per process: arm it for this test
+    specials._reset()  # said once per model and op (per op outside a model): arm it for this test
     yield
-    specials._said[0] = False
+    specials._reset()
 
 
 def _nan_warnings(w):
@@ -1147,6 +1147,27 @@ def test_mask_inf_in_a_block_format_warns_once_naming_op_and_module(
     assert f"{op} in module 'h.0' (CausalAttention)" in text, text
     assert "qt.recipes.mxfp6" in text and "docs/formats.md" in text
     assert said[0].filename == __file__  # at the user's line
+
+
+@pytest.mark.parametrize("spec", [qt.mxfp8_e4m3, qt.recipes.mx_all_mxfp8],
+                         ids=["mxfp8_e4m3", "mx_all_mxfp8"])
+def test_mask_inf_warns_for_each_model(spec, block_nan_warning_armed):
+    """A second model (a new seed, a sweep's next run) that goes NaN is said too: once per model
+    and op, not once per process. Before: the first model's warning silenced every later one."""
+    x = torch.randn(2, 10, 32)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        m = qt.convert(TinyGPT(), spec)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            y = m(x)
+            m(x)
+            m(x).dequantize().sum().backward()
+        assert torch.isnan(y.dequantize()).all()
+        said = _nan_warnings(w)
+        assert len(said) == 1, (seed, [str(x.message)[:90] for x in said])
+        assert "aten.masked_fill.Scalar in module 'h.0' (CausalAttention)" in str(said[0].message)
+        assert said[0].filename == __file__
 
 
 def test_mask_inf_given_as_model_input_warns(block_nan_warning_armed):

@@ -32,6 +32,12 @@ template <> struct IO<__half> {
     return __float_as_uint(__half2float(*p));
   }
   static __device__ __forceinline__ void store(__half* p, uint32_t b) {
+    // NaN as c10's scalar conversion (the CPU kernels) writes it: the sign and 0x7E00; cvt's
+    // canonical NaN is 0x7FFF (docs/formats.md, "NaN bits")
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
+      *p = __ushort_as_half((unsigned short)(((b >> 16) & 0x8000u) | 0x7E00u));
+      return;
+    }
     *p = __float2half_rn(__uint_as_float(b));
   }
 };
@@ -40,6 +46,8 @@ template <> struct IO<__nv_bfloat16> {
     return __float_as_uint(__bfloat162float(*p));
   }
   static __device__ __forceinline__ void store(__nv_bfloat16* p, uint32_t b) {
+    // NaN as c10's scalar conversion writes it: 0x7FC0 (cvt's is 0x7FFF)
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) { *p = __ushort_as_bfloat16((unsigned short)0x7FC0u); return; }
     *p = __float2bfloat16_rn(__uint_as_float(b));
   }
 };
