@@ -1321,3 +1321,12 @@ def test_weight_operand_cache_follows_every_change_of_the_weight(monkeypatch):
     m(x).dequantize().square().mean().backward()
     opt.step()
     check("after an optimizer step")
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "qt.bf16"), (torch.float16, "qt.fp16"),
+                                         (torch.float8_e4m3fn, "qt.fp8_e4m3")])
+def test_convert_to_a_torch_dtype_names_the_format(dtype, name):
+    """qt.convert(model, torch.bfloat16) (model.to's habit): a TypeError that names the format
+    that is exactly the dtype."""
+    with pytest.raises(TypeError, match=rf"got {dtype}; for {dtype} use {name}\b"):
+        qt.convert(nn.Linear(4, 4), dtype)
