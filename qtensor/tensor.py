@@ -699,8 +699,8 @@ def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=Non
     checked, as qt.load_safetensors checks it (a ValueError, never a QTensor whose payload is
     not in its format)."""
     what = f"unpickling a QTensor (torch.load) of format {short_repr(str(fmt))}"
-    if not isinstance(data, torch.Tensor) or type(data) is not torch.Tensor:
-        raise ValueError(f"{what}: its payload is a {type(data).__name__}, not a plain tensor")
+    if not isinstance(data, torch.Tensor):
+        raise ValueError(f"{what}: its payload is a {type(data).__name__}, not a tensor")
     if accum is not None:
         if not isinstance(accum, dict):
             raise ValueError(f"{what}: its accumulator is a {type(accum).__name__}, not a dict")
@@ -708,8 +708,13 @@ def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=Non
             accum = AccumFormat(**accum)
         except TypeError as e:  # a field unknown or missing
             raise AccumFormatError(f"{what}: {e}") from None
-    t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad, accum=accum)
-    if data.device.type != "meta" and (off := _ops.count_off_format(data, t.fmt)):
+    try:
+        t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad, accum=accum)
+    except TypeError as e:  # (a payload dtype that carries no format)
+        raise ValueError(f"{what}: {e}") from None
+    # (values only: not a fake or meta payload, nor while tracing)
+    if (type(data) is torch.Tensor and data.device.type != "meta"
+            and not torch.compiler.is_compiling() and (off := _ops.count_off_format(data, t.fmt))):
         raise ValueError(f"{what}: {off} of {data.numel()} payload values are not values of "
                          f"{t.fmt} (the file was changed after saving?)")
     if is_param:
