@@ -9,12 +9,15 @@ Data:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
+import re
 import sys
 import sysconfig
 import time
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -55,6 +58,35 @@ def progress(iterable=None, **kwargs):
     kwargs.setdefault("dynamic_ncols", True)
     kwargs.setdefault("file", sys.stderr)
     return tqdm(iterable, **kwargs)
+
+
+def short_warning(text: str, limit: int = 200) -> str:
+    """A warning's gist on one line: its first sentence without the parenthesised asides."""
+    while True:  # innermost parentheses first
+        shorter = re.sub(r"\s*\([^()]*\)", "", text)
+        if shorter == text:
+            break
+        text = shorter
+    text = " ".join(re.split(r"(?<=\.)\s+(?=[A-Z])", text.strip())[0].split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def warnings_after_bars(label: str):
+    """Warnings raised inside are shown after it, above the progress bars rather than inside
+    them, each once and shortened to one line (``short_warning``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    lines = dict.fromkeys(f"{label}: {w.category.__name__}: {short_warning(str(w.message))}"
+                          for w in caught)
+    try:
+        from tqdm.auto import tqdm
+        write = tqdm.write  # (clears the bars, writes, draws them again)
+    except ImportError:
+        write = print
+    for line in lines:
+        write(line, file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,6 +86,12 @@ def describe_recipe(name: str) -> str:
 
 
 def run_format(name, data, steps, seed):
+    # qtensor's warnings (e.g. clipping in MXFP4) are shown short, after the progress bars
+    with common.warnings_after_bars(f"{name} (seed {seed})"):
+        return _run_format(name, data, steps, seed)
+
+
+def _run_format(name, data, steps, seed):
     x_train, y_train, x_test, y_test = data
     torch.manual_seed(seed)
     model = common.DigitsCNN()          # identical initial weights for every format

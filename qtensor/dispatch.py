@@ -359,6 +359,25 @@ def rule_of(func) -> Rule:
 
 _FIT_CACHE: dict = {}
 _CACHE_SIZE = 4096  # entries of the format caches below, before they start again
+_BY_VALUE: dict = {}  # (cache name, fmt, key): the entry that equal formats share
+
+
+def _shared(cache: dict, name: str, fmt, key, make):
+    """``cache[(id(fmt), key)]`` (a format's own hash walks its fields: a hit is a lookup by
+    id) with, on a miss, the entry of an equal format: formats made anew per call (strings
+    parsed per call, ``fmt.replace(...)``) share one entry and return the same object. Both
+    tables start again past _CACHE_SIZE entries: bounded."""
+    shared = (name, fmt, key)
+    value = _BY_VALUE.get(shared)
+    if value is None:
+        value = make()
+        if len(_BY_VALUE) > _CACHE_SIZE:
+            _BY_VALUE.clear()
+        _BY_VALUE[shared] = value
+    if len(cache) > _CACHE_SIZE:
+        cache.clear()
+    cache[(id(fmt), key)] = (fmt, value)  # (fmt kept alive, so its id stays its own)
+    return value
 
 
 def fit_format(fmt: Format, ndim: int) -> Format:
@@ -374,23 +393,17 @@ def fit_format(fmt: Format, ndim: int) -> Format:
             return fmt
     elif ndim >= 2 and -ndim <= fmt.axis < ndim:
         return fmt  # (an axis that is not one of the last two: quantize says so, FormatError)
-    key = (id(fmt), ndim)  # (by id, as _kernel_call: a format's own hash walks its fields)
-    hit = _FIT_CACHE.get(key)
-    f = None if hit is None else hit[1]
-    if f is None:
-        if fmt.block_shape is None:
-            f = fmt.replace(axis=-1)
-        elif ndim >= 2:
-            f = fmt.replace(axis=-1)
-        else:  # one row of tiles; which of r, c runs along the row: axis -1 or else -2
-            r, c = fmt.block_shape
-            along_row = c if fmt.axis in (-1, 1) else r  # (1: the last dim of a matrix)
-            f = fmt.replace(block_shape=None, block_size=along_row, axis=-1)
-        if len(_FIT_CACHE) > _CACHE_SIZE:  # (formats made anew per call: bounded)
-            _FIT_CACHE.clear()
-        _FIT_CACHE[key] = (fmt, f)  # (fmt: keeps it alive, so its id stays its own)
-    return f
+    hit = _FIT_CACHE.get((id(fmt), ndim))
+    return hit[1] if hit is not None else _shared(_FIT_CACHE, "fit", fmt, ndim,
+                                                  lambda: _fitted(fmt, ndim))
 
+
+def _fitted(fmt: Format, ndim: int) -> Format:
+    if fmt.block_shape is None or ndim >= 2:
+        return fmt.replace(axis=-1)
+    r, c = fmt.block_shape  # one row of tiles; which of r, c runs along the row: axis -1 or -2
+    along_row = c if fmt.axis in (-1, 1) else r  # (1: the last dim of a matrix)
+    return fmt.replace(block_shape=None, block_size=along_row, axis=-1)
 
 _AXIS_CACHE: dict = {}
 
@@ -399,13 +412,9 @@ def with_axis(fmt: Format, axis: int) -> Format:
     """A BlockFormat blocked along ``axis`` (axis=None formats, per-tensor, are kept)."""
     if type(fmt) is not BlockFormat or fmt.axis is None or fmt.axis == axis:
         return fmt
-    key = (id(fmt), axis)  # (by id, as _kernel_call: a format's own hash walks its fields)
-    hit = _AXIS_CACHE.get(key)
-    if hit is None:
-        if len(_AXIS_CACHE) > _CACHE_SIZE:
-            _AXIS_CACHE.clear()
-        hit = _AXIS_CACHE[key] = (fmt, fmt.replace(axis=axis))  # (fmt kept alive: see above)
-    return hit[1]
+    hit = _AXIS_CACHE.get((id(fmt), axis))
+    return hit[1] if hit is not None else _shared(_AXIS_CACHE, "axis", fmt, axis,
+                                                  lambda: fmt.replace(axis=axis))
 
 
 def _transposed_fmt(fmt, func, args, in_ndim):
@@ -516,15 +525,17 @@ def _kernel_call(fmt, inplace=False):
     format (its in-place variant with ``inplace``), cached by id (a format's own hash walks all
     its fields): building them in qtensor.ops costs more than rounding a small tensor. (The
     function is OpOverload.__call__'s own, called without that frame.)"""
-    entry = _KERNEL_CALLS.get(id(fmt))
-    if entry is None:
-        name, args = _ops.op_args(fmt)
-        args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
-        entry = _KERNEL_CALLS[id(fmt)] = (
-            (getattr(torch.ops.qtensor, name).default._op, args),
-            (getattr(torch.ops.qtensor, name + "_").default._op, args),
-            fmt)  # keeps fmt alive: its id stays unique
-    return entry[1] if inplace else entry[0]
+    hit = _KERNEL_CALLS.get((id(fmt), None))
+    calls = hit[1] if hit is not None else _shared(_KERNEL_CALLS, "kernel", fmt, None,
+                                                   lambda: _kernel_calls(fmt))
+    return calls[inplace]
+
+
+def _kernel_calls(fmt):
+    name, args = _ops.op_args(fmt)
+    args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
+    return ((getattr(torch.ops.qtensor, name).default._op, args),
+            (getattr(torch.ops.qtensor, name + "_").default._op, args))
 
 
 # Formats that are exactly a torch dtype: rounding a float32 tensor to them is a cast down and
@@ -844,6 +855,9 @@ def _operand_cache_root(a):
     return root if getattr(root, "_is_param", False) and type(root) is QTensor else None
 
 
+_OPERANDS_PER_TENSOR = 64  # rounded operands cached on one tensor
+
+
 def _rounded_operand(a, x, fmt, tiles=True):
     """x (the payload of the QTensor operand a) rounded to fmt for one contraction (tiles:
     quantize's)."""
@@ -868,6 +882,8 @@ def _rounded_operand(a, x, fmt, tiles=True):
         if hit[1] is not base:  # p.data = x: every entry is of the old payload
             cache.clear()
     q = quantize(x, fmt, keep_layout=False, tiles=tiles)
+    if len(cache) >= _OPERANDS_PER_TENSOR:  # (views or formats made anew per call: bounded)
+        cache.clear()
     cache[key] = (versions, base, q, fmt)  # (fmt: keeps it alive, so its id stays its own)
     return q
 

@@ -15,6 +15,7 @@ that the float32 carrier used by the kernels cannot hold exactly, with a message
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -827,16 +828,50 @@ def format(spec) -> Format:
     """
     if isinstance(spec, Format):
         return spec
+    if isinstance(spec, str):
+        # equal strings give the same object: the kernels' caches are keyed by a format's id
+        # (its hash walks its fields), so a string parsed anew per call would add entries
+        f = _PARSED.get(spec)
+        if f is None:
+            f = _parse_string(spec)
+            if len(_PARSED) >= _PARSED_SIZE:  # (strings made anew per call: bounded)
+                _PARSED.clear()
+            _PARSED[spec] = f
+        return f
+    return _parse_string(spec)
+
+
+def dtype_hint(spec) -> str:
+    """For a torch dtype given where a format belongs: "; for torch.X use qt.Y ..." (else "")."""
+    name = str(spec).removeprefix("torch.") if type(spec).__module__ == "torch" else None
+    if name in ALIASES:  # point at the format that is exactly the dtype
+        return f"; for {spec} use qt.{ALIASES[name]} (or the string {name!r})"
+    if name in _REFUSED:
+        return f"; {_REFUSED[name]}"
+    return ""
+
+
+_PARSED: dict = {}  # format string -> its format (formats are immutable: sharing is safe)
+_PARSED_SIZE = 1024
+_MAX_NESTING = 8  # parentheses: block(elem=e4m3(...), scale=...) needs 2
+
+
+def _nesting(text: str) -> int:
+    depth = deepest = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _parse_string(spec) -> Format:
     if not isinstance(spec, str):
-        hint = ""
-        name = str(spec).removeprefix("torch.") if type(spec).__module__ == "torch" else None
-        if name in ALIASES:  # a torch dtype: point at the format that is exactly it
-            hint = f"; for {spec} use qt.{ALIASES[name]} (or the string {name!r})"
-        elif name in _REFUSED:
-            hint = f"; {_REFUSED[name]}"
-        raise FormatError(
-            f"a format must be a format object or a string, got {type(spec).__name__}{hint}")
+        raise FormatError(f"a format must be a format object or a string, got "
+                          f"{type(spec).__name__}{dtype_hint(spec)}")
     text = spec.strip()
+    if _nesting(text) > _MAX_NESTING:  # (the parser recurses per level)
+        raise FormatError(f"format {short_repr(spec)} nests parentheses more than {_MAX_NESTING} "
+                          "deep; no format needs that")
     m = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*(?:\((.*)\))?", text, flags=re.S)
     if not m:
         raise FormatError(f"cannot parse format {spec!r}; known formats: {_known_names()}")
@@ -877,7 +912,12 @@ def format(spec) -> Format:
             return BlockFormat(**kwargs)
     except TypeError as e:  # unknown keyword
         raise FormatError(f"in format {spec!r}: {e}") from None
-    close = [n for n in PRESETS if n.startswith(lower[:3])] or list(PRESETS)
-    raise FormatError(
-        f"unknown format {spec!r}; did you mean one of {', '.join(close)}? "
-        f"known formats: {_known_names()}")
+    close = difflib.get_close_matches(lower, list(PRESETS) + list(ALIASES), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(n) for n in close)}? " if close else ""
+    raise FormatError(f"unknown format {short_repr(spec)}; {hint}known formats: {_known_names()}")
+
+
+def short_repr(spec: str, limit: int = 80) -> str:
+    """repr(spec), cut to ``limit`` characters (a malformed string may be long)."""
+    r = repr(spec)
+    return r if len(r) <= limit else r[:limit - 5] + "...'" + f" ({len(spec)} characters)"

@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from .convert import conversion_of, convert, register_model_hooks
-from .ops import quantize
-from .serialization import plain_state_dict, recipe_from_dict, recipe_to_dict, tensor_formats
+from .formats import short_repr
+from .ops import count_off_format
+from .serialization import (formats_data, parse_formats, plain_state_dict, recipe_from_dict,
+                            recipe_to_dict, tensor_formats)
 from .tensor import QTensor
 
 __all__ = ["save_pretrained", "from_pretrained", "SavePretrained", "CONFIG_KEY", "LEAK_ALLOW",
@@ -119,26 +121,31 @@ def from_pretrained(model_class, pretrained_model_name_or_path, **kwargs):
     if not info:
         return model
     delattr(model.config, CONFIG_KEY)  # the conversion is on the model now, not in its config
-    _check_values(model, info.get("formats", {}))
-    convert(model, recipe_from_dict(info["recipe"]))
-    _check_formats(model, info.get("formats", {}))
+    where = f"{pretrained_model_name_or_path}: config.json's {CONFIG_KEY!r}"
+    if not isinstance(info, dict) or "recipe" not in info:
+        raise ValueError(f"{where}: expected {{'version', 'recipe', 'formats'}} (what "
+                         f"qt.hf.save_pretrained writes), got {short_repr(info)}")
+    formats = parse_formats(info.get("formats", {}), None, f"{where} 'formats'")
+    try:
+        recipe = recipe_from_dict(info["recipe"])
+    except ValueError as e:
+        raise ValueError(f"{where} 'recipe': {e}") from None
+    _check_values(model, formats)
+    convert(model, recipe)
+    _check_formats(model, formats)
     return model
 
 
-def _check_values(model: nn.Module, formats: Dict[str, Any]) -> None:
+def _check_values(model: nn.Module, formats: Dict[str, tuple]) -> None:
     """The loaded values must be in the formats the config names (else converting would round
     them again, silently): a checkpoint changed after qt.hf.save_pretrained is refused. (A load
     with another dtype= that keeps them representable, e.g. FP8 values in float16, passes.)"""
     state = model.state_dict()
     changed = []
-    with torch.no_grad():
-        for name, saved in formats.items():
-            t = state.get(name)
-            if t is None or not t.is_floating_point():
-                continue
-            values = t.detach().float()
-            if not torch.equal(quantize(values, saved["fmt"]), values):
-                changed.append(f"{name} ({saved['fmt']})")
+    for name, (fmt, _mm_fmt, _accum) in formats.items():
+        t = state.get(name)
+        if t is not None and t.is_floating_point() and count_off_format(t, fmt):
+            changed.append(f"{name} ({fmt})")
     if changed:
         raise ValueError(
             "qt.hf.from_pretrained: the checkpoint's values are not in the formats its config "
@@ -148,14 +155,14 @@ def _check_values(model: nn.Module, formats: Dict[str, Any]) -> None:
             "cls.from_pretrained and convert it: model.to(recipe)")
 
 
-def _check_formats(model: nn.Module, formats: Dict[str, Any]) -> None:
+def _check_formats(model: nn.Module, formats: Dict[str, tuple]) -> None:
     state = model.state_dict()
     wrong = []
     for name, saved in formats.items():
         t = state.get(name)
-        have = tensor_formats(t) if isinstance(t, QTensor) else {"fmt": "missing or plain"}
-        if have != saved:
-            wrong.append(f"{name}: saved {saved}, loaded {have}")
+        if not isinstance(t, QTensor) or (t.fmt, t.mm_fmt, t.accum) != saved:
+            have = tensor_formats(t) if isinstance(t, QTensor) else {"fmt": "missing or plain"}
+            wrong.append(f"{name}: saved {formats_data(*saved)}, loaded {have}")
     if wrong:
         raise ValueError("qt.hf.from_pretrained: tensors did not get the formats they were saved "
                          "with (another transformers version renaming weights?): "

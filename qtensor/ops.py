@@ -455,3 +455,27 @@ def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
         # a value saved for backward that this changes is an error, not a wrong gradient
         torch.autograd.graph.increment_version(x)
     return x
+
+
+_INT_OF_WIDTH = {8: torch.int64, 4: torch.int32}
+
+
+def count_off_format(values: torch.Tensor, fmt) -> int:
+    """How many of ``values`` are not values of ``fmt`` (0: the tensor is in the format, as a
+    QTensor's payload must be). The values are rounded again, to nearest (a value in format is
+    its own rounding in every mode, block formats included: docs/formats.md, "Idempotence"; and
+    no random bits are drawn), and compared bit for bit, NaN with any NaN. float16/bfloat16
+    values (float8 too) are checked as the float32 values they are. Not checked (0): a tensor-scaled block
+    format's tensor holding Inf or NaN, whose tensor scale came from a finite value that a NaN
+    block may have replaced (docs/formats.md, the known exception to idempotence)."""
+    with torch.no_grad():
+        v = values.detach()
+        if v.is_floating_point() and v.dtype not in (torch.float32, torch.float64):
+            v = v.float()  # (exactly)
+        fmt = check_input(v, fmt)
+        if isinstance(fmt, BlockFormat) and fmt.tensor_scale and not bool(v.isfinite().all()):
+            return 0
+        q = quantize(v, fmt, rounding="nearest")
+        ints = _INT_OF_WIDTH[v.element_size()]
+        same = (q.view(ints) == v.view(ints)) | (q.isnan() & v.isnan())
+        return int(v.numel() - same.sum())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .formats import FloatFormat, Format, FormatError
+from .formats import FloatFormat, Format, FormatError, dtype_hint
 from .formats import format as _parse_format
 from .plans import Recipe, Role, check_signed
 from .recipes import PRESETS_BY_NAME
@@ -67,5 +67,6 @@ def as_recipe(spec) -> Recipe:
             return named
     if isinstance(spec, (Format, str, tuple, list, Role)):
         return _bare_format_recipe(spec)
-    raise TypeError(
-        f"qt.convert needs a format, a format string or a qt.Recipe, got {type(spec).__name__}")
+    raise TypeError(f"qt.convert needs a format, a format string or a qt.Recipe, got "
+                    f"{spec if type(spec).__module__ == 'torch' else type(spec).__name__}"
+                    f"{dtype_hint(spec)}")

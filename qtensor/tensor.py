@@ -24,20 +24,22 @@ Conversions:
 """
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import hashlib
+import re
 import sys
 from typing import Optional
 
 import torch
 
 from . import dispatch as _dispatch
-from .accum import PRESETS as _ACCUM_PRESETS, AccumFormat, as_accum as _as_accum
+from .accum import PRESETS as _ACCUM_PRESETS, AccumFormat, AccumFormatError
+from .accum import as_accum as _as_accum
 from . import ops as _ops
 from .checks import FLOAT_DTYPES as _PAYLOAD_DTYPES
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, format as _parse_format
+from .formats import BlockFormat, FixedFormat, FloatFormat, Format, short_repr
+from .formats import format as _parse_format
 
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 
@@ -125,13 +127,31 @@ def _accum_token(accum: AccumFormat) -> str:
     return ";".join(parts)
 
 
+def _token_value(v: str):
+    """A field of an accumulator token: an int, a bool or None; else a mode's name."""
+    if v in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[v]
+    return int(v) if re.fullmatch(r"[+-]?\d{1,30}", v) else v
+
+
 def _accum_of_token(token: str) -> AccumFormat:
-    def value(v):  # an int, bool or None; else a rounding mode's name
-        try:
-            return ast.literal_eval(v)
-        except ValueError:
-            return v
-    return AccumFormat(**{k: value(v) for k, v in (kv.split("=", 1) for kv in token.split(";"))})
+    """The AccumFormat of ``_accum_token``'s ``field=value;...`` (an AccumFormatError, a
+    ValueError, for any other string)."""
+    fields = {}
+    for kv in token.split(";"):
+        key, eq, v = kv.partition("=")
+        if not eq or not key.strip() or key.strip() in fields:
+            raise AccumFormatError(f"cannot read the accumulator {short_repr(token)}: expected "
+                                   "field=value;... with each field once")
+        fields[key.strip()] = _token_value(v.strip())
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(AccumFormat)})
+    if unknown:
+        raise AccumFormatError(f"cannot read the accumulator {short_repr(token)}: unknown fields "
+                               f"{', '.join(unknown)}")
+    try:
+        return AccumFormat(**fields)
+    except TypeError as e:  # a field missing (chunk, frac_bits)
+        raise AccumFormatError(f"cannot read the accumulator {short_repr(token)}: {e}") from None
 
 
 def _exported_init(self, *args, **kwargs):
@@ -675,8 +695,28 @@ def _check_fsdp_policy(mp_policy, t) -> None:
 
 
 def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=None):
-    t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad,
-                accum=None if accum is None else AccumFormat(**accum))
+    """A QTensor from its pickled form (torch.load, pickle, copy.copy): what a file holds is
+    checked, as qt.load_safetensors checks it (a ValueError, never a QTensor whose payload is
+    not in its format)."""
+    what = f"unpickling a QTensor (torch.load) of format {short_repr(str(fmt))}"
+    if not isinstance(data, torch.Tensor):
+        raise ValueError(f"{what}: its payload is a {type(data).__name__}, not a tensor")
+    if accum is not None:
+        if not isinstance(accum, dict):
+            raise ValueError(f"{what}: its accumulator is a {type(accum).__name__}, not a dict")
+        try:
+            accum = AccumFormat(**accum)
+        except TypeError as e:  # a field unknown or missing
+            raise AccumFormatError(f"{what}: {e}") from None
+    try:
+        t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad, accum=accum)
+    except TypeError as e:  # (a payload dtype that carries no format)
+        raise ValueError(f"{what}: {e}") from None
+    # (values only: not a fake or meta payload, nor while tracing)
+    if (type(data) is torch.Tensor and data.device.type != "meta"
+            and not torch.compiler.is_compiling() and (off := _ops.count_off_format(data, t.fmt))):
+        raise ValueError(f"{what}: {off} of {data.numel()} payload values are not values of "
+                         f"{t.fmt} (the file was changed after saving?)")
     if is_param:
         t._is_param = True
     return t

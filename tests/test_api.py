@@ -209,3 +209,37 @@ def test_cited_documents_exist():
     missing = {doc: where for (doc, folder), where in cited.items()
                if doc not in templates and not found(doc, folder)}
     assert not missing, f"cited but not in the repository: {missing}"
+
+
+def test_formats_made_per_call_do_not_grow_the_caches():
+    """A training loop that names its formats as strings, or builds them anew, per step: the
+    format caches (keyed by a format's id) stay the same size (equal formats share their
+    entries) and within their bound; memory does not grow with the number of steps."""
+    from qtensor import dispatch
+    caches = ("_KERNEL_CALLS", "_FIT_CACHE", "_AXIS_CACHE", "_BY_VALUE")
+    w = torch.randn(64, 64)
+    x = torch.randn(4, 64)
+
+    def step(i, fresh):
+        mm = (qt.mxfp4_e2m1.replace(rounding="nearest_away") if fresh
+              else "mxfp4_e2m1(rounding=nearest_away)")
+        a = qt.as_qtensor(x, "bf16", mm_fmt=mm)
+        b = qt.as_qtensor(w, "bf16(rounding=nearest_away)", mm_fmt=mm)
+        (a @ b).sum()
+
+    for i in range(20):
+        step(i, fresh=False)
+    sizes = {n: len(getattr(dispatch, n, {})) for n in caches}
+    for i in range(300):
+        step(i, fresh=False)
+    assert {n: len(getattr(dispatch, n, {})) for n in caches} == sizes
+    bound = 40
+    old = dispatch._CACHE_SIZE
+    dispatch._CACHE_SIZE = bound
+    try:
+        for i in range(300):
+            step(i, fresh=True)
+        for n in caches:
+            assert len(getattr(dispatch, n, {})) <= bound + 1, n
+    finally:
+        dispatch._CACHE_SIZE = old

@@ -1359,3 +1359,12 @@ def test_describe_shows_the_formats_each_gemm_uses():
     text = qt.describe(model, print_table=False)
     assert any(line.startswith("fprop ") and "6.25 x 6.25" in line
                for line in text.splitlines())
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "qt.bf16"), (torch.float16, "qt.fp16"),
+                                         (torch.float8_e4m3fn, "qt.fp8_e4m3")])
+def test_convert_to_a_torch_dtype_names_the_format(dtype, name):
+    """qt.convert(model, torch.bfloat16) (model.to's habit): a TypeError that names the format
+    that is exactly the dtype."""
+    with pytest.raises(TypeError, match=rf"got {dtype}; for {dtype} use {name}\b"):
+        qt.convert(nn.Linear(4, 4), dtype)

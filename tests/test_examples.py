@@ -18,14 +18,15 @@ pytest.importorskip("sklearn", reason="the examples' digits come from scikit-lea
 pytest.importorskip("matplotlib", reason="the examples plot with matplotlib")
 
 
-def run_example(script, *args, timeout=120):
+def run_example(script, *args, timeout=120, stderr=False):
+    """The example's stdout (with stderr=True: (stdout, stderr))."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return (proc.stdout, proc.stderr) if stderr else proc.stdout
 
 
 def table_rows(text):
@@ -58,6 +59,19 @@ def test_demo_quick_writes_table_and_png(tmp_path):
     png = tmp_path / "demo.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "demo.md").read_text().count("\n|") >= 9
+
+
+def test_demo_warnings_are_short_lines_outside_the_progress_bars(tmp_path):
+    """MXFP4's clipping warnings (the demo's mxfp4_e2m1 row warns): each on a line of its own,
+    not inside a tqdm bar's line, and short."""
+    pytest.importorskip("tqdm")
+    _, err = run_example("demo.py", "--formats", "mxfp4_e2m1", "--steps", "6", "--seeds", "1",
+                         "--out", str(tmp_path), stderr=True)
+    lines = [line for line in err.split("\n") if "Warning" in line]
+    assert lines, err[-3000:]
+    for line in lines:
+        assert "it/s" not in line and "%|" not in line, line  # no bar on the warning's line
+        assert len(line) <= 260, line
 
 
 def test_demo_writes_to_an_untracked_folder_by_default():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -675,3 +676,51 @@ def test_float8_e8m0fnu_is_refused_with_the_difference():
         BlockFormat(qt.fp8_e4m3, 32, scale="float8_e8m0fnu")
     with pytest.raises(FormatError, match=r"got dtype; torch's cast to torch\.float8_e8m0fnu"):
         qt.format(torch.float8_e8m0fnu)
+
+
+_PARSER_PIECES = st.sampled_from(
+    list("()=,. _-+0123456789abcdefmxnoptrsuilkwyTFN") + [
+        "block(", "elem=", "scale=", "e4m3", "rounding=", "block_size=", "axis=", "block_shape=",
+        "16x16", "True", "None", "stochastic", "fixed(", "wl=", "fl=", "mxfp4", "nvfp4(",
+        "tensor_scale=", "scale_rule=", "99999999999999999999"])
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(_PARSER_PIECES, max_size=30).map("".join))
+def test_format_parser_gives_a_format_or_a_format_error_for_any_string(text):
+    try:
+        f = qt.format(text)
+    except FormatError:
+        return
+    assert qt.format(str(f)) == f
+
+
+def test_deeply_nested_format_string_is_a_format_error():
+    """A format string nested ~1,000 deep (a hostile checkpoint) is a FormatError, not a
+    RecursionError; the nesting that formats need parses."""
+    deep = "block(elem=" * 1000 + "fp4_e2m1" + ")" * 1000
+    with pytest.raises(FormatError, match="nests parentheses more than"):
+        qt.format(deep)
+    f = BlockFormat(FixedFormat(8, 6, symmetric=True), 16, scale=qt.fp8_e4m3.replace(
+        rounding="toward_zero"), scale_rule="amax")
+    assert qt.format(str(f)) == f
+
+
+def test_a_typo_suggests_the_close_name_and_lists_the_formats_once():
+    with pytest.raises(FormatError) as e:
+        qt.format("nvpf4")
+    msg = str(e.value)
+    assert "did you mean 'nvfp4'?" in msg
+    for name in qt.formats.PRESETS:
+        assert len(re.findall(rf"(?<![\w']){name}(?![\w'])", msg)) == 1, (name, msg)
+    with pytest.raises(FormatError) as e:
+        qt.format("zzzz")
+    assert "did you mean" not in str(e.value)
+
+
+def test_equal_format_strings_give_one_object():
+    """The kernels' caches are keyed by a format's id: a string parsed per call must not make
+    a new object each time."""
+    s = "mxfp4_e2m1(rounding=nearest_away)"
+    assert qt.format(s) is qt.format(s) and qt.format(s) == qt.mxfp4_e2m1.replace(
+        rounding="nearest_away")

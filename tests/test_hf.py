@@ -213,3 +213,29 @@ def test_compiled_hf_training_step_matches_eager():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad.fmt == q.grad.fmt, name
         assert_bits_equal(p.grad.dequantize(), q.grad.dequantize(), name)
+
+
+@pytest.mark.parametrize("edit, names", [
+    (lambda q: q.pop("recipe"), "'qtensor'"),
+    (lambda q: q["recipe"].pop("weight"), "'recipe': recipe field 'weight': missing"),
+    (lambda q: q["formats"].update({"lm_head.weight": {"fmt": "block(elem=" * 900 + "e2m1"
+                                                               + ")" * 900}}),
+     "tensor 'lm_head.weight'"),
+    (lambda q: q["formats"].update({"lm_head.weight": {"fmt": "fp8_e4m3", "accum": "a=("}}),
+     "tensor 'lm_head.weight'"),
+    (lambda q: q["formats"].update({"lm_head.weight": "fp8_e4m3"}), "tensor 'lm_head.weight'"),
+], ids=["no recipe", "recipe without weight", "nested format", "accumulator token",
+        "a string"])
+def test_hf_from_pretrained_malformed_config_is_a_value_error(tmp_path, edit, names):
+    """A hand-edited config.json: a ValueError naming the checkpoint, the key and the tensor."""
+    import json
+    model = _tiny_gpt2().to(qt.fp8_e4m3)
+    qt.hf.save_pretrained(model, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    config = json.loads(path.read_text())
+    edit(config["qtensor"])
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        qt.hf.from_pretrained(type(model), tmp_path / "ckpt")
+    msg = str(e.value)
+    assert str(tmp_path / "ckpt") in msg and "config.json's 'qtensor'" in msg and names in msg, msg

@@ -22,6 +22,7 @@ _PLUMBING_FILES = tuple(os.path.join(_TORCH_DIR, p) for p in (
     os.path.join("_dynamo", "eval_frame.py"), "_compile.py",
     os.path.join("utils", "_python_dispatch.py"), "_ops.py"))
 _CODE_KIND: dict = {}
+_CODE_CACHE_SIZE = 4096  # entries of the code caches here, before they start again
 # a converted model's forward (convert.ConvertedForward) calls the class's forward: module-call
 # machinery, like torch's own, so an op below it is issued by that forward's code
 _MODULE_CALL_CODE = frozenset({ConvertedForward.__call__.__code__})
@@ -56,6 +57,8 @@ def _code_kind(code) -> int:
                 k = TORCH
         else:
             k = USER
+        if len(_CODE_KIND) >= _CODE_CACHE_SIZE:  # (code made anew, e.g. exec per call: bounded)
+            _CODE_KIND.clear()
         _CODE_KIND[code] = k
     return k
 
@@ -92,6 +95,8 @@ def _is_loss_code(code) -> bool:
     if k is None:
         fn = code.co_filename if os.path.isabs(code.co_filename) else \
             os.path.abspath(code.co_filename)
+        if len(_LOSS_CODE) >= _CODE_CACHE_SIZE:
+            _LOSS_CODE.clear()
         k = _LOSS_CODE[code] = fn == _FUNCTIONAL_FILE and "target" in code.co_varnames[
             :code.co_argcount + code.co_kwonlyargcount]
     return k
