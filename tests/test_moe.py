@@ -116,3 +116,156 @@ def test_grouped_mm_operands_are_rounded():
     ref = torch.cat([rx[:6] @ rw[0], rx[6:] @ rw[1]])
     assert _same(y, ref)
     assert not _same(y, torch._grouped_mm(x, w, offs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face MoE models (tiny configs, random init, no download)
+
+transformers = pytest.importorskip("transformers")
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+
+def _tiny(family, impl="grouped_mm", seed=0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                          head_dim=16, num_experts=4, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(intermediate_size=32, num_experts=4, **common)
+        cls = transformers.OlmoeForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, **common)
+        cls = transformers.MixtralForCausalLM
+    cfg._experts_implementation = impl
+    return cls(cfg)
+
+
+FAMILIES = ["qwen3_moe", "olmoe", "mixtral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_moe_trains_without_leaks(family):
+    """The user's run of issue 33: a tiny MoE model converted to MXFP6, one training step under
+    leak_check: the expert GEMMs are contractions (before: run without their MXFP6 operand
+    rounding, and the router's histc reported as a plain op)."""
+    model = _tiny(family)
+    assert model.config._experts_implementation == "grouped_mm"
+    qt.convert(model, qt.recipes.mxfp6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8))
+    with sdpa_kernel(SDPBackend.MATH), qt.leak_check(action="record", optimizer=opt,
+                                                     allow=qt.hf.LEAK_ALLOW) as report:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    assert not report.findings, report.summary()
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.down_proj, qt.QTensor) and experts.down_proj.grad is not None
+
+
+def _experts_reference(exp, hs, idx, wts, gate_up, down):
+    """transformers' grouped_mm_experts_forward with each expert's two GEMMs as converted
+    nn.Linear layers (gate_up[g], down[g]) on that expert's tokens."""
+    k, T = idx.size(-1), hs.size(0)
+    ids, sw = idx.reshape(-1), wts.reshape(-1)
+    ids_g, perm = torch.sort(ids)
+    x, sw_g = hs[perm // k], sw[perm]
+    outs = []
+    counts = torch.bincount(ids_g, minlength=len(down)).tolist()
+    # (split: one autograd node, whose backward concatenates the experts' input gradients)
+    for g, xg in enumerate(x.split(counts)):
+        if counts[g]:
+            h = gate_up[g](xg)
+            gate, up = h.chunk(2, dim=-1)
+            outs.append(down[g](exp.act_fn(gate) * up))
+    y = torch.cat(outs) * sw_g.unsqueeze(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.size(0))
+    return y[inv].view(T, k, -1).sum(dim=1)
+
+
+def _linear_of(w, recipe):
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return qt.convert(lin, recipe)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("recipe", ["mxfp6", "nvfp4_tensor_scale"])
+def test_hf_experts_are_a_loop_of_linears(family, recipe):
+    """An HF experts module (grouped_mm) of a converted model: output, input gradient and each
+    expert's weight gradients bit for bit those of the same experts run as converted nn.Linear
+    layers, one per expert and GEMM."""
+    recipe = RECIPES[recipe]
+    model = _tiny(family)
+    exp = model.model.layers[0].mlp.experts
+    gu0, dn0 = exp.gate_up_proj.detach().clone(), exp.down_proj.detach().clone()
+    qt.convert(model, recipe)
+    gate_up = [_linear_of(w, recipe) for w in gu0]
+    down = [_linear_of(w, recipe) for w in dn0]
+    T, E, k = 12, gu0.shape[0], 2
+    g = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    act = recipe.activation
+    hs = qt.as_qtensor(torch.randn(T, 32, generator=g), act.fmt, mm_fmt=act.mm_fmt)
+    h1, h2 = hs.clone().requires_grad_(True), hs.clone().requires_grad_(True)
+    # (in the grad role's values already: the module's output hook rounds the gradient it gets)
+    gy = torch.randn(T, 32, generator=g).bfloat16().float()
+    y = exp(h1, idx, qt.as_qtensor(wts, act.fmt, mm_fmt=act.mm_fmt))
+    ref = _experts_reference(exp, h2, idx, qt.as_qtensor(wts, act.fmt, mm_fmt=act.mm_fmt),
+                             gate_up, down)
+    ref = qt.plans.round_to(ref, act)
+    assert _same(y, ref)
+    (y.dequantize() * gy).sum().backward()
+    (ref.dequantize() * gy).sum().backward()
+    assert _same(h1.grad, h2.grad)
+    for e in range(E):
+        assert _same(exp.gate_up_proj.grad[e], gate_up[e].weight.grad), f"expert {e} gate_up"
+        assert _same(exp.down_proj.grad[e], down[e].weight.grad), f"expert {e} down"
+
+
+# ---------------------------------------------------------------------------------------------
+# leak_check: a contraction that ignores its operands' formats is reported
+
+def _without_rule(monkeypatch, packet, overload):
+    """dispatch as it was before grouped GEMMs had their rule: the op computes as one op."""
+    from qtensor import dispatch
+    monkeypatch.setitem(dispatch.OPS, packet, dispatch.OpRule())
+    monkeypatch.delattr(overload, "_qtensor_rule", raising=False)
+    monkeypatch.setitem(dispatch._RULES, overload, dispatch.Rule(overload))
+    monkeypatch.setattr(overload, "_qtensor_rule", dispatch._RULES[overload], raising=False)
+
+
+def _grouped_report(family="qwen3_moe"):
+    model = _tiny(family)
+    qt.convert(model, qt.recipes.mxfp6)
+    ids = torch.randint(0, 64, (2, 8))
+    with sdpa_kernel(SDPBackend.MATH), qt.leak_check(action="record",
+                                                     allow=qt.hf.LEAK_ALLOW) as report:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return report
+
+
+def test_leak_check_reports_a_grouped_gemm_without_its_rule(monkeypatch):
+    """The silent leak of issue 33, made visible: with _grouped_mm computing as a plain op (its
+    operands unrounded), leak_check reports each expert GEMM, forward and backward."""
+    _without_rule(monkeypatch, "_grouped_mm", torch.ops.aten._grouped_mm.default)
+    report = _grouped_report()
+    found = [f for f in report.findings if f.op == "aten._grouped_mm.default"]
+    assert {f.kind for f in found} == {"fused"}, report.summary()
+    assert {f.phase for f in found} == {"forward", "backward"}
+    assert "mxfp6_e3m2" in found[0].message and "no contraction rule" in found[0].message
+
+
+def test_leak_check_reports_bilinear():
+    """F.bilinear's _trilinear has no contraction rule: its operand formats are not applied,
+    and leak_check says so (forward and backward)."""
+    m = qt.convert(nn.Bilinear(8, 8, 4), qt.recipes.mxfp6)
+    with qt.leak_check(action="record") as report:
+        m(torch.randn(3, 8), torch.randn(3, 8)).sum().backward()
+    assert [f.op for f in report.findings] == ["aten._trilinear.default"] * 2, report.summary()
+    assert all(f.kind == "fused" for f in report.findings)
