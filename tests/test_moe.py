@@ -269,3 +269,74 @@ def test_leak_check_reports_bilinear():
         m(torch.randn(3, 8), torch.randn(3, 8)).sum().backward()
     assert [f.op for f in report.findings] == ["aten._trilinear.default"] * 2, report.summary()
     assert all(f.kind == "fused" for f in report.findings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts and bad input
+
+def _q(x, fmt=qt.mxfp8_e4m3, value="fp32"):
+    return qt.as_qtensor(x, value, mm_fmt=fmt)
+
+
+def test_grouped_mm_layouts_are_loops_of_mm():
+    """Every layout torch._grouped_mm takes, on QTensors: each group the mm of that group's
+    slices of the operands, rounded along that group's K (2D x 2D: K is split by offs, so each
+    group's blocks start at its own first K index)."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: _q(torch.randn(*s, generator=g))  # noqa: E731
+    offs = _offsets([40, 0, 56])
+    # 3D x 3D
+    a, b = r(3, 5, 64), r(3, 64, 8)
+    assert _same(torch._grouped_mm(a, b), torch.bmm(a, b))
+    # 2D x 2D: A (M, Ktot), B (Ktot, N), K split by offs -> (G, M, N)
+    a, b = r(8, 96), r(96, 16)
+    out = torch._grouped_mm(a, b, offs)
+    assert _same(out[0], a[:, :40] @ b[:40]) and _same(out[2], a[:, 40:] @ b[40:])
+    assert not out[1].dequantize().any()
+    # (blocks over the whole K would differ: group 0 ends inside a block of 32)
+    rq = lambda x, ax: qt.quantize(x.dequantize(), qt.mxfp8_e4m3.replace(axis=ax))  # noqa: E731
+    assert not torch.allclose(out[2].dequantize(), rq(a, -1)[:, 40:] @ rq(b, 0)[40:],
+                              rtol=0, atol=1e-5)
+    # 3D x 2D: A (G, M, K), B (K, Ntot), N split by offs -> (M, Ntot)
+    a, b = r(3, 5, 64), r(64, 96)
+    out = torch._grouped_mm(a, b, offs)
+    assert _same(out[:, :40], a[0] @ b[:, :40]) and _same(out[:, 40:], a[2] @ b[:, 40:])
+
+
+def test_grouped_mm_rows_past_the_last_offset_are_zero():
+    """Tokens past offs[-1] belong to no expert (expert-parallel sentinels): zero rows, where
+    torch leaves them uninitialized."""
+    x, w = torch.randn(12, 32), torch.randn(2, 32, 8)
+    out = torch._grouped_mm(_q(x), _q(w), _offsets([3, 5]))
+    assert not out[8:].dequantize().any() and out[:8].dequantize().any()
+
+
+@pytest.mark.parametrize("counts,match", [
+    ([3, 5, 6], "offs do not match the tokens: the last group ends at 14, past the 12 tokens"),
+    ([3, 5], "offs has 2 entries for 3 groups"),
+])
+def test_grouped_mm_offsets_that_do_not_match_the_tokens(counts, match):
+    x, w = _q(torch.randn(12, 32)), _q(torch.randn(3, 32, 8))
+    with pytest.raises(ValueError, match=match):
+        F.grouped_mm(x, w, offs=_offsets(counts))
+
+
+def test_grouped_mm_bad_offsets():
+    x, w = _q(torch.randn(12, 32)), _q(torch.randn(2, 32, 8))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        F.grouped_mm(x, w, offs=torch.tensor([8, 4], dtype=torch.int32))
+    with pytest.raises(TypeError, match="offs must be int32"):
+        F.grouped_mm(x, w, offs=torch.tensor([4, 8]))
+    with pytest.raises(ValueError, match="pass offs"):
+        torch._grouped_mm(x, w)
+
+
+def test_grouped_mm_2d_tiles_straddling_experts():
+    """Tokens whose value format is in 2D tiles across the token dim: a tile of rows that holds
+    two experts' tokens had its scale taken across them. An error, naming the boundaries."""
+    tiles = qt.BlockFormat(qt.fp8_e4m3, block_shape=(4, 16), scale="fp32", scale_rule="amax")
+    x = qt.as_qtensor(torch.randn(12, 32), tiles)
+    w = _q(torch.randn(2, 32, 8))
+    with pytest.raises(ValueError, match=r"straddle experts: group boundaries \[6\]"):
+        torch._grouped_mm(x, w, _offsets([6, 6]))
+    torch._grouped_mm(x, w, _offsets([8, 4]))  # boundaries on whole tiles
