@@ -54,6 +54,13 @@ RECIPES = {
     "nvfp4_tensor_scale": qt.Recipe(weight=("fp32", "nvfp4"), activation=("bf16", "nvfp4"),
                                     grad=("bf16", "nvfp4")),
     "accumulate": _ACC,
+    # per-GEMM formats (Recipe.gemm), each GEMM's operands in formats of their own
+    "gemm": qt.Recipe(weight=("fp32", "bf16"), activation=("bf16", "bf16"), grad=("bf16", "bf16"),
+                      gemm={"fprop": (qt.mxfp8_e4m3, qt.mxfp4_e2m1),
+                            "dgrad": (qt.mxfp6_e3m2, qt.mxfp8_e5m2),
+                            "wgrad": (qt.mxfp4_e2m1, qt.mxfp6_e2m3),
+                            "transform": {"wgrad": qt.Hadamard(16, signs=None)}}),
+    "deepseek_v3_fp8": qt.recipes.deepseek_v3_fp8,
 }
 
 
@@ -186,6 +193,21 @@ def _experts_reference(exp, hs, idx, wts, gate_up, down):
     return y[inv].view(T, k, -1).sum(dim=1)
 
 
+def _eager_reference(exp, hs, idx, wts, gate_up, down):
+    """transformers' eager experts loop (index, F.linear per expert, index_add_) with each
+    F.linear a converted nn.Linear."""
+    final = torch.zeros_like(hs)
+    mask = F.one_hot(idx, num_classes=len(down) + 1).permute(2, 1, 0)
+    for g in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
+        if g == len(down):
+            continue
+        pos, tok = torch.where(mask[g])
+        gate, up = gate_up[g](hs[tok]).chunk(2, dim=-1)
+        cur = down[g](exp.act_fn(gate) * up) * wts[tok, pos, None]
+        final.index_add_(0, tok, cur.to(final.dtype))
+    return final
+
+
 def _linear_of(w, recipe):
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
     with torch.no_grad():
@@ -193,14 +215,16 @@ def _linear_of(w, recipe):
     return qt.convert(lin, recipe)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
-@pytest.mark.parametrize("recipe", ["mxfp6", "nvfp4_tensor_scale"])
-def test_hf_experts_are_a_loop_of_linears(family, recipe):
-    """An HF experts module (grouped_mm) of a converted model: output, input gradient and each
-    expert's weight gradients bit for bit those of the same experts run as converted nn.Linear
-    layers, one per expert and GEMM."""
+@pytest.mark.parametrize("family,impl", [("qwen3_moe", "grouped_mm"), ("olmoe", "grouped_mm"),
+                                         ("qwen3_moe", "eager"), ("mixtral", "eager")])
+@pytest.mark.parametrize("recipe", ["mxfp6", "nvfp4_tensor_scale", "gemm"])
+def test_hf_experts_are_a_loop_of_linears(family, impl, recipe):
+    """An HF experts module of a converted model (transformers' grouped_mm implementation, and
+    its eager per-expert loop): output, input gradient and each expert's weight gradients bit
+    for bit those of the same experts run as converted nn.Linear layers, one per expert and
+    GEMM (per-GEMM formats of Recipe.gemm included)."""
     recipe = RECIPES[recipe]
-    model = _tiny(family)
+    model = _tiny(family, impl)
     exp = model.model.layers[0].mlp.experts
     gu0, dn0 = exp.gate_up_proj.detach().clone(), exp.down_proj.detach().clone()
     qt.convert(model, recipe)
@@ -216,8 +240,8 @@ def test_hf_experts_are_a_loop_of_linears(family, recipe):
     # (in the grad role's values already: the module's output hook rounds the gradient it gets)
     gy = torch.randn(T, 32, generator=g).bfloat16().float()
     y = exp(h1, idx, qt.as_qtensor(wts, act.fmt, mm_fmt=act.mm_fmt))
-    ref = _experts_reference(exp, h2, idx, qt.as_qtensor(wts, act.fmt, mm_fmt=act.mm_fmt),
-                             gate_up, down)
+    reference = _experts_reference if impl == "grouped_mm" else _eager_reference
+    ref = reference(exp, h2, idx, qt.as_qtensor(wts, act.fmt, mm_fmt=act.mm_fmt), gate_up, down)
     ref = qt.plans.round_to(ref, act)
     assert _same(y, ref)
     (y.dequantize() * gy).sum().backward()
