@@ -364,3 +364,71 @@ def test_grouped_mm_2d_tiles_straddling_experts():
     with pytest.raises(ValueError, match=r"straddle experts: group boundaries \[6\]"):
         torch._grouped_mm(x, w, _offsets([6, 6]))
     torch._grouped_mm(x, w, _offsets([8, 4]))  # boundaries on whole tiles
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules, compile
+
+def test_rules_address_router_and_experts():
+    """The router is a module of its own (a rule keeps it in high precision: FP32 values and
+    operands), the experts' stacked weights are addressed by "*.experts.*"; leak_check has
+    nothing to say."""
+    model = _tiny("qwen3_moe")
+    recipe = qt.recipes.mxfp6.replace(rules={"*.mlp.gate": "fp32",
+                                             "*.experts.*": {"weight": ("fp32", "mxfp4_e2m1")}})
+    qt.convert(model, recipe, strict=True)
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate.weight.mm_fmt is None and mlp.gate.weight.fmt == qt.fp32
+    logits = mlp.gate(torch.randn(5, 32))[0]
+    assert logits.fmt == qt.fp32 and logits.mm_fmt is None
+    assert mlp.experts.gate_up_proj.mm_fmt == qt.mxfp4_e2m1
+    assert mlp.experts.down_proj.mm_fmt == qt.mxfp4_e2m1
+    ids = torch.randint(0, 64, (2, 8))
+    with sdpa_kernel(SDPBackend.MATH), qt.leak_check(action="record",
+                                                     allow=qt.hf.LEAK_ALLOW) as report:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert not report.findings, report.summary()
+
+
+@pytest.mark.parametrize("recipe", ["mxfp6", "accumulate"])
+def test_grouped_mm_compiles_bit_identical(recipe):
+    """torch.compile (aot_eager) of a converted experts module: the same bits as eager, forward
+    and backward (the groups are one opaque op: their sizes are data)."""
+    counts = [5, 0, 11, 7]
+    offs = _offsets(counts)
+    x = torch.randn(23, 64)
+    gy = torch.randn(23, 48)
+    outs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        experts = qt.convert(Experts(4, 64, 48), RECIPES[recipe])
+
+        def run(x):
+            return experts(x, offs).dequantize()
+        if compiled:
+            run = torch.compile(run, backend="aot_eager")
+        xi = x.clone().requires_grad_(True)
+        y = run(xi)
+        (y * gy).sum().backward()
+        outs.append((y, xi.grad, experts.weight.grad))
+    for a, b in zip(*outs):
+        assert _same(a, b)
+
+
+def test_hf_moe_compiles_bit_identical():
+    """A converted Qwen3-MoE under torch.compile (aot_eager): transformers runs its experts through
+    its grouped_mm_fallback ops there (non-bf16 weights), also contractions: the loss and the
+    expert weights' gradients are eager's bits."""
+    ids = torch.randint(0, 64, (2, 8))
+    res = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = qt.convert(_tiny("qwen3_moe"), qt.recipes.mxfp6)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        with sdpa_kernel(SDPBackend.MATH):
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+        exp = model.model.layers[0].mlp.experts
+        res.append((loss, exp.gate_up_proj.grad, exp.down_proj.grad))
+    for a, b in zip(*res):
+        assert _same(a, b)
