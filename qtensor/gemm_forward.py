@@ -108,9 +108,9 @@ _EXPERT_GEMMS = frozenset((torch._grouped_mm, F.grouped_mm, F.linear, torch.mm, 
 
 
 def expert_weights(module: nn.Module) -> list:
-    """The module's own 3D QTensor parameters if it holds stacked expert weights (not a
-    Linear/Conv, whose own forward GemmForward runs), else []."""
-    if kind_of(module) is not None:
+    """The module's own 3D QTensor parameters if it holds stacked expert weights, else []: not
+    torch.nn's own modules (a Conv1d's or ConvTranspose1d's weight is 3D too)."""
+    if type(module).__module__.startswith("torch.nn."):
         return []
     return [p for p in module._parameters.values() if _is_q(p) and p.dim() == 3]
 

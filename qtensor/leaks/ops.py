@@ -53,8 +53,7 @@ _weight_int4pack_mm_with_scales_and_zeros _dyn_quant_matmul_4bit mkldnn_linear _
 sparse_sampled_addmm _sparse_sparse_matmul conv_tbc _slow_conv2d_forward slow_conv3d_forward
 mkldnn_convolution slow_conv_dilated2d slow_conv_dilated3d slow_conv_transpose2d
 slow_conv_transpose3d _conv_depthwise2d conv_depthwise3d cudnn_convolution
-cudnn_convolution_transpose miopen_convolution _nnpack_spatial_convolution mkldnn_rnn_layer
-_cudnn_rnn
+cudnn_convolution_transpose miopen_convolution _nnpack_spatial_convolution
 """.split())
 # Plain ops that count elements (MoE routing: tokens per expert from the expert ids): their
 # results are exact counts, not values computed in a precision
