@@ -9,6 +9,7 @@ globals().update(PRESETS)
 
 from .ops import quantize, quantize_  # noqa: E402
 from .tensor import QTensor, as_qtensor, quantize_grad  # noqa: E402
+from . import grouped  # noqa: E402,F401  (grouped GEMMs: torch._grouped_mm as a contraction)
 from .flush_warnings import set_flush_warnings  # noqa: E402
 from .convert import Recipe, Role, convert, describe, unconvert  # noqa: E402
 from .transforms import Hadamard  # noqa: E402  (Recipe.gemm's "transform")

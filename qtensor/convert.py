@@ -655,7 +655,8 @@ def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
     """Recipe.gemm: every converted Linear/Conv1d/2d/3d (its own forward, weight a QTensor)
     that no rule decides (neither the module nor its weight) runs its GEMMs in the per-GEMM
     formats (qtensor.gemm); a module or weight a rule decides keeps its roles' mm_fmt, unless the
-    module's rule gives "gemm" (its per-GEMM formats, which win over everything else).
+    module's rule gives "gemm" (its per-GEMM formats, which win over everything else). So do
+    MoE experts modules (stacked 3D weights: gemm_forward.ExpertsForward), as linear layers.
     Recipe.last_layers: the last of those layers (model order, rules or not) run every GEMM
     operand in its format instead."""
     recipe = conv.recipe
@@ -671,6 +672,21 @@ def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
         last = {mname for mname, _ in layers[len(layers) - last_layers_count(
             recipe.last_layers, len(layers)):]}
         high = GemmFormats(**{f"{gemm}_{o}": fmt for gemm, ops in GEMMS.items() for o in ops})
+    experts = [] if recipe.gemm is None or gemm_for(recipe.gemm, "linear") is None else [
+        (mname, mod) for mname, mod in model.named_modules()
+        if _gemm.expert_weights(mod) and not (mname and "forward" in mod.__dict__)]
+    for mname, mod in experts:  # MoE experts: their GEMMs are linear layers'
+        prefix = f"{mname}." if mname else ""
+        mplan = conv.module_plans.get(mname)
+        if (mplan is not None and mplan.rule is not None) or any(
+                conv.tensor_plans[prefix + n].rule is not None
+                for n, p in mod._parameters.items() if prefix + n in conv.tensor_plans):
+            continue
+        fwd = _gemm.ExpertsForward(mod, gemm_for(recipe.gemm, "linear"))
+        if not mname and isinstance(model.__dict__.get("forward"), ConvertedForward):
+            model.forward.inner = fwd
+        else:
+            mod.forward = fwd
     for mname, mod in layers:
         mplan = conv.module_plans.get(mname)
         if mplan is not None and mplan.rule in ruled:

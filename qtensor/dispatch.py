@@ -158,6 +158,10 @@ detach_copy view_copy _reshape_copy _unsafe_view reshape expand_copy squeeze_cop
     ops("convolution _convolution", kind=CONTRACT_KIND, operands=_conv_operands)
     ops("convolution_backward", kind=CONTRACT_KIND)  # its handler: _convolution_backward
     ops("addr", order=(1, 2, 0))
+    # grouped GEMMs: torch._grouped_mm and transformers' fallback ops (handlers: qtensor.grouped;
+    # the backward's two outputs take grad_output's format)
+    ops("_grouped_mm grouped_mm_fallback", kind=CONTRACT_KIND)
+    ops("grouped_mm_fallback_backward", kind=CONTRACT_KIND, order=(3, 0, 1))
     return table
 
 

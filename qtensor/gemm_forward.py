@@ -16,8 +16,8 @@ from .gemm import fprop as _forward_gemm
 from .tensor import QTensor
 from .warn import warn_once
 
-__all__ = ["GemmForward", "tag", "kind_of", "SUPPORTED", "gemm_formats", "installed_gemm",
-           "reduction_axes"]
+__all__ = ["GemmForward", "ExpertsForward", "expert_weights", "tag", "kind_of", "SUPPORTED",
+           "gemm_formats", "installed_gemm", "reduction_axes"]
 
 
 def _is_q(x) -> bool:
@@ -164,3 +164,71 @@ class GemmForward:
             return self.run(m, x, w)
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture-of-experts: a module holding its experts' weights stacked in 3D parameters (the
+# experts modules of transformers' MoE models: gate_up_proj (E, 2I, H), down_proj (E, H, I))
+
+# the calls through which such a module multiplies by its weights (grouped, per expert, batched)
+_EXPERT_GEMMS = frozenset((torch._grouped_mm, F.grouped_mm, F.linear, torch.mm, torch.bmm,
+                           torch.matmul, torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.matmul,
+                           torch.Tensor.__matmul__))
+
+
+def expert_weights(module: nn.Module) -> list:
+    """The module's own 3D QTensor parameters if it holds stacked expert weights, else []: not
+    torch.nn's own modules (a Conv1d's or ConvTranspose1d's weight is 3D too)."""
+    if type(module).__module__.startswith("torch.nn."):
+        return []
+    return [p for p in module._parameters.values() if _is_q(p) and p.dim() == 3]
+
+
+class _TagExperts(torch.overrides.TorchFunctionMode):
+    """Inside an experts module's forward: each GEMM with one of its weights (a view of it:
+    transposed, one expert's slice) is a linear layer's, its operands tagged as x and W."""
+
+    def __init__(self, storages, gemm):
+        super().__init__()
+        self.storages = storages
+        self.gemm = gemm
+
+    def _is_weight(self, t) -> bool:
+        return _is_q(t) and t._data.untyped_storage().data_ptr() in self.storages
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _EXPERT_GEMMS and len(args) >= 2:
+            wpos = 1 if self._is_weight(args[1]) else 0 if self._is_weight(args[0]) else None
+            if wpos is not None:
+                g = self.gemm
+                x = tag(args[1 - wpos], g.fprop_x, g.wgrad_x, g.wgrad_dy, g.fprop_transform,
+                        g.wgrad_transform)
+                w = tag(args[wpos], g.fprop_w, g.dgrad_w, g.dgrad_dy, g.fprop_transform,
+                        g.dgrad_transform)
+                pair = (x, w) if wpos == 1 else (w, x)
+                with _forward_gemm():
+                    return func(*pair, *args[2:], **kwargs)
+        return func(*args, **kwargs)
+
+
+class ExpertsForward:
+    """``forward`` of a converted experts module under ``Recipe.gemm``: its own forward, each
+    contraction with one of its stacked weights run as a linear layer's GEMMs (x and W tagged
+    with the per-GEMM formats, so that the backward's grouped GEMMs take dgrad's and wgrad's)."""
+
+    def __init__(self, module: nn.Module, gemm):
+        self.module = module
+        self.gemm = gemm
+
+    @property
+    def __wrapped__(self):
+        return type(self.module).forward.__get__(self.module)
+
+    # (as GemmForward: the tags are Python state that tracing does not keep; eager, same bits)
+    @torch.compiler.disable
+    def __call__(self, *args, **kwargs):
+        m = self.module
+        storages = {p._data.untyped_storage().data_ptr() for p in expert_weights(m)}
+        with _TagExperts(storages, self.gemm):
+            return type(m).forward(m, *args, **kwargs)

@@ -23,7 +23,8 @@ _HEADLINES = {
     PLAIN_OP: "an op computed on plain floating tensors inside a converted model",
     UNREPRESENTABLE: "a QTensor holds values its format cannot represent",
     OPTIMIZER: "after optimizer.step(): a tensor is not in its expected format",
-    FUSED: "a fused kernel multiplied QTensors without their operand format (mm_fmt)",
+    FUSED: "a fused kernel (or a contraction qtensor has no rule for) multiplied QTensors "
+           "without their operand format (mm_fmt)",
 }
 
 

@@ -40,6 +40,24 @@ _FUSED_CONTRACTIONS = {
     "_native_multi_head_attention": _FASTPATH,
     "_transformer_encoder_layer_fwd": _FASTPATH,
 }
+# Other ops that multiply their operands and sum the products (contractions), by packet: where
+# dispatch has no contraction rule for one (qtensor.dispatch.CONTRACT), it computes on the
+# payloads in FP32 like any op and its operand formats are lost, which is reported (F.bilinear's
+# _trilinear, quantized and sparse matmuls, backend convolutions; a grouped GEMM before it had
+# its rule). Not "fused": no finding asks for a decomposition, the op itself ignores mm_fmt.
+_CONTRACTION_OPS = frozenset("""
+_grouped_mm grouped_mm_fallback grouped_mm_fallback_backward _scaled_grouped_mm
+_scaled_grouped_mm_v2 _scaled_mm _scaled_mm_v2 _int_mm _trilinear _mixed_dtypes_linear
+_weight_int8pack_mm _weight_int4pack_mm _weight_int4pack_mm_for_cpu
+_weight_int4pack_mm_with_scales_and_zeros _dyn_quant_matmul_4bit mkldnn_linear _sparse_addmm
+sparse_sampled_addmm _sparse_sparse_matmul conv_tbc _slow_conv2d_forward slow_conv3d_forward
+mkldnn_convolution slow_conv_dilated2d slow_conv_dilated3d slow_conv_transpose2d
+slow_conv_transpose3d _conv_depthwise2d conv_depthwise3d cudnn_convolution
+cudnn_convolution_transpose miopen_convolution _nnpack_spatial_convolution
+""".split())
+# Plain ops that count elements (MoE routing: tokens per expert from the expert ids): their
+# results are exact counts, not values computed in a precision
+_COUNTS = frozenset(("histc", "bincount"))
 
 
 @dataclass
@@ -109,6 +127,10 @@ class OpChecker:
         packet = ev.func._opname
         if packet in _FUSED_CONTRACTIONS:
             self._check_fused(ev)
+        elif (packet in _CONTRACTION_OPS
+              and dispatch.rule_of(ev.func).kind != dispatch.CONTRACT_KIND):
+            self._check_fused(ev, f"qtensor has no contraction rule for {ev.func}: it computes "
+                                  "it on the payloads in FP32, as one op")
         if packet.startswith("_foreach_"):
             self._check_foreach(ev)
             return
@@ -185,18 +207,20 @@ class OpChecker:
             self.tracker.pending.extend((o, None, keys[i]) for _, o in ev.outs for i in data_in)
         return [i for i in flagged if i not in data_in]
 
-    def _check_fused(self, ev) -> None:
+    def _check_fused(self, ev, how=None) -> None:
         """(f): a fused kernel (flash attention, MHA's fast path) multiplies inside one op,
-        where no operand can be rounded to its mm_fmt."""
+        where no operand can be rounded to its mm_fmt; or (``how``: why) a contraction that
+        dispatch computes as a plain op."""
         named = ev.arguments()
         with_mm = [i for i, (_, t) in enumerate(named)
                    if isinstance(t, QTensor) and t.mm_fmt is not None]
         if not with_mm:
             return  # value formats only: computed and rounded as one op, like any other
         fmts = sorted({str(named[i][1].mm_fmt) for i in with_mm})
+        where = (f"by this op: {how}" if how is not None
+                 else f"inside this kernel; to emulate it, {_FUSED_CONTRACTIONS[ev.func._opname]}")
         detail = (f"the operand format {' / '.join(fmts)} of "
-                  f"{', '.join(named[i][0] for i in with_mm)} is not applied inside this "
-                  f"kernel; to emulate it, {_FUSED_CONTRACTIONS[ev.func._opname]}")
+                  f"{', '.join(named[i][0] for i in with_mm)} is not applied {where}")
         self._finding(FUSED, ev, flag_in=with_mm, detail=detail)
 
     def _check_foreach(self, ev) -> None:
@@ -242,6 +266,8 @@ class OpChecker:
         rule = dispatch.rule_of(ev.func)
         if rule.kind == dispatch.MOVE_KIND or rule.is_view:  # (view_as_real: a view too)
             return  # moving plain values is not computing with them; their use is reported
+        if ev.func._opname in _COUNTS:
+            return
         named = ev.arguments()
         flagged = [i for i, (role, t) in enumerate(named)
                    if is_float(t) and not self.ex.exempt_plain(t, role, ev)]
