@@ -191,16 +191,15 @@ class FloatFormat(Format):
                 f"e{self.exp}m{self.man} with specials='none' has neither Inf nor NaN, so overflow "
                 "cannot be represented: it requires saturate=True")
         _check_rounding(self.rounding)
-        if not self.signed and not self.subnormals:
-            if self.man != 0 or self.specials != "fn":
-                raise FormatError(
-                    "signed=False with subnormals=False describes exponent-only scale formats "
-                    "without zero (as E8M0): it requires man=0, specials='fn'; an unsigned format "
-                    "with zero (as UE5M3) has subnormals=True")
-        if not self.signed and self.specials not in ("fn",) + _P3109_SPECIALS:
+        if not self.signed and (
+                (not self.subnormals and (self.man != 0 or self.specials != "fn"))
+                or self.specials not in ("fn",) + _P3109_SPECIALS):
             raise FormatError(
-                f"signed=False with specials={self.specials!r}: an unsigned format needs a NaN "
-                "for negative inputs (specials 'fn', 'p3109_extended' or 'p3109_finite')")
+                "signed=False describes exponent-only scale formats without zero (as E8M0: "
+                "man=0, subnormals=False, specials='fn') or unsigned formats with zero (as "
+                "UE5M3: subnormals=True, specials 'fn', 'p3109_extended' or 'p3109_finite': a "
+                f"NaN for negative inputs), got e{self.exp}m{self.man} with subnormals="
+                f"{self.subnormals}, specials={self.specials!r}")
         if self.bits < 2 and self.specials in _P3109_SPECIALS:
             raise FormatError(f"a P3109 format has at least 2 bits, got {self.bits}")
         if self.emax < self.emin:
@@ -933,7 +932,8 @@ def format(spec) -> Format:
     ``float8_e4m3fn`` (fp8_e4m3, saturating as torch's cast), ``float8_e5m2`` (fp8_e5m2), which
     round as torch's casts from float32, float16 and bfloat16 (from float64 torch casts through
     float32, rounding twice; qtensor rounds once); ``mxfp8``, ``mxfp6``, ``mxfp4`` for the MX
-    variants mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1; and the OCP element names ``e4m3``
+    variants mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1; ``mxfp4_b16`` for mxfp4_e2m1_b16 (MXFP4 with
+    blocks of 16); and the OCP element names ``e4m3``
     (fp8_e4m3, max 448), ``e5m2`` (fp8_e5m2), ``e3m2`` (fp6_e3m2), ``e2m3`` (fp6_e2m3),
     ``e2m1`` (fp4_e2m1, max 6), with keys changing the preset (``e4m3(rounding=stochastic)``);
     the IEEE-style ``FloatFormat(4, 3)`` (max 240) is spelled ``e4m3(specials=ieee,
