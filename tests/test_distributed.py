@@ -223,6 +223,10 @@ def _data(steps, batch=8):
 
 
 def _spec(name):
+    if name == "mx_cut":  # blocks that FSDP2's dim-0 shards cut, in every role on a shard
+        mx = qt.mxfp8_e4m3
+        return qt.Recipe(weight=mx.replace(axis=0, block_size=16), bias=mx.replace(axis=None),
+                         activation=qt.bf16, grad=mx, master_weights=True)
     return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3,
             "mx_all_mxfp8": qt.recipes.mx_all_mxfp8}[name]
 
@@ -262,6 +266,8 @@ def qt_plain_grad(t):  # the loss in FP32 of the emulated output (differentiable
 def _optimizer(name, model):
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if name == "adamw":  # (eps: 1e-8 rounds to 0 beside exp_avg_sq in an MXFP8 block)
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1)
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -620,25 +626,35 @@ def test_fsdp2_keeps_formats_and_follows_the_reduction_rule(ranks, spec, hidden)
             _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
 
 
-def test_fsdp2_block_value_formats_follow_the_reduction_rule(ranks):
-    # mx_all_mxfp8: MXFP8 values and gradients. A contraction blocks the weight gradient along
-    # out_features, the gradient role along in_features: in one process each micro-batch's
-    # gradient is in its role; FSDP2's unsharded parameters had no gradient hook, so the ranks
-    # reduced the contractions' gradients instead (1 of 640 values of 0.weight differed).
-    # SGD: Adam's state in MXFP8 has NaNs (eps rounds to 0). One step, the weights only: a 1-D
-    # shard (a bias) cuts MX blocks, which its reduced gradient and update round as blocks of
-    # the shard (docs/distributed.md, "Not supported"); later steps would differ by that
-    res = ranks.run("_sc_fsdp", "mx_all_mxfp8", 1, 80, "sgd")
-    ref = _reduced_reference("mx_all_mxfp8", 1, optim="sgd", hidden=80)
-    for rank, (state, seen, _opt_state) in enumerate(res):
+@pytest.mark.parametrize("spec,optim", [("mx_all_mxfp8", "sgd"), ("mx_all_mxfp8", "adamw"),
+                                        ("mx_cut", "adamw")])
+def test_fsdp2_block_value_formats_follow_the_reduction_rule(ranks, spec, optim):
+    # Block value formats. mx_all_mxfp8: a contraction blocks the weight gradient along
+    # out_features, the gradient role along in_features: each rank's gradient must be in its role
+    # before the reduction. FSDP2 shards dim 0 in halves of 40 rows (hidden=80): a bias (MXFP8
+    # blocks of 32 along its only dim) has a block cut by the shard boundary, and 2.bias (4
+    # values, one block) is cut in two; mx_cut cuts the weights' value blocks (16 along dim 0)
+    # and each bias's one whole-tensor block, with FP32 masters. A cut block is rounded as a
+    # block of the whole tensor (the reduced gradient, every op of the update), so several steps
+    # of SGD with momentum and AdamW with weight decay (optimizer state in MXFP8 blocks of 32)
+    # stay bit-identical to one process.
+    res = ranks.run("_sc_fsdp", spec, 3, 80, optim)
+    ref = _reduced_reference(spec, 3, optim=optim, hidden=80)
+    ref_state = _REF_OPT_STATE[spec, 80]
+    assert ("qt_master" in str(ref_state.keys())) == (spec == "mx_cut")
+    for rank, (state, seen, opt_state) in enumerate(res):
         assert state.keys() == ref.keys()
         for n, (fmts, gfmts, value, grad) in state.items():
             rf, rg, rv, rgrad = ref[n]
             assert seen[n] == ("QTensor", rf), (rank, n, seen[n])
             assert fmts == rf and gfmts == rg, (rank, n, fmts, gfmts, rf, rg)
-            if n.endswith("weight"):
-                _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
-                _assert_bits_equal(value, rv, f"rank {rank} {n}")
+            assert not value.isnan().any() and not grad.isnan().any(), (rank, n)
+            _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
+            _assert_bits_equal(value, rv, f"rank {rank} {n}")
+        assert opt_state.keys() == ref_state.keys(), (opt_state.keys(), ref_state.keys())
+        for key, (fmt, value) in opt_state.items():
+            assert fmt == ref_state[key][0], (rank, key, fmt, ref_state[key][0])
+            _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
 
 
 # ---------------------------------------------------------------------------------------------
