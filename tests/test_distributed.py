@@ -226,7 +226,7 @@ def _spec(name):
     if name == "mx_cut":  # blocks that FSDP2's dim-0 shards cut, in every role on a shard
         mx = qt.mxfp8_e4m3
         return qt.Recipe(weight=mx.replace(axis=0, block_size=16), bias=mx.replace(axis=None),
-                         activation=qt.bf16, grad=mx, master_weights=True)
+                         activation=qt.bf16, grad=qt.mxfp4_e2m1.replace(axis=None), master_weights=True)
     return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3,
             "mx_all_mxfp8": qt.recipes.mx_all_mxfp8}[name]
 
@@ -287,11 +287,21 @@ def _reduced_reference(spec, steps, world=WORLD, optim="sgd", hidden=16):
             grads.append([qt_plain(p.grad) for p in params])
         with torch.no_grad():
             for i, p in enumerate(params):
-                mean = sum(g[i] for g in grads) / world  # FP32
+                mean = _fp32_sum(g[i] for g in grads) / world
                 p.grad.copy_(mean)  # rounded once, into the gradient's format
         opt.step()
     _REF_OPT_STATE[spec, hidden] = _opt_state(opt)
     return _state(model)
+
+
+def _fp32_sum(tensors):
+    """The FP32 sum of the ranks' gradients as a reduction forms it (sum() would start from +0:
+    two -0.0 gradients, which block formats flush tiny values to, would sum to +0.0)."""
+    tensors = iter(tensors)
+    total = next(tensors)
+    for t in tensors:
+        total = total + t
+    return total
 
 
 _REF_OPT_STATE = {}  # (spec, hidden) -> the last reference run's optimizer state
@@ -634,7 +644,7 @@ def test_fsdp2_block_value_formats_follow_the_reduction_rule(ranks, spec, optim)
     # before the reduction. FSDP2 shards dim 0 in halves of 40 rows (hidden=80): a bias (MXFP8
     # blocks of 32 along its only dim) has a block cut by the shard boundary, and 2.bias (4
     # values, one block) is cut in two; mx_cut cuts the weights' value blocks (16 along dim 0)
-    # and each bias's one whole-tensor block, with FP32 masters. A cut block is rounded as a
+    # and each bias's and each gradient's one whole-tensor block, with FP32 masters. A cut block is rounded as a
     # block of the whole tensor (the reduced gradient, every op of the update), so several steps
     # of SGD with momentum and AdamW with weight decay (optimizer state in MXFP8 blocks of 32)
     # stay bit-identical to one process.
@@ -655,6 +665,51 @@ def test_fsdp2_block_value_formats_follow_the_reduction_rule(ranks, spec, optim)
         for key, (fmt, value) in opt_state.items():
             assert fmt == ref_state[key][0], (rank, key, fmt, ref_state[key][0])
             _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
+
+
+def _sc_fsdp_accumulate(rank, world, spec):
+    """Two backwards (two global batches) into the same sharded gradients, no step."""
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(80), _spec(spec))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    for x, y in _data(2):
+        n = len(x) // world
+        F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+                   y[rank * n:(rank + 1) * n]).backward()
+    return _full_state(model)
+
+
+def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks):
+    # FSDP2 adds each backward's reduced mean into the sharded gradient: as one process adds it
+    # into the gradient (rounding the sum once), the blocks that the shards cut (the biases')
+    # included
+    res = ranks.run("_sc_fsdp_accumulate", "mx_cut")
+    model = qt.convert(_mlp(80), _spec("mx_cut"))
+    params = list(model.parameters())
+    acc = None
+    for x, y in _data(2):
+        n = len(x) // WORLD
+        grads = []
+        for r in range(WORLD):
+            model.zero_grad()
+            F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
+            grads.append([qt_plain(p.grad) for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                mean = _fp32_sum(g[i] for g in grads) / WORLD
+                if acc is None:
+                    p.grad.copy_(mean)  # rounded once
+                else:
+                    p.grad = acc[i]
+                    p.grad.add_(mean)  # the sum rounded once
+        acc = [p.grad for p in params]
+    ref = _state(model)
+    for rank, state in enumerate(res):
+        for n, (_fmts, gfmts, _value, grad) in state.items():
+            assert gfmts == ref[n][1], (rank, n, gfmts, ref[n][1])
+            _assert_bits_equal(grad, ref[n][3], f"rank {rank} {n}.grad")
 
 
 # ---------------------------------------------------------------------------------------------
