@@ -31,7 +31,10 @@ model as a whole:
   (:func:`sharded_plan`, for qtensor.training), whichever comes first, the sharded parameter
   gets its plan (so the step hooks keep FP32 masters and optimizer state as in one process) and
   a hook (``register_post_accumulate_grad_hook``, which FSDP2 runs after the reduce-scatter)
-  that rounds the reduced gradient shard, an FP32 mean, once into its grad role.
+  that rounds the reduced gradient shard, an FP32 mean, once into its grad role. Where the
+  shards cut blocks of a parameter's formats (:func:`cuts_blocks`: a bias sharded along its only
+  dim, a format blocked along the sharded dim), the reduced gradient is rounded as a whole
+  tensor (gathered) and the optimizer step runs on the whole parameter (:class:`_GatheredStep`).
 
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
