@@ -807,15 +807,16 @@ _PRESET_INPUTS = {
 }
 
 
-def _operand(x, fmt, name: str, kdim: int, op: str):
+def _operand(x, fmt, name: str, kdim: int, op: str, stated: bool):
     """(values, format) of an operand given as a QTensor (its payload; its operand format
-    mm_fmt, else fmt, rounding the payload to mm_fmt as a contraction does) or as a tensor with
-    a format argument (``a_fmt``), whose values must be in that format along K."""
+    mm_fmt, else fmt, rounding the payload to mm_fmt as a contraction does; stated: the call
+    gives this operand's scales or clamps, which then say what its values are) or as a tensor
+    with a format argument (``a_fmt``), whose values must be in that format along K."""
     from . import formats as _formats
     from .tensor import QTensor
     if isinstance(x, QTensor):
         q, x = x, x.payload
-        if fmt is None:
+        if fmt is None and not stated:
             fmt = q.mm_fmt or q.fmt
             if q.mm_fmt is not None:
                 x = _ops.quantize(x, _along_k(q.mm_fmt, kdim))
@@ -886,8 +887,12 @@ def _entry(fn, op, a, b, accum, a_fmt, b_fmt, kw) -> torch.Tensor:
     _reference)."""
     from .formats import BlockFormat, FloatFormat
     f = _check_accum(accum)
-    a, a_fmt = _operand(a, a_fmt, "a", -1, op)
-    b, b_fmt = _operand(b, b_fmt, "b", -2, op)
+    # formats given as arguments must be usable as given; a QTensor's, as a contraction's, may
+    # leave the values to carry their scales
+    explicit = a_fmt is not None or b_fmt is not None
+    scaled = any(kw[k] is not None for k in ("a_scale", "b_scale", "a_gexp", "b_gexp"))
+    a, a_fmt = _operand(a, a_fmt, "a", -1, op, scaled or kw["a_emin"] is not None)
+    b, b_fmt = _operand(b, b_fmt, "b", -2, op, scaled or kw["b_emin"] is not None)
     _check_operands(a, b, op)
     _warn_unstated(f, a, b, a_fmt, b_fmt, kw, op)
     kw = dict(kw)
@@ -903,7 +908,8 @@ def _entry(fn, op, a, b, accum, a_fmt, b_fmt, kw) -> torch.Tensor:
                              f"scales in the values; {', '.join(given)} would apply them "
                              f"twice (give the elements with their scales instead)")
         rest = {k: kw[k] for k in ("a_emin", "b_emin", "c")}
-        return _block_matmul(a, _Fmt(a_fmt), b, _Fmt(b_fmt), f, rest, fn, op)
+        return _block_matmul(a, _Fmt(a_fmt), b, _Fmt(b_fmt), f, rest, fn,
+                             op if explicit else None)
     return fn(a, b, f, **kw)
 
 
