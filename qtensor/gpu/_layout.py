@@ -13,6 +13,15 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def launcher(kernel):
+    """kernel, wrapped for torch.compile (torch.library.wrap_triton) where the launch is a real
+    GPU one; the interpreter's kernels are called as they are (GPU.md: wrapping them breaks
+    tracing)."""
+    if interpreted() or not torch.cuda.is_available():
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
 def key_and_mode(seed: int, rounding: int):
     """(the 32-bit key of the seed, the bits OR-ed into each random word, the base mode) of the
     op's seed and rounding arguments (round.h sr_or_mask, mode_base)."""

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from ._layout import elementwise_layout, finish, key_and_mode, launch_args, prepare
+from ._layout import launcher, elementwise_layout, finish, key_and_mode, launch_args, prepare
 
 __all__ = ["quantize_float", "quantize_fixed"]
 
@@ -111,7 +111,7 @@ def _launch(kernel, x, out, params, rounding, seed, **const):
         shape, xs, ys, xc, yc = elementwise_layout(xf, yf)
         block, grid = launch_args(n)
         key, sr_or, mode = key_and_mode(seed, rounding)
-        kernel[grid](xf, yf, n, *shape[1:], *xs, *ys, *params, key, sr_or, MODE=mode,
+        launcher(kernel)[grid](xf, yf, n, *shape[1:], *xs, *ys, *params, key, sr_or, MODE=mode,
                      XCONTIG=xc, YCONTIG=yc, BLOCK=block, **const)
     return finish(x, yf, out)
 
