@@ -208,14 +208,14 @@ def traced_round_float(x, args):
 def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if x.dtype not in KERNEL_DTYPES:
         return False
-    if gpu.takes(x):
-        # the Triton kernels (what they do not cover goes to the reference); on CUDA the
-        # family must first agree with the reference there (qtensor/selfcheck.py)
-        return gpu.covers(fmt, rounding) and selfcheck.trusted(
-            x.device.type, selfcheck.family(fmt, rounding), x.device)
-    if _C is None:
-        return False
-    return x.device.type == "meta" or kernels_available(x.device)
+    if x.device.type == "meta":
+        return _C is not None
+    if gpu.takes(x):  # the Triton kernels (what they do not cover goes to the reference)
+        ok = gpu.covers(fmt, rounding)
+    else:
+        ok = _C is not None and kernels_available(x.device)
+    # on CUDA the family must first agree with the reference there (qtensor/selfcheck.py)
+    return ok and selfcheck.trusted(x.device.type, selfcheck.family(fmt, rounding), x.device)
 
 
 def _sample_check(family: str):
