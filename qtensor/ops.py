@@ -20,7 +20,7 @@ import torch.autograd.forward_ad as _fwad
 
 from . import decompositions, gpu, reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
-from .checks import resolve_rounding
+from .checks import check_op_args, resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, is_stochastic, stochastic_bits
 
 __all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
@@ -114,33 +114,7 @@ def _seed_arg(seed: int) -> int:
 # (csrc/op_common.h check_op and block_args' axis), so that a bad call fails alike under
 # torch.compile and FakeTensor
 
-_MAX_DIMS = 16  # kMaxDims of csrc/include/qtensor/args.h
-
-
-def _check_op_fake(op: str, x: torch.Tensor, out: torch.Tensor, args: tuple) -> None:
-    """csrc/op_common.h check_op on fake tensors: args are the op's arguments after x."""
-    torch._check(x.dtype in KERNEL_DTYPES, lambda: (
-        f"qtensor::{op}: unsupported dtype {x.dtype}; the kernels take float32, float16 and "
-        "bfloat16 (qtensor.quantize sends float64 to the reference implementation)"))
-    torch._check(x.dim() <= _MAX_DIMS,
-                 lambda: f"qtensor::{op}: at most {_MAX_DIMS} dims, got {x.dim()}")
-    torch._check(out.device == x.device,
-                 lambda: f"qtensor::{op}: out is on {out.device} but x is on {x.device}")
-    torch._check(out.dtype == x.dtype,
-                 lambda: f"qtensor::{op}: out has dtype {out.dtype} but x has dtype {x.dtype}")
-    torch._check(out.shape == x.shape, lambda: (
-        f"qtensor::{op}: out has shape {list(out.shape)} but x has shape {list(x.shape)}"))
-    rounding = args[-2]  # every family ends with (rounding, seed)
-    torch._check(0 <= rounding < len(_ROUNDING_CODE) or (
-        rounding & 0xFF == 3 and 1 <= rounding >> 8 <= 31), lambda: (
-        f"qtensor::{op}: rounding must be 0 (nearest), 1 (nearest_away), 2 (toward_zero), "
-        f"3 (stochastic) or 3 + 256 * (32 - N) (stochastic with N = 1..31 random bits), "
-        f"got {rounding}"))
-    if op == "quantize_block" and args[3] is not None and x.dim() > 0:
-        axis = args[3]
-        torch._check_index(-x.dim() <= axis < x.dim(), lambda: (
-            f"qtensor::quantize_block: axis {axis} is out of range for a tensor of shape "
-            f"{list(x.shape)}"))
+_check_op_fake = check_op_args  # (the fakes' checks, in qtensor.checks)
 
 
 if _C is not None:

@@ -106,8 +106,8 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
 
 
 def _check(x, out, op, args):
-    from ..ops import _check_op_fake  # the C++ ops' checks, shared with their fakes
-    _check_op_fake(op, x, x if out is None else out, args)
+    from ..checks import check_op_args  # the C++ ops' checks
+    check_op_args(op, x, x if out is None else out, args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def _op(name: str):
         qual = f"qtensor_gpu::{name}"
         if _cuda_ready():  # traced by torch.compile into the Triton kernels
             op = torch.library.triton_op(qual, fn, mutates_args=())
-        else:  # the interpreter: an opaque op with a fake (GPU.md: inductor on CPU takes it)
+        else:  # the interpreter: an opaque op with a fake, which inductor on CPU takes
             op = torch.library.custom_op(qual, fn, mutates_args=())
 
             @op.register_fake

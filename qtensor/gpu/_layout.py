@@ -15,7 +15,7 @@ def interpreted() -> bool:
 
 def launcher(kernel):
     """kernel, wrapped for torch.compile (torch.library.wrap_triton) where the launch is a real
-    GPU one; the interpreter's kernels are called as they are (GPU.md: wrapping them breaks
+    GPU one; the interpreter's kernels are called as they are (wrapping them breaks
     tracing)."""
     if interpreted() or not torch.cuda.is_available():
         return kernel
