@@ -11,7 +11,8 @@ import torch
 from .formats import BlockFormat, Format, FormatError, _check_rounding
 from .formats import format as _parse_format
 
-__all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "check_input", "check_out", "check_axis", "check_op_args",
+__all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "check_input", "check_out", "check_axis",
+           "check_op_args",
            "resolve_rounding", "check_generator"]
 
 # The dtypes a format can round (and a QTensor can carry); the compiled kernels take all but
