@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import decompositions, reference, selfcheck
+from . import decompositions, gpu, reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
-from .checks import resolve_rounding
+from .checks import check_op_args, resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, is_stochastic, stochastic_bits
 
 __all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
@@ -54,15 +54,18 @@ except ImportError as e:  # not built, or built against another torch or Python
 
 
 def kernels_available(device: str | torch.device = "cpu") -> bool:
-    """Whether the compiled kernels can run on ``device`` (a device type or device)."""
-    if _C is None:
-        return False
+    """Whether the compiled kernels can run on ``device`` (a device type or device): the C++
+    kernels on CPU, the Triton kernels (qtensor.gpu) on CUDA."""
     dev = torch.device(device).type
-    if dev == "cpu":
-        return True
-    key = {"cuda": "CUDA"}.get(dev)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "qtensor::quantize_float", key)
+    if dev == "cuda":
+        return gpu.available()
+    return _C is not None and dev == "cpu"
+
+
+def kernel_ops(x: torch.Tensor):
+    """The quantization ops for x's device, in torch.ops.qtensor's form: the Triton kernels
+    where qtensor.gpu takes x (CUDA; CPU inside qtensor.gpu.force), else the compiled ones."""
+    return gpu.ops if gpu.takes(x) else torch.ops.qtensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,33 +116,7 @@ def _seed_arg(seed: int) -> int:
 # (csrc/op_common.h check_op and block_args' axis), so that a bad call fails alike under
 # torch.compile and FakeTensor
 
-_MAX_DIMS = 16  # kMaxDims of csrc/include/qtensor/args.h
-
-
-def _check_op_fake(op: str, x: torch.Tensor, out: torch.Tensor, args: tuple) -> None:
-    """csrc/op_common.h check_op on fake tensors: args are the op's arguments after x."""
-    torch._check(x.dtype in KERNEL_DTYPES, lambda: (
-        f"qtensor::{op}: unsupported dtype {x.dtype}; the kernels take float32, float16 and "
-        "bfloat16 (qtensor.quantize sends float64 to the reference implementation)"))
-    torch._check(x.dim() <= _MAX_DIMS,
-                 lambda: f"qtensor::{op}: at most {_MAX_DIMS} dims, got {x.dim()}")
-    torch._check(out.device == x.device,
-                 lambda: f"qtensor::{op}: out is on {out.device} but x is on {x.device}")
-    torch._check(out.dtype == x.dtype,
-                 lambda: f"qtensor::{op}: out has dtype {out.dtype} but x has dtype {x.dtype}")
-    torch._check(out.shape == x.shape, lambda: (
-        f"qtensor::{op}: out has shape {list(out.shape)} but x has shape {list(x.shape)}"))
-    rounding = args[-2]  # every family ends with (rounding, seed)
-    torch._check(0 <= rounding < len(_ROUNDING_CODE) or (
-        rounding & 0xFF == 3 and 1 <= rounding >> 8 <= 31), lambda: (
-        f"qtensor::{op}: rounding must be 0 (nearest), 1 (nearest_away), 2 (toward_zero), "
-        f"3 (stochastic) or 3 + 256 * (32 - N) (stochastic with N = 1..31 random bits), "
-        f"got {rounding}"))
-    if op == "quantize_block" and args[3] is not None and x.dim() > 0:
-        axis = args[3]
-        torch._check_index(-x.dim() <= axis < x.dim(), lambda: (
-            f"qtensor::quantize_block: axis {axis} is out of range for a tensor of shape "
-            f"{list(x.shape)}"))
+_check_op_fake = check_op_args  # (the fakes' checks, in qtensor.checks)
 
 
 if _C is not None:
@@ -194,6 +171,7 @@ def traced_round_float(x, args):
     is_unsigned, rounding code) as the fusable round_float, or None where the short form does
     not cover it (the caller then calls the qtensor:: op)."""
     if (x.dtype is not torch.float32 or x.device.type != "cpu" or not kernels_available("cpu")
+            or gpu.takes(x)
             or not decompositions.fast_float_applies(*args[:3], args[5], args[6])):
         return None
     return round_float(x, *args)
@@ -204,31 +182,16 @@ def traced_round_float(x, args):
 # Entry points
 
 def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
-    if _C is None or x.dtype not in KERNEL_DTYPES:
+    if x.dtype not in KERNEL_DTYPES:
         return False
     if x.device.type == "meta":
-        return True
-    if x.device.type == "cuda" and not _cuda_has_kernel(fmt, rounding):
-        return False
-    # CUDA: the kernel family must first agree with the reference there (qtensor/selfcheck.py)
-    return kernels_available(x.device) and selfcheck.trusted(
-        x.device.type, selfcheck.family(fmt, rounding), x.device)
-
-
-def _cuda_has_kernel(fmt: Format, rounding: str) -> bool:
-    """What the CUDA kernels lack (csrc/cuda/quantize_cuda.cu): limited-bit stochastic rounding,
-    the 4over6 rule, and the even rule's settling (toward_zero, stochastic, unsigned fixed-point
-    elements); those go to the reference."""
-    if stochastic_bits(rounding) not in (None, 32):
-        return False
-    if isinstance(fmt, BlockFormat):
-        if fmt.scale_rule == "4over6":
-            return False
-        if fmt.scale_rule == "even" and (
-                rounding not in ("nearest", "nearest_away")
-                or (isinstance(fmt.elem, FixedFormat) and not fmt.elem.signed)):
-            return False
-    return True
+        return _C is not None
+    if gpu.takes(x):  # the Triton kernels (what they do not cover goes to the reference)
+        ok = gpu.covers(fmt, rounding)
+    else:
+        ok = _C is not None and kernels_available(x.device)
+    # on CUDA the family must first agree with the reference there (qtensor/selfcheck.py)
+    return ok and selfcheck.trusted(x.device.type, selfcheck.family(fmt, rounding), x.device)
 
 
 def _sample_check(family: str):
@@ -236,8 +199,8 @@ def _sample_check(family: str):
     def check(device: torch.device) -> Optional[str]:
         for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
             name, args = op_args(fmt)
-            got = getattr(torch.ops.qtensor, name)(x, *args, rounding_code(rounding),
-                                                   _seed_arg(seed))
+            got = getattr(kernel_ops(x), name)(x, *args, rounding_code(rounding),
+                                               _seed_arg(seed))
             found = selfcheck.difference(got, reference.quantize_with_seed(x, fmt, rounding, seed))
             if found is not None:
                 return f"{fmt} with rounding={rounding} on {x.dtype}: {found}"
@@ -245,9 +208,10 @@ def _sample_check(family: str):
     return check
 
 
-if _C is not None:
-    for _family in ("scalar", "block", "stochastic"):
-        selfcheck.register(_family, _sample_check(_family))
+for _family in ("scalar", "block", "stochastic"):
+    selfcheck.register(_family, _sample_check(_family))
+if gpu.available() and torch.cuda.is_available() and _C is not None:
+    gpu.register_cuda_kernels()  # the CUDA kernels of the qtensor:: ops
 
 
 def stochastic_under_tracing(fmt) -> NotImplementedError:
@@ -346,13 +310,14 @@ def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
         q = traced_round_float(x, args[:-1])  # traced: the op inductor fuses
         if q is not None:
             return q
+    kops = kernel_ops(x)
     if out is None:
-        return getattr(torch.ops.qtensor, name)(x, *args)
+        return getattr(kops, name)(x, *args)
     if out.is_neg() or out.is_conj():
         # a lazily negated view (complex.conj().imag): torch's math-bit fallback cannot run an
         # out= op that returns nothing (an internal assert, then an abort); copy_ writes it
-        return out.copy_(getattr(torch.ops.qtensor, name)(x, *args))
-    getattr(torch.ops.qtensor, name).out(x, *args, out=out)
+        return out.copy_(getattr(kops, name)(x, *args))
+    getattr(kops, name).out(x, *args, out=out)
     return out
 
 
@@ -455,9 +420,9 @@ def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
         # a lazily negated view: torch's math-bit fallback for an in-place op reads a freed
         # tensor (valgrind; a heap corruption now and then): round a copy, copy_ writes it back
         with torch.no_grad():
-            x.copy_(getattr(torch.ops.qtensor, name)(x.detach().resolve_neg(), *args))
+            x.copy_(getattr(kernel_ops(x), name)(x.detach().resolve_neg(), *args))
     else:
-        getattr(torch.ops.qtensor, name + "_")(x.detach(), *args)
+        getattr(kernel_ops(x), name + "_")(x.detach(), *args)
     if not torch.compiler.is_compiling():
         # the op writes through x's data pointer, which autograd does not see: say so, so that
         # a value saved for backward that this changes is an error, not a wrong gradient
