@@ -34,9 +34,34 @@ def tag(x: torch.Tensor, fprop, bwd, other, fprop_t=None, bwd_t=None) -> torch.T
     bwd = own if bwd is None else bwd
     if fprop == own and bwd == own and other is None and fprop_t is None and bwd_t is None:
         return x
+    if torch.compiler.is_dynamo_compiling():
+        # (dynamo would apply the attribute set below after its graph: the graph's ops would
+        # not see the tag) a QTensor built with it, which the graph holds as one node
+        return _Tagged.apply(x, _tag_token(fprop, bwd, other, own, fprop_t, bwd_t))
     y = x.view(x.shape)
     y.mm_fmt = GemmOperand(fprop, bwd, other, own, fprop_t, bwd_t)
     return y
+
+
+@torch.compiler.assume_constant_result
+def _tag_token(*fields) -> str:
+    """The string that names the tag of these fields in a graph (qtensor.gemm.of_token), made
+    outside the trace: dynamo takes it for a constant (a tag object that it took for one could
+    not be an argument of the next such function, _graph_tokens)."""
+    return str(GemmOperand(*fields))
+
+
+class _Tagged(torch.autograd.Function):
+    """x's payload as a QTensor whose mm_fmt is the tag named ``token`` (the gradient passes
+    unchanged): tag() in a traced graph."""
+
+    @staticmethod
+    def forward(ctx, x, token):
+        return QTensor._wrap(x._data.view_as(x._data), x.fmt, token, accum=x.accum)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 def _linear(module, x, w):
@@ -74,7 +99,6 @@ class GemmForward:
 
     # the tags are Python attributes of views and a thread-local flag, which torch.compile's
     # tracing does not keep: the layer runs eagerly (a graph break), with the same bits
-    @torch.compiler.disable
     def __call__(self, input):
         g, m = self.gemm, self.module
         if not _is_q(input) and (g.fprop_x, g.wgrad_x, g.wgrad_dy) != (None, None, None):

@@ -308,8 +308,10 @@ def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int, out=None) -> tor
         return q if out is None else out.copy_(q)
     y, restore, fmt1 = reference.tile_blocks(x.detach(), fmt)
     y = y.contiguous()
-    if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        y = y.clone()  # (the layout was a view of x: one row of tiles, or r = 1)
+    # (the layout was a view of x: one row of tiles, or r = 1). Storages compared, not data
+    # pointers: fake tensors (compile, export) and collectives' outputs have none to read
+    if torch._C._is_alias_of(y, x):
+        y = y.clone()
     # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
     _round_(y, fmt1, rounding, seed)
     if out is None:
