@@ -366,12 +366,15 @@ def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int, out=None) -> tor
         return q if out is None else out.copy_(q)
     y, restore, fmt1 = reference.tile_blocks(x.detach(), fmt)
     y = y.contiguous()
-    # (the layout was a view of x: one row of tiles, or r = 1). Storages compared, not data
-    # pointers: fake tensors (compile, export) and collectives' outputs have none to read
-    if torch._C._is_alias_of(y, x):
-        y = y.clone()
-    # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
-    _round_(y, fmt1, rounding, seed)
+    if torch.compiler.is_compiling() or _is_traced(x):
+        y = _round(y, fmt1, rounding, seed, None)  # traced: the functional op
+    else:
+        # (the layout was a view of x: one row of tiles, or r = 1). Storages compared, not
+        # data pointers: collectives' outputs (DTensor.full_tensor) have none to read
+        if torch._C._is_alias_of(y, x):
+            y = y.clone()
+        # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
+        _round_(y, fmt1, rounding, seed)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return restore(y, into=out)
