@@ -12,6 +12,7 @@ bit, stochastic rounding included.
 from __future__ import annotations
 
 import importlib
+import threading
 import warnings
 from typing import Optional
 
@@ -222,14 +223,71 @@ def stochastic_under_tracing(fmt) -> NotImplementedError:
         "would freeze into a constant; run stochastic formats eagerly")
 
 
-def _seed(generator: Optional[torch.Generator], rounding: str, fmt=None) -> int:
-    """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way."""
+def seeds_in_graph() -> bool:
+    """Whether a stochastic rounding met now draws its seed inside the graph being traced:
+    AOTAutograd's tracing under torch.compile (the backward of a compiled model, the ops of a
+    QTensor), where the rounding becomes an op of the graph (_round_drawn) that draws its seed
+    from torch's default generator when it runs, as eager draws it (reference.draw_seed). Not while
+    dynamo itself traces Python code (that code runs eagerly instead, a graph break) nor under
+    torch.export (an exported program would draw anew: refused)."""
+    return (torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling()
+            and not torch.compiler.is_exporting())
+
+
+class _DrawnInGraph:
+    """The seed of a stochastic rounding traced by AOTAutograd (seeds_in_graph): drawn by the
+    rounding op itself when the graph runs (_round_drawn)."""
+
+
+_DRAWN_IN_GRAPH = _DrawnInGraph()
+_AFTER = threading.local()  # .tensors: what a rounding drawn in the graph must follow
+
+
+class after:
+    """While tracing (seeds_in_graph): the stochastic roundings made inside depend on
+    ``tensors`` (a contraction's operands), so the graph keeps them where eager makes them. A
+    rounding of a forward value in a backward GEMM (wgrad's x) would otherwise be moved into the
+    forward graph by the partitioner, and its seed drawn in another order than eager's."""
+
+    def __init__(self, tensors):
+        self.tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+
+    def __enter__(self):
+        self.before = getattr(_AFTER, "tensors", ())
+        _AFTER.tensors = self.tensors
+
+    def __exit__(self, *exc):
+        _AFTER.tensors = self.before
+
+
+def _seed(generator: Optional[torch.Generator], rounding: str, fmt=None):
+    """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way.
+    Under AOTAutograd's tracing (seeds_in_graph): _DRAWN_IN_GRAPH."""
     check_generator(generator)
     if stochastic_bits(rounding) is None:
         return 0
     if torch.compiler.is_compiling():  # the seed would be a data-dependent symbolic int
+        if generator is None and seeds_in_graph():
+            return _DRAWN_IN_GRAPH
         raise stochastic_under_tracing(str(fmt))
     return reference.draw_seed(generator)
+
+
+# nondeterministic_seeded: the graph neither merges two of them (CSE) nor recomputes one
+@torch.library.custom_op("qtensor_ops::round_drawn", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def _round_drawn(x: torch.Tensor, after: list[torch.Tensor], fmt: str,
+                 rounding: str) -> torch.Tensor:
+    """The stochastic rounding of x to ``fmt`` (its string) with a seed drawn when it runs, from
+    torch's default generator as eager draws it (reference.draw_seed): the opaque op of a
+    stochastic rounding in a compiled graph. ``after``: tensors it depends on (see after)."""
+    from .formats import format as parse
+    return _round(x, parse(fmt), rounding, reference.draw_seed(None), None).contiguous()
+
+
+@_round_drawn.register_fake
+def _(x, after, fmt, rounding):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 _OUT_GRAD = ("quantize(): functions with out=... arguments don't support automatic "
@@ -274,10 +332,15 @@ def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int, out=None) -> tor
         return q if out is None else out.copy_(q)
     y, restore, fmt1 = reference.tile_blocks(x.detach(), fmt)
     y = y.contiguous()
-    if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        y = y.clone()  # (the layout was a view of x: one row of tiles, or r = 1)
-    # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
-    _round_(y, fmt1, rounding, seed)
+    if torch.compiler.is_compiling() or _is_traced(x):
+        y = _round(y, fmt1, rounding, seed, None)  # traced: the functional op
+    else:
+        # (the layout was a view of x: one row of tiles, or r = 1). Storages compared, not
+        # data pointers: collectives' outputs (DTensor.full_tensor) have none to read
+        if torch._C._is_alias_of(y, x):
+            y = y.clone()
+        # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
+        _round_(y, fmt1, rounding, seed)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return restore(y, into=out)
@@ -292,8 +355,12 @@ def _is_traced(x) -> bool:
     return is_fake(x)
 
 
-def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
+def _round(x, fmt: Format, rounding: str, seed, out) -> torch.Tensor:
     """quantize_with_seed after its checks, outside autograd."""
+    if seed is _DRAWN_IN_GRAPH:
+        q = torch.ops.qtensor_ops.round_drawn(x.detach(), list(getattr(_AFTER, "tensors", ())),
+                                              str(fmt), rounding)
+        return q if out is None else out.copy_(q)
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         return _round_tiles(x, fmt, rounding, seed, out)
     if not _use_kernel(x, fmt, rounding):
@@ -403,8 +470,11 @@ def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     return _round_(x, fmt, rounding, seed)
 
 
-def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
+def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
     """quantize_ after its checks, outside autograd."""
+    if seed is _DRAWN_IN_GRAPH:
+        with torch.no_grad():
+            return x.copy_(_round(x, fmt, rounding, seed, None))
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         with torch.no_grad():  # (copy_ bumps x's version)
             return _round_tiles(x, fmt, rounding, seed, out=x)
