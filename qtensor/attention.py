@@ -277,15 +277,16 @@ class AttentionMode(TorchFunctionMode):
     turns it off) called while it is active, with a QTensor among query, key and value, runs
     :func:`scaled_dot_product_attention` with ``formats``."""
 
-    def __init__(self, formats: AttentionFormats):
+    def __init__(self, formats: AttentionFormats, mha: bool = True):
         super().__init__()
         self.formats = formats
+        self.mha = mha  # (False: the SDPA call inside an nn.MultiheadAttention being handled)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and _first_q(*args[:3]) is not None:
             return scaled_dot_product_attention(*args, **kwargs, formats=self.formats)
-        if func is F.multi_head_attention_forward:
+        if func is F.multi_head_attention_forward and self.mha:
             return self._mha(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -302,7 +303,7 @@ class AttentionMode(TorchFunctionMode):
         before = getattr(_STATE, "weights", None)
         _STATE.weights = [] if need else None
         try:
-            with AttentionMode(self.formats):
+            with AttentionMode(self.formats, mha=False):
                 out, _ = func(**bound)
             got = _STATE.weights
         finally:

@@ -107,8 +107,9 @@ def store(x: torch.Tensor, fmt, what: str = "kv_cache") -> torch.Tensor:
 
 class _CacheUpdate:
     """``cache.update`` of a wrapped Hugging Face cache: the new states rounded into the cache
-    format, then the class's own update; a layer that keeps preallocated plain buffers
-    (StaticCache) gets them as QTensors in the format (their zeros and stored tokens are in it)."""
+    format, then the class's own update. A layer's buffers (DynamicLayer's empty start,
+    StaticLayer's preallocated zeros) are made QTensors in the format before its first update,
+    so that the update writes QTensors into QTensors (no plain tensor meets the states)."""
 
     def __init__(self, cache, fmt: Format):
         self.cache = cache
@@ -117,19 +118,19 @@ class _CacheUpdate:
     def __call__(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         k = store(key_states, self.fmt, "kv_cache (keys)")
         v = store(value_states, self.fmt, "kv_cache (values)")
-        out = type(self.cache).update(self.cache, k, v, layer_idx, *args, **kwargs)
         layers = getattr(self.cache, "layers", None)
-        if not isinstance(key_states, QTensor) or layers is None or layer_idx is None:
-            return out
-        layer = layers[layer_idx]
-        changed = False
-        for name, like in (("keys", k), ("values", v)):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor) and not isinstance(t, QTensor):
-                setattr(layer, name, QTensor._wrap(t, _dispatch.fit_format(self.fmt, t.dim()),
-                                                   like.mm_fmt))
-                changed = True
-        return (layer.keys, layer.values) if changed else out
+        if (isinstance(k, QTensor) and layers is not None and isinstance(layer_idx, int)
+                and layer_idx < len(layers)):
+            layer = layers[layer_idx]
+            if not getattr(layer, "is_initialized", True):
+                layer.lazy_initialization(k, v)
+            for name, like in (("keys", k), ("values", v)):
+                t = getattr(layer, name, None)
+                if isinstance(t, torch.Tensor) and not isinstance(t, QTensor):
+                    # (zeros and an empty start are in every format)
+                    setattr(layer, name, QTensor._wrap(
+                        t, _dispatch.fit_format(self.fmt, t.dim()), like.mm_fmt))
+        return type(self.cache).update(self.cache, k, v, layer_idx, *args, **kwargs)
 
 
 def wrap(cache, fmt):
