@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import types
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -201,8 +202,8 @@ class _Attention(torch.autograd.Function):
         dq = torch.matmul(_r(ds, fm.dq[0], -1), _r(k, fm.dq[1], -2)) * scale
         dk = torch.matmul(_r(ds, fm.dk[0], -2).transpose(-2, -1), _r(q, fm.dk[1], -2)) * scale
         if ctx.rep > 1:  # the query heads' gradients of each K/V head, summed
-            dk = dk.unflatten(-3, (-1, ctx.rep)).sum(-2)
-            dv = dv.unflatten(-3, (-1, ctx.rep)).sum(-2)
+            dk = dk.unflatten(-3, (-1, ctx.rep)).sum(-3)
+            dv = dv.unflatten(-3, (-1, ctx.rep)).sum(-3)
         grads = []
         for g in (dq, dk, dv):
             if gfmt is not None:
@@ -271,22 +272,42 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 # ---------------------------------------------------------------------------------------------
 # The mode a converted model's forward runs under
 
+def _sdpa_or_torch(formats):
+    def sdpa(*args, **kwargs):
+        if _first_q(*args[:3]) is None:
+            return F.scaled_dot_product_attention(*args, **kwargs)
+        return scaled_dot_product_attention(*args, **kwargs, formats=formats)
+    return sdpa
+
+
+def _mha_function(formats):
+    """torch's own F.multi_head_attention_forward code, run with its SDPA call emulated: the same
+    code object with two globals of its own (its torch-function check, which would hand the call
+    back to the mode, and scaled_dot_product_attention). torch's module is not changed."""
+    fn = F.multi_head_attention_forward
+    env = dict(fn.__globals__, has_torch_function=lambda *_: False,
+               scaled_dot_product_attention=_sdpa_or_torch(formats))
+    out = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
 class AttentionMode(TorchFunctionMode):
     """Every ``F.scaled_dot_product_attention`` (whatever backend is selected) and
     ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, its fast path included: a mode
     turns it off) called while it is active, with a QTensor among query, key and value, runs
     :func:`scaled_dot_product_attention` with ``formats``."""
 
-    def __init__(self, formats: AttentionFormats, mha: bool = True):
+    def __init__(self, formats: AttentionFormats):
         super().__init__()
         self.formats = formats
-        self.mha = mha  # (False: the SDPA call inside an nn.MultiheadAttention being handled)
+        self._mha_fn = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and _first_q(*args[:3]) is not None:
             return scaled_dot_product_attention(*args, **kwargs, formats=self.formats)
-        if func is F.multi_head_attention_forward and self.mha:
+        if func is F.multi_head_attention_forward:
             return self._mha(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -294,17 +315,18 @@ class AttentionMode(TorchFunctionMode):
         # multi_head_attention_forward(query, key, value, embed_dim_to_check, num_heads, ...,
         # need_weights=True, ..., average_attn_weights=True, is_causal=False): it computes its
         # weights with bmm/softmax when asked for them; here they come from the emulation (P
-        # after dropout, detached) and the output from its SDPA call, run under this mode
-        names = list(func.__code__.co_varnames[:func.__code__.co_argcount])
-        bound = dict(zip(names, args), **kwargs)
+        # after dropout, detached) and the output from its SDPA call, emulated
+        code = func.__code__
+        bound = dict(zip(code.co_varnames[:code.co_argcount], args), **kwargs)
         need = bound.get("need_weights", True)
         average = bound.get("average_attn_weights", True)
         bound["need_weights"] = False
+        if self._mha_fn is None:
+            self._mha_fn = _mha_function(self.formats)
         before = getattr(_STATE, "weights", None)
         _STATE.weights = [] if need else None
         try:
-            with AttentionMode(self.formats, mha=False):
-                out, _ = func(**bound)
+            out, _ = self._mha_fn(**bound)
             got = _STATE.weights
         finally:
             _STATE.weights = before
