@@ -305,10 +305,17 @@ class AttentionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and _first_q(*args[:3]) is not None:
-            return scaled_dot_product_attention(*args, **kwargs, formats=self.formats)
+        if func is F.scaled_dot_product_attention or func is F.multi_head_attention_forward:
+            return self._emulate(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    # (not traced: under torch.compile each attention is a graph break that runs eagerly)
+    @torch.compiler.disable
+    def _emulate(self, func, args, kwargs):
         if func is F.multi_head_attention_forward:
             return self._mha(func, args, kwargs)
+        if _first_q(*args[:3]) is not None:
+            return scaled_dot_product_attention(*args, **kwargs, formats=self.formats)
         return func(*args, **kwargs)
 
     def _mha(self, func, args, kwargs):

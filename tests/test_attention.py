@@ -194,6 +194,18 @@ def test_without_the_role_a_fused_kernel_is_reported_and_with_it_emulated():
         assert bool(fused) == (attention is None), report
 
 
+@pytest.mark.parametrize("case", ["causal", "gqa", "padding"])
+def test_compiled_attention_is_eager(case):
+    """torch.compile (inference): each attention a graph break that runs the emulation."""
+    q, k, v, mask, kw, p = _case(case)
+    model = qt.convert(_SDPA(**kw), qt.Recipe(activation=qt.bf16,
+                                              attention=qt.recipes.fa3_fp8_attention))
+    with torch.no_grad():
+        want = model(q, k, v, mask).dequantize()
+        got = torch.compile(model, backend="aot_eager")(q, k, v, mask).dequantize()
+    assert_bits_equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # nn.MultiheadAttention and Hugging Face attention: the emulation's calls, checked against the
 # hand-written attention of what each call received
