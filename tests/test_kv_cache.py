@@ -234,3 +234,20 @@ def test_the_recipe_field_round_trips_and_describes():
     r = qt.recipes.mxfp6.replace(kv_cache=qt.kv_cache.FP8_PER_TOKEN)
     assert recipe_from_dict(recipe_to_dict(r)) == r
     assert "kv_cache" in r.describe()
+
+
+def test_attention_formats_and_a_cache_format_together():
+    """K and V stored in the cache format, then rounded to the attention's operand formats: the
+    hand-written loop (whose model calls run under the same attention role) gives the tokens."""
+    fmt = qt.kv_cache.MXFP4
+    recipe = qt.recipes.mxfp6.replace(kv_cache=fmt, attention=qt.recipes.fa3_fp8_attention)
+    model = qt.convert(_llama(), recipe)
+    ids, mask = _inputs()
+    with torch.no_grad(), qt.leak_check(allow=qt.hf.LEAK_ALLOW):  # (no MATH context needed)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             cache=StaticCache(config=model.config, max_cache_len=16),
+                             output_logits=True, return_dict_in_generate=True)
+        want, want_logits = _reference_greedy(model, ids, mask, 4, fmt)
+    assert torch.equal(out.sequences[:, ids.shape[1]:], want)
+    for got, w in zip(out.logits, want_logits):
+        assert_bits_equal(got.dequantize(), w)
