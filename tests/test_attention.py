@@ -307,6 +307,24 @@ def test_multihead_attention_fast_path_is_emulated(monkeypatch):
     spy.check(backward=False)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_transformer_encoder_layer_attention_is_emulated(monkeypatch, train):
+    """nn.TransformerEncoderLayer (its eval fast path too) with a padding mask."""
+    spy = _Spy(monkeypatch)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 2, dim_feedforward=96, dropout=0.0, batch_first=True)
+    model = qt.convert(layer, qt.recipes.mxfp6.replace(attention=qt.recipes.mx_attention()))
+    model.train(train)
+    x = torch.randn(2, 40, 64)
+    pad = torch.zeros(2, 40, dtype=torch.bool)
+    pad[0, 30:] = True
+    with torch.set_grad_enabled(train), qt.leak_check():
+        y = model(x, src_key_padding_mask=pad)
+        if train:
+            y.dequantize().sum().backward()
+    spy.check(backward=train)
+
+
 transformers = None
 
 
