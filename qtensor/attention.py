@@ -22,7 +22,7 @@ specification that tests/test_attention.py checks bit for bit (docs/attention.md
     dK = r(dS, dk[0], queries)^T @ r(Q, dk[1], queries) * scale
 
 O is rounded to the value format of the first QTensor among Q, K, V (as any op's output); dQ,
-dK, dV to dO's (the gradient role's). GEMMs sum in FP32 (torch.matmul on the payloads).
+dK, dV (and a float mask's gradient, dS summed to its shape) to dO's (the gradient role's). GEMMs sum in FP32 (torch.matmul on the payloads).
 """
 from __future__ import annotations
 
@@ -168,7 +168,8 @@ def _payload(x):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, fm, keep_scale, keep, scale, rep, out_fmts):
-        q, k, v = _payload(q), _payload(k), _payload(v)
+        q, k, v, mask = _payload(q), _payload(k), _payload(v), _payload(mask)
+        ctx.mask_shape = None if mask is None else mask.shape
         if rep > 1:  # GQA: each K/V head serves rep query heads
             k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
         s = torch.matmul(_r(q, fm.qk[0], -1), _r(k, fm.qk[1], -1).transpose(-2, -1)) * scale
@@ -204,13 +205,19 @@ class _Attention(torch.autograd.Function):
         if ctx.rep > 1:  # the query heads' gradients of each K/V head, summed
             dk = dk.unflatten(-3, (-1, ctx.rep)).sum(-3)
             dv = dv.unflatten(-3, (-1, ctx.rep)).sum(-3)
+        # a float mask (a learned position bias) is added to the scores: its gradient is dS,
+        # summed over what it was broadcast along
+        dmask = ds.sum_to_size(ctx.mask_shape) if ctx.needs_input_grad[3] else None
         grads = []
-        for g in (dq, dk, dv):
+        for g in (dq, dk, dv, dmask):
+            if g is None:
+                grads.append(g)
+                continue
             if gfmt is not None:
                 f = _dispatch.fit_format(gfmt[0], g.dim())
                 g = QTensor._wrap(_dispatch.quantize(g, f), f, gfmt[1])
             grads.append(g)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 _STATE = threading.local()
@@ -255,7 +262,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         rep = hq // hk
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    mask = None if attn_mask is None else _payload(attn_mask)
+    mask = attn_mask  # (a float mask that requires grad gets its gradient)
     if is_causal:
         mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
     keep, keep_scale = None, 1.0

@@ -82,7 +82,9 @@ def reference(q, k, v, fm, *, mask=None, causal=False, scale=None, keep=None, p=
     if rep > 1:
         dk = dk.unflatten(-3, (hk, rep)).sum(-3)
         dv = dv.unflatten(-3, (hk, rep)).sum(-3)
-    return o, Pd, _r(dq, grad_fmt), _r(dk, grad_fmt), _r(dv, grad_fmt)
+    dmask = None if mask is None or mask.dtype == torch.bool else _r(
+        ds.sum_to_size(mask.shape), grad_fmt)
+    return o, Pd, _r(dq, grad_fmt), _r(dk, grad_fmt), _r(dv, grad_fmt), dmask
 
 
 def _keep(shape, p):
@@ -134,6 +136,8 @@ def test_sdpa_is_the_hand_written_attention(fname, case, backend):
     q, k, v, mask, kw, p = _case(case)
     model = qt.convert(_SDPA(**kw), qt.Recipe(activation=qt.bf16, grad=qt.bf16, attention=fm))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if mask is not None and mask.dtype != torch.bool:  # a learned additive bias
+        mask = mask.clone().requires_grad_()
     dout = qt.quantize(torch.randn(q.shape[:-1] + (32,)), qt.bf16)
     state = torch.get_rng_state()
     ctx = sdpa_kernel(BACKENDS[backend]) if BACKENDS[backend] is not None else _null()
@@ -142,13 +146,18 @@ def test_sdpa_is_the_hand_written_attention(fname, case, backend):
         (out.dequantize() * dout).sum().backward()
     torch.set_rng_state(state)
     keep = _keep(q.shape[:-1] + (48,), p) if p else None
-    o, _, dq, dk, dv = reference(q, k, v, fm, mask=mask, causal=kw.get("is_causal", False),
-                                 scale=kw.get("scale"), keep=keep, p=p, dout=dout)
+    o, _, dq, dk, dv, dmask = reference(q, k, v, fm, mask=None if mask is None else mask.detach(),
+                                        causal=kw.get("is_causal", False), scale=kw.get("scale"),
+                                        keep=keep, p=p, dout=dout)
     assert isinstance(out, qt.QTensor) and out.fmt == qt.bf16
     assert_bits_equal(out.dequantize(), o)
-    for leaf, want in zip(leaves, (dq, dk, dv)):
+    if dmask is not None:
+        leaves, want = leaves + [mask], (dq, dk, dv, dmask)
+    else:
+        want = (dq, dk, dv)
+    for leaf, w in zip(leaves, want):
         g = leaf.grad.dequantize() if isinstance(leaf.grad, qt.QTensor) else leaf.grad
-        assert_bits_equal(g, want)
+        assert_bits_equal(g, w)
 
 
 class _null:
@@ -260,7 +269,7 @@ class _Spy:
             refs.append(got)
             assert_bits_equal(c["out"].dequantize(), got[0])
             if backward:
-                for name, want in zip("qkv", got[2:]):
+                for name, want in zip("qkv", got[2:5]):
                     g = c["grads"][name]
                     assert_bits_equal(g.dequantize() if isinstance(g, qt.QTensor) else g, want)
         return refs
