@@ -354,11 +354,21 @@ def _llama(attn="sdpa", dropout=0.0):
     return tf.LlamaForCausalLM(cfg)
 
 
+def _gpt2(attn="sdpa", dropout=0.0):
+    tf = _hf()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=64, n_positions=32,
+                        attn_pdrop=dropout, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_implementation=attn)
+    return tf.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("backend", ["default", "math"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_hf_llama_attention_is_the_hand_written_attention(monkeypatch, backend, dropout):
+def test_hf_attention_is_the_hand_written_attention(monkeypatch, make, backend, dropout):
     spy = _Spy(monkeypatch)
-    model = qt.convert(_llama(dropout=dropout),
+    model = qt.convert(make(dropout=dropout),
                        qt.recipes.mxfp6.replace(attention=qt.recipes.fa3_fp8_attention))
     model.train()
     ids = torch.randint(1, 64, (2, 12))
