@@ -205,14 +205,20 @@ def test_without_the_role_a_fused_kernel_is_reported_and_with_it_emulated():
 
 @pytest.mark.parametrize("case", ["causal", "gqa", "padding"])
 def test_compiled_attention_is_eager(case):
-    """torch.compile (inference): each attention a graph break that runs the emulation."""
+    """torch.compile: each attention a graph break that runs the emulation; forward and
+    backward (the loss computed on the QTensor output, as compiled qtensor code wants)."""
     q, k, v, mask, kw, p = _case(case)
-    model = qt.convert(_SDPA(**kw), qt.Recipe(activation=qt.bf16,
+    model = qt.convert(_SDPA(**kw), qt.Recipe(activation=qt.bf16, grad=qt.bf16,
                                               attention=qt.recipes.fa3_fp8_attention))
-    with torch.no_grad():
-        want = model(q, k, v, mask).dequantize()
-        got = torch.compile(model, backend="aot_eager")(q, k, v, mask).dequantize()
-    assert_bits_equal(got, want)
+    dout = qt.quantize(torch.randn(q.shape[:-1] + (32,)), qt.bf16)
+    results = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = run(*leaves, mask)
+        (out * dout).sum().backward()
+        results.append([out.dequantize()] + [t.grad.dequantize() for t in leaves])
+    for got, want in zip(*results):
+        assert_bits_equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------
