@@ -18,6 +18,8 @@ from . import to_format  # noqa: E402,F401  (model.to(fmt), tensor.to(fmt))
 from .serialization import (load_plain_state_dict, load_safetensors, plain_state_dict,  # noqa: E402
                             qtensor_state_dict, save_safetensors)
 from . import hf  # noqa: E402,F401  (qt.hf.save_pretrained / from_pretrained)
+from . import attention, kv_cache  # noqa: E402,F401  (Recipe.attention, Recipe.kv_cache)
+from . import attention_convert  # noqa: E402,F401  (their hooks on converted models)
 from .training import LossScaler, master_weight  # noqa: E402
 from .leaks import Finding, LeakError, LeakReport, LeakWarning, leak_check  # noqa: E402
 from . import compat  # noqa: E402,F401  (qt.compat.qtorch, qt.compat.mx)

@@ -18,6 +18,8 @@ from typing import Any, Optional
 import torch
 
 from .accum import as_accum
+from .attention import AttentionFormats
+from .kv_cache import cache_format
 from . import block_specials
 from . import flush_warnings
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
@@ -299,6 +301,8 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
     accumulate: Any = None
     gemm: Any = None
     last_layers: Any = None
+    attention: Any = None
+    kv_cache: Any = None
     name: Optional[str] = field(default=None, compare=False)
     source: Optional[str] = field(default=None, compare=False)
 
@@ -325,6 +329,8 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
         object.__setattr__(self, "accumulate", as_accum(self.accumulate, "Recipe.accumulate"))
         object.__setattr__(self, "gemm", gemm_of(self.gemm))
         object.__setattr__(self, "last_layers", _last_layers_of(self.last_layers))
+        object.__setattr__(self, "attention", AttentionFormats.of(self.attention))
+        object.__setattr__(self, "kv_cache", cache_format(self.kv_cache, "Recipe.kv_cache"))
         ls = self.loss_scale
         if ls is not None and ls != "dynamic":
             check_scale(ls, "Recipe.loss_scale (None, 'dynamic' or a power of two)")
@@ -362,6 +368,10 @@ class Recipe(TorchFunctionTarget):  # model.to(recipe): qtensor.torch_function
             what = f"the last {n}" if isinstance(n, int) else f"the last {n:.0%} (rounded up) of"
             lines.append(f"  {'last_layers':<16} {what} Linear/Conv layers: every GEMM operand in "
                          f"{fmt}")
+        if self.attention is not None:
+            lines.append(f"  {'attention':<16} {self.attention}")
+        if self.kv_cache is not None:
+            lines.append(f"  {'kv_cache':<16} {self.kv_cache}")
         for pattern, spec in self.rules.items():
             if isinstance(spec, Role):
                 lines.append(f"  rule {pattern!r}: {spec}")

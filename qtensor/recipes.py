@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .plans import Recipe
+from .attention import AttentionFormats
 from .transforms import Hadamard
 from .formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
 from .formats import format as _format
@@ -33,7 +34,8 @@ from .accum import PRESETS as _accum_presets
 __all__ = ["mxfp6", "mxfp4_weights", "mx_all", "direct_cast", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
            "mxint8_inference", "fp16", "block8", "swalp", "wage", "nvfp4_nvidia",
            "fp4_all_the_way", "quartet", "describe", "PRESETS_BY_NAME",
-           "deepseek_v3_fp8", "mxfp8_pretraining", "nvfp4_4over6"]
+           "deepseek_v3_fp8", "mxfp8_pretraining", "nvfp4_4over6", "fa3_fp8_attention",
+           "mx_attention", "mx_attention_mxfp8"]
 
 _P = PRESETS
 _fp32, _bf16 = _P["fp32"], _P["bf16"]
@@ -234,6 +236,32 @@ nvfp4_4over6 = Recipe(
     "map their max to 4 or 6 (lower block error), NVFP4 gradients with stochastic rounding, no "
     "RHT (TE has none with 4over6), 1x16 weight blocks (TE: 16x16), BF16 vector ops, FP32 "
     "master weights")
+
+# Attention formats (Recipe(attention=...), recipe.replace(attention=...); docs/attention.md).
+# FlashAttention-3's FP8 forward (Shah et al. 2024, arXiv 2407.08608): Q, K, V in E4M3 with
+# block quantization (one FP32 scale per block of 128 tokens x the head dim: 128x128 tiles), P
+# cast to E4M3 as it is (its values are in [0, 1]), scores and softmax in FP32. FA3's FP8 path
+# has no backward: here the backward GEMMs take BF16 operands, as FA3's BF16 backward.
+_fa3_block = BlockFormat(_P["fp8_e4m3"], block_shape=(128, 128), scale="fp32", scale_rule="amax")
+fa3_fp8_attention = AttentionFormats(
+    qk=(_fa3_block, _fa3_block), pv=(_P["fp8_e4m3"], _fa3_block),
+    dq=(_bf16, _bf16), dk=(_bf16, _bf16), dv=(_bf16, _bf16), dp=(_bf16, _bf16),
+    name="fa3_fp8_attention")
+
+
+def mx_attention(fmt="mxfp8_e4m3") -> AttentionFormats:
+    """The MX paper's attention (Rouhani et al. 2023; microxcaling's mx.matmul/mx.bmm): every
+    operand of QK^T, PV and their backward GEMMs in the MX format ``fmt`` (blocks of 32 along
+    each GEMM's K); scores, P, the softmax and dS in BF16, as its vector ops."""
+    f = _format(fmt)
+    if not isinstance(f, BlockFormat):
+        raise ValueError(f"mx_attention expects a block (MX) format, got {f}")
+    pairs = {g: (f, f) for g in ("qk", "pv", "dq", "dk", "dv", "dp")}
+    return AttentionFormats(**pairs, scores=_bf16, probs=_bf16, softmax=_bf16, ds=_bf16,
+                            name=f"mx_attention({f})")
+
+
+mx_attention_mxfp8 = mx_attention("mxfp8_e4m3")
 
 PRESETS_BY_NAME = {r.name: r for r in (mxfp6, mxfp4_weights, mx_all_mxfp8, mx_all_mxfp6,
                                        mx_all_mxfp4, mxint8_inference, fp16, block8, swalp, wage,

@@ -132,6 +132,8 @@ def recipe_to_dict(recipe: Recipe) -> Dict[str, Any]:
         "gemm": _gemm_spec_data(recipe.gemm),
         "last_layers": (None if recipe.last_layers is None
                         else [recipe.last_layers[0], str(recipe.last_layers[1])]),
+        "attention": None if recipe.attention is None else recipe.attention.to_dict(),
+        "kv_cache": None if recipe.kv_cache is None else str(recipe.kv_cache),
         "name": recipe.name,
         "source": recipe.source,
     }
@@ -168,7 +170,8 @@ def recipe_from_dict(data: Dict[str, Any]) -> Recipe:
     if not isinstance(data, dict):
         raise ValueError(f"a recipe must be a dict (recipe_to_dict's), got {type(data).__name__}")
     data = {"rules": {}, "master_weights": False, "loss_scale": None, "accumulate": None,
-            "gemm": None, "last_layers": None, "name": None, "source": None, **data}
+            "gemm": None, "last_layers": None, "attention": None, "kv_cache": None,
+            "name": None, "source": None, **data}
     roles = {role: _field(data, role, _role_from) for role in ROLE_NAMES}
     rules = _field(data, "rules", lambda r: {p: _rule_from(v) for p, v in r.items()})
     last = _field(data, "last_layers",
@@ -178,7 +181,8 @@ def recipe_from_dict(data: Dict[str, Any]) -> Recipe:
     try:
         return Recipe(**roles, rules=rules, master_weights=data["master_weights"],
                       loss_scale=data["loss_scale"], accumulate=accumulate, gemm=gemm,
-                      last_layers=last, name=data["name"], source=data["source"])
+                      last_layers=last, attention=data["attention"], kv_cache=data["kv_cache"],
+                      name=data["name"], source=data["source"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"recipe: {e}") from None
 
