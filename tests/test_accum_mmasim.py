@@ -825,8 +825,8 @@ def test_block_scaled_signed_zeros_equal_mmasim(name, fn):
     K = 128
     if name == "blackwell_mxf8f6f4":
         a, b, _ = _signed_zero_operands(E4M3, E5M2, K)
-        ea = torch.tensor([[-60], [0], [-127], [3], [-100]]).expand(5, K // 32)
-        eb = torch.full((K // 32, 5), -60)
+        ea = torch.tensor([[-60], [0], [-127], [3], [-100], [-60]]).expand(a.shape[0], K // 32)
+        eb = torch.full((K // 32, b.shape[1]), -60)
         xa, xb = _e8m0(ea), _e8m0(eb)
         want = _mxf8f6f4_mmasim(a, b, xa, xb)
         got = run(a, b, accum.blackwell_mxf8f6f4, a_scale=xa, b_scale=xb)
@@ -837,8 +837,8 @@ def test_block_scaled_signed_zeros_equal_mmasim(name, fn):
         b = torch.where(b.abs() < 0.5, b * 0.0, torch.sign(b.float()) * 0.5).float()
         a = a.float()
         g = torch.Generator().manual_seed(3)
-        sa, ea, xa = block_scales(g, (5, K // kind), kind)
-        sb, eb, xb = block_scales(g, (K // kind, 5), kind)
+        sa, ea, xa = block_scales(g, (a.shape[0], K // kind), kind)
+        sb, eb, xb = block_scales(g, (K // kind, b.shape[1]), kind)
         want = mmasim_block_chain(shape, kind, a, b, xa, xb)
         got = block_ours(name, kind, a, b, sa, ea, sb, eb, fn=run)
     assert int((want == 0).sum()) >= 5
