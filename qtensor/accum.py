@@ -449,9 +449,10 @@ def _reference(a, b, f: AccumFormat, *, a_emin=None, b_emin=None, a_gexp=None, b
     eb = _exponent(b, b_emin)
     shape = (*batch, M, N)
     acc = torch.zeros(shape, dtype=torch.float32, device=a.device)   # the FP32 accumulator
-    p = torch.zeros(shape, dtype=torch.float64, device=a.device)     # the instruction partial
-    if c is not None:
-        p = p + c.float().double().expand(shape)
+    if c is None:  # the instruction partial
+        p = torch.zeros(shape, dtype=torch.float64, device=a.device)
+    else:  # c itself, -0.0 included: it is K == 0's output (MMA-Sim's dpa returns C)
+        p = c.float().double().to(a.device).expand(shape).clone()
     F = f.frac_bits
     ez = f.e_zero
     for ci, k0 in enumerate(range(0, K, f.chunk)):
@@ -623,9 +624,8 @@ def _scaled(fn, a, b, f: AccumFormat, a_scale, b_scale, kw, block_size=None) -> 
     inner = f.replace(promote=None, scales="instruction")
     c = kw.pop("c")
     kw.pop("a_gexp"), kw.pop("b_gexp")
-    acc = torch.zeros((*batch, M, N), dtype=torch.float32, device=a.device)
-    if c is not None:
-        acc = acc + c.float().to(a.device).expand(*batch, M, N)
+    acc = (torch.zeros((*batch, M, N), dtype=torch.float32, device=a.device) if c is None
+           else c.float().to(a.device).expand(*batch, M, N).clone())  # (-0.0 kept, as _reference)
     nb = K // blk
     xa, xb = a.expand(*batch, M, K), b.expand(*batch, K, N)
     ea, eb = _operand_emin(a, kw["a_emin"]), _operand_emin(b, kw["b_emin"])

@@ -760,3 +760,105 @@ def test_cdna3_bf16_negative_underflow_is_negative_zero():
     assert (want.view(torch.int32) == -2 ** 31).any()  # -0.0 among MMA-Sim's results
     for fn in FNS:
         assert same_bits(ours(a, b, f, fn), want), fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Signed zeros: NVIDIA's datapaths (MMA-Sim's t_fdpa/st_fdpa/gst_fdpa) return +0 for every zero
+# result, a negative sum truncated to zero included; CDNA3's two stages keep the sign of a
+# negative value rounded to zero by the final FP32 rounding
+
+def _signed_zero_operands(ta, tb, K):
+    """Rows of a against columns of b built to give zero sums: exactly cancelling pairs
+    (b's rows come in equal pairs), -0.0 everywhere, a cancelling pair of 1s beside tiny
+    products, tiny products of either sign, a first and a last product that cancel (K odd);
+    c = +0.0 and -0.0."""
+    sub = {F16: 2.0 ** -24, BF16: 2.0 ** -133, E4M3: 2.0 ** -9, E5M2: 2.0 ** -16,
+           TF32: 2.0 ** -136, E4Z: 2.0 ** -10, E5Z: 2.0 ** -17}
+    sa, sb = sub[ta], sub[tb]
+    k = torch.arange(K)
+    pair = torch.where(k % 2 == 0, 1.0, -1.0)
+    rows = [torch.where(k < K - K % 2, pair * 0.75, -0.0),  # x, -x, x, -x, ...
+            torch.full((K,), -0.0),
+            torch.full((K,), sa),
+            torch.where(k % 8 < 2, pair, 3 * sa),              # 1, -1, then tiny terms
+            torch.where(k % 3 == 0, -0.0, pair * 2 * sa),
+            # x in the first instruction, -x in the last (after the promotions)
+            torch.where(k == 0, 0.75, torch.where(k == K - 1, -0.75, -0.0))]
+    b_k = k // 2 * 2  # b's rows in equal pairs (k, k + 1)
+    cols = [torch.ones(K), torch.full((K,), -sb), torch.full((K,), -0.0),
+            torch.where(b_k % 4 == 0, 1.5, -sb), torch.full((K,), sb)]
+    a = torch.stack(rows).to(ta)
+    b = torch.stack(cols, 1).to(tb)
+    c = torch.tensor([0.0, -0.0]).repeat(len(rows) * len(cols))[: len(rows) * len(cols)]
+    return a, b, c.view(len(rows), len(cols))
+
+
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_signed_zeros_equal_mmasim(name, fn):
+    """Zero results carry MMA-Sim's sign for every preset: exact cancellations in a chunk and
+    across chunks and promotions, -0.0 operands, negative products below the alignment's or
+    float32's grid, c = +-0.0 (FP16 outputs: hopper_fp8_f16)."""
+    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+        pytest.skip("the compiled extension is not built")
+    f = accum.PRESETS[name]
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    K = f.chunk * ((f.promote or 1) + 1) + 1  # past a promotion, a short last chunk
+    ta, tb, make = CASES[name][0]
+    a, b, c = _signed_zero_operands(ta, tb, K)
+    zeros = 0
+    for cc in (None, c):
+        want = mmasim_chain(make, a, b, f, c=cc)
+        assert same_bits(ours(a, b, f, run, c=cc), want), (name, cc)
+        zeros += int((want == 0).sum())
+    assert zeros >= 10  # (the operands do give zero results)
+
+
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+@pytest.mark.parametrize("name", [*BLOCK_CASES, "blackwell_mxf8f6f4"])
+def test_block_scaled_signed_zeros_equal_mmasim(name, fn):
+    """The block-scaled presets' zero results (+0, as MMA-Sim's st_fdpa/gst_fdpa): -0.0
+    elements, groups of exactly cancelling products, negative products at tiny scales."""
+    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+        pytest.skip("the compiled extension is not built")
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    K = 128
+    if name == "blackwell_mxf8f6f4":
+        a, b, _ = _signed_zero_operands(E4M3, E5M2, K)
+        ea = torch.tensor([[-60], [0], [-127], [3], [-100], [-60]]).expand(a.shape[0], K // 32)
+        eb = torch.full((K // 32, b.shape[1]), -60)
+        xa, xb = _e8m0(ea), _e8m0(eb)
+        want = _mxf8f6f4_mmasim(a, b, xa, xb)
+        got = run(a, b, accum.blackwell_mxf8f6f4, a_scale=xa, b_scale=xb)
+    else:
+        kind, shape = BLOCK_CASES[name]
+        a, b, _ = _signed_zero_operands(F16, F16, K)
+        a = torch.where(a.abs() < 0.5, a * 0.0, torch.sign(a.float()) * 1.5)  # FP4 values
+        b = torch.where(b.abs() < 0.5, b * 0.0, torch.sign(b.float()) * 0.5).float()
+        a = a.float()
+        g = torch.Generator().manual_seed(3)
+        sa, ea, xa = block_scales(g, (a.shape[0], K // kind), kind)
+        sb, eb, xb = block_scales(g, (K // kind, b.shape[1]), kind)
+        want = mmasim_block_chain(shape, kind, a, b, xa, xb)
+        got = block_ours(name, kind, a, b, sa, ea, sb, eb, fn=run)
+    assert int((want == 0).sum()) >= 5
+    assert same_bits(got, want), name
+
+
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+@pytest.mark.parametrize("name", list(accum.PRESETS))
+def test_empty_k_returns_c_bits(name, fn):
+    """K = 0: no instruction runs and the output is c itself, -0.0 included (MMA-Sim's dpa
+    returns C; the reference and the CDNA3 kernel gave +0.0 for -0.0)."""
+    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+        pytest.skip("the compiled extension is not built")
+    f = accum.PRESETS[name]
+    run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
+    c = torch.tensor([[0.0, -0.0, -1.5], [-0.0, 2.0 ** -149, -2.0 ** -149]])
+    got = run(torch.zeros(2, 0), torch.zeros(0, 3), f, c=c)
+    assert same_bits(got, c), name
+    if name in CASES and f.promote is None:  # MMA-Sim's chain (with promotion it restarts at 0)
+        ta, tb, make = CASES[name][0]
+        want = mmasim_chain(make, torch.zeros(2, 0).to(ta), torch.zeros(0, 3).to(tb), f, c=c)
+        if f.acc_emax != 15:
+            assert same_bits(got, want), name

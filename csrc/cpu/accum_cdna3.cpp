@@ -198,10 +198,9 @@ at::Tensor fast_matmul(const at::Tensor& ac, const at::Tensor& bc, const at::Ten
       const int64_t row = (bi * MR + i0) * K, panel = (bi * NP + q) * K * PF;
       const int64_t nc = std::min<int64_t>(PF, N - q * PF), nr = std::min<int64_t>(R, M - i0);
       float p[R * 16], o[R * 16];
-      for (int r = 0; r < R; ++r)  // the initial accumulator (as the reference: 0 + c)
+      for (int r = 0; r < R; ++r)  // the initial accumulator: c itself (-0.0 is K = 0's output)
         for (int j = 0; j < PF; ++j)
-          p[r * PF + j] = 0.0f + (pc && r < nr && j < nc
-                                      ? pc[(bi * M + i0 + r) * N + q * PF + j] : 0.0f);
+          p[r * PF + j] = pc && r < nr && j < nc ? pc[(bi * M + i0 + r) * N + q * PF + j] : 0.0f;
       chain(paf + row, pea + row, K, pbf + panel, peb + panel, K, ch, F, fp8, pr, p, o);
       for (int64_t r = 0; r < nr; ++r)
         std::copy(o + r * PF, o + r * PF + nc, po + (bi * M + i0 + r) * N + q * PF);
@@ -316,10 +315,10 @@ at::Tensor accum_matmul_cdna3(const at::Tensor& a, const at::Tensor& b, bool fp8
       const int64_t nc = std::min<int64_t>(P, N - q * P), nr = std::min<int64_t>(R, M - i0);
       double p[R * P];
       float o[R * P];
-      for (int r = 0; r < R; ++r)  // the initial accumulator (as the reference: 0 + c)
+      for (int r = 0; r < R; ++r)  // the initial accumulator: c itself (-0.0 is K = 0's output)
         for (int j = 0; j < P; ++j)
-          p[r * P + j] = 0.0 + (pc && r < nr && j < nc
-                                    ? (double)pc[(bi * M + i0 + r) * N + q * P + j] : 0.0);
+          p[r * P + j] = pc && r < nr && j < nc
+                             ? (double)pc[(bi * M + i0 + r) * N + q * P + j] : 0.0;
       chain(pad + row, pea + row, K, pbd + panel, peb + panel, K, ch, F, fp8, pr, p, o);
       for (int64_t r = 0; r < nr; ++r)
         std::copy(o + r * P, o + r * P + nc, po + (bi * M + i0 + r) * N + q * P);
