@@ -175,7 +175,7 @@ def test_environment_variable_turns_them_on_at_the_first_trace():
         env = dict(os.environ, QTENSOR_INDUCTOR_DECOMPOSITIONS=value)
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                              text=True, check=True, cwd=os.path.dirname(os.path.dirname(
-                                 os.path.abspath(__file__))))
+                                 os.path.dirname(os.path.abspath(__file__)))))
         assert out.stdout.strip().splitlines()[-1] == want, out.stderr
 
 
@@ -249,7 +249,7 @@ def test_cache_of_a_process_with_the_switch_on_is_not_reused_with_it_off(tmp_pat
         "hits = counters['inductor']['fxgraph_cache_hit'] + counters['aot_autograd']"
         "['autograd_cache_hit']\n"
         "print(hits, any('qtensor.quantize_block' in c for c in code))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     results = []
     for value in ("1", "0", "1"):
         env = dict(os.environ, QTENSOR_INDUCTOR_DECOMPOSITIONS=value,

@@ -192,7 +192,7 @@ def test_report_outputs(tmp_path):
 
 
 def test_char_gpt_finishes_in_seconds():
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
     import common
     torch.manual_seed(0)
     model = common.CharGPT(256, d=32, layers=1, heads=2, context=16)
@@ -209,7 +209,7 @@ def test_char_gpt_finishes_in_seconds():
 def test_conv_operands_are_blocked_as_the_contraction_blocks_them():
     # vs_exact_rounded ~ 0 with FP32 sums only if the exact reference rounds the operands along
     # the same axes as the emulated convolution (channels), so the check can fail
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
     import common
     torch.manual_seed(0)
     model = common.DigitsCNN()
@@ -260,7 +260,7 @@ def test_optimizer_state_statistics():
 def test_operand_rows_only_for_weights_that_enter_a_contraction():
     # an embedding table and a LayerNorm scale have the weight role's operand format, but no
     # contraction reads them: no "weight operand" row claims a rounding that never happens
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
     import common
     torch.manual_seed(0)
     model = common.CharGPT(64, d=32, layers=1, heads=2, context=8)

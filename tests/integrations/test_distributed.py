@@ -908,7 +908,7 @@ def test_fsdp_example_runs_and_matches_one_process(tmp_path):
     import pathlib
     import subprocess
     import sys
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(root / "examples" / "fsdp_training.py"), "--steps", "2", "--check",

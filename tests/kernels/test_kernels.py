@@ -523,7 +523,8 @@ def test_isa_clones(isa):
         "print('ok')\n")
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, QTENSOR_CPU_ISA=isa,
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(here)),
+                                          os.path.dirname(here), here]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=180)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
@@ -540,7 +541,8 @@ def test_warns_once_without_extension():
             "assert len(msgs) == 1, msgs\n"
             "assert 'pip install --no-build-isolation -e .' in msgs[0], msgs[0]\n"
             "print(qt.quantize(torch.tensor([1.1]), 'fp4_e2m1').item())\n")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 0, r.stderr

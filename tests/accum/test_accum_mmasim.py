@@ -487,7 +487,8 @@ def test_kernel_equals_mmasim_on_other_isas(isa):
                         os.path.abspath(__file__), "-k", sel],
                        env=dict(os.environ, QTENSOR_CPU_ISA=isa), capture_output=True,
                        text=True, timeout=900,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                           os.path.abspath(__file__)))))
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 

@@ -469,7 +469,7 @@ def _run_under_isa(isa, code):
     is chosen once per process)."""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, QTENSOR_CPU_ISA=isa),
                        cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -479,7 +479,7 @@ def _pytest_under_isa(isa, selection):
     """Run this file's tests selected by ``-k selection`` under QTENSOR_CPU_ISA=isa."""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.abspath(__file__), "-k", selection],
                        env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=root, capture_output=True,
@@ -491,7 +491,7 @@ def _pytest_under_isa(isa, selection):
 def test_kernel_baseline_isa_path():
     # the loops are compiled for the baseline and for AVX2; QTENSOR_CPU_ISA=base forces the first
     code = (
-        "import sys, torch; sys.path.insert(0, 'tests'); import test_accum as T\n"
+        "import sys, torch; sys.path[:0] = ['tests', 'tests/accum']; import test_accum as T\n"
         "from qtensor import accum\n"
         "for f in T.FORMATS:\n"
         "    for kind in T.INPUTS:\n"
@@ -726,7 +726,7 @@ def test_accum_study_example_runs(tmp_path):
     pytest.importorskip("matplotlib", reason="the study plots with matplotlib")
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.join(root, "examples", "accum_study.py"),
                            "--quick", "--out", str(tmp_path)], cwd=root, env=env,
@@ -1139,7 +1139,7 @@ def test_fast_path_cases_on_other_isas(isa):
     """QTENSOR_CPU_ISA caps the instruction set: the same cases through the double lanes (base)
     or the AVX2 fast path (avx2; all of its cases: test_fast_path_avx2)."""
     code = (
-        "import sys, torch, zlib; sys.path.insert(0, 'tests'); import test_accum as T\n"
+        "import sys, torch, zlib; sys.path[:0] = ['tests', 'tests/accum']; import test_accum as T\n"
         "from qtensor import accum\n"
         "for f in T.FAST_FORMATS:\n"
         "    for fmt in T.FAST_OPERANDS[:3]:\n"
@@ -1743,7 +1743,7 @@ def test_group_kernel_batched_strided_and_empty():
 def test_group_kernel_on_other_isas(isa):
     """QTENSOR_CPU_ISA caps the instruction set: the baseline and AVX2 tiles, the same bits."""
     code = (
-        "import sys, torch, zlib; sys.path.insert(0, 'tests'); import test_accum as T\n"
+        "import sys, torch, zlib; sys.path[:0] = ['tests', 'tests/accum']; import test_accum as T\n"
         "from qtensor import accum\n"
         "for f in T.GROUP_FORMATS:\n"
         "    for kind in T.GROUP_INPUTS:\n"

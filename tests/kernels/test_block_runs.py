@@ -204,6 +204,7 @@ def test_other_isas(isa):
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         os.path.abspath(__file__),
                         "-k", "codes_times_scales or partial or in_place"],
-                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=os.path.dirname(here),
+                       env=dict(os.environ, QTENSOR_CPU_ISA=isa),
+                       cwd=os.path.dirname(os.path.dirname(here)),
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

@@ -158,7 +158,7 @@ def test_compiled_converted_model_is_bit_identical_to_eager(spec, mode):
 
 _DYNAMIC_SCRIPT = """
 import sys, torch, qtensor as qt
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from test_compile import Net
 torch.manual_seed(0)
 model = qt.convert(Net(), qt.bf16)
@@ -175,7 +175,8 @@ print("ok")
 def test_dynamic_compile_under_hash_seeds(seed):
     """Hash seeds under which dynamic=True failed while the root's rounding ran in hooks."""
     env = dict(os.environ, PYTHONHASHSEED=seed)
-    r = subprocess.run([sys.executable, "-c", _DYNAMIC_SCRIPT, os.path.dirname(__file__)],
+    r = subprocess.run([sys.executable, "-c", _DYNAMIC_SCRIPT, os.path.dirname(__file__),
+                        os.path.dirname(os.path.dirname(__file__))],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 

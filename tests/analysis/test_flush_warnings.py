@@ -85,7 +85,8 @@ def test_environment_variable_turns_it_off():
     code = "import qtensor as qt; print(qt.flush_warnings.flush_warnings_enabled())"
     env = dict(os.environ, QTENSOR_FLUSH_WARNINGS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(__file__)), check=True)
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                         check=True)
     assert out.stdout.strip() == "False"
 
 

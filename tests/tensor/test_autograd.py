@@ -14,7 +14,7 @@ import torch
 import qtensor as qt
 from conftest import assert_bits_equal
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FORMATS = {
     "float": qt.fp8_e4m3,                       # saturating: 1000 -> 448
