@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 import qtensor as qt
 from qtensor.compat import mx
 

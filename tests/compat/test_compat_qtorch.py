@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 import qtensor as qt
 import qtensor.compat.qtorch as C
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor.accum import accum_matmul
 
 R = qt.recipes.deepseek_v3_fp8

@@ -15,7 +15,7 @@ import qtensor as qt
 from qtensor import ops, reference
 from qtensor.formats import BlockFormat, FixedFormat, FloatFormat, FormatError
 
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 
 P = qt.PRESETS
 MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")

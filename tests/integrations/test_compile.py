@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor import ops
 
 needs_kernels = pytest.mark.skipif(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor import decompositions, ops
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor import ops
 from qtensor import tensor as qtensor_mod
 from qtensor.formats import FloatFormat

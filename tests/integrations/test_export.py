@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor import ops
 
 _ACCUM_KERNEL = ops.kernels_available("cpu") and hasattr(torch.ops.qtensor, "accum_matmul")

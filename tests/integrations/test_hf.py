@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from test_serialization import _assert_same_state
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no downloads: every model comes from a config

@@ -1,5 +1,5 @@
 """Converted checkpoints as plain tensors plus formats (qtensor.serialization): torch.load without
-qtensor, and safetensors files. Hugging Face checkpoints: tests/test_hf.py."""
+qtensor, and safetensors files. Hugging Face checkpoints: tests/integrations/test_hf.py."""
 import json
 import os
 import re
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor.convert import conversion_of
 from qtensor.serialization import recipe_from_dict, recipe_to_dict
 

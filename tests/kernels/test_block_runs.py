@@ -28,7 +28,7 @@ import qtensor as qt
 from qtensor import ops, reference
 from qtensor.formats import FixedFormat
 
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="qtensor._C not built (pip install --no-build-isolation -e .)")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor import decompositions, ops
 from qtensor.formats import BlockFormat, FixedFormat, FloatFormat
 

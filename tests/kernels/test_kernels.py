@@ -19,7 +19,7 @@ import qtensor as qt
 from qtensor import ops, reference
 from qtensor.formats import BlockFormat, FixedFormat, FloatFormat
 
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="qtensor._C not built (pip install --no-build-isolation -e .)")

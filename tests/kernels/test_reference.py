@@ -24,7 +24,7 @@ from qtensor import reference
 from qtensor.formats import FixedFormat, FloatFormat, BlockFormat, FormatError
 
 import oracles
-from conftest import as_bits, assert_bits_equal
+from helpers import as_bits, assert_bits_equal
 
 MODES = ["nearest", "nearest_away", "toward_zero", "stochastic"]
 DETERMINISTIC = ["nearest", "nearest_away", "toward_zero"]

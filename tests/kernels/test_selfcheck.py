@@ -17,7 +17,7 @@ import torch
 import qtensor as qt
 from qtensor import accum, ops, reference, selfcheck
 
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="qtensor._C not built (pip install --no-build-isolation -e .)")

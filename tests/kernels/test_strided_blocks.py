@@ -16,7 +16,7 @@ import qtensor as qt
 from qtensor import dispatch, ops, reference
 from qtensor.formats import BlockFormat, FixedFormat, FloatFormat
 
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from test_kernels import block_inputs
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
@@ -170,7 +170,7 @@ def test_dispatch_takes_the_tiles(monkeypatch):
 
 
 def _train(fmt, strided, steps=3):
-    # (convolution operands keep the copy's layout: tests/test_gemm.py's
+    # (convolution operands keep the copy's layout: tests/tensor/test_gemm.py's
     # test_conv2d_three_gemms_against_manual fails where they take the tiles)
     old = dispatch.STRIDED_BLOCKS
     dispatch.STRIDED_BLOCKS = strided

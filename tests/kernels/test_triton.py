@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (conftest.py sets it where ther
 import qtensor as qt  # noqa: E402
 from qtensor import dispatch, gpu, ops, reference  # noqa: E402
 from qtensor.formats import PRESETS, BlockFormat, FixedFormat, FloatFormat  # noqa: E402
-from conftest import assert_bits_equal  # noqa: E402  (NaN payloads: the reference's differ)
+from helpers import assert_bits_equal  # noqa: E402  (NaN payloads: the reference's differ)
 
 pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors",
                                         "ignore:invalid value encountered in cast")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

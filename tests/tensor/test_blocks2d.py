@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor import reference
 from qtensor.formats import BlockFormat, FormatError
 from qtensor.plans import Recipe

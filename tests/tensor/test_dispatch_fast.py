@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor import dispatch
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 
 torch.set_num_threads(1)
 

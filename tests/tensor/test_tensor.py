@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qtensor as qt
-from conftest import assert_bits_equal
+from helpers import assert_bits_equal
 from qtensor.formats import FormatError
 
 MX6 = qt.mxfp6_e3m2
