@@ -18,8 +18,8 @@ from setuptools import find_packages, setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # qtorch (QPyTorch 0.3.0) and gfloat are independent oracles for the compat and reference tests;
-# mmasim (MMA-Sim: bit-accurate tensor-core models, needs torch>=2.9) for tests/test_accum_mmasim.py
-# triton: tests/test_triton.py runs the GPU kernels under Triton's CPU interpreter; 3.7.1 is the
+# mmasim (MMA-Sim: bit-accurate tensor-core models, needs torch>=2.9) for tests/accum/test_accum_mmasim.py
+# triton: tests/kernels/test_triton.py runs the GPU kernels under Triton's CPU interpreter; 3.7.1 is the
 # version torch 2.13's CUDA wheels pin (the one GPU users have), and the CPU wheel brings none.
 TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja", "qtorch==0.3.0",
         "gfloat", "mmasim==2.1.1", 'triton==3.7.1; platform_system=="Linux"']

@@ -9,7 +9,7 @@ instructions. :class:`AccumFormat` describes such a datapath (presets from Volta
 :func:`accum_matmul_reference`, the pure-PyTorch statement of the model (MMA-Sim v2's
 ``t_fdpa``/``gst_fdpa``: subnormal operands aligned at their format's minimum normal exponent,
 zero terms at ``e_zero``, block-scaled groups at their scales' exponents), in which every step is
-exact in float64; tests/test_accum_mmasim.py checks every preset against ``mmasim``.
+exact in float64; tests/accum/test_accum_mmasim.py checks every preset against ``mmasim``.
 
 Use: ``qt.Recipe(..., accumulate=qt.accum.hopper_fp8)`` or ``t.accum = ...``: every contraction
 with an operand that carries an accumulator sums its products with it, convolutions of every kind

@@ -9,7 +9,7 @@ with their own operand formats. A converted model whose recipe has ``attention=`
 qtensor.attention_convert), whatever SDPA backend is selected: the fused kernels never run.
 
 The math, with r(x, f, axis) the rounding of x to f along axis (None: not rounded), is the
-specification that tests/test_attention.py checks bit for bit (docs/attention.md):
+specification that tests/convert/test_attention.py checks bit for bit (docs/attention.md):
 
     S  = r(r(Q, qk[0], E) @ r(K, qk[1], E)^T * scale  (+ mask), scores, keys)
     P  = r(softmax_f(S), probs, keys)           softmax_f: its steps rounded to ``softmax``

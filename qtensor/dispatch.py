@@ -329,7 +329,7 @@ def _aliases_self_only(func) -> bool:
 
 
 # The payload call of the hottest moves (by overload name): the Tensor method runs the same
-# aten overload (tests/test_dispatch_fast.py checks each) at about half the Python cost of an
+# aten overload (tests/tensor/test_dispatch_fast.py checks each) at about half the Python cost of an
 # OpOverload call, which parses its arguments against the schema. Other single moves call the
 # overload's own function (OpOverload.__call__ without its frame).
 _PAYLOAD_CALLS = {
@@ -598,7 +598,7 @@ def _traced_float_args(x, fmt):
 
 # Eager CPU blocks along a strided axis of a dense tensor with another contiguous dim go to the
 # kernel as they lie (its tiles: csrc/quantize_cpu.h, blocks_tiled) instead of through a
-# transposing copy; False takes the copy (the same bits: tests/test_strided_blocks.py).
+# transposing copy; False takes the copy (the same bits: tests/kernels/test_strided_blocks.py).
 STRIDED_BLOCKS = True
 
 
@@ -858,7 +858,7 @@ def _device_error(func, args, kwargs, err):
 # same tensor (``p.data = x`` replaces it). Not for stochastic rounding (each use draws anew),
 # nor while tracing. Off by default (``CACHE_OPERANDS = True`` turns it on): writers that
 # preserve version counters on purpose, FSDP2 refilling its unsharded parameters' storage on
-# each all-gather, change a parameter unseen (tests/test_distributed.py's FSDP2 test trains
+# each all-gather, change a parameter unseen (tests/integrations/test_distributed.py's FSDP2 test trains
 # with stale roundings with it on).
 CACHE_OPERANDS = False
 
@@ -1037,7 +1037,7 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None):
 
 
 # Moves of one eager QTensor take _single_move (False: the general path, the same results:
-# tests/test_dispatch_fast.py compares them).
+# tests/tensor/test_dispatch_fast.py compares them).
 FAST_MOVES = True
 
 

@@ -14,7 +14,7 @@ from then on (the same bits, slower) and warns once, saying how to report it. Th
 - ``accumulator``: ``qt.accum.accum_matmul`` (``qtensor::accum_matmul``).
 
 No check runs on devices outside ``CHECKED_DEVICES`` (the CPU kernels are held to the reference
-bit for bit by tests/test_kernels.py on every change), once ``GPU_VERIFIED`` is True (set it in
+bit for bit by tests/kernels/test_kernels.py on every change), once ``GPU_VERIFIED`` is True (set it in
 the commit that records a passing scripts/gpu_check.sh run), or with ``QTENSOR_KERNEL_CHECK=0``
 in the environment (scripts/gpu_check.sh, which tests the kernels themselves). The modules that
 own the kernels register each family's check (``register``); a check returns None when the

@@ -33,8 +33,8 @@ timeout 330 "$py" setup.py build_ext --inplace > "$out/build.log" 2>&1 || { echo
 export QTENSOR_KERNEL_CHECK=0
 
 step "CUDA tests (CUDA vs CPU kernels, bit for bit)"
-timeout 150 "$py" -m pytest tests/test_kernels.py tests/test_accum.py tests/test_api.py \
-  tests/test_selfcheck.py -q -k "cuda" \
+timeout 150 "$py" -m pytest tests/kernels/test_kernels.py tests/accum/test_accum.py tests/test_api.py \
+  tests/kernels/test_selfcheck.py -q -k "cuda" \
   -p no:cacheprovider 2>&1 | tee "$out/test_kernels_cuda.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
