@@ -173,9 +173,9 @@ def sign_fixup(x: torch.Tensor, q: torch.Tensor, fmt: FloatFormat, rounding: str
         even = torch.remainder(b + fmt.bias, 2) == 0
         tie = (m == 0.75) & (b >= fmt.emin) & (b <= fmt.emax) & even
         q = torch.where(tie, (x / 1.5).to(q.dtype), q)  # +-2^b exactly
-    q = q + 0.0
-    if not fmt.signed:
-        q = torch.where(x < 0, torch.full_like(q, float("nan")), q)
+    q = torch.where(q == 0, torch.zeros_like(q), q)  # (not q + 0.0: a half NaN would change bits)
+    if not fmt.signed:  # negative x, and any NaN: the positive canonical NaN (as e8m0's)
+        q = torch.where((x < 0) | torch.isnan(q), torch.full_like(q, float("nan")), q)
     return q
 
 
