@@ -15,8 +15,8 @@ Python's standard-library source (the char corpus of mx_training.py), 3 seeds ea
    attention role (``Recipe.attention``, docs/attention.md) in three settings: BF16 operands for
    QK^T and PV (scores and softmax in FP32), FlashAttention-3's FP8 forward
    (``qt.recipes.fa3_fp8_attention``: E4M3 Q/K/V with FP32 block scales, P in E4M3) and the MX
-   paper's attention (``qt.recipes.mx_attention("mxfp8_e4m3")``), all with BF16 backward GEMMs
-   but MX's. Reported: validation loss, and the error of the attention scores S = QK^T/sqrt(d)
+   paper's attention (``qt.recipes.mx_attention("mxfp8_e4m3")``); backward GEMMs in BF16 (MX's
+   in MXFP8). Reported: validation loss, and the error of the attention scores S = QK^T/sqrt(d)
    and of the output O on the trained models' own Q, K, V (each run against FP64), and on the
    synthetic inputs of the FA3 paper's error table.
 3. **KV-cache formats** (``--parts kv``): the FP32-trained MoE models of part 1 evaluated with
