@@ -88,7 +88,7 @@ def test_demo_writes_to_an_untracked_folder_by_default():
     assert ignored.returncode in (0, 128), "examples/results/local/ is not git-ignored"
     for script in ("demo.py", "direct_cast.py", "mx_training.py", "qpytorch_recipes.py",
                    "accum_study.py", "fp4_recipes_study.py", "analysis_study.py",
-                   "ptq_study.py"):
+                   "ptq_study.py", "moe_attention_study.py"):
         assert "common.output_dir(args.out, args.quick)" in (EXAMPLES / script).read_text()
 
 
@@ -163,6 +163,34 @@ def test_fp4_recipes_study_quick():
             assert 0.0 < float(cells[0].split(" ± ")[0]) < 10.0, (name, cells)  # finite
             assert 0.0 <= float(cells[3].split(" ± ")[0]) <= 100.0
     assert "Command: python examples/fp4_recipes_study.py --quick" in out
+
+
+def test_moe_attention_study_quick():
+    """The three parts run and print their tables: the MoE recipes train to finite losses with
+    no leak_check finding (the experts' grouped GEMMs in their formats), the attention formats
+    give finite losses and score errors ordered as their precision, every KV-cache format a
+    perplexity."""
+    pytest.importorskip("transformers", reason="the MoE model is a transformers Qwen3-MoE")
+    out = run_example("moe_attention_study.py", "--quick")
+    moe, _, rest = out.partition("## 2.")
+    att, _, kv = rest.partition("## 3.")
+    att, _, fa3 = att.partition("FA3's error setup")
+    rows = table_rows(moe)
+    assert {"FP32", "qt.recipes.mxfp8_pretraining", "qt.recipes.nvfp4_nvidia"} <= set(rows)
+    for name in ("qt.recipes.mxfp8_pretraining", "qt.recipes.nvfp4_nvidia"):
+        assert 0.0 < float(rows[name][0].split(" ± ")[0]) < 10.0, rows
+        assert rows[name][4] == "0", f"leak_check findings under {name}:\n{moe}"
+    rows = table_rows(att)
+    bf16, fp8 = rows["BF16 Q/K/V/P (scores, softmax FP32)"], rows["qt.recipes.fa3_fp8_attention"]
+    for cells in (bf16, fp8):
+        assert 0.0 < float(cells[0].split(" ± ")[0]) < 10.0, rows
+    err = lambda cells, i: float(cells[i].split(" ± ")[0])  # noqa: E731
+    assert err(bf16, 3) < err(fp8, 3) and err(bf16, 4) < err(fp8, 4), rows  # S, then O
+    assert "fa3_fp8_attention + Hadamard on Q, K" in table_rows(fa3)
+    rows = table_rows(kv)
+    for name in ("none (FP32)", "bf16", "FP8_PER_TOKEN", "NVFP4", "MXFP4"):
+        assert 1.0 < float(rows[name][1].split(" ± ")[0]) < 1000.0, rows
+    assert "Command: python examples/moe_attention_study.py --quick" in out
 
 
 def test_hf_finetune_quick():
