@@ -17,7 +17,7 @@ arguments); ``qt.accum`` calls it as ``ops.accum_matmul`` for the tensors :func:
 CDNA3's two-stage datapath has no Triton kernel (the reference runs it on CUDA).
 
 Not covered here (:func:`covers`; the reference rounds them, the same bits): the 4over6 scale
-rule.
+rule with a tensor scale.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _cuda_ready() -> bool:
 
 def covers(fmt, rounding: str) -> bool:
     """Whether a Triton kernel rounds ``fmt`` (else the reference does, with the same bits)."""
-    return getattr(fmt, "scale_rule", None) != "4over6"
+    return not (getattr(fmt, "scale_rule", None) == "4over6" and fmt.tensor_scale)
 
 
 @contextlib.contextmanager
