@@ -173,7 +173,8 @@ def main(argv=None):
             print(f"#   (failed: {type(e).__name__}: {str(e)[:80]})")
             return None
 
-    header = (f"{'quantization':<22}{'ms':>8}{'copy ms':>8}{'x copy_':>9}{'extra MB':>10}"
+    header = (f"{'quantization':<22}{'ms':>8}{'GB/s':>8}{'copy ms':>8}{'x copy_':>9}"
+              f"{'extra MB':>10}"
               f"{'native x':>10}{'qtorch x':>10}{'torchao x':>11}")
     print(f"copy_: {copy_t * 1e3:.2f} ms (x copy_: the row's time over copy_ timed alternately with"
           " it; the other tools' ratios are to this copy_)")
@@ -198,9 +199,11 @@ def main(argv=None):
         def r(v):
             return f"{v / copy_t:.2f}" if v is not None else "-"
 
-        print(f"{label:<22}{t * 1e3:8.2f}{c * 1e3:8.2f}{t / c:9.2f}{mem / 2 ** 20:10.2f}"
+        gbs = 2 * x.numel() * x.element_size() / t / 1e9  # one read and one write of x
+        print(f"{label:<22}{t * 1e3:8.2f}{gbs:8.1f}{c * 1e3:8.2f}{t / c:9.2f}{mem / 2 ** 20:10.2f}"
               f"{r(nat):>10}{r(qto):>10}{r(tao):>11}")
-        results["rows"].append({"row": label, "ms": t * 1e3, "copy_ms": c * 1e3, "ratio": t / c,
+        results["rows"].append({"row": label, "ms": t * 1e3, "gb_per_s": gbs, "copy_ms": c * 1e3,
+                                "ratio": t / c,
                                 "extra_bytes": mem,
                                 "native_ratio": nat / copy_t if nat else None,
                                 "qtorch_ratio": qto / copy_t if qto else None,

@@ -5,7 +5,8 @@ MMA instruction aligns the products of ``chunk`` K-elements (and the running par
 largest exponent, keeps ``frac_bits`` fractional bits of each, and normalizes the sum to an
 accumulator format; libraries add that partial sum into an FP32 accumulator every ``promote``
 instructions. :class:`AccumFormat` describes such a datapath (presets from Volta to Blackwell);
-:func:`accum_matmul` computes a matrix product with it (fused C++ kernel), bit for bit equal to
+:func:`accum_matmul` computes a matrix product with it (fused C++ kernel; a Triton kernel on
+CUDA), bit for bit equal to
 :func:`accum_matmul_reference`, the pure-PyTorch statement of the model (MMA-Sim v2's
 ``t_fdpa``/``gst_fdpa``: subnormal operands aligned at their format's minimum normal exponent,
 zero terms at ``e_zero``, block-scaled groups at their scales' exponents), in which every step is
@@ -750,11 +751,13 @@ _register_fake()
 
 
 def _kernel_ready(a: torch.Tensor) -> bool:
+    """Whether a kernel sums a's contractions: the Triton one where qtensor.gpu takes a (CUDA;
+    CPU inside qtensor.gpu.force), else the C++ one on CPU."""
+    if _ops.gpu.takes(a):
+        return True
     if _ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
         return False
-    dev = a.device.type
-    return dev == "cpu" or (dev == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "qtensor::accum_matmul", "CUDA"))
+    return a.device.type == "cpu"
 
 
 def _sample_check(device: torch.device) -> Optional[str]:
@@ -769,15 +772,15 @@ def _sample_check(device: torch.device) -> Optional[str]:
     for x, y in operands + [(a, b)]:
         x, y = x.to(device), y.to(device)
         for f in (p for p in PRESETS.values() if p.stages == "fused"):  # (the kernel's)
-            got = torch.ops.qtensor.accum_matmul(x, y, *op_args(f), None, None, None, None, None)
+            got = _ops.kernel_ops(x).accum_matmul(x, y, *op_args(f), None, None, None, None,
+                                                  None)
             found = selfcheck.difference(got, _reference(x, y, f))
             if found is not None:
                 return f"accumulator {f.name}: {found}"
     return None
 
 
-if _ops._C is not None:
-    selfcheck.register("accumulator", _sample_check)
+selfcheck.register("accumulator", _sample_check)
 
 
 def op_args(f: AccumFormat, a_emin: int = _EXP_MIN, b_emin: int = _EXP_MIN) -> tuple:
@@ -919,9 +922,9 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
                  b_fmt=None, block_size=None) -> torch.Tensor:
     """a @ b (batched over broadcast leading dims) summed by the datapath ``accum``.
 
-    Float32 result; the fused C++ kernel on CPU (and the CUDA kernel where built), the reference
-    elsewhere (same bits). a_emin, b_emin, a_gexp, b_gexp, c, a_scale, b_scale: as
-    accum_matmul_reference (the kernel's fast path takes no c: with one, its double lanes or
+    Float32 result; the fused C++ kernel on CPU, the Triton kernel on CUDA (qtensor.gpu; the
+    fused datapaths), the reference elsewhere (same bits). a_emin, b_emin, a_gexp, b_gexp, c,
+    a_scale, b_scale: as accum_matmul_reference (the kernel's fast path takes no c: with one, its double lanes or
     group tiles run; with scale tensors the kernel computes the unscaled sums, per promotion
     interval for ``scales="promotion"``, and PyTorch applies the scales).
     """
@@ -940,14 +943,12 @@ def _matmul(a, b, f: AccumFormat, *, a_emin=None, b_emin=None, a_gexp=None, b_ge
                        dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c),
                        block_size)
     kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
-    tensors = isinstance(a_emin, torch.Tensor) or isinstance(b_emin, torch.Tensor)
     if (f.stages != "fused" and a.device.type == "cpu" and _kernel_ready(a) and f.frac_bits <= 24
-            and a_gexp is None and b_gexp is None
+            and a_gexp is None and b_gexp is None and not _ops.gpu.takes(a)
             and hasattr(torch.ops.qtensor, "accum_matmul_cdna3")):
         return _cdna3_matmul(a, b, f, a_emin, b_emin, c)
     # CUDA: the kernel must first agree with the reference there (qtensor/selfcheck.py)
-    if (not _kernel_ready(a) or f.stages != "fused"  # the kernel has one alignment stage
-            or (tensors and a.device.type != "cpu")  # per-element clamps: the CPU kernel
+    if (not _kernel_ready(a) or f.stages != "fused"  # the kernels have one alignment stage
             or not selfcheck.trusted(a.device.type, "accumulator", a.device)):
         return _reference(a, b, f, **kw)
     a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
@@ -969,8 +970,8 @@ def _matmul(a, b, f: AccumFormat, *, a_emin=None, b_emin=None, a_gexp=None, b_ge
         b_emins, b_emin = b_emin.expand(*batch, K, N).reshape(B, K, N).int(), -1000
     a3 = a.float().expand(*batch, M, K).reshape(B, M, K)
     b3 = b.float().expand(*batch, K, N).reshape(B, K, N)
-    out = torch.ops.qtensor.accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp, c,
-                                         a_emins, b_emins)
+    out = _ops.kernel_ops(a3).accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp,
+                                           c, a_emins, b_emins)
     return out.reshape(*batch, M, N)
 
 

@@ -12,8 +12,12 @@ op, ``.out`` and in-place ``_`` variants) that qtensor.ops calls for the tensors
 The functional ops are ``torch.library.triton_op``s where CUDA is present (torch.compile traces
 into the kernels), else ``custom_op``s with a fake (the interpreter under torch.compile on CPU).
 
+``accum_matmul`` is the fused (NVIDIA) datapath of ``qt.accum`` (``qtensor::accum_matmul``'s
+arguments); ``qt.accum`` calls it as ``ops.accum_matmul`` for the tensors :func:`takes`. AMD
+CDNA3's two-stage datapath has no Triton kernel (the reference runs it on CUDA).
+
 Not covered here (:func:`covers`; the reference rounds them, the same bits): the 4over6 scale
-rule, and ``qt.accum``'s accumulator datapath (no Triton kernel yet).
+rule with a tensor scale.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from typing import List, Optional
 import torch
 
 __all__ = ["available", "takes", "covers", "force", "ops", "quantize_float", "quantize_fixed",
-           "quantize_block"]
+           "quantize_block", "accum_matmul"]
 
 FAMILIES = ("quantize_float", "quantize_fixed", "quantize_block")
 _forced = False
@@ -59,7 +63,7 @@ def _cuda_ready() -> bool:
 
 def covers(fmt, rounding: str) -> bool:
     """Whether a Triton kernel rounds ``fmt`` (else the reference does, with the same bits)."""
-    return getattr(fmt, "scale_rule", None) != "4over6"
+    return not (getattr(fmt, "scale_rule", None) == "4over6" and fmt.tensor_scale)
 
 
 @contextlib.contextmanager
@@ -105,6 +109,17 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
                                  scale_max, tensor_scale, rounding, seed, out=out)
 
 
+def accum_matmul(a, b, chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man,
+                 acc_rounding, promote, e_zero, a_emin, b_emin, acc_emin, acc_emax, a_gexp=None,
+                 b_gexp=None, c=None, a_emins=None, b_emins=None):
+    """qtensor::accum_matmul's arguments (qtensor.accum.op_args), summed by the Triton kernel of
+    the fused datapath: a (B, M, K) @ b (B, K, N), float32."""
+    from . import accum
+    return accum.accum_matmul(a, b, chunk, frac_bits, group, align_rounding, acc_in_alignment,
+                              acc_man, acc_rounding, promote, e_zero, a_emin, b_emin, acc_emin,
+                              acc_emax, a_gexp, b_gexp, c, a_emins, b_emins)
+
+
 def _check(x, out, op, args):
     from ..checks import check_op_args  # the C++ ops' checks
     check_op_args(op, x, x if out is None else out, args)
@@ -130,8 +145,19 @@ def _block_op(x: torch.Tensor, elem: List[int], elem_max: float, block_size: int
                           tensor_scale, rounding, seed)
 
 
+def _accum_op(a: torch.Tensor, b: torch.Tensor, chunk: int, frac_bits: int, group: int,
+              align_rounding: int, acc_in_alignment: bool, acc_man: int, acc_rounding: int,
+              promote: int, e_zero: int, a_emin: int, b_emin: int, acc_emin: int, acc_emax: int,
+              a_gexp: Optional[torch.Tensor], b_gexp: Optional[torch.Tensor],
+              c: Optional[torch.Tensor], a_emins: Optional[torch.Tensor],
+              b_emins: Optional[torch.Tensor]) -> torch.Tensor:
+    return accum_matmul(a, b, chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man,
+                        acc_rounding, promote, e_zero, a_emin, b_emin, acc_emin, acc_emax, a_gexp,
+                        b_gexp, c, a_emins, b_emins)
+
+
 _FUNCTIONAL = {"quantize_float": _float_op, "quantize_fixed": _fixed_op,
-               "quantize_block": _block_op}
+               "quantize_block": _block_op, "accum_matmul": _accum_op}
 _registered: dict = {}
 
 
@@ -145,10 +171,15 @@ def _op(name: str):
         else:  # the interpreter: an opaque op with a fake, which inductor on CPU takes
             op = torch.library.custom_op(qual, fn, mutates_args=())
 
-            @op.register_fake
-            def _(x, *args, _name=name):
-                _check(x, None, _name, args)
-                return torch.empty_like(x, memory_format=torch.contiguous_format)
+            if name == "accum_matmul":
+                @op.register_fake
+                def _(a, b, *args):
+                    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+            else:
+                @op.register_fake
+                def _(x, *args, _name=name):
+                    _check(x, None, _name, args)
+                    return torch.empty_like(x, memory_format=torch.contiguous_format)
         op = _registered[name] = op
     return op
 
@@ -181,6 +212,10 @@ class _Ops:
             setattr(self, name, fam)
             setattr(self, name + "_", fam.inplace)
 
+    @staticmethod
+    def accum_matmul(a, b, *args):
+        return _op("accum_matmul")(a, b, *args)
+
 
 ops = _Ops()
 
@@ -195,3 +230,5 @@ def register_cuda_kernels() -> None:
             lambda x, *a, out, _l=launch: (_l(x, *a, out=out), None)[1])
         torch.library.impl(f"qtensor::{name}_", "CUDA")(
             lambda x, *a, _l=launch: (_l(x, *a, out=x), None)[1])
+    if hasattr(torch.ops.qtensor, "accum_matmul"):
+        torch.library.impl("qtensor::accum_matmul", "CUDA")(accum_matmul)

@@ -1,12 +1,13 @@
 """Triton kernel of the block family (qtensor::quantize_block): MX and custom block formats of any
-size along any axis (strided, without a transposing copy), partial blocks, the floor, ceil, even
-and amax scale rules (the even and amax rules' settling step included), power-of-two (E8M0) and
-mantissa-bit (E4M3, FP32, bf16) scales, NVFP4's per-tensor scale; every rounding mode. 2D tiles
-reach it laid out as 1D blocks (qtensor.ops). The 4over6 rule has no Triton kernel yet
-(qtensor.gpu.covers: the reference rounds it).
+size along any axis (strided, without a transposing copy), partial blocks, the floor, ceil, even,
+amax and 4over6 scale rules (the even and amax rules' settling step included), power-of-two
+(E8M0) and mantissa-bit (E4M3, FP32, bf16) scales, NVFP4's per-tensor scale; every rounding
+mode. 2D tiles reach it laid out as 1D blocks (qtensor.ops). 4over6 with a tensor scale has no
+Triton kernel (qtensor.gpu.covers: the reference rounds it).
 
 One program rounds BR blocks, looping over each block's elements in chunks of BC: the amax pass,
-the scale, then (for the even and amax rules) settling passes, then the rounding pass."""
+the scale, then (for the even and amax rules) settling passes, (4over6) the second candidate's
+and an error pass in element order, then the rounding pass."""
 import math
 
 import torch
@@ -115,6 +116,35 @@ def _round_amax(u, sc, rbits, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
 
 
 @triton.jit
+def _settled(sc, x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, ts, elem_max, key,
+             sr_or, man, emin, qlow, e_max, fl, e_pos, e_neg, s_man, s_emin, s_qlow, s_max,
+             s_ovf, s_minn, s_uns, MODE: tl.constexpr, ELEM_FIXED: tl.constexpr,
+             TS: tl.constexpr, UP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """round.h settle_amax_scale: while the scale of the rounded block's amax is lower, the
+    block takes it (idempotence)."""
+    lower = sc > 0
+    while tl.max(lower.to(tl.int32), axis=0) > 0:
+        ram = tl.zeros([BR], tl.uint32)
+        for c0 in range(0, bs, BC):
+            j = c0 + cols
+            m = row_ok[:, None] & (j[None, :] < bs) & ((start[:, None] + j[None, :]) < L)
+            u = tl.load(x_ptr + xbase[:, None] + j[None, :] * xsl, mask=m, other=0.0)
+            u = u.to(tl.uint32, bitcast=True)
+            if MODE == 3:
+                rb = C.random_word(key, lbase[:, None] + j[None, :] * I, sr_or)
+            else:
+                rb = tl.zeros(u.shape, tl.uint32)
+            q = _round_amax(u, sc[:, None], rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
+                            MODE, ELEM_FIXED, TS)
+            ram = tl.maximum(ram, tl.max(tl.where(m, q & 0x7FFFFFFF, 0), axis=1))
+        again = _amax_scale(ram, ts, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn,
+                            s_uns, UP, TS)
+        lower = (again < sc) & (sc > 0)
+        sc = tl.where(lower, again, sc)
+    return sc
+
+
+@triton.jit
 def _block_kernel(x_ptr, y_ptr, ts_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, yso, ysl, ysi,
                   man, emin, qlow, elem_emax, elem_max, fl, kmin, kmax,
                   scale_emin, scale_emax, even_mbits,
@@ -156,30 +186,43 @@ def _block_kernel(x_ptr, y_ptr, ts_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, ys
     bad = amax >= 0x7F800000
     amax = tl.where(bad, 0, amax)
 
-    if RULE == 2:
+    if RULE == 2 or RULE == 4:
         s_uns = s_uns != 0
-        sc = _amax_scale(amax, ts, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn, s_uns,
-                         UP, TS)
-        # idempotence: the scale of the rounded block's amax, while it is lower
-        lower = sc > 0
-        while tl.max(lower.to(tl.int32), axis=0) > 0:
-            ram = tl.zeros([BR], tl.uint32)
-            for c0 in range(0, bs, BC):
-                j = c0 + cols
-                m = row_ok[:, None] & (j[None, :] < bs) & ((start[:, None] + j[None, :]) < L)
-                u = tl.load(x_ptr + xbase[:, None] + j[None, :] * xsl, mask=m, other=0.0)
+        sc = _settled(_amax_scale(amax, ts, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf,
+                                  s_minn, s_uns, UP, TS),
+                      x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, ts, elem_max,
+                      key, sr_or, man, emin, qlow, e_max, fl, e_pos, e_neg, s_man, s_emin,
+                      s_qlow, s_max, s_ovf, s_minn, s_uns, MODE, ELEM_FIXED, TS, UP, BR, BC)
+        if RULE == 4:
+            # 4over6: the scale mapping the max to 4 too, settled the same way; the block takes
+            # the one whose sum of |q - x| (float64, in element order, as the CPU kernel) is
+            # lower, 6 on a tie. (The elements keep their format, max 6, under either scale.)
+            sc4 = _settled(_amax_scale(amax, ts, 4.0, s_man, s_emin, s_qlow, s_max, s_ovf,
+                                       s_minn, s_uns, UP, TS),
+                           x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, ts, 4.0,
+                           key, sr_or, man, emin, qlow, e_max, fl, e_pos, e_neg, s_man, s_emin,
+                           s_qlow, s_max, s_ovf, s_minn, s_uns, MODE, ELEM_FIXED, TS, UP, BR,
+                           BC)
+            e6 = tl.zeros([BR], tl.float64)
+            e4 = tl.zeros([BR], tl.float64)
+            for j in range(0, bs):
+                m = row_ok & ((start + j) < L)
+                u = tl.load(x_ptr + xbase + j * xsl, mask=m, other=0.0)
+                xv = u.to(tl.float64)
                 u = u.to(tl.uint32, bitcast=True)
                 if MODE == 3:
-                    rb = C.random_word(key, lbase[:, None] + j[None, :] * I, sr_or)
+                    rb = C.random_word(key, lbase + j * I, sr_or)
                 else:
                     rb = tl.zeros(u.shape, tl.uint32)
-                q = _round_amax(u, sc[:, None], rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
-                                MODE, ELEM_FIXED, TS)
-                ram = tl.maximum(ram, tl.max(tl.where(m, q & 0x7FFFFFFF, 0), axis=1))
-            again = _amax_scale(ram, ts, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn,
-                                s_uns, UP, TS)
-            lower = (again < sc) & (sc > 0)
-            sc = tl.where(lower, again, sc)
+                q6 = _round_amax(u, sc, rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
+                                 MODE, ELEM_FIXED, TS)
+                q4 = _round_amax(u, sc4, rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
+                                 MODE, ELEM_FIXED, TS)
+                d6 = q6.to(tl.float32, bitcast=True).to(tl.float64) - xv
+                d4 = q4.to(tl.float32, bitcast=True).to(tl.float64) - xv
+                e6 = tl.where(m, e6 + tl.abs(d6), e6)
+                e4 = tl.where(m, e4 + tl.abs(d4), e4)
+            sc = tl.where(e4 < e6, sc4, sc)
     else:
         k = _scale_exp(amax, elem_emax, elem_max, scale_emin, scale_emax, even_mbits, RULE)
         if RULE == 3:
@@ -212,7 +255,7 @@ def _block_kernel(x_ptr, y_ptr, ts_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, ys
             rb = C.random_word(key, lbase[:, None] + j[None, :] * I, sr_or)
         else:
             rb = tl.zeros(u.shape, tl.uint32)
-        if RULE == 2:
+        if RULE == 2 or RULE == 4:
             q = _round_amax(u, sc[:, None], rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
                             MODE, ELEM_FIXED, TS)
         else:
@@ -278,12 +321,15 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
                            "emax, subnormals, overflow, unsigned]")
     up = scale_rule == _CEIL and scale[0] > 0
     rule = _AMAX if up else scale_rule
-    if rule == _4OVER6 or rule not in (_FLOOR, _CEIL, _AMAX, _EVEN):
-        raise NotImplementedError(f"qtensor.gpu: scale_rule {scale_rule} has no Triton kernel")
+    if rule not in (_FLOOR, _CEIL, _AMAX, _EVEN, _4OVER6):
+        raise RuntimeError(f"qtensor::quantize_block: unknown scale_rule {scale_rule}")
+    if rule == _4OVER6 and tensor_scale:
+        raise NotImplementedError("qtensor.gpu: 4over6 with a tensor scale has no Triton kernel "
+                                  "(qtensor.gpu.covers: the reference rounds it)")
     if rule in (_FLOOR, _EVEN) and scale[0] != 0:
         raise RuntimeError("qtensor::quantize_block: scale_rule floor and even need an "
                            "exponent-only scale")
-    if tensor_scale and rule != _AMAX:
+    if tensor_scale and rule not in (_AMAX, _4OVER6):
         raise RuntimeError("qtensor::quantize_block: tensor_scale needs scale_rule amax, 4over6, "
                            "or ceil with a scale of mantissa bits")
     key, sr_or, mode = key_and_mode(seed, rounding)

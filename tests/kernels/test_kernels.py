@@ -575,7 +575,8 @@ def test_cuda_matches_cpu(dtype):
                 assert_bits_equal(got.cpu(), want, f"cuda {fmt} {rounding} {dtype}")
     # strided and big (many blocks and grid-stride iterations)
     big = torch.randn(1000, 4099, device="cuda")
-    for fmt in (P["fp8_e4m3"], P["mxfp8_e4m3"], P["nvfp4"], FixedFormat(8, 4)):
+    four_over_six = BlockFormat(P["fp4_e2m1"], 16, scale=P["fp8_e4m3"], scale_rule="4over6")
+    for fmt in (P["fp8_e4m3"], P["mxfp8_e4m3"], P["nvfp4"], FixedFormat(8, 4), four_over_six):
         for v in (big, big.t(), big[:, 1:]):
             for rounding in ("nearest", "stochastic"):
                 assert_bits_equal(ops.quantize_with_seed(v, fmt, rounding, 3).cpu(),
