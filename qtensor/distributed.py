@@ -256,7 +256,7 @@ def cuts_blocks(fmt, p) -> bool:
     """Whether the shards of the DTensor ``p`` (FSDP2's sharded parameter) cut blocks of
     ``fmt``: rounding a shard on its own would then round parts of a block as blocks. FSDP2
     (torch.chunk) gives each rank ceil(n / world) indices of the sharded dim."""
-    if not isinstance(fmt, BlockFormat):
+    if fmt is None or not fmt.is_block:
         return False
     from torch.distributed.tensor import Shard
     for mesh_dim, placement in enumerate(p.placements):

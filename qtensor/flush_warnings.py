@@ -195,7 +195,7 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
     grid's top counts as map-to-6, an upper bound.
     Cost: one amax per block and three elementwise passes (|x|, minus the top, clamp) and two
     sums; x of any float dtype, compared with the tops in float32 (which hold them exactly)."""
-    if not isinstance(fmt, BlockFormat):
+    if not fmt.is_block:
         return None
     from .dispatch import fit_format  # (dispatch imports this module's users)
     fmt = fit_format(fmt, x.dim())
@@ -319,7 +319,7 @@ def check_operand(role: str, name: str, formats, value: torch.Tensor) -> None:
     that clips more than :data:`CLIP_LIMIT` of its L1 norm, and tell the observers that have an
     ``operand`` method (``callback.operand(role, name, formats, value)``)."""
     mm = getattr(formats, "mm_fmt", None)
-    if torch.compiler.is_compiling() or not isinstance(mm, BlockFormat) or mm == formats.fmt \
+    if torch.compiler.is_compiling() or mm is None or not mm.is_block or mm == formats.fmt \
             or not _an_operand(role, name):
         return
     hears = [c for c in _observers if hasattr(c, "operand")]

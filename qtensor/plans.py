@@ -466,7 +466,7 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor",
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
     src = x._data if _is_q(x) else x.detach()  # the values before this rounding
-    if isinstance(role.fmt, BlockFormat):  # a mask's -inf makes its whole block NaN: say so
+    if role.fmt.is_block:  # a mask's -inf makes its whole block NaN: say so
         block_specials.check(src, y._data, role.fmt, what=name)
     if kind is not None:  # most of it flushed to zero or saturated: say so
         flush_warnings.check(kind, name, role, src, y._data)

@@ -74,7 +74,7 @@ def unrepresentable(payload: torch.Tensor, fmt: Format, aligned: bool = True):
     ok = same_bits(p, q)
     if bool(ok.all()):
         return None
-    if isinstance(fmt, BlockFormat) and (not aligned or p._is_view()):
+    if fmt.is_block and (not aligned or p._is_view()):
         # the blocks may not line up any more (slices, reshapes): judge each element
         ok = block_elements_ok(p, fmt)
         if bool(ok.all()):
@@ -114,7 +114,7 @@ def same_format(a: Format, b: Format) -> bool:
     """Equal formats; block formats compare without their axis (it follows transposes)."""
     if a == b:
         return True
-    if isinstance(a, BlockFormat) and isinstance(b, BlockFormat):
+    if a.is_block and b.is_block:
         return a.replace(axis=-1) == b.replace(axis=-1)  # (2D blocks need an axis)
     return False
 
