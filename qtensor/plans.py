@@ -20,7 +20,7 @@ import torch
 from .accum import as_accum
 from . import block_specials
 from . import flush_warnings
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
+from .formats import FloatFormat, Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor, as_qtensor, same_formats
 from .transforms import check_transform
@@ -95,28 +95,15 @@ def _format_or_error(spec, what: str) -> Format:
         raise FormatError(f"{what}: {e}") from None
 
 
-def _unsigned_range(fmt: Format) -> Optional[str]:
-    """The range of a format that cannot hold negative values (None for signed formats)."""
-    if isinstance(fmt, BlockFormat):
-        inner = _unsigned_range(fmt.elem)
-        return None if inner is None else f"elements in {inner} times the block scale"
-    if isinstance(fmt, FloatFormat) and not fmt.signed:
-        return f"[2^{fmt.emin}, 2^{fmt.emax}] (no sign and no zero: 0 and negatives give NaN)"
-    if isinstance(fmt, FixedFormat) and not fmt.signed:
-        return (f"[0, {fmt.max:g}] (unsigned: negatives "
-                f"{'clamp to 0' if fmt.saturate else 'wrap around'})")
-    return None
-
-
 def check_signed(role: "Role", what: str) -> None:
     """A FormatError if ``role`` has a format that cannot hold negative values: every role of a
     model (weights, biases, activations, gradients, optimizer state) holds signed values."""
     for fmt in (role.fmt, role.mm_fmt):
-        span = None if fmt is None else _unsigned_range(fmt)
+        span = None if fmt is None else fmt.unsigned_range()
         if span is None:
             continue
         hint = (f"{fmt} is a scale format: the scale of block formats (as in mxfp8_e4m3), not a "
-                "format for values" if isinstance(fmt, FloatFormat) else
+                "format for values" if fmt.scale_only else
                 "use a signed format (FixedFormat(wl, fl) is signed by default)")
         raise FormatError(
             f"{what}: {fmt} cannot hold a model's signed values: it holds only {span}; {hint}")
