@@ -61,7 +61,7 @@ from torch import nn
 from .convert import conversion_of, convert, is_converted, unconvert
 from .gemm_forward import gemm_formats
 from .dispatch import quantize as _round, with_axis
-from .formats import BlockFormat, FloatFormat, Format, is_stochastic
+from .formats import Format, is_stochastic
 from .plans import Recipe, _plain, round_to
 from .recipes import direct_cast
 from .reference import _round_scalar, _tensor_scale, block_scale, round_with_scale
@@ -480,7 +480,7 @@ def _weight_format(mod: nn.Module) -> Optional[Format]:
         return None
     fmt = _fprop(mod)[1]
     fmt = fmt if fmt is not None else w.fmt
-    if isinstance(fmt, FloatFormat) and fmt.exp == 8 and fmt.man == 23:
+    if fmt.is_fp32:
         return None
     if fmt.is_block:
         fmt = with_axis(fmt, _weight_axis(mod) if fmt.axis is not None else None)
