@@ -49,7 +49,7 @@ def check_out(x: torch.Tensor, out, fmt) -> None:
 def check_axis(x: torch.Tensor, fmt) -> None:
     """A BlockFormat's axis must be a dim of x (a 0-dim x is one block whatever the axis); a 2D
     block format (block_shape) needs 2+ dims, with its axis one of the last two."""
-    if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
+    if fmt.is_block and fmt.block_shape is not None:
         r, c = fmt.block_shape
         if x.dim() < 2:
             raise FormatError(
@@ -62,7 +62,7 @@ def check_axis(x: torch.Tensor, fmt) -> None:
                 f"{fmt.axis} is not one of them for a tensor of shape {tuple(x.shape)} (use -1 "
                 "or -2)")
         return
-    if isinstance(fmt, BlockFormat) and fmt.axis is not None and x.dim() > 0:
+    if fmt.is_block and fmt.axis is not None and x.dim() > 0:
         if not -x.dim() <= fmt.axis < x.dim():
             raise IndexError(
                 f"{fmt}: axis {fmt.axis} is out of range for a tensor of shape {tuple(x.shape)}")

@@ -30,7 +30,6 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from . import distributed, gemm_forward as _gemm, training
-from .formats import BlockFormat
 from .ops import quantize
 from .plans import (_FP32, ROLE_NAMES, ModulePlan, Recipe, Role, TensorPlan, _is_q, _plain,
                     gemm_for, round_to, GEMMS, GemmFormats, last_layers_count)
@@ -850,24 +849,7 @@ def _total_bits(t: torch.Tensor) -> float:
             return 8.0 * n
         info = torch.finfo(t.dtype) if t.is_floating_point() else torch.iinfo(t.dtype)
         return float(info.bits * n)
-    fmt = t.fmt
-    if not isinstance(fmt, BlockFormat):
-        return float(fmt.bits * n)
-    if n == 0:
-        return 0.0
-    if fmt.axis is None or t.dim() == 0:
-        blocks = 1
-    elif fmt.block_shape is not None and t.dim() >= 2:  # tiles of the last two dims
-        r, c = fmt.block_shape
-        if fmt.axis % t.dim() == t.dim() - 2:
-            r, c = c, r
-        rows, cols = t.shape[-2], t.shape[-1]
-        blocks = (n // (rows * cols)) * -(-rows // r) * -(-cols // c)
-    else:
-        length = t.shape[fmt.axis]
-        per_row = 1 if fmt.block_size is None else -(-length // fmt.block_size)
-        blocks = (n // length) * per_row
-    return float(n * fmt.elem.bits + blocks * fmt.scale.bits + (32 if fmt.tensor_scale else 0))
+    return t.fmt.storage_bits(t.shape)
 
 
 def _rule_of(plan, recipe: Recipe, roles: Tuple[str, ...]) -> str:

@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from . import training
-from .formats import BlockFormat
 from .plans import _plain, round_to
 from .tensor import QTensor, register_fsdp_hook
 
@@ -236,27 +235,11 @@ def remember_plan(module: nn.Module, name: str, plan) -> None:
     _planned.add(module)
 
 
-def _block_extent(fmt, ndim: int, dim: int, size: int) -> int:
-    """How many consecutive indices along ``dim`` (of ``size``) one block of ``fmt`` spans, in a
-    tensor of ``ndim`` dims: 1 where the rounding is elementwise along ``dim``."""
-    if not isinstance(fmt, BlockFormat):
-        return 1
-    if fmt.tensor_scale or fmt.axis is None:  # a scale over the whole tensor
-        return size
-    if not -ndim <= fmt.axis < ndim:
-        return 1  # (such a rounding fails anyway, with its own error)
-    axis = fmt.axis % ndim
-    if fmt.block_shape is not None:
-        rows, cols = fmt.block_shape
-        return cols if dim == axis else rows if dim >= ndim - 2 else 1
-    return (fmt.block_size or size) if dim == axis else 1
-
-
 def cuts_blocks(fmt, p) -> bool:
     """Whether the shards of the DTensor ``p`` (FSDP2's sharded parameter) cut blocks of
     ``fmt``: rounding a shard on its own would then round parts of a block as blocks. FSDP2
     (torch.chunk) gives each rank ceil(n / world) indices of the sharded dim."""
-    if not isinstance(fmt, BlockFormat):
+    if fmt is None or not fmt.is_block:
         return False
     from torch.distributed.tensor import Shard
     for mesh_dim, placement in enumerate(p.placements):
@@ -265,7 +248,7 @@ def cuts_blocks(fmt, p) -> bool:
         dim = placement.dim % p.dim()
         n = p.shape[dim]
         chunk = -(-n // p.device_mesh.size(mesh_dim))
-        extent = _block_extent(fmt, p.dim(), dim, n)
+        extent = fmt.block_extent(p.dim(), dim, n)
         # (a strided shard interleaves its chunks: cut wherever a block spans indices)
         if extent > 1 and n > chunk and (chunk % extent or type(placement) is not Shard):
             return True

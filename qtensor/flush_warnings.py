@@ -48,7 +48,7 @@ from typing import Callable, List, Optional
 import torch
 
 from . import reference
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format
+from .formats import BlockFormat, Format
 from .warn import warn
 
 __all__ = ["check", "set_flush_warnings", "flush_warnings_enabled", "observe", "FLUSH_LIMIT",
@@ -62,7 +62,6 @@ CLIP_LIMIT_FINE = 0.08  # the same for elements that clip a value by at most 1/8
 CLIP_MIN_VALUES = 512  # smaller tensors are not judged: a few blocks' maxima are no statistic
 CLIP_CHECK_FIRST = 4   # the clipping of a (role, tensor) is measured on its first 4 roundings,
 CLIP_CHECK_EVERY = 16  # then on one in 16 (it costs a block amax and four passes)
-_FP32_MAX = 3.4028234663852886e38
 
 _enabled = [os.environ.get("QTENSOR_FLUSH_WARNINGS", "1").strip().lower()
             not in ("0", "false", "no", "off")]
@@ -97,14 +96,8 @@ def observe(callback: Callable):
 
 def _largest(fmt: Format) -> Optional[float]:
     """The largest finite magnitude of fmt (None: no range to reach, e.g. FP32-wide)."""
-    if isinstance(fmt, FixedFormat):
-        return max(fmt.max, -fmt.min)
-    if isinstance(fmt, (FloatFormat, BlockFormat)):
-        if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
-            return None  # a per-tensor scale from the tensor's amax: nothing saturates
-        top = fmt.max
-        return top if top < 3.0e38 else None  # FP32's range: an overflow is the input's
-    return None
+    top = fmt.max_magnitude
+    return top if top is not None and top < 3.0e38 else None  # FP32's range: the input's
 
 
 def fractions(before: torch.Tensor, after: torch.Tensor, fmt: Format) -> dict:
@@ -140,16 +133,6 @@ def _blocks(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     if fmt.block_shape is not None:
         return reference.tile_blocks(x, fmt)[0]
     return reference.block_layout(x, fmt)
-
-
-def can_clip(fmt: BlockFormat) -> bool:
-    """False where no finite float32 can lie beyond its block's largest value: the ceil rule
-    with power-of-two scales has amax / X <= max_elem unless X is the scale's max, and with
-    e8m0's 2^127 that is past float32."""
-    if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:
-        lo = fmt.elem.min if isinstance(fmt.elem, FixedFormat) else -fmt.elem.max
-        return min(fmt.elem.max, -lo) * fmt.scale.max < _FP32_MAX
-    return True
 
 
 def clip_limit(fmt: BlockFormat) -> float:
@@ -195,14 +178,14 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
     grid's top counts as map-to-6, an upper bound.
     Cost: one amax per block and three elementwise passes (|x|, minus the top, clamp) and two
     sums; x of any float dtype, compared with the tops in float32 (which hold them exactly)."""
-    if not isinstance(fmt, BlockFormat):
+    if not fmt.is_block:
         return None
     from .dispatch import fit_format  # (dispatch imports this module's users)
     fmt = fit_format(fmt, x.dim())
     elem = fmt.elem
     hi = float(elem.max)
-    lo = float(elem.min) if isinstance(elem, FixedFormat) else -hi
-    if x.numel() == 0 or not can_clip(fmt):
+    lo = float(elem.lowest)
+    if x.numel() == 0 or not fmt.clips_in_blocks:
         return {"clipped": 0, "lost": 0.0, "magnitude": float(x.abs().sum().float())}
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         x = x.float()
@@ -267,9 +250,9 @@ def _block_roundings(role, name, formats, before, after):
     ``after``, blocked along the last axis as qt.analyze's operand rows; not rounded here)."""
     out = []
     fmt, mm = formats.fmt, getattr(formats, "mm_fmt", None)
-    if isinstance(fmt, BlockFormat) and can_clip(fmt):
+    if fmt.clips_in_blocks:
         out.append(("", before, fmt, after))
-    if isinstance(mm, BlockFormat) and mm != fmt and after.dim() > 0 and can_clip(mm) and \
+    if mm is not None and mm.clips_in_blocks and mm != fmt and after.dim() > 0 and \
             _an_operand(role, name):
         from .dispatch import with_axis
         out.append(("as an operand ", after, with_axis(mm, -1), None))
@@ -280,8 +263,8 @@ def _clips(role, name, formats) -> bool:
     """Whether this rounding's clipping is checked now: a block format that can clip, and
     the first CLIP_CHECK_FIRST roundings of (role, name), then one in CLIP_CHECK_EVERY."""
     fmt, mm = formats.fmt, getattr(formats, "mm_fmt", None)
-    if not ((isinstance(fmt, BlockFormat) and can_clip(fmt)) or (
-            isinstance(mm, BlockFormat) and can_clip(mm) and _an_operand(role, name))):
+    if not (fmt.clips_in_blocks or (
+            mm is not None and mm.clips_in_blocks and _an_operand(role, name))):
         return False
     n = _clip_calls[(role, name)] = _clip_calls.get((role, name), 0) + 1
     return n <= CLIP_CHECK_FIRST or n % CLIP_CHECK_EVERY == 0
@@ -319,7 +302,7 @@ def check_operand(role: str, name: str, formats, value: torch.Tensor) -> None:
     that clips more than :data:`CLIP_LIMIT` of its L1 norm, and tell the observers that have an
     ``operand`` method (``callback.operand(role, name, formats, value)``)."""
     mm = getattr(formats, "mm_fmt", None)
-    if torch.compiler.is_compiling() or not isinstance(mm, BlockFormat) or mm == formats.fmt \
+    if torch.compiler.is_compiling() or mm is None or not mm.is_block or mm == formats.fmt \
             or not _an_operand(role, name):
         return
     hears = [c for c in _observers if hasattr(c, "operand")]
@@ -374,7 +357,7 @@ def check_gemm_operand(role: str, name: str, fmt, value: torch.Tensor, axis: int
     formats = _Operand(fa)
     if key not in _warned:
         _check_range(role, name, formats, x, q)
-    if (role, name, "clip") not in _warned and isinstance(fa, BlockFormat) and can_clip(fa):
+    if (role, name, "clip") not in _warned and fa.clips_in_blocks:
         _check_clipping(role, name, formats, x, q)
 
 

@@ -48,6 +48,7 @@ _SCALE_RULE_ALIASES = {"rceil": "ceil"}
 _F32_MAN = 23
 _F32_EMAX = 127
 _F32_MIN_QUANTUM_EXP = -149  # exponent of the smallest float32 subnormal
+_F32_MAX = 3.4028234663852886e38
 _F32_EXP = 8  # more exponent bits give more binades than float32's 2^-149..2^127
 # A block size or axis beyond any tensor's (the kernels take int64 and add sizes to block sizes)
 _MAX_INDEX = 2 ** 62
@@ -59,9 +60,7 @@ class FormatError(ValueError):
 
 def _significant_bits(f) -> int:
     """Significant bits of a float or fixed-point format's values (the implicit bit counted)."""
-    if isinstance(f, FixedFormat):
-        return f.wl - 1 if f.signed else f.wl
-    return f.man + 1
+    return f.significant_bits
 
 
 def stochastic_bits(rounding: str) -> Optional[int]:
@@ -123,7 +122,44 @@ def _check_bool(name: str, value) -> None:
 
 
 class Format(TorchFunctionTarget):
-    """Common behaviour of all formats (``model.to(fmt)``, ``t.to(fmt)``: qtensor.torch_function)."""
+    """Common behaviour of all formats (``model.to(fmt)``, ``t.to(fmt)``: qtensor.torch_function).
+
+    The format protocol: the questions code outside this module asks of a format, answered by
+    each family (the defaults below are a scalar format's), so that callers need not switch on
+    the format's class and a new family answers them in its own class
+    (docs/architecture.md, "The format protocol")."""
+
+    #: Whether values share scales in blocks (then the format has ``elem``, ``scale``,
+    #: ``block_size``, ``axis``, ``block_shape``, ``scale_rule`` and ``tensor_scale``).
+    is_block = False
+    #: Whether the format only holds block scales: no sign, so no model value (E8M0, UE5M3).
+    scale_only = False
+    #: Whether its exponent range is FP32's (BF16, TF32, FP32): no model value overflows it.
+    has_fp32_range = False
+    #: Whether it has FP32's exponent and mantissa widths (e8m23): rounding a float32 to it is
+    #: (FP32's own bias and specials aside) no rounding.
+    is_fp32 = False
+    #: Whether rounding can put a finite value beyond its block's largest value (a block format
+    #: whose block scale can be too small for a block's amax).
+    clips_in_blocks = False
+
+    @property
+    def max_magnitude(self) -> Optional[float]:
+        """The largest finite magnitude a rounding to this format gives (None: none fixed)."""
+        return None
+
+    def unsigned_range(self) -> Optional[str]:
+        """The values, in words, of a format that cannot hold negative values (None: signed)."""
+        return None
+
+    def block_extent(self, ndim: int, dim: int, size: int) -> int:
+        """How many consecutive indices along ``dim`` (of ``size``) one block spans in a tensor of
+        ``ndim`` dims: 1 where the rounding is elementwise along ``dim``."""
+        return 1
+
+    def storage_bits(self, shape) -> float:
+        """The bits a tensor of ``shape`` takes in this format (block scales counted per block)."""
+        return float(self.bits * math.prod(shape))
 
     def replace(self, **changes) -> "Format":
         """A copy with some fields changed, validated like a new format."""
@@ -282,6 +318,39 @@ class FloatFormat(Format):
     def has_nan(self) -> bool:
         return self.specials != "none"
 
+    @property
+    def significant_bits(self) -> int:
+        """Significant bits of its values, the implicit bit counted."""
+        return self.man + 1
+
+    @property
+    def lowest(self) -> float:
+        """The most negative value (unsigned: the smallest one, 0 or 2^emin)."""
+        if self.signed:
+            return -self.max
+        return 0.0 if self.has_zero else self.min_normal
+
+    @property
+    def max_magnitude(self) -> float:
+        return self.max
+
+    @property
+    def scale_only(self) -> bool:
+        return not self.signed
+
+    @property
+    def has_fp32_range(self) -> bool:
+        return self.exp >= _F32_EXP
+
+    @property
+    def is_fp32(self) -> bool:
+        return self.exp == _F32_EXP and self.man == _F32_MAN
+
+    def unsigned_range(self) -> Optional[str]:
+        if self.signed:
+            return None
+        return f"[2^{self.emin}, 2^{self.emax}] (no sign and no zero: 0 and negatives give NaN)"
+
     def __repr__(self) -> str:
         return f"FloatFormat({_to_string(self)})"
 
@@ -386,6 +455,27 @@ class FixedFormat(Format):
     @property
     def bits(self) -> int:
         return self.wl
+
+    @property
+    def significant_bits(self) -> int:
+        """Significant bits of its values: the integer's bits less the sign."""
+        return self.wl - 1 if self.signed else self.wl
+
+    @property
+    def min_quantum_exp(self) -> int:
+        return -self.fl
+
+    lowest = min
+
+    @property
+    def max_magnitude(self) -> float:
+        return max(self.max, -self.min)
+
+    def unsigned_range(self) -> Optional[str]:
+        if self.signed:
+            return None
+        return (f"[0, {self.max:g}] (unsigned: negatives "
+                f"{'clamp to 0' if self.saturate else 'wrap around'})")
 
     def __repr__(self) -> str:
         return f"FixedFormat({_to_string(self)})"
@@ -572,8 +662,7 @@ class BlockFormat(Format):
         s = self.scale
         if (s.exp, s.man, s.bias, s.specials) == (8, _F32_MAN, 127, "ieee") and s.signed:
             man = _F32_MAN - _significant_bits(self.elem)
-            elem_q = (self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat)
-                      else -self.elem.fl)
+            elem_q = self.elem.min_quantum_exp
             emin = max(1 - 127, _F32_MIN_QUANTUM_EXP - elem_q + man)
             return Fp32ScaleGrid(8, man, bias=1 - emin, saturate=True)
         return s
@@ -630,7 +719,7 @@ class BlockFormat(Format):
         """The tensor scale is a multiple of 2^this: with the lowest bits of the element
         (emin - man, or -fl) and of the scale (emin - man), and one more for a rounding
         boundary, the products stay at or above float32's 2^-149."""
-        elem_q = self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat) else -self.elem.fl
+        elem_q = self.elem.min_quantum_exp
         return -149 - (elem_q + self.amax_scale_format.min_quantum_exp) + 1
 
     @property
@@ -640,8 +729,7 @@ class BlockFormat(Format):
 
     @property
     def min_quantum_exp(self) -> int:
-        elem_q = (self.elem.min_quantum_exp if isinstance(self.elem, FloatFormat)
-                  else -self.elem.fl)
+        elem_q = self.elem.min_quantum_exp
         return elem_q + self.scale_emin
 
     @property
@@ -675,8 +763,64 @@ class BlockFormat(Format):
     def eps(self) -> float:
         return self.elem.eps
 
+    is_block = True
+
+    @property
+    def max_magnitude(self) -> Optional[float]:
+        # a per-tensor scale from the tensor's amax: no magnitude is out of reach
+        return None if self.tensor_scale else self.max
+
+    @property
+    def clips_in_blocks(self) -> bool:
+        # False where no finite float32 can lie beyond its block's largest value: the ceil rule
+        # with power-of-two scales has amax / X <= max_elem unless X is the scale's max, and
+        # with e8m0's 2^127 that is past float32.
+        if self.scale_rule == "ceil" and self.power_of_two_scales:
+            return min(self.elem.max, -self.elem.lowest) * self.scale.max < _F32_MAX
+        return True
+
+    def unsigned_range(self) -> Optional[str]:
+        inner = self.elem.unsigned_range()
+        return None if inner is None else f"elements in {inner} times the block scale"
+
+    def block_extent(self, ndim: int, dim: int, size: int) -> int:
+        if self.tensor_scale or self.axis is None:  # a scale over the whole tensor
+            return size
+        if not -ndim <= self.axis < ndim:
+            return 1  # (such a rounding fails anyway, with its own error)
+        axis = self.axis % ndim
+        if self.block_shape is not None:
+            rows, cols = self.block_shape
+            return cols if dim == axis else rows if dim >= ndim - 2 else 1
+        return (self.block_size or size) if dim == axis else 1
+
+    def storage_bits(self, shape) -> float:
+        # a short last block still has a whole scale
+        shape = tuple(shape)
+        n = math.prod(shape)
+        if n == 0:
+            return 0.0
+        ndim = len(shape)
+        if self.axis is None or ndim == 0:
+            blocks = 1
+        elif self.block_shape is not None and ndim >= 2:  # tiles of the last two dims
+            r, c = self.block_shape
+            if self.axis % ndim == ndim - 2:
+                r, c = c, r
+            rows, cols = shape[-2], shape[-1]
+            blocks = (n // (rows * cols)) * -(-rows // r) * -(-cols // c)
+        else:
+            length = shape[self.axis]
+            per_row = 1 if self.block_size is None else -(-length // self.block_size)
+            blocks = (n // length) * per_row
+        return float(n * self.elem.bits + blocks * self.scale.bits + (32 if self.tensor_scale else 0))
+
     def __repr__(self) -> str:
         return f"BlockFormat({_to_string(self)})"
+
+
+# The format families (a new family adds its class here: torch.load and dynamo take these as values)
+FORMAT_CLASSES = (FloatFormat, FixedFormat, BlockFormat)
 
 
 # ---------------------------------------------------------------------------------------------

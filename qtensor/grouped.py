@@ -27,7 +27,6 @@ import torch
 from . import accum as _accum
 from . import dispatch as _dispatch
 from . import gemm as _gemm
-from .formats import BlockFormat
 
 __all__ = ["grouped_mm", "PACKETS"]
 
@@ -125,7 +124,7 @@ def _bounds(offs, length: int, what: str):
 def _tile_extent(fmt, dim: int, ndim: int) -> Optional[int]:
     """How far a 2D tile of the value format fmt reaches along ``dim`` of a matrix (None: not
     2D tiles)."""
-    if type(fmt) is not BlockFormat or fmt.block_shape is None or fmt.axis is None:
+    if fmt is None or not fmt.is_block or fmt.block_shape is None or fmt.axis is None:
         return None
     r, c = fmt.block_shape
     along_last = fmt.axis % ndim == ndim - 1

@@ -22,7 +22,7 @@ from .attention import AttentionFormats
 from .kv_cache import cache_format
 from . import block_specials
 from . import flush_warnings
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
+from .formats import FloatFormat, Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor, as_qtensor, same_formats
 from .transforms import check_transform
@@ -97,28 +97,15 @@ def _format_or_error(spec, what: str) -> Format:
         raise FormatError(f"{what}: {e}") from None
 
 
-def _unsigned_range(fmt: Format) -> Optional[str]:
-    """The range of a format that cannot hold negative values (None for signed formats)."""
-    if isinstance(fmt, BlockFormat):
-        inner = _unsigned_range(fmt.elem)
-        return None if inner is None else f"elements in {inner} times the block scale"
-    if isinstance(fmt, FloatFormat) and not fmt.signed:
-        return f"[2^{fmt.emin}, 2^{fmt.emax}] (no sign and no zero: 0 and negatives give NaN)"
-    if isinstance(fmt, FixedFormat) and not fmt.signed:
-        return (f"[0, {fmt.max:g}] (unsigned: negatives "
-                f"{'clamp to 0' if fmt.saturate else 'wrap around'})")
-    return None
-
-
 def check_signed(role: "Role", what: str) -> None:
     """A FormatError if ``role`` has a format that cannot hold negative values: every role of a
     model (weights, biases, activations, gradients, optimizer state) holds signed values."""
     for fmt in (role.fmt, role.mm_fmt):
-        span = None if fmt is None else _unsigned_range(fmt)
+        span = None if fmt is None else fmt.unsigned_range()
         if span is None:
             continue
         hint = (f"{fmt} is a scale format: the scale of block formats (as in mxfp8_e4m3), not a "
-                "format for values" if isinstance(fmt, FloatFormat) else
+                "format for values" if fmt.scale_only else
                 "use a signed format (FixedFormat(wl, fl) is signed by default)")
         raise FormatError(
             f"{what}: {fmt} cannot hold a model's signed values: it holds only {span}; {hint}")
@@ -476,7 +463,7 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor",
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
     src = x._data if _is_q(x) else x.detach()  # the values before this rounding
-    if isinstance(role.fmt, BlockFormat):  # a mask's -inf makes its whole block NaN: say so
+    if role.fmt.is_block:  # a mask's -inf makes its whole block NaN: say so
         block_specials.check(src, y._data, role.fmt, what=name)
     if kind is not None:  # most of it flushed to zero or saturated: say so
         flush_warnings.check(kind, name, role, src, y._data)

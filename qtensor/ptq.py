@@ -61,7 +61,7 @@ from torch import nn
 from .convert import conversion_of, convert, is_converted, unconvert
 from .gemm_forward import gemm_formats
 from .dispatch import quantize as _round, with_axis
-from .formats import BlockFormat, FloatFormat, Format, is_stochastic
+from .formats import Format, is_stochastic
 from .plans import Recipe, _plain, round_to
 from .recipes import direct_cast
 from .reference import _round_scalar, _tensor_scale, block_scale, round_with_scale
@@ -191,8 +191,8 @@ def _check_layer(name: str, mod: nn.Module, fmt: Optional[Format]) -> Optional[s
             return f"{name}: padding_mode={mod.padding_mode!r} (only 'zeros')"
         if isinstance(mod.padding, str) and mod.padding != "valid":
             return f"{name}: padding={mod.padding!r} (give the padding as numbers)"
-    if isinstance(mod, _TRANSPOSED) and mod.groups > 1 and isinstance(fmt, BlockFormat) \
-            and fmt.axis is not None:
+    if isinstance(mod, _TRANSPOSED) and mod.groups > 1 and fmt is not None \
+            and fmt.is_block and fmt.axis is not None:
         # its weight (C, O/groups, *k) is blocked along C across the groups: a block that
         # straddles two groups holds the weights of two independent least-squares problems
         cg, bs = mod.in_channels // mod.groups, fmt.block_size or mod.in_channels
@@ -256,7 +256,7 @@ def weight_groups(fmt: Format, K: int, run: int) -> List[Tuple[int, int]]:
     """The column ranges [a, b) of a flattened weight (K columns, runs of ``run`` along the
     reduction axis) that share a block scale in ``fmt``; one per column for a scalar format,
     one for the whole matrix for a per-tensor block (axis=None)."""
-    if not isinstance(fmt, BlockFormat):
+    if not fmt.is_block:
         return [(j, j + 1) for j in range(K)]
     if fmt.axis is None:
         return [(0, K)]
@@ -280,7 +280,7 @@ class _Grid:
             raise ValueError(f"qtensor.ptq: {name}'s weight format {fmt} rounds stochastically; "
                              "GPTQ and error diffusion choose each rounding: give a format that "
                              "rounds to nearest (fmt.replace(rounding='nearest'))")
-        self.block = isinstance(fmt, BlockFormat)
+        self.block = fmt.is_block
         if self.block and (fmt.block_shape is not None or fmt.scale_rule == "4over6"):
             what = ("2D blocks (block_shape)" if fmt.block_shape is not None
                     else "the 4over6 scale rule (a block's scale picked by its rounding error)")
@@ -480,9 +480,9 @@ def _weight_format(mod: nn.Module) -> Optional[Format]:
         return None
     fmt = _fprop(mod)[1]
     fmt = fmt if fmt is not None else w.fmt
-    if isinstance(fmt, FloatFormat) and fmt.exp == 8 and fmt.man == 23:
+    if fmt.is_fp32:
         return None
-    if isinstance(fmt, BlockFormat):
+    if fmt.is_block:
         fmt = with_axis(fmt, _weight_axis(mod) if fmt.axis is not None else None)
     return fmt
 

@@ -58,7 +58,7 @@ mxfp4_weights = Recipe(
 def mx_all(fmt) -> Recipe:
     """Every value in the MX format ``fmt`` (a BlockFormat, a preset name such as "mxfp8_e4m3")."""
     f = _format(fmt)
-    if not isinstance(f, BlockFormat):
+    if not f.is_block:
         raise ValueError(f"mx_all expects a block (MX) format, got {f}")
     return Recipe(weight=f, bias=f, activation=f, grad=f, optimizer_state=f, master_weights=False,
                   name=f"mx_all({f})",

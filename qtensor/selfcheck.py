@@ -52,7 +52,7 @@ def family(fmt, rounding: str) -> str:
     """The kernel family that rounds to ``fmt`` with ``rounding``."""
     if rounding.startswith("stochastic"):  # (also "stochasticN")
         return "stochastic"
-    return "block" if isinstance(fmt, BlockFormat) else "scalar"
+    return "block" if fmt.is_block else "scalar"
 
 
 def register(name: str, check: Callable[[torch.device], Optional[str]]) -> None:

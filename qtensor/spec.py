@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .formats import FloatFormat, Format, FormatError, dtype_hint
+from .formats import Format, FormatError, dtype_hint
 from .formats import format as _parse_format
 from .plans import Recipe, Role, check_signed
 from .recipes import PRESETS_BY_NAME
@@ -19,7 +19,7 @@ __all__ = ["as_recipe"]
 
 def _has_fp32_range(fmt: Format) -> bool:
     """Whether ``fmt`` is a float format with FP32's exponent range (BF16, TF32, FP32)."""
-    return isinstance(fmt, FloatFormat) and fmt.exp >= 8
+    return fmt.has_fp32_range
 
 
 def _bare_format_recipe(spec) -> Recipe:

@@ -39,7 +39,7 @@ from .accum import PRESETS as _ACCUM_PRESETS, AccumFormat, AccumFormatError
 from .accum import as_accum as _as_accum
 from . import ops as _ops
 from .checks import FLOAT_DTYPES as _PAYLOAD_DTYPES
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, short_repr
+from .formats import FORMAT_CLASSES, Format, short_repr
 from .formats import format as _parse_format
 
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
@@ -283,8 +283,7 @@ def _teach_dynamo() -> None:
                 return self.value
 
         from .transforms import Hadamard
-        for cls in (FloatFormat, FixedFormat, BlockFormat, AccumFormat, _gemm.GemmOperand,
-                    Hadamard):
+        for cls in (*FORMAT_CLASSES, AccumFormat, _gemm.GemmOperand, Hadamard):
             SourcelessBuilder._type_handlers.setdefault(
                 cls, lambda tx, value: FormatVariable(value))
     except (ImportError, AttributeError):
@@ -908,4 +907,4 @@ def quantize_grad(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] 
 
 # torch.load(weights_only=True) may rebuild QTensors.
 torch.serialization.add_safe_globals(
-    [QTensor, _rebuild_qtensor, FloatFormat, FixedFormat, BlockFormat])
+    [QTensor, _rebuild_qtensor, *FORMAT_CLASSES])

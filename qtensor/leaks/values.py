@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from ..formats import BlockFormat, FloatFormat, Format
+from ..formats import BlockFormat, Format
 from ..ops import quantize
 from ..tensor import QTensor
 from .tensors import FLOAT_DTYPES, is_float, named_tensors
@@ -45,11 +45,7 @@ def block_elements_ok(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     if fmt.tensor_scale:  # a float32 per-tensor scale: any float32 significand can occur
         return ok | nan
     ok = ok & (nan | (x32.abs() <= fmt.max))
-    elem = fmt.elem
-    if isinstance(elem, FloatFormat):
-        allowed = elem.man + 1
-    else:
-        allowed = elem.wl - 1 if elem.signed else elem.wl
+    allowed = fmt.elem.significant_bits
     if not fmt.power_of_two_scales:  # the scale has significant bits of its own
         allowed += fmt.amax_scale_format.man + 1
     nz = finite & (x32 != 0)
@@ -74,7 +70,7 @@ def unrepresentable(payload: torch.Tensor, fmt: Format, aligned: bool = True):
     ok = same_bits(p, q)
     if bool(ok.all()):
         return None
-    if isinstance(fmt, BlockFormat) and (not aligned or p._is_view()):
+    if fmt.is_block and (not aligned or p._is_view()):
         # the blocks may not line up any more (slices, reshapes): judge each element
         ok = block_elements_ok(p, fmt)
         if bool(ok.all()):
@@ -114,7 +110,7 @@ def same_format(a: Format, b: Format) -> bool:
     """Equal formats; block formats compare without their axis (it follows transposes)."""
     if a == b:
         return True
-    if isinstance(a, BlockFormat) and isinstance(b, BlockFormat):
+    if a.is_block and b.is_block:
         return a.replace(axis=-1) == b.replace(axis=-1)  # (2D blocks need an axis)
     return False
 
