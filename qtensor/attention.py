@@ -37,7 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import dispatch as _dispatch
-from .formats import BlockFormat, FixedFormat, FloatFormat, Format, FormatError
+from .formats import Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor
 
@@ -60,8 +60,8 @@ def _fmt(value, what: str) -> Optional[Format]:
         f = value if isinstance(value, Format) else _parse_format(value)
     except FormatError as e:
         raise FormatError(f"{what}: {e}") from None
-    elem = f.elem if isinstance(f, BlockFormat) else f
-    if isinstance(elem, (FloatFormat, FixedFormat)) and not elem.signed:
+    elem = f.elem if f.is_block else f
+    if elem.unsigned_range() is not None:
         raise FormatError(f"{what}: {f} cannot hold attention's signed values (and 0): use a "
                           "signed format")
     return f

@@ -349,6 +349,8 @@ class FloatFormat(Format):
     def unsigned_range(self) -> Optional[str]:
         if self.signed:
             return None
+        if self.has_zero:  # (UE5M3)
+            return f"[0, {self.max:g}] (no sign: negatives give NaN)"
         return f"[2^{self.emin}, 2^{self.emax}] (no sign and no zero: 0 and negatives give NaN)"
 
     def __repr__(self) -> str:

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import dispatch as _dispatch
-from .formats import PRESETS, BlockFormat, FixedFormat, FloatFormat, Format, FormatError
+from .formats import PRESETS, BlockFormat, Format, FormatError
 from .formats import format as _parse_format
 from .tensor import QTensor
 
@@ -48,11 +48,11 @@ def cache_format(spec, what: str = "kv_cache") -> Optional[Format]:
         fmt = spec if isinstance(spec, Format) else _parse_format(spec)
     except (FormatError, ValueError, TypeError) as e:
         raise FormatError(f"{what}: {e}") from None
-    elem = fmt.elem if isinstance(fmt, BlockFormat) else fmt
-    if isinstance(elem, (FloatFormat, FixedFormat)) and not elem.signed:
+    elem = fmt.elem if fmt.is_block else fmt
+    if elem.unsigned_range() is not None:
         raise FormatError(f"{what}: {fmt} cannot hold keys and values: they are signed, and it "
                           "holds no negative values")
-    if isinstance(fmt, BlockFormat):
+    if fmt.is_block:
         if fmt.axis is None or fmt.block_shape is not None:
             raise FormatError(
                 f"{what}: {fmt} shares scales across tokens ({'one block for the whole tensor' if fmt.axis is None else '2D tiles over tokens x head dim'}): "
@@ -72,8 +72,8 @@ def cache_format(spec, what: str = "kv_cache") -> Optional[Format]:
 def _check_values(x: torch.Tensor, fmt: Format, what: str) -> None:
     """A ValueError when fmt has no scale and x has finite values past its range (they would be
     clipped or become Inf: the cache cannot hold them)."""
-    if isinstance(fmt, BlockFormat) or x.numel() == 0:
-        if isinstance(fmt, BlockFormat) and x.shape[-1] % (fmt.block_size or x.shape[-1]):
+    if fmt.is_block or x.numel() == 0:
+        if fmt.is_block and x.shape[-1] % (fmt.block_size or x.shape[-1]):
             raise ValueError(
                 f"{what}: the head dim {x.shape[-1]} is not a multiple of the cache format's "
                 f"block size {fmt.block_size} ({fmt}): its last block would be partial")

@@ -254,7 +254,7 @@ def mx_attention(fmt="mxfp8_e4m3") -> AttentionFormats:
     operand of QK^T, PV and their backward GEMMs in the MX format ``fmt`` (blocks of 32 along
     each GEMM's K); scores, P, the softmax and dS in BF16, as its vector ops."""
     f = _format(fmt)
-    if not isinstance(f, BlockFormat):
+    if not f.is_block:
         raise ValueError(f"mx_attention expects a block (MX) format, got {f}")
     pairs = {g: (f, f) for g in ("qk", "pv", "dq", "dk", "dv", "dp")}
     return AttentionFormats(**pairs, scores=_bf16, probs=_bf16, softmax=_bf16, ds=_bf16,
