@@ -145,6 +145,46 @@ uint32_t amax_bits(const T* x, const Layout& L) {
   return r;
 }
 
+// the longest block the vector paths of NVFP4 blocks take (in local arrays)
+constexpr int64_t kFp4StoMax = 64;
+
+// 8-lane vectors (GCC vector extensions: each ISA's copy splits or widens them as it can) for
+// the loops gcc does not vectorize in scalar form (the run paths below, amax_8x32)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // (always inlined: no call passes a vector)
+typedef uint32_t qt_v8u __attribute__((vector_size(32)));
+typedef int32_t qt_v8i __attribute__((vector_size(32)));
+typedef float qt_v8f __attribute__((vector_size(32)));
+typedef double qt_v8d __attribute__((vector_size(64)));
+QT_BLOCK_FN qt_v8d v8d_of(double c) { return qt_v8d{} + c; }
+QT_BLOCK_FN qt_v8f v8f_of(float c) { return qt_v8f{} + c; }
+
+// fp4_round_scaled (round.h) on 8 lanes: the same comparisons and sums
+template <int MODE>
+QT_BLOCK_FN qt_v8f fp4_round_scaled8(qt_v8f a, const qtensor::Fp4Bounds& b, float X) {
+  const float step[7] = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f};
+  qt_v8f v = v8f_of(0.0f);
+  for (int k = 0; k < 7; ++k) {
+    const qt_v8f t = v8f_of(b.t[k]);
+    const qt_v8i up = (MODE == kNearest && (k & 1) == 0) ? (qt_v8i)(a > t) : (qt_v8i)(a >= t);
+    v += up ? v8f_of(step[k]) : v8f_of(0.0f);
+  }
+  return v * X;
+}
+
+// Whether a 4over6 block's error sums are exact in double in any order: each term |q - |x||
+// (a difference of floats) is a multiple of 2^(lo - 150) and below 2^(top - 126), lo = the
+// lowest exponent field of the nonzero |x| (mn: the smallest one's bits) and of the grids v X
+// (v a multiple of 1/2: one below X's), top = the highest of the amax's and of 8 X's (q <= 6 X);
+// at most kFp4StoMax = 2^6 terms sum below 2^(top - 120): exact where that is 53 bits above.
+QT_BLOCK_FN bool fp4_sums_exact(uint32_t am, uint32_t mn, float X6, float X4) {
+  auto fld = [](uint32_t u) { const int e = (int)(u >> 23); return e > 1 ? e : 1; };
+  const int e6 = fld(f2u(X6)), e4 = fld(f2u(X4));
+  const int lo = std::min(fld(mn), std::min(e6, e4) - 1);
+  const int top = std::max((int)(am >> 23), std::max(e6, e4) + 3);
+  return top - lo <= 23;
+}
+
 // NVFP4-like blocks (e2m1 elements, a scale of <= 4 significant bits, amax rule, deterministic
 // rounding) along a contiguous row: `nblk` consecutive blocks of bs elements starting at x, of
 // which the last may be cut short by the row's end (`avail` elements left in the row). Three
@@ -202,6 +242,16 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   };
   for (int64_t b = 0; b < nfull; ++b) amax[b] = block_amax(x + b * bs, bs);
   if (nfull < nblk) amax[nfull] = block_amax(x + nfull * bs, avail - nfull * bs);
+  uint32_t amin[F46 ? kFp4Run : 1];  // 4over6: the smallest nonzero |x| (fp4_sums_exact)
+  for (int64_t b = 0; F46 && b < nblk; ++b) {
+    const T* xp = x + b * bs;
+    uint32_t mn = 0xFFFFFFFFu;
+    for (int64_t j = 0; j < std::min(bs, avail - b * bs); ++j) {
+      const uint32_t v = (load_bits<T>(xp + j) & kAbsMask) - 1u;  // (0 wraps to the top)
+      mn = v < mn ? v : mn;
+    }
+    amin[F46 ? b : 0] = mn + 1u;
+  }
   // the scale: float32 amax / max_elem rounds (nearest) to the same scale as the reference's
   // double quotient (see block_amax_fast32 below); a NaN scale (a NaN-on-overflow scale format)
   // means "no scale" (signed zeros), which X = 0 gives.
@@ -243,6 +293,36 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
       const float X4b = X4[F46 ? b : 0];
       const qtensor::Fp4Bounds b6 = qtensor::fp4_bounds<MODE>(Xb), b4 =
           qtensor::fp4_bounds<MODE>(X4b);
+      if constexpr (std::is_same<T, float>::value) {
+        // 8 lanes at a time where the sums are exact (so their order does not matter): both
+        // candidates kept, then the chosen one stored
+        if (m % 8 == 0 && m <= kFp4StoMax && fp4_sums_exact(am, amin[F46 ? b : 0], Xb, X4b)) {
+          qt_v8f q6[kFp4StoMax / 8], q4[kFp4StoMax / 8];
+          qt_v8d e6v = v8d_of(0.0), e4v = v8d_of(0.0);
+          for (int64_t k = 0; k < m / 8; ++k) {
+            qt_v8u ub;
+            std::memcpy(&ub, xp + 8 * k, 32);
+            const qt_v8f ax = (qt_v8f)(ub & kAbsMask);
+            q6[k] = fp4_round_scaled8<MODE>(ax, b6, Xb);
+            q4[k] = fp4_round_scaled8<MODE>(ax, b4, X4b);
+            const qt_v8d ad = __builtin_convertvector(ax, qt_v8d);
+            const qt_v8d d6 = __builtin_convertvector(q6[k], qt_v8d) - ad;
+            const qt_v8d d4 = __builtin_convertvector(q4[k], qt_v8d) - ad;
+            e6v += d6 < v8d_of(0.0) ? -d6 : d6;
+            e4v += d4 < v8d_of(0.0) ? -d4 : d4;
+          }
+          double e6 = 0.0, e4 = 0.0;
+          for (int l = 0; l < 8; ++l) { e6 += e6v[l]; e4 += e4v[l]; }
+          const bool use4 = e4 < e6;
+          for (int64_t k = 0; k < m / 8; ++k) {
+            qt_v8u ub;
+            std::memcpy(&ub, xp + 8 * k, 32);
+            const qt_v8u out = (qt_v8u)(use4 ? q4[k] : q6[k]) | (ub & kSignBit);
+            std::memcpy(yp + 8 * k, &out, 32);
+          }
+          return;
+        }
+      }
       double e6 = 0.0, e4 = 0.0;
       for (int64_t j = 0; j < m; ++j) {
         const float ax = u2f(load_bits<T>(xp + j) & kAbsMask);
@@ -269,15 +349,7 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
 // fp4_scale), elements rounded stochastically as round_amax_elem_t<kStochastic> does. GCC vector
 // extensions of 8 lanes (each ISA's copy splits or widens them as it can): gcc does not vectorize
 // the scalar form (its selects became unpredictable branches).
-constexpr int64_t kFp4StoMax = 64;  // the longest block these take (in local arrays)
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"  // (always inlined: no call passes a vector)
-typedef uint32_t qt_v8u __attribute__((vector_size(32)));
-typedef int32_t qt_v8i __attribute__((vector_size(32)));
-typedef float qt_v8f __attribute__((vector_size(32)));
-typedef double qt_v8d __attribute__((vector_size(64)));
-QT_BLOCK_FN qt_v8d v8d_of(double c) { return qt_v8d{} + c; }
 
 // The e2m1 grid values (saturating at 6) of |x| / X (a: |x|) under stochastic rounding with the
 // words r: round_amax_elem_t's double quotient z, the grid spacing sp of its binade (0.5 below 2,
@@ -528,45 +600,95 @@ QT_BLOCK_FN Fp4Sto fp4_sto_consts(const BlockPlan& P, const BlockArgs& a) {
 }
 
 // Stochastic NVFP4 blocks along a contiguous row (fp4_block_run's run; l0: the logical index of
-// x[0], key: the seed's): the blocks' amaxes, their scales (vectorized across blocks), then per
-// block its words (8 lanes at a time) and fp4_sto_block.
+// x[0], key: the seed's), in passes that each vectorize (across blocks or 8 lanes): the blocks'
+// amaxes and scales; per block its words, its elements' values q (into qf) and its rounded max;
+// the scales of those maxes; then the stores, and fp4_sto_block's settling loop for the blocks
+// whose scale is lower (rare), the NaN and no-scale blocks.
 template <int BS, typename T>
 void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
                  const BlockPlan& P, const BlockArgs& a, uint64_t l0, uint32_t key) {
+  constexpr int64_t kBuf = kFp4Run * (BS > 0 ? BS : kFp4StoMax) + 8;
   const int64_t bs = BS > 0 ? BS : bs_rt;
-  uint32_t amax[kFp4Run];
-  float S[kFp4Run];
+  uint32_t amax[kFp4Run], ra[kFp4Run];
+  float S[kFp4Run], S2[kFp4Run];
+  qt_v8f qv[kBuf / 8];
+  float* qf = (float*)qv;
   const int64_t nfull = std::min(nblk, avail / bs);
+  const int64_t tail = avail - nfull * bs;  // the last block's length when nfull < nblk
   for (int64_t b = 0; b < nfull; ++b) amax[b] = block_amax<T>(x + b * bs, bs, 1, true);
-  if (nfull < nblk) amax[nfull] = block_amax<T>(x + nfull * bs, avail - nfull * bs, 1, true);
+  if (nfull < nblk) amax[nfull] = block_amax<T>(x + nfull * bs, tail, 1, true);
   const Fp4Sto c = fp4_sto_consts(P, a);
   for (int64_t b = 0; b < nblk; ++b)
     S[b] = fp4_scale_value(amax[b], c.g, c.smax, c.sovf, c.ts_div);
   const uint32_t sr_or = P.sr_or;
+  const uint64_t lend = l0 + (uint64_t)(nblk * bs) - 1;
+  const bool one_key = (l0 >> 32) == (lend >> 32);  // else per element (a multiple of 2^32 inside)
+  const uint32_t ik = index_key(key, l0);
   const qt_v8u iota = {0, 1, 2, 3, 4, 5, 6, 7};
-  auto one = [&](int64_t b, int64_t m) {
-    const T* xp = x + b * bs;
-    T* yp = y + b * bs;
-    if (amax[b] >= kInfBits) {  // NaN or Inf in the block: all NaN
-      for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
-      return;
-    }
-    qt_v8u r[kFp4StoMax / 8];
-    const int64_t nv = (m + 7) / 8;
+  // block b's words, 8 lanes at a time (the lanes past m: words of the next indices, unused)
+  auto words = [&](int64_t b, int64_t m, qt_v8u* r) {
     const uint64_t lb = l0 + (uint64_t)(b * bs);
-    if (__builtin_expect((lb >> 32) == ((lb + (uint64_t)m - 1) >> 32), 1)) {
-      const uint32_t ik = index_key(key, lb), lo = (uint32_t)lb;
-      for (int64_t k = 0; k < nv; ++k)
-        r[k] = lowbias32_v8((iota + (lo + (uint32_t)(8 * k))) ^ ik) | sr_or;
-    } else {  // the block crosses a multiple of 2^32 indices
+    if (__builtin_expect(one_key, 1)) {
+      for (int64_t k = 0; k < (m + 7) / 8; ++k)
+        r[k] = lowbias32_v8((iota + ((uint32_t)lb + (uint32_t)(8 * k))) ^ ik) | sr_or;
+    } else {
       uint32_t* rw = (uint32_t*)r;
-      for (int64_t j = 0; j < nv * 8; ++j)
+      for (int64_t j = 0; j < (m + 7) / 8 * 8; ++j)
         rw[j] = random_word(index_key(key, lb + (uint64_t)j), (uint32_t)(lb + (uint64_t)j)) | sr_or;
     }
-    fp4_sto_block<T>(xp, 1, yp, 1, m, r, S[b], c);
   };
-  for (int64_t b = 0; b < nfull; ++b) one(b, bs);
-  if (nfull < nblk) one(nfull, avail - nfull * bs);
+  auto values = [&](int64_t b, int64_t m, qt_v8f* qd) {
+    ra[b] = 0;
+    if (amax[b] >= kInfBits || !(S[b] > 0.0f)) return;
+    qt_v8u r[kFp4StoMax / 8];
+    words(b, m, r);
+    const T* xp = x + b * bs;
+    const double X = (double)S[b] * c.tsd;
+    const qt_v8d Xv = v8d_of(X);
+    qt_v8d vm = v8d_of(0.0);
+    for (int64_t k = 0; k < (m + 7) / 8; ++k) {
+      qt_v8u ub;
+      if (std::is_same<T, float>::value && 8 * k + 8 <= m) {
+        std::memcpy(&ub, xp + 8 * k, 32);
+      } else {
+        uint32_t* u = (uint32_t*)&ub;
+        for (int l = 0; l < 8; ++l) u[l] = 8 * k + l < m ? load_bits<T>(xp + 8 * k + l) : 0u;
+      }
+      const qt_v8d v = fp4_sto_grid8((qt_v8f)(ub & kAbsMask), Xv, r[k]);
+      vm = v > vm ? v : vm;
+      qd[k] = __builtin_convertvector(v * Xv, qt_v8f);
+    }
+    double vmax = 0.0;
+    for (int l = 0; l < 8; ++l) vmax = vm[l] > vmax ? vm[l] : vmax;
+    ra[b] = f2u((float)(vmax * X));
+  };
+  // (BS a multiple of 8: each block's values start on a vector; else one block at a time)
+  if (BS > 0 && BS % 8 == 0) {
+    for (int64_t b = 0; b < nfull; ++b) values(b, bs, qv + b * bs / 8);
+    if (nfull < nblk) values(nfull, tail, qv + nfull * bs / 8);
+    for (int64_t b = 0; b < nblk; ++b)
+      S2[b] = fp4_scale_value(ra[b], c.g, c.smax, c.sovf, c.ts_div);
+  }
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t m = b < nfull ? bs : tail;
+    const T* xp = x + b * bs;
+    T* yp = y + b * bs;
+    if (!(BS > 0 && BS % 8 == 0)) {
+      values(b, m, qv);  // into the buffer's start (a block of up to kFp4StoMax)
+      S2[b] = fp4_scale_value(ra[b], c.g, c.smax, c.sovf, c.ts_div);
+    }
+    const float* qb = qf + (BS > 0 && BS % 8 == 0 ? b * bs : 0);
+    if (__builtin_expect(amax[b] < kInfBits && S[b] > 0.0f && !(S2[b] < S[b]), 1)) {
+      for (int64_t j = 0; j < m; ++j)
+        store_bits<T>(yp + j, f2u(qb[j]) | (load_bits<T>(xp + j) & kSignBit));
+    } else if (amax[b] >= kInfBits) {  // NaN or Inf in the block: all NaN
+      for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
+    } else {  // no scale (signed zeros), or the settling loop from the lower scale S2
+      qt_v8u r[kFp4StoMax / 8];
+      words(b, m, r);
+      fp4_sto_block<T>(xp, 1, yp, 1, m, r, S[b] > 0.0f ? S2[b] : 0.0f, c);
+    }
+  }
 }
 
 // The block's amax-rule scale made idempotent (round.h, settle_amax_scale): the rounded amax
