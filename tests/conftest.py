@@ -57,3 +57,18 @@ def quantize(request):
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "opinfo_sweep: the OpInfo op sweep over QTensor inputs (slowest file)")
+
+
+def assert_passes_under_isa(test_file: str, isa: str, selection: str) -> None:
+    """The tests of test_file matching ``-k selection`` pass in a subprocess under
+    QTENSOR_CPU_ISA=isa (the baseline or AVX2 copies of the CPU loops; the test process itself
+    takes the best the CPU has)."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(test_file))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        os.path.abspath(test_file), "-k", selection],
+                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=os.path.dirname(here),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

@@ -13,9 +13,6 @@ QTENSOR_CPU_ISA=base and avx2.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ import qtensor as qt
 from qtensor import ops, reference
 from qtensor.recipes import _nvfp4_4over6
 
-from conftest import assert_bits_equal
+from conftest import assert_bits_equal, assert_passes_under_isa
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="qtensor._C not built (pip install --no-build-isolation -e .)")
@@ -144,10 +141,4 @@ def test_in_place_and_out():
 def test_other_isas(isa):
     """This file's float32 tests under QTENSOR_CPU_ISA=base|avx2 (the 8-lane vectors split for
     SSE2 and AVX2), in a subprocess."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__),
-                        "-k", "stochastic_rows or 4over6_rows or strided_and_3d or boundary"],
-                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=os.path.dirname(here),
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert_passes_under_isa(__file__, isa, "stochastic_rows or 4over6_rows or strided_and_3d or boundary")
