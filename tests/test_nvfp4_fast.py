@@ -137,6 +137,20 @@ def test_in_place_and_out():
         assert_bits_equal(out, want, f"out= {fmt}")
 
 
+def test_parallel_chunks():
+    """Two threads: the parallel chunks (2048 blocks of 16) end in the middle of rows, so runs
+    start at a block whose logical index is not a row's start."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 1000, generator=g) * torch.rand(300, 1000, generator=g) ** 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check(x, P["nvfp4"], "stochastic", "2 threads")
+        _check(x, _nvfp4_4over6, "nearest", "2 threads")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("isa", ["base", "avx2"])
 def test_other_isas(isa):
     """This file's float32 tests under QTENSOR_CPU_ISA=base|avx2 (the 8-lane vectors split for
