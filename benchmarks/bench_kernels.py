@@ -4,7 +4,8 @@
     python benchmarks/bench_kernels.py --device cuda --json benchmarks/results/kernels_cuda.json
 
 Rows: fp8_e4m3, fp8_e5m2, bf16, fp6_e3m2, fp4_e2m1, fixed 8.4 (nearest), fp8_e4m3 stochastic,
-mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1, mxint8, nvfp4, nvfp4_single (blocks on a 4096x4096 tensor). Beside each:
+mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1, mxint8, nvfp4, nvfp4_single, mxfp4_e2m1 stochastic, nvfp4
+stochastic, nvfp4_4over6 (the recipe's 4over6 format) (blocks on a 4096x4096 tensor). Beside each:
 torch's native cast round trip where torch has the dtype, and QPyTorch / torchao when installed.
 Every qtensor row writes into a preallocated output (``out=``), like copy_. The extra memory a
 kernel needs beyond its output is measured too (peak RSS growth on CPU, peak allocation on CUDA).
@@ -40,7 +41,18 @@ ROWS = [  # (label, format, rounding, native dtype, qtorch call, torchao call)
     ("mxint8", "mxint8", None, None, ("block", 8, 0, "nearest"), None),
     ("nvfp4", "nvfp4", None, None, None, "nvfp4"),
     ("nvfp4_single", "nvfp4_single", None, None, None, None),
+    ("mxfp4_e2m1 stochastic", "mxfp4_e2m1", "stochastic", None, None, None),
+    ("nvfp4 stochastic", "nvfp4", "stochastic", None, None, None),
+    ("nvfp4_4over6", "nvfp4_4over6", None, None, None, None),
 ]
+
+
+def _format(name):
+    """A preset, or the nvfp4_4over6 recipe's 4over6 operand format (no preset of its own)."""
+    if name == "nvfp4_4over6":
+        from qtensor.recipes import _nvfp4_4over6
+        return _nvfp4_4over6
+    return qt.format(name)
 
 
 def sync(device):
@@ -137,6 +149,8 @@ def main(argv=None):
     p.add_argument("--log2n", type=int, default=24, help="elements = 2^log2n (blocks: square)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--no-others", action="store_true", help="skip QPyTorch and torchao")
+    p.add_argument("--rows", default=None,
+                   help="only the rows whose label contains one of these (comma-separated)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -180,7 +194,9 @@ def main(argv=None):
           " it; the other tools' ratios are to this copy_)")
     print(header)
     for label, name, rounding, native, qspec, aospec in ROWS:
-        fmt = qt.format(name)
+        if args.rows and not any(r in label for r in args.rows.split(",")):
+            continue
+        fmt = _format(name)
         x = x_sq if isinstance(fmt, qt.BlockFormat) else x_flat
         o = out.view_as(x)
 

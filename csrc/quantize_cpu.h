@@ -145,6 +145,46 @@ uint32_t amax_bits(const T* x, const Layout& L) {
   return r;
 }
 
+// the longest block the vector paths of NVFP4 blocks take (in local arrays)
+constexpr int64_t kFp4StoMax = 64;
+
+// 8-lane vectors (GCC vector extensions: each ISA's copy splits or widens them as it can) for
+// the loops gcc does not vectorize in scalar form (the run paths below, amax_8x32)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // (always inlined: no call passes a vector)
+typedef uint32_t qt_v8u __attribute__((vector_size(32)));
+typedef int32_t qt_v8i __attribute__((vector_size(32)));
+typedef float qt_v8f __attribute__((vector_size(32)));
+typedef double qt_v8d __attribute__((vector_size(64)));
+QT_BLOCK_FN qt_v8d v8d_of(double c) { return qt_v8d{} + c; }
+QT_BLOCK_FN qt_v8f v8f_of(float c) { return qt_v8f{} + c; }
+
+// fp4_round_scaled (round.h) on 8 lanes: the same comparisons and sums
+template <int MODE>
+QT_BLOCK_FN qt_v8f fp4_round_scaled8(qt_v8f a, const qtensor::Fp4Bounds& b, float X) {
+  const float step[7] = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f};
+  qt_v8f v = v8f_of(0.0f);
+  for (int k = 0; k < 7; ++k) {
+    const qt_v8f t = v8f_of(b.t[k]);
+    const qt_v8i up = (MODE == kNearest && (k & 1) == 0) ? (qt_v8i)(a > t) : (qt_v8i)(a >= t);
+    v += up ? v8f_of(step[k]) : v8f_of(0.0f);
+  }
+  return v * X;
+}
+
+// Whether a 4over6 block's error sums are exact in double in any order: each term |q - |x||
+// (a difference of floats) is a multiple of 2^(lo - 150) and below 2^(top - 126), lo = the
+// lowest exponent field of the nonzero |x| (mn: the smallest one's bits) and of the grids v X
+// (v a multiple of 1/2: one below X's), top = the highest of the amax's and of 8 X's (q <= 6 X);
+// at most kFp4StoMax = 2^6 terms sum below 2^(top - 120): exact where that is 53 bits above.
+QT_BLOCK_FN bool fp4_sums_exact(uint32_t am, uint32_t mn, float X6, float X4) {
+  auto fld = [](uint32_t u) { const int e = (int)(u >> 23); return e > 1 ? e : 1; };
+  const int e6 = fld(f2u(X6)), e4 = fld(f2u(X4));
+  const int lo = std::min(fld(mn), std::min(e6, e4) - 1);
+  const int top = std::max((int)(am >> 23), std::max(e6, e4) + 3);
+  return top - lo <= 23;
+}
+
 // NVFP4-like blocks (e2m1 elements, a scale of <= 4 significant bits, amax rule, deterministic
 // rounding) along a contiguous row: `nblk` consecutive blocks of bs elements starting at x, of
 // which the last may be cut short by the row's end (`avail` elements left in the row). Three
@@ -202,6 +242,16 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   };
   for (int64_t b = 0; b < nfull; ++b) amax[b] = block_amax(x + b * bs, bs);
   if (nfull < nblk) amax[nfull] = block_amax(x + nfull * bs, avail - nfull * bs);
+  uint32_t amin[F46 ? kFp4Run : 1];  // 4over6: the smallest nonzero |x| (fp4_sums_exact)
+  for (int64_t b = 0; F46 && b < nblk; ++b) {
+    const T* xp = x + b * bs;
+    uint32_t mn = 0xFFFFFFFFu;
+    for (int64_t j = 0; j < std::min(bs, avail - b * bs); ++j) {
+      const uint32_t v = (load_bits<T>(xp + j) & kAbsMask) - 1u;  // (0 wraps to the top)
+      mn = v < mn ? v : mn;
+    }
+    amin[F46 ? b : 0] = mn + 1u;
+  }
   // the scale: float32 amax / max_elem rounds (nearest) to the same scale as the reference's
   // double quotient (see block_amax_fast32 below); a NaN scale (a NaN-on-overflow scale format)
   // means "no scale" (signed zeros), which X = 0 gives.
@@ -243,6 +293,36 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
       const float X4b = X4[F46 ? b : 0];
       const qtensor::Fp4Bounds b6 = qtensor::fp4_bounds<MODE>(Xb), b4 =
           qtensor::fp4_bounds<MODE>(X4b);
+      if constexpr (std::is_same<T, float>::value) {
+        // 8 lanes at a time where the sums are exact (so their order does not matter): both
+        // candidates kept, then the chosen one stored
+        if (m % 8 == 0 && m <= kFp4StoMax && fp4_sums_exact(am, amin[F46 ? b : 0], Xb, X4b)) {
+          qt_v8f q6[kFp4StoMax / 8], q4[kFp4StoMax / 8];
+          qt_v8d e6v = v8d_of(0.0), e4v = v8d_of(0.0);
+          for (int64_t k = 0; k < m / 8; ++k) {
+            qt_v8u ub;
+            std::memcpy(&ub, xp + 8 * k, 32);
+            const qt_v8f ax = (qt_v8f)(ub & kAbsMask);
+            q6[k] = fp4_round_scaled8<MODE>(ax, b6, Xb);
+            q4[k] = fp4_round_scaled8<MODE>(ax, b4, X4b);
+            const qt_v8d ad = __builtin_convertvector(ax, qt_v8d);
+            const qt_v8d d6 = __builtin_convertvector(q6[k], qt_v8d) - ad;
+            const qt_v8d d4 = __builtin_convertvector(q4[k], qt_v8d) - ad;
+            e6v += d6 < v8d_of(0.0) ? -d6 : d6;
+            e4v += d4 < v8d_of(0.0) ? -d4 : d4;
+          }
+          double e6 = 0.0, e4 = 0.0;
+          for (int l = 0; l < 8; ++l) { e6 += e6v[l]; e4 += e4v[l]; }
+          const bool use4 = e4 < e6;
+          for (int64_t k = 0; k < m / 8; ++k) {
+            qt_v8u ub;
+            std::memcpy(&ub, xp + 8 * k, 32);
+            const qt_v8u out = (qt_v8u)(use4 ? q4[k] : q6[k]) | (ub & kSignBit);
+            std::memcpy(yp + 8 * k, &out, 32);
+          }
+          return;
+        }
+      }
       double e6 = 0.0, e4 = 0.0;
       for (int64_t j = 0; j < m; ++j) {
         const float ax = u2f(load_bits<T>(xp + j) & kAbsMask);
@@ -265,6 +345,97 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
                 nfull);
 }
 
+// ---- stochastic NVFP4: e2m1 elements, the amax rule's scale (rounded to nearest, as
+// fp4_scale), elements rounded stochastically as round_amax_elem_t<kStochastic> does. GCC vector
+// extensions of 8 lanes (each ISA's copy splits or widens them as it can): gcc does not vectorize
+// the scalar form (its selects became unpredictable branches).
+
+
+// The e2m1 grid values (saturating at 6) of |x| / X (a: |x|) under stochastic rounding with the
+// words r: round_amax_elem_t's double quotient z, the grid spacing sp of its binade (0.5 below 2,
+// 1 below 4, else 2), fl = floor(z / sp), frac = z / sp - fl: up iff r < floor(frac * 2^32), i.e.
+// iff r + 1 <= frac * 2^32. Every step is exact in double, so the value is round_float's.
+QT_BLOCK_FN qt_v8d fp4_sto_grid8(qt_v8f a, qt_v8d X, qt_v8u r) {
+  qt_v8d z = __builtin_convertvector(a, qt_v8d) / X;
+  z = z < v8d_of(8.0) ? z : v8d_of(8.0);  // (beyond 6: 6) keeps fl in int32's range
+  const auto lo2 = z < v8d_of(2.0), lo4 = z < v8d_of(4.0);
+  const qt_v8d sp = lo2 ? v8d_of(0.5) : (lo4 ? v8d_of(1.0) : v8d_of(2.0));
+  const qt_v8d y = z * (lo2 ? v8d_of(2.0) : (lo4 ? v8d_of(1.0) : v8d_of(0.5)));
+  const qt_v8d fl = __builtin_convertvector(__builtin_convertvector(y, qt_v8i), qt_v8d);
+  const qt_v8d F = (y - fl) * v8d_of(4294967296.0);
+  const qt_v8d r1 = __builtin_convertvector((qt_v8i)(r ^ 0x80000000u), qt_v8d) +
+                    v8d_of(2147483649.0);  // r + 1
+  const qt_v8d v = (fl + (r1 <= F ? v8d_of(1.0) : v8d_of(0.0))) * sp;
+  return v < v8d_of(6.0) ? v : v8d_of(6.0);
+}
+
+// lowbias32 (round.h, random_word) on 8 lanes
+QT_BLOCK_FN qt_v8u lowbias32_v8(qt_v8u v) {
+  v ^= v >> 16; v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
+  return v;
+}
+
+// The block scale value (before the tensor scale; 0: no scale) of a (rounded) amax, as
+// fp4_scale: ts_div = elem_max times the tensor scale, as float32.
+QT_BLOCK_FN float fp4_scale_value(uint32_t amax, const qtensor::FastGrid& g, uint32_t smax,
+                                  uint32_t sovf, float ts_div) {
+  const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax) / ts_div), g, smax,
+                                                           sovf, 0u));
+  return s == s ? s : 0.0f;
+}
+
+// What fp4_sto_block needs besides the block: the scale grid, the tensor scale.
+struct Fp4Sto {
+  qtensor::FastGrid g;
+  uint32_t smax, sovf;
+  float ts_div;   // elem_max times the tensor scale, as float32 (fp4_scale)
+  double tsd;     // the tensor scale (1 without)
+};
+
+// One block of m <= kFp4StoMax finite elements x[j*sx] -> y[j*sy], the words in r (nv vectors
+// of 8, sr_or included), the scale value s of its amax: each element's grid value, then the
+// idempotence (round.h, settle_amax_scale): while the scale of the rounded block's max
+// (float)(max v * X) is lower, the block takes it. Stores after that (x may be y).
+template <typename T>
+QT_BLOCK_FN void fp4_sto_block(const T* xp, int64_t sx, T* yp, int64_t sy, int64_t m,
+                               const qt_v8u* r, float s, const Fp4Sto& c) {
+  const int64_t nv = (m + 7) / 8;
+  qt_v8f xa[kFp4StoMax / 8];
+  float* xf = (float*)xa;
+  if (sx == 1)
+    for (int64_t j = 0; j < m; ++j) xf[j] = u2f(load_bits<T>(xp + j) & kAbsMask);
+  else
+    for (int64_t j = 0; j < m; ++j) xf[j] = u2f(load_bits<T>(xp + j * sx) & kAbsMask);
+  for (int64_t j = m; j < nv * 8; ++j) xf[j] = 0.0f;
+  qt_v8d v[kFp4StoMax / 8];
+  double X = (double)s * c.tsd;  // round_amax_elem_t's scale: sc * tensor scale, in double
+  while (s > 0.0f) {
+    const qt_v8d Xv = v8d_of(X);
+    qt_v8d vm = v8d_of(0.0);
+    for (int64_t k = 0; k < nv; ++k) {
+      v[k] = fp4_sto_grid8(xa[k], Xv, r[k]);
+      vm = v[k] > vm ? v[k] : vm;
+    }
+    double vmax = 0.0;
+    for (int l = 0; l < 8; ++l) vmax = vm[l] > vmax ? vm[l] : vmax;
+    const float s2 = fp4_scale_value(f2u((float)(vmax * X)), c.g, c.smax, c.sovf, c.ts_div);
+    if (__builtin_expect(!(s2 < s), 1)) break;
+    s = s2;
+    X = (double)s * c.tsd;
+  }
+  const double* vd = (const double*)v;
+  if (s > 0.0f) {
+    for (int64_t k = 0; k < nv; ++k) v[k] = v[k] * v8d_of(X);
+    for (int64_t j = 0; j < m; ++j) {
+      const uint32_t u = load_bits<T>(xp + j * sx);
+      store_bits<T>(yp + j * sy, f2u((float)vd[j]) | (u & kSignBit));
+    }
+  } else {  // no scale: signed zeros
+    for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j * sy, load_bits<T>(xp + j * sx) & kSignBit);
+  }
+}
+#pragma GCC diagnostic pop
+
 // ---- blocks along an axis: a plan (which path applies, with its parameters), then one function
 // per path. Units are (outer index, block, inner index), inner fastest so that neighbouring units
 // touch neighbouring memory when the axis is not the last dim. Each unit reads its block once
@@ -285,6 +456,7 @@ struct BlockPlan {
   // 2^-2..5 stay exact in float32), blocks along contiguous rows: fp4_block_run
   bool fp4_rows;
   bool fp4_fmt;                  // the format of fp4_rows, any layout (blocks_tiled)
+  bool fp4_sto;                  // the same blocks, stochastic rounding (fp4_sto_block)
   float elem_max_f;
   float kmax_f, kmin_abs_f;      // fixed-point elements: the limits' integers (times 2^(k - fl))
   uint32_t sr_or;                // limited-bit stochastic rounding (round.h, sr_or_mask)
@@ -316,12 +488,15 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   // the exact ones only where the grids' rounding thresholds (midpoints, or for toward_zero grid
   // points, >= 2^(qlow-1)) are float32 normals: below 2^-126 the division's error is absolute
   // (2^-150), not relative, and a quotient can round onto a threshold (a bf16 scale's tie).
-  const bool scale_grid =
+  // (the scales round to nearest in every mode: stochastic rounding shares the grid, for
+  // fp4_sto_run, but not the deterministic element paths below)
+  const bool scale_grid_any =
       ((a.scale_rule == kRuleAmax && !a.amax_spec.up) || a.scale_rule == kRule4over6) &&
-      MODE != kStochastic && !a.elem_fixed &&
+      !a.elem_fixed &&
       a.man + ssp.man <= 21 && !ssp.is_unsigned && ssp.qlow >= -124 && a.qlow >= -124 &&
       qtensor::make_fast_grid(p.sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
+  const bool scale_grid = scale_grid_any && MODE != kStochastic;
   const bool amax_fast32_scale = scale_grid && !a.tensor_scale;
   p.amax_fast32 = amax_fast32_scale &&  // the elements' grid (amax rule: unshifted)
       qtensor::make_fast_grid(p.eg, a.man, a.emin, a.qlow,
@@ -331,7 +506,15 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
   const bool fp4_scales = p.amax_fast32 || (scale_grid && a.tensor_scale);
   p.fp4_fmt = fp4_scales && a.man == 1 && a.emin == 0 && a.qlow == -1 && a.elem_max == 6.0 &&
               ssp.man <= 3 && qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
-  p.fp4_rows = p.fp4_fmt && p.inner == 1 && p.unit_stride;
+  // stochastic NVFP4 (fp4_sto_block): the same scales (with a tensor scale of at most 17
+  // significant bits, the float32 scale argument's), the amax rule, blocks of <= kFp4StoMax
+  const bool ts_ok = !a.tensor_scale ||
+      ((double)(float)a.ts == a.ts && (f2u((float)a.ts) & 0x7Fu) == 0 && a.ts > 0 &&
+       std::isfinite(a.ts));
+  p.fp4_sto = MODE == kStochastic && scale_grid_any && a.scale_rule == kRuleAmax && ts_ok &&
+              a.man == 1 && a.emin == 0 && a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 &&
+              qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38 && p.bs <= kFp4StoMax;
+  p.fp4_rows = (p.fp4_fmt || p.fp4_sto) && p.inner == 1 && p.unit_stride;
   p.sovf = ssp.ovf_bits == ssp.max_bits ? p.smax
          : (ssp.ovf_bits == qtensor::Carrier<uint64_t>::INF ? kInfBits : kNaNBits);
   p.elem_max_f = (float)a.elem_max;
@@ -408,6 +591,106 @@ QT_BLOCK_FN uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_s
   return amax;
 }
 
+QT_BLOCK_FN Fp4Sto fp4_sto_consts(const BlockPlan& P, const BlockArgs& a) {
+  Fp4Sto c;
+  c.g = P.sg; c.smax = P.smax; c.sovf = P.sovf;
+  c.ts_div = a.tensor_scale ? (float)(a.elem_max * a.ts) : P.elem_max_f;
+  c.tsd = a.tensor_scale ? a.ts : 1.0;
+  return c;
+}
+
+// Stochastic NVFP4 blocks along a contiguous row (fp4_block_run's run; l0: the logical index of
+// x[0], key: the seed's), in passes that each vectorize (across blocks or 8 lanes): the blocks'
+// amaxes and scales; per block its words, its elements' values q (into qf) and its rounded max;
+// the scales of those maxes; then the stores, and fp4_sto_block's settling loop for the blocks
+// whose scale is lower (rare), the NaN and no-scale blocks.
+template <int BS, typename T>
+void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
+                 const BlockPlan& P, const BlockArgs& a, uint64_t l0, uint32_t key) {
+  constexpr int64_t kBuf = kFp4Run * (BS > 0 ? BS : kFp4StoMax) + 8;
+  const int64_t bs = BS > 0 ? BS : bs_rt;
+  uint32_t amax[kFp4Run], ra[kFp4Run];
+  float S[kFp4Run], S2[kFp4Run];
+  qt_v8f qv[kBuf / 8];
+  float* qf = (float*)qv;
+  const int64_t nfull = std::min(nblk, avail / bs);
+  const int64_t tail = avail - nfull * bs;  // the last block's length when nfull < nblk
+  for (int64_t b = 0; b < nfull; ++b) amax[b] = block_amax<T>(x + b * bs, bs, 1, true);
+  if (nfull < nblk) amax[nfull] = block_amax<T>(x + nfull * bs, tail, 1, true);
+  const Fp4Sto c = fp4_sto_consts(P, a);
+  for (int64_t b = 0; b < nblk; ++b)
+    S[b] = fp4_scale_value(amax[b], c.g, c.smax, c.sovf, c.ts_div);
+  const uint32_t sr_or = P.sr_or;
+  const uint64_t lend = l0 + (uint64_t)(nblk * bs) - 1;
+  const bool one_key = (l0 >> 32) == (lend >> 32);  // else per element (a multiple of 2^32 inside)
+  const uint32_t ik = index_key(key, l0);
+  const qt_v8u iota = {0, 1, 2, 3, 4, 5, 6, 7};
+  // block b's words, 8 lanes at a time (the lanes past m: words of the next indices, unused)
+  auto words = [&](int64_t b, int64_t m, qt_v8u* r) {
+    const uint64_t lb = l0 + (uint64_t)(b * bs);
+    if (__builtin_expect(one_key, 1)) {
+      for (int64_t k = 0; k < (m + 7) / 8; ++k)
+        r[k] = lowbias32_v8((iota + ((uint32_t)lb + (uint32_t)(8 * k))) ^ ik) | sr_or;
+    } else {
+      uint32_t* rw = (uint32_t*)r;
+      for (int64_t j = 0; j < (m + 7) / 8 * 8; ++j)
+        rw[j] = random_word(index_key(key, lb + (uint64_t)j), (uint32_t)(lb + (uint64_t)j)) | sr_or;
+    }
+  };
+  auto values = [&](int64_t b, int64_t m, qt_v8f* qd) {
+    ra[b] = 0;
+    if (amax[b] >= kInfBits || !(S[b] > 0.0f)) return;
+    qt_v8u r[kFp4StoMax / 8];
+    words(b, m, r);
+    const T* xp = x + b * bs;
+    const double X = (double)S[b] * c.tsd;
+    const qt_v8d Xv = v8d_of(X);
+    qt_v8d vm = v8d_of(0.0);
+    for (int64_t k = 0; k < (m + 7) / 8; ++k) {
+      qt_v8u ub;
+      if (std::is_same<T, float>::value && 8 * k + 8 <= m) {
+        std::memcpy(&ub, xp + 8 * k, 32);
+      } else {
+        uint32_t* u = (uint32_t*)&ub;
+        for (int l = 0; l < 8; ++l) u[l] = 8 * k + l < m ? load_bits<T>(xp + 8 * k + l) : 0u;
+      }
+      const qt_v8d v = fp4_sto_grid8((qt_v8f)(ub & kAbsMask), Xv, r[k]);
+      vm = v > vm ? v : vm;
+      qd[k] = __builtin_convertvector(v * Xv, qt_v8f);
+    }
+    double vmax = 0.0;
+    for (int l = 0; l < 8; ++l) vmax = vm[l] > vmax ? vm[l] : vmax;
+    ra[b] = f2u((float)(vmax * X));
+  };
+  // (BS a multiple of 8: each block's values start on a vector; else one block at a time)
+  if (BS > 0 && BS % 8 == 0) {
+    for (int64_t b = 0; b < nfull; ++b) values(b, bs, qv + b * bs / 8);
+    if (nfull < nblk) values(nfull, tail, qv + nfull * bs / 8);
+    for (int64_t b = 0; b < nblk; ++b)
+      S2[b] = fp4_scale_value(ra[b], c.g, c.smax, c.sovf, c.ts_div);
+  }
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t m = b < nfull ? bs : tail;
+    const T* xp = x + b * bs;
+    T* yp = y + b * bs;
+    if (!(BS > 0 && BS % 8 == 0)) {
+      values(b, m, qv);  // into the buffer's start (a block of up to kFp4StoMax)
+      S2[b] = fp4_scale_value(ra[b], c.g, c.smax, c.sovf, c.ts_div);
+    }
+    const float* qb = qf + (BS > 0 && BS % 8 == 0 ? b * bs : 0);
+    if (__builtin_expect(amax[b] < kInfBits && S[b] > 0.0f && !(S2[b] < S[b]), 1)) {
+      for (int64_t j = 0; j < m; ++j)
+        store_bits<T>(yp + j, f2u(qb[j]) | (load_bits<T>(xp + j) & kSignBit));
+    } else if (amax[b] >= kInfBits) {  // NaN or Inf in the block: all NaN
+      for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
+    } else {  // no scale (signed zeros), or the settling loop from the lower scale S2
+      qt_v8u r[kFp4StoMax / 8];
+      words(b, m, r);
+      fp4_sto_block<T>(xp, 1, yp, 1, m, r, S[b] > 0.0f ? S2[b] : 0.0f, c);
+    }
+  }
+}
+
 // The block's amax-rule scale made idempotent (round.h, settle_amax_scale): the rounded amax
 // from the amax alone where that is exact, else from a read-only pass over the block (before any
 // store, so that in-place rounding still reads x).
@@ -431,6 +714,21 @@ QT_BLOCK_FN double settled_scale(const Block<T>& b, uint32_t amax, double sc, co
     }
     return m;
   });
+}
+
+// stochastic NVFP4, any block (plan.fp4_sto): fp4_sto_run's scale and elements
+template <int MODE, typename T>
+QT_BLOCK_FN void block_fp4_sto(const Block<T>& b, uint32_t amax, const BlockPlan& P,
+                               const BlockArgs& a) {
+  if constexpr (MODE == kStochastic) {  // (the plan takes it for stochastic rounding only)
+    const Fp4Sto c = fp4_sto_consts(P, a);
+    qt_v8u r[kFp4StoMax / 8];
+    uint32_t* rw = (uint32_t*)r;
+    for (int64_t j = 0; j < (b.m + 7) / 8 * 8; ++j)
+      rw[j] = j < b.m ? block_word<MODE>(b, P.sal, j) : 0u;
+    fp4_sto_block<T>(b.xp, P.sax, b.yp, P.say, b.m, r,
+                     fp4_scale_value(amax, c.g, c.smax, c.sovf, c.ts_div), c);
+  }
 }
 
 // amax rule, float32 arithmetic, contiguous block (plan.amax_fast32)
@@ -674,6 +972,8 @@ QT_BLOCK_FN void round_block(const Block<T>& b, const BlockPlan& P, const BlockA
   const uint32_t amax = block_amax<T>(b.xp, b.m, P.sax, P.unit_stride);
   if (amax >= kInfBits) {  // NaN or Inf in the block: all NaN
     for (int64_t j = 0; j < b.m; ++j) store_bits<T>(b.yp + j * P.say, kNaNBits);
+  } else if (MODE == kStochastic && P.fp4_sto) {
+    block_fp4_sto<MODE, T>(b, amax, P, a);
   } else if (a.scale_rule == kRule4over6) {
     block_4over6<MODE, T>(b, amax, P, a);
   } else if (a.scale_rule == kRuleAmax) {
@@ -810,7 +1110,6 @@ QT_BLOCK_FN void pow2_elems(const T* __restrict__ xp, T* __restrict__ yp, int64_
 // extensions: each ISA's copy splits or widens them as it can.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"  // (always inlined: no call passes a vector)
-typedef uint32_t qt_v8u __attribute__((vector_size(32)));
 QT_BLOCK_FN qt_v8u v8_max(qt_v8u a, qt_v8u b) { return a > b ? a : b; }
 QT_BLOCK_FN qt_v8u v8_abs_bits(const float* p) {
   qt_v8u v;
@@ -1143,7 +1442,12 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
         const int64_t j0 = bidx * bs;
         const T* xp = x + oc.ox + j0;
         T* yp = y + oc.oy + j0;
-        if (a.scale_rule == kRule4over6)
+        if constexpr (MODE == kStochastic) {  // (the axis' logical stride is 1: inner == 1)
+          if (bs == 16)
+            fp4_sto_run<16, T>(xp, yp, run, bs, len - j0, P, a, (uint64_t)(oc.ol + j0), key);
+          else
+            fp4_sto_run<0, T>(xp, yp, run, bs, len - j0, P, a, (uint64_t)(oc.ol + j0), key);
+        } else if (a.scale_rule == kRule4over6)
           fp4_block_run<MODE, 0, T, true>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
                                           P.elem_max_f, a);
         else if (bs == 16)

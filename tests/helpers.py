@@ -38,3 +38,18 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str = "
                 + f" got={a[i].item()!r} expected={e[i].item()!r}" for i in where]
         raise AssertionError(f"{msg}: {int(bad.sum())} of {a.numel()} values differ in bits\n"
                              + "\n".join(rows))
+
+
+def assert_passes_under_isa(test_file: str, isa: str, selection: str) -> None:
+    """The tests of test_file matching ``-k selection`` pass in a subprocess under
+    QTENSOR_CPU_ISA=isa (the baseline or AVX2 copies of the CPU loops; the test process itself
+    takes the best the CPU has), run from the repository root."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        os.path.abspath(test_file), "-k", selection],
+                       env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=root,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

@@ -17,9 +17,6 @@ file under QTENSOR_CPU_ISA=base and avx2 (the ISA is chosen once per process).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,7 +25,7 @@ import qtensor as qt
 from qtensor import ops, reference
 from qtensor.formats import FixedFormat
 
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, assert_passes_under_isa
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="qtensor._C not built (pip install --no-build-isolation -e .)")
@@ -200,11 +197,4 @@ def test_other_isas(isa):
     """This file's float32 tests under QTENSOR_CPU_ISA=base|avx2 (the baseline and AVX2 copies
     of the loops; the process's own run takes the best the CPU has, AVX-512 here), in a
     subprocess."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__),
-                        "-k", "codes_times_scales or partial or in_place"],
-                       env=dict(os.environ, QTENSOR_CPU_ISA=isa),
-                       cwd=os.path.dirname(os.path.dirname(here)),
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert_passes_under_isa(__file__, isa, "codes_times_scales or partial or in_place")
