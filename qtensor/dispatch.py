@@ -536,6 +536,9 @@ def _kernel_call(fmt, inplace=False):
 
 
 def _kernel_calls(fmt):
+    if type(fmt) is BlockFormat and fmt.tensor_scale:  # TE's two-level rule: no fused kernel
+        return ((lambda x, *a: _ops.quantize(x, fmt), ()),
+                (lambda x, *a: _ops.quantize_(x, fmt), ()))
     name, args = _ops.op_args(fmt)
     args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
     return ((getattr(torch.ops.qtensor, name).default._op, args),

@@ -204,6 +204,8 @@ def traced_round_float(x, args):
 def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if _C is None or x.dtype not in KERNEL_DTYPES:
         return False
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        return False  # TE's two-level rule: reference.quantize_two_level (torch float32 ops)
     if x.device.type == "meta":
         return True
     if x.device.type == "cuda" and not _cuda_has_kernel(fmt, rounding):

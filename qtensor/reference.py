@@ -18,6 +18,7 @@ The exact computation and the random-bits formula the kernels implement: docs/fo
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -317,6 +318,159 @@ def block_layout(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return moved.reshape(*moved.shape[:-1], -1, bs)
 
 
+# ---------------------------------------------------------------------------------------------
+# Two-level block formats (tensor_scale=True, NVFP4): Transformer Engine's rule, each step a
+# float32 operation as TE's kernels do it (docs/formats.md, "NVFP4: the tensor scale")
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_tensor_scale(s, fmt) -> torch.Tensor:
+    """A given tensor (decode) scale as a 0-dim float32 tensor: a positive finite float32."""
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1 or not s.is_floating_point():
+            raise ValueError(f"{fmt}: tensor_scale must be one positive finite float32, got a "
+                             f"{s.dtype} tensor of shape {tuple(s.shape)}")
+        v = s.detach().reshape(())
+        if v.device.type != "meta":
+            f = float(v)
+            if not (math.isfinite(f) and f > 0 and float(v.to(torch.float32)) == f):
+                raise ValueError(f"{fmt}: tensor_scale must be a positive finite float32, got {f!r}")
+        return v.to(torch.float32)
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"{fmt}: tensor_scale must be a float or a 0-dim tensor, got "
+                        f"{type(s).__name__}")
+    f = float(s)
+    if not (math.isfinite(f) and f > 0) or float(torch.tensor(f, dtype=torch.float32)) != f:
+        raise ValueError(f"{fmt}: tensor_scale must be a positive finite float32 (TE's FP32 "
+                         f"per-tensor scale), got {s!r}")
+    return torch.tensor(f, dtype=torch.float32)
+
+
+def encode_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """TE's global encode scale (float32, 0-dim) of a tensor whose largest finite magnitude is
+    ``amax``: max_elem * bound / amax in float32 (bound: 448, 256 for 4over6), FLT_MAX where
+    that overflows, 1 for amax 0 (and where it underflows to 0)."""
+    a = amax.to(torch.float32)
+    num = torch.tensor(fmt.elem.max * fmt.tensor_scale_bound, dtype=torch.float32,
+                       device=a.device)
+    enc = torch.clamp(num / a, max=_F32_MAX)
+    return torch.where((a == 0) | (enc == 0), torch.ones_like(enc), enc)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32)
+
+
+def _scale_code(t32: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """A block's scale-format value (float64) from its float32 target: nearest (the cast
+    TE makes, saturating), or upward for the ceil rule."""
+    sf = fmt.amax_scale_format.replace(rounding="nearest", saturate=True)
+    t = torch.where(torch.isfinite(t32), t32, torch.full_like(t32, _F32_MAX)).to(torch.float64)
+    if fmt.scale_rule == "ceil":
+        return torch.clamp(_round_float_up(t, sf), max=sf.max)
+    return _round_float(t, sf, "nearest", None, None)
+
+
+def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
+                      idx: Optional[torch.Tensor], seed: Optional[int], enc: torch.Tensor,
+                      dec: torch.Tensor, amax_t: torch.Tensor) -> torch.Tensor:
+    """blocks ([..., n, block], float32) rounded by TE's rule under encode scale enc and decode
+    scale dec (float32, 0-dim), as float64 values (float32-exact)."""
+    elem = fmt.elem
+    amax_b = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.sum(-1, True)
+    bad = ~torch.isfinite(amax_b)
+    amax_b = torch.where(bad, torch.zeros_like(amax_b), amax_b)
+    inv_max = _f32(torch.tensor(1.0, dtype=torch.float64) / elem.max).to(blocks.device)
+
+    def rounded(X):  # X (float64, scale-format values) -> the block's values (float64)
+        X32 = _f32(X)
+        inv = torch.clamp(torch.ones_like(X32) / (X32 * dec), max=_F32_MAX)
+        e = _round_scalar((blocks * inv).to(torch.float64), elem, rounding, idx, seed)
+        v = _f32(e * X * dec.to(torch.float64)).to(torch.float64)  # (e * X * dec: exact)
+        return e, torch.where(v == 0, torch.copysign(torch.zeros_like(v), blocks.double()), v)
+
+    if fmt.scale_rule == "4over6":
+        base = (amax_b / elem.max) * enc  # (TE's 4over6 order)
+        cands = [_scale_code(base, fmt), _scale_code(base * 1.5, fmt)]
+    else:
+        cands = [_scale_code(amax_b * (enc * inv_max), fmt)]
+    X = cands[0]
+    e, q = rounded(X)
+    if len(cands) == 2:  # map-to-4 where its float32 error sum is lower (map-to-6 on a tie)
+        X4 = cands[1]
+        e4, q4 = rounded(X4)
+        denom = float(elem.max * fmt.tensor_scale_bound)
+        a32 = _f32(amax_t)
+
+        def err(e_, X_):
+            val = _f32(_f32(e_ * X_) * a32) / denom  # TE's dequantized value, float32 steps
+            d = (val - blocks).abs()
+            acc = torch.zeros_like(amax_b)
+            for j in range(blocks.shape[-1]):  # in element order
+                acc = acc + d[..., j:j + 1]
+            return acc
+        pick4 = err(e4, X4) < err(e, X)
+        q = torch.where(pick4, q4, q)
+    elif fmt.settle:
+        # each block again with the scale of its own rounded max, until the scale repeats:
+        # rounding the values once more under the same tensor scale then gives them back
+        while True:
+            rmax = _f32(q.abs().amax(dim=-1, keepdim=True) if q.numel() else q.sum(-1, True))
+            again = _scale_code(rmax * (enc * inv_max), fmt)
+            lower = (again < X) & ~bad
+            if lower.device.type == "meta" or not bool(lower.any()):
+                break
+            X = torch.where(lower, again, X)
+            q = torch.where(lower, rounded(X)[1], q)
+    return torch.where(bad, torch.full_like(q, float("nan")), q)
+
+
+def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: int = 0,
+                       tensor_scale=None):
+    """x rounded to a two-level block format by Transformer Engine's NVFP4 rule: (values like
+    x, the decode tensor scale as a 0-dim float32 tensor). tensor_scale: round under this
+    decode scale (a positive finite float32; the encode scale is then its float32 reciprocal)
+    instead of the one of x's amax. Inputs are read as float32 (a float64 x is rounded to
+    float32 first, as TE reads its inputs)."""
+    x32 = x.detach().to(torch.float32)
+    if tensor_scale is None:
+        finite = torch.isfinite(x32)
+        amax_t = torch.where(finite, x32.abs(), torch.zeros_like(x32)).amax() if x32.numel() \
+            else torch.zeros((), device=x.device)
+        enc = encode_scale(amax_t, fmt)
+        dec = torch.ones_like(enc) / enc
+    else:
+        dec = check_tensor_scale(tensor_scale, fmt).to(x.device)
+        enc = torch.ones_like(dec) / dec
+        amax_t = fmt.elem.max * fmt.tensor_scale_bound / enc.double()
+    if x.numel() == 0:
+        return x.detach().clone(), dec
+    index = None
+    if stochastic_bits(rounding) is not None:
+        index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
+    if fmt.block_shape is not None:
+        check_axis(x32, fmt)
+        y, restore, fmt1 = tile_blocks(x32, fmt)
+        iy = tile_blocks(index, fmt)[0] if index is not None else None
+        q = restore(_two_level_blocks(y, fmt1, rounding, iy, seed, enc, dec, amax_t))
+    else:
+        shape = x32.shape
+        axis = None if fmt.axis is None or x32.dim() == 0 else fmt.axis
+        if axis is not None:
+            check_axis(x32, fmt)
+        blocks = block_layout(x32, fmt)
+        idx = block_layout(index, fmt) if index is not None else None
+        moved = x32.reshape(1, -1) if axis is None else x32.movedim(axis, -1)
+        n = moved.shape[-1]
+        q = _two_level_blocks(blocks, fmt, rounding, idx, seed, enc, dec, amax_t)
+        q = q.reshape(*moved.shape[:-1], -1)[..., :n]
+        q = q.reshape(shape) if axis is None else q.movedim(-1, axis)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return _nan_bits(q.to(torch.float32).to(x.dtype), q, x, fmt), dec
+    return _nan_bits(q.to(x.dtype), q, x, fmt), dec
+
+
 def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
                      index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
     """x (float64) rounded to a BlockFormat, as float64 (float32-exact values)."""
@@ -397,6 +551,8 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
     index = None
     if stochastic_bits(rounding) is not None:
         index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        return quantize_two_level(x, fmt, rounding, seed)[0]
     x64 = x.detach().to(torch.float64)
     if isinstance(fmt, BlockFormat):
         q = _quantize_blocks(x64, fmt, rounding, index, seed)

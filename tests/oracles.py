@@ -392,3 +392,60 @@ def block_clipping(x, rule: str, elem_max: float, emax: int, bs=None, tile=None,
             elif v < elem_min * X:
                 count, lost = count + 1, lost + elem_min * X - v
     return count, lost
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 by Transformer Engine's rule, one float32 step at a time (each step computed exactly in
+# Python's float64 and rounded once to float32: for one +, *, / of float32 operands that is the
+# float32 operation's own result)
+
+def f32(v: float) -> float:
+    """v rounded to nearest float32 (inf past FLT_MAX)."""
+    import numpy as np
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
+
+
+F32_MAX = 3.4028234663852886e38
+
+
+def nvfp4_te(rows, e4m3, e2m1, bound: float = 448.0, block: int = 16, tensor_scale=None):
+    """rows (lists of float32 values; blocks of ``block`` along each row) by TE's NVFP4 rule:
+    (values, decode tensor scale). e4m3/e2m1: the scale and element formats (rounded through
+    :func:`round_float`, to nearest, saturating as TE's satfinite casts). ``tensor_scale``: a
+    given decode scale instead of the one of the rows' amax (its encode scale: 1/s in float32)."""
+    emax = elem_max = float(max(v for _c, v in float_codes(e2m1) if v is not None and
+                                math.isfinite(v)))
+    smax = float(max(v for _c, v in float_codes(e4m3) if v is not None and math.isfinite(v)))
+    if tensor_scale is None:
+        finite = [abs(v) for r in rows for v in r if math.isfinite(v)]
+        amax = max(finite, default=0.0)
+        enc = f32(f32(elem_max * bound) / amax) if amax > 0 else 1.0
+        enc = min(enc, F32_MAX)
+        if enc == 0:
+            enc = 1.0
+        dec = f32(1.0 / enc)
+    else:
+        dec = tensor_scale
+        enc = f32(1.0 / dec)
+    inv_max = f32(1.0 / emax)
+    out = []
+    for r in rows:
+        res = []
+        for b in range(0, len(r), block):
+            vals = r[b:b + block]
+            if not all(math.isfinite(v) for v in vals):
+                res += [NAN] * len(vals)
+                continue
+            bamax = max(abs(v) for v in vals)
+            t = f32(bamax * f32(enc * inv_max))
+            X = round_float(min(t, smax), e4m3, "nearest")
+            d = f32(X * dec)
+            inv = F32_MAX if d == 0 else min(f32(1.0 / d), F32_MAX)
+            for v in vals:
+                y = f32(v * inv)
+                e = round_float(max(-elem_max, min(elem_max, y)), e2m1, "nearest")
+                q = f32(e * X * dec)  # (e * X * dec exact in float64)
+                res.append(math.copysign(0.0, v) if q == 0 else q)
+        out.append(res)
+    return out, dec
