@@ -471,6 +471,27 @@ def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: i
     return _nan_bits(q.to(x.dtype), q, x, fmt), dec
 
 
+def two_level_payload(values: torch.Tensor, s: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The payloads p = element x block scale (float64, exact) of a two-level format's values
+    fl32(p x s): values / s rounded to the significant bits an element times a scale has (the
+    float32 rounding of p x s moves it by far less than their spacing)."""
+    r = values.to(torch.float64) / s.to(torch.float64)
+    bits = _significant_bits(fmt.elem) + fmt.amax_scale_format.man + 1
+    a = r.abs()
+    _, e = torch.frexp(torch.where(a > 0, a, torch.ones_like(a)))
+    q = _pow2(e.to(torch.int64) - bits)
+    return torch.where(a > 0, torch.round(r / q) * q, r)
+
+
+def two_level_valid(values: torch.Tensor, s: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """Which values are fl32(p x s) for a payload p of fmt's element times scale bits."""
+    p = two_level_payload(values, s, fmt)
+    elem = fmt.elem
+    sf = fmt.amax_scale_format
+    # (p on the grid of numbers of that many bits: a superset of the element x scale products)
+    return (p.abs() <= elem.max * sf.max) & (_f32(p * s.to(torch.float64)) == values.float())
+
+
 def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
                      index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
     """x (float64) rounded to a BlockFormat, as float64 (float32-exact values)."""
