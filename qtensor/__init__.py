@@ -2,7 +2,7 @@
 __version__ = "0.1.0"  # the one place: setup.py reads it from here
 
 from .formats import (BlockFormat, FixedFormat, FloatFormat, Format, FormatError, PRESETS,
-                      format)
+                      format, p3109)
 from . import reference
 
 globals().update(PRESETS)

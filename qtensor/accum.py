@@ -30,7 +30,8 @@ import torch
 from . import ops as _ops
 from . import selfcheck
 
-__all__ = ["AccumFormat", "AccumFormatError", "accum_matmul", "accum_matmul_reference",
+__all__ = ["AccumFormat", "AccumFormatError", "OperandFormatWarning", "accum_matmul",
+           "accum_matmul_reference",
            "as_accum", "contract", "PRESETS", "ALIGN_ROUNDINGS", "ACC_ROUNDINGS"]
 
 ALIGN_ROUNDINGS = ("toward_zero", "floor", "nearest")  # nearest: ties to even
@@ -383,7 +384,8 @@ def _cdna3_chunk(a, b, ea, eb, p, f):
     v = sd * _pow2(em - F2 - 1) + sc * _pow2(em - F)
     ev = torch.where(v == 0, 0, _exponent(v, -126))
     r = torch.floor(v * _pow2(F2 - ev)) * _pow2(ev - F2)
-    new = r.float().double() + 0.0  # to nearest FP32 (inf from 2^128)
+    # to nearest FP32 (inf from 2^128); a negative value below its grid gives -0.0, as the MFMA
+    new = r.float().double()
     return torch.where(bad, _nonfinite(t, torch.where(pbad, p, 0.0)), new)
 
 
@@ -401,8 +403,8 @@ def _group_exps(x, want, name):
 
 
 def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
-                           a_gexp=None, b_gexp=None, c=None, a_scale=None,
-                           b_scale=None) -> torch.Tensor:
+                           a_gexp=None, b_gexp=None, c=None, a_scale=None, b_scale=None,
+                           a_fmt=None, b_fmt=None, block_size=None) -> torch.Tensor:
     """a @ b (batched over leading dims) with the accumulator ``accum``: float32 out.
 
     The statement of the model (module doc); the compiled kernel gives the same bits.
@@ -416,11 +418,19 @@ def accum_matmul_reference(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=No
     a_scale, b_scale: the block scales of unscaled operands a, b, applied where ``accum.scales``
     says (see _scaled).
     """
-    f = _check_accum(accum)
+    return _entry(_reference, "accum_matmul_reference", a, b, accum, a_fmt, b_fmt,
+                  dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c,
+                       a_scale=a_scale, b_scale=b_scale, block_size=block_size))
+
+
+def _reference(a, b, f: AccumFormat, *, a_emin=None, b_emin=None, a_gexp=None, b_gexp=None,
+               c=None, a_scale=None, b_scale=None, block_size=None) -> torch.Tensor:
+    """accum_matmul_reference after its operands' formats are resolved (_entry)."""
     _check_operands(a, b, "accum_matmul_reference")
     if a_scale is not None or b_scale is not None:
-        return _scaled(accum_matmul_reference, a, b, f, a_scale, b_scale,
-                       dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c))
+        return _scaled(_reference, a, b, f, a_scale, b_scale,
+                       dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c),
+                       block_size)
     a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
@@ -525,17 +535,22 @@ def _fma_f32(s: torch.Tensor, p: torch.Tensor, acc: torch.Tensor) -> torch.Tenso
     return hi.float()
 
 
-def _scale_exp(s: torch.Tensor) -> torch.Tensor:
-    """floor(log2 s) of positive scales (E4M3 subnormal scales at -6, as MMA-Sim's nvf4)."""
-    return _exponent(s.double(), -6 if s.dtype == torch.float8_e4m3fn else None)
+def _scale_emin(s: torch.Tensor) -> Optional[int]:
+    """The clamp of positive scales' floor(log2) (E4M3 subnormal scales at -6, as MMA-Sim's
+    nvf4)."""
+    return -6 if s.dtype == torch.float8_e4m3fn else None
 
 
-def _scaled(fn, a, b, f: AccumFormat, a_scale, b_scale, kw) -> torch.Tensor:
+def _scaled(fn, a, b, f: AccumFormat, a_scale, b_scale, kw, block_size=None) -> torch.Tensor:
     """a @ b of unscaled operands a, b with their scales applied where ``f.scales`` says; fn (the
     kernel entry or the reference) computes the unscaled sums.
 
     - ``instruction`` (Blackwell block-scaled MMA): a_scale (..., M, KB), b_scale (..., KB, N),
-      one scale per block of ceil(K / KB) K-elements; the operands are dequantized (exactly) and
+      one scale per block of ``block_size`` K-elements (the last block may be shorter; without
+      block_size, K / KB where KB divides K, else refused: KB blocks of a ragged K do not say
+      their size); a NaN scale (E8M0's NaN code) makes every output it enters NaN, as the
+      hardware's; the operands are dequantized (exactly, each K-block's pair of operands shifted
+      by opposite powers of two where one would leave float32's range) and
       each product aligns at its elements' and scales' exponents: with groups the group
       exponents are the scales' floor(log2) (a_gexp/b_gexp), without them the scales must be
       powers of two (E8M0) and add to the elements' clamps (a_emin/b_emin).
@@ -570,7 +585,25 @@ def _scaled(fn, a, b, f: AccumFormat, a_scale, b_scale, kw) -> torch.Tensor:
     if a_scale.dim() < 2 or b_scale.dim() < 2:
         raise ValueError("accum_matmul: a_scale must be (..., M, KB) and b_scale (..., KB, N)")
     KB = a_scale.shape[-1]
-    blk = f.chunk * f.promote if f.scales == "promotion" else (-(-K // KB) if KB else 0)
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(
+            block_size, int) or block_size < 1):
+        raise ValueError(f"accum_matmul: block_size must be a positive int, got {block_size!r}")
+    if f.scales == "promotion":
+        blk = f.chunk * f.promote
+        if block_size is not None and block_size != blk:
+            raise ValueError(f"accum_matmul: scales='promotion' takes one scale per promotion "
+                             f"interval (chunk * promote = {blk} K-elements), got "
+                             f"block_size={block_size}")
+    elif block_size is not None:
+        blk = block_size
+    elif KB and K % KB:
+        lo, hi = -(-K // KB), (-(-K // (KB - 1)) - 1) if KB > 1 else K
+        raise ValueError(
+            f"accum_matmul: K={K} with {KB} scale columns: blocks of {lo} to {hi} K-elements "
+            f"all give {KB} blocks (the last one shorter), so the block size is ambiguous; "
+            f"pass block_size= (e.g. 32 for MX, 16 for NVFP4)")
+    else:
+        blk = K // KB if KB else 0
     want = -(-K // blk) if blk else 0
     try:
         if KB != want or b_scale.shape[-2] != want:
@@ -627,19 +660,53 @@ def _scaled(fn, a, b, f: AccumFormat, a_scale, b_scale, kw) -> torch.Tensor:
     return torch.where(torch.isnan(acc), math.nan, acc)
 
 
+def _block_shift(ad, bd, blk, nb):
+    """Per K-block exponents d (int64, (nb,)): a * 2^-d and b * 2^d keep every product, and
+    their exponents' sums, the alignment; chosen (0 where it already fits) to bring both
+    operands of a block into float32's normal range, which E8M0 scales at the ends of theirs
+    leave (2^127 on a, 2^-127 on b: a's dequantized values overflow float32)."""
+    K = ad.shape[-1]
+
+    def ranges(x):  # (hi, lo) of the nonzero values' exponents per block of K (last dim)
+        e = _exponent(x, None).reshape(-1, K)
+        e = torch.nn.functional.pad(e, (0, nb * blk - K), value=_ZERO_EXP).unflatten(-1, (nb, blk))
+        nz = e != _ZERO_EXP
+        hi = torch.where(nz, e, -10000).amax((0, 2)) if e.numel() else torch.zeros(nb)
+        lo = torch.where(nz, e, 10000).amin((0, 2)) if e.numel() else torch.zeros(nb)
+        return hi.long(), lo.long()
+    hi_a, lo_a = ranges(ad)
+    hi_b, lo_b = ranges(bd.transpose(-1, -2))
+    low = torch.maximum(hi_a - 127, -126 - lo_b)   # a below 2^128, b at or above 2^-126
+    high = torch.minimum(lo_a + 126, 127 - hi_b)   # a at or above 2^-126, b below 2^128
+    d = torch.clamp(torch.zeros_like(low), max=high)
+    return torch.maximum(d, low)  # (no d fits both: the exactness check refuses)
+
+
 def _instruction_scaled(fn, a, b, f, sa, sb, blk, kw):
     """scales='instruction': the dequantized operands with the scales' exponents in the
     alignment (group exponents, or the elements' clamps plus power-of-two scale exponents)."""
     K = a.shape[-1]
-    ra = sa.double().repeat_interleave(blk, -1)[..., :K]
-    rb = sb.double().repeat_interleave(blk, -2)[..., :K, :]
+    # a NaN scale (E8M0's NaN code): the hardware's products of its block are NaN, whatever
+    # the elements; the other outputs are computed with a scale of 1 in its place
+    nan_a, nan_b = torch.isnan(sa), torch.isnan(sb)
+    clamp_a, clamp_b = _scale_emin(sa), _scale_emin(sb)
+    sa, sb = torch.where(nan_a, 1.0, sa.double()), torch.where(nan_b, 1.0, sb.double())
+    nb = sa.shape[-1]
+    ra = sa.repeat_interleave(blk, -1)[..., :K]
+    rb = sb.repeat_interleave(blk, -2)[..., :K, :]
     ad, bd = a.double() * ra, b.double() * rb
+    d = _block_shift(ad, bd, blk, nb) if K else torch.zeros(nb, dtype=torch.int64)
+    if bool((d != 0).any()):
+        ad = ad * _pow2(-d).repeat_interleave(blk)[:K]
+        bd = bd * _pow2(d).repeat_interleave(blk)[:K, None]
     a32, b32 = ad.float(), bd.float()
     if not (torch.equal(a32.double(), ad) and torch.equal(b32.double(), bd)):
         raise ValueError("accum_matmul: scales='instruction' needs elements * scales exact in "
                          "float32 (block-scaled formats' elements and scales are)")
     kw = dict(kw)
-    ea, eb = _scale_exp(sa), _scale_exp(sb)
+    ea, eb = _exponent(sa, clamp_a), _exponent(sb, clamp_b)
+    pow2_scales = torch.equal(_pow2(ea), sa) and torch.equal(_pow2(eb), sb)
+    ea, eb = ea - d, eb + d[:, None]  # (the shifted operands' scales)
     if f.group > 1:
         if kw["a_gexp"] is not None or kw["b_gexp"] is not None:
             raise ValueError("accum_matmul: give the scales or the group exponents, not both")
@@ -650,14 +717,16 @@ def _instruction_scaled(fn, a, b, f, sa, sb, blk, kw):
         kw["a_gexp"] = ea.repeat_interleave(blk // f.group, -1)[..., :G]
         kw["b_gexp"] = eb.repeat_interleave(blk // f.group, -2)[..., :G, :]
     else:  # an element's clamp moves by its block's scale exponent (MMA-Sim's MMA_ST_FDPA)
-        if not (torch.equal(_pow2(ea), sa.double()) and torch.equal(_pow2(eb), sb.double())):
+        if not pow2_scales:
             raise ValueError("accum_matmul: scales='instruction' without groups takes "
                              "power-of-two (E8M0) scales, as tcgen05 kind::mxf8f6f4")
         em_a = _operand_emin(a, kw["a_emin"])
         em_b = _operand_emin(b, kw["b_emin"])
         kw["a_emin"] = em_a + ea.repeat_interleave(blk, -1)[..., :K]
         kw["b_emin"] = em_b + eb.repeat_interleave(blk, -2)[..., :K, :]
-    return fn(a32, b32, f, **kw)
+    out = fn(a32, b32, f, **kw)
+    nan = nan_a.any(-1)[..., :, None] | nan_b.any(-2)[..., None, :]
+    return torch.where(nan, math.nan, out) if bool(nan.any()) else out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,7 +770,7 @@ def _sample_check(device: torch.device) -> Optional[str]:
         x, y = x.to(device), y.to(device)
         for f in (p for p in PRESETS.values() if p.stages == "fused"):  # (the kernel's)
             got = torch.ops.qtensor.accum_matmul(x, y, *op_args(f), None, None, None, None, None)
-            found = selfcheck.difference(got, accum_matmul_reference(x, y, f))
+            found = selfcheck.difference(got, _reference(x, y, f))
             if found is not None:
                 return f"accumulator {f.name}: {found}"
     return None
@@ -718,8 +787,136 @@ def op_args(f: AccumFormat, a_emin: int = _EXP_MIN, b_emin: int = _EXP_MIN) -> t
             _ZERO_EXP if f.e_zero is None else f.e_zero, a_emin, b_emin, f.acc_emin, f.acc_emax)
 
 
+class OperandFormatWarning(UserWarning):
+    """A hardware preset on operands whose input format nothing states (float32 carriers): the
+    result may differ from the hardware's (see accum_matmul)."""
+
+
+# What each preset's instruction takes, where float32 carriers of such values give other bits
+# than the hardware: subnormal operands align at their format's minimum normal exponent (not
+# float32's), and block-scaled groups at their scales' exponents. (bf16 and tf32 share float32's
+# exponent range: their float32 carriers give the hardware's bits.)
+_PRESET_INPUTS = {
+    **dict.fromkeys(("volta_fp16", "ampere_fp16", "hopper_fp16", "blackwell_fp16",
+                     "cdna3_fp16"), "float16"),
+    **dict.fromkeys(("hopper_fp8", "hopper_fp8_fast", "ada_fp8", "hopper_fp8_f16"),
+                    "FP8 (e4m3/e5m2)"),
+    "blackwell_f8f6f4": "FP8/FP6/FP4", "cdna3_fp8": "FP8 (e4m3fnuz/e5m2fnuz)",
+    "blackwell_mxf8f6f4": "MXFP8/MXFP6/MXFP4 (block-scaled)",
+    "blackwell_mxfp4": "MXFP4 (block-scaled)", "blackwell_nvfp4": "NVFP4 (block-scaled)",
+}
+
+
+def _operand(x, fmt, name: str, kdim: int, op: str, stated: bool):
+    """(values, format) of an operand given as a QTensor (its payload; its operand format
+    mm_fmt, else fmt, rounding the payload to mm_fmt as a contraction does; stated: the call
+    gives this operand's scales or clamps, which then say what its values are) or as a tensor
+    with a format argument (``a_fmt``), whose values must be in that format along K."""
+    from . import formats as _formats
+    from .tensor import QTensor
+    if isinstance(x, QTensor):
+        q, x = x, x.payload
+        if fmt is None and not stated:
+            fmt = q.mm_fmt or q.fmt
+            if q.mm_fmt is not None:
+                x = _ops.quantize(x, _along_k(q.mm_fmt, kdim))
+    if fmt is None:
+        return x, None
+    if isinstance(fmt, str):
+        fmt = _formats.format(fmt)
+    if not isinstance(fmt, _formats.Format):
+        raise TypeError(f"{op}: {name}_fmt must be a format (e.g. qt.fp8_e4m3), got {fmt!r:.80}")
+    fmt = getattr(fmt, "base", fmt)
+    if (not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point
+            or torch.compiler.is_compiling()):  # (no data-dependent check in a graph)
+        return x, fmt  # (_check_operands says what is wrong)
+    xf = x.float()
+    r = _ops.quantize(xf, _along_k(fmt, kdim), rounding="nearest")
+    if not torch.equal(torch.where(torch.isnan(xf), 0.0, r).view(torch.int32),
+                       torch.where(torch.isnan(xf), 0.0, xf).view(torch.int32)):
+        bad = int((r.view(torch.int32) != xf.view(torch.int32)).sum())
+        raise ValueError(f"{op}: {name}_fmt={fmt}, but {bad} of {x.numel()} values of {name} "
+                         f"are not values of {fmt} (round them first: qt.quantize)")
+    return x, fmt
+
+
+def _along_k(fmt, kdim: int):
+    """A block format with its blocks along the operand's K dim."""
+    from .formats import BlockFormat
+    if isinstance(fmt, BlockFormat) and fmt.block_size and fmt.block_shape is None:
+        return fmt.replace(axis=kdim)
+    return fmt
+
+
+class _Fmt:
+    """A format holder as _scale_plan reads an operand's QTensor (fmt; no payload)."""
+
+    def __init__(self, fmt):
+        self.fmt, self.mm_fmt = fmt, None
+
+
+def _warn_unstated(f: AccumFormat, a, b, a_fmt, b_fmt, kw, op):
+    """Warn where a preset takes operands narrower than float32 and nothing says what the
+    float32 (or bfloat16) carriers hold: the hardware's bits need the operands' formats."""
+    what = _PRESET_INPUTS.get(f.name)
+    if what is None or torch.compiler.is_compiling():  # (a graph takes no warning call)
+        return
+    scaled = kw.get("a_scale") is not None or kw.get("a_gexp") is not None
+    for n, x, fmt in (("a", a, a_fmt), ("b", b, b_fmt)):
+        if fmt is not None or _DTYPE_EMIN.get(x.dtype, -126) != -126:
+            continue  # a format argument, a QTensor or a narrow dtype says it
+        if f.group > 1:
+            stated = scaled  # the group exponents come from the scales
+        else:
+            stated = kw.get(f"{n}_emin") is not None
+        if not stated:
+            import warnings
+            need = (f"{n}_fmt=qt.mxfp4_e2m1 (or {n}_gexp/{n}_scale)" if f.group > 1 else
+                    f"{n}_fmt=qt.mxfp8_e4m3 (or {n}_emin per element)" if f.scales ==
+                    "instruction" and "block" in what else
+                    f"{n}_fmt=... (e.g. qt.fp8_e4m3), a torch float8/float16 dtype or {n}_emin")
+            warnings.warn(
+                f"{op} with {f.name}, whose instruction takes {what} operands, on {x.dtype} "
+                f"values of {n} whose format nothing states: subnormal operands and block "
+                f"scales do not align as on the hardware (other bits); say what {n} holds: "
+                f"a QTensor, {need}", OperandFormatWarning, stacklevel=4)
+
+
+def _entry(fn, op, a, b, accum, a_fmt, b_fmt, kw) -> torch.Tensor:
+    """The public entry points: the operands' formats (QTensors, a_fmt/b_fmt) into clamps or
+    block scales, a warning where a preset's operands are unstated, then fn (_matmul or
+    _reference)."""
+    from .formats import BlockFormat, FloatFormat
+    f = _check_accum(accum)
+    # formats given as arguments must be usable as given; a QTensor's, as a contraction's, may
+    # leave the values to carry their scales
+    explicit = a_fmt is not None or b_fmt is not None
+    scaled = any(kw[k] is not None for k in ("a_scale", "b_scale", "a_gexp", "b_gexp"))
+    a, a_fmt = _operand(a, a_fmt, "a", -1, op, scaled or kw["a_emin"] is not None)
+    b, b_fmt = _operand(b, b_fmt, "b", -2, op, scaled or kw["b_emin"] is not None)
+    _check_operands(a, b, op)
+    _warn_unstated(f, a, b, a_fmt, b_fmt, kw, op)
+    kw = dict(kw)
+    blocks = [isinstance(x, BlockFormat) for x in (a_fmt, b_fmt)]
+    for n, fmt in (("a", a_fmt), ("b", b_fmt)):
+        if isinstance(fmt, FloatFormat) and kw[f"{n}_emin"] is None:
+            kw[f"{n}_emin"] = _emin_of(_Fmt(fmt))
+    if any(blocks):
+        given = [k for k in ("a_scale", "b_scale", "a_gexp", "b_gexp", "block_size")
+                 if kw[k] is not None]
+        if given:
+            raise ValueError(f"{op}: a block format (a_fmt/b_fmt, or a QTensor's) carries its "
+                             f"scales in the values; {', '.join(given)} would apply them "
+                             f"twice (give the elements with their scales instead)")
+        rest = {k: kw[k] for k in ("a_emin", "b_emin", "c")}
+        return _block_matmul(a, _Fmt(a_fmt), b, _Fmt(b_fmt), f, rest, fn,
+                             op if explicit else None)
+    return fn(a, b, f, **kw)
+
+
 def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin=None,
-                 a_gexp=None, b_gexp=None, c=None, a_scale=None, b_scale=None) -> torch.Tensor:
+                 a_gexp=None, b_gexp=None, c=None, a_scale=None, b_scale=None, a_fmt=None,
+                 b_fmt=None, block_size=None) -> torch.Tensor:
     """a @ b (batched over broadcast leading dims) summed by the datapath ``accum``.
 
     Float32 result; the fused C++ kernel on CPU (and the CUDA kernel where built), the reference
@@ -728,11 +925,20 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
     group tiles run; with scale tensors the kernel computes the unscaled sums, per promotion
     interval for ``scales="promotion"``, and PyTorch applies the scales).
     """
-    f = _check_accum(accum)
+    return _entry(_matmul, "accum_matmul", a, b, accum, a_fmt, b_fmt,
+                  dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c,
+                       a_scale=a_scale, b_scale=b_scale, block_size=block_size))
+
+
+def _matmul(a, b, f: AccumFormat, *, a_emin=None, b_emin=None, a_gexp=None, b_gexp=None,
+            c=None, a_scale=None, b_scale=None, block_size=None) -> torch.Tensor:
+    """accum_matmul after its operands' formats are resolved (_entry); internal callers, which
+    pass the clamps of the formats they know, call it directly."""
     _check_operands(a, b, "accum_matmul")
     if a_scale is not None or b_scale is not None:
-        return _scaled(accum_matmul, a, b, f, a_scale, b_scale,
-                       dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c))
+        return _scaled(_matmul, a, b, f, a_scale, b_scale,
+                       dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c),
+                       block_size)
     kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
     tensors = isinstance(a_emin, torch.Tensor) or isinstance(b_emin, torch.Tensor)
     if (f.stages != "fused" and a.device.type == "cpu" and _kernel_ready(a) and f.frac_bits <= 24
@@ -743,7 +949,7 @@ def accum_matmul(a: torch.Tensor, b: torch.Tensor, accum, *, a_emin=None, b_emin
     if (not _kernel_ready(a) or f.stages != "fused"  # the kernel has one alignment stage
             or (tensors and a.device.type != "cpu")  # per-element clamps: the CPU kernel
             or not selfcheck.trusted(a.device.type, "accumulator", a.device)):
-        return accum_matmul_reference(a, b, f, **kw)
+        return _reference(a, b, f, **kw)
     a_emin, b_emin = _operand_emin(a, a_emin), _operand_emin(b, b_emin)
     a_emins = b_emins = None
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
@@ -1049,17 +1255,25 @@ def _gexps(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2) -> dict:
     return kw if post is None and "a_scale" not in kw else {}
 
 
-def _block_matmul(a, qa, b, qb, f: AccumFormat, kw: dict) -> torch.Tensor:
-    """accum_matmul(a, b, f, **kw) with the operands' block scales where f applies them
-    (_scale_plan; a is (..., M, K), b (..., K, N))."""
+def _block_matmul(a, qa, b, qb, f: AccumFormat, kw: dict, fn=None, op=None) -> torch.Tensor:
+    """fn(a, b, f, **kw) (fn: _matmul, the default, or _reference) with the operands' block
+    scales where f applies them (_scale_plan; a is (..., M, K), b (..., K, N)). op (a public
+    entry's name): refuse where a group preset gets no group exponents from the formats."""
     a2, b2, extra, post = _scale_plan(f, a, qa, b, qb)
+    if op is not None and f.group > 1 and "a_gexp" not in extra:
+        raise ValueError(
+            f"{op}: {f.name or f} aligns each group of {f.group} products at its block scales' "
+            f"exponents, which these operands do not give (both must be block-scaled along K, "
+            f"blocks a multiple of {f.group}, each block's scale recoverable from its values): "
+            f"a_fmt={_operand_block_fmt(qa)}, b_fmt={_operand_block_fmt(qb)}; pass the "
+            f"elements with a_scale/b_scale instead")
     if "a_scale" in extra or post is not None:
         kw = {k: v for k, v in kw.items() if k not in ("a_emin", "b_emin")}
         if post is not None and kw.get("c") is not None:
             # the datapath sums unscaled products, alpha = post scales its result: an initial
             # accumulator C enters as fp32(C / alpha), so that alpha * D is C + A @ B
             kw["c"] = kw["c"].float() / post
-    out = accum_matmul(a2, b2, f, **{**kw, **extra})
+    out = (fn or _matmul)(a2, b2, f, **{**kw, **extra})
     return out if post is None else out * post
 
 
@@ -1089,9 +1303,9 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
     if packet in ("mm", "bmm"):
         res = _block_matmul(t[0], qq[0], t[1], qq[1], f, e01)
     elif packet in ("dot", "vdot"):
-        res = accum_matmul(t[0][None], t[1][:, None], f, **e01)[0, 0]
+        res = _matmul(t[0][None], t[1][:, None], f, **e01)[0, 0]
     elif packet == "mv":
-        res = accum_matmul(t[0], t[1][:, None], f, **e01)[:, 0]
+        res = _matmul(t[0], t[1][:, None], f, **e01)[:, 0]
     elif packet == "linear":
         x, w = t[0], t[1]
         bias = _arg(t, ukwargs, 2, "bias", None)
@@ -1115,10 +1329,10 @@ def contract(packet: str, uargs, ukwargs, f: AccumFormat, qargs=None) -> torch.T
             c = (bias if beta == 1 else bias * beta).float()
             e12["c"] = c[:, None] if packet == "addmv" else c
         if packet == "addmv":
-            prod = accum_matmul(a, b[:, None], f, **e12)[:, 0]
+            prod = _matmul(a, b[:, None], f, **e12)[:, 0]
         elif packet == "addbmm":  # the sum over the batch is one longer contraction
             B, M, K = a.shape
-            prod = accum_matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f,
+            prod = _matmul(a.transpose(0, 1).reshape(M, B * K), b.reshape(B * K, -1), f,
                                 **e12)
         else:
             prod = _block_matmul(a, qq[1], b, qq[2], f, e12)
@@ -1263,7 +1477,7 @@ def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(Non
         f, lambda n: Cg % n == 0,
         ((w0, q[1], wdim, lambda t: to_a(wmap(t))), (xp, q[0], 1, to_b)))
     w = wmap(w0)
-    out = accum_matmul(to_a(w), to_b(xp), f, **{"a_emin": em[1], "b_emin": em[0], **kw})
+    out = _matmul(to_a(w), to_b(xp), f, **{"a_emin": em[1], "b_emin": em[0], **kw})
     if post is not None:
         out = out * post
     out = out.reshape(groups, O // groups, N, L)
@@ -1329,7 +1543,7 @@ def _conv_weight_grad(x, go, k, geo, f, em=(None, None), q=(None, None)):
     go, xp, kw, post = _conv_scale_plan(
         f, n_ok if inner else (lambda n: False),
         ((go, q[1], 0, lambda t: to_a(t, inner)), (xp, q[0], 0, lambda t: to_b(t, inner))))
-    out = accum_matmul(to_a(go, inner), to_b(xp, inner), f,
+    out = _matmul(to_a(go, inner), to_b(xp, inner), f,
                        **{"a_emin": em[1], "b_emin": em[0], **kw})  # em: of (x, go)
     if post is not None:
         out = out * post

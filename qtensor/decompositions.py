@@ -27,8 +27,11 @@ written:
 - stochastic rounding (the kernels' random words depend on the element's index in the tensor's
   logical order and on a seed; under compile QTensor refuses stochastic rounding anyway);
 - non-saturating fixed point (the two's-complement wrap needs 64-bit unsigned arithmetic);
-- block formats with the ``amax`` scale rule (NVFP4, tensor_scale): the scale is made idempotent
-  by a data-dependent loop (round.h settle_amax_scale) that a graph cannot unroll exactly;
+- block formats other than floor and ceil with power-of-two (exponent-only) scales: the
+  ``amax`` rule (NVFP4, tensor_scale) makes the scale idempotent by a data-dependent loop
+  (round.h settle_amax_scale) that a graph cannot unroll exactly; ``even`` rounds amax first
+  and settles its scale by a second pass; ``4over6`` and ``ceil`` with scales of mantissa bits
+  divide by a rounded scale (the formula below shifts the element grid by 2^k only);
 - inputs other than float16/bfloat16/float32 on a device (the custom op refuses those alike).
 """
 from __future__ import annotations
@@ -47,7 +50,7 @@ _ABS = 0x7FFFFFFF
 _MANMASK = 0x007FFFFF
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NEAREST, _NEAREST_AWAY, _TOWARD_ZERO = 0, 1, 2
-_RULE_CEIL, _RULE_AMAX = 1, 2
+_RULE_FLOOR, _RULE_CEIL = 0, 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,9 +325,10 @@ def quantize_fixed(x, wl, fl, is_signed, symmetric, saturate, rounding, seed):
 
 def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
                    tensor_scale, rounding, seed):
-    """qtensor::quantize_block with power-of-two scales (the floor and ceil rules: MX)."""
-    if (not _applies(x, rounding) or scale_rule == _RULE_AMAX or tensor_scale
-            or x.numel() == 0):
+    """qtensor::quantize_block with power-of-two scales: the floor rule, and ceil with an
+    exponent-only scale format (MX). Every other rule declines (see the module docstring)."""
+    pow2 = scale_rule == _RULE_FLOOR or (scale_rule == _RULE_CEIL and scale[0] == 0)
+    if not _applies(x, rounding) or not pow2 or tensor_scale or x.numel() == 0:
         return NotImplemented
     elem_fixed = elem[0] == 1
     whole = axis is None or x.dim() == 0
@@ -393,10 +397,11 @@ def set_scalar_fusion(enabled: bool) -> None:
     """Whether inductor fuses QTensor's scalar float roundings (bf16, fp16, the FP8 presets, any
     signed float format in a deterministic rounding mode) into the kernels producing their
     inputs (True) or calls the kernels (False, the default). Takes effect for graphs compiled
-    afterwards (clear inductor's caches, or torch._dynamo.reset() and a fresh cache dir, when
-    comparing the two in one process)."""
+    afterwards (torch._dynamo.reset() when comparing the two in one process; the on-disk
+    caches key on the switch)."""
     global _fast_enabled
     _fast_enabled = bool(enabled)
+    _key_the_caches()
 
 
 def _fast_table() -> dict:
@@ -404,11 +409,33 @@ def _fast_table() -> dict:
             torch.ops.qtensor_dispatch.round_float.default: round_float}
 
 
+_TAG_MARK = "|qtensor-inductor:"
+
+
+def _key_the_caches() -> None:
+    """Put the switches into the key of torch.compile's caches (inductor's FX graph cache,
+    AOTAutograd's cache), which do not key on the decomposition table: a graph compiled with a
+    switch on, in this process or an earlier one, must not be reused with it off, nor the
+    reverse. torch.compiler.config.cache_key_tag is the tag every one of those keys includes;
+    only a switch that is on adds to it, so with both off the user's tag stays as it is.
+    Called where a switch changes and by the ops' fake implementations, i.e. on every trace,
+    before the compile looks up its caches."""
+    from torch.compiler import config as compiler_config
+    tag = compiler_config.cache_key_tag
+    base = tag.split(_TAG_MARK)[0]
+    on = [name for name, flag in (("decompositions", _enabled), ("fuse_scalar", _fast_enabled))
+          if flag]
+    want = base + _TAG_MARK + ",".join(on) if on else base
+    if want != tag:
+        compiler_config.cache_key_tag = want
+
+
 def register_scalar() -> None:
     """Add the scalar short forms to inductor's table (once; called by the ops' fake
     implementations, i.e. when something traces them). Where a form declines (disabled, another
     dtype), the op stays an extern call."""
     global _fast_registered
+    _key_the_caches()
     if _fast_registered:
         return
     _add_to_inductor(_fast_table())
@@ -476,6 +503,7 @@ def set_enabled(enabled: bool) -> None:
     afterwards."""
     global _enabled
     _enabled = bool(enabled)
+    _key_the_caches()
     if _enabled:
         register()
     elif _registered:
@@ -486,6 +514,7 @@ def register() -> None:
     """Add the decompositions to inductor's table, when enabled (once; before a compile picks
     its table). Imported lazily: torch._inductor is not needed until something compiles."""
     global _registered
+    _key_the_caches()
     if _registered or not _enabled or not hasattr(torch.ops.qtensor, "quantize_float"):
         return
     _add_to_inductor(_ops_table())

@@ -31,6 +31,7 @@ from . import block_specials as _block_specials
 from . import decompositions as _decompositions
 from . import gemm as _gemm
 from . import ops as _ops
+from . import reference as _reference
 from .checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
 from .formats import PRESETS as _PRESETS, BlockFormat, FloatFormat, Format, is_stochastic
 
@@ -541,8 +542,17 @@ def _kernel_calls(fmt):
                 (lambda x, *a: _ops.quantize_(x, fmt), ()))
     name, args = _ops.op_args(fmt)
     args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
-    return ((getattr(torch.ops.qtensor, name).default._op, args),
-            (getattr(torch.ops.qtensor, name + "_").default._op, args))
+    op, op_ = (getattr(torch.ops.qtensor, name).default._op,
+               getattr(torch.ops.qtensor, name + "_").default._op)
+    if _reference.needs_sign_fixup(fmt):  # P3109, UE5M3: the signed kernel, then the signs
+        kernel = op
+
+        def op(x, *a):
+            return _reference.sign_fixup(x, kernel(x, *a), fmt, fmt.rounding)
+
+        def op_(x, *a):
+            return x.copy_(op(x, *a))
+    return (op, args), (op_, args)
 
 
 # Formats that are exactly a torch dtype: rounding a float32 tensor to them is a cast down and
@@ -582,6 +592,7 @@ def _traced_float_args(x, fmt):
     """round_float's arguments after x for a traced float32 payload in a scalar float format
     that the short form covers, else None."""
     if (type(fmt) is not FloatFormat or x.dtype is not torch.float32 or type(x) is torch.Tensor
+            or _reference.needs_sign_fixup(fmt)
             or x.device.type != "cpu" or not _CPU_KERNELS or is_stochastic(fmt.rounding)):
         return None
     args = _kernel_call(fmt)[1][:-1]  # (man, emin, subnormals, max, overflow, unsigned, rounding)

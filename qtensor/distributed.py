@@ -31,7 +31,10 @@ model as a whole:
   (:func:`sharded_plan`, for qtensor.training), whichever comes first, the sharded parameter
   gets its plan (so the step hooks keep FP32 masters and optimizer state as in one process) and
   a hook (``register_post_accumulate_grad_hook``, which FSDP2 runs after the reduce-scatter)
-  that rounds the reduced gradient shard, an FP32 mean, once into its grad role.
+  that rounds the reduced gradient shard, an FP32 mean, once into its grad role. Where the
+  shards cut blocks of a parameter's formats (:func:`cuts_blocks`: a bias sharded along its only
+  dim, a format blocked along the sharded dim), the reduced gradient is rounded as a whole
+  tensor (gathered) and the optimizer step runs on the whole parameter (:class:`_GatheredStep`).
 
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
@@ -45,7 +48,8 @@ import torch
 from torch import nn
 
 from . import training
-from .plans import round_to
+from .formats import BlockFormat
+from .plans import _plain, round_to
 from .tensor import QTensor, register_fsdp_hook
 
 __all__ = ["check_unwrapped", "check_ddp_forward", "on_fsdp_all_gather"]
@@ -232,11 +236,74 @@ def remember_plan(module: nn.Module, name: str, plan) -> None:
     _planned.add(module)
 
 
+def _block_extent(fmt, ndim: int, dim: int, size: int) -> int:
+    """How many consecutive indices along ``dim`` (of ``size``) one block of ``fmt`` spans, in a
+    tensor of ``ndim`` dims: 1 where the rounding is elementwise along ``dim``."""
+    if not isinstance(fmt, BlockFormat):
+        return 1
+    if fmt.tensor_scale or fmt.axis is None:  # a scale over the whole tensor
+        return size
+    if not -ndim <= fmt.axis < ndim:
+        return 1  # (such a rounding fails anyway, with its own error)
+    axis = fmt.axis % ndim
+    if fmt.block_shape is not None:
+        rows, cols = fmt.block_shape
+        return cols if dim == axis else rows if dim >= ndim - 2 else 1
+    return (fmt.block_size or size) if dim == axis else 1
+
+
+def cuts_blocks(fmt, p) -> bool:
+    """Whether the shards of the DTensor ``p`` (FSDP2's sharded parameter) cut blocks of
+    ``fmt``: rounding a shard on its own would then round parts of a block as blocks. FSDP2
+    (torch.chunk) gives each rank ceil(n / world) indices of the sharded dim."""
+    if not isinstance(fmt, BlockFormat):
+        return False
+    from torch.distributed.tensor import Shard
+    for mesh_dim, placement in enumerate(p.placements):
+        if not placement.is_shard():
+            continue
+        dim = placement.dim % p.dim()
+        n = p.shape[dim]
+        chunk = -(-n // p.device_mesh.size(mesh_dim))
+        extent = _block_extent(fmt, p.dim(), dim, n)
+        # (a strided shard interleaves its chunks: cut wherever a block spans indices)
+        if extent > 1 and n > chunk and (chunk % extent or type(placement) is not Shard):
+            return True
+    return False
+
+
+def _cut_roles(p, plan, roles=("value", "grad", "optimizer_state")) -> bool:
+    return any(cuts_blocks(getattr(plan, r).fmt, p) for r in roles)
+
+
+def _local_part(full: torch.Tensor, p) -> torch.Tensor:
+    """This rank's part (a copy) of ``full``, a whole tensor shaped as the DTensor ``p``, as the
+    local tensor of a DTensor with ``p``'s placements. A QTensor's values are taken as they are
+    (they are in its format: no rounding as a shard)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    if isinstance(full, QTensor):
+        return QTensor._wrap(full._data[index].clone(), full.fmt, full.mm_fmt, accum=full.accum)
+    return full[index].clone()
+
+
+def _sharded_like(full: torch.Tensor, p):
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(_local_part(full, p), p.device_mesh, p.placements,
+                              run_check=False, shape=p.shape, stride=p.stride())
+
+
 class _RoundReducedGrad:
     """A sharded parameter's post-accumulate-grad hook: FSDP2 has set its gradient to the
     reduce-scatter's FP32 mean (a DTensor with a plain local shard); round it once into the grad
     role. An accumulated gradient (no resharding between backwards) is a QTensor already: FSDP2
-    adds into it in place, which rounds into its format."""
+    adds into it in place, which rounds into its format.
+
+    Where the shards cut blocks of the grad format, the whole mean is gathered, rounded as in
+    one process and this rank keeps its part (an earlier gradient to accumulate into was set
+    aside by :class:`_SetAsideGrad`: the sum is formed in FP32 on the whole tensor first, as
+    the in-place add of one process does)."""
 
     def __init__(self, plan):
         self.plan = plan
@@ -247,9 +314,35 @@ class _RoundReducedGrad:
         if local is None or isinstance(local, QTensor) or self.plan.grad.full_precision:
             return
         from torch.distributed.tensor import DTensor
-        q = round_to(local, self.plan.grad, name=f"gradient of {self.plan.name}")
+        name = f"gradient of {self.plan.name}"
+        earlier = p.__dict__.pop("_qt_set_aside_grad", None)
+        if cuts_blocks(self.plan.grad.fmt, p):
+            full = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False,
+                                      shape=g.shape, stride=g.stride()).full_tensor()
+            if earlier is not None:
+                full = _plain(earlier.full_tensor()) + full
+            q = _local_part(round_to(full, self.plan.grad, name=name), p)
+        else:
+            q = round_to(local, self.plan.grad, name=name)
         p.grad = DTensor.from_local(q, g.device_mesh, g.placements, run_check=False,
                                     shape=g.shape, stride=g.stride())
+
+
+class _SetAsideGrad:
+    """A gradient hook of FSDP2's unsharded parameter whose sharded one's grad format is cut by
+    the shards: before the reduce-scatter, take the sharded parameter's earlier gradient away,
+    so that FSDP2 does not add the new mean into it shard by shard (:class:`_RoundReducedGrad`
+    adds them on the whole tensor)."""
+
+    def __init__(self, sharded):
+        self.sharded = weakref.ref(sharded)
+
+    def __call__(self, grad):
+        p = self.sharded()
+        if p is not None and p.grad is not None:
+            p._qt_set_aside_grad = p.grad
+            p.grad = None
+        return None
 
 
 def _attach_sharded(p, plan) -> None:
@@ -274,15 +367,18 @@ class _HookUnsharded:
 
     def __init__(self, grad_hook):
         self.grad_hook = grad_hook
-        self.plans = {}  # parameter name -> plan: those FSDP2 all-gathers
+        self.plans = {}  # parameter name -> (plan, sharded parameter): those FSDP2 all-gathers
 
     def __call__(self, module, args, output):
-        for name, plan in self.plans.items():
+        for name, (plan, sharded) in self.plans.items():
             p = module._parameters.get(name)
             if (p is None or _is_dtensor(p) or not p.requires_grad
                     or p.__dict__.get("_qt_unsharded_hooked")):
                 continue
             p.register_hook(self.grad_hook(plan))
+            sharded = sharded()
+            if sharded is not None and cuts_blocks(plan.grad.fmt, sharded):
+                p.register_hook(_SetAsideGrad(sharded))
             p._qt_unsharded_hooked = True
         return None
 
@@ -295,13 +391,13 @@ def register_grad_hook(cls) -> None:
     _GRAD_HOOK = cls
 
 
-def _hook_unsharded(module: nn.Module, name: str, plan) -> None:
+def _hook_unsharded(module: nn.Module, name: str, plan, sharded) -> None:
     hook = module.__dict__.get("_qt_unsharded_hook")
     if hook is None:
         hook = module.__dict__["_qt_unsharded_hook"] = _HookUnsharded(_GRAD_HOOK)
         # (first: FSDP2's post-forward hook puts the sharded parameter back)
         module.register_forward_hook(hook, prepend=True)
-    hook.plans[name] = plan
+    hook.plans[name] = (plan, weakref.ref(sharded))
 
 
 def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
@@ -315,7 +411,7 @@ def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
             plan = plans.get(name)
             if plan is not None:
                 _attach_sharded(p, plan)
-                _hook_unsharded(module, name, plan)
+                _hook_unsharded(module, name, plan, p)
             return
 
 
@@ -339,5 +435,70 @@ def sharded_plan(p):
     return found
 
 
+class _GatheredStep:
+    """The optimizer step of sharded parameters whose shards cut blocks of their value, grad or
+    optimizer-state format (a bias sharded along its only dim, a format blocked along the
+    sharded dim or over the whole tensor): every op of the update rounds into those formats,
+    and a shard rounded on its own would round parts of a block as blocks. For the step the
+    optimizer holds the whole parameter instead (a QTensor with the whole gradient and state,
+    gathered from the shards); each rank runs the same update of it, as one process does, and
+    keeps its part (the parameter's local values, its state as DTensors of shards)."""
+
+    @staticmethod
+    def gather(optimizer) -> bool:
+        from .training import MASTER_KEY, _set_outside
+        gathered = []
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if not _is_dtensor(p):
+                    continue
+                plan = training._plan(p)
+                if plan is None or not _cut_roles(p, plan):
+                    continue
+                before = optimizer.state.pop(p, None)
+                state = {}
+                for key, value in (before or {}).items():
+                    if key == MASTER_KEY and _set_outside(p, value):
+                        continue  # p was set outside the optimizer: its values win
+                    state[key] = value.full_tensor() if _is_dtensor(value) else value
+                with torch.no_grad():
+                    whole = p.detach().full_tensor()
+                    whole.grad = None if p.grad is None else p.grad.full_tensor()
+                whole._qt_plan = plan
+                optimizer.state[whole] = state
+                params[i] = whole
+                gathered.append((params, i, p, whole, before))
+        optimizer._qt_gathered = gathered
+        return bool(gathered)
+
+    @staticmethod
+    def put_back(optimizer, copy_back: bool) -> None:
+        """The sharded parameters back into the optimizer: with copy_back, this rank's part of
+        each whole parameter and its state; without (a step that raised), as they were."""
+        from .training import MASTER_KEY
+        for params, i, p, whole, before in getattr(optimizer, "_qt_gathered", ()):
+            params[i] = p
+            state = optimizer.state.pop(whole, None) or {}
+            whole.grad = None
+            if not copy_back:
+                if before is not None:
+                    optimizer.state[p] = before
+                continue
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim():
+                    state[key] = _sharded_like(value, p)
+            optimizer.state[p] = state
+            local = p._local_tensor
+            with torch.no_grad():  # the values are in p's format: its payload takes them as is
+                (local._data if isinstance(local, QTensor) else local).copy_(
+                    _plain(_local_part(whole, p)))
+            master = state.get(MASTER_KEY)
+            if master is not None:  # as training._restore: what p is once it holds master
+                p._qt_synced = (weakref.ref(master), weakref.ref(p), p._version)
+        optimizer._qt_gathered = []
+
+
 register_fsdp_hook(on_fsdp_all_gather)
 training.register_sharded_plan_lookup(sharded_plan)
+training.register_gathered_step(_GatheredStep.gather, _GatheredStep.put_back)

@@ -27,14 +27,17 @@ from .torch_function import TorchFunctionTarget
 __all__ = [
     "ROUNDING_MODES", "SPECIALS", "SCALE_RULES", "Format", "FormatError", "FloatFormat",
     "FixedFormat", "BlockFormat", "format", "PRESETS", "ALIASES", "is_stochastic",
-    "stochastic_bits",
+    "stochastic_bits", "p3109",
 ]
 
 # (besides these, "stochasticN" for N = 1..31: stochastic rounding with N random bits, as
 # hardware does it: NVIDIA's cvt.rs takes 8; "stochastic" uses 32)
 ROUNDING_MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")
 _DETERMINISTIC = frozenset({"nearest", "nearest_away", "toward_zero"})
-SPECIALS = ("ieee", "fn", "none")
+# p3109_extended / p3109_finite: IEEE P3109's domains (no -0: NaN takes its code, or the top code
+# of an unsigned format; extended: the top code is +Inf, and its negative -Inf)
+SPECIALS = ("ieee", "fn", "none", "p3109_extended", "p3109_finite")
+_P3109_SPECIALS = ("p3109_extended", "p3109_finite")
 # floor/even: OCP's and torchao's power-of-two scales from amax's exponent; ceil (= torchao's
 # RCEIL, also spelled "rceil"): the smallest scale with amax / X <= max_elem; amax: scale =
 # Q_scale(amax / max_elem); 4over6: NVFP4 blocks whose max maps to 4 or to 6 (Transformer Engine)
@@ -136,10 +139,16 @@ class FloatFormat(Format):
 
     specials: ``"ieee"`` (top exponent code is Inf/NaN), ``"fn"`` (only the all-ones code is NaN,
     as OCP E4M3), ``"none"`` (every code is a number; requires ``saturate=True``).
+    ``"p3109_extended"`` / ``"p3109_finite"`` (IEEE P3109's domains: no negative zero, its
+    code is the NaN (an unsigned format's NaN is its top code); extended: the top code is +Inf
+    and its negative -Inf (unsigned: the code below the NaN), finite: no Inf).
     saturate: overflow gives +-max (True) or +-Inf/NaN (False). Defaults to True for "none".
     toward_zero rounding gives +-max for every finite input (IEEE 754 roundTowardZero).
-    signed=False describes exponent-only scale formats such as E8M0: no sign bit and no zero,
-    exponent code 0 is 2^-bias, the all-ones code is NaN; zero, negative and NaN inputs give NaN.
+    signed=False: no sign bit. With subnormals=False it describes exponent-only scale formats
+    such as E8M0: no zero, exponent code 0 is 2^-bias, the all-ones code is NaN; zero, negative
+    and NaN inputs give NaN. With subnormals=True (UE5M3, P3109's unsigned formats) code 0 is
+    zero as in a signed format; negative inputs give NaN (the format has no negative values),
+    -0.0 gives +0.0. :func:`p3109` builds P3109's formats (``binary8p3se``).
     """
 
     exp: int
@@ -183,11 +192,17 @@ class FloatFormat(Format):
                 f"e{self.exp}m{self.man} with specials='none' has neither Inf nor NaN, so overflow "
                 "cannot be represented: it requires saturate=True")
         _check_rounding(self.rounding)
-        if not self.signed:
-            if self.man != 0 or self.subnormals or self.specials != "fn":
-                raise FormatError(
-                    "signed=False describes exponent-only scale formats (as E8M0): it requires "
-                    "man=0, subnormals=False, specials='fn'")
+        if not self.signed and (
+                (not self.subnormals and (self.man != 0 or self.specials != "fn"))
+                or self.specials not in ("fn",) + _P3109_SPECIALS):
+            raise FormatError(
+                "signed=False describes exponent-only scale formats without zero (as E8M0: "
+                "man=0, subnormals=False, specials='fn') or unsigned formats with zero (as "
+                "UE5M3: subnormals=True, specials 'fn', 'p3109_extended' or 'p3109_finite': a "
+                f"NaN for negative inputs), got e{self.exp}m{self.man} with subnormals="
+                f"{self.subnormals}, specials={self.specials!r}")
+        if self.bits < 2 and self.specials in _P3109_SPECIALS:
+            raise FormatError(f"a P3109 format has at least 2 bits, got {self.bits}")
         if self.emax < self.emin:
             raise FormatError(
                 f"e{self.exp}m{self.man} with bias={_int_str(self.bias)} has no normal numbers")
@@ -204,22 +219,37 @@ class FloatFormat(Format):
     @property
     def emin(self) -> int:
         """Exponent of the smallest normal number."""
-        return -self.bias if not self.signed else 1 - self.bias
+        return -self.bias if not self.has_zero else 1 - self.bias
+
+    @property
+    def has_zero(self) -> bool:
+        """False for the exponent-only formats without zero (E8M0: signed=False, no subnormals)."""
+        return self.signed or self.subnormals
+
+    @property
+    def no_negative_zero(self) -> bool:
+        """Whether -0.0 is no value of the format (P3109's domains, unsigned formats): a result
+        that rounds to zero is +0.0."""
+        return not self.signed or self.specials in _P3109_SPECIALS
+
+    def _max_code(self) -> int:
+        """The code (exponent and mantissa fields) of the largest finite value: the top code less
+        the codes of the top that are Inf or NaN."""
+        specials = {"ieee": 2 ** self.man, "fn": 1, "none": 0,
+                    "p3109_extended": 1 if self.signed else 2,
+                    "p3109_finite": 0 if self.signed else 1}[self.specials]
+        return 2 ** (self.exp + self.man) - 1 - specials
 
     @property
     def emax(self) -> int:
         """Exponent of the largest finite number."""
-        top = 2 ** self.exp - 1 - self.bias  # exponent of the all-ones exponent code
-        if self.specials == "ieee" or (self.specials == "fn" and self.man == 0):
-            return top - 1
-        return top
+        return (self._max_code() >> self.man) - self.bias
 
     @property
     def max(self) -> float:
         """The largest finite value."""
-        if self.specials == "fn" and self.man > 0:
-            return (2.0 - 2.0 ** (1 - self.man)) * 2.0 ** self.emax
-        return (2.0 - 2.0 ** -self.man) * 2.0 ** self.emax
+        frac = self._max_code() & (2 ** self.man - 1)
+        return (1.0 + frac * 2.0 ** -self.man) * 2.0 ** self.emax
 
     @property
     def min_normal(self) -> float:
@@ -246,7 +276,7 @@ class FloatFormat(Format):
 
     @property
     def has_inf(self) -> bool:
-        return self.specials == "ieee"
+        return self.specials in ("ieee", "p3109_extended")
 
     @property
     def has_nan(self) -> bool:
@@ -425,6 +455,11 @@ class BlockFormat(Format):
             raise FormatError(f"elem must be a FloatFormat or FixedFormat, got {elem!r}")
         if isinstance(elem, FloatFormat) and not elem.signed:
             raise FormatError("a block's element format must be signed")
+        if isinstance(elem, FloatFormat) and elem.specials in _P3109_SPECIALS:
+            raise FormatError(
+                f"{elem} as a block's element format is not supported: the block kernels keep "
+                "-0.0, which P3109 formats do not have; use a format with specials 'fn' or "
+                "'none' (as fp4_e2m1)")
         rounding = elem.rounding if self.rounding is None else self.rounding
         _check_rounding(rounding)
         # normalise the element: saturating, rounding carried by the block
@@ -434,6 +469,10 @@ class BlockFormat(Format):
         scale = format(self.scale) if isinstance(self.scale, str) else self.scale
         if not isinstance(scale, FloatFormat):
             raise FormatError(f"scale must be a FloatFormat (e.g. e8m0 or fp8_e4m3), got {scale!r}")
+        if scale.specials in _P3109_SPECIALS:
+            raise FormatError(
+                f"{scale} as a block's scale format is not supported (P3109 scales); use an "
+                "'fn' scale such as e8m0, fp8_e4m3 or ue5m3")
         object.__setattr__(self, "scale", scale)
         if self.block_shape is not None:
             self._check_block_shape()
@@ -652,6 +691,54 @@ class BlockFormat(Format):
 
 
 # ---------------------------------------------------------------------------------------------
+# IEEE P3109
+
+_P3109_DOMAINS = {"extended": "p3109_extended", "finite": "p3109_finite"}
+
+
+def p3109(k: int, p: int, signed: bool = True, domain: str = "extended", *,
+          saturate: bool = False, rounding: str = "nearest") -> FloatFormat:
+    """IEEE P3109's binary{k}p{p}{s|u}{e|f} format: k bits, precision p (the implicit bit
+    counted), signed or not, the extended (with Inf) or finite domain; subnormals, no negative
+    zero, NaN at the code of -0 (unsigned: the top code), bias 2^(k-p-1) (unsigned: 2^(k-p)).
+    saturate=False (overflow gives Inf, or NaN in the finite domain) or True (max, as P3109's
+    SatFinite). String form ``binary8p3se`` (P3109's name; gfloat's ``p3109_k8p3se`` parses too).
+    Formats whose values the float32 carrier holds: k = 8 for every p, wider k where the
+    exponent has at most 8 bits."""
+    for name, v in (("k", k), ("p", p)):
+        _check_int(name, v)
+    _check_bool("signed", signed)
+    if domain not in _P3109_DOMAINS:
+        raise FormatError(f"P3109 domain must be 'extended' or 'finite', got {domain!r}")
+    name = f"binary{k}p{p}{'s' if signed else 'u'}{domain[0]}"
+    if k < 2:
+        raise FormatError(f"P3109 {name}: a P3109 format has k >= 2 bits, got k={_int_str(k)}")
+    top = k - 1 if signed else k
+    if not 1 <= p <= top:
+        raise FormatError(
+            f"P3109 {name}: precision p must be 1..{top} for a {k}-bit {'signed' if signed else 'unsigned'} "
+            f"format (the sign{'' if signed else ' (none)'} and p - 1 mantissa bits leave at least "
+            f"one exponent bit), got p={_int_str(p)}")
+    exp = k - p + (0 if signed else 1)
+    bias = 2 ** (k - p - 1) if signed else 2 ** (k - p)
+    try:
+        return FloatFormat(exp, p - 1, bias=bias, subnormals=True, specials=_P3109_DOMAINS[domain],
+                           saturate=saturate, rounding=rounding, signed=signed)
+    except FormatError as e:
+        raise FormatError(f"P3109 {name} is not a format qtensor can hold: {e}") from None
+
+
+def _p3109_name(f: FloatFormat) -> Optional[str]:
+    """P3109's name of a FloatFormat of one of its shapes (any saturate and rounding), or None."""
+    if f.specials not in _P3109_SPECIALS or not f.subnormals:
+        return None
+    k, p = f.bits, f.man + 1
+    if f.bias != (2 ** (k - p - 1) if f.signed else 2 ** (k - p)):
+        return None
+    return f"binary{k}p{p}{'s' if f.signed else 'u'}{f.specials[6]}"
+
+
+# ---------------------------------------------------------------------------------------------
 # Presets
 
 def _presets() -> dict:
@@ -663,6 +750,17 @@ def _presets() -> dict:
                        signed=False)
     fp8_e5m2 = FloatFormat(5, 2)
     int8_mx = FixedFormat(8, 6, symmetric=True)  # MXINT8 elements: k/64, |k| <= 127
+    # NVIDIA's UE5M3 scale (PTX ISA and CUDA 13.4 cuda_fp8.h __nv_fp8_ue5m3): 8 bits, no sign,
+    # 5 exponent bits (bias 15, subnormals), 3 mantissa bits, no Inf, NaN only 0xFF, max
+    # 114688; conversions saturate (__NV_SATFINITE)
+    ue5m3 = FloatFormat(5, 3, bias=15, subnormals=True, specials="fn", saturate=True,
+                        signed=False)
+    p3109_8 = {}
+    for signed in (True, False):
+        for p in range(1, 8 if signed else 9):
+            for domain in _P3109_DOMAINS:
+                f = p3109(8, p, signed, domain)
+                p3109_8[_p3109_name(f)] = f
     return {
         "fp32": FloatFormat(8, 23),
         "tf32": FloatFormat(8, 10),
@@ -684,6 +782,14 @@ def _presets() -> dict:
         # under a per-tensor FP32 scale from the tensor's amax; nvfp4_single without the latter
         "nvfp4": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax", tensor_scale=True),
         "nvfp4_single": BlockFormat(fp4_e2m1, 16, scale=fp8_e4m3, scale_rule="amax"),
+        "ue5m3": ue5m3,
+        # NVFP4 with UE5M3 block scales (Transformer Engine's prototype; the scale's range,
+        # 2^-17..114688, needs no per-tensor scale)
+        "nvfp4_ue5m3": BlockFormat(fp4_e2m1, 16, scale=ue5m3, scale_rule="amax"),
+        # MXFP4 (E8M0 scales, floor rule) with blocks of 16
+        "mxfp4_e2m1_b16": BlockFormat(fp4_e2m1, 16, scale=e8m0),
+        # IEEE P3109 binary8 (signed p = 1..7, unsigned p = 1..8; extended and finite domains)
+        **p3109_8,
     }
 
 
@@ -695,7 +801,7 @@ ALIASES = {
     "mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e3m2", "mxfp4": "mxfp4_e2m1",
     # the OCP names as everyone writes them (an IEEE-style e4m3 would be max 240, e2m1 max 3)
     "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2", "e3m2": "fp6_e3m2", "e2m3": "fp6_e2m3",
-    "e2m1": "fp4_e2m1",
+    "e2m1": "fp4_e2m1", "mxfp4_b16": "mxfp4_e2m1_b16",
 }
 # Names refused with a reason: they would look like a format but round differently.
 _REFUSED = {
@@ -729,7 +835,11 @@ def _to_string(f: Format) -> str:
     for name, p in PRESETS.items():
         if type(p) is type(f) and p.replace(rounding=f.rounding) == f:
             return f"{name}(rounding={f.rounding})"
-    if isinstance(f, FloatFormat):
+    if isinstance(f, FloatFormat) and _p3109_name(f) is not None:
+        base = _p3109_name(f)
+        canonical = types.SimpleNamespace(saturate=False, rounding="nearest")
+        skip, always = ("exp", "man", "bias", "subnormals", "specials", "signed"), ()
+    elif isinstance(f, FloatFormat):
         base = f"e{f.exp}m{f.man}"
         # the defaults of FloatFormat(exp, man), without validating them: e1mY is only valid
         # with specials="none", so constructing the default could fail
@@ -810,8 +920,10 @@ def _parse_value(key: str, text: str):
 
 
 def _known_names() -> str:
-    return ", ".join(list(PRESETS) + ["eXmY (e.g. e3m4)", "fixedWL.FL (e.g. fixed8.4)",
-                                      "fixed(wl=..., fl=...)", "block(elem=..., block_size=...)"])
+    names = [n for n in PRESETS if not n.startswith("binary")]
+    return ", ".join(names + ["binaryKpP{s|u}{e|f} (IEEE P3109, e.g. binary8p3se)",
+                              "eXmY (e.g. e3m4)", "fixedWL.FL (e.g. fixed8.4)",
+                              "fixed(wl=..., fl=...)", "block(elem=..., block_size=...)"])
 
 
 def format(spec) -> Format:
@@ -825,13 +937,15 @@ def format(spec) -> Format:
     (``FloatFormat(X, Y)``: IEEE-style, except the OCP names below), ``fixedWL.FL``
     (``FixedFormat(WL, FL)``, only for FL <= WL: ``fixed8.9`` would read as Q8.9, so a word
     shorter than its fraction is spelled ``fixed(wl=8, fl=9)``), ``fixed(wl=..., fl=...)`` or
-    ``block(elem=..., ...)``. Values: ints, names, formats, and for the flags exactly
+    ``block(elem=..., ...)``, or IEEE P3109's ``binaryKpP{s|u}{e|f}`` (:func:`p3109`; also
+    gfloat's spelling ``p3109_kKpP..``; the K = 8 family are presets). Values: ints, names, formats, and for the flags exactly
     ``True``/``true`` or ``False``/``false``. Aliases, each exactly the format named: the torch
     dtype names ``float32``/``float`` (fp32), ``bfloat16`` (bf16), ``float16``/``half`` (fp16),
     ``float8_e4m3fn`` (fp8_e4m3, saturating as torch's cast), ``float8_e5m2`` (fp8_e5m2), which
     round as torch's casts from float32, float16 and bfloat16 (from float64 torch casts through
     float32, rounding twice; qtensor rounds once); ``mxfp8``, ``mxfp6``, ``mxfp4`` for the MX
-    variants mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1; and the OCP element names ``e4m3``
+    variants mxfp8_e4m3, mxfp6_e3m2, mxfp4_e2m1; ``mxfp4_b16`` for mxfp4_e2m1_b16 (MXFP4 with
+    blocks of 16); and the OCP element names ``e4m3``
     (fp8_e4m3, max 448), ``e5m2`` (fp8_e5m2), ``e3m2`` (fp6_e3m2), ``e2m3`` (fp6_e2m3),
     ``e2m1`` (fp4_e2m1, max 6), with keys changing the preset (``e4m3(rounding=stochastic)``);
     the IEEE-style ``FloatFormat(4, 3)`` (max 240) is spelled ``e4m3(specials=ieee,
@@ -900,6 +1014,11 @@ def _parse_string(spec) -> Format:
     try:
         if lower in PRESETS:
             return PRESETS[lower].replace(**kwargs) if kwargs else PRESETS[lower]
+        mm = re.fullmatch(r"(?:binary|p3109_k)(\d+)p(\d+)([su])([ef])", lower)
+        if mm:
+            domain = "extended" if mm.group(4) == "e" else "finite"
+            f = p3109(int(mm.group(1)), int(mm.group(2)), mm.group(3) == "s", domain)
+            return f.replace(**kwargs) if kwargs else f
         mm = re.fullmatch(r"e(\d+)m(\d+)", lower)
         if mm:
             return FloatFormat(int(mm.group(1)), int(mm.group(2)), **kwargs)

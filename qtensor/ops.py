@@ -73,7 +73,9 @@ def _float_args(f: FloatFormat) -> tuple:
         overflow = 0
     else:
         overflow = 1 if f.has_inf else 2
-    return (f.man, f.emin, f.subnormals, float(f.max), overflow, not f.signed)
+    # is_unsigned: the kernels' exponent-only formats without zero (E8M0); an unsigned format
+    # with zero rounds as a signed one, then reference.sign_fixup
+    return (f.man, f.emin, f.subnormals, float(f.max), overflow, not f.has_zero)
 
 
 def op_args(fmt: Format) -> tuple:
@@ -338,6 +340,9 @@ def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
     name, args = op_args(fmt)
     args = (*args, rounding_code(rounding), _seed_arg(seed))
     x = x.detach()
+    if reference.needs_sign_fixup(fmt):  # P3109, UE5M3: the signed kernel, then the sign rules
+        q = reference.sign_fixup(x, getattr(torch.ops.qtensor, name)(x, *args), fmt, rounding)
+        return q if out is None else out.copy_(q)
     if out is None and name == "quantize_float" and (torch.compiler.is_compiling()
                                                       or _is_traced(x)):
         q = traced_round_float(x, args[:-1])  # traced: the op inductor fuses
@@ -488,6 +493,9 @@ def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
     if not _use_kernel(x, fmt, rounding):
         with torch.no_grad():
             return x.copy_(reference.quantize_with_seed(x, fmt, rounding, seed))
+    if reference.needs_sign_fixup(fmt):
+        with torch.no_grad():
+            return x.copy_(_round(x, fmt, rounding, seed, None))
     name, args = op_args(fmt)
     args = (*args, rounding_code(rounding), _seed_arg(seed))
     if x.is_neg() or x.is_conj():

@@ -24,9 +24,11 @@ from typing import Optional
 import torch
 
 from .checks import check_axis, check_generator, check_input, resolve_rounding
-from .formats import BlockFormat, FixedFormat, FloatFormat, _significant_bits, stochastic_bits
+from .formats import (_P3109_SPECIALS, BlockFormat, FixedFormat, FloatFormat, _significant_bits,
+                      stochastic_bits)
 
-__all__ = ["quantize", "quantize_with_seed", "draw_seed", "check_generator", "random_bits"]
+__all__ = ["quantize", "quantize_with_seed", "draw_seed", "check_generator", "random_bits",
+           "needs_sign_fixup", "sign_fixup"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -147,10 +149,35 @@ def _round_float(x: torch.Tensor, fmt: FloatFormat, rounding: str,
     q = torch.where(q > fmt.max, torch.full_like(q, finite_overflow), q)
     q = torch.where(finite, q, torch.full_like(q, overflow_value))
     q = torch.where(torch.isnan(x), x, q)
-    if not fmt.signed:  # exponent-only scale: no zero, no sign
+    if not fmt.has_zero:  # exponent-only scale: no zero, no sign
         q = torch.where(q == 0, torch.full_like(q, fmt.min_normal), q)
         return torch.where(x > 0, q, torch.full_like(q, float("nan")))
-    return torch.copysign(q, x)
+    q = torch.copysign(q, x)
+    return sign_fixup(x, q, fmt, rounding) if needs_sign_fixup(fmt) else q
+
+
+def needs_sign_fixup(fmt) -> bool:
+    """Whether rounding to fmt takes :func:`sign_fixup` after the signed rounding (the kernels'
+    quantize_float): P3109 formats and unsigned formats with zero (UE5M3)."""
+    return isinstance(fmt, FloatFormat) and fmt.has_zero and (
+        fmt.no_negative_zero or (fmt.man == 0 and fmt.specials in _P3109_SPECIALS))
+
+
+def sign_fixup(x: torch.Tensor, q: torch.Tensor, fmt: FloatFormat, rounding: str) -> torch.Tensor:
+    """q, x rounded to fmt as a signed format with -0.0 (the kernels' quantize_float, any float
+    dtype), made fmt's: no negative zero (-0.0 + 0.0 = +0.0); an unsigned format's negative x
+    gives NaN; and for P3109's precision 1 (man = 0) a tie under "nearest" goes to the even
+    code, the binade whose biased exponent is even (the kernels take the larger binade)."""
+    if fmt.man == 0 and fmt.specials in _P3109_SPECIALS and rounding == "nearest":
+        m, e = torch.frexp(x.abs())  # |x| = m * 2^e, m in [1/2, 1)
+        b = e.to(torch.int64) - 1  # 1.5 * 2^b ties 2^b and 2^(b+1)
+        even = torch.remainder(b + fmt.bias, 2) == 0
+        tie = (m == 0.75) & (b >= fmt.emin) & (b <= fmt.emax) & even
+        q = torch.where(tie, (x / 1.5).to(q.dtype), q)  # +-2^b exactly
+    q = q + 0.0
+    if not fmt.signed:
+        q = torch.where(x < 0, torch.full_like(q, float("nan")), q)
+    return q
 
 
 def _round_float_up(r: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:

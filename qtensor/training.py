@@ -56,6 +56,22 @@ def register_sharded_plan_lookup(lookup) -> None:
     _sharded_plan = lookup
 
 
+_gathered_step = None  # qtensor.distributed's (gather, put_back) of sharded parameters
+
+
+def register_gathered_step(gather, put_back) -> None:
+    """qtensor.distributed: around each step, the whole tensors of sharded parameters whose
+    shards cut blocks of their formats (``gather(optimizer) -> bool``, ``put_back(optimizer,
+    copy_back)``)."""
+    global _gathered_step
+    _gathered_step = (gather, put_back)
+
+
+def _put_back_sharded(optimizer, copy_back: bool) -> None:
+    if _gathered_step is not None:
+        _gathered_step[1](optimizer, copy_back)
+
+
 def _plan(p):
     plan = getattr(p, "_qt_plan", None)
     if plan is None and _sharded_plan is not None and hasattr(p, "_local_tensor"):
@@ -184,6 +200,7 @@ class _MasterClosure:
 def _restore_parameters(optimizer) -> None:
     # before state_dict(): a step that raised may have left the masters in the optimizer
     _restore(optimizer, copy_back=False)
+    _put_back_sharded(optimizer, copy_back=False)
 
 
 class _ZeroGradAfterFailedStep:
@@ -196,15 +213,18 @@ class _ZeroGradAfterFailedStep:
 
     def __call__(self, *args, **kwargs):
         _restore(self.optimizer, copy_back=False)
+        _put_back_sharded(self.optimizer, copy_back=False)
         return type(self.optimizer).zero_grad(self.optimizer, *args, **kwargs)
 
 
 def _pre_step(optimizer, args, kwargs):
-    # A step that raised left the masters in place: put the parameters back first.
+    # A step that raised left the masters (or whole tensors) in place: put the parameters back.
     _restore(optimizer, copy_back=False)
+    _put_back_sharded(optimizer, copy_back=False)
     if not _involved(optimizer):
         return None
     _optimizers.add(optimizer)
+    gathered = _gathered_step is not None and _gathered_step[0](optimizer)
     if isinstance(optimizer, torch.optim.Adagrad):
         _init_adagrad_state(optimizer)
     _swap_in(optimizer)
@@ -212,7 +232,7 @@ def _pre_step(optimizer, args, kwargs):
         _init_adam_state(optimizer)
     elif isinstance(optimizer, torch.optim.SGD):
         _init_sgd_state(optimizer)
-    if not optimizer._qt_swapped:
+    if not optimizer._qt_swapped and not gathered:
         return None
     if "zero_grad" not in optimizer.__dict__:  # once per optimizer
         optimizer.zero_grad = _ZeroGradAfterFailedStep(optimizer)
@@ -329,6 +349,7 @@ def _post_step(optimizer, args, kwargs):
                     with torch.no_grad():
                         state[key] = round_to(value.detach(), role,
                                                    name=f"optimizer state {key!r} of {plan.name}")
+    _put_back_sharded(optimizer, copy_back=True)
 
 
 def follow_replaced(moved) -> None:

@@ -39,13 +39,14 @@ def decode_float(code: int, fmt) -> Optional[float]:
     """The value of a bit pattern (sign | exponent | mantissa), as a Python float.
 
     NaN/Inf for special codes, None for codes that are not values (subnormal codes of a format
-    without subnormals). Unsigned (E8M0-like) formats: value 2^(E - bias), all-ones code NaN.
+    without subnormals). Unsigned formats without subnormals (E8M0-like): value 2^(E - bias),
+    all-ones code NaN; unsigned ones with subnormals (UE5M3): no sign bit, else as signed.
     """
     exp, man, bias, subnormals, specials, _, signed = float_fields(fmt)
     top_e = 2 ** exp - 1
-    if not signed:
+    if not signed and not subnormals:
         return NAN if code == top_e else math.ldexp(1.0, code - bias)
-    sign = -1.0 if code >> (exp + man) & 1 else 1.0
+    sign = -1.0 if signed and code >> (exp + man) & 1 else 1.0
     e_field = (code >> man) & top_e
     m_field = code & (2 ** man - 1)
     if specials == "ieee" and e_field == top_e:
@@ -73,7 +74,7 @@ def float_codes(fmt) -> List[Tuple[int, float]]:
 def float_limits(fmt) -> Tuple[int, int, Fraction, Fraction]:
     """(emin, emax, max, min_positive) straight from the contract's definitions."""
     exp, man, bias, subnormals, specials, _, signed = float_fields(fmt)
-    if not signed:  # exponent-only: 2^-bias .. 2^(2^exp - 2 - bias)
+    if not signed and not subnormals:  # exponent-only: 2^-bias .. 2^(2^exp - 2 - bias)
         return -bias, 2 ** exp - 2 - bias, Fraction(2) ** (2 ** exp - 2 - bias), Fraction(2) ** -bias
     emin = 1 - bias
     if specials == "ieee" or (specials == "fn" and man == 0):
@@ -134,11 +135,16 @@ def round_float(x, fmt, mode: Optional[str] = None):
     overflow = float(mx) if saturate else (INF if specials == "ieee" else NAN)
     if isinstance(x, float) and math.isnan(x):
         return NAN
-    if not signed:
+    e8m0 = not signed and not subnormals
+    if e8m0:
         if not x > 0:  # no zero, no negatives
             return NAN
         if x == INF:
             return overflow
+    elif not signed and x < 0:  # unsigned with zero (UE5M3): no negatives; -0.0 is +0.0
+        return NAN
+    elif not signed and x == 0:
+        return 0.0
     elif isinstance(x, float) and math.isinf(x):
         return math.copysign(overflow, x) if not math.isnan(overflow) else NAN
     neg, a = _split(x)
@@ -158,7 +164,7 @@ def round_float(x, fmt, mode: Optional[str] = None):
         if v > mx:
             over = float(mx) if mode == "toward_zero" else overflow  # x is finite here
             return over if (math.isnan(over) or not signed) else _with_sign(over, neg)
-        if not signed and v < mn:  # nothing below the smallest scale
+        if e8m0 and v < mn:  # nothing below the smallest scale
             return float(mn)
         return _with_sign(v, neg)
     return tuple(finish(v) for v in r) if isinstance(r, tuple) else finish(r)

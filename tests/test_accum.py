@@ -2030,15 +2030,15 @@ def _nvfp4_operands():
 
 
 def _spy_on_scale_arguments(monkeypatch):
-    """A list that collects, per accum_matmul call, the names of its tensor keyword arguments
-    (the scales and clamps the kernel was given)."""
+    """A list that collects, per call of the kernel entry (accum._matmul, which contractions
+    call), the names of its tensor keyword arguments (the scales and clamps it was given)."""
     calls = []
-    kernel = accum.accum_matmul
+    kernel = accum._matmul
 
     def spy(*args, **kw):
         calls.append(sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor)))
         return kernel(*args, **kw)
-    monkeypatch.setattr(accum, "accum_matmul", spy)
+    monkeypatch.setattr(accum, "_matmul", spy)
     return calls
 
 
@@ -2158,12 +2158,12 @@ def test_converted_linear_promotion_scales(scale, monkeypatch):
         lin.weight.copy_(w)
     m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt), accumulate=f))
     calls = []
-    kernel = accum.accum_matmul
+    kernel = accum._matmul  # the kernel entry contractions call
 
     def spy(*args, **kw):
         calls.append(sorted(k for k, v in kw.items() if v is not None))
         return kernel(*args, **kw)
-    monkeypatch.setattr(accum, "accum_matmul", spy)
+    monkeypatch.setattr(accum, "_matmul", spy)
     y = m(x)
     monkeypatch.undo()
     assert "a_scale" in calls[0] and "b_scale" in calls[0]

@@ -594,3 +594,169 @@ def test_qtensor_mxfp8_contraction_equals_mmasim():
         want = op.dpa(av[..., k0:k0 + 32], bv[..., k0:k0 + 32], want,
                       al[..., k0 // 32:k0 // 32 + 1], be[..., k0 // 32:k0 // 32 + 1])
     assert same_bits(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Operands as users hold them: float32 carriers need their formats stated (a_fmt/b_fmt, a
+# QTensor, a torch dtype); block scales given as tensors (ragged K, NaN, E8M0's extremes)
+
+def _mxf8f6f4_mmasim(ael, bel, xa, xb):
+    """kind::mxf8f6f4 block32 on elements ael (M, K), bel (K, N) (float8 dtypes) and E8M0
+    scales xa (M, K/32), xb (K/32, N); K a multiple of 32."""
+    M, K = ael.shape
+    N = bel.shape[1]
+    op = nv_ptx.TCGen05MMABlockScale(
+        "Blackwell", f"m128n8k32.kind::mxf8f6f4.block32.f32.{PTX[ael.dtype]}.{PTX[bel.dtype]}"
+        ".ue8m0")
+    av, bv = ael[:, None, :].expand(M, N, K), bel.t()[None, :, :].expand(M, N, K)
+    al, be = xa[:, None, :].expand(M, N, -1), xb.t()[None, :, :].expand(M, N, -1)
+    want = torch.zeros(M, N)
+    for k0 in range(0, K, 32):
+        want = op.dpa(av[..., k0:k0 + 32], bv[..., k0:k0 + 32], want,
+                      al[..., k0 // 32:k0 // 32 + 1], be[..., k0 // 32:k0 // 32 + 1])
+    return want
+
+
+def _e8m0(e):
+    return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+FNS = [accum.accum_matmul_reference, accum.accum_matmul]
+
+
+def test_float32_fp8_operands_warn_and_their_formats_give_the_hardware_bits():
+    """FP8 values in float32 tensors with hopper_fp8: nothing says they are FP8, so their
+    subnormals align at float32's exponent (other bits than wgmma): a warning. Saying it (a_fmt,
+    a QTensor, the torch float8 dtype) gives MMA-Sim's bits, without a warning."""
+    import warnings
+    import qtensor as qt
+    f = accum.hopper_fp8
+    ta, tb, make = CASES["hopper_fp8"][0]
+    g = torch.Generator().manual_seed(0)
+    M, K, N = 16, 3 * f.chunk + 5, 16
+    # many subnormal values of a, products over many binades (some truncated in alignment)
+    a = (torch.randn(M, K, generator=g) * 2.0 ** torch.randint(-12, 0, (M, K), generator=g))
+    b = (torch.randn(K, N, generator=g) * 2.0 ** torch.randint(-8, 8, (K, N), generator=g))
+    a, b = a.to(ta), b.to(tb)
+    want = mmasim_chain(make, a, b, f)
+    a32, b32 = a.float(), b.float()
+    for fn in FNS:
+        with pytest.warns(accum.OperandFormatWarning, match="hopper_fp8.*a_fmt"):
+            plain = fn(a32, b32, f)
+        assert not same_bits(plain, want)  # what the warning is about
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", accum.OperandFormatWarning)
+            assert same_bits(fn(a32, b32, f, a_fmt=qt.fp8_e4m3, b_fmt="fp8_e4m3"), want), fn
+            assert same_bits(fn(qt.QTensor(a32, qt.fp8_e4m3), qt.QTensor(b32, qt.fp8_e4m3), f),
+                             want), fn
+            assert same_bits(fn(a, b, f), want), fn
+            assert same_bits(fn(a32, b32, f, a_emin=-6, b_emin=-6), want), fn
+            accum.accum_matmul(a32, b32, accum.hopper_bf16)  # bf16's range is float32's
+        with pytest.raises(ValueError, match="not values of fp8_e5m2"):
+            fn(a32, b32, f, a_fmt=qt.fp8_e5m2, b_fmt=qt.fp8_e4m3)
+
+
+def test_dequantized_mx_operands_take_their_block_format():
+    """MXFP8 values (elements times E8M0 scales, as qt.quantize gives them) with
+    blackwell_mxf8f6f4: a_fmt=qt.mxfp8_e4m3 recovers the scales and aligns each product at its
+    elements' and scales' exponents, as kind::mxf8f6f4; without it, a warning."""
+    import qtensor as qt
+    f = accum.blackwell_mxf8f6f4
+    g = torch.Generator().manual_seed(32)
+    M, K, N = 8, 128, 6
+    ael, bel = operands(g, E4M3, E5M2, M, K, N, nonfinite=False)
+    # each block's largest element at its format's top binade (the scale an MX quantizer
+    # gives), facing a zero of the other operand
+    ael[:, ::32], bel[::32] = torch.tensor(448.0).to(E4M3), 0
+    ael[:, 1::32], bel[1::32] = 0, torch.tensor(57344.0).to(E5M2)
+    ea = torch.randint(-20, 20, (M, K // 32), generator=g)
+    eb = torch.randint(-20, 20, (K // 32, N), generator=g)
+    want = _mxf8f6f4_mmasim(ael, bel, _e8m0(ea), _e8m0(eb))
+    a = ael.float() * torch.exp2(ea.float()).repeat_interleave(32, 1)
+    b = bel.float() * torch.exp2(eb.float()).repeat_interleave(32, 0)
+    assert torch.equal(qt.quantize(a, qt.mxfp8_e4m3), a)  # a's values are MXFP8's
+    for fn in FNS:
+        with pytest.warns(accum.OperandFormatWarning, match="a_fmt=qt.mxfp8_e4m3"):
+            fn(a, b, f)
+        got = fn(a, b, f, a_fmt=qt.mxfp8_e4m3, b_fmt=qt.mxfp8_e5m2)
+        assert same_bits(got, want), fn
+        qa, qb = (qt.QTensor(a, qt.fp32, mm_fmt=qt.mxfp8_e4m3),
+                  qt.QTensor(b, qt.fp32, mm_fmt=qt.mxfp8_e5m2.replace(axis=0)))
+        assert same_bits(fn(qa, qb, f), want), fn
+
+
+def test_dequantized_mxfp4_operands_take_their_block_format():
+    """MXFP4 values with blackwell_mxfp4: a_fmt/b_fmt give the groups their scales' exponents
+    (kind::mxf4's bits); without them (or a_gexp/a_scale), a warning."""
+    import qtensor as qt
+    name = "blackwell_mxfp4"
+    f = accum.PRESETS[name]
+    kind, shape = BLOCK_CASES[name]
+    g = torch.Generator().manual_seed(33)
+    a, b, (sa, ea, xa), (sb, eb, xb) = block_operands(g, kind, 6, 192, 5)
+    a[:, 2::32], b[2::32] = 6.0, 0.0  # each block's max at e2m1's top binade (the MX scale)
+    a[:, 3::32], b[3::32] = 0.0, -4.0
+    want = mmasim_block_chain(shape, kind, a, b, xa, xb)
+    ad, bd = a * sa.repeat_interleave(kind, 1), b * sb.repeat_interleave(kind, 0)
+    for fn in FNS:
+        with pytest.warns(accum.OperandFormatWarning, match="a_gexp"):
+            fn(ad, bd, f)
+        assert same_bits(fn(ad, bd, f, a_fmt=qt.mxfp4_e2m1, b_fmt=qt.mxfp4_e2m1), want), fn
+        with pytest.raises(ValueError, match="group"):
+            fn(ad, bd, f, a_fmt=qt.mxfp4_e2m1, b_fmt=qt.fp32)
+        with pytest.raises(ValueError, match="twice"):
+            fn(ad, bd, f, a_fmt=qt.mxfp4_e2m1, b_fmt=qt.mxfp4_e2m1, a_scale=sa, b_scale=sb)
+
+
+def test_ragged_k_scales_take_the_block_size():
+    """K = 144 with 5 scale columns: blocks of 29 to 35 elements all give 5 blocks. Without
+    block_size the call is refused; with block_size=32 it is kind::mxf8f6f4 on K padded with
+    zeros to 160."""
+    f = accum.blackwell_mxf8f6f4
+    g = torch.Generator().manual_seed(34)
+    M, K, N = 6, 144, 5
+    a, b = operands(g, E4M3, E4M3, M, K, N, nonfinite=False)
+    xa = _e8m0(torch.randint(-20, 20, (M, 5), generator=g))
+    xb = _e8m0(torch.randint(-20, 20, (5, N), generator=g))
+    pa = torch.cat([a, torch.zeros(M, 16).to(E4M3)], 1)
+    pb = torch.cat([b, torch.zeros(16, N).to(E4M3)], 0)
+    want = _mxf8f6f4_mmasim(pa, pb, xa, xb)
+    for fn in FNS:
+        with pytest.raises(ValueError, match="block_size"):
+            fn(a, b, f, a_scale=xa, b_scale=xb)
+        assert same_bits(fn(a, b, f, a_scale=xa, b_scale=xb, block_size=32), want), fn
+        with pytest.raises(ValueError, match="expected"):
+            fn(a, b, f, a_scale=xa, b_scale=xb, block_size=16)  # 9 blocks, not 5
+
+
+def test_nan_and_extreme_e8m0_scales_equal_mmasim():
+    """E8M0's NaN code makes the outputs its block enters NaN (as the hardware's); scales at
+    the ends of E8M0's range (2^127 on a, 2^-127 on b) are the hardware's products, though
+    a's dequantized values exceed float32."""
+    f = accum.blackwell_mxf8f6f4
+    g = torch.Generator().manual_seed(35)
+    M, K, N = 6, 96, 5
+    a, b = operands(g, E4M3, E4M3, M, K, N, nonfinite=False)
+    ea = torch.randint(-20, 20, (M, 3), generator=g)
+    eb = torch.randint(-20, 20, (3, N), generator=g)
+    ea[:, 1], eb[1, :] = 127, -127
+    ea[2, 0] = 128  # the NaN code 0xFF
+    xa, xb = _e8m0(ea), _e8m0(eb)
+    assert torch.isnan(xa[2, 0].float())
+    want = _mxf8f6f4_mmasim(a, b, xa, xb)
+    assert torch.isnan(want[2]).all() and not torch.isnan(want[:2]).any()
+    for fn in FNS:
+        assert same_bits(fn(a, b, f, a_scale=xa, b_scale=xb), want), fn
+
+
+def test_cdna3_bf16_negative_underflow_is_negative_zero():
+    """A CDNA3 MFMA result below float32's grid keeps its sign (-0.0), as MMA-Sim's."""
+    f = accum.cdna3_bf16
+    ta, tb, make = CASES["cdna3_bf16"][0]
+    a = torch.tensor([[-1e-30] * 16, [1e-30] * 16, [-1e-30] * 8 + [1e-30] * 8]).to(ta)
+    b = torch.full((16, 3), 1e-20).to(tb)
+    b[:, 1] = -1e-20
+    want = mmasim_chain(make, a, b, f)
+    assert (want.view(torch.int32) == -2 ** 31).any()  # -0.0 among MMA-Sim's results
+    for fn in FNS:
+        assert same_bits(ours(a, b, f, fn), want), fn

@@ -177,3 +177,90 @@ def test_environment_variable_turns_them_on_at_the_first_trace():
                              text=True, check=True, cwd=os.path.dirname(os.path.dirname(
                                  os.path.abspath(__file__))))
         assert out.stdout.strip().splitlines()[-1] == want, out.stderr
+
+
+def _every_block_format():
+    """Each scale rule with each scale format it takes (exponent-only, E4M3, E5M2, BF16, FP32),
+    float and fixed-point elements, with and without a tensor scale."""
+    from qtensor.formats import SCALE_RULES
+    for rule in SCALE_RULES:
+        for scale in ("e8m0", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32"):
+            for elem in ("fp4_e2m1", "fp8_e4m3", "fixed8.6(symmetric=True)"):
+                for tensor_scale in (False, True):
+                    try:
+                        yield BlockFormat(elem, 16, scale=scale, scale_rule=rule,
+                                          tensor_scale=tensor_scale)
+                    except ValueError:  # a combination the format refuses
+                        pass
+
+
+def test_every_scale_rule_and_scale_format_is_exact_or_declines():
+    """The block decomposition shifts the element grid by a power of two: exact for the floor
+    rule and for ceil with exponent-only scales, which it must cover; every other rule (even,
+    4over6, amax, ceil with scales of mantissa bits) must keep the custom op."""
+    x = _values()[: 64 * 96].reshape(64, 96)
+    formats = list(_every_block_format())
+    assert {f.scale_rule for f in formats} == {"floor", "ceil", "amax", "even", "4over6"}
+    covered = 0
+    for fmt in formats:
+        for rounding in MODES:
+            got = _call(fmt, x, rounding, "decomposition")
+            if fmt.scale_rule == "floor" or (fmt.scale_rule == "ceil" and fmt.scale.man == 0):
+                assert got is not NotImplemented, fmt
+                covered += 1
+            if got is not NotImplemented:
+                assert_bits_equal(got, _call(fmt, x, rounding, "kernel"), f"{fmt} {rounding}")
+    assert covered > 0
+
+
+def test_compiled_quantize_keeps_the_kernels_bits_for_every_scale_rule(_enabled):
+    """A user compiles qt.quantize with the decompositions on: the even, 4over6 and E4M3-scale
+    ceil blocks (which the decomposition cannot do exactly) give eager's bits."""
+    fmts = [BlockFormat("fp4_e2m1", scale_rule="even"), BlockFormat("fp8_e4m3", scale_rule="even"),
+            BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="4over6"),
+            BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="ceil"), qt.mxfp4_e2m1]
+    torch._dynamo.reset()
+    x = _values()[: 64 * 96].reshape(64, 96)
+    fn = lambda a: [qt.quantize(a * 2.0, f) for f in fmts]  # noqa: E731
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        got = torch.compile(fn, fullgraph=True)(x / 2)
+    for f, g, w in zip(fmts, got, fn(x / 2), strict=True):
+        assert_bits_equal(g, w, f"compiled {f}")
+
+
+def test_cache_of_a_process_with_the_switch_on_is_not_reused_with_it_off(tmp_path):
+    """Inductor's caches do not key on the decomposition table: a process with
+    QTENSOR_INDUCTOR_DECOMPOSITIONS=1 and a later one without it, sharing the cache directory,
+    must not share compiled graphs (the later one calls the kernels); the same switch again
+    hits the cache."""
+    import os
+    import subprocess
+    import sys
+    script = (
+        "import torch, qtensor as qt\n"
+        "from torch._dynamo.utils import counters\n"
+        "from torch._inductor.utils import run_and_get_code\n"
+        "f = qt.mxfp4_e2m1\n"
+        "fn = torch.compile(lambda a: qt.quantize(a * 2.0, f), fullgraph=True)\n"
+        "x = torch.randn(64, 96)\n"
+        "got, code = run_and_get_code(fn, x)\n"
+        "assert torch.equal(got.view(torch.int32), qt.quantize(x * 2.0, f).view(torch.int32))\n"
+        "hits = counters['inductor']['fxgraph_cache_hit'] + counters['aot_autograd']"
+        "['autograd_cache_hit']\n"
+        "print(hits, any('qtensor.quantize_block' in c for c in code))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = []
+    for value in ("1", "0", "1"):
+        env = dict(os.environ, QTENSOR_INDUCTOR_DECOMPOSITIONS=value,
+                   TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+        env.pop("TORCHINDUCTOR_FX_GRAPH_CACHE", None)
+        env.pop("TORCHINDUCTOR_AUTOGRAD_CACHE", None)
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, cwd=root)
+        assert out.returncode == 0, out.stderr
+        results.append(out.stdout.strip().splitlines()[-1])
+    # on: fused (no extern call), compiled; off: the extern call, compiled anew; on: a hit
+    assert results[0] == "0 False", results
+    assert results[1] == "0 True", results
+    assert results[2].split()[0] != "0", results

@@ -223,6 +223,10 @@ def _data(steps, batch=8):
 
 
 def _spec(name):
+    if name == "mx_cut":  # blocks that FSDP2's dim-0 shards cut, in every role on a shard
+        mx = qt.mxfp8_e4m3
+        return qt.Recipe(weight=mx.replace(axis=0, block_size=16), bias=mx.replace(axis=None),
+                         activation=qt.bf16, grad=qt.mxfp4_e2m1.replace(axis=None), master_weights=True)
     return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3,
             "mx_all_mxfp8": qt.recipes.mx_all_mxfp8}[name]
 
@@ -262,6 +266,8 @@ def qt_plain_grad(t):  # the loss in FP32 of the emulated output (differentiable
 def _optimizer(name, model):
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if name == "adamw":  # (eps: 1e-8 rounds to 0 beside exp_avg_sq in an MXFP8 block)
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1)
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -281,11 +287,21 @@ def _reduced_reference(spec, steps, world=WORLD, optim="sgd", hidden=16):
             grads.append([qt_plain(p.grad) for p in params])
         with torch.no_grad():
             for i, p in enumerate(params):
-                mean = sum(g[i] for g in grads) / world  # FP32
+                mean = _fp32_sum(g[i] for g in grads) / world
                 p.grad.copy_(mean)  # rounded once, into the gradient's format
         opt.step()
     _REF_OPT_STATE[spec, hidden] = _opt_state(opt)
     return _state(model)
+
+
+def _fp32_sum(tensors):
+    """The FP32 sum of the ranks' gradients as a reduction forms it (sum() would start from +0:
+    two -0.0 gradients, which block formats flush tiny values to, would sum to +0.0)."""
+    tensors = iter(tensors)
+    total = next(tensors)
+    for t in tensors:
+        total = total + t
+    return total
 
 
 _REF_OPT_STATE = {}  # (spec, hidden) -> the last reference run's optimizer state
@@ -620,25 +636,80 @@ def test_fsdp2_keeps_formats_and_follows_the_reduction_rule(ranks, spec, hidden)
             _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
 
 
-def test_fsdp2_block_value_formats_follow_the_reduction_rule(ranks):
-    # mx_all_mxfp8: MXFP8 values and gradients. A contraction blocks the weight gradient along
-    # out_features, the gradient role along in_features: in one process each micro-batch's
-    # gradient is in its role; FSDP2's unsharded parameters had no gradient hook, so the ranks
-    # reduced the contractions' gradients instead (1 of 640 values of 0.weight differed).
-    # SGD: Adam's state in MXFP8 has NaNs (eps rounds to 0). One step, the weights only: a 1-D
-    # shard (a bias) cuts MX blocks, which its reduced gradient and update round as blocks of
-    # the shard (docs/distributed.md, "Not supported"); later steps would differ by that
-    res = ranks.run("_sc_fsdp", "mx_all_mxfp8", 1, 80, "sgd")
-    ref = _reduced_reference("mx_all_mxfp8", 1, optim="sgd", hidden=80)
-    for rank, (state, seen, _opt_state) in enumerate(res):
+@pytest.mark.parametrize("spec,optim", [("mx_all_mxfp8", "sgd"), ("mx_all_mxfp8", "adamw"),
+                                        ("mx_cut", "adamw")])
+def test_fsdp2_block_value_formats_follow_the_reduction_rule(ranks, spec, optim):
+    # Block value formats. mx_all_mxfp8: a contraction blocks the weight gradient along
+    # out_features, the gradient role along in_features: each rank's gradient must be in its role
+    # before the reduction. FSDP2 shards dim 0 in halves of 40 rows (hidden=80): a bias (MXFP8
+    # blocks of 32 along its only dim) has a block cut by the shard boundary, and 2.bias (4
+    # values, one block) is cut in two; mx_cut cuts the weights' value blocks (16 along dim 0)
+    # and each bias's and each gradient's one whole-tensor block, with FP32 masters. A cut block is rounded as a
+    # block of the whole tensor (the reduced gradient, every op of the update), so several steps
+    # of SGD with momentum and AdamW with weight decay (optimizer state in MXFP8 blocks of 32)
+    # stay bit-identical to one process.
+    res = ranks.run("_sc_fsdp", spec, 3, 80, optim)
+    ref = _reduced_reference(spec, 3, optim=optim, hidden=80)
+    ref_state = _REF_OPT_STATE[spec, 80]
+    assert ("qt_master" in str(ref_state.keys())) == (spec == "mx_cut")
+    for rank, (state, seen, opt_state) in enumerate(res):
         assert state.keys() == ref.keys()
         for n, (fmts, gfmts, value, grad) in state.items():
             rf, rg, rv, rgrad = ref[n]
             assert seen[n] == ("QTensor", rf), (rank, n, seen[n])
             assert fmts == rf and gfmts == rg, (rank, n, fmts, gfmts, rf, rg)
-            if n.endswith("weight"):
-                _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
-                _assert_bits_equal(value, rv, f"rank {rank} {n}")
+            assert not value.isnan().any() and not grad.isnan().any(), (rank, n)
+            _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
+            _assert_bits_equal(value, rv, f"rank {rank} {n}")
+        assert opt_state.keys() == ref_state.keys(), (opt_state.keys(), ref_state.keys())
+        for key, (fmt, value) in opt_state.items():
+            assert fmt == ref_state[key][0], (rank, key, fmt, ref_state[key][0])
+            _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
+
+
+def _sc_fsdp_accumulate(rank, world, spec):
+    """Two backwards (two global batches) into the same sharded gradients, no step."""
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(80), _spec(spec))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    for x, y in _data(2):
+        n = len(x) // world
+        F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+                   y[rank * n:(rank + 1) * n]).backward()
+    return _full_state(model)
+
+
+def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks):
+    # FSDP2 adds each backward's reduced mean into the sharded gradient: as one process adds it
+    # into the gradient (rounding the sum once), the blocks that the shards cut (the biases')
+    # included
+    res = ranks.run("_sc_fsdp_accumulate", "mx_cut")
+    model = qt.convert(_mlp(80), _spec("mx_cut"))
+    params = list(model.parameters())
+    acc = None
+    for x, y in _data(2):
+        n = len(x) // WORLD
+        grads = []
+        for r in range(WORLD):
+            model.zero_grad()
+            F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
+            grads.append([qt_plain(p.grad) for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                mean = _fp32_sum(g[i] for g in grads) / WORLD
+                if acc is None:
+                    p.grad.copy_(mean)  # rounded once
+                else:
+                    p.grad = acc[i]
+                    p.grad.add_(mean)  # the sum rounded once
+        acc = [p.grad for p in params]
+    ref = _state(model)
+    for rank, state in enumerate(res):
+        for n, (_fmts, gfmts, _value, grad) in state.items():
+            assert gfmts == ref[n][1], (rank, n, gfmts, ref[n][1])
+            _assert_bits_equal(grad, ref[n][3], f"rank {rank} {n}.grad")
 
 
 # ---------------------------------------------------------------------------------------------

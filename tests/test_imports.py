@@ -149,3 +149,33 @@ def test_no_module_binds_another_modules_globals():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found += _foreign_assignments(name, package, path.read_text(), modules)
     assert not found, "late bindings into other qtensor modules:\n" + "\n".join(found)
+
+
+def _architecture_map():
+    """The module names of docs/architecture.md's map (its first code block): `name.py` at the
+    start of a line, indented ones belonging to the last `package/` line above them."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    block = text.split("```", 2)[1]
+    named, package = set(), ""
+    for line in block.splitlines():
+        word = line.strip().split(" ", 1)[0]
+        if not word:
+            continue
+        if not line.startswith(" "):
+            package = word if word.endswith("/") else ""
+            named.add(word)
+        elif word.endswith(".py"):
+            named.add(package + word)
+    return named
+
+
+def test_architecture_map_names_every_module_and_only_modules():
+    """docs/architecture.md is the one map of the package: every module is in it and every name
+    in it is a module or package."""
+    modules = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if p.name != "__init__.py"}
+    packages = {str(p.parent.relative_to(ROOT)) + "/" for p in ROOT.rglob("__init__.py")
+                if p.parent != ROOT}
+    named = _architecture_map()
+    assert modules - named == set(), f"modules missing from docs/architecture.md: {modules - named}"
+    assert named - modules - packages == set(), (
+        f"docs/architecture.md names what does not exist: {named - modules - packages}")

@@ -31,7 +31,8 @@ QT_HD double second_stage(double D, int ed, double p, int F, bool fp8) {
   const double v = sd * qtensor::acc_pow2(em - kF2 - 1) + sc * qtensor::acc_pow2(em - F);
   const int ev = v == 0.0 ? 0 : dexp(v);
   const double r = floor(v * qtensor::acc_pow2(kF2 - ev)) * qtensor::acc_pow2(ev - kF2);
-  return (double)(float)r + 0.0;  // to nearest FP32 (inf from 2^128); a zero is +0
+  // to nearest FP32 (inf from 2^128); a negative below float32's grid is -0, as the MFMA
+  return (double)(float)r;
 }
 
 // One chunk of n products for one output, every case of the reference: a (n), b (stride sb),
@@ -211,7 +212,7 @@ void chain_lanes(const double* a, const int* ea, int64_t lda, const double* b, c
       const double v = sd * pow2v(em - kF2 - 1) + sc * pow2v(em - F);
       const int64_t ev = v == 0.0 ? 0 : dexpv(v);
       const double r = floor(v * pow2v(kF2 - ev)) * pow2v(ev - kF2);
-      np[j] = (double)(float)r + 0.0;  // to nearest FP32 (inf from 2^128); a zero is +0
+      np[j] = (double)(float)r;  // to nearest FP32 (inf from 2^128; a negative underflow: -0)
     }
     if (slow)
       for (int j = 0; j < L; ++j)
