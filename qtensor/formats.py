@@ -419,8 +419,9 @@ class BlockFormat(Format):
     and each block's scale under it, in TE's float32 steps; a QTensor of such a format carries
     its tensor scale (docs/formats.md, "NVFP4: the tensor scale").
     settle (tensor_scale only): re-round each block with the scale of its rounded max until
-    that scale repeats, so that rounding values of the format again under the same tensor scale
-    gives them back (False, the default: TE's single pass).
+    that scale repeats (4over6: each candidate, then the pick), so that rounding values of the
+    format again under the same tensor scale gives them back (False, the default: TE's single
+    pass).
     The element format always saturates; its rounding is the block's rounding.
 
     block_shape=(r, c): 2D blocks (tiles) of r x c elements over the *last two dims* of a
@@ -517,12 +518,11 @@ class BlockFormat(Format):
                     f"power-of-two scale ({scale}) cannot tell apart; use a scale with mantissa "
                     "bits such as fp8_e4m3")
         _check_bool("settle", self.settle)
-        if self.settle and (not self.tensor_scale or rule == "4over6"):
+        if self.settle and not self.tensor_scale:
             raise FormatError(
-                "settle=True re-rounds each block of a tensor-scaled format (tensor_scale=True, "
-                "scale_rule 'amax' or 'ceil') until its scale repeats; other block formats "
-                f"always settle, 4over6 picks per block: got tensor_scale={self.tensor_scale}, "
-                f"scale_rule={rule!r}")
+                "settle=True re-rounds each block of a tensor-scaled format (tensor_scale=True) "
+                "until its scale repeats; other block formats always settle: got "
+                f"tensor_scale={self.tensor_scale}")
         if self.tensor_scale and self.power_of_two_scales:
             raise FormatError(
                 f"tensor_scale=True needs scales with significant bits (scale_rule 'amax', "

@@ -413,20 +413,51 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
     def rounded(X):  # X (float64, scale-format values) -> the block's values (float64)
         X32 = _f32(X)
         inv = torch.clamp(torch.ones_like(X32) / (X32 * dec), max=_F32_MAX)
-        e = _round_scalar((blocks * inv).to(torch.float64), elem, rounding, idx, seed)
+        t = (blocks * inv).to(torch.float64)
+        e = _round_scalar(t, elem, rounding, idx, seed)
+        if rounding not in ("nearest", "nearest_away"):
+            # x * inv of a value fl32(e * X * s) is e only to a few ulps: directed and stochastic
+            # rounding keep such a value of the format (nearest rounds it to e already)
+            en = _round_scalar(t, elem, "nearest", None, None)
+            e = torch.where(_f32(en * X * dec.to(torch.float64)) == blocks, en, e)
         v = _f32(e * X * dec.to(torch.float64)).to(torch.float64)  # (e * X * dec: exact)
         return e, torch.where(v == 0, torch.copysign(torch.zeros_like(v), blocks.double()), v)
 
-    if fmt.scale_rule == "4over6":
-        base = (amax_b / elem.max) * enc  # (TE's 4over6 order)
-        cands = [_scale_code(base, fmt), _scale_code(base * 1.5, fmt)]
+    if fmt.scale_rule == "4over6":  # (TE's 4over6 order)
+        scale_ofs = [lambda a: _scale_code((a / elem.max) * enc, fmt),
+                     lambda a: _scale_code((a / elem.max) * enc * 1.5, fmt)]
     else:
-        cands = [_scale_code(amax_b * (enc * inv_max), fmt)]
-    X = cands[0]
-    e, q = rounded(X)
-    if len(cands) == 2:  # map-to-4 where its float32 error sum is lower (map-to-6 on a tie)
-        X4 = cands[1]
-        e4, q4 = rounded(X4)
+        scale_ofs = [lambda a: _scale_code(a * (enc * inv_max), fmt)]
+    if fmt.scale_rule == "ceil":
+        sf = fmt.amax_scale_format.replace(rounding="toward_zero", saturate=True)
+
+        def ceil_of(a):
+            # the smallest scale whose largest value covers a: the float32 target of a block
+            # max fl32(6 X s) can land just above X, whose largest value already covers it
+            X = _scale_code(a * (enc * inv_max), fmt)
+            down = _round_float(X * (1 - 2.0 ** -(sf.man + 2)), sf, "toward_zero", None, None)
+            return torch.where(_f32(elem.max * down * dec.to(torch.float64)) >= a, down, X)
+        scale_ofs = [ceil_of]
+
+    def settled(scale_of):
+        X = scale_of(amax_b)
+        e, q = rounded(X)
+        # settle: each block again with the scale of its own rounded max, until the scale
+        # repeats, so that rounding the values once more under the same tensor scale gives
+        # them back (each step lowers X, so this ends)
+        while fmt.settle:
+            rmax = _f32(q.abs().amax(dim=-1, keepdim=True) if q.numel() else q.sum(-1, True))
+            lower = (scale_of(rmax) < X) & ~bad
+            if lower.device.type == "meta" or not bool(lower.any()):
+                break
+            X = torch.where(lower, scale_of(rmax), X)
+            e2, q2 = rounded(X)
+            e, q = torch.where(lower, e2, e), torch.where(lower, q2, q)
+        return e, q, X
+
+    e, q, X = settled(scale_ofs[0])
+    if len(scale_ofs) == 2:  # map-to-4 where its float32 error sum is lower (map-to-6 on a tie)
+        e4, q4, X4 = settled(scale_ofs[1])
         denom = float(elem.max * fmt.tensor_scale_bound)
         a32 = _f32(amax_t)
 
@@ -439,17 +470,6 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
             return acc
         pick4 = err(e4, X4) < err(e, X)
         q = torch.where(pick4, q4, q)
-    elif fmt.settle:
-        # each block again with the scale of its own rounded max, until the scale repeats:
-        # rounding the values once more under the same tensor scale then gives them back
-        while True:
-            rmax = _f32(q.abs().amax(dim=-1, keepdim=True) if q.numel() else q.sum(-1, True))
-            again = _scale_code(rmax * (enc * inv_max), fmt)
-            lower = (again < X) & ~bad
-            if lower.device.type == "meta" or not bool(lower.any()):
-                break
-            X = torch.where(lower, again, X)
-            q = torch.where(lower, rounded(X)[1], q)
     return torch.where(bad, torch.full_like(q, float("nan")), q)
 
 
@@ -634,13 +654,19 @@ def _nan_bits(out: torch.Tensor, q: torch.Tensor, x: torch.Tensor, fmt) -> torch
 
 
 def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+             generator: Optional[torch.Generator] = None, tensor_scale=None) -> torch.Tensor:
     """x rounded to ``fmt`` (a format or its name), as a new plain tensor like x.
 
-    rounding overrides the format's own mode; generator feeds stochastic rounding.
+    rounding overrides the format's own mode; generator feeds stochastic rounding;
+    tensor_scale: a two-level format's FP32 decode tensor scale to round under (as qt.quantize).
     """
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
     check_generator(generator)
     seed = draw_seed(generator) if stochastic_bits(rounding) is not None else 0
+    if tensor_scale is not None:
+        if not (isinstance(fmt, BlockFormat) and fmt.tensor_scale):
+            raise ValueError(f"quantize to {fmt}: tensor_scale is for two-level block formats "
+                             "(tensor_scale=True, such as nvfp4)")
+        return quantize_two_level(x, fmt, rounding, seed, tensor_scale)[0]
     return quantize_with_seed(x, fmt, rounding, seed)
