@@ -2,9 +2,10 @@
 
     pip install torch==2.13.0 && pip install --no-build-isolation -e ".[test]"
 
-The extension is a CppExtension (CPU kernels), or a CUDAExtension adding csrc/cuda/*.cu when
-torch was built with CUDA and a CUDA toolkit is found. Without a compiler qtensor still imports
-and falls back to the pure-PyTorch reference (with a warning).
+The extension is a CppExtension (the CPU kernels). The GPU kernels are Triton kernels
+(qtensor/gpu), compiled at run time by the triton package that torch's CUDA wheels depend on: a
+GPU install needs no CUDA toolkit. Without a compiler qtensor still imports and falls back to the
+pure-PyTorch reference (with a warning).
 """
 import glob
 import os
@@ -18,8 +19,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # qtorch (QPyTorch 0.3.0) and gfloat are independent oracles for the compat and reference tests;
 # mmasim (MMA-Sim: bit-accurate tensor-core models, needs torch>=2.9) for tests/test_accum_mmasim.py
+# triton: tests/test_triton.py runs the GPU kernels under Triton's CPU interpreter; 3.7.1 is the
+# version torch 2.13's CUDA wheels pin (the one GPU users have), and the CPU wheel brings none.
 TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja", "qtorch==0.3.0",
-        "gfloat", "mmasim==2.1.1"]
+        "gfloat", "mmasim==2.1.1", 'triton==3.7.1; platform_system=="Linux"']
 EXAMPLES = ["tqdm", "matplotlib", "scikit-learn"]
 # qtensor.hf and the safetensors helpers (tests skip without them); neither pulls a torch
 HF = ["safetensors", "transformers"]
@@ -53,21 +56,9 @@ def extensions():
     missing = set(glob.glob("csrc/cpu/*.cpp")) - set(sources)
     if missing:
         raise RuntimeError(f"setup.py: add {sorted(missing)} to the sources")
-    use_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-                and os.environ.get("QTENSOR_NO_CUDA", "0") != "1")
-    if use_cuda:
-        sources += sorted(glob.glob("csrc/cuda/*.cu"))
-        ext = cpp_extension.CUDAExtension(
-            "qtensor._C", sources, include_dirs=include,
-            define_macros=[("QTENSOR_WITH_TORCH", "1")],
-            extra_compile_args={"cxx": cxx,
-                                "nvcc": ["-O3", "--fmad=false",
-                                         "-DQTENSOR_WITH_TORCH=1"]},
-            extra_link_args=["-fopenmp"])
-    else:
-        ext = cpp_extension.CppExtension(
-            "qtensor._C", sources, include_dirs=include, extra_compile_args=cxx,
-            extra_link_args=["-fopenmp"])
+    ext = cpp_extension.CppExtension(
+        "qtensor._C", sources, include_dirs=include, extra_compile_args=cxx,
+        extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": _persistent_build(cpp_extension.BuildExtension).with_options(
         use_ninja=True)}
 

@@ -813,8 +813,8 @@ def _operand(x, fmt, name: str, kdim: int, op: str, stated: bool):
     gives this operand's scales or clamps, which then say what its values are) or as a tensor
     with a format argument (``a_fmt``), whose values must be in that format along K."""
     from . import formats as _formats
-    from .tensor import QTensor
-    if isinstance(x, QTensor):
+    # a QTensor (this module sits below qtensor.tensor: it is known by its format and payload)
+    if isinstance(x, torch.Tensor) and hasattr(x, "payload") and hasattr(x, "mm_fmt"):
         q, x = x, x.payload
         if fmt is None and not stated:
             fmt = q.mm_fmt or q.fmt

@@ -12,6 +12,7 @@ from .formats import BlockFormat, Format, FormatError, _check_rounding
 from .formats import format as _parse_format
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "check_input", "check_out", "check_axis",
+           "check_op_args",
            "resolve_rounding", "check_generator"]
 
 # The dtypes a format can round (and a QTensor can carry); the compiled kernels take all but
@@ -80,3 +81,35 @@ def check_generator(generator) -> None:
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+# The checks the kernels make (csrc/op_common.h check_op and block_args' axis), on fake and real
+# tensors alike: the ops' fakes and the Triton launchers (qtensor/gpu) call them
+
+_MAX_DIMS = 16  # kMaxDims of csrc/include/qtensor/args.h
+
+
+def check_op_args(op: str, x: torch.Tensor, out: torch.Tensor, args: tuple) -> None:
+    """csrc/op_common.h check_op on fake tensors: args are the op's arguments after x."""
+    torch._check(x.dtype in KERNEL_DTYPES, lambda: (
+        f"qtensor::{op}: unsupported dtype {x.dtype}; the kernels take float32, float16 and "
+        "bfloat16 (qtensor.quantize sends float64 to the reference implementation)"))
+    torch._check(x.dim() <= _MAX_DIMS,
+                 lambda: f"qtensor::{op}: at most {_MAX_DIMS} dims, got {x.dim()}")
+    torch._check(out.device == x.device,
+                 lambda: f"qtensor::{op}: out is on {out.device} but x is on {x.device}")
+    torch._check(out.dtype == x.dtype,
+                 lambda: f"qtensor::{op}: out has dtype {out.dtype} but x has dtype {x.dtype}")
+    torch._check(out.shape == x.shape, lambda: (
+        f"qtensor::{op}: out has shape {list(out.shape)} but x has shape {list(x.shape)}"))
+    rounding = args[-2]  # every family ends with (rounding, seed)
+    torch._check(0 <= rounding < 4 or (
+        rounding & 0xFF == 3 and 1 <= rounding >> 8 <= 31), lambda: (
+        f"qtensor::{op}: rounding must be 0 (nearest), 1 (nearest_away), 2 (toward_zero), "
+        f"3 (stochastic) or 3 + 256 * (32 - N) (stochastic with N = 1..31 random bits), "
+        f"got {rounding}"))
+    if op == "quantize_block" and args[3] is not None and x.dim() > 0:
+        axis = args[3]
+        torch._check_index(-x.dim() <= axis < x.dim(), lambda: (
+            f"qtensor::quantize_block: axis {axis} is out of range for a tensor of shape "
+            f"{list(x.shape)}"))

@@ -205,7 +205,8 @@ def _round_activation(x, plan: ModulePlan, what: str = "output"):
     """Round one floating tensor of a module's inputs/outputs to the activation and grad roles."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return x
-    refuse_transformed(x, f"the output of {plan.name or 'the model'} (or its input)")
+    if not torch.compiler.is_dynamo_compiling():
+        refuse_transformed(x, f"the output of {plan.name or 'the model'} (or its input)")
     key = (plan.activation, plan.grad)
     # dynamo cannot compare versions (data-dependent): it rounds again, which changes nothing
     tag = None if torch.compiler.is_dynamo_compiling() else getattr(x, _ACT_TAG, None)
@@ -218,7 +219,9 @@ def _round_activation(x, plan: ModulePlan, what: str = "output"):
     grad = plan.grad
     if grad.full_precision and not plan.activation.full_precision:
         grad = Role(_FP32)
-    name = f"{what} of {plan.name or 'the model'}"
+    # (while dynamo traces, no layer name: it would be a guard, and each layer's hook a graph)
+    name = (f"{what} of a compiled module" if torch.compiler.is_dynamo_compiling()
+            else f"{what} of {plan.name or 'the model'}")
     if not grad.full_precision and torch.is_grad_enabled() and x.requires_grad:
         y = _RoundActivation.apply(x, plan.activation, grad, name)
     elif not plan.activation.full_precision:

@@ -707,7 +707,8 @@ def _round_fresh(out, fmt, func):
 
 def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     if type(fmt) is BlockFormat and fmt.block_shape is not None:  # 2D tiles: qtensor.ops
-        if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor:
+        if (is_stochastic(fmt.rounding) and type(x) is not torch.Tensor
+                and not _ops.seeds_in_graph()):
             raise _ops.stochastic_under_tracing(fmt)
         return _ops.quantize(x, fmt)
     if x.dtype is torch.float32:
@@ -725,7 +726,7 @@ def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
                 return _ops.round_float(x, *fargs)
         op, args = _kernel_call(fmt)
         return op(x, *args)
-    if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor:
+    if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor and not _ops.seeds_in_graph():
         raise _ops.stochastic_under_tracing(fmt)
     return _ops.quantize(x, fmt)
 
@@ -966,6 +967,13 @@ def _accum_of(args):
 
 
 def _contract(func, rule, args, kwargs, uargs, ukwargs):
+    if torch.compiler.is_compiling():  # (stochastic roundings traced after every operand)
+        with _ops.after(uargs):
+            return _contract_operands(func, rule, args, kwargs, uargs, ukwargs)
+    return _contract_operands(func, rule, args, kwargs, uargs, ukwargs)
+
+
+def _contract_operands(func, rule, args, kwargs, uargs, ukwargs):
     acc = _accum_of(args)
     op = rule.op
     if op.handler is not None:

@@ -39,8 +39,28 @@ class GemmOperand:
     def __str__(self) -> str:
         t = "" if self.fprop_t is None and self.bwd_t is None else (
             f", transforms fprop={self.fprop_t} bwd={self.bwd_t}")
-        return (f"gemm(fprop={self.fprop}, bwd={self.bwd}, grad={self.other}, own={self.base}"
-                f"{t})")
+        s = (f"gemm(fprop={self.fprop}, bwd={self.bwd}, grad={self.other}, own={self.base}"
+             f"{t})")
+        if s not in _BY_TOKEN:  # (the string names the tag in a traced graph: of_token)
+            if len(_BY_TOKEN) >= _BY_TOKEN_SIZE:
+                _BY_TOKEN.clear()
+            _BY_TOKEN[s] = self
+        return s
+
+
+_BY_TOKEN: dict = {}  # str(tag) -> tag; equal strings are equal tags (every field is in it)
+_BY_TOKEN_SIZE = 1024
+
+
+def of_token(token: str) -> GemmOperand:
+    """The tag whose string is ``token``: a traced graph builds a QTensor with its formats as
+    strings (qtensor.tensor._graph_kwargs), and a tag's string is made (and recorded) just
+    before, while dynamo traces the tagging."""
+    tag = _BY_TOKEN.get(token)
+    if tag is None:
+        raise ValueError(f"unknown per-GEMM operand tag {token!r} (tags exist only inside a "
+                         "converted Linear/Conv's forward under Recipe.gemm)")
+    return tag
 
 
 _STATE = threading.local()
@@ -62,6 +82,15 @@ class fprop:  # noqa: N801  (a context manager)
         _STATE.fprop = self.before
 
 
+def _is_fprop(tags) -> bool:
+    """Whether a contraction whose operands carry ``tags`` (None: untagged) is a forward GEMM:
+    the flag, or every operand tagged (the backward GEMMs have one untagged operand, the
+    gradient dY). The second is what a traced graph keeps (the flag is Python state, which
+    AOTAutograd's tracing of the graph does not see); GemmForward traces only where both x and
+    W are QTensors, so both are tagged there."""
+    return in_fprop() or all(t is not None for t in tags)
+
+
 def operand_formats(ops, fallback) -> Optional[list]:
     """The operand formats of one contraction whose multiplied operands are ``ops`` (QTensors or
     plain tensors), or None when none is tagged. ``fallback(a)``: a's own format (None for a
@@ -71,7 +100,7 @@ def operand_formats(ops, fallback) -> Optional[list]:
     first = next((t for t in tags if t is not None), None)
     if first is None:
         return None
-    fprop = in_fprop()
+    fprop = _is_fprop(tags)
     out = []
     for a, t in zip(ops, tags):
         if t is not None:
@@ -87,8 +116,8 @@ def operand_transform(ops):
     """The transform of the contraction whose multiplied operands are ``ops`` (applied to all of
     them along K before rounding), or None: the first tag's forward transform during the forward
     GEMM, else the backward transform of the tagged operand (W: dgrad's, x: wgrad's)."""
-    tag = next((m for m in (getattr(a, "mm_fmt", None) for a in ops) if type(m) is GemmOperand),
-               None)
+    tags = [m if type(m) is GemmOperand else None for m in (getattr(a, "mm_fmt", None) for a in ops)]
+    tag = next((t for t in tags if t is not None), None)
     if tag is None:
         return None
-    return tag.fprop_t if in_fprop() else tag.bwd_t
+    return tag.fprop_t if _is_fprop(tags) else tag.bwd_t

@@ -12,15 +12,16 @@ bit, stochastic rounding included.
 from __future__ import annotations
 
 import importlib
+import threading
 import warnings
 from typing import Optional
 
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import decompositions, reference, selfcheck
+from . import decompositions, gpu, reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
-from .checks import resolve_rounding
+from .checks import check_op_args, resolve_rounding
 from .formats import BlockFormat, FixedFormat, FloatFormat, Format, is_stochastic, stochastic_bits
 
 __all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
@@ -54,15 +55,18 @@ except ImportError as e:  # not built, or built against another torch or Python
 
 
 def kernels_available(device: str | torch.device = "cpu") -> bool:
-    """Whether the compiled kernels can run on ``device`` (a device type or device)."""
-    if _C is None:
-        return False
+    """Whether the compiled kernels can run on ``device`` (a device type or device): the C++
+    kernels on CPU, the Triton kernels (qtensor.gpu) on CUDA."""
     dev = torch.device(device).type
-    if dev == "cpu":
-        return True
-    key = {"cuda": "CUDA"}.get(dev)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "qtensor::quantize_float", key)
+    if dev == "cuda":
+        return gpu.available()
+    return _C is not None and dev == "cpu"
+
+
+def kernel_ops(x: torch.Tensor):
+    """The quantization ops for x's device, in torch.ops.qtensor's form: the Triton kernels
+    where qtensor.gpu takes x (CUDA; CPU inside qtensor.gpu.force), else the compiled ones."""
+    return gpu.ops if gpu.takes(x) else torch.ops.qtensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,33 +117,7 @@ def _seed_arg(seed: int) -> int:
 # (csrc/op_common.h check_op and block_args' axis), so that a bad call fails alike under
 # torch.compile and FakeTensor
 
-_MAX_DIMS = 16  # kMaxDims of csrc/include/qtensor/args.h
-
-
-def _check_op_fake(op: str, x: torch.Tensor, out: torch.Tensor, args: tuple) -> None:
-    """csrc/op_common.h check_op on fake tensors: args are the op's arguments after x."""
-    torch._check(x.dtype in KERNEL_DTYPES, lambda: (
-        f"qtensor::{op}: unsupported dtype {x.dtype}; the kernels take float32, float16 and "
-        "bfloat16 (qtensor.quantize sends float64 to the reference implementation)"))
-    torch._check(x.dim() <= _MAX_DIMS,
-                 lambda: f"qtensor::{op}: at most {_MAX_DIMS} dims, got {x.dim()}")
-    torch._check(out.device == x.device,
-                 lambda: f"qtensor::{op}: out is on {out.device} but x is on {x.device}")
-    torch._check(out.dtype == x.dtype,
-                 lambda: f"qtensor::{op}: out has dtype {out.dtype} but x has dtype {x.dtype}")
-    torch._check(out.shape == x.shape, lambda: (
-        f"qtensor::{op}: out has shape {list(out.shape)} but x has shape {list(x.shape)}"))
-    rounding = args[-2]  # every family ends with (rounding, seed)
-    torch._check(0 <= rounding < len(_ROUNDING_CODE) or (
-        rounding & 0xFF == 3 and 1 <= rounding >> 8 <= 31), lambda: (
-        f"qtensor::{op}: rounding must be 0 (nearest), 1 (nearest_away), 2 (toward_zero), "
-        f"3 (stochastic) or 3 + 256 * (32 - N) (stochastic with N = 1..31 random bits), "
-        f"got {rounding}"))
-    if op == "quantize_block" and args[3] is not None and x.dim() > 0:
-        axis = args[3]
-        torch._check_index(-x.dim() <= axis < x.dim(), lambda: (
-            f"qtensor::quantize_block: axis {axis} is out of range for a tensor of shape "
-            f"{list(x.shape)}"))
+_check_op_fake = check_op_args  # (the fakes' checks, in qtensor.checks)
 
 
 if _C is not None:
@@ -194,6 +172,7 @@ def traced_round_float(x, args):
     is_unsigned, rounding code) as the fusable round_float, or None where the short form does
     not cover it (the caller then calls the qtensor:: op)."""
     if (x.dtype is not torch.float32 or x.device.type != "cpu" or not kernels_available("cpu")
+            or gpu.takes(x)
             or not decompositions.fast_float_applies(*args[:3], args[5], args[6])):
         return None
     return round_float(x, *args)
@@ -204,33 +183,18 @@ def traced_round_float(x, args):
 # Entry points
 
 def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
-    if _C is None or x.dtype not in KERNEL_DTYPES:
+    if x.dtype not in KERNEL_DTYPES:
         return False
     if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
         return False  # TE's two-level rule: reference.quantize_two_level (torch float32 ops)
     if x.device.type == "meta":
-        return True
-    if x.device.type == "cuda" and not _cuda_has_kernel(fmt, rounding):
-        return False
-    # CUDA: the kernel family must first agree with the reference there (qtensor/selfcheck.py)
-    return kernels_available(x.device) and selfcheck.trusted(
-        x.device.type, selfcheck.family(fmt, rounding), x.device)
-
-
-def _cuda_has_kernel(fmt: Format, rounding: str) -> bool:
-    """What the CUDA kernels lack (csrc/cuda/quantize_cuda.cu): limited-bit stochastic rounding,
-    the 4over6 rule, and the even rule's settling (toward_zero, stochastic, unsigned fixed-point
-    elements); those go to the reference."""
-    if stochastic_bits(rounding) not in (None, 32):
-        return False
-    if isinstance(fmt, BlockFormat):
-        if fmt.scale_rule == "4over6":
-            return False
-        if fmt.scale_rule == "even" and (
-                rounding not in ("nearest", "nearest_away")
-                or (isinstance(fmt.elem, FixedFormat) and not fmt.elem.signed)):
-            return False
-    return True
+        return _C is not None
+    if gpu.takes(x):  # the Triton kernels (what they do not cover goes to the reference)
+        ok = gpu.covers(fmt, rounding)
+    else:
+        ok = _C is not None and kernels_available(x.device)
+    # on CUDA the family must first agree with the reference there (qtensor/selfcheck.py)
+    return ok and selfcheck.trusted(x.device.type, selfcheck.family(fmt, rounding), x.device)
 
 
 def _sample_check(family: str):
@@ -238,8 +202,8 @@ def _sample_check(family: str):
     def check(device: torch.device) -> Optional[str]:
         for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
             name, args = op_args(fmt)
-            got = getattr(torch.ops.qtensor, name)(x, *args, rounding_code(rounding),
-                                                   _seed_arg(seed))
+            got = getattr(kernel_ops(x), name)(x, *args, rounding_code(rounding),
+                                               _seed_arg(seed))
             found = selfcheck.difference(got, reference.quantize_with_seed(x, fmt, rounding, seed))
             if found is not None:
                 return f"{fmt} with rounding={rounding} on {x.dtype}: {found}"
@@ -247,9 +211,10 @@ def _sample_check(family: str):
     return check
 
 
-if _C is not None:
-    for _family in ("scalar", "block", "stochastic"):
-        selfcheck.register(_family, _sample_check(_family))
+for _family in ("scalar", "block", "stochastic"):
+    selfcheck.register(_family, _sample_check(_family))
+if gpu.available() and torch.cuda.is_available() and _C is not None:
+    gpu.register_cuda_kernels()  # the CUDA kernels of the qtensor:: ops
 
 
 def stochastic_under_tracing(fmt) -> NotImplementedError:
@@ -260,14 +225,71 @@ def stochastic_under_tracing(fmt) -> NotImplementedError:
         "would freeze into a constant; run stochastic formats eagerly")
 
 
-def _seed(generator: Optional[torch.Generator], rounding: str, fmt=None) -> int:
-    """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way."""
+def seeds_in_graph() -> bool:
+    """Whether a stochastic rounding met now draws its seed inside the graph being traced:
+    AOTAutograd's tracing under torch.compile (the backward of a compiled model, the ops of a
+    QTensor), where the rounding becomes an op of the graph (_round_drawn) that draws its seed
+    from torch's default generator when it runs, as eager draws it (reference.draw_seed). Not while
+    dynamo itself traces Python code (that code runs eagerly instead, a graph break) nor under
+    torch.export (an exported program would draw anew: refused)."""
+    return (torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling()
+            and not torch.compiler.is_exporting())
+
+
+class _DrawnInGraph:
+    """The seed of a stochastic rounding traced by AOTAutograd (seeds_in_graph): drawn by the
+    rounding op itself when the graph runs (_round_drawn)."""
+
+
+_DRAWN_IN_GRAPH = _DrawnInGraph()
+_AFTER = threading.local()  # .tensors: what a rounding drawn in the graph must follow
+
+
+class after:
+    """While tracing (seeds_in_graph): the stochastic roundings made inside depend on
+    ``tensors`` (a contraction's operands), so the graph keeps them where eager makes them. A
+    rounding of a forward value in a backward GEMM (wgrad's x) would otherwise be moved into the
+    forward graph by the partitioner, and its seed drawn in another order than eager's."""
+
+    def __init__(self, tensors):
+        self.tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+
+    def __enter__(self):
+        self.before = getattr(_AFTER, "tensors", ())
+        _AFTER.tensors = self.tensors
+
+    def __exit__(self, *exc):
+        _AFTER.tensors = self.before
+
+
+def _seed(generator: Optional[torch.Generator], rounding: str, fmt=None):
+    """The stochastic-rounding seed (0 for other modes); a bad generator is refused either way.
+    Under AOTAutograd's tracing (seeds_in_graph): _DRAWN_IN_GRAPH."""
     check_generator(generator)
     if stochastic_bits(rounding) is None:
         return 0
     if torch.compiler.is_compiling():  # the seed would be a data-dependent symbolic int
+        if generator is None and seeds_in_graph():
+            return _DRAWN_IN_GRAPH
         raise stochastic_under_tracing(str(fmt))
     return reference.draw_seed(generator)
+
+
+# nondeterministic_seeded: the graph neither merges two of them (CSE) nor recomputes one
+@torch.library.custom_op("qtensor_ops::round_drawn", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def _round_drawn(x: torch.Tensor, after: list[torch.Tensor], fmt: str,
+                 rounding: str) -> torch.Tensor:
+    """The stochastic rounding of x to ``fmt`` (its string) with a seed drawn when it runs, from
+    torch's default generator as eager draws it (reference.draw_seed): the opaque op of a
+    stochastic rounding in a compiled graph. ``after``: tensors it depends on (see after)."""
+    from .formats import format as parse
+    return _round(x, parse(fmt), rounding, reference.draw_seed(None), None).contiguous()
+
+
+@_round_drawn.register_fake
+def _(x, after, fmt, rounding):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 _OUT_GRAD = ("quantize(): functions with out=... arguments don't support automatic "
@@ -312,10 +334,15 @@ def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int, out=None) -> tor
         return q if out is None else out.copy_(q)
     y, restore, fmt1 = reference.tile_blocks(x.detach(), fmt)
     y = y.contiguous()
-    if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        y = y.clone()  # (the layout was a view of x: one row of tiles, or r = 1)
-    # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
-    _round_(y, fmt1, rounding, seed)
+    if torch.compiler.is_compiling() or _is_traced(x):
+        y = _round(y, fmt1, rounding, seed, None)  # traced: the functional op
+    else:
+        # (the layout was a view of x: one row of tiles, or r = 1). Storages compared, not
+        # data pointers: collectives' outputs (DTensor.full_tensor) have none to read
+        if torch._C._is_alias_of(y, x):
+            y = y.clone()
+        # rounded in place: the tiled copy is ours (one allocation fewer, the kernel's output)
+        _round_(y, fmt1, rounding, seed)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return restore(y, into=out)
@@ -330,8 +357,12 @@ def _is_traced(x) -> bool:
     return is_fake(x)
 
 
-def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
+def _round(x, fmt: Format, rounding: str, seed, out) -> torch.Tensor:
     """quantize_with_seed after its checks, outside autograd."""
+    if seed is _DRAWN_IN_GRAPH:
+        q = torch.ops.qtensor_ops.round_drawn(x.detach(), list(getattr(_AFTER, "tensors", ())),
+                                              str(fmt), rounding)
+        return q if out is None else out.copy_(q)
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         return _round_tiles(x, fmt, rounding, seed, out)
     if not _use_kernel(x, fmt, rounding):
@@ -348,13 +379,14 @@ def _round(x, fmt: Format, rounding: str, seed: int, out) -> torch.Tensor:
         q = traced_round_float(x, args[:-1])  # traced: the op inductor fuses
         if q is not None:
             return q
+    kops = kernel_ops(x)
     if out is None:
-        return getattr(torch.ops.qtensor, name)(x, *args)
+        return getattr(kops, name)(x, *args)
     if out.is_neg() or out.is_conj():
         # a lazily negated view (complex.conj().imag): torch's math-bit fallback cannot run an
         # out= op that returns nothing (an internal assert, then an abort); copy_ writes it
-        return out.copy_(getattr(torch.ops.qtensor, name)(x, *args))
-    getattr(torch.ops.qtensor, name).out(x, *args, out=out)
+        return out.copy_(getattr(kops, name)(x, *args))
+    getattr(kops, name).out(x, *args, out=out)
     return out
 
 
@@ -485,8 +517,11 @@ def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     return _round_(x, fmt, rounding, seed)
 
 
-def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
+def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
     """quantize_ after its checks, outside autograd."""
+    if seed is _DRAWN_IN_GRAPH:
+        with torch.no_grad():
+            return x.copy_(_round(x, fmt, rounding, seed, None))
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         with torch.no_grad():  # (copy_ bumps x's version)
             return _round_tiles(x, fmt, rounding, seed, out=x)
@@ -502,9 +537,9 @@ def _round_(x, fmt: Format, rounding: str, seed: int) -> torch.Tensor:
         # a lazily negated view: torch's math-bit fallback for an in-place op reads a freed
         # tensor (valgrind; a heap corruption now and then): round a copy, copy_ writes it back
         with torch.no_grad():
-            x.copy_(getattr(torch.ops.qtensor, name)(x.detach().resolve_neg(), *args))
+            x.copy_(getattr(kernel_ops(x), name)(x.detach().resolve_neg(), *args))
     else:
-        getattr(torch.ops.qtensor, name + "_")(x.detach(), *args)
+        getattr(kernel_ops(x), name + "_")(x.detach(), *args)
     if not torch.compiler.is_compiling():
         # the op writes through x's data pointer, which autograd does not see: say so, so that
         # a value saved for backward that this changes is an error, not a wrong gradient

@@ -1,6 +1,7 @@
 """The first-use check of the CUDA kernels, until they have passed ``scripts/gpu_check.sh``.
 
-The CUDA kernels (csrc/cuda) have only been compile-checked: no GPU has run them yet. So that a
+The CUDA kernels (the Triton kernels of qtensor/gpu) are checked in CI under Triton's CPU
+interpreter, but no GPU has run them yet. So that a
 wrong CUDA result cannot pass unnoticed, the first use in a process of each kernel family on a
 CUDA device compares the kernel with the pure-PyTorch reference (which runs on any device) on a
 small fixed sample on that device. On any difference, or an error, that family uses the reference

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from . import dispatch as _dispatch
+from . import gemm as _gemm
 from .accum import PRESETS as _ACCUM_PRESETS, AccumFormat, AccumFormatError
 from .accum import as_accum as _as_accum
 from . import ops as _ops
@@ -79,8 +80,10 @@ except (ImportError, AttributeError):
 def _parse(fmt) -> Optional[Format]:
     if fmt is None:
         return None
-    if isinstance(fmt, Format):
+    if isinstance(fmt, Format) or type(fmt) is _gemm.GemmOperand:
         return fmt
+    if isinstance(fmt, str) and fmt.startswith("gemm("):  # a per-GEMM tag in a traced graph
+        return _gemm.of_token(fmt)
     return _parse_format(fmt)  # raises the formats module's FormatError for unknown names
 
 
@@ -192,7 +195,7 @@ def _token(obj) -> str:
     if hit is None:
         if len(_TOKENS) > _TOKENS_SIZE:
             _TOKENS.clear()
-        token = _accum_token(obj) if isinstance(obj, AccumFormat) else str(obj)
+        token = _accum_token(obj) if isinstance(obj, AccumFormat) else str(obj)  # (a str: itself)
         hit = _TOKENS[id(obj)] = (obj, token)  # (obj kept alive, so its id stays its own)
     return hit[1]
 
@@ -206,7 +209,7 @@ def _graph_tokens(fmt, mm_fmt, accum):
     (issue 23). None where one of the objects was built by the traced code (dynamo passes
     those without their fields): the caller then traces the string form, as before."""
     objs = (fmt, mm_fmt, accum)
-    if not all(o is None or _holds_its_fields(o) for o in objs):
+    if not all(o is None or type(o) is str or _holds_its_fields(o) for o in objs):
         return None
     return tuple(None if o is None else _token(o) for o in objs)
 
@@ -280,7 +283,9 @@ def _teach_dynamo() -> None:
             def as_python_constant(self):
                 return self.value
 
-        for cls in (FloatFormat, FixedFormat, BlockFormat, AccumFormat):
+        from .transforms import Hadamard
+        for cls in (FloatFormat, FixedFormat, BlockFormat, AccumFormat, _gemm.GemmOperand,
+                    Hadamard):
             SourcelessBuilder._type_handlers.setdefault(
                 cls, lambda tx, value: FormatVariable(value))
     except (ImportError, AttributeError):

@@ -84,7 +84,14 @@ class Hadamard:
         full = k - k % self.size
         if full == 0:
             return x
-        m = _matrix(self).to(x.device)
+        mode = _fake_mode(x)
+        if mode is None:
+            m = _matrix(self).to(x.device)
+        else:
+            # a traced x (fake tensors: compile, export) cannot meet the cached real tensor:
+            # the matrix made under x's fake mode, a constant of the graph
+            with mode:
+                m = torch.tensor(_matrix_values(self), dtype=torch.float64, device=x.device)
         moved = x.movedim(axis, -1)
         head = moved[..., :full].to(torch.float64)
         head = head.reshape(*head.shape[:-1], full // self.size, self.size) @ m
@@ -95,6 +102,21 @@ class Hadamard:
     def __str__(self) -> str:
         s = {"te": "TE signs", None: "no signs"}.get(self.signs, f"signs seed {self.signs}")
         return f"Hadamard({self.size}, {s})"
+
+
+@functools.lru_cache(maxsize=64)
+def _matrix_values(h: Hadamard) -> list:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():  # (called inside a trace: the real values)
+        return _matrix(h).tolist()
+
+
+def _fake_mode(x):
+    """The fake tensor mode of a traced x (compile, export), else None."""
+    if type(x) is torch.Tensor:
+        return None
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode
+    return maybe_get_fake_mode(x)
 
 
 @functools.lru_cache(maxsize=64)

@@ -4,11 +4,19 @@ Import from here (``from conftest import assert_bits_equal``) rather than redefi
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-import qtensor as qt
-from qtensor import reference
+# Without a GPU, Triton kernels (qtensor/gpu, tests/test_triton.py) run under Triton's CPU
+# interpreter. It must be on before triton is first imported (importing qtensor imports
+# torch._dynamo, which imports triton): triton decides at import which functions it interprets.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import qtensor as qt  # noqa: E402
+from qtensor import reference  # noqa: E402
 
 _INT_VIEW = {
     torch.float64: torch.int64,

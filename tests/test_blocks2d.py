@@ -296,3 +296,34 @@ def test_2d_weight_operand_of_a_conv_is_refused():
     with pytest.raises(FormatError, match=r"axis 1 is not one of them for a tensor of shape "
                                           r"\(32, 3, 3, 3\)"):
         model(torch.randn(2, 3, 8, 8))
+
+
+class _TiledOperand(nn.Module):
+    """A weight in a 2D-tile operand format times the input."""
+
+    def __init__(self, fmt):
+        super().__init__()
+        self.w = nn.Parameter(qt.as_qtensor(_x((32, 136), 2), qt.fp32, mm_fmt=fmt))
+
+    def forward(self, x):
+        return (x @ self.w).dequantize()
+
+
+@pytest.mark.parametrize("fmt", [NV16, DS128], ids=["nvfp4_16x16", "fp8_128x128"])
+def test_2d_tiles_under_compile_and_export(fmt):
+    """A 16x16 (NVFP4 weight tiles) or 128x128 (DeepSeek-V3) format under torch.compile and
+    torch.export: both crashed with "Cannot access data pointer of Tensor (FakeTensor)" (the
+    tiles' rounding compared data pointers). qt.quantize and a contraction with a 2D-tiled
+    operand give eager's bits."""
+    x = _x((8, 32), 1)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: qt.quantize(t, fmt), backend="aot_eager", fullgraph=True)
+    assert_bits_equal(f(_x((40, 136))), qt.quantize(_x((40, 136)), fmt), "compiled quantize")
+    model = _TiledOperand(fmt)
+    want = model(x)
+    got = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    assert_bits_equal(got, want, "compiled contraction")
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,)).module()
+        assert_bits_equal(exported(x), want, "exported contraction")
+    torch._dynamo.reset()

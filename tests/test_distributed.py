@@ -741,6 +741,58 @@ def test_dtensor_of_qtensors_keeps_the_format(ranks):
                            f"rank {rank} redistribute(Shard(1))")
 
 
+_TILE_FORMATS = {  # 2D-tile operand formats: NVFP4 weight tiles, DeepSeek-V3's weight blocks
+    "nvfp4_16x16": qt.nvfp4.replace(block_shape=(16, 16)),
+    "fp8_128x128": qt.BlockFormat(qt.fp8_e4m3, block_shape=(128, 128), scale="fp32",
+                                  scale_rule="amax"),
+}
+
+
+def _tile_local(rank, rows):
+    """A rank's shard: whole tiles of rows, the same largest value on every rank (so NVFP4's
+    tensor scale is the same: the gathered values are the shards' own)."""
+    x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rank))
+    x[0, 0] = 8.0
+    return x
+
+
+def _sc_dtensor_tiles(rank, world):
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, fmt in _TILE_FORMATS.items():
+        rows = fmt.block_shape[0]
+        local = qt.as_qtensor(_tile_local(rank, rows), qt.bf16, mm_fmt=fmt)
+        tiled = qt.as_qtensor(_tile_local(rank, rows), fmt)
+        full = DTensor.from_local(local, mesh, [Shard(0)]).full_tensor()
+        gathered = funcol.all_gather_tensor(tiled, 0, dist.group.WORLD)
+        out[name] = {"full": (_fmt(full), qt_plain(full)),
+                     "gathered": (_fmt(gathered), qt_plain(gathered))}
+    return out
+
+
+def test_dtensor_and_collectives_of_2d_tile_formats(ranks):
+    """A QTensor whose mm_fmt or fmt is a 2D-tile format (16x16 NVFP4 weight tiles, 128x128
+    DeepSeek-V3 blocks): DTensor.full_tensor() and all_gather_tensor raised "Attempted to access
+    the data pointer on an invalid python storage" (the tiles' rounding compared data
+    pointers). They keep the formats and the shards' values."""
+    res = ranks.run("_sc_dtensor_tiles")
+    for name, fmt in _TILE_FORMATS.items():
+        rows = fmt.block_shape[0]
+        plain = torch.cat([qt_plain(qt.as_qtensor(_tile_local(r, rows), qt.bf16))
+                           for r in range(WORLD)])
+        tiled = torch.cat([qt_plain(qt.as_qtensor(_tile_local(r, rows), fmt))
+                           for r in range(WORLD)])
+        for rank, out in enumerate(res):
+            assert out[name]["full"][0] == ("bf16", str(fmt)), (rank, name, out[name]["full"][0])
+            _assert_bits_equal(out[name]["full"][1], plain, f"rank {rank} {name} full_tensor")
+            assert out[name]["gathered"][0] == (str(fmt), None), (rank, name)
+            _assert_bits_equal(out[name]["gathered"][1], tiled,
+                               f"rank {rank} {name} all_gather_tensor")
+
+
 def _tp_model(plan_name, spec="mxfp6"):
     torch.manual_seed(0)
     if plan_name == "col":
