@@ -58,8 +58,11 @@ def _cuda_ready() -> bool:
 
 
 def covers(fmt, rounding: str) -> bool:
-    """Whether a Triton kernel rounds ``fmt`` (else the reference does, with the same bits)."""
-    return getattr(fmt, "scale_rule", None) != "4over6"
+    """Whether a Triton kernel rounds ``fmt`` (else the reference does, with the same bits):
+    not 4over6, nor two-level formats (NVFP4's tensor scale: the kernel's rule is not TE's,
+    which reference.quantize_two_level computes in float32 torch ops on the device)."""
+    return (getattr(fmt, "scale_rule", None) != "4over6"
+            and not getattr(fmt, "tensor_scale", False))
 
 
 @contextlib.contextmanager
