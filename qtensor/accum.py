@@ -1087,10 +1087,17 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
     except for ceil, where q (x's QTensor) gives the payload x was rounded from and rounding it
     again gives x: then the scale of its unrounded blocks, the quantizer's own.
     """
-    from .reference import scale_candidates, _tensor_scale
+    from .reference import scale_candidates
     compiling = torch.compiler.is_compiling()  # no data-dependent branch in a graph
     if fmt is None or x.numel() == 0:
         return None
+    if fmt.tensor_scale:
+        # values fl32(e * X * s): s the tensor scale the QTensor carries (else TE's of x's
+        # amax); the block scales are those of the payloads e * X, a one-level format's values
+        s = _two_level_scale(x, fmt, q)
+        got = _block_scales(_unscaled(x, s, fmt), fmt.replace(tensor_scale=False, settle=False),
+                            kdim, need)
+        return None if got is None else (got[0], s.double())
     bs = fmt.block_size
     d = kdim % x.dim()
     xk = x.float()
@@ -1104,12 +1111,7 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
     if not compiling and not torch.isfinite(amax).all():  # inf or NaN in some block
         return None
     ts = torch.ones((), dtype=torch.float64, device=x.device)
-    if fmt.tensor_scale:
-        ts = _tensor_scale(amax.amax(), fmt)
-        ts = torch.where(ts > 0, ts, 1.0)  # an all-zero tensor: any scale
-    cands = [c(amax) for c in scale_candidates(fmt, ts if fmt.tensor_scale else None)]
-    if fmt.tensor_scale:
-        cands = [X / ts for X in cands]  # (exact: X has the scale format's few bits)
+    cands = [c(amax) for c in scale_candidates(fmt)]
     if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:  # rmax = max_elem * 2^k
         X = cands[0]
         cands.append(torch.where((amax == fmt.elem.max * X) & (X < 2.0 ** fmt.scale.emax),
@@ -1152,6 +1154,23 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
                 return (X, ts) if exact(X, False) else None
         return None
     return torch.where(v1, X1, X2), ts
+
+
+def _two_level_scale(x: torch.Tensor, fmt, q=None) -> torch.Tensor:
+    """The FP32 decode tensor scale of x's values in the two-level format fmt: the one the
+    QTensor q carries, else Transformer Engine's from x's amax (0-dim float32)."""
+    if q is not None and getattr(q, "fmt", None) == fmt and q.tensor_scale is not None:
+        return q.tensor_scale.to(x.device)
+    return _ops.quantize_with_scale(x.detach().float(), fmt)[1]
+
+
+def _unscaled(x: torch.Tensor, s: torch.Tensor, fmt) -> torch.Tensor:
+    """x's values without the tensor scale s: the payloads e * X of a two-level format (float32
+    exactly; x / s in float32 is not, s being any FP32), x itself (float32) otherwise."""
+    if not fmt.tensor_scale:
+        return x.float()
+    from .reference import two_level_payload
+    return two_level_payload(x.float(), s, fmt).float()
 
 
 def _scale_exps(X: torch.Tensor, fmt) -> torch.Tensor:
@@ -1226,9 +1245,8 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
             fa.block_size // f.group, a_kdim).narrow(a_kdim, 0, G)
         kw["b_gexp"] = _scale_exps(sb[0], fb).repeat_interleave(
             fb.block_size // f.group, b_kdim).narrow(b_kdim, 0, G)
-        if fa.tensor_scale or fb.tensor_scale:
-            # (float32 division: exact, the quotients are element * block scale values)
-            a, b = a.float() / sa[1].float(), b.float() / sb[1].float()
+        if fa.tensor_scale or fb.tensor_scale:  # the tensor scales in the epilogue (alpha)
+            a, b = _unscaled(a, sa[1], fa), _unscaled(b, sb[1], fb)
             post = sa[1].float() * sb[1].float()
         return a, b, kw, post
     if f.scales == "promotion":
@@ -1239,11 +1257,13 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
                                                                         "value", qb)
         if sa is None or sb is None:
             return a, b, kw, post
-        Xa, Xb = sa[0] * sa[1], sb[0] * sb[1]  # float32 exactly (the formats' values are)
+        Xa, Xb = sa[0], sb[0]
+        if fa.tensor_scale or fb.tensor_scale:  # the tensor scales in the epilogue (alpha)
+            post = sa[1].float() * sb[1].float()
         K = a.shape[a_kdim]
         # (float32 division: exact, the quotients are the elements)
-        a = a.float() / _per_element(Xa.float(), blk, a_kdim % a.dim(), K)
-        b = b.float() / _per_element(Xb.float(), blk, b_kdim % b.dim(), K)
+        a = _unscaled(a, sa[1], fa) / _per_element(Xa.float(), blk, a_kdim % a.dim(), K)
+        b = _unscaled(b, sb[1], fb) / _per_element(Xb.float(), blk, b_kdim % b.dim(), K)
         kw = dict(a_scale=Xa.float(), b_scale=Xb.float(), a_emin=fa.elem.emin,
                   b_emin=fb.elem.emin)
     return a, b, kw, post
@@ -1442,14 +1462,17 @@ def _conv_scale_plan(f: AccumFormat, n_ok, ops):
     if f.scales == "instruction":
         kw["a_gexp"] = to_a(_scale_exps(Xa, fa))[..., ::n]
         kw["b_gexp"] = to_b(_scale_exps(Xb, fb))[..., ::n, :]
-        if fa.tensor_scale or fb.tensor_scale:
-            a, b = a.float() / ta.float(), b.float() / tb.float()  # (exact)
+        if fa.tensor_scale or fb.tensor_scale:  # the tensor scales in the epilogue (alpha)
+            a, b = _unscaled(a, ta, fa), _unscaled(b, tb, fb)
             post = ta.float() * tb.float()
         return a, b, kw, post
-    Xa, Xb = Xa * ta, Xb * tb  # promotion: unscaled elements, a scale per K-block
+    if fa.tensor_scale or fb.tensor_scale:
+        post = ta.float() * tb.float()
+    # promotion: unscaled elements, a scale per K-block
     kw = dict(a_scale=to_a(Xa)[..., ::n].float(), b_scale=to_b(Xb)[..., ::n, :].float(),
               a_emin=fa.elem.emin, b_emin=fb.elem.emin)
-    return a.float() / Xa.float(), b.float() / Xb.float(), kw, post  # (exact)
+    return (_unscaled(a, ta, fa) / Xa.float(), _unscaled(b, tb, fb) / Xb.float(), kw,
+            post)  # (exact)
 
 
 def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(None, None),

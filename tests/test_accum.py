@@ -2067,19 +2067,19 @@ def test_converted_linear_nvfp4_passes_block_scales(fmt):
         xe, xs = _e4m3_scales(x)
         we, ws = _e4m3_scales(w)
         want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t())
-    else:  # the per-tensor scales (from the tensors' amax) out of the elements, then alpha
-        from qtensor.reference import _tensor_scale
-        nv = qt.formats.format("nvfp4")
-        tx, tw = (_tensor_scale(t.double().abs().amax(), nv) for t in (x, w))
-        def split(t, ts):  # the quantizer's E4M3 scales of the unrounded blocks
-            s = (t.double().abs().unflatten(-1, (-1, 16)).amax(-1) / (6 * ts))
-            s = s.float().to(torch.float8_e4m3fn)
+    else:  # the per-tensor scales (TE's, from the tensors' amax) out of the elements, alpha
+        def split(t):  # TE's S_enc and E4M3 scales of the unrounded blocks (float32 steps)
+            enc = torch.tensor(6 * 448.0) / t.abs().amax()
+            ts = 1 / enc
+            s = t.abs().unflatten(-1, (-1, 16)).amax(-1) * (enc * torch.tensor(1 / 6.0))
+            s = s.to(torch.float8_e4m3fn)
             tq = qt.quantize(t, fmt).double()
-            return (tq / (s.double().repeat_interleave(16, -1) * ts)).float(), s
-        xe, xs = split(x, tx)
-        we, ws = split(w, tw)
-        want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t()) * (
-            tx.float() * tw.float())
+            e = tq / (s.double().repeat_interleave(16, -1) * ts.double())
+            return e.round(decimals=6).float(), s, ts  # (e * X * s rounded once: e to 1e-6)
+        xe, xs, tx = split(x)
+        we, ws, tw = split(w)
+        assert torch.equal(xe, qt.quantize(xe, "fp4_e2m1"))  # the elements recovered
+        want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t()) * (tx * tw)
     assert torch.equal(bits(y), bits(want))
     old = accum.accum_matmul(qt.quantize(x, fmt), qt.quantize(w, fmt).t(), f)
     assert not torch.equal(bits(y), bits(old))
