@@ -363,6 +363,9 @@ def _round(x, fmt: Format, rounding: str, seed, out) -> torch.Tensor:
         q = torch.ops.qtensor_ops.round_drawn(x.detach(), list(getattr(_AFTER, "tensors", ())),
                                               str(fmt), rounding)
         return q if out is None else out.copy_(q)
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        q = _two_level(x, fmt, rounding, seed)
+        return q if out is None else out.copy_(q)
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         return _round_tiles(x, fmt, rounding, seed, out)
     if not _use_kernel(x, fmt, rounding):
@@ -480,10 +483,30 @@ def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     check_axis(x, fmt)
     seed = _seed(generator, rounding, fmt)
     xp = x._data if hasattr(x, "_data") else x
-    q, s = reference.quantize_two_level(xp.detach(), fmt, rounding, seed, tensor_scale)
+    q, s = _two_level(xp, fmt, rounding, seed, tensor_scale, with_scale=True)
     if _differentiable(x):
         q = _Replace.apply(x, q)
     return q, s
+
+
+def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False):
+    """x rounded to a two-level format by TE's rule (reference.quantize_two_level, its scalar
+    roundings by the compiled kernels): the values, or (values, decode tensor scale)."""
+    q, s = reference.quantize_two_level(x.detach(), fmt, rounding, seed, tensor_scale,
+                                        rnd=_round_scalar32)
+    return (q, s) if with_scale else q
+
+
+def _round_scalar32(t: torch.Tensor, fmt, rounding: str, index, seed,
+                    inplace: bool = False) -> torch.Tensor:
+    """reference.round_scalar32 by the compiled kernels (the same bits) where they cover it:
+    the two-level rule's scale and element roundings (inplace: into t)."""
+    if index is not None or not _use_kernel(t, fmt, rounding):
+        return reference.round_scalar32(t, fmt, rounding, index, seed)
+    seed = 0 if seed is None else seed
+    if inplace and not (torch.compiler.is_compiling() or _is_traced(t)):
+        return _round_(t, fmt, rounding, seed)
+    return _round(t, fmt, rounding, seed, None)
 
 
 class _Replace(torch.autograd.Function):
@@ -522,6 +545,9 @@ def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
     if seed is _DRAWN_IN_GRAPH:
         with torch.no_grad():
             return x.copy_(_round(x, fmt, rounding, seed, None))
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        with torch.no_grad():
+            return x.copy_(_two_level(x, fmt, rounding, seed))
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         with torch.no_grad():  # (copy_ bumps x's version)
             return _round_tiles(x, fmt, rounding, seed, out=x)

@@ -389,132 +389,162 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32)
 
 
-def _scale_code(t32: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """A block's scale-format value (float64) from its float32 target: nearest (the cast
+def round_scalar32(t: torch.Tensor, fmt, rounding: str, index: Optional[torch.Tensor],
+                   seed: Optional[int], inplace: bool = False) -> torch.Tensor:
+    """float32 t rounded to a scalar format, as float32 (exact: a value of fmt). index None
+    under stochastic rounding: each element's own flat index in t. inplace: t may be
+    overwritten with the result (here a new tensor is returned)."""
+    if index is None and stochastic_bits(rounding) is not None:
+        index = torch.arange(t.numel(), device=t.device, dtype=torch.int64).reshape(t.shape)
+    return _f32(_round_scalar(t.to(torch.float64), fmt, rounding, index, seed))
+
+
+def _scale_code(t32: torch.Tensor, fmt: BlockFormat, rnd) -> torch.Tensor:
+    """A block's scale-format value (float32) from its float32 target: nearest (the cast
     TE makes, saturating), or upward for the ceil rule."""
     sf = fmt.amax_scale_format.replace(rounding="nearest", saturate=True)
-    t = torch.where(torch.isfinite(t32), t32, torch.full_like(t32, _F32_MAX)).to(torch.float64)
+    t = torch.where(torch.isfinite(t32), t32, torch.full_like(t32, _F32_MAX))
     if fmt.scale_rule == "ceil":
-        return torch.clamp(_round_float_up(t, sf), max=sf.max)
-    return _round_float(t, sf, "nearest", None, None)
+        return _f32(torch.clamp(_round_float_up(t.to(torch.float64), sf), max=sf.max))
+    return rnd(t, sf, "nearest", None, None)
 
 
 def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
-                      idx: Optional[torch.Tensor], seed: Optional[int], enc: torch.Tensor,
-                      dec: torch.Tensor, amax_t: torch.Tensor) -> torch.Tensor:
-    """blocks ([..., n, block], float32) rounded by TE's rule under encode scale enc and decode
-    scale dec (float32, 0-dim), as float64 values (float32-exact)."""
+                      idx: Optional[torch.Tensor], seed: Optional[int], tensor_scale, rnd):
+    """blocks ([..., n, block], float32) rounded by TE's rule, as float32 values, and the decode
+    tensor scale (float32, 0-dim): tensor_scale (checked) if given, else the one of the blocks'
+    largest finite magnitude. Every step is one float32 operation, as in TE's kernels (products
+    of an element and a block scale are exact in float32); rnd rounds a float32 tensor to a
+    scalar format (round_scalar32's signature; idx None: flat indices)."""
     elem = fmt.elem
-    amax_b = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.sum(-1, True)
+    # one tensor of the blocks' size, the result, also holds the intermediate steps
+    buf = torch.empty(blocks.shape, dtype=torch.float32, device=blocks.device)
+    if blocks.numel():
+        # |x|'s bits: ordered as integers as |x| is, NaN above inf (a NaN's max is a NaN)
+        bits = torch.bitwise_and(blocks.view(torch.int32), 0x7FFFFFFF, out=buf.view(torch.int32))
+        amax_b = bits.amax(dim=-1, keepdim=True).view(torch.float32)
+    else:
+        amax_b = blocks.sum(-1, True)
     bad = ~torch.isfinite(amax_b)
     amax_b = torch.where(bad, torch.zeros_like(amax_b), amax_b)
+    if tensor_scale is None:
+        amax_t = amax_b.amax() if amax_b.numel() else amax_b.sum()
+        if blocks.device.type != "cpu" or bool(bad.any()):
+            # the largest finite |x| (0 if none), a non-finite value's block included
+            amax_t = torch.where(torch.isfinite(blocks), blocks.abs(),
+                                 torch.zeros_like(blocks)).amax() if blocks.numel() else amax_t
+        enc = encode_scale(amax_t, fmt)
+        dec = torch.ones_like(enc) / enc
+    else:
+        dec = check_tensor_scale(tensor_scale, fmt).to(blocks.device)
+        enc = torch.ones_like(dec) / dec
+        amax_t = fmt.elem.max * fmt.tensor_scale_bound / enc.double()
     inv_max = _f32(torch.tensor(1.0, dtype=torch.float64) / elem.max).to(blocks.device)
 
-    def rounded(X):  # X (float64, scale-format values) -> the block's values (float64)
-        X32 = _f32(X)
-        inv = torch.clamp(torch.ones_like(X32) / (X32 * dec), max=_F32_MAX)
-        t = (blocks * inv).to(torch.float64)
-        e = _round_scalar(t, elem, rounding, idx, seed)
-        if rounding not in ("nearest", "nearest_away"):
+    def payload(X, into=None):  # X (float32, scale values) -> the blocks' e * X (exact)
+        inv = torch.clamp(torch.ones_like(X) / (X * dec), max=_F32_MAX)
+        t = torch.mul(blocks, inv, out=into) if into is not None else blocks * inv
+        if rounding in ("nearest", "nearest_away"):
+            e = rnd(t, elem, rounding, idx, seed, inplace=True)
+        else:
             # x * inv of a value fl32(e * X * s) is e only to a few ulps: directed and stochastic
             # rounding keep such a value of the format (nearest rounds it to e already)
-            en = _round_scalar(t, elem, "nearest", None, None)
-            e = torch.where(_f32(en * X * dec.to(torch.float64)) == blocks, en, e)
-        v = _f32(e * X * dec.to(torch.float64)).to(torch.float64)  # (e * X * dec: exact)
-        return e, torch.where(v == 0, torch.copysign(torch.zeros_like(v), blocks.double()), v)
+            en = rnd(t, elem, "nearest", None, None)
+            e = torch.where((en * X) * dec == blocks, en, rnd(t, elem, rounding, idx, seed))
+        return e.mul_(X)
 
     if fmt.scale_rule == "4over6":  # (TE's 4over6 order)
-        scale_ofs = [lambda a: _scale_code((a / elem.max) * enc, fmt),
-                     lambda a: _scale_code((a / elem.max) * enc * 1.5, fmt)]
+        scale_ofs = [lambda a: _scale_code((a / elem.max) * enc, fmt, rnd),
+                     lambda a: _scale_code((a / elem.max) * enc * 1.5, fmt, rnd)]
     else:
-        scale_ofs = [lambda a: _scale_code(a * (enc * inv_max), fmt)]
+        scale_ofs = [lambda a: _scale_code(a * (enc * inv_max), fmt, rnd)]
     if fmt.scale_rule == "ceil":
         sf = fmt.amax_scale_format.replace(rounding="toward_zero", saturate=True)
 
         def ceil_of(a):
             # the smallest scale whose largest value covers a: the float32 target of a block
             # max fl32(6 X s) can land just above X, whose largest value already covers it
-            X = _scale_code(a * (enc * inv_max), fmt)
-            down = _round_float(X * (1 - 2.0 ** -(sf.man + 2)), sf, "toward_zero", None, None)
-            return torch.where(_f32(elem.max * down * dec.to(torch.float64)) >= a, down, X)
+            X = _scale_code(a * (enc * inv_max), fmt, rnd)
+            down = rnd(X * (1 - 2.0 ** -(sf.man + 2)), sf, "toward_zero", None, None)
+            return torch.where((elem.max * down) * dec >= a, down, X)
         scale_ofs = [ceil_of]
 
-    def settled(scale_of):
+    def settled(scale_of, into=None):  # -> (e * X, X)
         X = scale_of(amax_b)
-        e, q = rounded(X)
+        p = payload(X, into)
         # settle: each block again with the scale of its own rounded max, until the scale
         # repeats, so that rounding the values once more under the same tensor scale gives
         # them back (each step lowers X, so this ends)
         while fmt.settle:
-            rmax = _f32(q.abs().amax(dim=-1, keepdim=True) if q.numel() else q.sum(-1, True))
+            q = p * dec
+            rmax = q.abs().amax(dim=-1, keepdim=True) if q.numel() else q.sum(-1, True)
             lower = (scale_of(rmax) < X) & ~bad
             if lower.device.type == "meta" or not bool(lower.any()):
                 break
             X = torch.where(lower, scale_of(rmax), X)
-            e2, q2 = rounded(X)
-            e, q = torch.where(lower, e2, e), torch.where(lower, q2, q)
-        return e, q, X
+            p = torch.where(lower, payload(X), p)
+        return p, X
 
-    e, q, X = settled(scale_ofs[0])
+    p, X = settled(scale_ofs[0], buf)
     if len(scale_ofs) == 2:  # map-to-4 where its float32 error sum is lower (map-to-6 on a tie)
-        e4, q4, X4 = settled(scale_ofs[1])
+        p4, _ = settled(scale_ofs[1])
         denom = float(elem.max * fmt.tensor_scale_bound)
         a32 = _f32(amax_t)
 
-        def err(e_, X_):
-            val = _f32(_f32(e_ * X_) * a32) / denom  # TE's dequantized value, float32 steps
+        def err(p_):
+            val = (p_ * a32) / denom  # TE's dequantized value, float32 steps
             d = (val - blocks).abs()
             acc = torch.zeros_like(amax_b)
             for j in range(blocks.shape[-1]):  # in element order
                 acc = acc + d[..., j:j + 1]
             return acc
-        pick4 = err(e4, X4) < err(e, X)
-        q = torch.where(pick4, q4, q)
-    return torch.where(bad, torch.full_like(q, float("nan")), q)
+        p = torch.where(err(p4) < err(p), p4, p)
+    q = p.mul_(dec)  # one float32 rounding; a zero keeps e's sign, which is x's
+    if q.device.type != "cpu" or bool(bad.any()):
+        q = torch.where(bad, torch.full_like(q, float("nan")), q)
+    return q, dec
 
 
 def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: int = 0,
-                       tensor_scale=None):
+                       tensor_scale=None, rnd=round_scalar32):
     """x rounded to a two-level block format by Transformer Engine's NVFP4 rule: (values like
     x, the decode tensor scale as a 0-dim float32 tensor). tensor_scale: round under this
     decode scale (a positive finite float32; the encode scale is then its float32 reciprocal)
     instead of the one of x's amax. Inputs are read as float32 (a float64 x is rounded to
-    float32 first, as TE reads its inputs)."""
+    float32 first, as TE reads its inputs). rnd: the scalar rounding of float32 tensors
+    (round_scalar32; qtensor.ops passes the compiled kernels')."""
     x32 = x.detach().to(torch.float32)
-    if tensor_scale is None:
-        finite = torch.isfinite(x32)
-        amax_t = torch.where(finite, x32.abs(), torch.zeros_like(x32)).amax() if x32.numel() \
-            else torch.zeros((), device=x.device)
-        enc = encode_scale(amax_t, fmt)
-        dec = torch.ones_like(enc) / enc
-    else:
-        dec = check_tensor_scale(tensor_scale, fmt).to(x.device)
-        enc = torch.ones_like(dec) / dec
-        amax_t = fmt.elem.max * fmt.tensor_scale_bound / enc.double()
     if x.numel() == 0:
-        return x.detach().clone(), dec
-    index = None
-    if stochastic_bits(rounding) is not None:
-        index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
+        s = check_tensor_scale(tensor_scale, fmt) if tensor_scale is not None else \
+            torch.ones((), dtype=torch.float32)
+        return x.detach().clone(), s.to(x.device)
+    stochastic = stochastic_bits(rounding) is not None
+
+    def index():
+        return torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
     if fmt.block_shape is not None:
         check_axis(x32, fmt)
         y, restore, fmt1 = tile_blocks(x32, fmt)
-        iy = tile_blocks(index, fmt)[0] if index is not None else None
-        q = restore(_two_level_blocks(y, fmt1, rounding, iy, seed, enc, dec, amax_t))
+        iy = tile_blocks(index(), fmt)[0] if stochastic else None
+        q, dec = _two_level_blocks(y, fmt1, rounding, iy, seed, tensor_scale, rnd)
+        q = restore(q)
     else:
         shape = x32.shape
         axis = None if fmt.axis is None or x32.dim() == 0 else fmt.axis
         if axis is not None:
             check_axis(x32, fmt)
         blocks = block_layout(x32, fmt)
-        idx = block_layout(index, fmt) if index is not None else None
         moved = x32.reshape(1, -1) if axis is None else x32.movedim(axis, -1)
         n = moved.shape[-1]
-        q = _two_level_blocks(blocks, fmt, rounding, idx, seed, enc, dec, amax_t)
+        # the random bits follow each element's index in x: the blocks' own flat index where
+        # they are x's elements in order (None), else laid out as the blocks
+        flat = n % blocks.shape[-1] == 0 and (axis is None or axis % x32.dim() == x32.dim() - 1)
+        idx = block_layout(index(), fmt) if stochastic and not flat else None
+        q, dec = _two_level_blocks(blocks, fmt, rounding, idx, seed, tensor_scale, rnd)
         q = q.reshape(*moved.shape[:-1], -1)[..., :n]
         q = q.reshape(shape) if axis is None else q.movedim(-1, axis)
     if x.dtype in (torch.float16, torch.bfloat16):
-        return _nan_bits(q.to(torch.float32).to(x.dtype), q, x, fmt), dec
+        return _nan_bits(q.to(x.dtype), q, x, fmt), dec
     return _nan_bits(q.to(x.dtype), q, x, fmt), dec
 
 
@@ -642,12 +672,11 @@ def _nan_bits(out: torch.Tensor, q: torch.Tensor, x: torch.Tensor, fmt) -> torch
     canonical NaN; float16 keeps the sign of the float32 result's NaN
     with the quiet payload 0x7E00, bfloat16 is always 0x7FC0 (c10's scalar conversions, which
     the kernels narrow with; torch's vectorised cast gives 0xFFFF)."""
-    nan = torch.isnan(q)
     if out.dtype == torch.bfloat16:
-        return torch.where(nan, _half_bits(0x7FC0, out.dtype).to(out.device), out)
+        return torch.where(torch.isnan(q), _half_bits(0x7FC0, out.dtype).to(out.device), out)
     if out.dtype == torch.float16:
         pos, neg = (_half_bits(b, out.dtype).to(out.device) for b in (0x7E00, 0xFE00))
-        return torch.where(nan, torch.where(torch.signbit(q), neg, pos), out)
+        return torch.where(torch.isnan(q), torch.where(torch.signbit(q), neg, pos), out)
     if isinstance(fmt, BlockFormat) or (isinstance(fmt, FloatFormat) and not fmt.signed):
         return out  # (the positive canonical NaN already)
     return torch.where(torch.isnan(x), x.detach(), out)
