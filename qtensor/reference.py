@@ -403,7 +403,7 @@ def _scale_code(t32: torch.Tensor, fmt: BlockFormat, rnd) -> torch.Tensor:
     """A block's scale-format value (float32) from its float32 target: nearest (the cast
     TE makes, saturating), or upward for the ceil rule."""
     sf = fmt.amax_scale_format.replace(rounding="nearest", saturate=True)
-    t = torch.where(torch.isfinite(t32), t32, torch.full_like(t32, _F32_MAX))
+    t = torch.nan_to_num(t32, nan=_F32_MAX, posinf=_F32_MAX)
     if fmt.scale_rule == "ceil":
         return _f32(torch.clamp(_round_float_up(t.to(torch.float64), sf), max=sf.max))
     return rnd(t, sf, "nearest", None, None)
@@ -422,14 +422,18 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
     if blocks.numel():
         # |x|'s bits: ordered as integers as |x| is, NaN above inf (a NaN's max is a NaN)
         bits = torch.bitwise_and(blocks.view(torch.int32), 0x7FFFFFFF, out=buf.view(torch.int32))
-        amax_b = bits.amax(dim=-1, keepdim=True).view(torch.float32)
+        bmax = bits.amax(dim=-1, keepdim=True)
+        bad = bmax >= 0x7F800000  # an inf or NaN in the block
+        amax_b = bmax.view(torch.float32)
     else:
         amax_b = blocks.sum(-1, True)
-    bad = ~torch.isfinite(amax_b)
-    amax_b = torch.where(bad, torch.zeros_like(amax_b), amax_b)
+        bad = ~torch.isfinite(amax_b)
+    any_bad = blocks.device.type != "cpu" or bool(bad.any())
+    if any_bad:
+        amax_b = torch.where(bad, torch.zeros_like(amax_b), amax_b)
     if tensor_scale is None:
         amax_t = amax_b.amax() if amax_b.numel() else amax_b.sum()
-        if blocks.device.type != "cpu" or bool(bad.any()):
+        if any_bad:
             # the largest finite |x| (0 if none), a non-finite value's block included
             amax_t = torch.where(torch.isfinite(blocks), blocks.abs(),
                                  torch.zeros_like(blocks)).amax() if blocks.numel() else amax_t
@@ -500,7 +504,7 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
             return acc
         p = torch.where(err(p4) < err(p), p4, p)
     q = p.mul_(dec)  # one float32 rounding; a zero keeps e's sign, which is x's
-    if q.device.type != "cpu" or bool(bad.any()):
+    if any_bad:
         q = torch.where(bad, torch.full_like(q, float("nan")), q)
     return q, dec
 

@@ -168,3 +168,36 @@ def test_values_in_format_stay_in_format_under_their_scale(settle):
         assert off < q.numel() // 20
     normal = qt.as_qtensor(torch.randn(32, 64, generator=g), qt.nvfp4)
     assert _same(qt.quantize(normal, qt.nvfp4), normal)
+
+
+_TWO_LEVEL = {
+    "nvfp4": qt.nvfp4,
+    "4over6": qt.BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="4over6",
+                             tensor_scale=True),
+    "ceil": qt.BlockFormat("fp4_e2m1", 16, scale="fp8_e4m3", scale_rule="ceil",
+                           tensor_scale=True),
+    "settle": qt.nvfp4.replace(settle=True),
+    "axis0": qt.nvfp4.replace(axis=0),
+    "tiles": qt.nvfp4.replace(block_shape=(16, 16)),
+    "ue5m3": qt.BlockFormat("fp4_e2m1", 16, scale="ue5m3", scale_rule="amax",
+                            tensor_scale=True),
+}
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic"])
+@pytest.mark.parametrize("name", list(_TWO_LEVEL))
+def test_kernel_path_gives_the_reference_bits(name, rounding):
+    """qt.quantize (its scalar roundings by the compiled kernels, into one buffer) and the
+    pure-PyTorch reference give the same bits, non-finite values and partial blocks included."""
+    fmt = _TWO_LEVEL[name]
+    xs = dict(_inputs())
+    nonfinite = xs["normal"].clone()
+    nonfinite[1, 3], nonfinite[2, 40], nonfinite[5, 17] = float("inf"), float("nan"), -float("inf")
+    xs["nonfinite"] = nonfinite
+    for key, x in xs.items():
+        if name == "tiles" and key == "partial":
+            x = x[:, :20]
+        got = qt.quantize(x, fmt, rounding=rounding, generator=torch.Generator().manual_seed(3))
+        want = qt.reference.quantize(x, fmt, rounding=rounding,
+                                     generator=torch.Generator().manual_seed(3))
+        assert torch.equal(_bits(got), _bits(want)), (name, rounding, key)
