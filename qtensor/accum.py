@@ -1095,8 +1095,11 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
         # values fl32(e * X * s): s the tensor scale the QTensor carries (else TE's of x's
         # amax); the block scales are those of the payloads e * X, a one-level format's values
         s = _two_level_scale(x, fmt, q)
-        got = _block_scales(_unscaled(x, s, fmt), fmt.replace(tensor_scale=False, settle=False),
-                            kdim, need)
+        p = _unscaled(x, s, fmt)
+        if fmt.scale_rule == "amax" and not fmt.settle and not compiling:
+            got = _te_block_scales(p, fmt, kdim)
+        else:
+            got = _block_scales(p, fmt.replace(tensor_scale=False, settle=False), kdim, need)
         return None if got is None else (got[0], s.double())
     bs = fmt.block_size
     d = kdim % x.dim()
@@ -1154,6 +1157,50 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
                 return (X, ts) if exact(X, False) else None
         return None
     return torch.where(v1, X1, X2), ts
+
+
+def _positive_values(f) -> list:
+    """The positive values of a FloatFormat, largest first."""
+    out = {k / 2 ** f.man * 2.0 ** f.emin for k in range(1, 2 ** f.man)} if f.subnormals else set()
+    for e in range(f.emin, f.emax + 1):
+        out |= {(1 + k / 2 ** f.man) * 2.0 ** e for k in range(2 ** f.man)}
+    return sorted((v for v in out if v <= f.max), reverse=True)
+
+
+def _te_block_scales(p: torch.Tensor, fmt, kdim: int):
+    """The E4M3 block scales (float64, one per block along kdim) of payloads p = e * X of
+    Transformer Engine's two-level rule (nearest, not settled), or None where no scale gives a
+    block back. TE's X rounds amax / 6 (under the tensor scale) to nearest: in the normal range
+    the block's max element is then 6, but a subnormal X is coarse and the max element can be
+    4 or 3 (X = 2 or 1 subnormal quanta), so X is pmax / e for the largest element value e
+    that gives a scale-format value whose block elements are exact (no two such candidates
+    exist for TE's nearest scales: pmax / 6 is never a subnormal quantum's multiple then)."""
+    bs = fmt.block_size
+    d = kdim % p.dim()
+    K = p.shape[d]
+    if K % bs:
+        p = torch.nn.functional.pad(p, (0, 0) * (p.dim() - 1 - d) + (0, -K % bs))
+    blocks = p.float().unflatten(d, (-1, bs))
+    r = d + 1
+    pmax = blocks.abs().amax(r)
+    if not bool(torch.isfinite(pmax).all()):
+        return None
+    sf = fmt.amax_scale_format.replace(rounding="nearest", saturate=True)
+    X = torch.where(pmax == 0, 1.0, 0.0)
+    found = pmax == 0
+    for e in _positive_values(fmt.elem):
+        Xc = pmax / e
+        ok = ~found & (Xc > 0) & (_ops.quantize(Xc, sf) == Xc)
+        if not bool(ok.any()):
+            continue
+        Xt = torch.where(ok, Xc, 1.0).unsqueeze(r)
+        el = _ops.quantize(blocks / Xt, fmt.elem, rounding="nearest")
+        ok &= (el * Xt == blocks).all(r)
+        X = torch.where(ok, Xc, X)
+        found |= ok
+        if bool(found.all()):
+            return X.double(), torch.ones((), dtype=torch.float64, device=p.device)
+    return None
 
 
 def _two_level_scale(x: torch.Tensor, fmt, q=None) -> torch.Tensor:
