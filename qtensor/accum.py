@@ -1095,6 +1095,9 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
         # values fl32(e * X * s): s the tensor scale the QTensor carries (else TE's of x's
         # amax); the block scales are those of the payloads e * X, a one-level format's values
         s = _two_level_scale(x, fmt, q)
+        got = None if compiling else _two_level_source_scales(x, fmt, kdim, s, q)
+        if got is not None:
+            return got
         p = _unscaled(x, s, fmt)
         if fmt.scale_rule == "amax" and not fmt.settle and not compiling:
             got = _te_block_scales(p, fmt, kdim)
@@ -1157,6 +1160,26 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
                 return (X, ts) if exact(X, False) else None
         return None
     return torch.where(v1, X1, X2), ts
+
+
+def _two_level_source_scales(x, fmt, kdim: int, s, q):
+    """The block scales TE's rule gave x where dispatch rounded x from its QTensor q's payload
+    (deterministic rounding): that payload rounded again under the same tensor scale, with its
+    scales; None where no payload gives x. (From the values alone a coarse subnormal block scale
+    can be ambiguous: ceil's 3 x 2q and 6 x q are one block.)"""
+    from .formats import is_stochastic
+    from .reference import quantize_two_level
+    if is_stochastic(fmt.rounding):
+        return None
+    d = kdim % x.dim()
+    for src in _payload_sources(q, x):
+        v, s2, X = quantize_two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding,
+                                      tensor_scale=s, rnd=_ops._round_scalar32,
+                                      block_scales=True)
+        if torch.equal(v.view(torch.int32), x.detach().float().view(torch.int32)):
+            X = torch.where(X == 0, 1.0, X)[..., 0].movedim(-1, d)  # all-zero block: any scale
+            return X.double(), s.double()
+    return None
 
 
 def _positive_values(f) -> list:

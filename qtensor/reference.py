@@ -491,7 +491,7 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
 
     p, X = settled(scale_ofs[0], buf)
     if len(scale_ofs) == 2:  # map-to-4 where its float32 error sum is lower (map-to-6 on a tie)
-        p4, _ = settled(scale_ofs[1])
+        p4, X4 = settled(scale_ofs[1])
         denom = float(elem.max * fmt.tensor_scale_bound)
         a32 = _f32(amax_t)
 
@@ -502,21 +502,24 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
             for j in range(blocks.shape[-1]):  # in element order
                 acc = acc + d[..., j:j + 1]
             return acc
-        p = torch.where(err(p4) < err(p), p4, p)
+        pick4 = err(p4) < err(p)
+        p, X = torch.where(pick4, p4, p), torch.where(pick4, X4, X)
     q = p.mul_(dec)  # one float32 rounding; a zero keeps e's sign, which is x's
     if any_bad:
         q = torch.where(bad, torch.full_like(q, float("nan")), q)
-    return q, dec
+    return q, dec, X
 
 
 def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: int = 0,
-                       tensor_scale=None, rnd=round_scalar32):
+                       tensor_scale=None, rnd=round_scalar32, block_scales: bool = False):
     """x rounded to a two-level block format by Transformer Engine's NVFP4 rule: (values like
     x, the decode tensor scale as a 0-dim float32 tensor). tensor_scale: round under this
     decode scale (a positive finite float32; the encode scale is then its float32 reciprocal)
     instead of the one of x's amax. Inputs are read as float32 (a float64 x is rounded to
     float32 first, as TE reads its inputs). rnd: the scalar rounding of float32 tensors
-    (round_scalar32; qtensor.ops passes the compiled kernels')."""
+    (round_scalar32; qtensor.ops passes the compiled kernels'). block_scales: also return each
+    block's scale-format factor X (float32, the blocks' layout: block_layout's, or
+    tile_blocks's, with a last dim of 1)."""
     x32 = x.detach().to(torch.float32)
     if x.numel() == 0:
         s = check_tensor_scale(tensor_scale, fmt) if tensor_scale is not None else \
@@ -530,7 +533,7 @@ def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: i
         check_axis(x32, fmt)
         y, restore, fmt1 = tile_blocks(x32, fmt)
         iy = tile_blocks(index(), fmt)[0] if stochastic else None
-        q, dec = _two_level_blocks(y, fmt1, rounding, iy, seed, tensor_scale, rnd)
+        q, dec, X = _two_level_blocks(y, fmt1, rounding, iy, seed, tensor_scale, rnd)
         q = restore(q)
     else:
         shape = x32.shape
@@ -544,12 +547,11 @@ def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: i
         # they are x's elements in order (None), else laid out as the blocks
         flat = n % blocks.shape[-1] == 0 and (axis is None or axis % x32.dim() == x32.dim() - 1)
         idx = block_layout(index(), fmt) if stochastic and not flat else None
-        q, dec = _two_level_blocks(blocks, fmt, rounding, idx, seed, tensor_scale, rnd)
+        q, dec, X = _two_level_blocks(blocks, fmt, rounding, idx, seed, tensor_scale, rnd)
         q = q.reshape(*moved.shape[:-1], -1)[..., :n]
         q = q.reshape(shape) if axis is None else q.movedim(-1, axis)
-    if x.dtype in (torch.float16, torch.bfloat16):
-        return _nan_bits(q.to(x.dtype), q, x, fmt), dec
-    return _nan_bits(q.to(x.dtype), q, x, fmt), dec
+    out = (_nan_bits(q.to(x.dtype), q, x, fmt), dec)
+    return out + (X,) if block_scales else out
 
 
 def two_level_payload(values: torch.Tensor, s: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:

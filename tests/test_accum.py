@@ -2189,11 +2189,62 @@ def test_converted_linear_promotion_scales(scale, monkeypatch):
     assert torch.equal(bits(y), bits(old)) == (scale == "e8m0")
 
 
+def _te_split(t, fmt):
+    """_quantizer_split for a two-level format by Transformer Engine's rule, in its float32
+    steps written out here (E4M3 casts by torch's float8_e4m3fn, RNE): the encode scale from
+    t's amax, each block's E4M3 scale (amax: nearest of amax/6 * enc; ceil: the smallest E4M3
+    whose 6 X s covers amax; 4over6: nearest of amax/6 * enc and of that * 1.5, the one of the
+    lower float32 error sum, 6 on a tie), the elements of x * 1/(X s), values fl32(e X s)."""
+    f32 = torch.float32
+    bound = 256.0 if fmt.scale_rule == "4over6" else 448.0
+    amax_t = t.abs().amax()
+    enc = torch.tensor(6 * bound, dtype=f32) / amax_t
+    dec = 1 / enc
+    blocks = t.unflatten(-1, (-1, 16))
+    bmax = blocks.abs().amax(-1, keepdim=True)
+
+    def e4m3(v):
+        return v.clamp(max=448.0).to(torch.float8_e4m3fn)
+
+    def elements(X):
+        inv = (1 / (X * dec)).clamp(max=torch.finfo(f32).max)
+        return qt.quantize((blocks * inv).clamp(-6, 6), "fp4_e2m1")
+
+    if fmt.scale_rule == "4over6":
+        X6 = e4m3((bmax / 6.0) * enc).float()
+        X4 = e4m3((bmax / 6.0) * enc * 1.5).float()
+
+        def err(X):
+            d = ((((elements(X) * X) * amax_t) / (6 * bound)) - blocks).abs()
+            acc = torch.zeros_like(bmax)
+            for j in range(16):
+                acc = acc + d[..., j:j + 1]
+            return acc
+        X = torch.where(err(X4) < err(X6), X4, X6)
+    elif fmt.scale_rule == "ceil":
+        target = bmax * (enc * torch.tensor(1 / 6.0, dtype=f32))
+        n = e4m3(target)
+        up = torch.where(n.float() < target, (n.view(torch.uint8) + 1).view(torch.float8_e4m3fn),
+                         n).float()
+        down = torch.where(up > 0, (e4m3(up).view(torch.uint8) - 1).view(torch.float8_e4m3fn)
+                           .float(), up)
+        X = torch.where((6.0 * down) * dec >= bmax, down, up)
+    else:
+        X = e4m3(bmax * (enc * torch.tensor(1 / 6.0, dtype=f32))).float()
+    e = elements(X)
+    q = (e * X) * dec
+    assert torch.equal(q.flatten(-2), qt.quantize(t, fmt))  # the quantizer's values
+    e = torch.where(X == 0, q, e)  # a block rounded to zeros: zero elements, any scale (1)
+    return e.flatten(-2), torch.where(X == 0, 1.0, X)[..., 0], dec.double()
+
+
 def _quantizer_split(t, fmt):
     """t rounded to the block format fmt (blocks along the last dim) by the quantizer's own
     steps on the unrounded blocks (an oracle independent of accum's scale recovery): (elements,
     block scales X, tensor scale ts); 4over6 picks the candidate of the lower error (6 on a
     tie), as Transformer Engine."""
+    if fmt.tensor_scale:
+        return _te_split(t, fmt)
     from qtensor.reference import block_tensor_scale, round_with_scale, scale_candidates
     bs = fmt.block_size
     t64 = t.double()
