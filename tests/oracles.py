@@ -364,10 +364,10 @@ def block_clipping(x, rule: str, elem_max: float, emax: int, bs=None, tile=None,
     """(clipped, lost) of x (a list of rows): each block's scale by the rule, block by block
     in float64; a value is clipped where it lies beyond elem_max * X (below elem_min * X), and
     loses its distance to that value. Rules: "floor" (2^(floor(log2 amax) - emax)), "ceil"
-    (2^ceil(log2(amax / elem_max))), "amax" with ``nvfp4`` (the E4M3 scale nearest to
-    amax / (6 * T), T the tensor's amax / (6 * 448) rounded down to 17 significant bits; no
-    idempotence step: blocks of normal scales). Blocks of ``bs`` along the rows, or tiles
-    ``tile`` = (rows, cols), partial at the ends."""
+    (2^ceil(log2(amax / elem_max))), "amax" with ``nvfp4`` (Transformer Engine's rule in its
+    float32 steps: encode scale S = fl32(6 * 448 / tensor amax), decode 1/S, X the E4M3 value
+    nearest to fl32(amax * fl32(S * fl32(1/6))), the block's top fl32(6 * X * decode)). Blocks
+    of ``bs`` along the rows, or tiles ``tile`` = (rows, cols), partial at the ends."""
     elem_min = -elem_max if elem_min is None else elem_min
     R, C = len(x), len(x[0])
     if tile is not None:
@@ -376,11 +376,10 @@ def block_clipping(x, rule: str, elem_max: float, emax: int, bs=None, tile=None,
                   for i0 in range(0, R, r) for j0 in range(0, C, c)]
     else:
         blocks = [x[i][j:j + bs] for i in range(R) for j in range(0, C, bs)]
-    ts = None
+    enc = dec = None
     if nvfp4:
-        t = max(abs(v) for row in x for v in row) / (6 * 448)
-        m, e = math.frexp(t)
-        ts = math.floor(m * 2 ** 17) * 2.0 ** (e - 17)
+        enc = f32(f32(6 * 448.0) / f32(max(abs(v) for row in x for v in row)))
+        dec = f32(1.0 / enc)
     count, lost = 0, 0.0
     for blk in blocks:
         amax = max(abs(v) for v in blk)
@@ -391,12 +390,14 @@ def block_clipping(x, rule: str, elem_max: float, emax: int, bs=None, tile=None,
         elif rule == "ceil":
             X = 2.0 ** math.ceil(math.log2(amax / elem_max))
         else:
-            X = _e4m3_nearest(amax / (6 * ts)) * ts
+            X = None
+            top = f32(6 * _e4m3_nearest(f32(f32(amax) * f32(enc * f32(1 / 6.0)))) * dec)
+        hi, lo = (elem_max * X, elem_min * X) if X is not None else (top, -top)
         for v in blk:
-            if v > elem_max * X:
-                count, lost = count + 1, lost + v - elem_max * X
-            elif v < elem_min * X:
-                count, lost = count + 1, lost + elem_min * X - v
+            if v > hi:
+                count, lost = count + 1, lost + v - hi
+            elif v < lo:
+                count, lost = count + 1, lost + lo - v
     return count, lost
 
 
