@@ -91,22 +91,6 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
-def _tensor_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """NVFP4's per-tensor scale (a 0-dim float64 tensor): amax / (max_elem * max_scale) (4over6:
-    fmt.tensor_scale_bound instead of max_scale), rounded
-    down to ``fmt.tensor_scale_bits`` significant bits and to a multiple of
-    2^fmt.tensor_scale_min_exp, so that every element value v * X * s and every rounding
-    boundary (a midpoint between v's) times X * s is a float32 exactly; rounded down, the
-    tensor's amax gets the largest scale."""
-    t = amax / (fmt.elem.max * fmt.tensor_scale_bound)  # its floor is the exact one's
-    positive = t > 0
-    t1 = torch.where(positive, t, torch.ones_like(t))
-    _, e = torch.frexp(t1)  # t = m * 2^e, m in [1/2, 1)
-    j = torch.clamp(e.to(torch.int64) - fmt.tensor_scale_bits, min=fmt.tensor_scale_min_exp)
-    s = torch.floor(t1 / _pow2(j)) * _pow2(j)
-    return torch.where(positive, s, torch.zeros_like(s))
-
-
 def _round_magnitude(y: torch.Tensor, rounding: str, index: Optional[torch.Tensor],
                      seed: Optional[int]) -> torch.Tensor:
     """Round non-negative float64 y to an integer by the rounding mode."""
@@ -256,19 +240,10 @@ def tile_blocks(x: torch.Tensor, fmt: BlockFormat):
     return y, restore, fmt1
 
 
-def block_tensor_scale(x64: torch.Tensor, fmt: BlockFormat) -> Optional[torch.Tensor]:
-    """The per-tensor scale of x (float64) for ``fmt.tensor_scale``, else None."""
-    if not fmt.tensor_scale:
-        return None
-    # the largest finite |x| (0 if none): no boolean indexing, so no device sync
-    amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
-    return _tensor_scale(amax_t, fmt)
-
-
-def scale_candidates(fmt: BlockFormat, tensor_scale: Optional[torch.Tensor] = None) -> list:
-    """The functions amax -> X (times the tensor scale) of blocks whose largest magnitude is
-    amax (finite float64, >= 0), by ``fmt.scale_rule``: one, or two for 4over6 (the block's max
-    mapped to max_elem and to 4; the block takes the one with the lower error)."""
+def scale_candidates(fmt: BlockFormat) -> list:
+    """The functions amax -> X of blocks whose largest magnitude is amax (finite float64,
+    >= 0), by ``fmt.scale_rule``: one, or two for 4over6 (the block's max mapped to max_elem
+    and to 4; the block takes the one with the lower error). (Two-level formats: te_scale_fns.)"""
     elem = fmt.elem
     emax_elem, max_elem = elem.emax, elem.max
     if fmt.power_of_two_scales:  # floor, even, ceil: 2^k from amax's exponent
@@ -287,31 +262,21 @@ def scale_candidates(fmt: BlockFormat, tensor_scale: Optional[torch.Tensor] = No
         return [scale_of]
     # amax, 4over6, ceil: a rounding of amax / max_elem to the scale format
     scale_fmt = fmt.amax_scale_format.replace(rounding="nearest")
-    if tensor_scale is not None:
-        # amax_block <= amax_tensor: a ratio past the scale's max is an artefact of rounding
-        # the tensor scale down, never an overflow
-        scale_fmt = scale_fmt.replace(saturate=True)
     rnd = _round_float_up if fmt.scale_rule == "ceil" else (
         lambda r, f: _round_float(r, f, "nearest", None, None))
 
-    def amax_scale(a, target):  # the scale X (times the tensor scale) mapping a to target
-        if tensor_scale is None:
-            return rnd(a / target, scale_fmt)
-        denom = target * tensor_scale
-        ratio = torch.where(denom > 0, a / denom, torch.zeros_like(a))
-        return rnd(ratio, scale_fmt) * tensor_scale
+    def amax_scale(a, target):  # the scale X mapping a to target
+        return rnd(a / target, scale_fmt)
     targets = (max_elem, 4.0) if fmt.scale_rule == "4over6" else (max_elem,)
     return [lambda a, t=t: amax_scale(a, t) for t in targets]
 
 
-def block_scale(amax: torch.Tensor, fmt: BlockFormat,
-                tensor_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The scale X (times the tensor scale, for ``fmt.tensor_scale``) of blocks whose largest
-    magnitude is ``amax`` (finite float64, >= 0), by ``fmt.scale_rule``; ``tensor_scale`` is
-    :func:`block_tensor_scale` of the tensor when ``fmt.tensor_scale``. (qtensor.ptq decides
-    the scale of each block of a weight from the values the block holds when it is reached.)
-    4over6 has no single scale of an amax (a block picks by its rounding error): ValueError."""
-    candidates = scale_candidates(fmt, tensor_scale)
+def block_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The scale X of blocks whose largest magnitude is ``amax`` (finite float64, >= 0), by
+    ``fmt.scale_rule`` (two-level formats: te_block_scale). (qtensor.ptq decides the scale of
+    each block of a weight from the values the block holds when it is reached.) 4over6 has no
+    single scale of an amax (a block picks by its rounding error): ValueError."""
+    candidates = scale_candidates(fmt)
     if len(candidates) != 1:
         raise ValueError(f"{fmt}: the 4over6 rule picks each block's scale by the block's "
                          "rounding error, not from its amax alone")
@@ -409,6 +374,51 @@ def _scale_code(t32: torch.Tensor, fmt: BlockFormat, rnd) -> torch.Tensor:
     return rnd(t, sf, "nearest", None, None)
 
 
+def te_scale_fns(fmt: BlockFormat, enc: torch.Tensor, dec: torch.Tensor, rnd=None) -> list:
+    """TE's block scale rules under encode/decode tensor scales enc, dec (float32, 0-dim): the
+    functions block amax (float32) -> X (float32, scale-format values); two for 4over6 (the
+    max mapped to 6 and to 4)."""
+    rnd = round_scalar32 if rnd is None else rnd
+    elem = fmt.elem
+    inv_max = _f32(torch.tensor(1.0, dtype=torch.float64) / elem.max).to(enc.device)
+    if fmt.scale_rule == "4over6":  # (TE's 4over6 order)
+        return [lambda a: _scale_code((a / elem.max) * enc, fmt, rnd),
+                lambda a: _scale_code((a / elem.max) * enc * 1.5, fmt, rnd)]
+    if fmt.scale_rule != "ceil":
+        return [lambda a: _scale_code(a * (enc * inv_max), fmt, rnd)]
+    sf = fmt.amax_scale_format.replace(rounding="toward_zero", saturate=True)
+
+    def ceil_of(a):
+        # the smallest scale whose largest value covers a: the float32 target of a block
+        # max fl32(6 X s) can land just above X, whose largest value already covers it
+        X = _scale_code(a * (enc * inv_max), fmt, rnd)
+        down = rnd(X * (1 - 2.0 ** -(sf.man + 2)), sf, "toward_zero", None, None)
+        return torch.where((elem.max * down) * dec >= a, down, X)
+    return [ceil_of]
+
+
+def te_block_scale(amax: torch.Tensor, fmt: BlockFormat, scales) -> torch.Tensor:
+    """X * s (float64, exact) of blocks of largest magnitude amax (float64, read as float32)
+    by TE's rule under scales = (encode, decode) tensor scales; not for 4over6 (ValueError)."""
+    fns = te_scale_fns(fmt, *scales)
+    if len(fns) != 1:
+        raise ValueError(f"{fmt}: the 4over6 rule picks each block's scale by the block's "
+                         "rounding error, not from its amax alone")
+    return fns[0](_f32(amax)).to(torch.float64) * scales[1].to(torch.float64)
+
+
+def te_round_with_scale(x64: torch.Tensor, scale: torch.Tensor, fmt: BlockFormat,
+                        rounding: str, scales) -> torch.Tensor:
+    """x (read as float32) rounded by TE's steps with block scales ``scale`` = X * s (float64,
+    from te_block_scale; broadcast) under scales = (encode, decode): fl32(e X s), as float64."""
+    dec = scales[1]
+    X = _f32(scale / dec.to(torch.float64))  # (exact)
+    inv = torch.clamp(torch.ones_like(X) / (X * dec), max=_F32_MAX)
+    e = round_scalar32(_f32(x64) * inv, fmt.elem, rounding, None, None)
+    q = ((e * X) * dec).to(torch.float64)
+    return torch.where(q == 0, torch.copysign(torch.zeros_like(q), x64), q)
+
+
 def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
                       idx: Optional[torch.Tensor], seed: Optional[int], tensor_scale, rnd):
     """blocks ([..., n, block], float32) rounded by TE's rule, as float32 values, and the decode
@@ -443,7 +453,6 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
         dec = check_tensor_scale(tensor_scale, fmt).to(blocks.device)
         enc = torch.ones_like(dec) / dec
         amax_t = fmt.elem.max * fmt.tensor_scale_bound / enc.double()
-    inv_max = _f32(torch.tensor(1.0, dtype=torch.float64) / elem.max).to(blocks.device)
 
     def payload(X, into=None):  # X (float32, scale values) -> the blocks' e * X (exact)
         inv = torch.clamp(torch.ones_like(X) / (X * dec), max=_F32_MAX)
@@ -457,21 +466,7 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
             e = torch.where((en * X) * dec == blocks, en, rnd(t, elem, rounding, idx, seed))
         return e.mul_(X)
 
-    if fmt.scale_rule == "4over6":  # (TE's 4over6 order)
-        scale_ofs = [lambda a: _scale_code((a / elem.max) * enc, fmt, rnd),
-                     lambda a: _scale_code((a / elem.max) * enc * 1.5, fmt, rnd)]
-    else:
-        scale_ofs = [lambda a: _scale_code(a * (enc * inv_max), fmt, rnd)]
-    if fmt.scale_rule == "ceil":
-        sf = fmt.amax_scale_format.replace(rounding="toward_zero", saturate=True)
-
-        def ceil_of(a):
-            # the smallest scale whose largest value covers a: the float32 target of a block
-            # max fl32(6 X s) can land just above X, whose largest value already covers it
-            X = _scale_code(a * (enc * inv_max), fmt, rnd)
-            down = rnd(X * (1 - 2.0 ** -(sf.man + 2)), sf, "toward_zero", None, None)
-            return torch.where((elem.max * down) * dec >= a, down, X)
-        scale_ofs = [ceil_of]
+    scale_ofs = te_scale_fns(fmt, enc, dec, rnd)
 
     def settled(scale_of, into=None):  # -> (e * X, X)
         X = scale_of(amax_b)
@@ -598,8 +593,7 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
     bad = ~torch.isfinite(amax)
     amax_f = torch.where(bad, torch.zeros_like(amax), amax)
 
-    tensor_scale = block_tensor_scale(x64, fmt)
-    candidates = scale_candidates(fmt, tensor_scale)
+    candidates = scale_candidates(fmt)
 
     def round_at(scale):
         return round_with_scale(blocks, scale, fmt, rounding, idx, seed)

@@ -2245,12 +2245,12 @@ def _quantizer_split(t, fmt):
     tie), as Transformer Engine."""
     if fmt.tensor_scale:
         return _te_split(t, fmt)
-    from qtensor.reference import block_tensor_scale, round_with_scale, scale_candidates
+    from qtensor.reference import round_with_scale, scale_candidates
     bs = fmt.block_size
     t64 = t.double()
     blocks = t64.unflatten(-1, (-1, bs))
     amax = blocks.abs().amax(-1, keepdim=True)
-    ts = block_tensor_scale(t64, fmt)
+    ts = None
 
     def settled(scale_of):  # a block whose rounded max has a lower scale takes that one
         X = scale_of(amax)
@@ -2262,7 +2262,7 @@ def _quantizer_split(t, fmt):
             X = torch.minimum(again, X)
             q = round_with_scale(blocks, X, fmt, "nearest")
         return X, q
-    cands, qs = zip(*[settled(c) for c in scale_candidates(fmt, ts)])
+    cands, qs = zip(*[settled(c) for c in scale_candidates(fmt)])
     X, q = cands[0], qs[0]
     if len(cands) == 2:
         err = [sum((qq[..., j:j + 1] - blocks[..., j:j + 1]).abs() for j in range(bs))
