@@ -1344,7 +1344,11 @@ def _collective(func, args, kwargs):
         out = func(*uargs, **(kwargs or {}))
         _wait_all(out)
         for q, c in pairs:
-            q._data.copy_(quantize(c, q.fmt))
+            if _two_level(q.fmt):  # rounded under a fresh scale, which q then carries
+                q._data.copy_(c)
+                _round_inplace(q)
+            else:
+                q._data.copy_(quantize(c, q.fmt))
         qs = [q for q, _c in pairs]
         alias = {id(c): q for q, c in pairs}
     else:

@@ -538,6 +538,23 @@ def test_ddp_broadcast_keeps_a_two_level_tensor_scale(ranks):
     _assert_bits_equal(a0, v0, "rank 0's values rounded again under their scale")
 
 
+def _sc_c10d_gather_two_level(rank, world):
+    g = torch.Generator().manual_seed(rank)
+    x = qt.as_qtensor(torch.randn(8, 32, generator=g) * 10 ** rank, qt.nvfp4)
+    outs = [qt.as_qtensor(torch.ones(8, 32), qt.nvfp4) for _ in range(world)]
+    dist.all_gather(outs, x)
+    # each output's values are in the format under the tensor scale it carries
+    return [(qt_plain(o), qt_plain(qt.quantize(o, qt.nvfp4))) for o in outs]
+
+
+def test_c10d_all_gather_outputs_carry_their_values_tensor_scale(ranks):
+    # the outputs kept the scales of their old values, under which the gathered ones are not
+    # in the format (rounding them again under the carried scale moved them)
+    for rank, res in enumerate(ranks.run("_sc_c10d_gather_two_level")):
+        for i, (v, again) in enumerate(res):
+            _assert_bits_equal(again, v, f"rank {rank} output {i}")
+
+
 def _sc_convert_wrapped(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
