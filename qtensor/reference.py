@@ -438,7 +438,9 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
     else:
         amax_b = blocks.sum(-1, True)
         bad = ~torch.isfinite(amax_b)
-    any_bad = blocks.device.type != "cpu" or bool(bad.any())
+    # (no data-dependent branch on a device, where it syncs, nor in a traced graph)
+    any_bad = (blocks.device.type != "cpu" or torch.compiler.is_compiling()
+               or type(blocks) is not torch.Tensor or bool(bad.any()))
     if any_bad:
         amax_b = torch.where(bad, torch.zeros_like(amax_b), amax_b)
     if tensor_scale is None:
