@@ -501,7 +501,9 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
             return acc
         pick4 = err(p4) < err(p)
         p, X = torch.where(pick4, p4, p), torch.where(pick4, X4, X)
-    q = p.mul_(dec)  # one float32 rounding; a zero keeps e's sign, which is x's
+    q = p.mul_(dec)  # one float32 rounding; a zero keeps e's sign, which is x's for float e
+    if not isinstance(elem, FloatFormat):  # (integer elements have no -0.0: x's sign)
+        q = torch.where(q == 0, torch.copysign(torch.zeros_like(q), blocks), q)
     if any_bad:
         q = torch.where(bad, torch.full_like(q, float("nan")), q)
     return q, dec, X
