@@ -1088,10 +1088,23 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
     except for ceil, where q (x's QTensor) gives the payload x was rounded from and rounding it
     again gives x: then the scale of its unrounded blocks, the quantizer's own.
     """
-    from .reference import scale_candidates, _tensor_scale
+    from .reference import scale_candidates
     compiling = torch.compiler.is_compiling()  # no data-dependent branch in a graph
     if fmt is None or x.numel() == 0:
         return None
+    if fmt.tensor_scale:
+        # values fl32(e * X * s): s the tensor scale the QTensor carries (else TE's of x's
+        # amax); the block scales are those of the payloads e * X, a one-level format's values
+        s = _two_level_scale(x, fmt, q)
+        got = None if compiling else _two_level_source_scales(x, fmt, kdim, s, q)
+        if got is not None:
+            return got
+        p = _unscaled(x, s, fmt)
+        if fmt.scale_rule == "amax" and not fmt.settle and not compiling:
+            got = _te_block_scales(p, fmt, kdim)
+        else:
+            got = _block_scales(p, fmt.replace(tensor_scale=False, settle=False), kdim, need)
+        return None if got is None else (got[0], s.double())
     bs = fmt.block_size
     d = kdim % x.dim()
     xk = x.float()
@@ -1105,12 +1118,7 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
     if not compiling and not torch.isfinite(amax).all():  # inf or NaN in some block
         return None
     ts = torch.ones((), dtype=torch.float64, device=x.device)
-    if fmt.tensor_scale:
-        ts = _tensor_scale(amax.amax(), fmt)
-        ts = torch.where(ts > 0, ts, 1.0)  # an all-zero tensor: any scale
-    cands = [c(amax) for c in scale_candidates(fmt, ts if fmt.tensor_scale else None)]
-    if fmt.tensor_scale:
-        cands = [X / ts for X in cands]  # (exact: X has the scale format's few bits)
+    cands = [c(amax) for c in scale_candidates(fmt)]
     if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:  # rmax = max_elem * 2^k
         X = cands[0]
         cands.append(torch.where((amax == fmt.elem.max * X) & (X < 2.0 ** fmt.scale.emax),
@@ -1153,6 +1161,87 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
                 return (X, ts) if exact(X, False) else None
         return None
     return torch.where(v1, X1, X2), ts
+
+
+def _two_level_source_scales(x, fmt, kdim: int, s, q):
+    """The block scales TE's rule gave x where dispatch rounded x from its QTensor q's payload
+    (deterministic rounding): that payload rounded again under the same tensor scale, with its
+    scales; None where no payload gives x. (From the values alone a coarse subnormal block scale
+    can be ambiguous: ceil's 3 x 2q and 6 x q are one block.)"""
+    from .formats import is_stochastic
+    from .reference import quantize_two_level
+    if is_stochastic(fmt.rounding):
+        return None
+    d = kdim % x.dim()
+    for src in _payload_sources(q, x):
+        v, s2, X = quantize_two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding,
+                                      tensor_scale=s, rnd=_ops._round_scalar32,
+                                      block_scales=True)
+        if torch.equal(v.view(torch.int32), x.detach().float().view(torch.int32)):
+            X = torch.where(X == 0, 1.0, X)[..., 0].movedim(-1, d)  # all-zero block: any scale
+            return X.double(), s.double()
+    return None
+
+
+def _positive_values(f) -> list:
+    """The positive values of a FloatFormat, largest first."""
+    out = {k / 2 ** f.man * 2.0 ** f.emin for k in range(1, 2 ** f.man)} if f.subnormals else set()
+    for e in range(f.emin, f.emax + 1):
+        out |= {(1 + k / 2 ** f.man) * 2.0 ** e for k in range(2 ** f.man)}
+    return sorted((v for v in out if v <= f.max), reverse=True)
+
+
+def _te_block_scales(p: torch.Tensor, fmt, kdim: int):
+    """The E4M3 block scales (float64, one per block along kdim) of payloads p = e * X of
+    Transformer Engine's two-level rule (nearest, not settled), or None where no scale gives a
+    block back. TE's X rounds amax / 6 (under the tensor scale) to nearest: in the normal range
+    the block's max element is then 6, but a subnormal X is coarse and the max element can be
+    4 or 3 (X = 2 or 1 subnormal quanta), so X is pmax / e for the largest element value e
+    that gives a scale-format value whose block elements are exact (no two such candidates
+    exist for TE's nearest scales: pmax / 6 is never a subnormal quantum's multiple then)."""
+    bs = fmt.block_size
+    d = kdim % p.dim()
+    K = p.shape[d]
+    if K % bs:
+        p = torch.nn.functional.pad(p, (0, 0) * (p.dim() - 1 - d) + (0, -K % bs))
+    blocks = p.float().unflatten(d, (-1, bs))
+    r = d + 1
+    pmax = blocks.abs().amax(r)
+    if not bool(torch.isfinite(pmax).all()):
+        return None
+    sf = fmt.amax_scale_format.replace(rounding="nearest", saturate=True)
+    X = torch.where(pmax == 0, 1.0, 0.0)
+    found = pmax == 0
+    for e in _positive_values(fmt.elem):
+        Xc = pmax / e
+        ok = ~found & (Xc > 0) & (_ops.quantize(Xc, sf) == Xc)
+        if not bool(ok.any()):
+            continue
+        Xt = torch.where(ok, Xc, 1.0).unsqueeze(r)
+        el = _ops.quantize(blocks / Xt, fmt.elem, rounding="nearest")
+        ok &= (el * Xt == blocks).all(r)
+        X = torch.where(ok, Xc, X)
+        found |= ok
+        if bool(found.all()):
+            return X.double(), torch.ones((), dtype=torch.float64, device=p.device)
+    return None
+
+
+def _two_level_scale(x: torch.Tensor, fmt, q=None) -> torch.Tensor:
+    """The FP32 decode tensor scale of x's values in the two-level format fmt: the one the
+    QTensor q carries, else Transformer Engine's from x's amax (0-dim float32)."""
+    if q is not None and getattr(q, "fmt", None) == fmt and q.tensor_scale is not None:
+        return q.tensor_scale.to(x.device)
+    return _ops.quantize_with_scale(x.detach().float(), fmt)[1]
+
+
+def _unscaled(x: torch.Tensor, s: torch.Tensor, fmt) -> torch.Tensor:
+    """x's values without the tensor scale s: the payloads e * X of a two-level format (float32
+    exactly; x / s in float32 is not, s being any FP32), x itself (float32) otherwise."""
+    if not fmt.tensor_scale:
+        return x.float()
+    from .reference import two_level_payload
+    return two_level_payload(x.float(), s, fmt).float()
 
 
 def _scale_exps(X: torch.Tensor, fmt) -> torch.Tensor:
@@ -1227,9 +1316,8 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
             fa.block_size // f.group, a_kdim).narrow(a_kdim, 0, G)
         kw["b_gexp"] = _scale_exps(sb[0], fb).repeat_interleave(
             fb.block_size // f.group, b_kdim).narrow(b_kdim, 0, G)
-        if fa.tensor_scale or fb.tensor_scale:
-            # (float32 division: exact, the quotients are element * block scale values)
-            a, b = a.float() / sa[1].float(), b.float() / sb[1].float()
+        if fa.tensor_scale or fb.tensor_scale:  # the tensor scales in the epilogue (alpha)
+            a, b = _unscaled(a, sa[1], fa), _unscaled(b, sb[1], fb)
             post = sa[1].float() * sb[1].float()
         return a, b, kw, post
     if f.scales == "promotion":
@@ -1240,11 +1328,13 @@ def _scale_plan(f: AccumFormat, a, qa, b, qb, a_kdim=-1, b_kdim=-2):
                                                                         "value", qb)
         if sa is None or sb is None:
             return a, b, kw, post
-        Xa, Xb = sa[0] * sa[1], sb[0] * sb[1]  # float32 exactly (the formats' values are)
+        Xa, Xb = sa[0], sb[0]
+        if fa.tensor_scale or fb.tensor_scale:  # the tensor scales in the epilogue (alpha)
+            post = sa[1].float() * sb[1].float()
         K = a.shape[a_kdim]
         # (float32 division: exact, the quotients are the elements)
-        a = a.float() / _per_element(Xa.float(), blk, a_kdim % a.dim(), K)
-        b = b.float() / _per_element(Xb.float(), blk, b_kdim % b.dim(), K)
+        a = _unscaled(a, sa[1], fa) / _per_element(Xa.float(), blk, a_kdim % a.dim(), K)
+        b = _unscaled(b, sb[1], fb) / _per_element(Xb.float(), blk, b_kdim % b.dim(), K)
         kw = dict(a_scale=Xa.float(), b_scale=Xb.float(), a_emin=fa.elem.emin,
                   b_emin=fb.elem.emin)
     return a, b, kw, post
@@ -1443,14 +1533,17 @@ def _conv_scale_plan(f: AccumFormat, n_ok, ops):
     if f.scales == "instruction":
         kw["a_gexp"] = to_a(_scale_exps(Xa, fa))[..., ::n]
         kw["b_gexp"] = to_b(_scale_exps(Xb, fb))[..., ::n, :]
-        if fa.tensor_scale or fb.tensor_scale:
-            a, b = a.float() / ta.float(), b.float() / tb.float()  # (exact)
+        if fa.tensor_scale or fb.tensor_scale:  # the tensor scales in the epilogue (alpha)
+            a, b = _unscaled(a, ta, fa), _unscaled(b, tb, fb)
             post = ta.float() * tb.float()
         return a, b, kw, post
-    Xa, Xb = Xa * ta, Xb * tb  # promotion: unscaled elements, a scale per K-block
+    if fa.tensor_scale or fb.tensor_scale:
+        post = ta.float() * tb.float()
+    # promotion: unscaled elements, a scale per K-block
     kw = dict(a_scale=to_a(Xa)[..., ::n].float(), b_scale=to_b(Xb)[..., ::n, :].float(),
               a_emin=fa.elem.emin, b_emin=fb.elem.emin)
-    return a.float() / Xa.float(), b.float() / Xb.float(), kw, post  # (exact)
+    return (_unscaled(a, ta, fa) / Xa.float(), _unscaled(b, tb, fb) / Xb.float(), kw,
+            post)  # (exact)
 
 
 def _gemm_conv(xp, w, stride, dilation, groups, size, f, em=(None, None), q=(None, None),

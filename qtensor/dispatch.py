@@ -537,6 +537,9 @@ def _kernel_call(fmt, inplace=False):
 
 
 def _kernel_calls(fmt):
+    if type(fmt) is BlockFormat and fmt.tensor_scale:  # TE's two-level rule: no fused kernel
+        return ((lambda x, *a: _ops.quantize(x, fmt), ()),
+                (lambda x, *a: _ops.quantize_(x, fmt), ()))
     name, args = _ops.op_args(fmt)
     args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
     op, op_ = (getattr(torch.ops.qtensor, name).default._op,
@@ -732,6 +735,10 @@ def _round_inplace(q, func=None) -> None:
     """Round a QTensor's payload in place to its own format (after an in-place op)."""
     data = q._data
     fmt = fit_format(q.fmt, data.dim())
+    if _two_level(fmt):  # computed in place: a fresh tensor scale
+        v, q._tscale = _ops.quantize_with_scale(data, fmt)
+        data.copy_(v)
+        return
     if (type(fmt) is BlockFormat and _block_specials.watching() and type(data) is torch.Tensor
             and data.numel() and not torch.compiler.is_compiling()
             and not torch.isfinite(data.sum())):  # an Inf or NaN may spread over its block
@@ -1007,7 +1014,7 @@ def _owns(out, uargs, ukwargs) -> bool:
     return True
 
 
-def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None):
+def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
     """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd.
     ``fresh``: the op's (payload args, payload kwargs) when its outputs are new tensors of its
     own (a computing op, no view, no mutation): those are rounded in place unless one of them
@@ -1019,6 +1026,15 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None):
                     f"QTensor: an op made a nested tensor of QTensor values ({fmt}); nested "
                     "tensors cannot carry a number format. Pad the values instead (a "
                     "converted nn.TransformerEncoder does: it skips its nested fast path)")
+            if _two_level(fmt):  # values with their tensor scale (fresh unless one is given)
+                fmt = fit_format(fmt, out.dim())
+                if rnd:
+                    before, (out, tscale) = out, _ops.quantize_with_scale(out, fmt,
+                                                                          tensor_scale=tscale)
+                    _block_specials.check(before, out, fmt, op=func)
+                t = QTensor._wrap(out, fmt, mm_fmt)
+                t._tscale = tscale
+                return t
             if rnd:
                 if fresh is not None and _eager_cpu_kernel(out) and _owns(out, *fresh):
                     fmt = fit_format(fmt, out.dim())
@@ -1032,7 +1048,7 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None):
             return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func, fresh) for o in out)
+        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func, fresh, tscale) for o in out)
     return out
 
 
@@ -1077,7 +1093,8 @@ def dispatch(func, args, kwargs):
         # eager payloads only (traced ones take the general path), not while torch.export
         # traces (QTensor._wrap records the constructions)
         if (type(data) is torch.Tensor and type(a) is QTensor
-                and not _compiler._is_exporting_flag):
+                and not _compiler._is_exporting_flag and a._tscale is None
+                and not _two_level(a.fmt)):
             return _single_move(rule.single, func, rule, a, data, args, kwargs)
     if rule.kind >= FOREACH:
         if rule.kind == FOREACH:
@@ -1116,19 +1133,71 @@ def dispatch(func, args, kwargs):
         rnd = True
     if type(fmt) is BlockFormat and fmt.axis is not None:
         fmt, rnd = _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd)
+    tscale = None
+    if _two_level(fmt) and rule.kind == MOVE_KIND:
+        tscale, rnd = _moved_scale(func, qs, src, plain, rnd, uargs)
 
     if rule.mutated:
         return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
     fresh = None
     if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
         fresh = (uargs, ukwargs)
-    out = _wrap_out(out, fmt, mm_fmt, rnd, func, fresh)
+    out = _wrap_out(out, fmt, mm_fmt, rnd, func, fresh, tscale)
     acc = _accum_of(qs)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
         _set_accum(out, acc)
     if rule.is_view and _has_q(out):
         return return_and_correct_aliasing(func, args, kwargs, out)
     return out
+
+
+def _two_level(fmt) -> bool:
+    return type(fmt) is BlockFormat and fmt.tensor_scale
+
+
+# moves that take whole blocks along the block axis (the dim they select along is another)
+_ROW_MOVES = frozenset({"index", "_unsafe_index", "index_select", "embedding", "cat", "concat",
+                        "concatenate", "stack", "repeat", "tile"})
+
+
+def _moved_scale(func, qs, src, plain, rnd, uargs):
+    """A move of two-level QTensors (nvfp4): (the tensor scale its output keeps, whether to
+    round). Inputs that share one tensor scale give it to the output; their values are not
+    rounded again where the move takes whole blocks (indexing rows, embedding, cat along
+    another dim), so that they never change; blocks regrouped along the block axis are rounded
+    again under the shared scale. Different tensor scales, or plain values moved in: the result
+    is rounded again under a fresh scale (of its own amax)."""
+    scales = [q.tensor_scale for q in qs if _two_level(q.fmt)]
+    if plain or not scales:
+        return None, True
+    s0 = scales[0]
+    if any(s is not s0 and not bool(torch.equal(s, s0)) for s in scales[1:]):
+        return None, True
+    if rnd and _whole_blocks(func, uargs, src):
+        rnd = False
+    return s0, rnd
+
+
+def _whole_blocks(func, uargs, src) -> bool:
+    name = func.overloadpacket.__name__
+    if name not in _ROW_MOVES or src.dim() == 0:
+        return False
+    nd = src.dim()
+    ax = src.fmt.axis % nd
+    if src.fmt.block_shape is not None:
+        return False  # (2D tiles: rows are part of the block)
+    if name == "embedding":
+        return ax == nd - 1
+    if name in ("index", "_unsafe_index"):
+        idx = uargs[1] if len(uargs) > 1 else ()
+        return len(idx) <= ax or idx[ax] is None
+    if name == "index_select":
+        return uargs[1] % nd != ax
+    if name in ("cat", "concat", "concatenate"):
+        dim = uargs[1] if len(uargs) > 1 else 0
+        return dim % nd != ax
+    return name in ("stack", "repeat", "tile") and (
+        name == "stack" or (len(uargs) > 1 and list(uargs[1])[-(nd - ax)] == 1))
 
 
 def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
@@ -1179,6 +1248,8 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
                         f"to {tuple(d._data.shape)}; pass an out tensor of the result's shape")
                 if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs)):
                     _round_inplace(d, func)
+                elif _two_level(d.fmt) and not rule.inplace_view:
+                    _scale_into(d, func, args, kwargs)
     if rule.inplace_view:
         if isinstance(args[0], QTensor):  # t_, unsqueeze_, ...: the block axis moves
             args[0].fmt = fmt
@@ -1193,6 +1264,23 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
         res.append(_arg(args, kwargs, alias[0], alias[1]) if alias is not None
                    else _wrap_out(o, fmt, mm_fmt, rnd))
     return res[0] if len(res) == 1 else tuple(res)
+
+
+def _scale_into(d, func, args, kwargs) -> None:
+    """Values of d's format moved into the two-level QTensor d: under d's tensor scale they
+    stay; a copy_ over all of d brings its source's scale; other writes under another scale
+    round d again under a fresh one."""
+    srcs = [t for a in list(args) + list((kwargs or {}).values())
+            for t in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(t, QTensor) and t is not d]
+    ds = d.tensor_scale
+    if all(bool(torch.equal(t.tensor_scale, ds)) for t in srcs):
+        return
+    if (func.overloadpacket.__name__ == "copy_" and len(srcs) == 1
+            and tuple(srcs[0].shape) == tuple(d.shape)):
+        d._tscale = srcs[0].tensor_scale
+        return
+    _round_inplace(d, func)
 
 
 def _needs_round_into(dst, args, kwargs) -> bool:
@@ -1256,7 +1344,11 @@ def _collective(func, args, kwargs):
         out = func(*uargs, **(kwargs or {}))
         _wait_all(out)
         for q, c in pairs:
-            q._data.copy_(quantize(c, q.fmt))
+            if _two_level(q.fmt):  # rounded under a fresh scale, which q then carries
+                q._data.copy_(c)
+                _round_inplace(q)
+            else:
+                q._data.copy_(quantize(c, q.fmt))
         qs = [q for q, _c in pairs]
         alias = {id(c): q for q, c in pairs}
     else:

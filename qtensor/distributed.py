@@ -199,13 +199,20 @@ def _broadcast_coalesced(broadcast):
     """``dist._broadcast_coalesced`` on the payloads of the QTensors among ``tensors``: it
     flattens its tensors with one ``cat``, which would round values of other formats (and plain
     ones) to the first one's format. Payloads are plain FP32 values, and the source rank's
-    values are in their formats: the copies written into the payloads need no rounding."""
+    values are in their formats: the copies written into the payloads need no rounding. A
+    two-level format's FP32 tensor scale travels with its payload (the values are fl32(e X s)
+    under it: a receiver keeping its own would hold values that its scale does not give)."""
 
     @functools.wraps(broadcast)
     def wrapper(process_group, tensors, *args, **kwargs):
-        if any(isinstance(t, QTensor) for t in tensors):
-            tensors = [t._data if isinstance(t, QTensor) else t for t in tensors]
-        return broadcast(process_group, tensors, *args, **kwargs)
+        if not any(isinstance(t, QTensor) for t in tensors):
+            return broadcast(process_group, tensors, *args, **kwargs)
+        # into the scale tensors themselves: callers pass detached aliases of the parameters,
+        # which share them (as do the tensors a QTensor was sliced from)
+        scales = [t.tensor_scale for t in tensors
+                  if isinstance(t, QTensor) and t.tensor_scale is not None]
+        payloads = [t._data if isinstance(t, QTensor) else t for t in tensors]
+        return broadcast(process_group, payloads + scales, *args, **kwargs)
 
     wrapper._qtensor_payloads = True
     return wrapper

@@ -193,25 +193,29 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
     a = b.abs()
     amax = a.amax(dim=-1, keepdim=True).double()
     bad = ~torch.isfinite(amax)
-    ts = None
-    if fmt.tensor_scale:  # the tensor's amax over finite values, as the rounding takes it
-        ts = torch.where(bad, 0.0, amax).amax() if bad.numel() else amax.new_zeros(())
-        if bool(bad.any()):  # a block with Inf/NaN: its finite values count too
-            ts = torch.where(torch.isfinite(x), x.abs(), 0).amax().double()
-        ts = reference._tensor_scale(ts, fmt)
-    candidates = reference.scale_candidates(fmt, ts)
-    if _settled(fmt):
-        if q is None:
-            from .dispatch import quantize
-            q = quantize(x.float(), fmt, keep_layout=False)
-        rmax = _blocks(q, fmt).abs().amax(dim=-1, keepdim=True).double()
-        bad |= ~torch.isfinite(rmax)
-        rmax = torch.where(bad, 0.0, rmax)
-        scale = candidates[0](rmax)
-        if len(candidates) == 2:  # 4over6: map-to-6 where the block's max is its top
-            scale = torch.where(rmax == hi * scale, scale, candidates[1](rmax))
+    if fmt.tensor_scale:
+        # TE's block scales X and decode tensor scale s, as the rounding takes them: a block's
+        # top is fl32(max_elem * X * s) (float64 X * s is exact)
+        from .formats import is_stochastic
+        from .ops import _round_scalar32
+        rounding = "nearest" if is_stochastic(fmt.rounding) else fmt.rounding
+        _, s, X = reference.quantize_two_level(x, fmt, rounding, rnd=_round_scalar32,
+                                               block_scales=True)
+        scale = X.double() * s.double()
     else:
-        scale = candidates[0](torch.where(bad, 0.0, amax))
+        candidates = reference.scale_candidates(fmt)
+        if _settled(fmt):
+            if q is None:
+                from .dispatch import quantize
+                q = quantize(x.float(), fmt, keep_layout=False)
+            rmax = _blocks(q, fmt).abs().amax(dim=-1, keepdim=True).double()
+            bad |= ~torch.isfinite(rmax)
+            rmax = torch.where(bad, 0.0, rmax)
+            scale = candidates[0](rmax)
+            if len(candidates) == 2:  # 4over6: map-to-6 where the block's max is its top
+                scale = torch.where(rmax == hi * scale, scale, candidates[1](rmax))
+        else:
+            scale = candidates[0](torch.where(bad, 0.0, amax))
     keep = ~bad & (scale > 0)
     inf = torch.full_like(scale, float("inf"))
     top = torch.where(keep, hi * scale, inf).float()  # (past float32: Inf, clips nothing)

@@ -506,10 +506,14 @@ class BlockFormat(Format):
       whichever gives the lower sum of |x - q| over the block, 6 on a tie; with a tensor scale,
       the tensor scale's bound is 256 instead of 448, as TE's default).
       floor and even need an exponent-only scale (as e8m0).
-    tensor_scale: an extra per-tensor scale amax_tensor / (max_elem * max_scale), rounded down to
-    ``tensor_scale_bits`` significant bits (NVFP4's two-level scaling; needs a second pass over
-    the tensor; rules amax, 4over6 and ceil with a scale of mantissa bits). Every rule is
-    idempotent: docs/formats.md.
+    tensor_scale: two-level scaling as NVFP4 (rules amax, 4over6 and ceil with a scale of
+    mantissa bits): Transformer Engine's rule, an FP32 per-tensor scale from the tensor's amax
+    and each block's scale under it, in TE's float32 steps; a QTensor of such a format carries
+    its tensor scale (docs/formats.md, "NVFP4: the tensor scale").
+    settle (tensor_scale only): re-round each block with the scale of its rounded max until
+    that scale repeats (4over6: each candidate, then the pick), so that rounding values of the
+    format again under the same tensor scale gives them back (False, the default: TE's single
+    pass).
     The element format always saturates; its rounding is the block's rounding.
 
     block_shape=(r, c): 2D blocks (tiles) of r x c elements over the *last two dims* of a
@@ -532,6 +536,7 @@ class BlockFormat(Format):
     rounding: Optional[str] = None
     tensor_scale: bool = False
     block_shape: Optional[tuple] = None
+    settle: bool = False
 
     def __post_init__(self):
         elem = self.elem
@@ -604,6 +609,12 @@ class BlockFormat(Format):
                     f"scale_rule='4over6' chooses between the scales amax/6 and amax/4, which a "
                     f"power-of-two scale ({scale}) cannot tell apart; use a scale with mantissa "
                     "bits such as fp8_e4m3")
+        _check_bool("settle", self.settle)
+        if self.settle and not self.tensor_scale:
+            raise FormatError(
+                "settle=True re-rounds each block of a tensor-scaled format (tensor_scale=True) "
+                "until its scale repeats; other block formats always settle: got "
+                f"tensor_scale={self.tensor_scale}")
         if self.tensor_scale and self.power_of_two_scales:
             raise FormatError(
                 f"tensor_scale=True needs scales with significant bits (scale_rule 'amax', "

@@ -185,6 +185,8 @@ def traced_round_float(x, args):
 def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if x.dtype not in KERNEL_DTYPES:
         return False
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        return False  # TE's two-level rule: reference.quantize_two_level (torch float32 ops)
     if x.device.type == "meta":
         return _C is not None
     if gpu.takes(x):  # the Triton kernels (what they do not cover goes to the reference)
@@ -361,6 +363,9 @@ def _round(x, fmt: Format, rounding: str, seed, out) -> torch.Tensor:
         q = torch.ops.qtensor_ops.round_drawn(x.detach(), list(getattr(_AFTER, "tensors", ())),
                                               str(fmt), rounding)
         return q if out is None else out.copy_(q)
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        q = _two_level(x, fmt, rounding, seed)
+        return q if out is None else out.copy_(q)
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         return _round_tiles(x, fmt, rounding, seed, out)
     if not _use_kernel(x, fmt, rounding):
@@ -432,7 +437,7 @@ class _StraightThroughInplace(torch.autograd.Function):
 
 def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
              generator: Optional[torch.Generator] = None,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             out: Optional[torch.Tensor] = None, tensor_scale=None) -> torch.Tensor:
     """x rounded to ``fmt`` (a format or its name), as a new plain tensor like x (or into ``out``).
 
     rounding overrides the format's own mode; generator (a ``torch.Generator`` of any device)
@@ -445,10 +450,75 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     flushes to zero), as fake quantization and QTensor's own roundings do; torch.func
     transforms (grad, vmap, jacrev, jvp) run it too. ``out=`` does not support autograd (an
     error, as torch's out= ops).
+
+    tensor_scale (two-level formats such as ``nvfp4`` only): round under this FP32 decode tensor
+    scale (a positive finite float32) instead of the one TE derives from x's amax; a QTensor x
+    of the same format is rounded under its own (``QTensor.tensor_scale``).
     """
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale and (
+            tensor_scale is not None or getattr(x, "fmt", None) == fmt):
+        if out is not None:
+            raise ValueError(f"quantize to {fmt}: out= with a tensor scale is not supported")
+        if tensor_scale is None:
+            tensor_scale = x.tensor_scale
+        return quantize_with_scale(x, fmt, rounding=rounding, generator=generator,
+                                   tensor_scale=tensor_scale)[0]
+    if tensor_scale is not None:
+        raise ValueError(f"quantize to {fmt}: tensor_scale is for two-level block formats "
+                         "(tensor_scale=True, such as nvfp4)")
     return quantize_with_seed(x, fmt, rounding, _seed(generator, rounding, fmt), out=out)
+
+
+def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
+                        generator: Optional[torch.Generator] = None, tensor_scale=None):
+    """(x rounded to ``fmt``, its FP32 decode tensor scale as a 0-dim float32 tensor) for a
+    two-level block format (Transformer Engine's rule; under ``tensor_scale`` if given);
+    (quantize(x, fmt), None) for other formats. Straight-through gradient, as ``quantize``."""
+    fmt = check_input(x, fmt)
+    rounding = resolve_rounding(fmt, rounding)
+    if not (isinstance(fmt, BlockFormat) and fmt.tensor_scale):
+        return quantize(x, fmt, rounding=rounding, generator=generator), None
+    check_axis(x, fmt)
+    seed = _seed(generator, rounding, fmt)
+    xp = x._data if hasattr(x, "_data") else x
+    q, s = _two_level(xp, fmt, rounding, seed, tensor_scale, with_scale=True)
+    if _differentiable(x):
+        q = _Replace.apply(x, q)
+    return q, s
+
+
+def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False):
+    """x rounded to a two-level format by TE's rule (reference.quantize_two_level, its scalar
+    roundings by the compiled kernels): the values, or (values, decode tensor scale)."""
+    q, s = reference.quantize_two_level(x.detach(), fmt, rounding, seed, tensor_scale,
+                                        rnd=_round_scalar32)
+    return (q, s) if with_scale else q
+
+
+def _round_scalar32(t: torch.Tensor, fmt, rounding: str, index, seed,
+                    inplace: bool = False) -> torch.Tensor:
+    """reference.round_scalar32 by the compiled kernels (the same bits) where they cover it:
+    the two-level rule's scale and element roundings (inplace: into t)."""
+    if index is not None or not _use_kernel(t, fmt, rounding):
+        return reference.round_scalar32(t, fmt, rounding, index, seed)
+    seed = 0 if seed is None else seed
+    if inplace and not (torch.compiler.is_compiling() or _is_traced(t)):
+        return _round_(t, fmt, rounding, seed)
+    return _round(t, fmt, rounding, seed, None)
+
+
+class _Replace(torch.autograd.Function):
+    """q in place of x, with the straight-through gradient (identity)."""
+
+    @staticmethod
+    def forward(ctx, x, q):
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 def quantize_(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
@@ -475,6 +545,9 @@ def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
     if seed is _DRAWN_IN_GRAPH:
         with torch.no_grad():
             return x.copy_(_round(x, fmt, rounding, seed, None))
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        with torch.no_grad():
+            return x.copy_(_two_level(x, fmt, rounding, seed))
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         with torch.no_grad():  # (copy_ bumps x's version)
             return _round_tiles(x, fmt, rounding, seed, out=x)
@@ -503,21 +576,27 @@ def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
 _INT_OF_WIDTH = {8: torch.int64, 4: torch.int32}
 
 
-def count_off_format(values: torch.Tensor, fmt) -> int:
+def count_off_format(values: torch.Tensor, fmt, tensor_scale=None) -> int:
     """How many of ``values`` are not values of ``fmt`` (0: the tensor is in the format, as a
     QTensor's payload must be). The values are rounded again, to nearest (a value in format is
     its own rounding in every mode, block formats included: docs/formats.md, "Idempotence"; and
     no random bits are drawn), and compared bit for bit, NaN with any NaN. float16/bfloat16
     values (float8 too) are checked as the float32 values they are. Not checked (0): a tensor-scaled block
     format's tensor holding Inf or NaN, whose tensor scale came from a finite value that a NaN
-    block may have replaced (docs/formats.md, the known exception to idempotence)."""
+    block may have replaced (docs/formats.md, the known exception to idempotence). Two-level
+    formats (nvfp4): each value must be element x block scale x ``tensor_scale`` (the scale of
+    the values' amax when None) in float32 (reference.two_level_valid)."""
     with torch.no_grad():
         v = values.detach()
         if v.is_floating_point() and v.dtype not in (torch.float32, torch.float64):
             v = v.float()  # (exactly)
         fmt = check_input(v, fmt)
-        if isinstance(fmt, BlockFormat) and fmt.tensor_scale and not bool(v.isfinite().all()):
-            return 0
+        if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+            if not bool(v.isfinite().all()):
+                return 0
+            s = tensor_scale if tensor_scale is not None else reference.quantize_two_level(
+                v, fmt, "nearest")[1]
+            return int(v.numel() - reference.two_level_valid(v, s, fmt).sum())
         q = quantize(v, fmt, rounding="nearest")
         ints = _INT_OF_WIDTH[v.element_size()]
         same = (q.view(ints) == v.view(ints)) | (q.isnan() & v.isnan())

@@ -64,7 +64,8 @@ from .dispatch import quantize as _round, with_axis
 from .formats import Format, is_stochastic
 from .plans import Recipe, _plain, round_to
 from .recipes import direct_cast
-from .reference import _round_scalar, _tensor_scale, block_scale, round_with_scale
+from .reference import (_round_scalar, block_scale, encode_scale, round_with_scale,
+                        te_block_scale, te_round_with_scale)
 from .tensor import QTensor
 
 __all__ = ["gptq", "error_diffusion", "weight_groups", "LAYERS"]
@@ -297,19 +298,42 @@ class _Grid:
         self.whole_scale = None
         if self.block and fmt.axis is None:
             src = w0 if whole is None else whole
-            self.whole_scale = (block_scale(src.abs().amax().reshape(1, 1), fmt, None)
+            self.whole_scale = (block_scale(src.abs().amax().reshape(1, 1), fmt)
                                 if whole_scale is None else whole_scale)
-        self.ts, self.pin = None, None
+        self.te, self.pin = None, None
         if self.block and fmt.tensor_scale:
             whole = w0[None] if whole is None else whole
             amax = whole.abs().amax()
-            self.ts = _tensor_scale(amax, fmt)
+            # TE's encode and decode tensor scales, from the largest weight as it is pinned:
+            # fl32(max_elem * max_scale * decode), whose own encode scale must be the same one
+            # (then rounding the result again takes these scales)
+            enc = encode_scale(amax, fmt)
+            top_code = torch.tensor(fmt.elem.max * fmt.scale.max, dtype=torch.float32)
+            for _ in range(4):
+                dec = torch.ones_like(enc) / enc
+                top = top_code * dec
+                again = encode_scale(top, fmt)
+                if bool(again == enc):
+                    break
+                enc = again
+            self.te = (enc, dec)
             g, flat = divmod(int(whole.abs().argmax()), w0.numel())
-            if float(self.ts) > 0 and g == group:
+            if float(amax) > 0 and g == group:
                 r, c = divmod(flat, w0.shape[1])
-                top = torch.tensor(fmt.elem.max * fmt.scale.max, dtype=torch.float64) * self.ts
+                top = top.to(torch.float64)
                 value = torch.copysign(top, w0[r, c])
-                self.pin = (r, c, value, block_scale(top.reshape(1, 1), fmt, self.ts)[0, 0])
+                self.pin = (r, c, value, self._scale_of(top.reshape(1, 1))[0, 0])
+
+    def _scale_of(self, amax: torch.Tensor) -> torch.Tensor:
+        """The block scale (times the tensor scale: TE's rule for two-level formats) of amax."""
+        if self.te is not None:
+            return te_block_scale(amax, self.fmt, self.te)
+        return block_scale(amax, self.fmt)
+
+    def _round_with(self, v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.te is not None:
+            return te_round_with_scale(v, scale, self.fmt, self.fmt.rounding, self.te)
+        return round_with_scale(v, scale, self.fmt, self.fmt.rounding)
 
     def act_order(self, diag: torch.Tensor) -> torch.Tensor:
         """GPTQ's act-order kept to the format's blocks: the permutation of the columns that
@@ -337,7 +361,7 @@ class _Grid:
             return None
         if self.whole_scale is not None:  # one scale for the tensor (see _flow)
             return self.whole_scale.expand(len(cur), 1).clone()
-        x = block_scale(cur.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
+        x = self._scale_of(cur.abs().amax(dim=1, keepdim=True))
         if self.pin is not None and a <= self.pin[1] < b:
             x[self.pin[0], 0] = self.pin[3]
         return x
@@ -348,7 +372,7 @@ class _Grid:
         if not self.block:
             q = _round_scalar(v, self.fmt, self.fmt.rounding, None, None)
         else:
-            q = round_with_scale(v, scale[:, 0], self.fmt, self.fmt.rounding)
+            q = self._round_with(v, scale[:, 0])
         if self.pin is not None and c == self.pin[1]:
             q = torch.where(rows == self.pin[0], self.pin[2], q)
         if not bool(torch.isfinite(q).all()):
@@ -366,8 +390,8 @@ class _Grid:
         E4M3, whose 240 doubles to 480 > 448; with the amax rule any smaller scale moves them.)"""
         if not self.block or self.whole_scale is not None:  # (per-tensor: checked in _flow)
             return torch.zeros(len(rows), dtype=torch.bool)
-        again = block_scale(q.abs().amax(dim=1, keepdim=True), self.fmt, self.ts)
-        moved = (round_with_scale(q, again, self.fmt, self.fmt.rounding) != q).any(dim=1)
+        again = self._scale_of(q.abs().amax(dim=1, keepdim=True))
+        moved = (self._round_with(q, again) != q).any(dim=1)
         moved &= (again < scale)[:, 0]
         if self.pin is not None and a <= self.pin[1] < b:
             moved &= rows != self.pin[0]
@@ -601,7 +625,7 @@ def _flow_eval(model, batches, recipe, layers, who, quantize_layer, need_fp32_in
 
         q, scale = solve()
         while scale is not None:  # a per-tensor block: the whole weight must be a fixed point
-            again = block_scale(q.abs().amax().reshape(1, 1), fmt, None)
+            again = block_scale(q.abs().amax().reshape(1, 1), fmt)
             if not bool((again < scale).all()) or torch.equal(
                     round_with_scale(q, again, fmt, fmt.rounding), q):
                 break

@@ -18,6 +18,7 @@ The exact computation and the random-bits formula the kernels implement: docs/fo
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -88,22 +89,6 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     """2**exponent as float64, exactly, for integer exponents in float64's normal range."""
     return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
-
-
-def _tensor_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """NVFP4's per-tensor scale (a 0-dim float64 tensor): amax / (max_elem * max_scale) (4over6:
-    fmt.tensor_scale_bound instead of max_scale), rounded
-    down to ``fmt.tensor_scale_bits`` significant bits and to a multiple of
-    2^fmt.tensor_scale_min_exp, so that every element value v * X * s and every rounding
-    boundary (a midpoint between v's) times X * s is a float32 exactly; rounded down, the
-    tensor's amax gets the largest scale."""
-    t = amax / (fmt.elem.max * fmt.tensor_scale_bound)  # its floor is the exact one's
-    positive = t > 0
-    t1 = torch.where(positive, t, torch.ones_like(t))
-    _, e = torch.frexp(t1)  # t = m * 2^e, m in [1/2, 1)
-    j = torch.clamp(e.to(torch.int64) - fmt.tensor_scale_bits, min=fmt.tensor_scale_min_exp)
-    s = torch.floor(t1 / _pow2(j)) * _pow2(j)
-    return torch.where(positive, s, torch.zeros_like(s))
 
 
 def _round_magnitude(y: torch.Tensor, rounding: str, index: Optional[torch.Tensor],
@@ -255,19 +240,10 @@ def tile_blocks(x: torch.Tensor, fmt: BlockFormat):
     return y, restore, fmt1
 
 
-def block_tensor_scale(x64: torch.Tensor, fmt: BlockFormat) -> Optional[torch.Tensor]:
-    """The per-tensor scale of x (float64) for ``fmt.tensor_scale``, else None."""
-    if not fmt.tensor_scale:
-        return None
-    # the largest finite |x| (0 if none): no boolean indexing, so no device sync
-    amax_t = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax()
-    return _tensor_scale(amax_t, fmt)
-
-
-def scale_candidates(fmt: BlockFormat, tensor_scale: Optional[torch.Tensor] = None) -> list:
-    """The functions amax -> X (times the tensor scale) of blocks whose largest magnitude is
-    amax (finite float64, >= 0), by ``fmt.scale_rule``: one, or two for 4over6 (the block's max
-    mapped to max_elem and to 4; the block takes the one with the lower error)."""
+def scale_candidates(fmt: BlockFormat) -> list:
+    """The functions amax -> X of blocks whose largest magnitude is amax (finite float64,
+    >= 0), by ``fmt.scale_rule``: one, or two for 4over6 (the block's max mapped to max_elem
+    and to 4; the block takes the one with the lower error). (Two-level formats: te_scale_fns.)"""
     elem = fmt.elem
     emax_elem, max_elem = elem.emax, elem.max
     if fmt.power_of_two_scales:  # floor, even, ceil: 2^k from amax's exponent
@@ -286,31 +262,21 @@ def scale_candidates(fmt: BlockFormat, tensor_scale: Optional[torch.Tensor] = No
         return [scale_of]
     # amax, 4over6, ceil: a rounding of amax / max_elem to the scale format
     scale_fmt = fmt.amax_scale_format.replace(rounding="nearest")
-    if tensor_scale is not None:
-        # amax_block <= amax_tensor: a ratio past the scale's max is an artefact of rounding
-        # the tensor scale down, never an overflow
-        scale_fmt = scale_fmt.replace(saturate=True)
     rnd = _round_float_up if fmt.scale_rule == "ceil" else (
         lambda r, f: _round_float(r, f, "nearest", None, None))
 
-    def amax_scale(a, target):  # the scale X (times the tensor scale) mapping a to target
-        if tensor_scale is None:
-            return rnd(a / target, scale_fmt)
-        denom = target * tensor_scale
-        ratio = torch.where(denom > 0, a / denom, torch.zeros_like(a))
-        return rnd(ratio, scale_fmt) * tensor_scale
+    def amax_scale(a, target):  # the scale X mapping a to target
+        return rnd(a / target, scale_fmt)
     targets = (max_elem, 4.0) if fmt.scale_rule == "4over6" else (max_elem,)
     return [lambda a, t=t: amax_scale(a, t) for t in targets]
 
 
-def block_scale(amax: torch.Tensor, fmt: BlockFormat,
-                tensor_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The scale X (times the tensor scale, for ``fmt.tensor_scale``) of blocks whose largest
-    magnitude is ``amax`` (finite float64, >= 0), by ``fmt.scale_rule``; ``tensor_scale`` is
-    :func:`block_tensor_scale` of the tensor when ``fmt.tensor_scale``. (qtensor.ptq decides
-    the scale of each block of a weight from the values the block holds when it is reached.)
-    4over6 has no single scale of an amax (a block picks by its rounding error): ValueError."""
-    candidates = scale_candidates(fmt, tensor_scale)
+def block_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The scale X of blocks whose largest magnitude is ``amax`` (finite float64, >= 0), by
+    ``fmt.scale_rule`` (two-level formats: te_block_scale). (qtensor.ptq decides the scale of
+    each block of a weight from the values the block holds when it is reached.) 4over6 has no
+    single scale of an amax (a block picks by its rounding error): ValueError."""
+    candidates = scale_candidates(fmt)
     if len(candidates) != 1:
         raise ValueError(f"{fmt}: the 4over6 rule picks each block's scale by the block's "
                          "rounding error, not from its amax alone")
@@ -344,6 +310,270 @@ def block_layout(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return moved.reshape(*moved.shape[:-1], -1, bs)
 
 
+# ---------------------------------------------------------------------------------------------
+# Two-level block formats (tensor_scale=True, NVFP4): Transformer Engine's rule, each step a
+# float32 operation as TE's kernels do it (docs/formats.md, "NVFP4: the tensor scale")
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_tensor_scale(s, fmt) -> torch.Tensor:
+    """A given tensor (decode) scale as a 0-dim float32 tensor: a positive finite float32."""
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1 or not s.is_floating_point():
+            raise ValueError(f"{fmt}: tensor_scale must be one positive finite float32, got a "
+                             f"{s.dtype} tensor of shape {tuple(s.shape)}")
+        v = s.detach().reshape(())
+        if v.device.type != "meta":
+            f = float(v)
+            if not (math.isfinite(f) and f > 0 and float(v.to(torch.float32)) == f):
+                raise ValueError(f"{fmt}: tensor_scale must be a positive finite float32, got {f!r}")
+        return v.to(torch.float32)
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"{fmt}: tensor_scale must be a float or a 0-dim tensor, got "
+                        f"{type(s).__name__}")
+    f = float(s)
+    if not (math.isfinite(f) and f > 0) or float(torch.tensor(f, dtype=torch.float32)) != f:
+        raise ValueError(f"{fmt}: tensor_scale must be a positive finite float32 (TE's FP32 "
+                         f"per-tensor scale), got {s!r}")
+    return torch.tensor(f, dtype=torch.float32)
+
+
+def encode_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """TE's global encode scale (float32, 0-dim) of a tensor whose largest finite magnitude is
+    ``amax``: max_elem * bound / amax in float32 (bound: 448, 256 for 4over6), FLT_MAX where
+    that overflows, 1 for amax 0 (and where it underflows to 0)."""
+    a = amax.to(torch.float32)
+    num = torch.tensor(fmt.elem.max * fmt.tensor_scale_bound, dtype=torch.float32,
+                       device=a.device)
+    enc = torch.clamp(num / a, max=_F32_MAX)
+    return torch.where((a == 0) | (enc == 0), torch.ones_like(enc), enc)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32)
+
+
+def round_scalar32(t: torch.Tensor, fmt, rounding: str, index: Optional[torch.Tensor],
+                   seed: Optional[int], inplace: bool = False) -> torch.Tensor:
+    """float32 t rounded to a scalar format, as float32 (exact: a value of fmt). index None
+    under stochastic rounding: each element's own flat index in t. inplace: t may be
+    overwritten with the result (here a new tensor is returned)."""
+    if index is None and stochastic_bits(rounding) is not None:
+        index = torch.arange(t.numel(), device=t.device, dtype=torch.int64).reshape(t.shape)
+    return _f32(_round_scalar(t.to(torch.float64), fmt, rounding, index, seed))
+
+
+def _scale_code(t32: torch.Tensor, fmt: BlockFormat, rnd) -> torch.Tensor:
+    """A block's scale-format value (float32) from its float32 target: nearest (the cast
+    TE makes, saturating), or upward for the ceil rule."""
+    sf = fmt.amax_scale_format.replace(rounding="nearest", saturate=True)
+    t = torch.nan_to_num(t32, nan=_F32_MAX, posinf=_F32_MAX)
+    if fmt.scale_rule == "ceil":
+        return _f32(torch.clamp(_round_float_up(t.to(torch.float64), sf), max=sf.max))
+    return rnd(t, sf, "nearest", None, None)
+
+
+def te_scale_fns(fmt: BlockFormat, enc: torch.Tensor, dec: torch.Tensor, rnd=None) -> list:
+    """TE's block scale rules under encode/decode tensor scales enc, dec (float32, 0-dim): the
+    functions block amax (float32) -> X (float32, scale-format values); two for 4over6 (the
+    max mapped to 6 and to 4)."""
+    rnd = round_scalar32 if rnd is None else rnd
+    elem = fmt.elem
+    inv_max = _f32(torch.tensor(1.0, dtype=torch.float64) / elem.max).to(enc.device)
+    if fmt.scale_rule == "4over6":  # (TE's 4over6 order)
+        return [lambda a: _scale_code((a / elem.max) * enc, fmt, rnd),
+                lambda a: _scale_code((a / elem.max) * enc * 1.5, fmt, rnd)]
+    if fmt.scale_rule != "ceil":
+        return [lambda a: _scale_code(a * (enc * inv_max), fmt, rnd)]
+    sf = fmt.amax_scale_format.replace(rounding="toward_zero", saturate=True)
+
+    def ceil_of(a):
+        # the smallest scale whose largest value covers a: the float32 target of a block
+        # max fl32(6 X s) can land just above X, whose largest value already covers it
+        X = _scale_code(a * (enc * inv_max), fmt, rnd)
+        down = rnd(X * (1 - 2.0 ** -(sf.man + 2)), sf, "toward_zero", None, None)
+        return torch.where((elem.max * down) * dec >= a, down, X)
+    return [ceil_of]
+
+
+def te_block_scale(amax: torch.Tensor, fmt: BlockFormat, scales) -> torch.Tensor:
+    """X * s (float64, exact) of blocks of largest magnitude amax (float64, read as float32)
+    by TE's rule under scales = (encode, decode) tensor scales; not for 4over6 (ValueError)."""
+    fns = te_scale_fns(fmt, *scales)
+    if len(fns) != 1:
+        raise ValueError(f"{fmt}: the 4over6 rule picks each block's scale by the block's "
+                         "rounding error, not from its amax alone")
+    return fns[0](_f32(amax)).to(torch.float64) * scales[1].to(torch.float64)
+
+
+def te_round_with_scale(x64: torch.Tensor, scale: torch.Tensor, fmt: BlockFormat,
+                        rounding: str, scales) -> torch.Tensor:
+    """x (read as float32) rounded by TE's steps with block scales ``scale`` = X * s (float64,
+    from te_block_scale; broadcast) under scales = (encode, decode): fl32(e X s), as float64."""
+    dec = scales[1]
+    X = _f32(scale / dec.to(torch.float64))  # (exact)
+    inv = torch.clamp(torch.ones_like(X) / (X * dec), max=_F32_MAX)
+    e = round_scalar32(_f32(x64) * inv, fmt.elem, rounding, None, None)
+    q = ((e * X) * dec).to(torch.float64)
+    return torch.where(q == 0, torch.copysign(torch.zeros_like(q), x64), q)
+
+
+def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
+                      idx: Optional[torch.Tensor], seed: Optional[int], tensor_scale, rnd):
+    """blocks ([..., n, block], float32) rounded by TE's rule, as float32 values, and the decode
+    tensor scale (float32, 0-dim): tensor_scale (checked) if given, else the one of the blocks'
+    largest finite magnitude. Every step is one float32 operation, as in TE's kernels (products
+    of an element and a block scale are exact in float32); rnd rounds a float32 tensor to a
+    scalar format (round_scalar32's signature; idx None: flat indices)."""
+    elem = fmt.elem
+    # one tensor of the blocks' size, the result, also holds the intermediate steps
+    buf = torch.empty(blocks.shape, dtype=torch.float32, device=blocks.device)
+    if blocks.numel():
+        # |x|'s bits: ordered as integers as |x| is, NaN above inf (a NaN's max is a NaN)
+        bits = torch.bitwise_and(blocks.view(torch.int32), 0x7FFFFFFF, out=buf.view(torch.int32))
+        bmax = bits.amax(dim=-1, keepdim=True)
+        bad = bmax >= 0x7F800000  # an inf or NaN in the block
+        amax_b = bmax.view(torch.float32)
+    else:
+        amax_b = blocks.sum(-1, True)
+        bad = ~torch.isfinite(amax_b)
+    # (no data-dependent branch on a device, where it syncs, nor in a traced graph)
+    any_bad = (blocks.device.type != "cpu" or torch.compiler.is_compiling()
+               or type(blocks) is not torch.Tensor or bool(bad.any()))
+    if any_bad:
+        amax_b = torch.where(bad, torch.zeros_like(amax_b), amax_b)
+    if tensor_scale is None:
+        amax_t = amax_b.amax() if amax_b.numel() else amax_b.sum()
+        if any_bad:
+            # the largest finite |x| (0 if none), a non-finite value's block included
+            amax_t = torch.where(torch.isfinite(blocks), blocks.abs(),
+                                 torch.zeros_like(blocks)).amax() if blocks.numel() else amax_t
+        enc = encode_scale(amax_t, fmt)
+        dec = torch.ones_like(enc) / enc
+    else:
+        dec = check_tensor_scale(tensor_scale, fmt).to(blocks.device)
+        enc = torch.ones_like(dec) / dec
+        amax_t = fmt.elem.max * fmt.tensor_scale_bound / enc.double()
+
+    def payload(X, into=None):  # X (float32, scale values) -> the blocks' e * X (exact)
+        inv = torch.clamp(torch.ones_like(X) / (X * dec), max=_F32_MAX)
+        t = torch.mul(blocks, inv, out=into) if into is not None else blocks * inv
+        if rounding in ("nearest", "nearest_away"):
+            e = rnd(t, elem, rounding, idx, seed, inplace=True)
+        else:
+            # x * inv of a value fl32(e * X * s) is e only to a few ulps: directed and stochastic
+            # rounding keep such a value of the format (nearest rounds it to e already)
+            en = rnd(t, elem, "nearest", None, None)
+            e = torch.where((en * X) * dec == blocks, en, rnd(t, elem, rounding, idx, seed))
+        return e.mul_(X)
+
+    scale_ofs = te_scale_fns(fmt, enc, dec, rnd)
+
+    def settled(scale_of, into=None):  # -> (e * X, X)
+        X = scale_of(amax_b)
+        p = payload(X, into)
+        # settle: each block again with the scale of its own rounded max, until the scale
+        # repeats, so that rounding the values once more under the same tensor scale gives
+        # them back (each step lowers X, so this ends)
+        while fmt.settle:
+            q = p * dec
+            rmax = q.abs().amax(dim=-1, keepdim=True) if q.numel() else q.sum(-1, True)
+            lower = (scale_of(rmax) < X) & ~bad
+            if lower.device.type == "meta" or not bool(lower.any()):
+                break
+            X = torch.where(lower, scale_of(rmax), X)
+            p = torch.where(lower, payload(X), p)
+        return p, X
+
+    p, X = settled(scale_ofs[0], buf)
+    if len(scale_ofs) == 2:  # map-to-4 where its float32 error sum is lower (map-to-6 on a tie)
+        p4, X4 = settled(scale_ofs[1])
+        denom = float(elem.max * fmt.tensor_scale_bound)
+        a32 = _f32(amax_t)
+
+        def err(p_):
+            val = (p_ * a32) / denom  # TE's dequantized value, float32 steps
+            d = (val - blocks).abs()
+            acc = torch.zeros_like(amax_b)
+            for j in range(blocks.shape[-1]):  # in element order
+                acc = acc + d[..., j:j + 1]
+            return acc
+        pick4 = err(p4) < err(p)
+        p, X = torch.where(pick4, p4, p), torch.where(pick4, X4, X)
+    q = p.mul_(dec)  # one float32 rounding; a zero keeps e's sign, which is x's for float e
+    if not isinstance(elem, FloatFormat):  # (integer elements have no -0.0: x's sign)
+        q = torch.where(q == 0, torch.copysign(torch.zeros_like(q), blocks), q)
+    if any_bad:
+        q = torch.where(bad, torch.full_like(q, float("nan")), q)
+    return q, dec, X
+
+
+def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: int = 0,
+                       tensor_scale=None, rnd=round_scalar32, block_scales: bool = False):
+    """x rounded to a two-level block format by Transformer Engine's NVFP4 rule: (values like
+    x, the decode tensor scale as a 0-dim float32 tensor). tensor_scale: round under this
+    decode scale (a positive finite float32; the encode scale is then its float32 reciprocal)
+    instead of the one of x's amax. Inputs are read as float32 (a float64 x is rounded to
+    float32 first, as TE reads its inputs). rnd: the scalar rounding of float32 tensors
+    (round_scalar32; qtensor.ops passes the compiled kernels'). block_scales: also return each
+    block's scale-format factor X (float32, the blocks' layout: block_layout's, or
+    tile_blocks's, with a last dim of 1)."""
+    x32 = x.detach().to(torch.float32)
+    if x.numel() == 0:
+        s = check_tensor_scale(tensor_scale, fmt) if tensor_scale is not None else \
+            torch.ones((), dtype=torch.float32)
+        return x.detach().clone(), s.to(x.device)
+    stochastic = stochastic_bits(rounding) is not None
+
+    def index():
+        return torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
+    if fmt.block_shape is not None:
+        check_axis(x32, fmt)
+        y, restore, fmt1 = tile_blocks(x32, fmt)
+        iy = tile_blocks(index(), fmt)[0] if stochastic else None
+        q, dec, X = _two_level_blocks(y, fmt1, rounding, iy, seed, tensor_scale, rnd)
+        q = restore(q)
+    else:
+        shape = x32.shape
+        axis = None if fmt.axis is None or x32.dim() == 0 else fmt.axis
+        if axis is not None:
+            check_axis(x32, fmt)
+        blocks = block_layout(x32, fmt)
+        moved = x32.reshape(1, -1) if axis is None else x32.movedim(axis, -1)
+        n = moved.shape[-1]
+        # the random bits follow each element's index in x: the blocks' own flat index where
+        # they are x's elements in order (None), else laid out as the blocks
+        flat = n % blocks.shape[-1] == 0 and (axis is None or axis % x32.dim() == x32.dim() - 1)
+        idx = block_layout(index(), fmt) if stochastic and not flat else None
+        q, dec, X = _two_level_blocks(blocks, fmt, rounding, idx, seed, tensor_scale, rnd)
+        q = q.reshape(*moved.shape[:-1], -1)[..., :n]
+        q = q.reshape(shape) if axis is None else q.movedim(-1, axis)
+    out = (_nan_bits(q.to(x.dtype), q, x, fmt), dec)
+    return out + (X,) if block_scales else out
+
+
+def two_level_payload(values: torch.Tensor, s: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The payloads p = element x block scale (float64, exact) of a two-level format's values
+    fl32(p x s): values / s rounded to the significant bits an element times a scale has (the
+    float32 rounding of p x s moves it by far less than their spacing)."""
+    r = values.to(torch.float64) / s.to(torch.float64)
+    bits = _significant_bits(fmt.elem) + fmt.amax_scale_format.man + 1
+    a = r.abs()
+    _, e = torch.frexp(torch.where(a > 0, a, torch.ones_like(a)))
+    q = _pow2(e.to(torch.int64) - bits)
+    return torch.where(a > 0, torch.round(r / q) * q, r)
+
+
+def two_level_valid(values: torch.Tensor, s: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """Which values are fl32(p x s) for a payload p of fmt's element times scale bits."""
+    p = two_level_payload(values, s, fmt)
+    elem = fmt.elem
+    sf = fmt.amax_scale_format
+    # (p on the grid of numbers of that many bits: a superset of the element x scale products)
+    return (p.abs() <= elem.max * sf.max) & (_f32(p * s.to(torch.float64)) == values.float())
+
+
 def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
                      index: Optional[torch.Tensor], seed: Optional[int]) -> torch.Tensor:
     """x (float64) rounded to a BlockFormat, as float64 (float32-exact values)."""
@@ -367,8 +597,7 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
     bad = ~torch.isfinite(amax)
     amax_f = torch.where(bad, torch.zeros_like(amax), amax)
 
-    tensor_scale = block_tensor_scale(x64, fmt)
-    candidates = scale_candidates(fmt, tensor_scale)
+    candidates = scale_candidates(fmt)
 
     def round_at(scale):
         return round_with_scale(blocks, scale, fmt, rounding, idx, seed)
@@ -424,6 +653,8 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
     index = None
     if stochastic_bits(rounding) is not None:
         index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        return quantize_two_level(x, fmt, rounding, seed)[0]
     x64 = x.detach().to(torch.float64)
     if isinstance(fmt, BlockFormat):
         q = _quantize_blocks(x64, fmt, rounding, index, seed)
@@ -445,25 +676,30 @@ def _nan_bits(out: torch.Tensor, q: torch.Tensor, x: torch.Tensor, fmt) -> torch
     canonical NaN; float16 keeps the sign of the float32 result's NaN
     with the quiet payload 0x7E00, bfloat16 is always 0x7FC0 (c10's scalar conversions, which
     the kernels narrow with; torch's vectorised cast gives 0xFFFF)."""
-    nan = torch.isnan(q)
     if out.dtype == torch.bfloat16:
-        return torch.where(nan, _half_bits(0x7FC0, out.dtype).to(out.device), out)
+        return torch.where(torch.isnan(q), _half_bits(0x7FC0, out.dtype).to(out.device), out)
     if out.dtype == torch.float16:
         pos, neg = (_half_bits(b, out.dtype).to(out.device) for b in (0x7E00, 0xFE00))
-        return torch.where(nan, torch.where(torch.signbit(q), neg, pos), out)
+        return torch.where(torch.isnan(q), torch.where(torch.signbit(q), neg, pos), out)
     if isinstance(fmt, BlockFormat) or (isinstance(fmt, FloatFormat) and not fmt.signed):
         return out  # (the positive canonical NaN already)
     return torch.where(torch.isnan(x), x.detach(), out)
 
 
 def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+             generator: Optional[torch.Generator] = None, tensor_scale=None) -> torch.Tensor:
     """x rounded to ``fmt`` (a format or its name), as a new plain tensor like x.
 
-    rounding overrides the format's own mode; generator feeds stochastic rounding.
+    rounding overrides the format's own mode; generator feeds stochastic rounding;
+    tensor_scale: a two-level format's FP32 decode tensor scale to round under (as qt.quantize).
     """
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
     check_generator(generator)
     seed = draw_seed(generator) if stochastic_bits(rounding) is not None else 0
+    if tensor_scale is not None:
+        if not (isinstance(fmt, BlockFormat) and fmt.tensor_scale):
+            raise ValueError(f"quantize to {fmt}: tensor_scale is for two-level block formats "
+                             "(tensor_scale=True, such as nvfp4)")
+        return quantize_two_level(x, fmt, rounding, seed, tensor_scale)[0]
     return quantize_with_seed(x, fmt, rounding, seed)

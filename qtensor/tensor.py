@@ -38,6 +38,7 @@ from . import gemm as _gemm
 from .accum import PRESETS as _ACCUM_PRESETS, AccumFormat, AccumFormatError
 from .accum import as_accum as _as_accum
 from . import ops as _ops
+from . import reference as _reference
 from .checks import FLOAT_DTYPES as _PAYLOAD_DTYPES
 from .formats import FORMAT_CLASSES, Format, short_repr
 from .formats import format as _parse_format
@@ -378,6 +379,18 @@ class QTensor(torch.Tensor):
     fmt: Format
     mm_fmt: Optional[Format]
     _accum = None  # see accum; internal code sets _accum (no export recording)
+    _tscale = None  # two-level formats (nvfp4): the FP32 decode tensor scale, 0-dim float32
+
+    @property
+    def tensor_scale(self) -> Optional[torch.Tensor]:
+        """A two-level format's (nvfp4) FP32 decode tensor scale s (a 0-dim float32 tensor):
+        the values are element x block scale x s in float32; data movement keeps s (and the
+        values), computing ops derive a fresh one by Transformer Engine's rule. None for other
+        formats."""
+        if self._tscale is None and _two_level(self.fmt):
+            # values wrapped without their scale: the one TE's rule gives their amax
+            self._tscale = _ops.quantize_with_scale(self._data.detach(), self.fmt)[1]
+        return self._tscale
 
     @property
     def accum(self) -> Optional[AccumFormat]:
@@ -396,7 +409,7 @@ class QTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data, fmt, mm_fmt=None, outer_size=None, outer_stride=None, *,
-                requires_grad=False, accum=None):
+                requires_grad=False, accum=None, tensor_scale=None):
         if isinstance(data, QTensor):
             raise TypeError("QTensor(data, ...): data is already a QTensor; use as_qtensor to "
                             "change its format")
@@ -408,8 +421,14 @@ class QTensor(torch.Tensor):
         _teach_dynamo()
         if isinstance(accum, str) and "=" in accum:
             accum = _accum_of_token(accum)
-        return cls._wrap(data, fmt, mm_fmt, outer_size, outer_stride, requires_grad,
-                         _as_accum(accum, "QTensor(accum=...)"))
+        t = cls._wrap(data, fmt, mm_fmt, outer_size, outer_stride, requires_grad,
+                      _as_accum(accum, "QTensor(accum=...)"))
+        if tensor_scale is not None:
+            if not _two_level(fmt):
+                raise ValueError(f"QTensor(tensor_scale=...): {fmt} has no tensor scale (only "
+                                 "two-level block formats such as nvfp4)")
+            t._tscale = _reference.check_tensor_scale(tensor_scale, fmt).to(data.device)
+        return t
 
     @staticmethod
     def _wrap(data, fmt, mm_fmt=None, outer_size=None, outer_stride=None, requires_grad=False,
@@ -463,6 +482,8 @@ class QTensor(torch.Tensor):
         _teach_dynamo()
         if torch.compiler.is_exporting():
             _check_not_lowering_a_dynamic_output(self)
+        if self._tscale is not None:
+            return ["_data", "_tscale"], (self.fmt, self.mm_fmt, self.accum)
         return ["_data"], (self.fmt, self.mm_fmt, self.accum)
 
     @staticmethod
@@ -479,8 +500,11 @@ class QTensor(torch.Tensor):
                 "This is a torch.compile issue with dynamic shapes after a recompilation; "
                 "compile with torch.compile(..., dynamic=False), or call "
                 "torch._dynamo.reset() before compiling another model in the same process.")
-        return QTensor._wrap(inner_tensors["_data"], fmt, mm_fmt, outer_size, outer_stride,
-                             accum=accum)
+        t = QTensor._wrap(inner_tensors["_data"], fmt, mm_fmt, outer_size, outer_stride,
+                          accum=accum)
+        if inner_tensors.get("_tscale") is not None:
+            t._tscale = inner_tensors["_tscale"]
+        return t
 
     def _stable_hash_for_caching(self) -> str:
         # AOTAutograd's cache key: metadata only (formats and accumulator included), never the
@@ -549,6 +573,7 @@ class QTensor(torch.Tensor):
                              mm_fmt=self.mm_fmt)
         _TENSOR_DATA.__set__(self, new)  # sizes, strides, dtype, device of the wrapper
         self._data, self.fmt, self.mm_fmt = new._data, new.fmt, new.mm_fmt
+        self._tscale = new._tscale
 
     def untyped_storage(self):
         """The payload's storage: ``share_memory_()``, ``is_shared()``, ``storage()`` and
@@ -618,7 +643,7 @@ class QTensor(torch.Tensor):
         rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
         if data.dim() and data.shape[0] < rows:
             data = torch.cat([data, data.new_zeros((rows - data.shape[0], *data.shape[1:]))])
-        return (data,), (self.fmt, self.mm_fmt, self._accum)
+        return (data,), (self.fmt, self.mm_fmt, self._accum, self.tensor_scale)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The unsharded parameter: the gathered payloads as they were sent (no rounding: they
@@ -627,16 +652,20 @@ class QTensor(torch.Tensor):
         if out is not None:
             return None
         (data,) = all_gather_outputs
-        fmt, mm_fmt, accum = metadata
-        return QTensor._wrap(data, fmt, mm_fmt, accum=accum), (data,)
+        fmt, mm_fmt, accum, tscale = metadata
+        t = QTensor._wrap(data, fmt, mm_fmt, accum=accum)
+        t._tscale = tscale  # (the sharded parameter's: its shards share it)
+        return t, (data,)
 
     # -- serialization -------------------------------------------------------------------------
     def __reduce_ex__(self, protocol):
         # the accumulator as a dict of its fields (plain values: loadable with weights_only)
         accum = None if self.accum is None else dataclasses.asdict(self.accum)
+        ts = self.tensor_scale
         return (_rebuild_qtensor,
                 (self._data, str(self.fmt), None if self.mm_fmt is None else str(self.mm_fmt),
-                 self.requires_grad, bool(getattr(self, "_is_param", False)), accum))
+                 self.requires_grad, bool(getattr(self, "_is_param", False)), accum)
+                + (() if ts is None else (float(ts),)))
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -649,6 +678,7 @@ class QTensor(torch.Tensor):
             data = copy.deepcopy(self._data, memo)
         new = QTensor._wrap(data, self.fmt, self.mm_fmt, requires_grad=self.requires_grad,
                             accum=self.accum)
+        new._tscale = self._tscale
         if getattr(self, "_is_param", False):
             new._is_param = True
         memo[id(self)] = new
@@ -698,7 +728,8 @@ def _check_fsdp_policy(mp_policy, t) -> None:
             "(docs/distributed.md); leave reduce_dtype=None or torch.float32")
 
 
-def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=None):
+def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=None,
+                     tensor_scale=None):
     """A QTensor from its pickled form (torch.load, pickle, copy.copy): what a file holds is
     checked, as qt.load_safetensors checks it (a ValueError, never a QTensor whose payload is
     not in its format)."""
@@ -713,12 +744,14 @@ def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=Non
         except TypeError as e:  # a field unknown or missing
             raise AccumFormatError(f"{what}: {e}") from None
     try:
-        t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad, accum=accum)
+        t = QTensor(data, fmt, mm_fmt, requires_grad=requires_grad, accum=accum,
+                    tensor_scale=tensor_scale)
     except TypeError as e:  # (a payload dtype that carries no format)
         raise ValueError(f"{what}: {e}") from None
     # (values only: not a fake or meta payload, nor while tracing)
     if (type(data) is torch.Tensor and data.device.type != "meta"
-            and not torch.compiler.is_compiling() and (off := _ops.count_off_format(data, t.fmt))):
+            and not torch.compiler.is_compiling()
+            and (off := _ops.count_off_format(data, t.fmt, t._tscale))):
         raise ValueError(f"{what}: {off} of {data.numel()} payload values are not values of "
                          f"{t.fmt} (the file was changed after saving?)")
     if is_param:
@@ -783,6 +816,10 @@ def _check_accum_not_set_while_tracing(func, args, kwargs) -> None:
 # ---------------------------------------------------------------------------------------------
 # Differentiable construction
 
+def _two_level(fmt) -> bool:
+    return fmt is not None and fmt.is_block and fmt.tensor_scale
+
+
 def _payload_of(x: torch.Tensor) -> torch.Tensor:
     """x's values as a plain float32 (or float64) tensor."""
     if isinstance(x, QTensor):
@@ -824,9 +861,15 @@ def grad_with_accum(g, accum):
 
 class _AsQTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fmt, mm_fmt, rounding):
+    def forward(ctx, x, fmt, mm_fmt, rounding, tensor_scale=None):
         ctx.plain = not isinstance(x, QTensor)
         ctx.dtype = x.dtype
+        if _two_level(fmt):
+            q, s = _ops.quantize_with_scale(_payload_of(x).detach(), fmt, rounding=rounding,
+                                            tensor_scale=tensor_scale)
+            t = QTensor._wrap(q, fmt, mm_fmt, accum=_accum_of(x))
+            t._tscale = s
+            return t
         q = _ops.quantize(_payload_of(x).detach(), fmt, rounding=rounding)
         return QTensor._wrap(q, fmt, mm_fmt, accum=_accum_of(x))
 
@@ -837,7 +880,7 @@ class _AsQTensor(torch.autograd.Function):
             g = _grad_values(g)
         if g.dtype != ctx.dtype and not isinstance(g, QTensor):
             g = g.to(ctx.dtype)
-        return g, None, None, None
+        return g, None, None, None, None
 
 
 class _QuantizeGrad(torch.autograd.Function):
@@ -864,7 +907,8 @@ class _Dequantize(torch.autograd.Function):
         return g
 
 
-def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = None) -> QTensor:
+def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = None,
+               tensor_scale=None) -> QTensor:
     """x rounded to ``fmt`` (a format or its name) and wrapped as a QTensor.
 
     Differentiable with a straight-through gradient (the gradient passes unchanged; a plain
@@ -874,6 +918,8 @@ def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = N
     ``rounding`` overrides fmt's rounding mode for this rounding only; later ops round with
     fmt's own mode (put it in the format, e.g. ``"bf16(rounding=stochastic)"``, to change it).
     bfloat16/float16 inputs get a float32 payload; float64 inputs keep float64.
+    ``tensor_scale`` (two-level formats such as nvfp4): round under this FP32 decode tensor
+    scale instead of the one Transformer Engine's rule derives from x's amax.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"as_qtensor expects a torch.Tensor, got {type(x).__name__}")
@@ -883,10 +929,16 @@ def as_qtensor(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = N
     mm_fmt = _parse(mm_fmt)
     _check_floating(x, fmt)
     refuse_transformed(x)
+    if tensor_scale is not None and not _two_level(fmt):
+        raise ValueError(f"as_qtensor: {fmt} has no tensor scale (only two-level block formats "
+                         "such as nvfp4)")
     if torch.is_grad_enabled() and x.requires_grad:
-        return _AsQTensor.apply(x, fmt, mm_fmt, rounding)
-    q = _ops.quantize(_payload_of(x).detach(), fmt, rounding=rounding)
-    return QTensor._wrap(q, fmt, mm_fmt, accum=_accum_of(x))
+        return _AsQTensor.apply(x, fmt, mm_fmt, rounding, tensor_scale)
+    return _AsQTensor.forward(_NoCtx(), x, fmt, mm_fmt, rounding, tensor_scale)
+
+
+class _NoCtx:
+    """_AsQTensor.forward's ctx outside autograd (it only stores attributes)."""
 
 
 def quantize_grad(x: torch.Tensor, fmt, *, mm_fmt=None, rounding: Optional[str] = None):

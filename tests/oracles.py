@@ -364,10 +364,10 @@ def block_clipping(x, rule: str, elem_max: float, emax: int, bs=None, tile=None,
     """(clipped, lost) of x (a list of rows): each block's scale by the rule, block by block
     in float64; a value is clipped where it lies beyond elem_max * X (below elem_min * X), and
     loses its distance to that value. Rules: "floor" (2^(floor(log2 amax) - emax)), "ceil"
-    (2^ceil(log2(amax / elem_max))), "amax" with ``nvfp4`` (the E4M3 scale nearest to
-    amax / (6 * T), T the tensor's amax / (6 * 448) rounded down to 17 significant bits; no
-    idempotence step: blocks of normal scales). Blocks of ``bs`` along the rows, or tiles
-    ``tile`` = (rows, cols), partial at the ends."""
+    (2^ceil(log2(amax / elem_max))), "amax" with ``nvfp4`` (Transformer Engine's rule in its
+    float32 steps: encode scale S = fl32(6 * 448 / tensor amax), decode 1/S, X the E4M3 value
+    nearest to fl32(amax * fl32(S * fl32(1/6))), the block's top fl32(6 * X * decode)). Blocks
+    of ``bs`` along the rows, or tiles ``tile`` = (rows, cols), partial at the ends."""
     elem_min = -elem_max if elem_min is None else elem_min
     R, C = len(x), len(x[0])
     if tile is not None:
@@ -376,11 +376,10 @@ def block_clipping(x, rule: str, elem_max: float, emax: int, bs=None, tile=None,
                   for i0 in range(0, R, r) for j0 in range(0, C, c)]
     else:
         blocks = [x[i][j:j + bs] for i in range(R) for j in range(0, C, bs)]
-    ts = None
+    enc = dec = None
     if nvfp4:
-        t = max(abs(v) for row in x for v in row) / (6 * 448)
-        m, e = math.frexp(t)
-        ts = math.floor(m * 2 ** 17) * 2.0 ** (e - 17)
+        enc = f32(f32(6 * 448.0) / f32(max(abs(v) for row in x for v in row)))
+        dec = f32(1.0 / enc)
     count, lost = 0, 0.0
     for blk in blocks:
         amax = max(abs(v) for v in blk)
@@ -391,10 +390,69 @@ def block_clipping(x, rule: str, elem_max: float, emax: int, bs=None, tile=None,
         elif rule == "ceil":
             X = 2.0 ** math.ceil(math.log2(amax / elem_max))
         else:
-            X = _e4m3_nearest(amax / (6 * ts)) * ts
+            X = None
+            top = f32(6 * _e4m3_nearest(f32(f32(amax) * f32(enc * f32(1 / 6.0)))) * dec)
+        hi, lo = (elem_max * X, elem_min * X) if X is not None else (top, -top)
         for v in blk:
-            if v > elem_max * X:
-                count, lost = count + 1, lost + v - elem_max * X
-            elif v < elem_min * X:
-                count, lost = count + 1, lost + elem_min * X - v
+            if v > hi:
+                count, lost = count + 1, lost + v - hi
+            elif v < lo:
+                count, lost = count + 1, lost + lo - v
     return count, lost
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 by Transformer Engine's rule, one float32 step at a time (each step computed exactly in
+# Python's float64 and rounded once to float32: for one +, *, / of float32 operands that is the
+# float32 operation's own result)
+
+def f32(v: float) -> float:
+    """v rounded to nearest float32 (inf past FLT_MAX)."""
+    import numpy as np
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
+
+
+F32_MAX = 3.4028234663852886e38
+
+
+def nvfp4_te(rows, e4m3, e2m1, bound: float = 448.0, block: int = 16, tensor_scale=None):
+    """rows (lists of float32 values; blocks of ``block`` along each row) by TE's NVFP4 rule:
+    (values, decode tensor scale). e4m3/e2m1: the scale and element formats (rounded through
+    :func:`round_float`, to nearest, saturating as TE's satfinite casts). ``tensor_scale``: a
+    given decode scale instead of the one of the rows' amax (its encode scale: 1/s in float32)."""
+    emax = elem_max = float(max(v for _c, v in float_codes(e2m1) if v is not None and
+                                math.isfinite(v)))
+    smax = float(max(v for _c, v in float_codes(e4m3) if v is not None and math.isfinite(v)))
+    if tensor_scale is None:
+        finite = [abs(v) for r in rows for v in r if math.isfinite(v)]
+        amax = max(finite, default=0.0)
+        enc = f32(f32(elem_max * bound) / amax) if amax > 0 else 1.0
+        enc = min(enc, F32_MAX)
+        if enc == 0:
+            enc = 1.0
+        dec = f32(1.0 / enc)
+    else:
+        dec = tensor_scale
+        enc = f32(1.0 / dec)
+    inv_max = f32(1.0 / emax)
+    out = []
+    for r in rows:
+        res = []
+        for b in range(0, len(r), block):
+            vals = r[b:b + block]
+            if not all(math.isfinite(v) for v in vals):
+                res += [NAN] * len(vals)
+                continue
+            bamax = max(abs(v) for v in vals)
+            t = f32(bamax * f32(enc * inv_max))
+            X = round_float(min(t, smax), e4m3, "nearest")
+            d = f32(X * dec)
+            inv = F32_MAX if d == 0 else min(f32(1.0 / d), F32_MAX)
+            for v in vals:
+                y = f32(v * inv)
+                e = round_float(max(-elem_max, min(elem_max, y)), e2m1, "nearest")
+                q = f32(e * X * dec)  # (e * X * dec exact in float64)
+                res.append(math.copysign(0.0, v) if q == 0 else q)
+        out.append(res)
+    return out, dec

@@ -62,8 +62,10 @@ def _cuda_ready() -> bool:
 
 
 def covers(fmt, rounding: str) -> bool:
-    """Whether a Triton kernel rounds ``fmt`` (else the reference does, with the same bits)."""
-    return not (getattr(fmt, "scale_rule", None) == "4over6" and fmt.tensor_scale)
+    """Whether a Triton kernel rounds ``fmt`` (else the reference does, with the same bits): not
+    two-level formats (NVFP4's tensor scale: the kernel's rule is not Transformer Engine's, which
+    reference.quantize_two_level computes in float32 torch ops on the device)."""
+    return not getattr(fmt, "tensor_scale", False)
 
 
 @contextlib.contextmanager

@@ -246,19 +246,19 @@ def test_converted_linear_nvfp4_passes_block_scales(fmt):
         xe, xs = _e4m3_scales(x)
         we, ws = _e4m3_scales(w)
         want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t())
-    else:  # the per-tensor scales (from the tensors' amax) out of the elements, then alpha
-        from qtensor.reference import _tensor_scale
-        nv = qt.formats.format("nvfp4")
-        tx, tw = (_tensor_scale(t.double().abs().amax(), nv) for t in (x, w))
-        def split(t, ts):  # the quantizer's E4M3 scales of the unrounded blocks
-            s = (t.double().abs().unflatten(-1, (-1, 16)).amax(-1) / (6 * ts))
-            s = s.float().to(torch.float8_e4m3fn)
+    else:  # the per-tensor scales (TE's, from the tensors' amax) out of the elements, alpha
+        def split(t):  # TE's S_enc and E4M3 scales of the unrounded blocks (float32 steps)
+            enc = torch.tensor(6 * 448.0) / t.abs().amax()
+            ts = 1 / enc
+            s = t.abs().unflatten(-1, (-1, 16)).amax(-1) * (enc * torch.tensor(1 / 6.0))
+            s = s.to(torch.float8_e4m3fn)
             tq = qt.quantize(t, fmt).double()
-            return (tq / (s.double().repeat_interleave(16, -1) * ts)).float(), s
-        xe, xs = split(x, tx)
-        we, ws = split(w, tw)
-        want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t()) * (
-            tx.float() * tw.float())
+            e = tq / (s.double().repeat_interleave(16, -1) * ts.double())
+            return e.round(decimals=6).float(), s, ts  # (e * X * s rounded once: e to 1e-6)
+        xe, xs, tx = split(x)
+        we, ws, tw = split(w)
+        assert torch.equal(xe, qt.quantize(xe, "fp4_e2m1"))  # the elements recovered
+        want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t()) * (tx * tw)
     assert torch.equal(bits(y), bits(want))
     old = accum.accum_matmul(qt.quantize(x, fmt), qt.quantize(w, fmt).t(), f)
     assert not torch.equal(bits(y), bits(old))
@@ -368,17 +368,68 @@ def test_converted_linear_promotion_scales(scale, monkeypatch):
     assert torch.equal(bits(y), bits(old)) == (scale == "e8m0")
 
 
+def _te_split(t, fmt):
+    """_quantizer_split for a two-level format by Transformer Engine's rule, in its float32
+    steps written out here (E4M3 casts by torch's float8_e4m3fn, RNE): the encode scale from
+    t's amax, each block's E4M3 scale (amax: nearest of amax/6 * enc; ceil: the smallest E4M3
+    whose 6 X s covers amax; 4over6: nearest of amax/6 * enc and of that * 1.5, the one of the
+    lower float32 error sum, 6 on a tie), the elements of x * 1/(X s), values fl32(e X s)."""
+    f32 = torch.float32
+    bound = 256.0 if fmt.scale_rule == "4over6" else 448.0
+    amax_t = t.abs().amax()
+    enc = torch.tensor(6 * bound, dtype=f32) / amax_t
+    dec = 1 / enc
+    blocks = t.unflatten(-1, (-1, 16))
+    bmax = blocks.abs().amax(-1, keepdim=True)
+
+    def e4m3(v):
+        return v.clamp(max=448.0).to(torch.float8_e4m3fn)
+
+    def elements(X):
+        inv = (1 / (X * dec)).clamp(max=torch.finfo(f32).max)
+        return qt.quantize((blocks * inv).clamp(-6, 6), "fp4_e2m1")
+
+    if fmt.scale_rule == "4over6":
+        X6 = e4m3((bmax / 6.0) * enc).float()
+        X4 = e4m3((bmax / 6.0) * enc * 1.5).float()
+
+        def err(X):
+            d = ((((elements(X) * X) * amax_t) / (6 * bound)) - blocks).abs()
+            acc = torch.zeros_like(bmax)
+            for j in range(16):
+                acc = acc + d[..., j:j + 1]
+            return acc
+        X = torch.where(err(X4) < err(X6), X4, X6)
+    elif fmt.scale_rule == "ceil":
+        target = bmax * (enc * torch.tensor(1 / 6.0, dtype=f32))
+        n = e4m3(target)
+        up = torch.where(n.float() < target, (n.view(torch.uint8) + 1).view(torch.float8_e4m3fn),
+                         n).float()
+        down = torch.where(up > 0, (e4m3(up).view(torch.uint8) - 1).view(torch.float8_e4m3fn)
+                           .float(), up)
+        X = torch.where((6.0 * down) * dec >= bmax, down, up)
+    else:
+        X = e4m3(bmax * (enc * torch.tensor(1 / 6.0, dtype=f32))).float()
+    e = elements(X)
+    q = (e * X) * dec
+    assert torch.equal(q.flatten(-2), qt.quantize(t, fmt))  # the quantizer's values
+    e = torch.where(X == 0, q, e)  # a block rounded to zeros: zero elements, any scale (1)
+    return e.flatten(-2), torch.where(X == 0, 1.0, X)[..., 0], dec.double()
+
+
 def _quantizer_split(t, fmt):
     """t rounded to the block format fmt (blocks along the last dim) by the quantizer's own
     steps on the unrounded blocks (an oracle independent of accum's scale recovery): (elements,
     block scales X, tensor scale ts); 4over6 picks the candidate of the lower error (6 on a
     tie), as Transformer Engine."""
-    from qtensor.reference import block_tensor_scale, round_with_scale, scale_candidates
+    if fmt.tensor_scale:
+        return _te_split(t, fmt)
+    from qtensor.reference import round_with_scale, scale_candidates
     bs = fmt.block_size
     t64 = t.double()
     blocks = t64.unflatten(-1, (-1, bs))
     amax = blocks.abs().amax(-1, keepdim=True)
-    ts = block_tensor_scale(t64, fmt)
+    ts = None
 
     def settled(scale_of):  # a block whose rounded max has a lower scale takes that one
         X = scale_of(amax)
@@ -390,7 +441,7 @@ def _quantizer_split(t, fmt):
             X = torch.minimum(again, X)
             q = round_with_scale(blocks, X, fmt, "nearest")
         return X, q
-    cands, qs = zip(*[settled(c) for c in scale_candidates(fmt, ts)])
+    cands, qs = zip(*[settled(c) for c in scale_candidates(fmt)])
     X, q = cands[0], qs[0]
     if len(cands) == 2:
         err = [sum((qq[..., j:j + 1] - blocks[..., j:j + 1]).abs() for j in range(bs))

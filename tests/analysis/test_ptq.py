@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import qtensor as qt
+from oracles import F32_MAX, f32
 
 CUSTOM_AMAX = qt.BlockFormat(qt.format("fp4_e2m1"), block_size=8, scale="fp8_e4m3",
                              scale_rule="amax")  # no tensor scale: blocks re-rounded, no pin
@@ -47,26 +48,40 @@ def ref_scale(amax: float, fmt, ts):
             k += 1
         return 2.0 ** min(max(k, fmt.scale.emin), fmt.scale.emax)
     s = fmt.scale.replace(rounding="nearest")
-    if ts is None:
-        return float(qt.quantize(torch.tensor(amax / fmt.elem.max, dtype=torch.float64), s))
-    ratio = amax / (fmt.elem.max * ts) if ts > 0 else 0.0
-    return float(qt.quantize(torch.tensor(ratio, dtype=torch.float64),
-                             s.replace(saturate=True))) * ts
+    if isinstance(ts, tuple):  # TE's rule under (encode, decode) tensor scales: X * decode
+        enc, dec = ts
+        t = f32(f32(amax) * f32(enc * f32(1 / fmt.elem.max)))
+        X = float(qt.quantize(torch.tensor(t, dtype=torch.float32), s.replace(saturate=True)))
+        return X * dec
+    return float(qt.quantize(torch.tensor(amax / fmt.elem.max, dtype=torch.float64), s))
 
 
-def ref_tensor_scale(amax: float, fmt) -> float:
-    t = amax / (fmt.elem.max * fmt.scale.max)
-    if t == 0:
-        return 0.0
-    j = math.frexp(t)[1] - fmt.tensor_scale_bits
-    return math.floor(t / 2.0 ** j) * 2.0 ** j
+def ref_tensor_scale(amax: float, fmt):
+    """TE's (encode, decode) tensor scales of a weight whose largest magnitude is amax, taken
+    again from the pinned top value fl32(6 * 448 * decode) until they repeat (so that rounding
+    the result again takes the same ones)."""
+    code = f32(fmt.elem.max * fmt.scale.max)
+    enc = f32(code / f32(amax))
+    while True:
+        dec = f32(1 / enc)
+        again = f32(code / f32(code * dec))
+        if again == enc:
+            return enc, dec
+        enc = again
 
 
-def ref_round(v: float, fmt, scale) -> float:
+def ref_round(v: float, fmt, scale, ts=None) -> float:
     if not isinstance(fmt, qt.BlockFormat):
         return float(qt.quantize(torch.tensor(v, dtype=torch.float64), fmt))
     if scale == 0:
         return math.copysign(0.0, v)
+    if isinstance(ts, tuple):  # TE: e of fl32(v * fl32(1 / fl32(X * decode))), fl32(e X decode)
+        dec = ts[1]
+        X = scale / dec
+        inv = min(f32(1 / f32(X * dec)), F32_MAX)
+        e = float(qt.quantize(torch.tensor(f32(f32(v) * inv), dtype=torch.float32), fmt.elem))
+        q = f32(e * X * dec)
+        return math.copysign(0.0, v) if q == 0 else q
     return scale * float(qt.quantize(torch.tensor(v / scale, dtype=torch.float64), fmt.elem))
 
 
@@ -88,7 +103,7 @@ class RefGrid:
             amax = float((w0 if whole is None else whole).abs().max())
             self.ts = ref_tensor_scale(amax, fmt)
             r, c = divmod(int(w0.abs().argmax()), K)
-            top = fmt.elem.max * fmt.scale.max * self.ts
+            top = f32(fmt.elem.max * fmt.scale.max * self.ts[1])
             if float(w0.abs().max()) == amax:  # the group that holds the largest weight
                 self.pin = (r, c, math.copysign(top, float(w0[r, c])),
                             ref_scale(top, fmt, self.ts))
@@ -107,7 +122,7 @@ class RefGrid:
     def round(self, r, c, v, scale):
         if self.pin and (r, c) == self.pin[:2]:
             return self.pin[2]
-        return ref_round(float(v), self.fmt, scale)
+        return ref_round(float(v), self.fmt, scale, self.ts)
 
     def smaller(self, r, q, cols, scale):
         """The scale of the rounded block q's own largest value, if re-rounding q with it
@@ -117,7 +132,7 @@ class RefGrid:
         if self.pin and self.pin[0] == r and self.pin[1] in cols:
             return None
         again = ref_scale(max(abs(float(v)) for v in q), self.fmt, self.ts)
-        if all(ref_round(float(v), self.fmt, again) == float(v) for v in q):
+        if all(ref_round(float(v), self.fmt, again, self.ts) == float(v) for v in q):
             return None
         assert again < scale
         return again

@@ -67,16 +67,16 @@ def test_nvfp4_model_trains(operand):
 
 
 def test_nvfp4_tensor_scale_values():
-    """s = RD_17(amax / 2688); the tensor's largest block gets X = 448 and its amax element 6 X s;
-    a block far below keeps 2-bit relative precision instead of underflowing."""
+    """Transformer Engine's rule: S_enc = 2688 / amax and s = 1 / S_enc in float32; the tensor's
+    largest block gets X = 448 and its amax element 6 X s; a block far below keeps 2-bit relative
+    precision instead of underflowing."""
+    import numpy as np
     x = torch.zeros(2, 16)
     x[0, 0] = 1000.0
     x[1, :4] = torch.tensor([1e-3, -2e-3, 3e-3, 4e-4])
-    q = qt.quantize(x, qt.nvfp4)
-    s = 1000.0 / 2688
-    import math
-    e = math.frexp(s)[1]
-    s17 = math.floor(math.ldexp(s, 17 - e)) * 2.0 ** (e - 17)
-    assert q[0, 0].item() == 6 * 448 * s17
+    q = qt.as_qtensor(x, qt.nvfp4)
+    s = np.float32(1) / (np.float32(2688) / np.float32(1000))
+    assert float(q.tensor_scale) == float(s)
+    assert q[0, 0].item() == float(np.float32(6 * 448 * float(s)))
     assert torch.all(q[1, :4] != 0) and torch.allclose(q[1, :4], x[1, :4], rtol=0.3)
-    assert torch.equal(qt.quantize(q, qt.nvfp4), q)
+    assert torch.equal(qt.quantize(q, qt.nvfp4), q.dequantize())

@@ -42,10 +42,29 @@ def wide_blocks(rows, cols, seed, lo=-140, hi=100, specials=True):
 
 
 def assert_idempotent(quantize, x, fmt, mode):
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        return assert_idempotent_under_scale(quantize, x, fmt, mode)
     q = quantize(x, fmt, rounding=mode, generator=torch.Generator().manual_seed(1))
     for mode2 in MODES:  # every mode leaves a value of the format alone
         again = quantize(q, fmt, rounding=mode2, generator=torch.Generator().manual_seed(2))
         assert_bits_equal(again, q, f"{fmt} {mode} then {mode2}", inputs=x)
+    return q
+
+
+def assert_idempotent_under_scale(quantize, x, fmt, mode):
+    """Two-level formats (NVFP4): the values keep their tensor scale (the QTensor carries it),
+    so they are rounded again under x's scale, not one derived from their own amax (TE's rule
+    derives a different one). settle=True: TE's single pass re-derives a lower block scale
+    where the rounded max fell below 6 X (subnormal E4M3 scales, directed and stochastic
+    rounding); data movement never rounds again, so it keeps values either way
+    (test_nvfp4_te.py)."""
+    fmt = fmt.replace(settle=True)
+    q = quantize(x, fmt, rounding=mode, generator=torch.Generator().manual_seed(1))
+    s = qt.reference.quantize_two_level(x, fmt, "nearest")[1]  # x's TE tensor scale
+    for mode2 in MODES:
+        again = quantize(q, fmt, rounding=mode2, generator=torch.Generator().manual_seed(2),
+                         tensor_scale=s)
+        assert_bits_equal(again, q, f"{fmt} {mode} then {mode2} under s", inputs=x)
     return q
 
 
@@ -145,10 +164,11 @@ def test_nvfp4_random_blocks_idempotent(quantize):
     x = torch.randn(256, 256, generator=g) * torch.exp2(torch.randint(-16, 4, (256, 1),
                                                                       generator=g).float())
     w = torch.nn.Linear(1024, 512).weight.detach()
-    for fmt in (NVFP4_SINGLE, qt.nvfp4):
-        for t in (x, w):
-            q = quantize(t, fmt)
-            assert_bits_equal(quantize(q, fmt), q, str(fmt))
+    for t in (x, w):
+        q = quantize(t, NVFP4_SINGLE)
+        assert_bits_equal(quantize(q, NVFP4_SINGLE), q, str(NVFP4_SINGLE))
+        # two-level: again under the values' own tensor scale, settled (as above)
+        assert_idempotent_under_scale(quantize, t, qt.nvfp4, "nearest")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +199,10 @@ def block_formats(draw):
     # (known exception, docs/formats.md: unsigned elements clamp a negative tensor amax to 0,
     # so the tensor scale derived again is smaller; found with amax and ceil alike)
     assume(not (ts and isinstance(elem, FixedFormat) and not elem.signed))
+    # (known exception, docs/formats.md: scales as wide as bf16's make TE's S_enc numerator
+    # max_elem * max_scale overflow float32; S_enc clamps to FLT_MAX, whose reciprocal s is
+    # subnormal, so 1 / s is not S_enc and the values cannot be rounded again under s)
+    assume(not (ts and elem.max * scale.max > torch.finfo(torch.float32).max))
     bs = draw(st.sampled_from((1, 2, 3, 8, 16, 32, None)))
     shape = draw(st.sampled_from((None, None, (1, 4), (3, 2), (4, 4), (8, 16))))
     axis = draw(st.sampled_from((-1, 0, None) if shape is None else (-1, -2, 0)))
@@ -208,6 +232,9 @@ def test_custom_block_formats_idempotent(fmt, mode, seed, lo, dtype):
         assume(value_bits(fmt) <= 8 and fmt.min_quantum_exp >= -133)
     # (tensor scale: a NaN or Inf in the block of the tensor's finite amax makes that block NaN,
     # and the tensor scale derived again smaller; docs/formats.md)
+    # (two-level formats: a value fl32(e X s) below float32's normal range is rounded by the
+    # carrier, so it is not e X s and rounds again elsewhere; TE's dequantized values alike)
+    assume(not (fmt.tensor_scale and lo < -100))
     x = wide_blocks(6, 40, seed, lo=lo, hi=lo + 30, specials=not fmt.tensor_scale).to(dtype)
     for quantize in (qt.quantize, qt.reference.quantize):
         q = assert_idempotent(quantize, x, fmt, mode)

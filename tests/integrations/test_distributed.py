@@ -515,6 +515,46 @@ def test_ddp_wrap_keeps_every_parameter_and_buffer_bit_for_bit(ranks, name):
                 _assert_bits_equal(value, source[n][1], f"rank {rank} {what} {n}")
 
 
+def _sc_ddp_two_level(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    g = torch.Generator().manual_seed(rank)
+    big = qt.as_qtensor(torch.randn(64, 32, generator=g)
+                        * torch.logspace(0, 4, 64).view(64, 1), qt.nvfp4)
+    lin = nn.Linear(32, 8, bias=False)
+    lin.weight = nn.Parameter(big[:8])  # rows of big: big's tensor scale, not their own
+    DDP(lin)  # broadcasts rank 0's parameters
+    w = lin.weight
+    again = qt.quantize(w, qt.nvfp4)  # under its carried scale: the values stay
+    return qt_plain(w), w.tensor_scale.clone(), qt_plain(again)
+
+
+def test_ddp_broadcast_keeps_a_two_level_tensor_scale(ranks):
+    # the broadcast sent the payloads only: rank 1 kept its own tensor scale, under which
+    # rank 0's values are not in the format (rounding them again moved them)
+    (v0, s0, a0), (v1, s1, a1) = ranks.run("_sc_ddp_two_level")
+    _assert_bits_equal(v1, v0, "rank 1's values")
+    assert torch.equal(s1.view(torch.int32), s0.view(torch.int32))
+    _assert_bits_equal(a1, v1, "rank 1's values rounded again under their scale")
+    _assert_bits_equal(a0, v0, "rank 0's values rounded again under their scale")
+
+
+def _sc_c10d_gather_two_level(rank, world):
+    g = torch.Generator().manual_seed(rank)
+    x = qt.as_qtensor(torch.randn(8, 32, generator=g) * 10 ** rank, qt.nvfp4)
+    outs = [qt.as_qtensor(torch.ones(8, 32), qt.nvfp4) for _ in range(world)]
+    dist.all_gather(outs, x)
+    # each output's values are in the format under the tensor scale it carries
+    return [(qt_plain(o), qt_plain(qt.quantize(o, qt.nvfp4))) for o in outs]
+
+
+def test_c10d_all_gather_outputs_carry_their_values_tensor_scale(ranks):
+    # the outputs kept the scales of their old values, under which the gathered ones are not
+    # in the format (rounding them again under the carried scale moved them)
+    for rank, res in enumerate(ranks.run("_sc_c10d_gather_two_level")):
+        for i, (v, again) in enumerate(res):
+            _assert_bits_equal(again, v, f"rank {rank} output {i}")
+
+
 def _sc_convert_wrapped(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
