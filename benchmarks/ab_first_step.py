@@ -1,4 +1,4 @@
-"""First compiled training step, A/B between two checkouts, cold compile caches (issue 23).
+"""First compiled training step, A/B between two checkouts, cold compile caches.
 
     OMP_NUM_THREADS=1 python benchmarks/ab_first_step.py --trees /tmp/main . \
         --only gpt256,chargpt --rounds 3 [--warm]

@@ -1,4 +1,4 @@
-"""Blocks along a strided axis (issue 23): the kernel's tiles against the transposing copy.
+"""Blocks along a strided axis: the kernel's tiles against the transposing copy.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_strided_blocks.py            # the rounding alone
     OMP_NUM_THREADS=1 python benchmarks/bench_strided_blocks.py --training gpt256,chargpt

@@ -1,4 +1,4 @@
-"""Training steps of emulated models against FP32, in the same run (issue 23).
+"""Training steps of emulated models against FP32, in the same run.
 
     python benchmarks/bench_training.py                 # eager, every configuration
     python benchmarks/bench_training.py --compile       # also torch.compile'd (model compiled)

@@ -1,4 +1,4 @@
-"""Where a compiled emulated training step's time goes, next to FP32's (issue 23).
+"""Where a compiled emulated training step's time goes, next to FP32's.
 
     OMP_NUM_THREADS=1 python benchmarks/profile_compiled.py --only gpt256 [--quick]
 

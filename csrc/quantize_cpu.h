@@ -1008,7 +1008,7 @@ inline Counter dims_counter(const Layout& L, int d0, int d1) {
   return c;
 }
 
-// ---- power-of-two scales for runs of blocks (issue 23) ----------------------------------------
+// ---- power-of-two scales for runs of blocks ----------------------------------------
 // As fp4_block_run: the blocks' amaxes, then their scale exponents and element grids in one
 // branch-free loop across the blocks (pow2_grids), then the elements with fixed trip counts
 // (round_magnitude_add, round_fixed_fast_finite). The bits are block_pow2_fast's: the same k,
@@ -1178,7 +1178,7 @@ void pow2_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail
   }
 }
 
-// ---- blocks along a strided axis, a tile at a time (issue 23) --------------------------------
+// ---- blocks along a strided axis, a tile at a time --------------------------------
 // Where the block axis is not contiguous but another dim (the lanes) is, in x and in y (e.g. a
 // contiguous matrix with blocks along its rows' dim, or a transposed view with blocks along its
 // last dim), a tile of one block (up to bs steps along the axis) times kTileW neighbouring lanes is
@@ -1657,7 +1657,7 @@ void copy_logical(const TS* src, TD* dst, const Layout& L, const int64_t* stride
 // Half and BFloat16 payloads are rounded as their float32 copy in logical order: the same bits
 // (the widening is exact, every path stores the rounded value as float32 bits, and store_bits
 // narrows those bits as the conversion back does). One set of block loops per mode and ISA
-// instead of three (the build time, issue 23) against two conversion passes, done a chunk of
+// instead of three (the build time) against two conversion passes, done a chunk of
 // kStageChunk elements at a time (in cache) along dim 0, whole blocks per chunk. Stochastic
 // rounding stages the whole tensor: its words follow the logical indices from 0.
 constexpr int64_t kStageChunk = 1 << 15;

@@ -91,7 +91,7 @@ PAPER = {
     "nvidia-last": "all layers FP4: diverges at 12B (2509.25149)",
     "fp4_all_the_way": "7B, 200B tokens: downstream on par with BF16 (2505.19115)",
     "quartet": "Llama up to 7B: competitive with FP8/BF16 (2505.14669)",
-    "nvfp4_single": "no tensor scale: gradients flush to 0, no training (issue 21)",
+    "nvfp4_single": "no tensor scale: gradients flush to 0, no training",
     "mxfp8_pretraining": "8B, 15T tokens: MXFP8 matches BF16 (2506.08027)",
     "nvfp4_4over6": "TE's NVFP4 variant: lower block error than 6-only scales",
     "deepseek_v3_fp8": "671B MoE, 14.8T tokens: loss within 0.25% of BF16 (2412.19437)",

@@ -9,7 +9,7 @@ Roles are those of docs/convert.md; a pair is (value format, contraction operand
   inference in any format).
 - QPyTorch (Zhang et al., 2019) and the papers it reproduces: ``fp16``, ``block8``, ``swalp``
   (SWALP), ``wage`` (WAGE).
-- FP4 training (issue 21): ``nvfp4_nvidia`` (NVIDIA's NVFP4 pretraining recipe, arXiv 2509.25149,
+- FP4 training: ``nvfp4_nvidia`` (NVIDIA's NVFP4 pretraining recipe, arXiv 2509.25149,
   and Transformer Engine's NVFP4BlockScaling), ``fp4_all_the_way`` (Chmiel et al., 2505.19115),
   ``quartet`` (Castro et al., 2505.14669, approximated: see its source).
 - DeepSeek-V3 (arXiv 2412.19437): ``deepseek_v3_fp8`` (E4M3 GEMM operands of every linear layer
@@ -116,7 +116,7 @@ wage = Recipe(
     name="wage", source="WAGE (Wu et al. 2018): 2-bit weights, 8-bit activations, gradients and "
     "errors, fixed point")
 
-# --- FP4 training recipes (issue 21). Their roles keep every value in BF16/FP32 and every
+# --- FP4 training recipes. Their roles keep every value in BF16/FP32 and every
 # contraction outside a Linear/Conv (attention's batched GEMMs) in BF16; Recipe.gemm puts the
 # three GEMMs of each Linear/Conv in FP4.
 _nv = _P["nvfp4"]  # two-level: E4M3 scales of 16 elements under an FP32 tensor scale
@@ -155,7 +155,7 @@ fp4_all_the_way = Recipe(
     "round-to-nearest in the forward GEMM, stochastic rounding in the backward (dgrad) and "
     "update (wgrad) GEMMs, every operand; no Hadamard transform, no layer kept in higher "
     "precision; BF16 elsewhere, FP32 master weights. Assumed (the abstract does not say): the "
-    "FP32 per-tensor scale of NVFP4 (without it gradients flush, issue 21) and SR on every "
+    "FP32 per-tensor scale of NVFP4 (without it gradients flush) and SR on every "
     "operand of the backward GEMMs; the paper's final quantization-aware BF16 phase is not "
     "part of the preset")
 

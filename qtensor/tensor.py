@@ -205,9 +205,9 @@ def _graph_tokens(fmt, mm_fmt, accum):
     """``(str(fmt), str(mm_fmt), accum token)`` (None for a None) for the QTensor call that
     dynamo puts in a graph, computed on the real objects: dynamo calls this function while it
     traces and takes the result for a constant, where tracing the string form itself (which
-    compares the format with every preset) was most of a converted model's tracing time
-    (issue 23). None where one of the objects was built by the traced code (dynamo passes
-    those without their fields): the caller then traces the string form, as before."""
+    compares the format with every preset) was most of a converted model's tracing time.
+    None where one of the objects was built by the traced code (dynamo passes
+    those without their fields): the caller then traces the string form."""
     objs = (fmt, mm_fmt, accum)
     if not all(o is None or type(o) is str or _holds_its_fields(o) for o in objs):
         return None

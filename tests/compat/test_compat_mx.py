@@ -190,7 +190,7 @@ def test_recipe_roles():
     dither = mx.recipe({"a_elem_format": "fp8_e4m3", "block_size": 32, "round": "dither"})
     assert dither.activation.mm_fmt == qt.mxfp8_e4m3.replace(rounding="stochastic")
     assert dither.grad.mm_fmt.rounding == "stochastic" and dither.weight.full_precision
-    # the _bp formats and per-product roundings: per-GEMM formats, no warning (issue 21)
+    # the _bp formats and per-product roundings: per-GEMM formats, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         bp = mx.recipe(dict(_specs(), w_elem_format_bp="fp8_e4m3"))
@@ -210,7 +210,7 @@ def test_recipe_on_a_model():
     """qt.convert with the recipe reproduces microxcaling's MX Linear, forward and both gradients:
     y = bfloat(MX_a(bfloat(x)) @ MX_w(bfloat(W)).T), MX blocks along each product's reduction."""
     if not hasattr(qt, "convert"):
-        pytest.skip("qt.convert is not available yet (issue 5)")
+        pytest.skip("qt.convert is not available yet")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32, bias=False))
     w = model[0].weight.detach().clone()

@@ -1,4 +1,4 @@
-"""qt.convert, recipes, per-parameter rules and training support (issue 5).
+"""qt.convert, recipes, per-parameter rules and training support.
 
 Every training test asserts the format of EVERY parameter, gradient and optimizer state tensor
 after forward, backward and step, and that each value is representable in its format
@@ -318,7 +318,7 @@ def test_rule_matching_nothing_lists_near_names():
 
 
 def test_one_recipe_serves_models_that_lack_some_names():
-    """A recipe with rules for names a model lacks is reusable (issue 18 item 20): one warning
+    """A recipe with rules for names a model lacks is reusable: one warning
     at the caller's line, with the nearest names, and the rules that match still apply."""
     recipe = qt.Recipe(weight="bf16", activation="bf16",
                        rules={"head.*": "fp8_e4m3", "conv*": None, "fc1.weight": "fp8_e5m2"})
@@ -372,7 +372,7 @@ def test_integer_buffers_left_alone_said_once():
                          ids=["bf16", "fp8_e4m3", "mxfp6", "swalp"])
 def test_no_warning_for_integer_and_bool_buffers(spec):
     """BatchNorm's num_batches_tracked and bool mask buffers are left alone without a warning:
-    nothing unexpected happened (issue 18 item 19)."""
+    nothing unexpected happened."""
     sys.modules["qtensor.warn"]._warned.clear()
     m = CNN()
     m.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril())
@@ -989,7 +989,7 @@ def test_describe_shows_module_formats_and_the_rules_that_chose_them():
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 18: formats that cannot hold signed values (item 6)
+# formats that cannot hold signed values
 
 @pytest.mark.parametrize("spec, range_text", [
     ("e8m0", r"\[2\^-127, 2\^127\]"),
@@ -1022,7 +1022,7 @@ def test_unsigned_formats_refused_with_their_range(spec, range_text):
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 18: tied weights named by any of their names (item 9)
+# tied weights named by any of their names
 
 class TinyLM(nn.Module):
     """GPT-2 style: lm_head.weight is the token embedding's weight (tied)."""
@@ -1082,7 +1082,7 @@ def test_describe_shows_the_aliases_of_tied_weights():
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 18: a mask's -inf in a block format makes its whole block NaN: warned (item 7)
+# a mask's -inf in a block format makes its whole block NaN: warned
 
 class CausalAttention(nn.Module):
     """nanoGPT-style attention: scores.masked_fill(~causal, -inf), softmax."""

@@ -1,4 +1,4 @@
-"""The FP4 training presets of qt.recipes (issue 21): nvfp4_nvidia, fp4_all_the_way, quartet;
+"""The FP4 training presets of qt.recipes: nvfp4_nvidia, fp4_all_the_way, quartet;
 each checked against what its paper states (which operand of which GEMM gets which format,
 rounding and transform), bit for bit on a converted nn.Linear against a manual computation; and
 Recipe.last_layers (the last layers in higher precision)."""

@@ -1,4 +1,4 @@
-"""Training a converted model with real torch.optim optimizers (issue 11): bare formats that
+"""Training a converted model with real torch.optim optimizers: bare formats that
 train, FP32 master weights with closures and exceptions, unconvert with optimizers, dtype casts of
 a converted model, SGD's first momentum step, LossScaler validation, describe and warnings."""
 import io
@@ -419,7 +419,7 @@ def test_warnings_point_at_the_caller_once_per_conversion():
 
 
 # ---------------------------------------------------------------------------------------------
-# 13. every torch.optim optimizer: state made in __init__ or lazily, one step (issue 18, item 4)
+# 13. every torch.optim optimizer: state made in __init__ or lazily, one step
 
 _OPTIMIZERS = {
     "SGD": lambda p: torch.optim.SGD(p, lr=0.05),
@@ -466,7 +466,7 @@ def _one_step(model, make, x, params=None):
 
 def _tiny_grads_model(seed=0):
     # small inputs: squared gradients far below FP8's smallest value (Adagrad's sum in FP8
-    # flushes to 0 and its update is g/eps rounded to 0 in FP8: NaN, issue 18 item 4)
+    # flushes to 0 and its update is g/eps rounded to 0 in FP8: NaN)
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3)), torch.randn(5, 6) * 1e-2
 

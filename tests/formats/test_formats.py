@@ -469,7 +469,7 @@ def test_torch_dtype_points_at_its_preset():
 
 
 # ---------------------------------------------------------------------------------------------
-# The OCP element names (issue 18, item 18): "e4m3" is what every user of the field means by it
+# The OCP element names: "e4m3" is what every user of the field means by it
 
 OCP_NAMES = {"e4m3": ("fp8_e4m3", 448.0), "e5m2": ("fp8_e5m2", 57344.0),
              "e3m2": ("fp6_e3m2", 28.0), "e2m3": ("fp6_e2m3", 7.5), "e2m1": ("fp4_e2m1", 6.0)}
@@ -522,7 +522,7 @@ def test_every_exmy_string_round_trips(exp):
 
 
 # ---------------------------------------------------------------------------------------------
-# Absurd ints (issue 18, item 16): a FormatError that names the field, never a torch schema error
+# Absurd ints: a FormatError that names the field, never a torch schema error
 # or a hang computing 2 ** exp
 
 @pytest.mark.parametrize("make,match", [
@@ -581,7 +581,7 @@ def test_block_longer_than_the_axis_is_the_axis():
 
 
 # ---------------------------------------------------------------------------------------------
-# torch dtype aliases round as torch's casts (issue 18, item 17)
+# torch dtype aliases round as torch's casts
 
 def _float32_patterns(fmt: FloatFormat) -> torch.Tensor:
     """Float32 bit patterns for the cast comparisons: in every float32 binade of both signs, 16

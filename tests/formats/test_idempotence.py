@@ -92,7 +92,7 @@ BLOCKS_2D = [
 ]
 
 
-# The scale rules of issue 21 (torchao's EVEN and RCEIL = ceil, ceil on an E4M3 scale, TE's
+# The scale rules beside floor (torchao's EVEN and RCEIL = ceil, ceil on an E4M3 scale, TE's
 # 4over6): even and 4over6 settle their blocks as the amax rule does (docs/formats.md).
 NEW_RULES = [
     BlockFormat(qt.fp8_e4m3, 32, scale_rule="even"),

@@ -1,4 +1,4 @@
-"""Scale rules beside OCP's floor (issue 21): even, ceil (= rceil), ceil on an E4M3 scale, and
+"""Scale rules beside OCP's floor: even, ceil (= rceil), ceil on an E4M3 scale, and
 Transformer Engine's NVFP4 4over6, against oracles written here in plain numpy / fractions
 (torchao's bit formulas for FLOOR, EVEN and RCEIL; exact rationals for the rest), kernels and
 reference alike, over every positive normal bf16 value as a block's max.

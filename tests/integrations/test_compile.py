@@ -517,7 +517,7 @@ def test_fullgraph_converted_model_returning_a_childs_output_with_own_grad_forma
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 18: formats returned from compiled code; stochastic rounding under tracing
+# formats returned from compiled code; stochastic rounding under tracing
 
 def test_fullgraph_returns_the_formats_of_a_qtensor_built_inside():
     """fullgraph=True code may return t.fmt, t.mm_fmt and t.accum of a QTensor it builds (dynamo

@@ -1,4 +1,4 @@
-"""What dynamo traces of a converted model's Python (issue 23: first-step compile time).
+"""What dynamo traces of a converted model's Python (first-step compile time).
 
 The string forms of a traced QTensor's formats and the format comparison in role roundings are
 constants that dynamo takes from the real objects (torch.compiler.assume_constant_result in

@@ -200,7 +200,7 @@ def test_sdpa_math_and_eager_attention_agree_on_gpt2():
 
 
 def test_compiled_hf_training_step_matches_eager():
-    # the default use_cache=True included (issue 18, item 15); the MATH backend entered before
+    # the default use_cache=True included; the MATH backend entered before
     # the first compiled call (torch.compile does not guard on the SDPA backend)
     model = _tiny_gpt2(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0).to(qt.recipes.mxfp6)
     ref = copy.deepcopy(model)

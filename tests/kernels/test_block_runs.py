@@ -1,4 +1,4 @@
-"""Power-of-two-scale blocks a run at a time (issue 23): the CPU kernel's run path
+"""Power-of-two-scale blocks a run at a time: the CPU kernel's run path
 (csrc/quantize_cpu.h pow2_block_run, pow2_grids, round_tile; qtensor/round.h round_magnitude_add,
 round_fixed_fast_finite) against the reference, bit for bit, on the cases its argument rests on.
 

@@ -165,7 +165,7 @@ def test_custom_blocks(fmt):
             check(x3, fmt.replace(axis=axis), "stochastic")
 
 
-# Scale ties (issue 18, item 5): a block's amax / max_elem on a midpoint of the scale format's grid
+# Scale ties: a block's amax / max_elem on a midpoint of the scale format's grid
 # or next to one, in the scale's subnormal range and where the quotient is a float32 subnormal
 # (a float32 quotient rounds there on a grid of 2^-149, which can put it on a tie), for every
 # scale format and rule; the kernel's float32 fast paths must decide as the reference's exact

@@ -1,4 +1,4 @@
-"""Stochastic rounding with a limited number of random bits ("stochasticN", issue 21): as
+"""Stochastic rounding with a limited number of random bits ("stochasticN"): as
 hardware does it (NVIDIA's cvt.rs takes 8 random bits per element; MPTorch exposes the count).
 
 Element i rounds its magnitude up iff the top N bits of its 32-bit random word are below

@@ -1,4 +1,4 @@
-"""Blocks along a strided axis (issue 23): the CPU kernel's tiles (csrc/quantize_cpu.h,
+"""Blocks along a strided axis: the CPU kernel's tiles (csrc/quantize_cpu.h,
 blocks_tiled) and dispatch.quantize's use of them (STRIDED_BLOCKS) against the reference and the
 transposing copy they replace, bit for bit.
 

@@ -1,6 +1,6 @@
 """qt.quantize and QTensor under autograd and torch.func: a straight-through gradient for every
 format family and rounding mode, never a silently cut graph; torch.func transforms compute or
-refuse clearly, never crash (issue 18 items 1 and 8)."""
+refuse clearly, never crash."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""Per-GEMM operand formats (Recipe.gemm, qtensor.gemm; issue 21): each operand of the forward,
+"""Per-GEMM operand formats (Recipe.gemm, qtensor.gemm): each operand of the forward,
 input-gradient and weight-gradient GEMMs of a converted Linear/Conv in its own format, checked
 bit for bit against a manual computation (each operand rounded with qt.quantize along its
 reduction dimension, float32 products)."""

@@ -155,7 +155,7 @@ FAMILIES = ["qwen3_moe", "olmoe", "mixtral"]
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_moe_trains_without_leaks(family):
-    """The user's run of issue 33: a tiny MoE model converted to MXFP6, one training step under
+    """A new user's run: a tiny MoE model converted to MXFP6, one training step under
     leak_check: the expert GEMMs are contractions (before: run without their MXFP6 operand
     rounding, and the router's histc reported as a plain op)."""
     model = _tiny(family)
@@ -275,7 +275,7 @@ def _grouped_report(family="qwen3_moe"):
 
 
 def test_leak_check_reports_a_grouped_gemm_without_its_rule(monkeypatch):
-    """The silent leak of issue 33, made visible: with _grouped_mm computing as a plain op (its
+    """The silent leak, made visible: with _grouped_mm computing as a plain op (its
     operands unrounded), leak_check reports each expert GEMM, forward and backward."""
     _without_rule(monkeypatch, "_grouped_mm", torch.ops.aten._grouped_mm.default)
     report = _grouped_report()
