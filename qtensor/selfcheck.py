@@ -123,15 +123,16 @@ _SCALAR = [_P[n] for n in ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "tf32", "fp6_
     FloatFormat(8, 3, bias=130, subnormals=False), FixedFormat(8, 4),
     FixedFormat(8, 4, saturate=False), FixedFormat(8, 4, signed=False),
     FixedFormat(16, 14, symmetric=True)]
+# (two-level formats, NVFP4 with its tensor scale, are not rounded by the kernels: ops runs
+# Transformer Engine's float32 steps for them, with the scalar kernels inside)
 _BLOCK = [_P[n] for n in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp4_e2m1", "mxint8",
-                          "nvfp4")] + [
-    BlockFormat(_P["fp4_e2m1"], 16, scale=_P["fp8_e4m3"], scale_rule="amax", tensor_scale=True),
+                          "nvfp4_single")] + [
     BlockFormat(_P["fp8_e4m3"], 16, axis=0), BlockFormat(_P["fp4_e2m1"], None, axis=None),
     BlockFormat(_P["fp8_e4m3"], 32, scale_rule="ceil"),
     BlockFormat(FloatFormat(3, 4, specials="none"), 4, scale=_P["bf16"], scale_rule="amax"),
     BlockFormat(FixedFormat(8, 6, symmetric=True), 8, scale=_P["fp8_e4m3"], scale_rule="amax")]
 _STOCHASTIC = [_P["fp8_e4m3"], _P["bf16"], _P["fp4_e2m1"], FixedFormat(8, 4), _P["mxfp4_e2m1"],
-               _P["nvfp4"], _P["mxint8"], BlockFormat(_P["fp8_e4m3"], 16, axis=0)]
+               _P["nvfp4_single"], _P["mxint8"], BlockFormat(_P["fp8_e4m3"], 16, axis=0)]
 _SEED = 0x5EED_0F_C0DA
 
 

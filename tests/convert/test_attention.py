@@ -212,7 +212,10 @@ def test_compiled_attention_is_eager(case):
                                               attention=qt.recipes.fa3_fp8_attention))
     dout = qt.quantize(torch.randn(q.shape[:-1] + (32,)), qt.bf16)
     results = []
-    for run in (model, torch.compile(model, backend="aot_eager")):
+    # (static shapes: a recompile with dynamic shapes around the attention's graph break fails in
+    # dynamo, "sources must not be empty": docs/attention.md)
+    torch._dynamo.reset()
+    for run in (model, torch.compile(model, backend="aot_eager", dynamic=False)):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = run(*leaves, mask)
         (out * dout).sum().backward()

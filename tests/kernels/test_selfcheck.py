@@ -87,7 +87,7 @@ def _caught(fn):
     ("scalar", "quantize_float", "fp8_e4m3", "nearest"),
     ("scalar", "quantize_fixed", "fixed8.4", "toward_zero"),
     ("block", "quantize_block", "mxfp4_e2m1", "nearest"),
-    ("block", "quantize_block", "nvfp4", "nearest_away"),
+    ("block", "quantize_block", "nvfp4_single", "nearest_away"),
     ("stochastic", "quantize_float", "bf16", "stochastic"),
     ("stochastic", "quantize_block", "mxfp6_e3m2", "stochastic"),
 ])
@@ -270,7 +270,7 @@ def test_cuda_kernels_pass_their_first_use_check(monkeypatch):
     for family in selfcheck.FAMILIES:
         assert selfcheck._checks[family](torch.device("cuda")) is None, family
     x = torch.randn(64, 64, device="cuda")
-    qt.quantize(x, "fp8_e4m3"), qt.quantize(x, "nvfp4"), qt.quantize(x, "bf16", rounding="stochastic")
+    qt.quantize(x, "fp8_e4m3"), qt.quantize(x, "nvfp4_single"), qt.quantize(x, "bf16", rounding="stochastic")
     accum.accum_matmul(x, x, accum.hopper_fp8)
     assert selfcheck.verdicts() == {("cuda", f): True for f in selfcheck.FAMILIES}
     selfcheck.reset()
