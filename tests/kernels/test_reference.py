@@ -947,6 +947,9 @@ def test_prop_idempotent(fmt, xs, mode, q):
     # known issue, see test_block_ceil_top_of_float32: a block can round past float32's max
     assume(not bool((torch.isinf(once) & torch.isfinite(x)).any()) or
            not isinstance(fmt, BlockFormat))
+    # known issue, see test_block_of_asymmetric_fixed_elements_is_not_idempotent
+    assume(not (isinstance(fmt, BlockFormat) and isinstance(fmt.elem, FixedFormat)
+                and fmt.elem.signed and not fmt.elem.symmetric and fmt.scale_rule == "floor"))
     assert_bits_equal(q(once, fmt, rounding=mode), once, f"{fmt} {mode} q(q(x))")
     # stochastic rounding of representable values is exact too
     assert_bits_equal(q(once, fmt, rounding="stochastic"), once, f"{fmt} stochastic q(q(x))")
@@ -1077,4 +1080,14 @@ def _tensor_scale_oracle(amax: Fraction, fmt) -> Fraction:
     j = max(e - fmt.tensor_scale_bits, fmt.tensor_scale_min_exp)
     return Fraction(math.floor(t / Fraction(2) ** j)) * Fraction(2) ** j
 
+
+@pytest.mark.xfail(strict=True, reason="known bug: with the floor rule, a block of signed "
+                   "two's-complement fixed elements whose most negative code (-2 s for fixed2.0) "
+                   "is its amax rounds again under a scale twice as large (the amax is past the "
+                   "positive max 1 s): the block's other values move")
+def test_block_of_asymmetric_fixed_elements_is_not_idempotent(quantize):
+    scale = FloatFormat(8, 0, subnormals=False, specials="fn", signed=False)
+    fmt = BlockFormat(FixedFormat(2, 0), 2, scale=scale, scale_rule="floor")
+    once = quantize(t32([1.801440065696563e+16, -5.404319552844595e+16]), fmt)
+    assert_bits_equal(quantize(once, fmt), once, "q(q(x))")
 
