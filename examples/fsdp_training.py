@@ -123,6 +123,9 @@ def main(argv=None):
               f"(max |diff| {worst:.3g})")
         if not all(same):
             raise SystemExit(1)
+    # Rank 1 must not tear gloo down while rank 0 still runs the check: a peer leaving early
+    # aborts the other's process at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 
