@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TEST = ["pytest", "hypothesis", "ml_dtypes", "expecttest", "numpy", "ninja", "qtorch==0.3.0",
         "gfloat", "mmasim==2.1.1", 'triton==3.7.1; platform_system=="Linux"']
 EXAMPLES = ["tqdm", "matplotlib", "scikit-learn"]
-# qtensor.hf and the safetensors helpers (tests skip without them); neither pulls a torch
+# qtensor.integrations.hf and the safetensors helpers (tests skip without them); neither pulls a torch
 HF = ["safetensors", "transformers"]
 
 

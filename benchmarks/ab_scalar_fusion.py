@@ -1,5 +1,5 @@
 """Compiled training steps, emulated / FP32, in CPU time (thread_time: other processes' load
-does not count), for one setting of the scalar fusion (qtensor.decompositions):
+does not count), for one setting of the scalar fusion (qtensor.kernels.decompositions):
 
     for v in 0 1; do QTENSOR_INDUCTOR_FUSE_SCALAR=$v OMP_NUM_THREADS=1 \\
         python benchmarks/ab_scalar_fusion.py --only gpt256; done
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import bench_training as bt  # noqa: E402
-from qtensor import decompositions  # noqa: E402
+from qtensor.kernels import decompositions  # noqa: E402
 
 
 def main():

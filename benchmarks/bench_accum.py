@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import qtensor as qt  # noqa: E402
-from qtensor import accum  # noqa: E402
+from qtensor.accum import core as accum  # noqa: E402
 from bench_overhead import timeit  # noqa: E402  (the same best-of-repeats timer)
 
 

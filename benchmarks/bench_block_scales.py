@@ -1,4 +1,4 @@
-"""The cost of recovering block scales in QTensor contractions (qtensor/accum.py `_scale_plan`,
+"""The cost of recovering block scales in QTensor contractions (qtensor/accum/core.py `_scale_plan`,
 docs/accum.md "Block scales through QTensor contractions"): a 128 x 512 x 128 product of
 operands rounded to NVFP4, MXFP4 and MXFP8 (both operands' scales; MXFP8: the per-element clamps
 of blackwell_mxf8f6f4), one thread, the best of 7 runs of 20 calls, next to the kernel's time.
@@ -10,7 +10,7 @@ import time
 import torch
 
 import qtensor as qt
-from qtensor import accum
+from qtensor.accum import core as accum
 
 
 def best(fn, n=20, reps=7):

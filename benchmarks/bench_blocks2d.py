@@ -4,7 +4,7 @@ and its ratio to ``out.copy_(x)``, on one thread by default.
     python benchmarks/bench_blocks2d.py                # 2048 x 2048 float32, 1 thread
 
 A 2D format is rounded by laying its tiles out as 1D blocks of r*c for the block kernel and back
-(qtensor/ops.py, _round_tiles): two permuting copies more than the 1D format.
+(qtensor/kernels/ops.py, _round_tiles): two permuting copies more than the 1D format.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How much of a tensor's L1 norm the block formats' scale rules clip (qtensor.flush_warnings's
+"""How much of a tensor's L1 norm the block formats' scale rules clip (qtensor.tensor.flush_warnings's
 clipping measure, the quantity its warning compares with CLIP_LIMIT), on random data.
 
     PYTHONPATH=. python benchmarks/bench_clipping.py
@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import qtensor as qt
-from qtensor import flush_warnings as fw
+from qtensor.tensor import flush_warnings as fw
 
 
 def dlogits(rows, classes, g):

@@ -4,12 +4,12 @@
     python benchmarks/bench_compiled.py --only chargpt,mlp_mxfp8 --with-decompositions
     python benchmarks/bench_compiled.py --rounding     # one rounding: kernel vs fused decomposition
     QTENSOR_INDUCTOR_FUSE_SCALAR=0 python benchmarks/bench_compiled.py --only gpt256  # scalar
-        # float roundings as extern kernel calls (default 1: fused, qtensor.decompositions)
+        # float roundings as extern kernel calls (default 1: fused, qtensor.kernels.decompositions)
 
 The configurations, the step and the timing are benchmarks/bench_training.py's (its names for
 --only; the model compiled, the optimizer step eager): FP32 and emulated steps interleaved,
 medians, one thread. --with-decompositions gives inductor the rounding ops as fusable
-pointwise torch ops (qtensor/decompositions.py, off by default); without it they are extern
+pointwise torch ops (qtensor/kernels/decompositions.py, off by default); without it they are extern
 kernel calls. The first step (compile) is timed with an empty inductor cache (a fresh
 TORCHINDUCTOR_CACHE_DIR, FX graph and AOTAutograd caches off), so its time is the full compile
 for the first configuration of a run only: later ones reuse the kernels compiled in the process
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import qtensor as qt  # noqa: E402
-from qtensor import decompositions  # noqa: E402
+from qtensor.kernels import decompositions  # noqa: E402
 
 
 def bench_rounding(repeat=15):
@@ -39,7 +39,7 @@ def bench_rounding(repeat=15):
     that other processes' load does not count), medians."""
     import statistics
     import time
-    from qtensor import ops
+    from qtensor.kernels import ops
     x = torch.randn(1024, 1024)
     decompositions.set_enabled(True)
     for name in ["fp8_e4m3", "mxfp8_e4m3"]:

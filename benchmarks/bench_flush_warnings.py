@@ -1,4 +1,4 @@
-"""Cost of the flush/saturation/clipping warnings (qtensor/flush_warnings.py): a training step
+"""Cost of the flush/saturation/clipping warnings (qtensor/tensor/flush_warnings.py): a training step
 (forward and backward) of a converted MLP with the warnings off and on, in the same run.
 
     python benchmarks/bench_flush_warnings.py [--reps 12] [--every-rounding]
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import qtensor as qt
-from qtensor import flush_warnings as fw
+from qtensor.tensor import flush_warnings as fw
 
 
 def _demo(rule):

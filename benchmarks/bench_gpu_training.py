@@ -24,7 +24,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import qtensor as qt  # noqa: E402
-from qtensor import decompositions  # noqa: E402
+from qtensor.kernels import decompositions  # noqa: E402
 import common  # noqa: E402  (examples/common.py: CharGPT)
 
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import qtensor as qt  # noqa: E402
-from qtensor import ops  # noqa: E402
+from qtensor.kernels import ops  # noqa: E402
 
 ROWS = [  # (label, format, rounding, native dtype, qtorch call, torchao call)
     ("fp8_e4m3", "fp8_e4m3", None, "float8_e4m3fn", ("float", 4, 3, "nearest"), "fp8"),
@@ -50,7 +50,7 @@ ROWS = [  # (label, format, rounding, native dtype, qtorch call, torchao call)
 def _format(name):
     """A preset, or the nvfp4_4over6 recipe's 4over6 operand format (no preset of its own)."""
     if name == "nvfp4_4over6":
-        from qtensor.recipes import _nvfp4_4over6
+        from qtensor.nn.recipes import _nvfp4_4over6
         return _nvfp4_4over6
     return qt.format(name)
 

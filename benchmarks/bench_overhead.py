@@ -157,7 +157,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"compiled kernels: {qt.ops.kernels_available('cpu')}")
+          f"compiled kernels: {qt.kernels.ops.kernels_available('cpu')}")
     repeat, number = (3, 200) if args.quick else (5, 1000)
     bench_ops(repeat, number)
     compile_too = not (args.quick or args.no_compile)

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import qtensor as qt  # noqa: E402
-from qtensor import dispatch  # noqa: E402
+from qtensor.tensor import dispatch  # noqa: E402
 
 
 def _time(fn, reps=1):

@@ -152,7 +152,7 @@ def config(name, quick):
         width, batch = 1024 // s, 256 // s
         base = name[4:].replace("_hopper", "")
         fmt = {"fp8": qt.fp8_e4m3, "mxfp8": qt.mxfp8_e4m3}[base]
-        recipe = qt.spec.as_recipe(fmt)
+        recipe = qt.nn.spec.as_recipe(fmt)
         what = f"MLP {width}x3, batch {batch}, qt.convert(m, qt.{fmt})"
         if name.endswith("_hopper"):
             recipe = recipe.replace(accumulate=qt.accum.hopper_fp8)

@@ -39,7 +39,7 @@ import demo  # noqa: E402  (its recipe, learning rate, momentum and batch: the s
 import torch  # noqa: E402
 
 import qtensor as qt  # noqa: E402
-from qtensor import flush_warnings  # noqa: E402
+from qtensor.tensor import flush_warnings  # noqa: E402
 
 FP4 = qt.format("mxfp4_e2m1")
 CEIL = dataclasses.replace(FP4, scale_rule="ceil")
@@ -72,7 +72,7 @@ VARIANTS = {
 def clipped_share(x: torch.Tensor, axis: int) -> float:
     """Share of the nonzero values of x that OCP's floor scale clips in MXFP4 (E2M1 max 6,
     emax 2): |x| > 6 * 2^(floor(log2 amax) - 2), blocks of 32 along ``axis``
-    (qtensor.flush_warnings.clipping, the count qt.analyze and the warnings report)."""
+    (qtensor.tensor.flush_warnings.clipping, the count qt.analyze and the warnings report)."""
     x = x.detach().float()
     c = flush_warnings.clipping(x, dataclasses.replace(FP4, axis=axis))
     return c["clipped"] / max(1, int(torch.count_nonzero(x)))

@@ -61,12 +61,12 @@ else
   run 120 "$out/build.log" "$py" setup.py build_ext --inplace
 fi
 if [ $dry -eq 0 ]; then
-  "$py" -c "import torch, qtensor.ops as o; assert torch.cuda.is_available(), 'no GPU'; assert o.kernels_available('cuda'), 'no triton'; print('Triton kernels available on cuda')" || exit 1
+  "$py" -c "import torch, qtensor.kernels.ops as o; assert torch.cuda.is_available(), 'no GPU'; assert o.kernels_available('cuda'), 'no triton'; print('Triton kernels available on cuda')" || exit 1
 fi
 
-# the kernels themselves, not qtensor/selfcheck.py's fallback to the reference on a mismatch
+# the kernels themselves, not qtensor/kernels/selfcheck.py's fallback to the reference on a mismatch
 # (test_selfcheck.py's CUDA test turns the first-use check back on and requires it to pass);
-# once this script passes, set GPU_VERIFIED = True in qtensor/selfcheck.py with the log
+# once this script passes, set GPU_VERIFIED = True in qtensor/kernels/selfcheck.py with the log
 export QTENSOR_KERNEL_CHECK=0
 
 step "CUDA tests (Triton kernels on the device vs the CPU kernels and the reference, bit for bit)"

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import qtensor as qt  # noqa: E402
-from qtensor import reference  # noqa: E402
+from qtensor.kernels import reference  # noqa: E402
 
 # The quantizers every oracle test runs against: the public entry point (which may use compiled
 # kernels) and the pure-PyTorch reference.

@@ -1,8 +1,8 @@
-"""Slow, exact, independent oracles for the number formats (qtensor/formats.py, reference.py).
+"""Slow, exact, independent oracles for the number formats (qtensor/formats/core.py, reference.py).
 
 Written from the contract's text with Python integers and ``fractions.Fraction``; they read only a
 format's *fields* (exp, man, bias, specials, ... / wl, fl, ...), never its computed properties or
-anything in qtensor.reference, so a bug there cannot hide here.
+anything in qtensor.kernels.reference, so a bug there cannot hide here.
 
 Conventions (the numerical contract):
 - Rounding picks one of the two neighbours lo <= |x| <= hi on the grid extended past max with the
@@ -348,7 +348,7 @@ def sample_float32(n: int, emin: int, emax: int, man: int, seed: int = 0):
 
 
 # ---------------------------------------------------------------------------------------------
-# Clipping inside a block (qtensor.flush_warnings.clipping)
+# Clipping inside a block (qtensor.tensor.flush_warnings.clipping)
 
 def _e4m3_nearest(v: float) -> float:
     """v >= 0 rounded to nearest-even OCP E4M3 (saturating at 448), by its grid."""

@@ -145,7 +145,7 @@ with warnings.catch_warnings(record=True) as w:
     import qtensor as qt, torch
     q = qt.quantize(torch.tensor([1.1, 2.6]), "fp4_e2m1")
 print([str(m.message) for m in w if m.category is RuntimeWarning])
-print(q.tolist(), qt.ops.kernels_available())
+print(q.tolist(), qt.kernels.ops.kernels_available())
 """
 
 
@@ -215,7 +215,7 @@ def test_formats_made_per_call_do_not_grow_the_caches():
     """A training loop that names its formats as strings, or builds them anew, per step: the
     format caches (keyed by a format's id) stay the same size (equal formats share their
     entries) and within their bound; memory does not grow with the number of steps."""
-    from qtensor import dispatch
+    from qtensor.tensor import dispatch
     caches = ("_KERNEL_CALLS", "_FIT_CACHE", "_AXIS_CACHE", "_BY_VALUE")
     w = torch.randn(64, 64)
     x = torch.randn(4, 64)

@@ -39,14 +39,14 @@ def _imports(name: str, path: pathlib.Path, modules) -> set:
                 base = ".".join(base + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
-            # `from . import ops` imports the submodule qtensor.ops; `from . import quantize`
+            # `from . import ops` imports the submodule qtensor.kernels.ops; `from . import quantize`
             # imports the package itself
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                        for alias in node.names]
         else:
             continue
         for target in targets:
-            while target and target not in modules:  # `import qtensor.ops.x` -> qtensor.ops
+            while target and target not in modules:  # `import qtensor.kernels.ops.x` -> qtensor.kernels.ops
                 target = target.rpartition(".")[0]
             if target and target != name:
                 out.add(target)
@@ -92,8 +92,8 @@ def _cycles(graph):
 def test_graph_sees_imports():
     # the parser must see the edges it is meant to check, or the acyclicity test cannot fail
     graph = _graph()
-    assert "qtensor.ops" in graph["qtensor"]
-    assert "qtensor.formats" in graph["qtensor.ops"]
+    assert "qtensor.kernels.ops" in graph["qtensor"]
+    assert "qtensor.formats.core" in graph["qtensor.kernels.ops"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -140,10 +140,10 @@ def _foreign_assignments(name: str, package: str, source: str, modules) -> list:
 
 def test_no_module_binds_another_modules_globals():
     modules = _modules()
-    # what tensor.py did before dispatch had register_qtensor: the check must see it
+    # what tensor/subclass.py did before dispatch had register_qtensor: the check must see it
     late = "from . import dispatch as _dispatch\nclass QTensor: pass\n_dispatch.QTensor = QTensor\n"
-    assert _foreign_assignments("qtensor.tensor", "qtensor", late, modules) == [
-        "qtensor.tensor:3 sets _dispatch.QTensor"]
+    assert _foreign_assignments("qtensor.tensor.subclass", "qtensor.tensor", late, modules) == [
+        "qtensor.tensor.subclass:3 sets _dispatch.QTensor"]
     found = []
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -152,20 +152,22 @@ def test_no_module_binds_another_modules_globals():
 
 
 def _architecture_map():
-    """The module names of docs/architecture.md's map (its first code block): `name.py` at the
-    start of a line, indented ones belonging to the last `package/` line above them."""
+    """The module names of docs/architecture.md's map (its first code block): `name.py` or
+    `package/` first on a line, the line's indent (two spaces a level) placing it inside the
+    last package line above it at the level before."""
     text = (ROOT.parent / "docs" / "architecture.md").read_text()
     block = text.split("```", 2)[1]
-    named, package = set(), ""
+    named, stack = set(), []  # stack: the enclosing packages, one per indent level
     for line in block.splitlines():
         word = line.strip().split(" ", 1)[0]
         if not word:
             continue
-        if not line.startswith(" "):
-            package = word if word.endswith("/") else ""
-            named.add(word)
-        elif word.endswith(".py"):
-            named.add(package + word)
+        level = (len(line) - len(line.lstrip(" "))) // 2
+        del stack[level:]
+        if word.endswith("/") or word.endswith(".py"):
+            named.add("".join(stack) + word)
+        if word.endswith("/"):
+            stack.append(word)
     return named
 
 
@@ -179,3 +181,25 @@ def test_architecture_map_names_every_module_and_only_modules():
     assert modules - named == set(), f"modules missing from docs/architecture.md: {modules - named}"
     assert named - modules - packages == set(), (
         f"docs/architecture.md names what does not exist: {named - modules - packages}")
+
+
+def _package_of(module: str) -> str:
+    """qtensor.kernels.gpu.blocks -> qtensor.kernels; a top-level module is its own package."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_packages_form_layers():
+    """The subpackages import each other without cycles too (formats, kernels, accum, tensor,
+    nn, analysis, integrations, leaks, compat): each one only uses the ones below it."""
+    graph = {}
+    for name, deps in _graph().items():
+        graph.setdefault(_package_of(name), set()).update(
+            _package_of(d) for d in deps if _package_of(d) != _package_of(name))
+    assert _cycles({"a.x": {"b.y"}, "b.y": set()}) == []
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles among qtensor's packages:\n" + "\n".join(
+        " <-> ".join(group) + ": " + "; ".join(
+            f"{p} imports {', '.join(sorted(graph[p] & set(group)))}" for p in group)
+        for group in cycles)
+    assert graph["qtensor.formats"] <= set(), graph["qtensor.formats"]
+    assert "qtensor.tensor" not in graph["qtensor.kernels"] | graph["qtensor.accum"]

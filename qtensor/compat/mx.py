@@ -11,7 +11,7 @@ The ``_bp`` formats and per-product roundings of microxcaling's Linear and Conv 
 ``Recipe.gemm`` (per-GEMM operand formats), exactly; what is still approximated (contractions of
 two activations, one gradient value format) comes with a warning naming the key. Where microxcaling's numerics are
 wrong (its float32 ``log2`` shared exponent, NaN scales, negative zero of integer elements)
-qtensor follows its own contract (qtensor/reference.py).
+qtensor follows its own contract (qtensor/kernels/reference.py).
 
 Names, the role mapping, every approximation and every difference: docs/compat.md.
 """
@@ -22,9 +22,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..formats import BlockFormat, FixedFormat, FloatFormat, PRESETS
-from ..ops import quantize as _qt_quantize
-from ..plans import Recipe
+from ..formats.core import BlockFormat, FixedFormat, FloatFormat, PRESETS
+from ..kernels.ops import quantize as _qt_quantize
+from ..nn.plans import Recipe
 
 __all__ = ["DEFAULTS", "ELEM_FORMATS", "ROUNDING", "finalize_mx_specs", "elem_format",
            "rounding", "scale_format", "mx_format", "vector_format", "recipe", "quantize_mx",
@@ -267,7 +267,7 @@ def quantize_mx(x: torch.Tensor, elem_format, block_size: int = 32, axis: int = 
                 shared_exp_method: str = "max") -> torch.Tensor:
     """x in MX(elem_format) with blocks of ``block_size`` along ``axis`` (0: the whole axis).
 
-    microxcaling's ``_quantize_mx`` with qtensor.reference's exact shared exponent.
+    microxcaling's ``_quantize_mx`` with qtensor.kernels.reference's exact shared exponent.
     """
     fmt = mx_format(elem_format, block_size, round, axis=axis, scale_bits=scale_bits,
                     shared_exp_method=shared_exp_method)

@@ -25,8 +25,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..formats import BlockFormat, FixedFormat, FloatFormat, FormatError
-from ..ops import quantize as _qt_quantize
+from ..formats.core import BlockFormat, FixedFormat, FloatFormat, FormatError
+from ..kernels.ops import quantize as _qt_quantize
 
 __all__ = [
     "Number", "FloatingPoint", "FixedPoint", "BlockFloatingPoint",

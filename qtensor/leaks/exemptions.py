@@ -7,7 +7,7 @@ import fnmatch
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..tensor import QTensor
+from ..tensor.subclass import QTensor
 from .frames import LOSS_DATA, loss_data
 from .tensors import is_float, storage_key, target_position
 

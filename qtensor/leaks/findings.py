@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..tensor import QTensor
+from ..tensor.subclass import QTensor
 
 MIXED = "mixed"
 PLAIN_RESULT = "plain_result"

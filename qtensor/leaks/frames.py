@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from ..convert import ConvertedForward
-from ..tensor import QTensor
+from ..nn.convert import ConvertedForward
+from ..tensor.subclass import QTensor
 from .findings import Location
 from .tensors import storage_key
 

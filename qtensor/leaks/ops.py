@@ -7,8 +7,8 @@ from typing import Any, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import dispatch
-from ..tensor import QTensor
+from ..tensor import dispatch
+from ..tensor.subclass import QTensor
 from .findings import FUSED, MIXED, PLAIN_OP, PLAIN_RESULT, UNREPRESENTABLE, Finding, tensor_info
 from .frames import ENGINE, QT, TORCH, loss_data, user_location, walk
 from .tensors import (COPY_OPS, VALUE_DTYPES, flat_tensors, is_float, named_tensors, outputs,
@@ -41,7 +41,7 @@ _FUSED_CONTRACTIONS = {
     "_transformer_encoder_layer_fwd": _FASTPATH,
 }
 # Other ops that multiply their operands and sum the products (contractions), by packet: where
-# dispatch has no contraction rule for one (qtensor.dispatch.CONTRACT), it computes on the
+# dispatch has no contraction rule for one (qtensor.tensor.dispatch.CONTRACT), it computes on the
 # payloads in FP32 like any op and its operand formats are lost, which is reported (F.bilinear's
 # _trilinear, quantized and sparse matmuls, backend convolutions; a grouped GEMM before it had
 # its rule). Not "fused": no finding asks for a decomposition, the op itself ignores mm_fmt.

@@ -7,9 +7,9 @@ import weakref
 
 import torch
 
-from ..convert import plan_of
-from ..tensor import QTensor
-from ..training import MASTER_KEY, swapped_masters
+from ..nn.convert import plan_of
+from ..tensor.subclass import QTensor
+from ..nn.training import MASTER_KEY, swapped_masters
 from .findings import OPTIMIZER, Finding, tensor_info
 from .frames import user_location
 from .tensors import is_float

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import FLOAT_DTYPES
-from ..tensor import QTensor
+from ..kernels.checks import FLOAT_DTYPES
+from ..tensor.subclass import QTensor
 
 # values a format could hold: complex ones too (no format is complex, so a complex tensor made
 # from QTensors is a value computed in full precision)

@@ -10,8 +10,8 @@ import torch
 from torch.nn.modules.loss import _Loss
 from torch.utils._pytree import tree_leaves
 
-from ..convert import conversion_of
-from ..tensor import QTensor
+from ..nn.convert import conversion_of
+from ..tensor.subclass import QTensor
 from .frames import LOSS_DATA, user_location
 from .tensors import is_float, storage_key, target_position
 

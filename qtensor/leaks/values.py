@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import dispatch
-from ..formats import BlockFormat, Format
-from ..ops import quantize
-from ..tensor import QTensor
+from ..tensor import dispatch
+from ..formats.core import BlockFormat, Format
+from ..kernels.ops import quantize
+from ..tensor.subclass import QTensor
 from .tensors import FLOAT_DTYPES, is_float, named_tensors
 
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32,

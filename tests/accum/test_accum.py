@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import accum
-from qtensor.accum import AccumFormat
+from qtensor.accum import core as accum
+from qtensor.accum.core import AccumFormat
 
 from accum_cases import (FORMATS, INPUTS, _bits_eq, _cancelling, _fp4, _random, _spread,
     _subnormal, bits, oracle)
@@ -23,7 +23,7 @@ from accum_cases import (FORMATS, INPUTS, _bits_eq, _cancelling, _fp4, _random, 
 # The compiled kernel: the reference's bits, the op's fake implementation, opcheck
 
 needs_kernel = pytest.mark.skipif(
-    not (qt.ops.kernels_available() and hasattr(torch.ops.qtensor, "accum_matmul")),
+    not (qt.kernels.ops.kernels_available() and hasattr(torch.ops.qtensor, "accum_matmul")),
     reason="the compiled qtensor._C extension (with accum_matmul) is not built")
 
 
@@ -193,7 +193,7 @@ def test_kernel_baseline_isa_path():
     _run_under_isa("base", code)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not qt.ops.kernels_available("cuda"),
+@pytest.mark.skipif(not torch.cuda.is_available() or not qt.kernels.ops.kernels_available("cuda"),
                     reason="needs CUDA and the CUDA kernels")
 @pytest.mark.parametrize("f", FORMATS, ids=str)
 def test_cuda_kernel_equals_reference(f):
@@ -664,7 +664,7 @@ def _cdna3_check(a, b, f, **kw):
 
 
 needs_cdna3 = pytest.mark.skipif(
-    not (qt.ops.kernels_available() and hasattr(torch.ops.qtensor, "accum_matmul_cdna3")),
+    not (qt.kernels.ops.kernels_available() and hasattr(torch.ops.qtensor, "accum_matmul_cdna3")),
     reason="the compiled qtensor._C extension (with accum_matmul_cdna3) is not built")
 
 

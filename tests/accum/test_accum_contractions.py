@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import accum
-from qtensor.accum import AccumFormatError
+from qtensor.accum import core as accum
+from qtensor.accum.core import AccumFormatError
 
 from accum_cases import _bits_eq, bits, oracle
 
@@ -424,7 +424,7 @@ def _quantizer_split(t, fmt):
     tie), as Transformer Engine."""
     if fmt.tensor_scale:
         return _te_split(t, fmt)
-    from qtensor.reference import round_with_scale, scale_candidates
+    from qtensor.kernels.reference import round_with_scale, scale_candidates
     bs = fmt.block_size
     t64 = t.double()
     blocks = t64.unflatten(-1, (-1, bs))
@@ -495,7 +495,7 @@ def test_block_scales_ceil_power_of_two_is_ambiguous():
     """MX ceil (RCEIL) scales are not a function of the rounded block: a block whose rounded max
     is max_elem * 2^k rounds from 2^k (max 6) as from 2^(k+1) (max 3): recovery from the rounded
     values alone refuses it, and recovers the scales of a tensor without such blocks."""
-    from qtensor.accum import _block_scales
+    from qtensor.accum.core import _block_scales
     fmt = qt.BlockFormat("fp4_e2m1", 32, scale="e8m0", scale_rule="ceil")
     a = torch.full((1, 32), 1.0)
     a[0, 0] = 5.5  # scale 1, max 6 (from 2^0) ...

@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from qtensor import accum
-from qtensor.accum import AccumFormat, AccumFormatError
+from qtensor.accum import core as accum
+from qtensor.accum.core import AccumFormat, AccumFormatError
 
 
 # ---------------------------------------------------------------------------------------------

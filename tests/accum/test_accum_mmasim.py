@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from qtensor import accum
+from qtensor.accum import core as accum
 
 mmasim = pytest.importorskip("mmasim")
 from mmasim import nv_ptx  # noqa: E402

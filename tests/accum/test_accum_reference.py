@@ -6,8 +6,8 @@ import zlib
 import pytest
 import torch
 
-from qtensor import accum
-from qtensor.accum import AccumFormat
+from qtensor.accum import core as accum
+from qtensor.accum.core import AccumFormat
 
 from accum_cases import FORMATS, INPUTS, _fp4, bits, oracle, oracle_dot
 

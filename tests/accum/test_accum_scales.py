@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import accum
-from qtensor.accum import AccumFormatError
+from qtensor.accum import core as accum
+from qtensor.accum.core import AccumFormatError
 
 from accum_cases import _to_grid, bits, oracle, oracle_dot
 

@@ -136,7 +136,7 @@ def test_sensitivity_against_a_manual_one_layer_conversion():
     report = qt.analyze(model, x, SPEC, loss_fn)
     _check_rows(report, x, y, model, ["all"])
     assert list(model.parameters())[0].__class__ is torch.nn.Parameter  # left untouched
-    assert not qt.convert.__module__ or not hasattr(model, "_qt_conversion")
+    assert not qt.nn.convert.__module__ or not hasattr(model, "_qt_conversion")
 
 
 def test_sensitivity_per_role_against_a_manual_one_role_conversion():
@@ -227,7 +227,7 @@ def test_a_converted_model_is_analysed_with_its_own_recipe():
     report = qt.analyze(model, torch.randn(8, 16), sensitivity=False)
     assert report.spec == SPEC.name or "Recipe" in report.spec
     assert {r["format"] for r in report.tensors if r["role"] == "weight"} == {str(FMT)}
-    assert qt.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
+    assert qt.nn.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
 
 
 def test_optimizer_state_statistics():
@@ -298,7 +298,7 @@ def test_clipped_by_the_block_scale_against_a_per_block_oracle(rule):
     def keep(role, name, formats, before, after):
         seen[(role, name)] = after.clone()
     # the demo's recipe: FP32 weights and BF16 gradients, MXFP4 operands
-    with qt.flush_warnings.observe(keep):
+    with qt.tensor.flush_warnings.observe(keep):
         report = qt.analyze(layer, x, qt.Recipe(weight=(qt.fp32, fp4), grad=(qt.bf16, fp4)),
                             loss_fn=lambda out: F.cross_entropy(out, y), sensitivity=False)
     rows = {(r["role"], r["tensor"]): r for r in report.tensors}

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import qtensor as qt
-from qtensor import flush_warnings as fw
+from qtensor.tensor import flush_warnings as fw
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +82,7 @@ def test_switch_turns_it_off():
 
 
 def test_environment_variable_turns_it_off():
-    code = "import qtensor as qt; print(qt.flush_warnings.flush_warnings_enabled())"
+    code = "import qtensor as qt; print(qt.tensor.flush_warnings.flush_warnings_enabled())"
     env = dict(os.environ, QTENSOR_FLUSH_WARNINGS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import qtensor as qt
-from qtensor.suggest import suggestion
+from qtensor.analysis.suggest import suggestion
 
 CANDIDATES = ("mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1")
 
@@ -143,7 +143,7 @@ def test_the_choice_is_the_least_total_sensitivity_within_the_budget():
     import itertools
     import random
 
-    from qtensor.suggest import _knapsack
+    from qtensor.analysis.suggest import _knapsack
     rng = random.Random(0)
     for _ in range(100):
         units = list(range(rng.randint(2, 5)))
@@ -173,6 +173,6 @@ def test_candidates_with_and_without_master_weights():
     s = suggestion([a, b], budget, base=a)
     assert {c["choice"] for c in s.choices} == {a.spec, b.spec}  # a real mix
     conv = qt.convert(copy.deepcopy(m), s.recipe)
-    plans = qt.analysis.conversion_of(conv).tensor_plans
+    plans = qt.analysis.analyze.conversion_of(conv).tensor_plans
     assert all(p.master for p in plans.values() if p.kind == "weight")
     assert _converted_bits(m, s.recipe) <= budget

@@ -3,7 +3,7 @@
 The oracle below follows microxcaling's published algorithm (mx/mx_ops.py, mx/elemwise_ops.py):
 shared exponent floor(log2(amax)) - emax_elem, elements scaled by 2^(mbits-2-private_exp),
 rounded by its formulas (nearest = floor(|a| + 0.5), even, floor), clamped to max_norm; computed in
-float64 with the exponent either exact (qtensor.reference) or via float32 log2 (microxcaling's own).
+float64 with the exponent either exact (qtensor.kernels.reference) or via float32 log2 (microxcaling's own).
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.attention import AttentionFormats
-from qtensor.formats import BlockFormat
+from qtensor.tensor.attention import AttentionFormats
+from qtensor.formats.core import BlockFormat
 
 F = nn.functional
 BACKENDS = {"default": None, "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}
@@ -233,7 +233,7 @@ class _Spy:
     before it, its output, and (after backward) the gradients of its inputs and output."""
 
     def __init__(self, monkeypatch):
-        import qtensor.attention as A
+        import qtensor.tensor.attention as A
         self.calls, self.orig = [], A.scaled_dot_product_attention
         monkeypatch.setattr(A, "scaled_dot_product_attention", self)
 
@@ -423,7 +423,7 @@ def test_bad_attention_formats(spec, err, match):
 
 
 def test_attention_recipe_round_trips_and_describes():
-    from qtensor.serialization import recipe_from_dict, recipe_to_dict
+    from qtensor.integrations.serialization import recipe_from_dict, recipe_to_dict
     r = qt.recipes.mxfp6.replace(attention=FORMATS["every_field"])
     assert recipe_from_dict(recipe_to_dict(r)) == r
     assert "attention" in r.describe()

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.convert import plan_of
+from qtensor.nn.convert import plan_of
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors")
@@ -1117,7 +1117,7 @@ class TinyGPT(nn.Module):
 
 @pytest.fixture
 def block_nan_warning_armed():
-    specials = importlib.import_module("qtensor.block_specials")
+    specials = importlib.import_module("qtensor.tensor.block_specials")
     specials._reset()  # said once per model and op (per op outside a model): arm it for this test
     yield
     specials._reset()
@@ -1257,7 +1257,7 @@ def test_nested_tensors_refused_clearly():
 
 
 # ---------------------------------------------------------------------------------------------
-# Operand roundings of weights, kept while the weight is unchanged (qtensor.dispatch)
+# Operand roundings of weights, kept while the weight is unchanged (qtensor.tensor.dispatch)
 
 def _mx_mlp():
     torch.manual_seed(0)
@@ -1266,7 +1266,7 @@ def _mx_mlp():
 
 
 def _count_roundings(monkeypatch):
-    from qtensor import dispatch
+    from qtensor.tensor import dispatch
     calls = [0]
     quantize = dispatch.quantize
 
@@ -1281,7 +1281,7 @@ def test_cached_weight_operand_roundings_give_the_bits_of_rounding_per_use(monke
     """Training with microbatches (each weight's operand rounding reused by the second one),
     AdamW on FP32 masters, and evaluation after each step: the same bits with the cache as
     with rounding per use, and fewer roundings."""
-    from qtensor import dispatch
+    from qtensor.tensor import dispatch
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(3, 2, 8, 64, generator=g), torch.randint(0, 32, (3, 2, 8), generator=g)
 
@@ -1313,7 +1313,7 @@ def test_cached_weight_operand_roundings_give_the_bits_of_rounding_per_use(monke
 def test_weight_operand_cache_follows_every_change_of_the_weight(monkeypatch):
     """An in-place update of the weight (through the QTensor, or of its payload), ``w.data =``
     and an optimizer step each give the next forward the new weight's rounding."""
-    from qtensor import dispatch
+    from qtensor.tensor import dispatch
     monkeypatch.setattr(dispatch, "CACHE_OPERANDS", True)  # (off by default)
     m = _mx_mlp()
     w = m[0].weight

@@ -159,7 +159,7 @@ def test_last_layers_run_their_gemms_in_bf16():
     m = mlp()
     qt.convert(m, R.nvfp4_nvidia)
     kinds = [mod.forward.gemm for mod in m]
-    high = qt.plans.GemmFormats(fprop_x=BF, fprop_w=BF, dgrad_dy=BF, dgrad_w=BF, wgrad_x=BF,
+    high = qt.nn.plans.GemmFormats(fprop_x=BF, fprop_w=BF, dgrad_dy=BF, dgrad_w=BF, wgrad_x=BF,
                                 wgrad_dy=BF)
     assert kinds[5:] == [high, high] and all(k == R.nvfp4_nvidia.gemm["linear"] for k in kinds[:5])
     seen = {}
@@ -177,7 +177,7 @@ def test_last_layers_count(n, expected):
     m = mlp()
     r = qt.Recipe(weight=(None, NV), activation=(BF, NV), grad=BF, last_layers=(n, "bf16"))
     qt.convert(m, r)
-    got = [isinstance(mod.__dict__.get("forward"), qt.gemm_forward.GemmForward) for mod in m]
+    got = [isinstance(mod.__dict__.get("forward"), qt.nn.gemm_forward.GemmForward) for mod in m]
     assert got == [False] * (7 - expected) + [True] * expected
     assert expected == min(7, n if isinstance(n, int) else math.ceil(n * 7))
 

@@ -230,7 +230,7 @@ def test_leak_check_covers_cache_updates():
 
 
 def test_the_recipe_field_round_trips_and_describes():
-    from qtensor.serialization import recipe_from_dict, recipe_to_dict
+    from qtensor.integrations.serialization import recipe_from_dict, recipe_to_dict
     r = qt.recipes.mxfp6.replace(kv_cache=qt.kv_cache.FP8_PER_TOKEN)
     assert recipe_from_dict(recipe_to_dict(r)) == r
     assert "kv_cache" in r.describe()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import qtensor as qt
-from qtensor.plans import Recipe
+from qtensor.nn.plans import Recipe
 
 
 def _data(seed=0, n=64, d=32, classes=32):

@@ -1,4 +1,4 @@
-"""``model.to(fmt)``, ``model.to(recipe)`` and ``tensor.to(fmt)`` (qtensor.to_format), through
+"""``model.to(fmt)``, ``model.to(recipe)`` and ``tensor.to(fmt)`` (qtensor.nn.to_format), through
 torch's ``__torch_function__`` protocol: each compared with what qt.convert / qt.as_qtensor give."""
 import copy
 
@@ -8,7 +8,7 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.convert import conversion_of
+from qtensor.nn.convert import conversion_of
 
 
 def _mlp(seed=0):
@@ -22,7 +22,7 @@ def _same_model(a, b, x):
         assert na == nb and type(pa) is type(pb)
         if isinstance(pa, qt.QTensor):
             assert (pa.fmt, pa.mm_fmt) == (pb.fmt, pb.mm_fmt), na
-        assert_bits_equal(qt.plans._plain(pa), qt.plans._plain(pb), na)
+        assert_bits_equal(qt.nn.plans._plain(pa), qt.nn.plans._plain(pb), na)
     ya, yb = a(x), b(x)
     assert (ya.fmt, ya.mm_fmt) == (yb.fmt, yb.mm_fmt)
     assert_bits_equal(ya.dequantize(), yb.dequantize())

@@ -569,7 +569,7 @@ def test_master_gradient_buffer_is_reused_and_holds_each_steps_gradient():
     """FP32 master weights: each step copies the parameter's gradient into the buffer of the
     previous step (no new buffer per step); the masters follow FP32 SGD exactly, and the
     optimizer's state_dict carries no buffer."""
-    from qtensor import training
+    from qtensor.nn import training
     torch.manual_seed(0)
     lin = qt.convert(torch.nn.Linear(8, 4, bias=False), qt.fp8_e4m3)  # FP32 masters
     opt = torch.optim.SGD(lin.parameters(), lr=0.25)

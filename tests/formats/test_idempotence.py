@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import qtensor as qt
 from helpers import assert_bits_equal
 from qtensor import leaks
-from qtensor.formats import BlockFormat, FixedFormat, FloatFormat, FormatError
+from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat, FormatError
 
 MODES = ("nearest", "nearest_away", "toward_zero", "stochastic", "stochastic8")
 BLOCK_PRESETS = [n for n, f in qt.PRESETS.items() if isinstance(f, BlockFormat)]

@@ -1,6 +1,6 @@
 """NVFP4 (qt.nvfp4) is Transformer Engine's NVFP4, bit for bit: the FP32 tensor scale from the
 tensor's amax, each 16-element block's E4M3 scale and its FP4 elements, in TE's float32 order of
-operations (tests/oracles.py nvfp4_te, independent of qtensor.reference); and a QTensor of it
+operations (tests/oracles.py nvfp4_te, independent of qtensor.kernels.reference); and a QTensor of it
 carries its tensor scale, so that moving its values never changes them."""
 from __future__ import annotations
 

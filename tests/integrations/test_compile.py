@@ -24,7 +24,7 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor import ops
+from qtensor.kernels import ops
 
 needs_kernels = pytest.mark.skipif(
     not ops.kernels_available("cpu"),
@@ -111,7 +111,7 @@ def test_compiled_as_qtensor_fullgraph():
 
 def test_format_arguments_recompile():
     """A format or Role passed to a compiled function as an argument: another one recompiles."""
-    from qtensor.plans import Role, round_to
+    from qtensor.nn.plans import Role, round_to
 
     x = torch.randn(64) * 3
     f = torch.compile(lambda x, fmt: qt.quantize(x, fmt), backend="aot_eager")

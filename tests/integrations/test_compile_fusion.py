@@ -4,7 +4,7 @@ With ``decompositions.set_scalar_fusion(True)`` (off by default), under torch.co
 code rounds float32 payloads to scalar float formats through
 ``qtensor_dispatch::round_to_dtype`` (bf16, fp16 and the FP8 presets) and
 ``qtensor_dispatch::round_float`` (any other signed float format, deterministic rounding), whose
-inductor decompositions (``qtensor.decompositions.round_float_fast``: integer arithmetic on the
+inductor decompositions (``qtensor.kernels.decompositions.round_float_fast``: integer arithmetic on the
 float32 bits) inductor fuses into the producer. The oracles: the eager C++ kernel and torch's
 eager casts (what eager QTensor code runs), compared as bits, NaN payloads included, over random
 bit patterns, every float32 exponent with the mantissas at the rounding points, and the
@@ -20,7 +20,7 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor import decompositions, ops
+from qtensor.kernels import decompositions, ops
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="the oracle is the compiled kernel")
@@ -99,7 +99,7 @@ def test_short_form_gives_the_kernels_bits(spec, rounding, _fusion_on):
 def test_cast_short_form_gives_eagers_bits(spec, _fusion_on):
     """round_to_dtype's decomposition against what eager QTensor code gives on CPU: torch's cast
     down and back (bf16, fp16: NaNs as its vector loop makes them), the kernel for the float8
-    dtypes (qtensor.dispatch._SLOW_CPU_CASTS)."""
+    dtypes (qtensor.tensor.dispatch._SLOW_CPU_CASTS)."""
     x = _bits_grid()
     dt = CASTS[spec]
     got = decompositions.round_to_dtype(x, dt)

@@ -2,7 +2,7 @@
 
 The string forms of a traced QTensor's formats and the format comparison in role roundings are
 constants that dynamo takes from the real objects (torch.compiler.assume_constant_result in
-qtensor/tensor.py), instead of tracing the string form (which compares a format with every
+qtensor/tensor/subclass.py), instead of tracing the string form (which compares a format with every
 preset) and dataclass equality field by field. These tests check that those constants are
 what the traced code computed before, that a format the traced code builds itself still gets
 its own string, that a reconverted model gets a new graph, and that the format Python stays out of
@@ -19,9 +19,9 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor import ops
-from qtensor import tensor as qtensor_mod
-from qtensor.formats import FloatFormat
+from qtensor.kernels import ops
+from qtensor.tensor import subclass as qtensor_mod
+from qtensor.formats.core import FloatFormat
 
 needs_kernels = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                    reason="the compiled quantize op")

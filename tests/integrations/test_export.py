@@ -16,7 +16,7 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor import ops
+from qtensor.kernels import ops
 
 _ACCUM_KERNEL = ops.kernels_available("cpu") and hasattr(torch.ops.qtensor, "accum_matmul")
 

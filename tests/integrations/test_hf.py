@@ -1,5 +1,5 @@
 """Hugging Face transformers models (tiny configs, random init, no download): model.to(fmt),
-save_pretrained / from_pretrained with the formats (qtensor.hf), attention implementations,
+save_pretrained / from_pretrained with the formats (qtensor.integrations.hf), attention implementations,
 the leak_check allow lists, torch.compile. Skipped without transformers."""
 import contextlib
 import copy

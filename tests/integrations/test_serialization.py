@@ -1,4 +1,4 @@
-"""Converted checkpoints as plain tensors plus formats (qtensor.serialization): torch.load without
+"""Converted checkpoints as plain tensors plus formats (qtensor.integrations.serialization): torch.load without
 qtensor, and safetensors files. Hugging Face checkpoints: tests/integrations/test_hf.py."""
 import json
 import os
@@ -12,8 +12,8 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.convert import conversion_of
-from qtensor.serialization import recipe_from_dict, recipe_to_dict
+from qtensor.nn.convert import conversion_of
+from qtensor.integrations.serialization import recipe_from_dict, recipe_to_dict
 
 RECIPE = qt.Recipe(weight=("bf16", "mxfp6_e3m2"), bias="fp8_e4m3", activation=("bf16", "mxfp8_e4m3"),
                    grad="bf16", accumulate="hopper_fp8", rules={"1.*": None, "2.bias": "fp16"})
@@ -119,7 +119,7 @@ def test_safetensors_round_trip(tmp_path):
     path = tmp_path / "m.safetensors"
     qt.save_safetensors(model, path)
     with safe_open(str(path), framework="pt") as f:
-        assert "qtensor.formats" in f.metadata() and "qtensor.recipe" in f.metadata()
+        assert "qtensor.formats.core" in f.metadata() and "qtensor.recipe" in f.metadata()
     loaded = qt.load_safetensors(path)
     fresh = _model(seed=3)
     qt.load_plain_state_dict(fresh, loaded)
@@ -213,14 +213,14 @@ def _metadata_mutations():
                 f.pop(k)
             else:
                 f[k] = v
-        return {"qtensor.formats": json.dumps(f)}
+        return {"qtensor.formats.core": json.dumps(f)}
 
     deep = "block(elem=" * 1000 + "fp4_e2m1" + ")" * 1000
     weight = {"fmt": "fp8_e4m3"}
     return [
-        ("truncated JSON", {"qtensor.formats": json.dumps(good)[:30]}, "'qtensor.formats'"),
-        ("nested JSON", {"qtensor.formats": "[" * 100000 + "]" * 100000}, "'qtensor.formats'"),
-        ("a list", {"qtensor.formats": "[]"}, "'qtensor.formats'"),
+        ("truncated JSON", {"qtensor.formats.core": json.dumps(good)[:30]}, "'qtensor.formats.core'"),
+        ("nested JSON", {"qtensor.formats.core": "[" * 100000 + "]" * 100000}, "'qtensor.formats.core'"),
+        ("a list", {"qtensor.formats.core": "[]"}, "'qtensor.formats.core'"),
         ("a string for a tensor", formats(**{"0.weight": "fp8_e4m3"}), "'0.weight'"),
         ("no fmt", formats(**{"0.weight": {}}), "'0.weight'"),
         ("fmt a number", formats(**{"0.weight": {"fmt": 5}}), "'0.weight'"),
@@ -294,7 +294,7 @@ def test_random_mutations_of_real_metadata_are_value_errors(tmp_path):
         meta = f.metadata()
     rng = random.Random(0)
     for i in range(60):
-        key = rng.choice(["qtensor.formats", "qtensor.recipe"])
+        key = rng.choice(["qtensor.formats.core", "qtensor.recipe"])
         text = list(meta[key])
         for _ in range(rng.randint(1, 3)):
             j = rng.randrange(len(text))
@@ -326,7 +326,7 @@ def test_truncated_safetensors_file_is_a_value_error(tmp_path):
 def test_accumulator_tokens_parse_or_give_a_value_error():
     """The accumulator strings of checkpoints and traced graphs: any other string is an
     AccumFormatError (a ValueError), never a SyntaxError or TypeError."""
-    from qtensor.tensor import _ACCUM_FIELDS, _accum_of_token
+    from qtensor.tensor.subclass import _ACCUM_FIELDS, _accum_of_token
     for preset in qt.accum.PRESETS.values():  # (each spelled out as a custom one would be)
         token = ";".join(f"{n}={getattr(preset, n)}" for n in _ACCUM_FIELDS)
         assert _accum_of_token(token) == preset
@@ -352,3 +352,23 @@ def test_nvfp4_checkpoint_with_nan_loads(tmp_path):
     qt.save_safetensors({"w": t}, tmp_path / "t.safetensors")
     back = qt.qtensor_state_dict(qt.load_safetensors(tmp_path / "t.safetensors"))["w"]
     assert_bits_equal(back.dequantize(), t.dequantize())
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_checkpoint_saved_before_the_package_layout_loads_with_its_bits(weights_only):
+    # data/before_subpackages.pt: torch.save'd by the flat layout (qtensor/tensor.py), whose
+    # pickles name qtensor.tensor._rebuild_qtensor; its "plain" entries are the payloads as saved
+    import pathlib
+    path = pathlib.Path(__file__).parent / "data" / "before_subpackages.pt"
+    obj = torch.load(path, weights_only=weights_only)
+    plain = obj["plain"]
+    for key, fmt in [("fp8", "fp8_e4m3"), ("nvfp4", "nvfp4"), ("bf16", "bf16")]:
+        q = obj[key]
+        assert type(q) is qt.QTensor and str(q.fmt) == fmt
+        assert torch.equal(q._data.view(torch.int32), plain[key].view(torch.int32))
+    assert torch.equal(obj["nvfp4"].tensor_scale.view(torch.int32),
+                       plain["nvfp4_scale"].view(torch.int32))
+    model = obj["model"]
+    for key in ("weight", "bias"):
+        assert type(model[key]) is qt.QTensor and str(model[key].fmt) == "mxfp8_e4m3"
+        assert torch.equal(model[key]._data.view(torch.int32), plain[key].view(torch.int32))

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import ops, reference
-from qtensor.formats import FixedFormat
+from qtensor.kernels import ops, reference
+from qtensor.formats.core import FixedFormat
 
 from helpers import assert_bits_equal, assert_passes_under_isa
 

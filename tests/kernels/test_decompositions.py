@@ -1,6 +1,6 @@
-"""qtensor/decompositions.py: the rounding ops as pointwise torch ops for inductor.
+"""qtensor/kernels/decompositions.py: the rounding ops as pointwise torch ops for inductor.
 
-The oracle is the eager C++ kernel (itself tested bit for bit against qtensor/reference.py in
+The oracle is the eager C++ kernel (itself tested bit for bit against qtensor/kernels/reference.py in
 test_kernels.py): the decomposition, run eagerly and compiled by inductor, gives its bits on
 random values over float32's whole range, every bit pattern (NaNs, Infs, subnormals) and the
 formats' boundaries, for each format family and deterministic rounding mode.
@@ -12,8 +12,8 @@ import torch
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor import decompositions, ops
-from qtensor.formats import BlockFormat, FixedFormat, FloatFormat
+from qtensor.kernels import decompositions, ops
+from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="the oracle is the compiled kernel")
@@ -182,7 +182,7 @@ def test_environment_variable_turns_them_on_at_the_first_trace():
 def _every_block_format():
     """Each scale rule with each scale format it takes (exponent-only, E4M3, E5M2, BF16, FP32),
     float and fixed-point elements, with and without a tensor scale."""
-    from qtensor.formats import SCALE_RULES
+    from qtensor.formats.core import SCALE_RULES
     for rule in SCALE_RULES:
         for scale in ("e8m0", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32"):
             for elem in ("fp4_e2m1", "fp8_e4m3", "fixed8.6(symmetric=True)"):

@@ -1,6 +1,6 @@
 """The compiled kernels (qtensor._C custom ops) against the reference, bit for bit.
 
-The reference (qtensor.reference) is the specification; it is itself checked against independent
+The reference (qtensor.kernels.reference) is the specification; it is itself checked against independent
 oracles in test_reference.py. Here every preset, a sweep of custom formats, every rounding mode
 (stochastic with a fixed seed through quantize_with_seed), three input dtypes, strided inputs and
 outputs, odd sizes and empty tensors go through both and must give the same bits.
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import ops, reference
-from qtensor.formats import BlockFormat, FixedFormat, FloatFormat
+from qtensor.kernels import ops, reference
+from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat
 
 from helpers import assert_bits_equal
 
@@ -512,7 +512,7 @@ def test_isa_clones(isa):
     code = (
         "import torch, qtensor as qt\n"
         "from qtensor import ops, reference\n"
-        "from qtensor.formats import BlockFormat, FixedFormat\n"
+        "from qtensor.formats.core import BlockFormat, FixedFormat\n"
         "import test_kernels as tk\n"
         "xs, xb = tk.scalar_inputs(512, seed=21), tk.block_inputs(16, 64, seed=22)\n"
         "fmts = [(xs, qt.PRESETS[n]) for n in ('fp8_e4m3', 'bf16', 'fp4_e2m1', 'fp16')]\n"

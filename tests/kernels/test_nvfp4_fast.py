@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import ops, reference
-from qtensor.recipes import _nvfp4_4over6
+from qtensor.kernels import ops, reference
+from qtensor.nn.recipes import _nvfp4_4over6
 
 from helpers import assert_bits_equal, assert_passes_under_isa
 

@@ -1,9 +1,9 @@
-"""The numerical contract (qtensor/reference.py, formats.py), checked against independent oracles.
+"""The numerical contract (qtensor/kernels/reference.py, formats.py), checked against independent oracles.
 
 Every test runs both ``qt.quantize`` (which may use compiled kernels) and
-``qtensor.reference.quantize`` (the ``quantize`` fixture of conftest.py). The oracles are
+``qtensor.kernels.reference.quantize`` (the ``quantize`` fixture of conftest.py). The oracles are
 hand-written decoders and exact rational arithmetic (tests/oracles.py), torch's own casts,
-ml_dtypes and gfloat, never qtensor.reference itself.
+ml_dtypes and gfloat, never qtensor.kernels.reference itself.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import qtensor as qt
-from qtensor import reference
-from qtensor.formats import FixedFormat, FloatFormat, BlockFormat, FormatError
+from qtensor.kernels import reference
+from qtensor.formats.core import FixedFormat, FloatFormat, BlockFormat, FormatError
 
 import oracles
 from helpers import as_bits, assert_bits_equal

@@ -1,4 +1,4 @@
-"""The first-use check of the CUDA kernels (qtensor/selfcheck.py), exercised on the CPU.
+"""The first-use check of the CUDA kernels (qtensor/kernels/selfcheck.py), exercised on the CPU.
 
 No GPU has run the CUDA kernels, so until scripts/gpu_check.sh passes, each kernel family is
 compared with the reference on its first use on a CUDA device; a family that disagrees uses the
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import accum, ops, reference, selfcheck
+from qtensor.accum import core as accum
+from qtensor.kernels import ops, reference, selfcheck
 
 from helpers import assert_bits_equal
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import ops, reference
-from qtensor.formats import BlockFormat, FixedFormat, FloatFormat, FormatError
+from qtensor.kernels import ops, reference
+from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat, FormatError
 
 from helpers import assert_bits_equal
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import dispatch, ops, reference
-from qtensor.formats import BlockFormat, FixedFormat, FloatFormat
+from qtensor.tensor import dispatch
+from qtensor.kernels import ops, reference
+from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat
 
 from helpers import assert_bits_equal
 from test_kernels import block_inputs

@@ -16,8 +16,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (conftest.py sets it where ther
                 allow_module_level=True)
 
 import qtensor as qt  # noqa: E402
-from qtensor import dispatch, gpu, ops, reference  # noqa: E402
-from qtensor.formats import PRESETS, BlockFormat, FixedFormat, FloatFormat  # noqa: E402
+from qtensor.tensor import dispatch
+from qtensor.kernels import gpu, ops, reference  # noqa: E402
+from qtensor.formats.core import PRESETS, BlockFormat, FixedFormat, FloatFormat  # noqa: E402
 from helpers import assert_bits_equal  # noqa: E402  (NaN payloads: the reference's differ)
 
 pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors",
@@ -223,7 +224,7 @@ def test_hypothesis_custom_float_and_block_formats():
 @pytest.fixture
 def forced(monkeypatch):
     # dispatch's CPU fast paths call the C++ kernels directly: off, so that every rounding goes
-    # through qtensor.ops, which picks the kernels per device
+    # through qtensor.kernels.ops, which picks the kernels per device
     monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
     with gpu.force():
         yield

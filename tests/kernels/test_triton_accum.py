@@ -1,4 +1,4 @@
-"""The Triton kernel of qt.accum's fused datapath (qtensor/gpu/accum.py, the CUDA back end of
+"""The Triton kernel of qt.accum's fused datapath (qtensor/kernels/gpu/accum.py, the CUDA back end of
 qt.accum.accum_matmul) under Triton's CPU interpreter: bit for bit against the C++ kernel
 (qtensor::accum_matmul, itself held to the reference and an exact oracle by test_accum.py) and
 the reference, on the hard cases (cancellation, signed zeros, subnormal products, Inf/NaN, short
@@ -19,10 +19,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (conftest.py sets it where ther
                 allow_module_level=True)
 
 import qtensor as qt  # noqa: E402
-from qtensor import accum, dispatch, gpu  # noqa: E402
-from qtensor.accum import AccumFormat  # noqa: E402
+from qtensor.accum import core as accum
+from qtensor.tensor import dispatch
+from qtensor.kernels import gpu  # noqa: E402
+from qtensor.accum.core import AccumFormat  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::qtensor.accum.OperandFormatWarning",
+pytestmark = pytest.mark.filterwarnings("ignore::qtensor.accum.core.OperandFormatWarning",
                                         "ignore:invalid value encountered",
                                         "ignore:overflow encountered")
 
@@ -137,7 +139,7 @@ def test_group_exponents_clamps_initial_accumulator_batches_and_strides():
 
 @pytest.fixture
 def calls(monkeypatch):
-    from qtensor.gpu import accum as gpu_accum
+    from qtensor.kernels.gpu import accum as gpu_accum
     seen = []
     real = gpu_accum.accum_matmul
     monkeypatch.setattr(gpu_accum, "accum_matmul",
@@ -217,11 +219,11 @@ def test_compiled_forced_accum_matches_eager(calls):
 def test_forced_first_use_check_runs_the_triton_kernel(calls, monkeypatch):
     # the accumulator's check compares the device's kernel (here the Triton one) with the
     # reference; a wrong kernel is found
-    from qtensor.gpu import accum as gpu_accum
+    from qtensor.kernels.gpu import accum as gpu_accum
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(2, 5, 8, generator=g), torch.randn(2, 8, 3, generator=g)
     with gpu.force():
-        got = qt.ops.kernel_ops(x).accum_matmul(x, y, *accum.op_args(accum.volta_fp16),
+        got = qt.kernels.ops.kernel_ops(x).accum_matmul(x, y, *accum.op_args(accum.volta_fp16),
                                                 None, None, None, None, None)
     assert calls
     assert_same(got, accum._reference(x, y, accum.volta_fp16), "kernel_ops")

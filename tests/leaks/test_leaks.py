@@ -536,7 +536,7 @@ def test_mixed_zero_dim_state_and_user_constants():
 
 def test_plain_result(monkeypatch):
     # simulate a dispatch rule that forgets to wrap its output (the bug this kind catches)
-    from qtensor import dispatch as qd
+    from qtensor.tensor import dispatch as qd
     orig = qd.dispatch
 
     def leaky_dispatch(func, args, kwargs):

@@ -187,9 +187,9 @@ _KERNEL_ON_A_WRAPPER = r"""
 import warnings
 import torch
 import qtensor as qt
-import qtensor.tensor
+import qtensor.tensor.subclass
 warnings.simplefilter("ignore")
-qtensor.tensor.refuse_transformed = lambda *a, **k: None  # as before the Python-side refusal
+qtensor.tensor.subclass.refuse_transformed = lambda *a, **k: None  # as before the Python-side refusal
 xp, w = torch.randn(5, 64), torch.randn(64, 8)
 try:
     torch.func.grad(lambda w: (qt.as_qtensor(xp, "bf16", mm_fmt="mxfp4") @ w).sum())(w)
@@ -198,7 +198,7 @@ except RuntimeError as e:
 """
 
 
-@pytest.mark.skipif(not qt.ops.kernels_available(), reason="needs the compiled kernels")
+@pytest.mark.skipif(not qt.kernels.ops.kernels_available(), reason="needs the compiled kernels")
 def test_kernel_refuses_a_tensor_without_storage():
     """The kernels' overlap check dereferenced the storage of a functorch wrapper (a segfault)
     when one reached them from a QTensor's payload: a clear error now, in C++ too."""

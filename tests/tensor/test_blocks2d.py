@@ -11,9 +11,9 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor import reference
-from qtensor.formats import BlockFormat, FormatError
-from qtensor.plans import Recipe
+from qtensor.kernels import reference
+from qtensor.formats.core import BlockFormat, FormatError
+from qtensor.nn.plans import Recipe
 
 MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")
 NV16 = BlockFormat(qt.fp4_e2m1, scale=qt.fp8_e4m3, scale_rule="amax", tensor_scale=True,
@@ -123,7 +123,7 @@ def test_2d_kernel_path_matches_reference(fmt, dtype):
     x[1, 20, 3] = float("inf")
     for mode in MODES:
         seed = 1234
-        got = qt.ops.quantize_with_seed(x, fmt, mode, seed)
+        got = qt.kernels.ops.quantize_with_seed(x, fmt, mode, seed)
         assert_bits_equal(got, reference.quantize_with_seed(x, fmt, mode, seed), f"{fmt} {mode}")
     want = qt.quantize(x, fmt)
     y = x.clone()

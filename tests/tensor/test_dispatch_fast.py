@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor import dispatch
+from qtensor.tensor import dispatch
 
 aten = torch.ops.aten
 MX6 = qt.mxfp6_e3m2

@@ -1,4 +1,4 @@
-"""Per-GEMM operand formats (Recipe.gemm, qtensor.gemm): each operand of the forward,
+"""Per-GEMM operand formats (Recipe.gemm, qtensor.tensor.gemm): each operand of the forward,
 input-gradient and weight-gradient GEMMs of a converted Linear/Conv in its own format, checked
 bit for bit against a manual computation (each operand rounded with qt.quantize along its
 reduction dimension, float32 products)."""
@@ -138,7 +138,7 @@ def test_rules_keep_their_roles_and_unconvert_deepcopy_pickle():
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     recipe = qt.Recipe(**ROLES, gemm=GEMM, rules={"2": {"weight": (None, qt.bf16)}})
     qt.convert(model, recipe)
-    from qtensor.gemm_forward import GemmForward
+    from qtensor.nn.gemm_forward import GemmForward
     assert isinstance(model[0].__dict__.get("forward"), GemmForward)
     assert "forward" not in model[2].__dict__  # a rule decides its weight: its roles' mm_fmt
     x = torch.randn(8, 64)
@@ -221,9 +221,9 @@ def test_gemm_with_an_accumulator_reads_the_per_gemm_formats(layer):
 
 
 def test_the_accumulator_is_told_the_per_gemm_formats(monkeypatch):
-    """qtensor.accum reads each operand's format from its mm_fmt: it gets the per-GEMM ones."""
-    import qtensor.accum as accum
-    from qtensor.gemm import GemmOperand
+    """qtensor.accum.core reads each operand's format from its mm_fmt: it gets the per-GEMM ones."""
+    import qtensor.accum.core as accum
+    from qtensor.tensor.gemm import GemmOperand
     seen = []
     contract = accum.contract
 

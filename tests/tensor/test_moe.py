@@ -242,7 +242,7 @@ def test_hf_experts_are_a_loop_of_linears(family, impl, recipe):
     y = exp(h1, idx, qt.as_qtensor(wts, act.fmt, mm_fmt=act.mm_fmt))
     reference = _experts_reference if impl == "grouped_mm" else _eager_reference
     ref = reference(exp, h2, idx, qt.as_qtensor(wts, act.fmt, mm_fmt=act.mm_fmt), gate_up, down)
-    ref = qt.plans.round_to(ref, act)
+    ref = qt.nn.plans.round_to(ref, act)
     assert _same(y, ref)
     (y.dequantize() * gy).sum().backward()
     (ref.dequantize() * gy).sum().backward()
@@ -257,7 +257,7 @@ def test_hf_experts_are_a_loop_of_linears(family, impl, recipe):
 
 def _without_rule(monkeypatch, packet, overload):
     """dispatch as it was before grouped GEMMs had their rule: the op computes as one op."""
-    from qtensor import dispatch
+    from qtensor.tensor import dispatch
     monkeypatch.setitem(dispatch.OPS, packet, dispatch.OpRule())
     monkeypatch.delattr(overload, "_qtensor_rule", raising=False)
     monkeypatch.setitem(dispatch._RULES, overload, dispatch.Rule(overload))

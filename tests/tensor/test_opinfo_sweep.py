@@ -8,7 +8,7 @@ computed on the plain dequantized inputs:
 - the op is first run on plain inputs under a recording mode that lists the aten ops it reaches;
 - an op that reaches only data-movement aten ops must return exactly op(dequantized inputs): the
   values are unchanged, nothing is rounded (block formats: or rounded to the result's block
-  format, where the move broke the blocks, see qtensor.dispatch);
+  format, where the move broke the blocks, see qtensor.tensor.dispatch);
 - an op that reaches exactly one computing aten op (after which only data moves) must return
   quantize(op(dequantized inputs)), with contraction operands rounded to their mm_fmt along the
   reduction dimension first (the operand rounding is applied to the plain inputs of the aten op
@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qtensor as qt
-from qtensor import dispatch as qd
+from qtensor.tensor import dispatch as qd
 
 pytestmark = pytest.mark.opinfo_sweep
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.formats import FormatError
+from qtensor.formats.core import FormatError
 
 MX6 = qt.mxfp6_e3m2
 
@@ -419,7 +419,7 @@ def test_module_to_dtype_keeps_qtensor_params():
 def _compile_backend():
     """inductor where the quantize op is opaque to it (the custom op); otherwise aot_eager, since
     inductor cannot yet generate C++ for the reference quantizer's int64 bit manipulations."""
-    import qtensor.ops as ops
+    import qtensor.kernels.ops as ops
     return "inductor" if ops.kernels_available("cpu") else "aot_eager"
 
 
@@ -466,7 +466,7 @@ def test_attention_math_backend_emulates_its_contractions():
 @pytest.mark.parametrize("name", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
 def test_cast_fast_path_matches_quantize(name):
     """dispatch rounds to dtype-shaped formats by a cast down and back: the same bits."""
-    from qtensor import dispatch
+    from qtensor.tensor import dispatch
     torch.manual_seed(0)
     x = torch.cat([
         torch.randn(20000) * torch.logspace(-45, 38, 20000).clamp(max=3e38),
@@ -486,7 +486,7 @@ def test_cast_fast_path_matches_quantize(name):
 @pytest.mark.parametrize("fmt", [qt.mxfp8_e4m3, qt.mxfp4_e2m1, qt.nvfp4])
 def test_block_rounding_on_a_moved_view_matches_quantize(fmt):
     """dispatch rounds blocks along a non-innermost axis on a view that makes it innermost."""
-    from qtensor import dispatch
+    from qtensor.tensor import dispatch
     torch.manual_seed(0)
     w = torch.randn(40, 3, 70) * torch.logspace(-4, 4, 70)
     w[0, 0, 5] = float("nan")

@@ -1,4 +1,4 @@
-"""The Random Hadamard Transform of Recipe.gemm (qtensor.transforms.Hadamard): TE's
+"""The Random Hadamard Transform of Recipe.gemm (qtensor.tensor.transforms.Hadamard): TE's
 NVFP4 construction, applied to both operands of a GEMM along K before rounding; checked against
 an exact model (an orthogonal transform preserves the product) and bit for bit against an
 explicit reference computation."""

@@ -1,0 +1,1 @@
+"""Files and other libraries: plain state dicts, safetensors, Hugging Face."""

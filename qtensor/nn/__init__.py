@@ -1,0 +1,1 @@
+"""Models: convert / unconvert / describe, roles and recipes, published recipes, the converted forward of GEMMs, training (optimizer state, master weights), distributed training, ``model.to(fmt)``."""
