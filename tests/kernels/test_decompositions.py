@@ -164,7 +164,7 @@ def test_environment_variable_turns_them_on_at_the_first_trace():
     import sys
     script = (
         "import torch, qtensor as qt\n"
-        "from qtensor import ops\n"
+        "from qtensor.kernels import ops\n"
         "from torch._subclasses.fake_tensor import FakeTensorMode\n"
         "name, args = ops.op_args(qt.fp6_e2m3)\n"
         "with FakeTensorMode():\n"

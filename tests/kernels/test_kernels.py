@@ -511,7 +511,7 @@ def test_isa_clones(isa):
     must give the same bits: run a sweep with QTENSOR_CPU_ISA capping the choice."""
     code = (
         "import torch, qtensor as qt\n"
-        "from qtensor import ops, reference\n"
+        "from qtensor.kernels import ops, reference\n"
         "from qtensor.formats.core import BlockFormat, FixedFormat\n"
         "import test_kernels as tk\n"
         "xs, xb = tk.scalar_inputs(512, seed=21), tk.block_inputs(16, 64, seed=22)\n"
