@@ -815,7 +815,7 @@ def _operand(x, fmt, name: str, kdim: int, op: str, stated: bool):
     mm_fmt, else fmt, rounding the payload to mm_fmt as a contraction does; stated: the call
     gives this operand's scales or clamps, which then say what its values are) or as a tensor
     with a format argument (``a_fmt``), whose values must be in that format along K."""
-    from ..formats import core as _formats
+    from ..formats import parse as _formats
     # a QTensor (this module sits below qtensor.tensor.subclass: it is known by its format and payload)
     if isinstance(x, torch.Tensor) and hasattr(x, "payload") and hasattr(x, "mm_fmt"):
         q, x = x, x.payload
@@ -845,7 +845,7 @@ def _operand(x, fmt, name: str, kdim: int, op: str, stated: bool):
 
 def _along_k(fmt, kdim: int):
     """A block format with its blocks along the operand's K dim."""
-    from ..formats.core import BlockFormat
+    from ..formats.block import BlockFormat
     if isinstance(fmt, BlockFormat) and fmt.block_size and fmt.block_shape is None:
         return fmt.replace(axis=kdim)
     return fmt
@@ -889,7 +889,8 @@ def _entry(fn, op, a, b, accum, a_fmt, b_fmt, kw) -> torch.Tensor:
     """The public entry points: the operands' formats (QTensors, a_fmt/b_fmt) into clamps or
     block scales, a warning where a preset's operands are unstated, then fn (_matmul or
     _reference)."""
-    from ..formats.core import BlockFormat, FloatFormat
+    from ..formats.block import BlockFormat
+    from ..formats.float import FloatFormat
     f = _check_accum(accum)
     # formats given as arguments must be usable as given; a QTensor's, as a contraction's, may
     # leave the values to carry their scales
@@ -1031,7 +1032,7 @@ CONTRACTIONS = ("mm", "bmm", "addmm", "_addmm_activation", "baddbmm", "addbmm", 
 def _emin_of(x) -> Optional[int]:
     """The minimum normal exponent of an operand's input format (a QTensor's operand format: its
     mm_fmt, else its fmt), where it is one float format; None: from the payload's dtype."""
-    from ..formats.core import FloatFormat
+    from ..formats.float import FloatFormat
     fmt = getattr(x, "mm_fmt", None) or getattr(x, "fmt", None)
     if isinstance(fmt, FloatFormat) and fmt.subnormals:
         return max(min(fmt.emin, 127), -1000)
@@ -1040,7 +1041,8 @@ def _emin_of(x) -> Optional[int]:
 
 def _operand_block_fmt(q):
     """The block format an operand was rounded to (its QTensor's mm_fmt, else fmt), or None."""
-    from ..formats.core import BlockFormat, FloatFormat
+    from ..formats.block import BlockFormat
+    from ..formats.float import FloatFormat
     fmt = getattr(q, "mm_fmt", None) or getattr(q, "fmt", None)
     fmt = getattr(fmt, "base", fmt)  # a per-GEMM operand tag (qtensor.tensor.gemm)
     if (isinstance(fmt, BlockFormat) and fmt.block_size and isinstance(fmt.elem, FloatFormat)
@@ -1149,7 +1151,7 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
         return torch.where(v1, X1, X2), ts
     same = (_exponent(X1, None) == _exponent(X2, None)) if need == "exponent" else X1 == X2
     if not bool((v1 | v2).all()) or bool((v1 & v2 & ~same).any()):
-        from ..formats.core import is_stochastic
+        from ..formats.base import is_stochastic
         if fmt.scale_rule != "ceil" or is_stochastic(fmt.rounding):
             return None
         for src in _payload_sources(q, x):  # RCEIL: the unrounded payload decides
@@ -1168,7 +1170,7 @@ def _two_level_source_scales(x, fmt, kdim: int, s, q):
     (deterministic rounding): that payload rounded again under the same tensor scale, with its
     scales; None where no payload gives x. (From the values alone a coarse subnormal block scale
     can be ambiguous: ceil's 3 x 2q and 6 x q are one block.)"""
-    from ..formats.core import is_stochastic
+    from ..formats.base import is_stochastic
     from ..kernels.reference import quantize_two_level
     if is_stochastic(fmt.rounding):
         return None

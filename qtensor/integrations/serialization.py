@@ -31,7 +31,7 @@ from torch import nn
 from ..accum.core import AccumFormat, as_accum
 from ..nn.convert import conversion_of, convert
 from ..kernels.checks import FLOAT_DTYPES as PAYLOAD_DTYPES
-from ..formats.core import format as _parse_format, short_repr
+from ..formats.parse import format as _parse_format, short_repr
 from ..kernels.ops import count_off_format
 from ..nn.plans import LAYER_KINDS, ROLE_NAMES, GemmFormats, Recipe, Role
 from ..tensor.transforms import Hadamard

@@ -24,8 +24,10 @@ from typing import Optional
 import torch
 
 from .checks import check_axis, check_generator, check_input, resolve_rounding
-from ..formats.core import (_P3109_SPECIALS, BlockFormat, FixedFormat, FloatFormat,
-                            _significant_bits, stochastic_bits)
+from ..formats.float import _P3109_SPECIALS, FloatFormat
+from ..formats.block import BlockFormat
+from ..formats.fixed import FixedFormat
+from ..formats.base import _significant_bits, stochastic_bits
 
 __all__ = ["quantize", "quantize_with_seed", "draw_seed", "check_generator", "random_bits",
            "needs_sign_fixup", "sign_fixup"]

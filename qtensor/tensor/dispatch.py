@@ -33,7 +33,10 @@ from . import gemm as _gemm
 from ..kernels import ops as _ops
 from ..kernels import reference as _reference
 from ..kernels.checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
-from ..formats.core import PRESETS as _PRESETS, BlockFormat, FloatFormat, Format, is_stochastic
+from ..formats.presets import PRESETS as _PRESETS
+from ..formats.block import BlockFormat
+from ..formats.float import FloatFormat
+from ..formats.base import Format, is_stochastic
 
 aten = torch.ops.aten
 _compiler = torch.compiler  # (its _is_exporting_flag is what is_exporting() returns)

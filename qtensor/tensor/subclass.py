@@ -40,8 +40,10 @@ from ..accum.core import as_accum as _as_accum
 from ..kernels import ops as _ops
 from ..kernels import reference as _reference
 from ..kernels.checks import FLOAT_DTYPES as _PAYLOAD_DTYPES
-from ..formats.core import FORMAT_CLASSES, Format, short_repr
-from ..formats.core import format as _parse_format
+from ..formats.presets import FORMAT_CLASSES
+from ..formats.base import Format
+from ..formats.parse import short_repr
+from ..formats.parse import format as _parse_format
 
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 

@@ -15,7 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qtensor as qt
-from qtensor.formats.core import ALIASES, BlockFormat, FixedFormat, FloatFormat, FormatError
+from qtensor.formats.presets import ALIASES
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat
+from qtensor.formats.base import FormatError
 
 import oracles
 
