@@ -120,6 +120,9 @@ class Format(TorchFunctionTarget):
     the format's class and a new family answers them in its own class
     (docs/architecture.md, "The format protocol")."""
 
+    #: Whether its values are sign, exponent and significand with a fixed minimum normal exponent
+    #: (then the format has ``man``, ``emin``, ``emax``, ``subnormals``, ``signed``, ``specials``).
+    is_float = False
     #: Whether values share scales in blocks (then the format has ``elem``, ``scale``,
     #: ``block_size``, ``axis``, ``block_shape``, ``scale_rule`` and ``tensor_scale``).
     is_block = False

@@ -98,6 +98,8 @@ class FloatFormat(Format):
                 f"e{self.exp}m{self.man} with bias={_int_str(self.bias)} has values down to "
                 f"2^{_int_str(self.min_quantum_exp)}, below float32's smallest subnormal 2^-149")
 
+    is_float = True
+
     @property
     def emin(self) -> int:
         """Exponent of the smallest normal number."""

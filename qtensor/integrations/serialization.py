@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from ..accum.core import AccumFormat, as_accum
+from ..accum.format import AccumFormat, as_accum
 from ..nn.convert import conversion_of, convert
 from ..kernels.checks import FLOAT_DTYPES as PAYLOAD_DTYPES
 from ..formats.parse import format as _parse_format, short_repr

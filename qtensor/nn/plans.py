@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..accum.core import as_accum
+from ..accum.format import as_accum
 from ..tensor.attention import AttentionFormats
 from ..tensor.kv_cache import cache_format
 from ..tensor import block_specials

@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from qtensor.accum import core as accum
-from qtensor.accum.core import AccumFormat, AccumFormatError
+from qtensor import accum
+from qtensor.accum.format import AccumFormat, AccumFormatError
 
 
 # ---------------------------------------------------------------------------------------------

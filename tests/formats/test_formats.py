@@ -560,7 +560,7 @@ def test_absurd_ints_are_format_errors(make, match):
 def test_absurd_accumulator_promotion_interval():
     """promote beyond the kernels' int is refused (it wrapped: 2**32 + 4 summed as 4); any
     interval longer than K promotes once, at the end, as promote=None."""
-    from qtensor.accum import core as accum
+    from qtensor import accum
     with pytest.raises(accum.AccumFormatError, match=r"promote must be at most 2\*\*31 - 1 .*"
                                                      r"promote=None\), got 4294967300$"):
         accum.hopper_fp8.replace(promote=2 ** 32 + 4)
