@@ -123,6 +123,9 @@ class Format(TorchFunctionTarget):
     #: Whether its values are sign, exponent and significand with a fixed minimum normal exponent
     #: (then the format has ``man``, ``emin``, ``emax``, ``subnormals``, ``signed``, ``specials``).
     is_float = False
+    #: Whether -0.0 is no value of it: a result that rounds to zero is +0.0 (fixed point, P3109,
+    #: unsigned formats); otherwise zeros keep their sign.
+    no_negative_zero = True
     #: Whether values share scales in blocks (then the format has ``elem``, ``scale``,
     #: ``block_size``, ``axis``, ``block_shape``, ``scale_rule`` and ``tensor_scale``).
     is_block = False

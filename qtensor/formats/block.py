@@ -329,6 +329,10 @@ class BlockFormat(Format):
             return min(self.elem.max, -self.elem.lowest) * self.scale.max < _F32_MAX
         return True
 
+    @property
+    def no_negative_zero(self) -> bool:
+        return self.elem.no_negative_zero  # (the block kernels keep float elements' -0.0)
+
     def unsigned_range(self) -> Optional[str]:
         inner = self.elem.unsigned_range()
         return None if inner is None else f"elements in {inner} times the block scale"

@@ -116,6 +116,11 @@ class FloatFormat(Format):
         that rounds to zero is +0.0."""
         return not self.signed or self.specials in _P3109_SPECIALS
 
+    @property
+    def is_p3109(self) -> bool:
+        """Whether its special codes are IEEE P3109's (specials p3109_extended/p3109_finite)."""
+        return self.specials in _P3109_SPECIALS
+
     def _max_code(self) -> int:
         """The code (exponent and mantissa fields) of the largest finite value: the top code less
         the codes of the top that are Inf or NaN."""
