@@ -26,6 +26,11 @@ def _check_int(name, value, lo, hi=None):
         raise AccumFormatError(f"AccumFormat.{name} must be {rng}, got {value}")
 
 
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise AccumFormatError(f"AccumFormat.{name} must be one of {choices}, got {value!r}")
+
+
 @dataclass(frozen=True, repr=False)
 class AccumFormat:
     """An MMA datapath: how the products of one contraction are summed (see the module doc).
@@ -89,20 +94,12 @@ class AccumFormat:
                 raise AccumFormatError(
                     f"AccumFormat.promote must be at most 2**31 - 1 (the kernels take an int; "
                     f"for no promotion before the end use promote=None), got {self.promote}")
-        if self.align_rounding not in ALIGN_ROUNDINGS:
-            raise AccumFormatError(f"AccumFormat.align_rounding must be one of "
-                                   f"{ALIGN_ROUNDINGS}, got {self.align_rounding!r}")
-        if self.acc_rounding not in ACC_ROUNDINGS:
-            raise AccumFormatError(f"AccumFormat.acc_rounding must be one of {ACC_ROUNDINGS}, "
-                                   f"got {self.acc_rounding!r}")
+        _check_choice("align_rounding", self.align_rounding, ALIGN_ROUNDINGS)
+        _check_choice("acc_rounding", self.acc_rounding, ACC_ROUNDINGS)
         if self.e_zero is not None:
             _check_int("e_zero", self.e_zero, -1000, 128)
-        if self.stages not in STAGES:
-            raise AccumFormatError(f"AccumFormat.stages must be one of {STAGES}, got "
-                                   f"{self.stages!r}")
-        if self.scales not in SCALES:
-            raise AccumFormatError(f"AccumFormat.scales must be one of {SCALES}, got "
-                                   f"{self.scales!r}")
+        _check_choice("stages", self.stages, STAGES)
+        _check_choice("scales", self.scales, SCALES)
         if self.scales == "promotion" and self.promote is None:
             raise AccumFormatError("AccumFormat(scales='promotion') needs a promotion interval "
                                    "(promote=...): the scales are applied on promotion")
