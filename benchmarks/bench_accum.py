@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import qtensor as qt  # noqa: E402
-from qtensor.accum import core as accum  # noqa: E402
+from qtensor import accum  # noqa: E402
+from qtensor.accum import blocks as accum_blocks  # noqa: E402
 from bench_overhead import timeit  # noqa: E402  (the same best-of-repeats timer)
 
 
@@ -114,7 +115,7 @@ def main():
                 qa, qb = rounded(fmt)
                 if block:  # the block scales' exponents / clamps (as QTensor contractions do)
                     o = types.SimpleNamespace(mm_fmt=qt.formats.format(fmt))
-                    return accum.accum_matmul(qa, qb, f, **accum._gexps(f, qa, o, qb, o))
+                    return accum.accum_matmul(qa, qb, f, **accum_blocks._gexps(f, qa, o, qb, o))
                 return accum.accum_matmul(qa, qb, f)
             t_plain = t_acc = float("inf")
             for _ in range(repeat):  # alternately, so that both see the same load

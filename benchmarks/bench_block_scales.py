@@ -1,4 +1,4 @@
-"""The cost of recovering block scales in QTensor contractions (qtensor/accum/core.py `_scale_plan`,
+"""The cost of recovering block scales in QTensor contractions (qtensor/accum/blocks.py `_scale_plan`,
 docs/accum.md "Block scales through QTensor contractions"): a 128 x 512 x 128 product of
 operands rounded to NVFP4, MXFP4 and MXFP8 (both operands' scales; MXFP8: the per-element clamps
 of blackwell_mxf8f6f4), one thread, the best of 7 runs of 20 calls, next to the kernel's time.
@@ -10,7 +10,8 @@ import time
 import torch
 
 import qtensor as qt
-from qtensor.accum import core as accum
+from qtensor import accum
+from qtensor.accum import blocks as accum_blocks
 
 
 def best(fn, n=20, reps=7):
@@ -33,7 +34,7 @@ def main():
         fb = qt.formats.format(name).replace(axis=-2)
         qa, qb = qt.quantize(a, fa), qt.quantize(b, fb)
         A, B = qt.QTensor(qa, fa), qt.QTensor(qb, fb)
-        plan = lambda: accum._scale_plan(f, qa, A, qb, B)  # noqa: E731
+        plan = lambda: accum_blocks._scale_plan(f, qa, A, qb, B)  # noqa: E731
         plan()
         tp, (a2, b2, kw, _post) = best(plan)
         tk, _ = best(lambda: accum.accum_matmul(a2, b2, f, **kw))

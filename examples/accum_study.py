@@ -9,7 +9,7 @@ Every run has the same FP8 operands with fine-grained scales (MXFP8: weights and
 E4M3, gradients E5M2, one power-of-two scale per 32 elements along K, which plays the role of
 DeepSeek-V3's 1x128 tile scaling; BF16 values between ops, FP32 master weights) and differs only
 in how the products are summed
-(``qt.Recipe(..., accumulate=...)``, see qtensor/accum/core.py):
+(``qt.Recipe(..., accumulate=...)``, see qtensor/accum/):
 - ``fp32``: today's emulation default, FP32 accumulation of the rounded operands;
 - ``promote 1/4/16``: Hopper's FP8 tensor-core datapath (32-product chunks aligned to the largest
   exponent, 13 fractional bits, result truncated to 13 mantissa bits), with the partial sum
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import qtensor as qt  # noqa: E402
-from qtensor.accum import core as accum  # noqa: E402
+from qtensor import accum  # noqa: E402
 
 RUNS = {
     "fp32": None,

@@ -1,8 +1,12 @@
 """qtensor: low-precision arithmetic emulation for PyTorch."""
 __version__ = "0.1.0"  # the one place: setup.py reads it from here
 
-from .formats.core import (BlockFormat, FixedFormat, FloatFormat, Format, FormatError, PRESETS,
-                           format, p3109)
+from .formats.block import BlockFormat
+from .formats.fixed import FixedFormat
+from .formats.float import FloatFormat, p3109
+from .formats.base import Format, FormatError
+from .formats.presets import PRESETS
+from .formats.parse import format
 from .kernels import reference
 
 globals().update(PRESETS)

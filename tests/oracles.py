@@ -1,4 +1,4 @@
-"""Slow, exact, independent oracles for the number formats (qtensor/formats/core.py, reference.py).
+"""Slow, exact, independent oracles for the number formats (qtensor/formats/, reference.py).
 
 Written from the contract's text with Python integers and ``fractions.Fraction``; they read only a
 format's *fields* (exp, man, bias, specials, ... / wl, fl, ...), never its computed properties or

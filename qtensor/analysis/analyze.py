@@ -45,7 +45,8 @@ from ..nn import gemm_forward
 from ..kernels import reference
 from ..nn.convert import ModulePlan, Recipe, _InputHook, convert, conversion_of, unconvert
 from ..tensor.dispatch import quantize as _round, with_axis
-from ..formats.core import FloatFormat, Format, is_stochastic
+from ..formats.float import FloatFormat
+from ..formats.base import Format, is_stochastic
 from ..nn.plans import GEMMS, GemmFormats, Role, _plain, round_to
 from ..nn.spec import as_recipe
 from ..tensor.subclass import QTensor

@@ -61,7 +61,7 @@ from torch import nn
 from ..nn.convert import conversion_of, convert, is_converted, unconvert
 from ..nn.gemm_forward import gemm_formats
 from ..tensor.dispatch import quantize as _round, with_axis
-from ..formats.core import Format, is_stochastic
+from ..formats.base import Format, is_stochastic
 from ..nn.plans import Recipe, _plain, round_to
 from ..nn.recipes import direct_cast
 from ..kernels.reference import (_round_scalar, block_scale, encode_scale, round_with_scale,

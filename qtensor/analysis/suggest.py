@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from .analyze import ROLE_GEMM_FIELDS, AnalysisReport, _check_count, _elements, gemm_part
-from ..formats.core import format as _parse_format
+from ..formats.parse import format as _parse_format
 from ..nn.plans import GemmFormats, Recipe
 
 __all__ = ["suggest_recipe", "suggestion", "Suggestion", "METRICS"]

@@ -22,7 +22,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..formats.core import BlockFormat, FixedFormat, FloatFormat, PRESETS
+from ..formats.block import BlockFormat
+from ..formats.fixed import FixedFormat
+from ..formats.float import FloatFormat
+from ..formats.presets import PRESETS
 from ..kernels.ops import quantize as _qt_quantize
 from ..nn.plans import Recipe
 

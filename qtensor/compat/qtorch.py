@@ -25,7 +25,10 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..formats.core import BlockFormat, FixedFormat, FloatFormat, FormatError
+from ..formats.block import BlockFormat
+from ..formats.fixed import FixedFormat
+from ..formats.float import FloatFormat
+from ..formats.base import FormatError
 from ..kernels.ops import quantize as _qt_quantize
 
 __all__ = [

@@ -3,13 +3,13 @@
 ``nn.Module.to`` parses its arguments with ``torch._C._nn._parse_to`` and ``Tensor.to`` with
 torch's argument parser; both honour the ``__torch_function__`` protocol: when an argument's
 class defines it, torch hands the call to that class instead of refusing the argument. Formats
-(:class:`qtensor.formats.core.Format`) and recipes (:class:`qtensor.nn.plans.Recipe`) inherit
+(:class:`qtensor.formats.base.Format`) and recipes (:class:`qtensor.nn.plans.Recipe`) inherit
 :class:`TorchFunctionTarget`, whose classmethod passes these calls to the one handler that
 :mod:`qtensor.nn.to_format` registers (it converts the model, or rounds the tensor). No torch code
 is patched: only calls with a format or recipe among their arguments come here.
 
-This module sits above formats.py in the import layers, so it imports nothing from qtensor; the
-handler is registered by the lower module that implements it (as dispatch.register_qtensor).
+This module sits below the format classes (formats.base.Format inherits its mixin), so it
+imports nothing from qtensor; the handler is registered by the module that implements it.
 """
 from __future__ import annotations
 

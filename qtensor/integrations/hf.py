@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..nn.convert import conversion_of, convert, register_model_hooks
-from ..formats.core import short_repr
+from ..formats.parse import short_repr
 from ..kernels.ops import count_off_format
 from .serialization import (formats_data, parse_formats, plain_state_dict, recipe_from_dict,
                             recipe_to_dict, tensor_formats)

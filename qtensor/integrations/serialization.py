@@ -16,7 +16,7 @@ them at all. This module stores the same values as plain tensors with their form
   recipe when it is not converted yet, checks the formats, loads), :func:`qtensor_state_dict`
   (its inverse as a state dict of QTensors).
 - :func:`save_safetensors` / :func:`load_safetensors`: the same in a ``.safetensors`` file, the
-  formats and recipe as JSON in its metadata (``qtensor.formats.core``, ``qtensor.recipe``).
+  formats and recipe as JSON in its metadata (``qtensor.formats``, ``qtensor.recipe``).
 - :func:`recipe_to_dict` / :func:`recipe_from_dict`: a Recipe as JSON-able data and back.
 """
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from ..accum.core import AccumFormat, as_accum
+from ..accum.format import AccumFormat, as_accum
 from ..nn.convert import conversion_of, convert
 from ..kernels.checks import FLOAT_DTYPES as PAYLOAD_DTYPES
-from ..formats.core import format as _parse_format, short_repr
+from ..formats.parse import format as _parse_format, short_repr
 from ..kernels.ops import count_off_format
 from ..nn.plans import LAYER_KINDS, ROLE_NAMES, GemmFormats, Recipe, Role
 from ..tensor.transforms import Hadamard
@@ -42,7 +42,7 @@ __all__ = ["plain_state_dict", "load_plain_state_dict", "qtensor_state_dict", "s
            "METADATA_FORMATS", "METADATA_RECIPE"]
 
 VERSION = "1"
-METADATA_FORMATS = "qtensor.formats.core"  # safetensors metadata keys (values: JSON strings)
+METADATA_FORMATS = "qtensor.formats"  # safetensors metadata keys (values: JSON strings)
 METADATA_RECIPE = "qtensor.recipe"
 
 

@@ -8,8 +8,9 @@ from typing import Optional
 
 import torch
 
-from ..formats.core import BlockFormat, Format, FormatError, _check_rounding
-from ..formats.core import format as _parse_format
+from ..formats.block import BlockFormat
+from ..formats.base import Format, FormatError, _check_rounding
+from ..formats.parse import format as _parse_format
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "check_input", "check_out", "check_axis",
            "check_op_args",

@@ -22,8 +22,10 @@ import torch.autograd.forward_ad as _fwad
 from . import decompositions, gpu, reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis, check_generator, check_input, check_out
 from .checks import check_op_args, resolve_rounding
-from ..formats.core import (BlockFormat, FixedFormat, FloatFormat, Format, is_stochastic,
-                            stochastic_bits)
+from ..formats.block import BlockFormat
+from ..formats.fixed import FixedFormat
+from ..formats.float import FloatFormat
+from ..formats.base import Format, is_stochastic, stochastic_bits
 
 __all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
 
@@ -284,7 +286,7 @@ def _round_drawn(x: torch.Tensor, after: list[torch.Tensor], fmt: str,
     """The stochastic rounding of x to ``fmt`` (its string) with a seed drawn when it runs, from
     torch's default generator as eager draws it (reference.draw_seed): the opaque op of a
     stochastic rounding in a compiled graph. ``after``: tensors it depends on (see after)."""
-    from ..formats.core import format as parse
+    from ..formats.parse import format as parse
     return _round(x, parse(fmt), rounding, reference.draw_seed(None), None).contiguous()
 
 

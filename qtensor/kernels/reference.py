@@ -24,8 +24,10 @@ from typing import Optional
 import torch
 
 from .checks import check_axis, check_generator, check_input, resolve_rounding
-from ..formats.core import (_P3109_SPECIALS, BlockFormat, FixedFormat, FloatFormat,
-                            _significant_bits, stochastic_bits)
+from ..formats.float import FloatFormat
+from ..formats.block import BlockFormat
+from ..formats.fixed import FixedFormat
+from ..formats.base import _significant_bits, stochastic_bits
 
 __all__ = ["quantize", "quantize_with_seed", "draw_seed", "check_generator", "random_bits",
            "needs_sign_fixup", "sign_fixup"]
@@ -143,8 +145,8 @@ def _round_float(x: torch.Tensor, fmt: FloatFormat, rounding: str,
 def needs_sign_fixup(fmt) -> bool:
     """Whether rounding to fmt takes :func:`sign_fixup` after the signed rounding (the kernels'
     quantize_float): P3109 formats and unsigned formats with zero (UE5M3)."""
-    return isinstance(fmt, FloatFormat) and fmt.has_zero and (
-        fmt.no_negative_zero or (fmt.man == 0 and fmt.specials in _P3109_SPECIALS))
+    return fmt.is_float and fmt.has_zero and (
+        fmt.no_negative_zero or (fmt.man == 0 and fmt.is_p3109))
 
 
 def sign_fixup(x: torch.Tensor, q: torch.Tensor, fmt: FloatFormat, rounding: str) -> torch.Tensor:
@@ -152,7 +154,7 @@ def sign_fixup(x: torch.Tensor, q: torch.Tensor, fmt: FloatFormat, rounding: str
     dtype), made fmt's: no negative zero (-0.0 + 0.0 = +0.0); an unsigned format's negative x
     gives NaN; and for P3109's precision 1 (man = 0) a tie under "nearest" goes to the even
     code, the binade whose biased exponent is even (the kernels take the larger binade)."""
-    if fmt.man == 0 and fmt.specials in _P3109_SPECIALS and rounding == "nearest":
+    if fmt.man == 0 and fmt.is_p3109 and rounding == "nearest":
         m, e = torch.frexp(x.abs())  # |x| = m * 2^e, m in [1/2, 1)
         b = e.to(torch.int64) - 1  # 1.5 * 2^b ties 2^b and 2^(b+1)
         even = torch.remainder(b + fmt.bias, 2) == 0
@@ -204,7 +206,7 @@ def _round_fixed(x: torch.Tensor, fmt: FixedFormat, rounding: str,
 
 
 def _round_scalar(x64: torch.Tensor, fmt, rounding, index, seed) -> torch.Tensor:
-    if isinstance(fmt, FloatFormat):
+    if fmt.is_float:
         return _round_float(x64, fmt, rounding, index, seed)
     return _round_fixed(x64, fmt, rounding, index, seed)
 
@@ -292,7 +294,7 @@ def round_with_scale(x64: torch.Tensor, scale: torch.Tensor, fmt: BlockFormat,
     safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = _round_scalar(x64 / safe_scale, elem, rounding, index, seed) * safe_scale  # exact
     zero = torch.zeros_like(q)
-    if isinstance(elem, FloatFormat):  # signed zeros; integer elements have no -0.0
+    if not elem.no_negative_zero:  # signed zeros; integer elements have no -0.0
         zero = torch.copysign(zero, x64)
     return torch.where(scale > 0, q, zero)
 
@@ -502,7 +504,7 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
         pick4 = err(p4) < err(p)
         p, X = torch.where(pick4, p4, p), torch.where(pick4, X4, X)
     q = p.mul_(dec)  # one float32 rounding; a zero keeps e's sign, which is x's for float e
-    if not isinstance(elem, FloatFormat):  # (integer elements have no -0.0: x's sign)
+    if elem.no_negative_zero:  # (integer elements have no -0.0: x's sign)
         q = torch.where(q == 0, torch.copysign(torch.zeros_like(q), blocks), q)
     if any_bad:
         q = torch.where(bad, torch.full_like(q, float("nan")), q)
@@ -653,10 +655,10 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
     index = None
     if stochastic_bits(rounding) is not None:
         index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
-    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+    if fmt.is_block and fmt.tensor_scale:
         return quantize_two_level(x, fmt, rounding, seed)[0]
     x64 = x.detach().to(torch.float64)
-    if isinstance(fmt, BlockFormat):
+    if fmt.is_block:
         q = _quantize_blocks(x64, fmt, rounding, index, seed)
     else:
         q = _round_scalar(x64, fmt, rounding, index, seed)
@@ -681,7 +683,7 @@ def _nan_bits(out: torch.Tensor, q: torch.Tensor, x: torch.Tensor, fmt) -> torch
     if out.dtype == torch.float16:
         pos, neg = (_half_bits(b, out.dtype).to(out.device) for b in (0x7E00, 0xFE00))
         return torch.where(torch.isnan(q), torch.where(torch.signbit(q), neg, pos), out)
-    if isinstance(fmt, BlockFormat) or (isinstance(fmt, FloatFormat) and not fmt.signed):
+    if fmt.is_block or fmt.scale_only:  # (block formats, unsigned floats)
         return out  # (the positive canonical NaN already)
     return torch.where(torch.isnan(x), x.detach(), out)
 
@@ -698,7 +700,7 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     check_generator(generator)
     seed = draw_seed(generator) if stochastic_bits(rounding) is not None else 0
     if tensor_scale is not None:
-        if not (isinstance(fmt, BlockFormat) and fmt.tensor_scale):
+        if not (fmt.is_block and fmt.tensor_scale):
             raise ValueError(f"quantize to {fmt}: tensor_scale is for two-level block formats "
                              "(tensor_scale=True, such as nvfp4)")
         return quantize_two_level(x, fmt, rounding, seed, tensor_scale)[0]

@@ -28,7 +28,10 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..formats.core import BlockFormat, FixedFormat, FloatFormat, PRESETS
+from ..formats.block import BlockFormat
+from ..formats.fixed import FixedFormat
+from ..formats.float import FloatFormat
+from ..formats.presets import PRESETS
 from ..warn import warn
 
 __all__ = ["GPU_VERIFIED", "CHECKED_DEVICES", "ENV", "FAMILIES", "family", "register",

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..tensor import dispatch
-from ..formats.core import BlockFormat, Format
+from ..formats.block import BlockFormat
+from ..formats.base import Format
 from ..kernels.ops import quantize
 from ..tensor.subclass import QTensor
 from .tensors import FLOAT_DTYPES, is_float, named_tensors

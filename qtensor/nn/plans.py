@@ -17,13 +17,14 @@ from typing import Any, Optional
 
 import torch
 
-from ..accum.core import as_accum
+from ..accum.format import as_accum
 from ..tensor.attention import AttentionFormats
 from ..tensor.kv_cache import cache_format
 from ..tensor import block_specials
 from ..tensor import flush_warnings
-from ..formats.core import FloatFormat, Format, FormatError
-from ..formats.core import format as _parse_format
+from ..formats.float import FloatFormat
+from ..formats.base import Format, FormatError
+from ..formats.parse import format as _parse_format
 from ..tensor.subclass import QTensor, as_qtensor, same_formats
 from ..tensor.transforms import check_transform
 from ..formats.torch_function import TorchFunctionTarget

@@ -27,9 +27,12 @@ from typing import Optional
 from .plans import Recipe
 from ..tensor.attention import AttentionFormats
 from ..tensor.transforms import Hadamard
-from ..formats.core import BlockFormat, FixedFormat, FloatFormat, PRESETS
-from ..formats.core import format as _format
-from ..accum.core import PRESETS as _accum_presets
+from ..formats.block import BlockFormat
+from ..formats.fixed import FixedFormat
+from ..formats.float import FloatFormat
+from ..formats.presets import PRESETS
+from ..formats.parse import format as _format
+from ..accum.format import PRESETS as _accum_presets
 
 __all__ = ["mxfp6", "mxfp4_weights", "mx_all", "direct_cast", "mx_all_mxfp8", "mx_all_mxfp6", "mx_all_mxfp4",
            "mxint8_inference", "fp16", "block8", "swalp", "wage", "nvfp4_nvidia",

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..formats.core import Format, FormatError, dtype_hint
-from ..formats.core import format as _parse_format
+from ..formats.base import Format, FormatError
+from ..formats.parse import dtype_hint
+from ..formats.parse import format as _parse_format
 from .plans import Recipe, Role, check_signed
 from .recipes import PRESETS_BY_NAME
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..formats import torch_function
 from .convert import conversion_of, convert, unconvert
-from ..formats.core import Format
+from ..formats.base import Format
 from .plans import Recipe
 from .spec import as_recipe
 from ..tensor.subclass import as_qtensor

@@ -37,8 +37,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import dispatch as _dispatch
-from ..formats.core import Format, FormatError
-from ..formats.core import format as _parse_format
+from ..formats.base import Format, FormatError
+from ..formats.parse import format as _parse_format
 from .subclass import QTensor
 
 __all__ = ["AttentionFormats", "scaled_dot_product_attention", "AttentionMode", "PAIRS",

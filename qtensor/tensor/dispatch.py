@@ -26,14 +26,17 @@ from typing import Callable, Optional, Union
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from ..accum import core as _accum
+from ..accum import lowering as _accum
 from . import block_specials as _block_specials
 from ..kernels import decompositions as _decompositions
 from . import gemm as _gemm
 from ..kernels import ops as _ops
 from ..kernels import reference as _reference
 from ..kernels.checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
-from ..formats.core import PRESETS as _PRESETS, BlockFormat, FloatFormat, Format, is_stochastic
+from ..formats.presets import PRESETS as _PRESETS
+from ..formats.block import BlockFormat
+from ..formats.float import FloatFormat
+from ..formats.base import Format, is_stochastic
 
 aten = torch.ops.aten
 _compiler = torch.compiler  # (its _is_exporting_flag is what is_exporting() returns)
@@ -949,7 +952,7 @@ def _round_gemm_operands(args, uargs, operands, tiles=True):
 
 def _with_mm_fmts(args, positions, fmts):
     """args with the QTensors at ``positions`` re-wrapped with the given mm_fmts (the formats
-    their payloads were rounded to: qtensor.accum.core reads an operand's format from its mm_fmt)."""
+    their payloads were rounded to: qtensor.accum reads an operand's format from its mm_fmt)."""
     args = list(args)
     for pos, fmt in zip(positions, fmts):
         a = args[pos] if pos < len(args) else None
@@ -959,7 +962,7 @@ def _with_mm_fmts(args, positions, fmts):
 
 
 def _accum_of(args):
-    """The accumulator of the first QTensor among args that has one (qtensor.accum.core), or None."""
+    """The accumulator of the first QTensor among args that has one (qtensor.accum), or None."""
     for a in args:  # (a loop and ._accum: this runs on every op)
         if isinstance(a, QTensor) and a._accum is not None:
             return a._accum

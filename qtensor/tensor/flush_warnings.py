@@ -48,7 +48,8 @@ from typing import Callable, List, Optional
 import torch
 
 from ..kernels import reference
-from ..formats.core import BlockFormat, Format
+from ..formats.block import BlockFormat
+from ..formats.base import Format
 from ..warn import warn
 
 __all__ = ["check", "set_flush_warnings", "flush_warnings_enabled", "observe", "FLUSH_LIMIT",
@@ -196,7 +197,7 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
     if fmt.tensor_scale:
         # TE's block scales X and decode tensor scale s, as the rounding takes them: a block's
         # top is fl32(max_elem * X * s) (float64 X * s is exact)
-        from ..formats.core import is_stochastic
+        from ..formats.base import is_stochastic
         from ..kernels.ops import _round_scalar32
         rounding = "nearest" if is_stochastic(fmt.rounding) else fmt.rounding
         _, s, X = reference.quantize_two_level(x, fmt, rounding, rnd=_round_scalar32,
@@ -352,7 +353,7 @@ def check_gemm_operand(role: str, name: str, fmt, value: torch.Tensor, axis: int
     if not (n <= CLIP_CHECK_FIRST or n % CLIP_CHECK_EVERY == 0):
         return
     from .dispatch import quantize, with_axis
-    from ..formats.core import is_stochastic
+    from ..formats.base import is_stochastic
     if is_stochastic(getattr(fmt, "rounding", None) or "nearest"):
         fmt = fmt.replace(rounding="nearest")
     x = value if transform is None else transform.apply(value, axis)

@@ -5,7 +5,7 @@ A grouped GEMM is one matrix product per group (expert). Each group's operands a
 their operand formats along that group's K, by themselves: blocks, 2D tiles, per-tensor scales
 and transforms never reach across a group's boundary, as a loop over the experts of converted
 ``nn.Linear`` layers rounds each expert's input and weight. Per-GEMM formats (``Recipe.gemm``'s
-tags, qtensor.tensor.gemm) and the accumulator (qtensor.accum.core) apply per group; each group is one ``mm``
+tags, qtensor.tensor.gemm) and the accumulator (qtensor.accum) apply per group; each group is one ``mm``
 on the rounded payloads, the bits of that loop. The layouts of ``torch._grouped_mm``:
 
 - 2D x 3D with offs: A (M, K) split along M, B (G, K, N): out (M, N) (the forward; dgrad);
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..accum import core as _accum
+from ..accum import lowering as _accum
 from . import dispatch as _dispatch
 from . import gemm as _gemm
 

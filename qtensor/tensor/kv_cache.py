@@ -22,8 +22,10 @@ from typing import Optional
 import torch
 
 from . import dispatch as _dispatch
-from ..formats.core import PRESETS, BlockFormat, Format, FormatError
-from ..formats.core import format as _parse_format
+from ..formats.presets import PRESETS
+from ..formats.block import BlockFormat
+from ..formats.base import Format, FormatError
+from ..formats.parse import format as _parse_format
 from .subclass import QTensor
 
 __all__ = ["store", "wrap", "cache_format", "FP8_PER_TOKEN", "FP8_PER_BLOCK", "NVFP4", "MXFP4",

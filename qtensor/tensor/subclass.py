@@ -35,13 +35,15 @@ import torch
 
 from . import dispatch as _dispatch
 from . import gemm as _gemm
-from ..accum.core import PRESETS as _ACCUM_PRESETS, AccumFormat, AccumFormatError
-from ..accum.core import as_accum as _as_accum
+from ..accum.format import PRESETS as _ACCUM_PRESETS, AccumFormat, AccumFormatError
+from ..accum.format import as_accum as _as_accum
 from ..kernels import ops as _ops
 from ..kernels import reference as _reference
 from ..kernels.checks import FLOAT_DTYPES as _PAYLOAD_DTYPES
-from ..formats.core import FORMAT_CLASSES, Format, short_repr
-from ..formats.core import format as _parse_format
+from ..formats.presets import FORMAT_CLASSES
+from ..formats.base import Format
+from ..formats.parse import short_repr
+from ..formats.parse import format as _parse_format
 
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 
@@ -394,7 +396,7 @@ class QTensor(torch.Tensor):
 
     @property
     def accum(self) -> Optional[AccumFormat]:
-        """How contractions with this operand sum their products (a qtensor.accum.core.AccumFormat);
+        """How contractions with this operand sum their products (a qtensor.accum.AccumFormat);
         None: in the payload precision. Results of ops inherit it from their inputs."""
         return self._accum
 

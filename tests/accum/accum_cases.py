@@ -1,6 +1,6 @@
 """The exact oracle of qt.accum's accumulator model and the input cases the accum tests share.
 
-The oracle below restates the model of qtensor/accum/core.py (MMA-Sim's fused_dot_add rules) per
+The oracle below restates the model of qtensor/accum/ (reference.py) (MMA-Sim's fused_dot_add rules) per
 output element with Python integers and Fractions, independently of torch; the reference and
 the compiled kernel must give its bits exactly (compared as int32 patterns).
 """
@@ -10,8 +10,8 @@ from fractions import Fraction
 import torch
 
 import qtensor as qt
-from qtensor.accum import core as accum
-from qtensor.accum.core import AccumFormat
+from qtensor import accum
+from qtensor.accum.format import AccumFormat
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor.accum import core as accum
-from qtensor.accum.core import AccumFormat
+from qtensor import accum
+from qtensor.accum import blocks as accum_blocks
+from qtensor.accum import kernel as accum_kernel
+from qtensor.accum import reference as accum_reference
+from qtensor.accum.format import AccumFormat
 
 from accum_cases import (FORMATS, INPUTS, _bits_eq, _cancelling, _fp4, _random, _spread,
     _subnormal, bits, oracle)
@@ -113,12 +116,12 @@ def test_kernel_large_and_strided():
 @needs_kernel
 def test_kernel_opcheck_and_fake():
     a, b = torch.randn(2, 3, 40), torch.randn(2, 40, 5)
-    args = (a, b, *accum.op_args(accum.hopper_fp8), None, None, None)
+    args = (a, b, *accum_kernel.op_args(accum.hopper_fp8), None, None, None)
     torch.library.opcheck(torch.ops.qtensor.accum_matmul.default, args)
     # with group exponents and an initial accumulator (the scalar path)
     ga, gb = torch.zeros(2, 3, 3, dtype=torch.int32), torch.zeros(2, 3, 5, dtype=torch.int32)
     torch.library.opcheck(torch.ops.qtensor.accum_matmul.default,
-                          (a, b, *accum.op_args(accum.blackwell_mxfp4), ga, gb,
+                          (a, b, *accum_kernel.op_args(accum.blackwell_mxfp4), ga, gb,
                            torch.randn(2, 3, 5)))
     with torch._subclasses.fake_tensor.FakeTensorMode():
         out = torch.ops.qtensor.accum_matmul(torch.empty(2, 3, 40), torch.empty(2, 40, 5),
@@ -129,7 +132,7 @@ def test_kernel_opcheck_and_fake():
 @needs_kernel
 def test_kernel_argument_errors():
     a, b = torch.randn(1, 3, 8), torch.randn(1, 8, 2)
-    good = list(accum.op_args(accum.hopper_fp16)) + [None, None, None]
+    good = list(accum_kernel.op_args(accum.hopper_fp16)) + [None, None, None]
     with pytest.raises(RuntimeError, match=r"frac_bits must be in \[0, 46\] for chunk=16, "
                                            r"group=1, got 60"):
         torch.ops.qtensor.accum_matmul(a, b, *good[:1], 60, *good[2:])
@@ -365,7 +368,7 @@ def test_fast_path_per_element_clamps(f):
     fa = qt.formats.format("mxfp8_e4m3")
     qa, qb = qt.quantize(a, fa), qt.quantize(b.t(), fa).t()
     oa, ob = (types.SimpleNamespace(mm_fmt=fa) for _ in range(2))
-    ea, eb = accum._mx_emin(qa, oa, -1), accum._mx_emin(qb, ob, -2)
+    ea, eb = accum_blocks._mx_emin(qa, oa, -1), accum_blocks._mx_emin(qb, ob, -2)
     assert ea is not None and eb is not None
     for x, y in ((ea, eb), (ea, None), (torch.randint(-30, 0, (9, 96), generator=g),
                                         torch.randint(-30, 0, (96, 20), generator=g))):
@@ -681,7 +684,7 @@ def test_cdna3_kernel_equals_reference(f, monkeypatch):
         a, b = _cdna3_case(zlib.crc32(f"{f}{i}".encode()), f, M, K, N, nonfinite)
         cases.append((a, b, accum.accum_matmul_reference(a, b, f)))
     # the kernel runs (not the reference)
-    monkeypatch.setattr(accum, "_cdna3_chunk", lambda *a: pytest.fail("the reference ran"))
+    monkeypatch.setattr(accum_reference, "_cdna3_chunk", lambda *a: pytest.fail("the reference ran"))
     for a, b, want in cases:
         assert _same(accum.accum_matmul(a, b, f), want), (f, a.shape, b.shape)
 
@@ -1015,7 +1018,7 @@ def test_group_recipe_training_matches_the_reference(monkeypatch):
 
     def train(recipe, reference=False):
         if reference:
-            monkeypatch.setattr(accum, "_kernel_ready", lambda a: False)
+            monkeypatch.setattr(accum_kernel, "_kernel_ready", lambda a: False)
         torch.manual_seed(0)
         m = qt.convert(torch.nn.Sequential(torch.nn.Linear(200, 48), torch.nn.ReLU(),
                                            torch.nn.Linear(48, 5)), recipe)

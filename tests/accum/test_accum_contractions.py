@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor.accum import core as accum
-from qtensor.accum.core import AccumFormatError
+from qtensor import accum
+from qtensor.accum import blocks as accum_blocks
+from qtensor.accum import kernel as accum_kernel
+from qtensor.accum.format import AccumFormatError
 
 from accum_cases import _bits_eq, bits, oracle
 
@@ -209,15 +211,15 @@ def _nvfp4_operands():
 
 
 def _spy_on_scale_arguments(monkeypatch):
-    """A list that collects, per call of the kernel entry (accum._matmul, which contractions
+    """A list that collects, per call of the kernel entry (accum_kernel._matmul, which contractions
     call), the names of its tensor keyword arguments (the scales and clamps it was given)."""
     calls = []
-    kernel = accum._matmul
+    kernel = accum_kernel._matmul
 
     def spy(*args, **kw):
         calls.append(sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor)))
         return kernel(*args, **kw)
-    monkeypatch.setattr(accum, "_matmul", spy)
+    monkeypatch.setattr(accum_kernel, "_matmul", spy)
     return calls
 
 
@@ -337,12 +339,12 @@ def test_converted_linear_promotion_scales(scale, monkeypatch):
         lin.weight.copy_(w)
     m = qt.convert(lin, qt.Recipe(weight=("fp32", fmt), activation=("fp32", fmt), accumulate=f))
     calls = []
-    kernel = accum._matmul  # the kernel entry contractions call
+    kernel = accum_kernel._matmul  # the kernel entry contractions call
 
     def spy(*args, **kw):
         calls.append(sorted(k for k, v in kw.items() if v is not None))
         return kernel(*args, **kw)
-    monkeypatch.setattr(accum, "_matmul", spy)
+    monkeypatch.setattr(accum_kernel, "_matmul", spy)
     y = m(x)
     monkeypatch.undo()
     assert "a_scale" in calls[0] and "b_scale" in calls[0]
@@ -480,7 +482,7 @@ def test_converted_linear_other_scale_rules_pass_block_scales(fmt, f):
         w[:, :32] = 1.0
     y = _converted_linear_output(x, w, fmt, f)
     if fmt.scale_rule == "ceil" and fmt.power_of_two_scales:  # the rounded x alone: ambiguous
-        assert accum._block_scales(qt.quantize(x, fmt), fmt, -1) is None
+        assert accum_blocks._block_scales(qt.quantize(x, fmt), fmt, -1) is None
     xe, xs, tx = _quantizer_split(x, fmt)
     we, ws, tw = _quantizer_split(w, fmt)
     want = accum.accum_matmul(xe, we.t(), f, a_scale=xs, b_scale=ws.t())
@@ -495,7 +497,7 @@ def test_block_scales_ceil_power_of_two_is_ambiguous():
     """MX ceil (RCEIL) scales are not a function of the rounded block: a block whose rounded max
     is max_elem * 2^k rounds from 2^k (max 6) as from 2^(k+1) (max 3): recovery from the rounded
     values alone refuses it, and recovers the scales of a tensor without such blocks."""
-    from qtensor.accum.core import _block_scales
+    from qtensor.accum.blocks import _block_scales
     fmt = qt.BlockFormat("fp4_e2m1", 32, scale="e8m0", scale_rule="ceil")
     a = torch.full((1, 32), 1.0)
     a[0, 0] = 5.5  # scale 1, max 6 (from 2^0) ...

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor.accum import core as accum
-from qtensor.accum.core import AccumFormat
+from qtensor import accum
+from qtensor.accum.format import AccumFormat
 
 from accum_cases import bits
 

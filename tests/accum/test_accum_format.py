@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from qtensor.accum import core as accum
-from qtensor.accum.core import AccumFormat, AccumFormatError
+from qtensor import accum
+from qtensor.accum.format import AccumFormat, AccumFormatError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,3 +51,16 @@ def test_operand_errors():
         accum.accum_matmul(torch.ones(2, 3), torch.ones(3, 2), "h100")
     with pytest.raises(ValueError, match=r"at least 2 dims"):
         accum.accum_matmul(torch.ones(3), torch.ones(3, 2), f)
+
+
+def test_qt_accum_names_as_before():
+    from qtensor import accum as package
+    assert sorted(package.__all__) == sorted(
+        ["AccumFormat", "AccumFormatError", "OperandFormatWarning", "accum_matmul",
+         "accum_matmul_reference", "as_accum", "contract", "PRESETS", "ALIGN_ROUNDINGS",
+         "ACC_ROUNDINGS"])
+    for n in package.__all__:
+        assert getattr(package, n) is not None
+    for name, f in package.PRESETS.items():
+        assert getattr(package, name) is f and package.as_accum(name) is f
+    assert callable(package.contract)  # the function, not the lowering module

@@ -14,7 +14,9 @@ import zlib
 import pytest
 import torch
 
-from qtensor.accum import core as accum
+from qtensor import accum
+from qtensor.accum import blocks as accum_blocks
+from qtensor.accum import kernel as accum_kernel
 
 mmasim = pytest.importorskip("mmasim")
 from mmasim import nv_ptx  # noqa: E402
@@ -333,7 +335,7 @@ def test_cancelled_group_still_aligns():
 # The compiled kernel (every CPU path: the float32/int32 fast path takes the FP8 operands, the
 # double lanes the wide ones, the scalar path group exponents and c) and the initial accumulator
 
-needs_kernel = pytest.mark.skipif(not accum._kernel_ready(torch.empty(0)),
+needs_kernel = pytest.mark.skipif(not accum_kernel._kernel_ready(torch.empty(0)),
                                   reason="the compiled extension is not built")
 
 
@@ -403,7 +405,7 @@ def _acc_init(g, M, N):
                                   "blackwell_bf16", "cdna3_fp16", "cdna3_bf16", "cdna3_fp8"])
 def test_initial_accumulator_equals_mmasim(name, fn):
     """C fed into the first instruction as its accumulator input (mma's C operand)."""
-    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+    if fn == "kernel" and not accum_kernel._kernel_ready(torch.empty(0)):
         pytest.skip("the compiled extension is not built")
     f = accum.PRESETS[name]
     ta, tb, make = CASES[name][0]
@@ -418,7 +420,7 @@ def test_initial_accumulator_equals_mmasim(name, fn):
 @pytest.mark.parametrize("fn", ["reference", "kernel"])
 @pytest.mark.parametrize("name", list(BLOCK_CASES))
 def test_block_scaled_initial_accumulator_equals_mmasim(name, fn):
-    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+    if fn == "kernel" and not accum_kernel._kernel_ready(torch.empty(0)):
         pytest.skip("the compiled extension is not built")
     kind, shape = BLOCK_CASES[name]
     g = torch.Generator().manual_seed(zlib.crc32(f"c{name}".encode()))
@@ -576,7 +578,7 @@ def test_qtensor_mxfp8_contraction_equals_mmasim():
     qb = qt.as_qtensor(b, "fp32", mm_fmt="mxfp8_e4m3")
     qa.accum = accum.blackwell_mxf8f6f4
     got = torch.mm(qa, qb)
-    assert accum._mx_emin(qt.quantize(a, "mxfp8_e4m3"), qa, -1) is not None  # subnormals
+    assert accum_blocks._mx_emin(qt.quantize(a, "mxfp8_e4m3"), qa, -1) is not None  # subnormals
 
     def split(x):  # elements (e4m3) and scale exponents of x rounded to MXFP8 along the last dim
         xq = qt.quantize(x, "mxfp8_e4m3")
@@ -800,7 +802,7 @@ def test_signed_zeros_equal_mmasim(name, fn):
     """Zero results carry MMA-Sim's sign for every preset: exact cancellations in a chunk and
     across chunks and promotions, -0.0 operands, negative products below the alignment's or
     float32's grid, c = +-0.0 (FP16 outputs: hopper_fp8_f16)."""
-    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+    if fn == "kernel" and not accum_kernel._kernel_ready(torch.empty(0)):
         pytest.skip("the compiled extension is not built")
     f = accum.PRESETS[name]
     run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
@@ -820,7 +822,7 @@ def test_signed_zeros_equal_mmasim(name, fn):
 def test_block_scaled_signed_zeros_equal_mmasim(name, fn):
     """The block-scaled presets' zero results (+0, as MMA-Sim's st_fdpa/gst_fdpa): -0.0
     elements, groups of exactly cancelling products, negative products at tiny scales."""
-    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+    if fn == "kernel" and not accum_kernel._kernel_ready(torch.empty(0)):
         pytest.skip("the compiled extension is not built")
     run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul
     K = 128
@@ -851,7 +853,7 @@ def test_block_scaled_signed_zeros_equal_mmasim(name, fn):
 def test_empty_k_returns_c_bits(name, fn):
     """K = 0: no instruction runs and the output is c itself, -0.0 included (MMA-Sim's dpa
     returns C; the reference and the CDNA3 kernel gave +0.0 for -0.0)."""
-    if fn == "kernel" and not accum._kernel_ready(torch.empty(0)):
+    if fn == "kernel" and not accum_kernel._kernel_ready(torch.empty(0)):
         pytest.skip("the compiled extension is not built")
     f = accum.PRESETS[name]
     run = accum.accum_matmul_reference if fn == "reference" else accum.accum_matmul

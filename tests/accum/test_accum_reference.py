@@ -6,8 +6,8 @@ import zlib
 import pytest
 import torch
 
-from qtensor.accum import core as accum
-from qtensor.accum.core import AccumFormat
+from qtensor import accum
+from qtensor.accum.format import AccumFormat
 
 from accum_cases import FORMATS, INPUTS, _fp4, bits, oracle, oracle_dot
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor.accum import core as accum
-from qtensor.accum.core import AccumFormatError
+from qtensor import accum
+from qtensor.accum import scaled as accum_scaled
+from qtensor.accum.format import AccumFormatError
 
 from accum_cases import _to_grid, bits, oracle, oracle_dot
 
@@ -200,7 +201,7 @@ def test_fma_f32_is_one_rounding():
     s[1], p[1], acc[1] = 1 + 2 ** -15, -(1 - 2 ** -15) * 2 ** -24, -1 - 2 ** -23
     naive = (acc.double() + s.double() * p.double()).float()
     assert naive[0] == 1 + 2 ** -22 and naive[1] == -1 - 2 ** -22
-    got = accum._fma_f32(s, p, acc)
+    got = accum_scaled._fma_f32(s, p, acc)
     want = torch.tensor([_f32_fma(float(x), float(y), float(z)) for x, y, z in
                          zip(s.tolist(), p.tolist(), acc.tolist())], dtype=torch.float32)
     assert torch.equal(bits(got), bits(want))

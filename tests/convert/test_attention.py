@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import qtensor as qt
 from helpers import assert_bits_equal
 from qtensor.tensor.attention import AttentionFormats
-from qtensor.formats.core import BlockFormat
+from qtensor.formats.block import BlockFormat
 
 F = nn.functional
 BACKENDS = {"default": None, "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}

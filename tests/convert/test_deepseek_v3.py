@@ -10,7 +10,7 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.accum.core import accum_matmul
+from qtensor.accum.matmul import accum_matmul
 
 R = qt.recipes.deepseek_v3_fp8
 ACT = qt.BlockFormat(qt.fp8_e4m3, 128, scale="fp32", scale_rule="amax")

@@ -15,7 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qtensor as qt
-from qtensor.formats.core import ALIASES, BlockFormat, FixedFormat, FloatFormat, FormatError
+from qtensor.formats.presets import ALIASES
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat
+from qtensor.formats.base import FormatError
 
 import oracles
 
@@ -556,7 +560,7 @@ def test_absurd_ints_are_format_errors(make, match):
 def test_absurd_accumulator_promotion_interval():
     """promote beyond the kernels' int is refused (it wrapped: 2**32 + 4 summed as 4); any
     interval longer than K promotes once, at the end, as promote=None."""
-    from qtensor.accum import core as accum
+    from qtensor import accum
     with pytest.raises(accum.AccumFormatError, match=r"promote must be at most 2\*\*31 - 1 .*"
                                                      r"promote=None\), got 4294967300$"):
         accum.hopper_fp8.replace(promote=2 ** 32 + 4)
@@ -810,9 +814,11 @@ def test_format_protocol_block_extent():
 
 
 _FAMILY_SWITCH = re.compile(r"isinstance\([^)]*(FloatFormat|FixedFormat|BlockFormat|AccumFormat)")
-# modules whose switches on the format's class are still to be replaced by protocol questions
-_NOT_YET_PROTOCOL = ("formats/", "kernels/ops.py", "kernels/reference.py", "tensor/dispatch.py",
-                     "accum/core.py", "tensor/subclass.py", "kernels/gpu/")
+# the modules that define the classes (they check their own arguments' types), and the modules
+# whose switches on the format's class are still to be replaced by protocol questions
+_DEFINE_THE_CLASSES = ("formats/", "accum/format.py")
+_NOT_YET_PROTOCOL = _DEFINE_THE_CLASSES + ("kernels/ops.py", "tensor/dispatch.py",
+                                           "tensor/subclass.py", "kernels/gpu/")
 
 
 def test_modules_ask_the_format_protocol_not_the_format_class():
@@ -828,3 +834,45 @@ def test_modules_ask_the_format_protocol_not_the_format_class():
                 found.append(f"{rel}:{n}: {line.strip()}")
     assert not found, "isinstance on a format family (ask the format: formats.Format):\n" + \
         "\n".join(found)
+
+
+def test_format_protocol_signed_zeros_floats_and_p3109():
+    # what the reference asks instead of the class: float or not, -0.0 or not, P3109's codes
+    fx = FixedFormat(8, 4)
+    assert (fx.is_float, fx.no_negative_zero, fx.is_block) == (False, True, False)
+    e4m3, p3 = qt.PRESETS["fp8_e4m3"], qt.p3109(8, 3)
+    assert (e4m3.is_float, e4m3.no_negative_zero, e4m3.is_p3109) == (True, False, False)
+    assert (p3.is_float, p3.no_negative_zero, p3.is_p3109) == (True, True, True)
+    assert qt.PRESETS["ue5m3"].no_negative_zero and not qt.PRESETS["ue5m3"].is_p3109
+    mx, mxint = qt.PRESETS["mxfp8_e4m3"], qt.PRESETS["mxint8"]
+    assert (mx.is_float, mx.no_negative_zero, mxint.no_negative_zero) == (False, False, True)
+    # the bits the answers steer: a block of float elements keeps -0.0, fixed elements give +0.0
+    x = torch.tensor([-0.0, -1e-30] + [1.0] * 30)
+    assert torch.signbit(qt.reference.quantize(x, mx))[:2].tolist() == [True, True]
+    assert not torch.signbit(qt.reference.quantize(x, mxint))[:2].any()
+    assert not torch.signbit(qt.reference.quantize(x, p3)).any()
+
+
+def test_formats_modules_one_concern_each_and_reasonable_size():
+    import pathlib
+    root = pathlib.Path(qt.__file__).parent
+    over = [f"{p.relative_to(root)}: {n} lines" for pkg in ("formats", "accum")
+            for p in sorted((root / pkg).glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 600]
+    assert not over, "modules over 600 lines:\n" + "\n".join(over)
+
+
+def test_every_public_format_name_is_reexported_from_its_own_module():
+    names = ["ROUNDING_MODES", "SPECIALS", "SCALE_RULES", "Format", "FormatError", "FloatFormat",
+             "FixedFormat", "BlockFormat", "format", "PRESETS", "ALIASES", "is_stochastic",
+             "stochastic_bits", "p3109"]
+    assert sorted(qt.formats.__all__) == sorted(names)
+    for n in names:
+        obj = getattr(qt.formats, n)
+        if callable(obj):  # defined in a module of qtensor.formats, not in its __init__
+            assert obj.__module__.startswith("qtensor.formats.") and obj.__module__.count(".") == 2
+    for n in ("FloatFormat", "FixedFormat", "BlockFormat", "Format", "FormatError", "format",
+              "p3109", "PRESETS"):
+        assert getattr(qt, n) is getattr(qt.formats, n)
+    assert qt.BlockFormat(elem="fp4_e2m1", scale="e8m0") == qt.PRESETS["mxfp4_e2m1"]
+    assert repr(qt.PRESETS["fp8_e4m3"]) == "FloatFormat(fp8_e4m3)"

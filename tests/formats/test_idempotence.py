@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 import qtensor as qt
 from helpers import assert_bits_equal
 from qtensor import leaks
-from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat, FormatError
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat
+from qtensor.formats.base import FormatError
 
 MODES = ("nearest", "nearest_away", "toward_zero", "stochastic", "stochastic8")
 BLOCK_PRESETS = [n for n, f in qt.PRESETS.items() if isinstance(f, BlockFormat)]

@@ -10,7 +10,7 @@ import torch
 
 import qtensor as qt
 from qtensor.kernels import reference
-from qtensor.formats.core import FormatError
+from qtensor.formats.base import FormatError
 
 from oracles import float_codes, quantize_block, round_float
 

@@ -13,7 +13,10 @@ import torch
 
 import qtensor as qt
 from qtensor.kernels import ops, reference
-from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat, FormatError
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat
+from qtensor.formats.base import FormatError
 
 from helpers import assert_bits_equal
 
@@ -33,7 +36,7 @@ def float_grid(exp: int, man: int, bias: int, top: float) -> np.ndarray:
     return np.array(sorted(v for v in vals if v <= top))
 
 
-GRIDS = {  # the OCP element grids, written out (independent of qtensor.formats.core)
+GRIDS = {  # the OCP element grids, written out (independent of qtensor.formats)
     "fp8_e4m3": (float_grid(4, 3, 7, 448.0), 8, 3),      # (grid, emax = floor(log2 max), mbits)
     "fp8_e5m2": (float_grid(5, 2, 15, 57344.0), 15, 2),
     "fp6_e2m3": (float_grid(2, 3, 1, 7.5), 2, 3),

@@ -21,7 +21,7 @@ import qtensor as qt
 from helpers import assert_bits_equal
 from qtensor.kernels import ops
 from qtensor.tensor import subclass as qtensor_mod
-from qtensor.formats.core import FloatFormat
+from qtensor.formats.float import FloatFormat
 
 needs_kernels = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                    reason="the compiled quantize op")

@@ -119,7 +119,7 @@ def test_safetensors_round_trip(tmp_path):
     path = tmp_path / "m.safetensors"
     qt.save_safetensors(model, path)
     with safe_open(str(path), framework="pt") as f:
-        assert "qtensor.formats.core" in f.metadata() and "qtensor.recipe" in f.metadata()
+        assert "qtensor.formats" in f.metadata() and "qtensor.recipe" in f.metadata()
     loaded = qt.load_safetensors(path)
     fresh = _model(seed=3)
     qt.load_plain_state_dict(fresh, loaded)
@@ -213,14 +213,14 @@ def _metadata_mutations():
                 f.pop(k)
             else:
                 f[k] = v
-        return {"qtensor.formats.core": json.dumps(f)}
+        return {"qtensor.formats": json.dumps(f)}
 
     deep = "block(elem=" * 1000 + "fp4_e2m1" + ")" * 1000
     weight = {"fmt": "fp8_e4m3"}
     return [
-        ("truncated JSON", {"qtensor.formats.core": json.dumps(good)[:30]}, "'qtensor.formats.core'"),
-        ("nested JSON", {"qtensor.formats.core": "[" * 100000 + "]" * 100000}, "'qtensor.formats.core'"),
-        ("a list", {"qtensor.formats.core": "[]"}, "'qtensor.formats.core'"),
+        ("truncated JSON", {"qtensor.formats": json.dumps(good)[:30]}, "'qtensor.formats'"),
+        ("nested JSON", {"qtensor.formats": "[" * 100000 + "]" * 100000}, "'qtensor.formats'"),
+        ("a list", {"qtensor.formats": "[]"}, "'qtensor.formats'"),
         ("a string for a tensor", formats(**{"0.weight": "fp8_e4m3"}), "'0.weight'"),
         ("no fmt", formats(**{"0.weight": {}}), "'0.weight'"),
         ("fmt a number", formats(**{"0.weight": {"fmt": 5}}), "'0.weight'"),
@@ -294,7 +294,7 @@ def test_random_mutations_of_real_metadata_are_value_errors(tmp_path):
         meta = f.metadata()
     rng = random.Random(0)
     for i in range(60):
-        key = rng.choice(["qtensor.formats.core", "qtensor.recipe"])
+        key = rng.choice(["qtensor.formats", "qtensor.recipe"])
         text = list(meta[key])
         for _ in range(rng.randint(1, 3)):
             j = rng.randrange(len(text))

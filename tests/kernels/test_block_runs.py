@@ -23,7 +23,7 @@ import torch
 
 import qtensor as qt
 from qtensor.kernels import ops, reference
-from qtensor.formats.core import FixedFormat
+from qtensor.formats.fixed import FixedFormat
 
 from helpers import assert_bits_equal, assert_passes_under_isa
 

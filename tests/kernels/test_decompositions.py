@@ -13,7 +13,9 @@ import torch
 import qtensor as qt
 from helpers import assert_bits_equal
 from qtensor.kernels import decompositions, ops
-from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="the oracle is the compiled kernel")
@@ -182,7 +184,7 @@ def test_environment_variable_turns_them_on_at_the_first_trace():
 def _every_block_format():
     """Each scale rule with each scale format it takes (exponent-only, E4M3, E5M2, BF16, FP32),
     float and fixed-point elements, with and without a tensor scale."""
-    from qtensor.formats.core import SCALE_RULES
+    from qtensor.formats.block import SCALE_RULES
     for rule in SCALE_RULES:
         for scale in ("e8m0", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32"):
             for elem in ("fp4_e2m1", "fp8_e4m3", "fixed8.6(symmetric=True)"):

@@ -21,7 +21,10 @@ from hypothesis import strategies as st
 
 import qtensor as qt
 from qtensor.kernels import reference
-from qtensor.formats.core import FixedFormat, FloatFormat, BlockFormat, FormatError
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.base import FormatError
 
 import oracles
 from helpers import as_bits, assert_bits_equal

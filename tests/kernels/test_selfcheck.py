@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor.accum import core as accum
+from qtensor import accum
 from qtensor.kernels import ops, reference, selfcheck
 
 from helpers import assert_bits_equal

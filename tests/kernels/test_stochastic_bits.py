@@ -15,7 +15,10 @@ import torch
 
 import qtensor as qt
 from qtensor.kernels import ops, reference
-from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat, FormatError
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat
+from qtensor.formats.base import FormatError
 
 from helpers import assert_bits_equal
 

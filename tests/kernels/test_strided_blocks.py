@@ -15,7 +15,9 @@ import torch
 import qtensor as qt
 from qtensor.tensor import dispatch
 from qtensor.kernels import ops, reference
-from qtensor.formats.core import BlockFormat, FixedFormat, FloatFormat
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat
 
 from helpers import assert_bits_equal
 from test_kernels import block_inputs

@@ -18,7 +18,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (conftest.py sets it where ther
 import qtensor as qt  # noqa: E402
 from qtensor.tensor import dispatch
 from qtensor.kernels import gpu, ops, reference  # noqa: E402
-from qtensor.formats.core import PRESETS, BlockFormat, FixedFormat, FloatFormat  # noqa: E402
+from qtensor.formats.presets import PRESETS
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.fixed import FixedFormat
+from qtensor.formats.float import FloatFormat  # noqa: E402
 from helpers import assert_bits_equal  # noqa: E402  (NaN payloads: the reference's differ)
 
 pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors",

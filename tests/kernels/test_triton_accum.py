@@ -19,12 +19,14 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (conftest.py sets it where ther
                 allow_module_level=True)
 
 import qtensor as qt  # noqa: E402
-from qtensor.accum import core as accum
+from qtensor import accum
+from qtensor.accum import kernel as accum_kernel
+from qtensor.accum import reference as accum_reference
 from qtensor.tensor import dispatch
 from qtensor.kernels import gpu  # noqa: E402
-from qtensor.accum.core import AccumFormat  # noqa: E402
+from qtensor.accum.format import AccumFormat  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::qtensor.accum.core.OperandFormatWarning",
+pytestmark = pytest.mark.filterwarnings("ignore::qtensor.accum.OperandFormatWarning",
                                         "ignore:invalid value encountered",
                                         "ignore:overflow encountered")
 
@@ -87,13 +89,13 @@ def test_every_fused_datapath_on_the_hard_cases(f):
     g = torch.Generator().manual_seed(f.chunk * 131 + f.frac_bits)
     K = 2 * f.chunk + f.chunk // 2 + 1  # two whole chunks and a short last one
     a, b = hard(g, 8, K, 6)
-    args = accum.op_args(f)
+    args = accum_kernel.op_args(f)
     got = triton_kernel(a[None], b[None], args)
     assert_same(got, cpu_kernel(a[None], b[None], args), f"{f} vs the C++ kernel")
-    assert_same(got[0], accum._reference(a, b, f), f"{f} vs the reference")
+    assert_same(got[0], accum_reference._reference(a, b, f), f"{f} vs the reference")
     # fp8 operands with their formats' clamps (e4m3: -6), where subnormal elements bind
     a8, b8 = qt.quantize(a * 2.0 ** -4, "fp8_e4m3"), qt.quantize(b, "fp8_e5m2")
-    args = accum.op_args(f, -6, -14)
+    args = accum_kernel.op_args(f, -6, -14)
     assert_same(triton_kernel(a8[None], b8[None], args), cpu_kernel(a8[None], b8[None], args),
                 f"{f} fp8 clamps")
 
@@ -111,7 +113,7 @@ def test_group_exponents_clamps_initial_accumulator_batches_and_strides():
     gb = torch.randint(-30, 10, (B, G, N), generator=g)
     c = torch.randn(B, M, N, generator=g) * 2.0 ** 20
     c[0, 0, 0], c[1, 0, 1], c[0, 3, 2] = 0.0, -0.0, float("nan")
-    args = accum.op_args(f)
+    args = accum_kernel.op_args(f)
     for extra in [(), (ga, gb), (ga, gb, c), (None, None, c)]:
         assert_same(triton_kernel(a, b, args, *extra), cpu_kernel(a, b, args, *extra),
                     f"groups {len(extra)}")
@@ -122,7 +124,7 @@ def test_group_exponents_clamps_initial_accumulator_batches_and_strides():
     b = qt.quantize(torch.randn(1, 70, N, generator=g), "fp8_e4m3").expand(B, 70, N)
     ea = torch.randint(-12, 0, (B, M, 70), generator=g)
     eb = torch.randint(-8, 2, (B, 70, N), generator=g)
-    args = accum.op_args(f, -1000, -1000)
+    args = accum_kernel.op_args(f, -1000, -1000)
     for extra in [(None, None, None, ea, eb), (None, None, c, ea, None)]:
         assert_same(triton_kernel(a, b, args, *extra), cpu_kernel(a, b, args, *extra),
                     "clamps")
@@ -130,7 +132,7 @@ def test_group_exponents_clamps_initial_accumulator_batches_and_strides():
     e = torch.zeros(B, M, 0)
     for pf in (accum.hopper_fp8, accum.hopper_fp8_fast):
         assert_same(triton_kernel(e, e.transpose(1, 2)[:, :, :N].reshape(B, 0, N),
-                                  accum.op_args(pf), None, None, c),
+                                  accum_kernel.op_args(pf), None, None, c),
                     torch.where(torch.isnan(c), float("nan"), c), "K = 0")
 
 
@@ -223,12 +225,12 @@ def test_forced_first_use_check_runs_the_triton_kernel(calls, monkeypatch):
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(2, 5, 8, generator=g), torch.randn(2, 8, 3, generator=g)
     with gpu.force():
-        got = qt.kernels.ops.kernel_ops(x).accum_matmul(x, y, *accum.op_args(accum.volta_fp16),
+        got = qt.kernels.ops.kernel_ops(x).accum_matmul(x, y, *accum_kernel.op_args(accum.volta_fp16),
                                                 None, None, None, None, None)
     assert calls
-    assert_same(got, accum._reference(x, y, accum.volta_fp16), "kernel_ops")
+    assert_same(got, accum_reference._reference(x, y, accum.volta_fp16), "kernel_ops")
     monkeypatch.setattr(gpu_accum, "accum_matmul", lambda a, b, *r: torch.zeros(
         a.shape[0], a.shape[1], b.shape[2]))
-    monkeypatch.setattr(accum, "PRESETS", {"volta_fp16": accum.volta_fp16})
+    monkeypatch.setattr(accum_kernel, "PRESETS", {"volta_fp16": accum.volta_fp16})
     with gpu.force():
-        assert "accumulator volta_fp16" in accum._sample_check(torch.device("cpu"))
+        assert "accumulator volta_fp16" in accum_kernel._sample_check(torch.device("cpu"))

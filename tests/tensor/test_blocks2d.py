@@ -12,7 +12,8 @@ from torch import nn
 import qtensor as qt
 from helpers import assert_bits_equal
 from qtensor.kernels import reference
-from qtensor.formats.core import BlockFormat, FormatError
+from qtensor.formats.block import BlockFormat
+from qtensor.formats.base import FormatError
 from qtensor.nn.plans import Recipe
 
 MODES = ("nearest", "nearest_away", "toward_zero", "stochastic")

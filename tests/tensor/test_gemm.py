@@ -221,8 +221,8 @@ def test_gemm_with_an_accumulator_reads_the_per_gemm_formats(layer):
 
 
 def test_the_accumulator_is_told_the_per_gemm_formats(monkeypatch):
-    """qtensor.accum.core reads each operand's format from its mm_fmt: it gets the per-GEMM ones."""
-    import qtensor.accum.core as accum
+    """qtensor.accum reads each operand's format from its mm_fmt: it gets the per-GEMM ones."""
+    import qtensor.accum.lowering as accum
     from qtensor.tensor.gemm import GemmOperand
     seen = []
     contract = accum.contract

@@ -18,7 +18,7 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.formats.core import FormatError
+from qtensor.formats.base import FormatError
 
 MX6 = qt.mxfp6_e3m2
 

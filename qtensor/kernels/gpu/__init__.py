@@ -114,7 +114,7 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
 def accum_matmul(a, b, chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man,
                  acc_rounding, promote, e_zero, a_emin, b_emin, acc_emin, acc_emax, a_gexp=None,
                  b_gexp=None, c=None, a_emins=None, b_emins=None):
-    """qtensor::accum_matmul's arguments (qtensor.accum.core.op_args), summed by the Triton kernel of
+    """qtensor::accum_matmul's arguments (qtensor.accum.kernel.op_args), summed by the Triton kernel of
     the fused datapath: a (B, M, K) @ b (B, K, N), float32."""
     from . import accum
     return accum.accum_matmul(a, b, chunk, frac_bits, group, align_rounding, acc_in_alignment,

@@ -227,7 +227,7 @@ def _strides(t, n=3):
 def accum_matmul(a, b, chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man,
                  acc_rounding, promote, e_zero, a_emin, b_emin, acc_emin, acc_emax, a_gexp=None,
                  b_gexp=None, c=None, a_emins=None, b_emins=None):
-    """qtensor::accum_matmul's arguments (a (B, M, K), b (B, K, N) float32; qtensor/accum/core.py's
+    """qtensor::accum_matmul's arguments (a (B, M, K), b (B, K, N) float32; qtensor/accum/kernel.py's
     op_args) with the Triton kernel: float32 (B, M, N)."""
     if a.dim() != 3 or b.dim() != 3 or a.dtype != torch.float32 or b.dtype != torch.float32 \
             or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
