@@ -513,10 +513,8 @@ def test_isa_clones(isa):
     must give the same bits: run a sweep with QTENSOR_CPU_ISA capping the choice."""
     code = (
         "import torch, qtensor as qt\n"
-        "from qtensor.kernels import ops, reference
-"
-        "from qtensor.formats import BlockFormat, FixedFormat
-"
+        "from qtensor.kernels import ops, reference\n"
+        "from qtensor.formats import BlockFormat, FixedFormat\n"
         "import test_kernels as tk\n"
         "xs, xb = tk.scalar_inputs(512, seed=21), tk.block_inputs(16, 64, seed=22)\n"
         "fmts = [(xs, qt.PRESETS[n]) for n in ('fp8_e4m3', 'bf16', 'fp4_e2m1', 'fp16')]\n"
