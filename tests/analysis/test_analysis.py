@@ -136,7 +136,7 @@ def test_sensitivity_against_a_manual_one_layer_conversion():
     report = qt.analyze(model, x, SPEC, loss_fn)
     _check_rows(report, x, y, model, ["all"])
     assert list(model.parameters())[0].__class__ is torch.nn.Parameter  # left untouched
-    assert not qt.nn.convert.__module__ or not hasattr(model, "_qt_conversion")
+    assert not qt.convert.__module__ or not hasattr(model, "_qt_conversion")
 
 
 def test_sensitivity_per_role_against_a_manual_one_role_conversion():
@@ -227,7 +227,7 @@ def test_a_converted_model_is_analysed_with_its_own_recipe():
     report = qt.analyze(model, torch.randn(8, 16), sensitivity=False)
     assert report.spec == SPEC.name or "Recipe" in report.spec
     assert {r["format"] for r in report.tensors if r["role"] == "weight"} == {str(FMT)}
-    assert qt.nn.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
+    assert qt.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
 
 
 def test_optimizer_state_statistics():
