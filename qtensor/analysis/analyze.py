@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from ..tensor import flush_warnings
-from ..nn.convert import convert, conversion_of, unconvert
+from ..nn.conversion import conversion_of
+from ..nn.convert import convert, unconvert
 from ..nn.plans import GEMMS, round_to
 from ..nn.spec import as_recipe
 from .contractions import CONTRACTIONS, contraction_errors

@@ -58,7 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.convert import conversion_of, convert, is_converted, unconvert
+from ..nn.conversion import conversion_of, is_converted
+from ..nn.convert import convert, unconvert
 from ..nn.gemm_forward import gemm_formats
 from ..tensor.dispatch import quantize as _round, with_axis
 from ..formats.core import Format, is_stochastic

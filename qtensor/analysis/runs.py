@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import reference
-from ..nn.convert import conversion_of
+from ..nn.conversion import conversion_of
 from ..nn.plans import _plain
 from .layers import _lossy
 

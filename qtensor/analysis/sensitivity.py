@@ -11,8 +11,10 @@ from typing import Any, Dict, Optional
 
 from torch import nn
 
-from ..nn.convert import ModulePlan, Recipe, _InputHook, convert, conversion_of
-from ..nn.plans import _FP32, GemmFormats, Role
+from ..nn.conversion import conversion_of
+from ..nn.convert import convert
+from ..nn.hooks import _InputHook
+from ..nn.plans import _FP32, GemmFormats, ModulePlan, Recipe, Role
 from ..nn.spec import as_recipe
 from .layers import ROLES, _layer_plans, _lossy
 from .runs import _compare, _run
