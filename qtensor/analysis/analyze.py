@@ -49,6 +49,9 @@ from .recording import _Recorder, _is_operand_of_a_contraction
 from .report import AnalysisReport
 from .runs import _SameRandomness, _compare, _cosine, _default_loss, _optimizer_step, _run
 from .sensitivity import convert_one_layer, gemm_part, sensitivity_rows
+# (F401: constants this module had before its parts were modules of their own)
+from .layers import COUNTABLE, ROLES  # noqa: F401
+from .sensitivity import ROLE_GEMM_FIELDS  # noqa: F401
 
 __all__ = ["analyze", "AnalysisReport", "CONTRACTIONS", "convert_one_layer", "gemm_part"]
 
