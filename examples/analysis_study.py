@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import qtensor as qt  # noqa: E402
-from qtensor.analysis.analyze import CONTRACTIONS  # noqa: E402
+from qtensor.analysis.contractions import CONTRACTIONS  # noqa: E402
 from qtensor.analysis.suggest import suggestion  # noqa: E402
 
 CANDIDATES = ["mxfp8_e4m3", "mxfp6_e3m2", "nvfp4", "mxfp4_e2m1"]

@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .analyze import ROLE_GEMM_FIELDS, AnalysisReport, _check_count, _elements, gemm_part
+from .layers import _check_count, _elements
+from .report import AnalysisReport
+from .sensitivity import ROLE_GEMM_FIELDS, gemm_part
 from ..formats.parse import format as _parse_format
 from ..nn.plans import GemmFormats, Recipe
 

@@ -275,7 +275,7 @@ def scale_candidates(fmt: BlockFormat) -> list:
 
 def block_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """The scale X of blocks whose largest magnitude is ``amax`` (finite float64, >= 0), by
-    ``fmt.scale_rule`` (two-level formats: te_block_scale). (qtensor.analysis.ptq decides the scale of
+    ``fmt.scale_rule`` (two-level formats: te_block_scale). (qtensor.analysis.weight_grid decides the scale of
     each block of a weight from the values the block holds when it is reached.) 4over6 has no
     single scale of an amax (a block picks by its rounding error): ValueError."""
     candidates = scale_candidates(fmt)

@@ -136,7 +136,7 @@ def test_sensitivity_against_a_manual_one_layer_conversion():
     report = qt.analyze(model, x, SPEC, loss_fn)
     _check_rows(report, x, y, model, ["all"])
     assert list(model.parameters())[0].__class__ is torch.nn.Parameter  # left untouched
-    assert not qt.nn.convert.__module__ or not hasattr(model, "_qt_conversion")
+    assert not qt.convert.__module__ or not hasattr(model, "_qt_conversion")
 
 
 def test_sensitivity_per_role_against_a_manual_one_role_conversion():
@@ -227,7 +227,7 @@ def test_a_converted_model_is_analysed_with_its_own_recipe():
     report = qt.analyze(model, torch.randn(8, 16), sensitivity=False)
     assert report.spec == SPEC.name or "Recipe" in report.spec
     assert {r["format"] for r in report.tensors if r["role"] == "weight"} == {str(FMT)}
-    assert qt.nn.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
+    assert qt.convert.__module__ and hasattr(model, "_qt_conversion")  # left converted
 
 
 def test_optimizer_state_statistics():
@@ -418,3 +418,29 @@ def test_a_tied_head_weight_counts_as_the_heads_gemm_operand():
     assert info["head"]["params"] == 32 * 64 and info["head"]["weight_bits"] == MX8.bits
     assert info["emb"]["params"] == 0  # counted once, at the head
     assert report.bits() == MX8.bits
+
+
+def test_the_analysis_modules_keep_the_names_they_had_and_a_pickled_report_loads():
+    # qtensor.analysis.analyze and .ptq had these names before their parts became modules of
+    # their own (examples and user code import them from there; pickles name the report there)
+    import importlib
+    import pickle
+
+    from qtensor.analysis import analyze, contractions, layers, ptq, report, sensitivity
+    for name in ("analyze", "AnalysisReport", "CONTRACTIONS", "convert_one_layer", "gemm_part",
+                 "contraction_errors", "ROLES", "COUNTABLE", "ROLE_GEMM_FIELDS", "conversion_of"):
+        assert hasattr(analyze, name), name
+    assert analyze.AnalysisReport is report.AnalysisReport and qt.AnalysisReport is report.AnalysisReport
+    assert analyze.CONTRACTIONS is contractions.CONTRACTIONS and analyze.ROLES is layers.ROLES
+    assert analyze.convert_one_layer is sensitivity.convert_one_layer
+    for name in ptq.__all__:
+        assert hasattr(ptq, name), name
+    assert qt.gptq is ptq.gptq and qt.error_diffusion is ptq.error_diffusion
+    r = qt.analyze(_mlp(), torch.randn(8, 16), SPEC, sensitivity=False)
+    # a report pickled when AnalysisReport lived in qtensor.analysis.analyze
+    data = pickle.dumps(r, protocol=0).replace(b"qtensor.analysis.report\n",
+                                               b"qtensor.analysis.analyze\n")
+    assert b"qtensor.analysis.analyze\n" in data
+    back = pickle.loads(data)
+    assert importlib.import_module(type(back).__module__) is report
+    assert back.to_json() == r.to_json() and back.table() == r.table()

@@ -802,7 +802,7 @@ def test_a_failed_call_leaves_the_model_as_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="pass layers"):
         qt.gptq(model, x, qt.format("mxfp8_e4m3"))
-    assert not qt.nn.convert.__globals__["is_converted"](model)
+    assert not qt.nn.convert.is_converted(model)
     for k, v in model.state_dict().items():
         assert type(v) is torch.Tensor and torch.equal(v, before[k]), k
     qt.gptq(model, x, qt.format("mxfp8_e4m3"), layers=["a"])  # its advice now works

@@ -887,6 +887,28 @@ def test_whole_model_pickle_and_deepcopy_keep_conversion():
         assert type(copy_(data_img()[0][0])) is torch.Tensor  # no hooks left
 
 
+def test_whole_model_pickled_by_the_earlier_module_layout_loads_and_runs_with_its_bits():
+    # data/converted_model_before_split.pt: torch.save(model) of a converted model while
+    # qtensor/nn/convert.py held the hooks and the converted forward; its pickle names
+    # qtensor.nn.convert.{ConvertedForward, _InputHook, _OutputHook, _BufferHook, _GradHook,
+    # _Conversion, _NoDtypeCast, _reattach_hook} (data/make_converted_model_before_split.py)
+    import pathlib
+    path = pathlib.Path(__file__).parent / "data" / "converted_model_before_split.pt"
+    m = torch.load(path, weights_only=False)
+    saved = torch.load(str(path) + ".expected", weights_only=True)
+    want = saved["want"]
+    m.train()
+    out = m(saved["x"])
+    assert isinstance(out, torch.Tensor)  # the plain-rule last layer
+    out.sum().backward()
+    assert_bits_equal(qt.nn.plans._plain(out), want["out"])
+    for n, p in m.named_parameters():
+        assert_bits_equal(qt.nn.plans._plain(p.grad), want["grads"][n], n)
+    assert_bits_equal(qt.nn.plans._plain(m[1].running_mean), want["running_mean"])
+    qt.unconvert(m)
+    assert all(type(p) is nn.Parameter for p in m.parameters())
+
+
 def test_grad_rounding_without_activation_format():
     # activation None, grad set: values pass unchanged (QTensor or plain), gradients are rounded
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
