@@ -31,3 +31,22 @@ from . import accum  # noqa: E402,F401  (qt.accum.AccumFormat, qt.accum.hopper_f
 from .analysis.analyze import AnalysisReport, analyze  # noqa: E402
 from .analysis.suggest import suggest_recipe  # noqa: E402
 from .analysis.ptq import error_diffusion, gptq  # noqa: E402
+
+# Pickles name a class or function by the module that defined it. Whole objects pickled by the
+# flat layout (torch.save(model) of a converted model: its hooks, plans, recipes, formats) name
+# modules such as qtensor.convert and qtensor.plans: those names stay importable (in sys.modules
+# only: qt.convert is still the function). Formats pickled while formats/ and accum/ had a core
+# module name qtensor.formats.core / qtensor.accum.core.
+import sys as _sys  # noqa: E402
+
+_FLAT_LAYOUT = {"convert": nn.convert, "plans": nn.plans, "gemm_forward": nn.gemm_forward,
+                "training": nn.training, "spec": nn.spec, "distributed": nn.distributed,
+                "to_format": nn.to_format, "attention_convert": nn.attention_hooks,
+                "dispatch": tensor.dispatch, "gemm": tensor.gemm, "ops": kernels.ops,
+                "transforms": tensor.transforms, "analysis": analysis.analyze,
+                "suggest": analysis.suggest, "ptq": analysis.ptq,
+                "serialization": integrations.serialization, "torch_function": formats.torch_function,
+                "formats.core": formats, "accum.core": accum}
+for _old, _module in _FLAT_LAYOUT.items():
+    _sys.modules.setdefault(f"qtensor.{_old}", _module)
+del _old, _module

@@ -888,10 +888,11 @@ def test_whole_model_pickle_and_deepcopy_keep_conversion():
 
 
 def test_whole_model_pickled_by_the_earlier_module_layout_loads_and_runs_with_its_bits():
-    # data/converted_model_before_split.pt: torch.save(model) of a converted model while
-    # qtensor/nn/convert.py held the hooks and the converted forward; its pickle names
-    # qtensor.nn.convert.{ConvertedForward, _InputHook, _OutputHook, _BufferHook, _GradHook,
-    # _Conversion, _NoDtypeCast, _reattach_hook} (data/make_converted_model_before_split.py)
+    # data/converted_model_before_split.pt: torch.save(model) of a converted model by the flat
+    # layout; its pickle names qtensor.convert.{ConvertedForward, _InputHook, _OutputHook,
+    # _BufferHook, _GradHook, _Conversion, _NoDtypeCast, _reattach_hook}, qtensor.plans.*,
+    # qtensor.gemm_forward.GemmForward, qtensor.formats.FloatFormat
+    # (data/make_converted_model_before_split.py)
     import pathlib
     path = pathlib.Path(__file__).parent / "data" / "converted_model_before_split.pt"
     m = torch.load(path, weights_only=False)

@@ -1,12 +1,21 @@
 """Writes tests/convert/data/converted_model_before_split.pt: a whole converted model
-torch.save'd by the layout in which qtensor/nn/convert.py held the hooks (qtensor.nn.convert.*),
-with its forward output and weight gradients as bits."""
+torch.save'd by the flat layout (qtensor/convert.py, qtensor/plans.py, ...; run it from a
+checkout of that layout, e.g. commit 4935e4d), with its forward output and weight gradients as
+bits."""
 import sys
 
 import torch
 from torch import nn
 import qtensor as qt
-from qtensor.nn.plans import GemmFormats
+try:
+    from qtensor.nn.plans import GemmFormats
+except ImportError:  # the flat layout
+    from qtensor.plans import GemmFormats
+
+
+
+def _plain(t):
+    return t.dequantize() if isinstance(t, qt.QTensor) else t
 
 
 torch.manual_seed(0)
@@ -22,8 +31,8 @@ torch.save(m, path)
 m.train()
 out = m(x)
 out.dequantize().sum().backward() if isinstance(out, qt.QTensor) else out.sum().backward()
-want = {"out": qt.nn.plans._plain(out).detach().clone(),
-        "grads": {n: qt.nn.plans._plain(p.grad).detach().clone() for n, p in m.named_parameters()},
-        "running_mean": qt.nn.plans._plain(m[1].running_mean).detach().clone()}
+want = {"out": _plain(out).detach().clone(),
+        "grads": {n: _plain(p.grad).detach().clone() for n, p in m.named_parameters()},
+        "running_mean": _plain(m[1].running_mean).detach().clone()}
 torch.save({"x": x, "want": want}, path + ".expected")
 print(type(m.forward), type(m[0].forward), [type(h) for h in m[0]._forward_hooks.values()], type(out))
