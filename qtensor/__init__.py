@@ -46,6 +46,11 @@ _FLAT_LAYOUT = {"convert": nn.convert, "plans": nn.plans, "gemm_forward": nn.gem
                 "transforms": tensor.transforms, "analysis": analysis.analyze,
                 "suggest": analysis.suggest, "ptq": analysis.ptq,
                 "serialization": integrations.serialization, "torch_function": formats.torch_function,
+                "hf": integrations.hf, "reference": kernels.reference, "checks": kernels.checks,
+                "selfcheck": kernels.selfcheck, "decompositions": kernels.decompositions,
+                "gpu": kernels.gpu, "recipes": nn.recipes, "grouped": tensor.grouped,
+                "attention": tensor.attention, "kv_cache": tensor.kv_cache,
+                "flush_warnings": tensor.flush_warnings, "block_specials": tensor.block_specials,
                 "formats.core": formats, "accum.core": accum}
 for _old, _module in _FLAT_LAYOUT.items():
     _sys.modules.setdefault(f"qtensor.{_old}", _module)
