@@ -42,7 +42,8 @@ __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert",
 
 
 # (attach, detach) pairs that modules above this one register (qtensor/integrations/hf.py): called on each
-# model qt.convert converts and qt.unconvert restores
+# model qt.convert converts and qt.unconvert restores. A slot, not an argument: users call
+# qt.convert, and integrations/ sits above nn/ (attention_hooks reads this module's table)
 _model_hooks: list = []
 
 
@@ -365,8 +366,6 @@ class _GradHook:
         return round_to(g, self.plan.grad, name=f"gradient of {self.plan.name}", kind="grad")
 
 
-distributed.register_grad_hook(_GradHook)  # (FSDP2's unsharded parameters get it too)
-
 
 # ---------------------------------------------------------------------------------------------
 # convert / unconvert
@@ -477,7 +476,7 @@ def _attach(conv: _Conversion) -> None:
     training.bump_epoch()
     for mod, local, plan in conv.hooked_params:
         p = mod._parameters[local]
-        distributed.remember_plan(mod, local, plan)  # for FSDP2's sharded parameters
+        distributed.remember_plan(mod, local, plan, _GradHook)  # for FSDP2's sharded parameters
         if not plan.value.full_precision:
             p._qt_plan = plan
         if p.requires_grad:
@@ -802,7 +801,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]
-        mod.__dict__.pop(distributed.PLANS_ATTR, None)
+        distributed.forget_plans(mod)
     for mod in conv.nested_off:
         mod.use_nested_tensor = True
     replaced, moved = [], {}

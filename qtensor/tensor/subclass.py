@@ -28,7 +28,6 @@ import copy
 import dataclasses
 import hashlib
 import re
-import sys
 from typing import Optional
 
 import torch
@@ -465,7 +464,8 @@ class QTensor(torch.Tensor):
             return _dispatch_outside_dynamo(func, args, kwargs)
         if _compiler._is_compiling_flag:
             _check_accum_not_set_while_tracing(func, args, kwargs)
-        return _dispatch.dispatch(func, args, kwargs)
+        # (the rules sit below this class: they get it here, to unwrap and wrap QTensors)
+        return _dispatch.dispatch(func, args, kwargs, QTensor)
 
     # -- values --------------------------------------------------------------------------------
     @property
@@ -575,8 +575,9 @@ class QTensor(torch.Tensor):
         """The sharded parameter's all-gather input: its payload (already in format; FSDP2 pads
         an uneven last shard, so this does too); the formats travel as metadata."""
         _check_fsdp_policy(mp_policy, self)
-        if _fsdp_hook is not None:  # qtensor.nn.distributed: the sharded parameter's gradient
-            _fsdp_hook(self, module)
+        hook = module.__dict__.get(FSDP_HOOK_ATTR)
+        if hook is not None:  # qtensor.nn.distributed's: the sharded parameter's gradient
+            hook(self, module)
         data = self._data
         rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
         if data.dim() and data.shape[0] < rows:
@@ -630,7 +631,7 @@ def _dispatch_outside_dynamo(func, args, kwargs):
     """QTensor.__torch_dispatch__ where dynamo's frame callback is set."""
     if torch.compiler.is_compiling():
         _check_accum_not_set_while_tracing(func, args, kwargs)
-    return _dispatch.dispatch(func, args, kwargs)
+    return _dispatch.dispatch(func, args, kwargs, QTensor)
 
 
 # dynamo runs this frame as it is (its callees: see the method)
@@ -639,14 +640,11 @@ if not _shims.dynamo_skips(QTensor.__torch_dispatch__.__func__.__code__):
         QTensor.__torch_dispatch__.__func__))
 
 
-_fsdp_hook = None  # called with (sharded QTensor, its module) before each FSDP2 all-gather
-
-
-def register_fsdp_hook(hook) -> None:
-    """qtensor.nn.distributed's hook on FSDP2's sharded QTensor parameters (it sits above this
-    module: it finds the sharded parameter and its plan, and rounds its reduced gradient)."""
-    global _fsdp_hook
-    _fsdp_hook = hook
+# A module whose QTensor parameters FSDP2 shards may hold, under this attribute, a hook that
+# fsdp_pre_all_gather calls with (sharded QTensor, module) before each all-gather: whoever
+# converted the module puts it there (qtensor.nn.distributed.remember_plan, which sits above
+# this module: it finds the sharded parameter and its plan, and rounds its reduced gradient).
+FSDP_HOOK_ATTR = "_qt_on_fsdp_all_gather"
 
 
 def _check_fsdp_policy(mp_policy, t) -> None:
@@ -694,9 +692,6 @@ def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=Non
     if is_param:
         t._is_param = True
     return t
-
-
-_dispatch.register_qtensor(QTensor)
 
 
 def _check_accum_not_set_while_tracing(func, args, kwargs) -> None:
