@@ -151,6 +151,51 @@ def test_no_module_binds_another_modules_globals():
     assert not found, "late bindings into other qtensor modules:\n" + "\n".join(found)
 
 
+def _slots(source: str) -> list:
+    """The module-level ``register_*(...)`` functions of a module that keep what they are given in
+    the module (a global, or a module-level list or dict they add to): late-binding slots."""
+    tree = ast.parse(source)
+    top = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+           for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+           if isinstance(t, ast.Name)}
+    found = []
+    for f in tree.body:
+        if not (isinstance(f, ast.FunctionDef) and f.name.startswith("register_") and f.args.args):
+            continue  # (one without arguments registers something with torch: no slot)
+        keeps = any(isinstance(n, ast.Global) for n in ast.walk(f)) or any(
+            isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in top
+            for n in ast.walk(f))
+        if keeps:
+            found.append(f.name)
+    return found
+
+
+# The slots that stay, each because the module that fills it sits above the one that calls it
+# and the caller cannot be handed the dependency (see the comment at each):
+_KNOWN_SLOTS = {
+    # formats sit at the bottom; model.to(fmt) / t.to(fmt) is implemented by qtensor.nn.to_format
+    "qtensor.formats.torch_function": ["register_to_handler"],
+    # qt.convert's callers above nn (integrations/hf.py, and attention_hooks, which reads
+    # convert's conversion table) add to every conversion
+    "qtensor.nn.convert": ["register_model_hooks"],
+    # nn/distributed.py uses training's step internals; training's step asks it about sharded
+    # parameters
+    "qtensor.nn.training": ["register_sharded_plan_lookup", "register_gathered_step"],
+}
+
+
+def test_register_slots_are_only_the_known_ones():
+    """Dependencies are passed explicitly (dispatch gets the QTensor class as an argument, FSDP2's
+    hook travels with the converted module) instead of late-binding slots, but for the few listed
+    in _KNOWN_SLOTS."""
+    late = "_h = None\ndef register_qtensor(cls):\n    global _h\n    _h = cls\n"
+    hooks = "_hooks = []\ndef register_hooks(a):\n    _hooks.append(a)\n"
+    assert _slots(late) == ["register_qtensor"] and _slots(hooks) == ["register_hooks"]
+    found = {name: _slots(path.read_text()) for name, path in _modules().items()}
+    found = {name: slots for name, slots in found.items() if slots}
+    assert found == _KNOWN_SLOTS
+
+
 def _architecture_map():
     """The module names of docs/architecture.md's map (its first code block): `name.py` or
     `package/` first on a line, the line's indent (two spaces a level) placing it inside the

@@ -8,8 +8,9 @@ class defines it, torch hands the call to that class instead of refusing the arg
 :mod:`qtensor.nn.to_format` registers (it converts the model, or rounds the tensor). No torch code
 is patched: only calls with a format or recipe among their arguments come here.
 
-This module sits below the format classes (formats.base.Format inherits its mixin), so it
-imports nothing from qtensor; the handler is registered by the module that implements it.
+This module sits with formats at the bottom of the import layers, so it imports nothing from
+qtensor; the handler is registered by the module above that implements it. A slot, not an
+argument: ``model.to(fmt)`` reaches a format through torch, which passes nothing of ours.
 """
 from __future__ import annotations
 

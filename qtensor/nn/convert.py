@@ -46,7 +46,8 @@ __all__ = ["Role", "Recipe", "TensorPlan", "ModulePlan", "convert", "unconvert",
 
 
 # (attach, detach) pairs that modules above this one register (qtensor/integrations/hf.py): called on each
-# model qt.convert converts and qt.unconvert restores
+# model qt.convert converts and qt.unconvert restores. A slot, not an argument: users call
+# qt.convert, and integrations/ sits above nn/ (attention_hooks reads this module's table)
 _model_hooks: list = []
 
 
@@ -55,7 +56,6 @@ def register_model_hooks(attach, detach) -> None:
     _model_hooks.append((attach, detach))
 
 
-distributed.register_grad_hook(_GradHook)  # (FSDP2's unsharded parameters get it too)
 
 
 def _attach(conv: _Conversion) -> None:
@@ -63,7 +63,7 @@ def _attach(conv: _Conversion) -> None:
     training.bump_epoch()
     for mod, local, plan in conv.hooked_params:
         p = mod._parameters[local]
-        distributed.remember_plan(mod, local, plan)  # for FSDP2's sharded parameters
+        distributed.remember_plan(mod, local, plan, _GradHook)  # for FSDP2's sharded parameters
         if not plan.value.full_precision:
             p._qt_plan = plan
         if p.requires_grad:
@@ -292,7 +292,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         if isinstance(mod.__dict__.get("_apply"), _NoDtypeCast):
             del mod.__dict__["_apply"]
-        mod.__dict__.pop(distributed.PLANS_ATTR, None)
+        distributed.forget_plans(mod)
     for mod in conv.nested_off:
         mod.use_nested_tensor = True
     replaced, moved = [], {}

@@ -49,7 +49,7 @@ from torch import nn
 
 from . import training
 from .plans import _plain, round_to
-from ..tensor.subclass import QTensor, register_fsdp_hook
+from ..tensor.subclass import FSDP_HOOK_ATTR, QTensor
 
 __all__ = ["check_unwrapped", "check_ddp_forward", "on_fsdp_all_gather"]
 
@@ -236,10 +236,20 @@ PLANS_ATTR = "_qt_param_plans"  # on each converted module: {parameter name: Ten
 _planned = weakref.WeakSet()  # the modules that have such a table
 
 
-def remember_plan(module: nn.Module, name: str, plan) -> None:
-    """qt.convert: ``module.<name>`` has ``plan`` (FSDP2 replaces the parameter object later)."""
+def remember_plan(module: nn.Module, name: str, plan, grad_hook) -> None:
+    """qt.convert: ``module.<name>`` has ``plan`` (FSDP2 replaces the parameter object later);
+    ``grad_hook(plan)`` is the converted parameter's gradient hook, which FSDP2's unsharded
+    parameter gets too. The module's QTensors call :func:`on_fsdp_all_gather` before each of
+    FSDP2's all-gathers (``QTensor.fsdp_pre_all_gather`` reads it from the module)."""
     module.__dict__.setdefault(PLANS_ATTR, {})[name] = plan
+    module.__dict__[FSDP_HOOK_ATTR] = functools.partial(on_fsdp_all_gather, grad_hook=grad_hook)
     _planned.add(module)
+
+
+def forget_plans(module: nn.Module) -> None:
+    """qt.unconvert: what :func:`remember_plan` left on the module."""
+    module.__dict__.pop(PLANS_ATTR, None)
+    module.__dict__.pop(FSDP_HOOK_ATTR, None)
 
 
 def cuts_blocks(fmt, p) -> bool:
@@ -373,26 +383,18 @@ class _HookUnsharded:
         return None
 
 
-_GRAD_HOOK = None  # qtensor.nn.convert's gradient hook class (that module imports this one)
-
-
-def register_grad_hook(cls) -> None:
-    global _GRAD_HOOK
-    _GRAD_HOOK = cls
-
-
-def _hook_unsharded(module: nn.Module, name: str, plan, sharded) -> None:
+def _hook_unsharded(module: nn.Module, name: str, plan, sharded, grad_hook) -> None:
     hook = module.__dict__.get("_qt_unsharded_hook")
     if hook is None:
-        hook = module.__dict__["_qt_unsharded_hook"] = _HookUnsharded(_GRAD_HOOK)
+        hook = module.__dict__["_qt_unsharded_hook"] = _HookUnsharded(grad_hook)
         # (first: FSDP2's post-forward hook puts the sharded parameter back)
         module.register_forward_hook(hook, prepend=True)
     hook.plans[name] = (plan, weakref.ref(sharded))
 
 
-def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
+def on_fsdp_all_gather(local: QTensor, module: nn.Module, *, grad_hook) -> None:
     """FSDP2 is about to all-gather the sharded QTensor ``local`` of ``module``: hook its sharded
-    parameter and its unsharded one once (see the module doc)."""
+    parameter and its unsharded one (with ``grad_hook(plan)``) once (see the module doc)."""
     plans = module.__dict__.get(PLANS_ATTR)
     if not plans:
         return
@@ -401,7 +403,7 @@ def on_fsdp_all_gather(local: QTensor, module: nn.Module) -> None:
             plan = plans.get(name)
             if plan is not None:
                 _attach_sharded(p, plan)
-                _hook_unsharded(module, name, plan, p)
+                _hook_unsharded(module, name, plan, p, grad_hook)
             return
 
 
@@ -489,6 +491,5 @@ class _GatheredStep:
         optimizer._qt_gathered = []
 
 
-register_fsdp_hook(on_fsdp_all_gather)
 training.register_sharded_plan_lookup(sharded_plan)
 training.register_gathered_step(_GatheredStep.gather, _GatheredStep.put_back)

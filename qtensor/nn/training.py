@@ -46,6 +46,9 @@ def install_optimizer_hooks() -> None:
         _installed = True
 
 
+# Slots filled by qtensor.nn.distributed, which uses this module's step internals (bump_epoch,
+# _plan, MASTER_KEY): the optimizer's global step hooks are called by torch with the optimizer
+# only, and FSDP2 makes the sharded parameters, so neither can hand these over
 _sharded_plan = None  # qtensor.nn.distributed's lookup of an FSDP2 sharded parameter's plan
 
 

@@ -272,7 +272,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         keep.bernoulli_(1.0 - dropout_p)
         keep_scale = 1.0 / (1.0 - dropout_p)
     src = _first_q(query, key, value)
-    out_fmts = (None, None) if src is None else (src.fmt, _dispatch._own_mm_fmt(src))
+    out_fmts = (None, None) if src is None else (src.fmt, _dispatch._own_mm_fmt(src, QTensor))
     return _Attention.apply(query, key, value, mask, fm, keep_scale, keep, scale, rep, out_fmts)
 
 

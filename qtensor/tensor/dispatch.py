@@ -21,6 +21,7 @@ formats, block axes, contraction blockings, the MX linear layer): docs/dispatch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Union
 
 import torch
@@ -75,7 +76,8 @@ class OpRule:
     # axis moves with the data. STACK: the op's dim is a new one.
     block: Optional[str] = None
     # CONTRACT: replaces rounding the operands and running the op (registered by _handles):
-    # handler(func, args, payload args, payload kwargs, accumulator or None) -> output
+    # handler(func, args, payload args, payload kwargs, accumulator or None, the QTensor class)
+    # -> output
     handler: Optional[Callable] = None
 
 
@@ -182,20 +184,21 @@ def _handles(packet):
 
 
 @_handles("convolution_backward")
-def _convolution_backward(func, args, uargs, ukwargs, acc=None):
+def _convolution_backward(func, args, uargs, ukwargs, acc, cls):
     # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
     #                      transposed, output_padding, groups, output_mask)
     go, inp, w = args[0], args[1], args[2]
-    own = [_own_mm_fmt(t) for t in (go, inp, w)]
+    own = [_own_mm_fmt(t, cls) for t in (go, inp, w)]
     # per-GEMM formats (qtensor.tensor.gemm): (grad_output, weight) of grad_input, (grad_output,
     # input) of grad_weight; else each operand's own
-    gi_fmts = _gemm.operand_formats((go, w), _own_mm_fmt) or [own[0], own[2]]
-    gw_fmts = _gemm.operand_formats((go, inp), _own_mm_fmt) or [own[0], own[1]]
+    own_mm_fmt = functools.partial(_own_mm_fmt, cls=cls)
+    gi_fmts = _gemm.operand_formats((go, w), own_mm_fmt) or [own[0], own[2]]
+    gw_fmts = _gemm.operand_formats((go, inp), own_mm_fmt) or [own[0], own[1]]
     gi_t, gw_t = _gemm.operand_transform((go, w)), _gemm.operand_transform((go, inp))
     if acc is not None:
         # the accumulator reads each operand's format from its mm_fmt: the ones of each product
-        qargs = {True: _with_mm_fmts(args, (0, 2, 1), gi_fmts + [own[1]]),
-                 False: _with_mm_fmts(args, (0, 1, 2), gw_fmts + [own[2]])}
+        qargs = {True: _with_mm_fmts(args, (0, 2, 1), gi_fmts + [own[1]], cls),
+                 False: _with_mm_fmts(args, (0, 1, 2), gw_fmts + [own[2]], cls)}
 
         def func(*a, **kw):  # noqa: F811  (the same op, its products summed by acc)
             return _accum.contract("convolution_backward", list(a), kw, acc, qargs[a[10][0]])
@@ -234,15 +237,6 @@ MOVE = frozenset(p for p, r in OPS.items() if r.kind == MOVE_KIND)
 CONTRACT = {p: r.operands if isinstance(r.operands, tuple) else None
             for p, r in OPS.items() if r.kind == CONTRACT_KIND}
 MOVE_IF = {p: r.move_if for p, r in OPS.items() if r.move_if is not None}
-
-QTensor = None  # the class whose operands dispatch unwraps and whose results it wraps
-
-
-def register_qtensor(cls) -> None:
-    """Tell dispatch which class is QTensor (qtensor.tensor.subclass defines it, on top of this module)."""
-    global QTensor
-    QTensor = cls
-
 
 _CPU_KERNELS = _ops.kernels_available("cpu")
 
@@ -777,11 +771,11 @@ def _round_inplace_to(data, fmt, kernel=None) -> None:
 # ---------------------------------------------------------------------------------------------
 # Unwrapping
 
-def _unwrap_list(seq, qs):
+def _unwrap_list(seq, qs, cls):
     out = []
     plain = False
     for a in seq:
-        if isinstance(a, QTensor):
+        if isinstance(a, cls):
             qs.append(a)
             out.append(a._data)
         else:
@@ -791,18 +785,18 @@ def _unwrap_list(seq, qs):
     return out, plain
 
 
-def _unwrap(args, kwargs, qs):
+def _unwrap(args, kwargs, qs, cls):
     """(args, kwargs) with payloads in place of QTensors (one list level deep, as aten arguments
     are), appended to qs; and whether a plain floating tensor is among them (high-precision
     values meeting QTensors)."""
     plain = False
     uargs = []
     for a in args:
-        if isinstance(a, QTensor):
+        if isinstance(a, cls):
             qs.append(a)
             uargs.append(a._data)
         elif isinstance(a, (list, tuple)):
-            a, p = _unwrap_list(a, qs)
+            a, p = _unwrap_list(a, qs, cls)
             uargs.append(a)
             plain |= p
         else:
@@ -812,11 +806,11 @@ def _unwrap(args, kwargs, qs):
     ukwargs = {}
     if kwargs:
         for k, a in kwargs.items():
-            if isinstance(a, QTensor):
+            if isinstance(a, cls):
                 qs.append(a)
                 ukwargs[k] = a._data
             elif isinstance(a, (list, tuple)):
-                ukwargs[k], p = _unwrap_list(a, qs)
+                ukwargs[k], p = _unwrap_list(a, qs, cls)
                 plain |= p
             else:
                 if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
@@ -831,15 +825,15 @@ def _arg(args, kwargs, pos, name):
     return kwargs.get(name) if kwargs else None
 
 
-def _first_q(rule, args, qs):
+def _first_q(rule, args, qs, cls):
     if rule.order is not None:
         for i in rule.order:
-            if i < len(args) and isinstance(args[i], QTensor):
+            if i < len(args) and isinstance(args[i], cls):
                 return args[i]
     return qs[0]
 
 
-def _device_error(func, args, kwargs, err):
+def _device_error(func, args, kwargs, err, cls):
     """Re-raise a device mismatch naming the QTensors' devices and formats."""
     seen = []
     for a in list(args) + list((kwargs or {}).values()):
@@ -850,7 +844,7 @@ def _device_error(func, args, kwargs, err):
     devices = {t.device for t in seen}
     if len(devices) > 1:
         desc = ", ".join(
-            f"QTensor(fmt={t.fmt}, mm_fmt={t.mm_fmt}) on {t.device}" if isinstance(t, QTensor)
+            f"QTensor(fmt={t.fmt}, mm_fmt={t.mm_fmt}) on {t.device}" if isinstance(t, cls)
             else f"plain {t.dtype} tensor on {t.device}" for t in seen)
         raise RuntimeError(f"{func}: tensors on different devices: {desc}") from err
     raise err
@@ -873,21 +867,21 @@ def _device_error(func, args, kwargs, err):
 CACHE_OPERANDS = False
 
 
-def _operand_cache_root(a):
+def _operand_cache_root(a, cls):
     """The parameter QTensor whose values the operand a (it, or a view of it) holds, or None."""
     root = a._base
     if root is None:
         root = a
-    return root if getattr(root, "_is_param", False) and type(root) is QTensor else None
+    return root if getattr(root, "_is_param", False) and type(root) is cls else None
 
 
 _OPERANDS_PER_TENSOR = 64  # rounded operands cached on one tensor
 
 
-def _rounded_operand(a, x, fmt, tiles=True):
+def _rounded_operand(a, x, fmt, cls, tiles=True):
     """x (the payload of the QTensor operand a) rounded to fmt for one contraction (tiles:
     quantize's)."""
-    root = _operand_cache_root(a) if CACHE_OPERANDS else None
+    root = _operand_cache_root(a, cls) if CACHE_OPERANDS else None
     if (root is None or is_stochastic(fmt.rounding) or type(x) is not torch.Tensor
             or torch.compiler.is_compiling()):
         return quantize(x, fmt, keep_layout=False, tiles=tiles)
@@ -914,26 +908,26 @@ def _rounded_operand(a, x, fmt, tiles=True):
     return q
 
 
-def _round_operand(args, uargs, pos, axis, tiles=True):
+def _round_operand(args, uargs, pos, axis, cls, tiles=True):
     a = args[pos] if pos < len(args) else None
-    if isinstance(a, QTensor) and a.mm_fmt is not None:
-        uargs[pos] = _rounded_operand(a, uargs[pos], with_axis(a.mm_fmt, axis), tiles)
+    if isinstance(a, cls) and a.mm_fmt is not None:
+        uargs[pos] = _rounded_operand(a, uargs[pos], with_axis(a.mm_fmt, axis), cls, tiles)
 
 
-def _own_mm_fmt(a):
+def _own_mm_fmt(a, cls):
     """The operand format of a (None for a plain tensor; a GemmOperand's own format)."""
-    if not isinstance(a, QTensor):
+    if not isinstance(a, cls):
         return None
     m = a.mm_fmt
     return m.base if type(m) is _gemm.GemmOperand else m
 
 
-def _round_gemm_operands(args, uargs, operands, tiles=True):
+def _round_gemm_operands(args, uargs, operands, cls, tiles=True):
     """Round the operands of a contraction one of which has per-GEMM formats (qtensor.tensor.gemm):
     the args with those formats as the operands' mm_fmt (what an accumulator reads), or None
     when none has."""
     ops = [args[pos] if pos < len(args) else None for pos, _axis in operands]
-    fmts = _gemm.operand_formats(ops, _own_mm_fmt)
+    fmts = _gemm.operand_formats(ops, functools.partial(_own_mm_fmt, cls=cls))
     if fmts is None:
         return None
     transform = _gemm.operand_transform(ops)  # on every operand along K, before rounding
@@ -944,50 +938,50 @@ def _round_gemm_operands(args, uargs, operands, tiles=True):
             if fmt is not None:
                 fa = with_axis(fmt, axis)
                 # (a transformed payload is a new tensor: no cache of the parameter's roundings)
-                uargs[pos] = (_rounded_operand(a, uargs[pos], fa, tiles)
-                              if isinstance(a, QTensor) and transform is None
+                uargs[pos] = (_rounded_operand(a, uargs[pos], fa, cls, tiles)
+                              if isinstance(a, cls) and transform is None
                               else quantize(uargs[pos], fa, keep_layout=False, tiles=tiles))
-    return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts)
+    return _with_mm_fmts(args, [pos for pos, _axis in operands], fmts, cls)
 
 
-def _with_mm_fmts(args, positions, fmts):
+def _with_mm_fmts(args, positions, fmts, cls):
     """args with the QTensors at ``positions`` re-wrapped with the given mm_fmts (the formats
     their payloads were rounded to: qtensor.accum reads an operand's format from its mm_fmt)."""
     args = list(args)
     for pos, fmt in zip(positions, fmts):
         a = args[pos] if pos < len(args) else None
-        if isinstance(a, QTensor):
-            args[pos] = QTensor._wrap(a._data, a.fmt, fmt, accum=a.accum)
+        if isinstance(a, cls):
+            args[pos] = cls._wrap(a._data, a.fmt, fmt, accum=a.accum)
     return args
 
 
-def _accum_of(args):
+def _accum_of(args, cls):
     """The accumulator of the first QTensor among args that has one (qtensor.accum), or None."""
     for a in args:  # (a loop and ._accum: this runs on every op)
-        if isinstance(a, QTensor) and a._accum is not None:
+        if isinstance(a, cls) and a._accum is not None:
             return a._accum
     return None
 
 
-def _contract(func, rule, args, kwargs, uargs, ukwargs):
+def _contract(func, rule, args, kwargs, uargs, ukwargs, cls):
     if torch.compiler.is_compiling():  # (stochastic roundings traced after every operand)
         with _ops.after(uargs):
-            return _contract_operands(func, rule, args, kwargs, uargs, ukwargs)
-    return _contract_operands(func, rule, args, kwargs, uargs, ukwargs)
+            return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls)
+    return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls)
 
 
-def _contract_operands(func, rule, args, kwargs, uargs, ukwargs):
-    acc = _accum_of(args)
+def _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls):
+    acc = _accum_of(args, cls)
     op = rule.op
     if op.handler is not None:
-        return op.handler(func, args, uargs, ukwargs, acc)
+        return op.handler(func, args, uargs, ukwargs, acc, cls)
     operands = op.operands(args) if callable(op.operands) else op.operands
     # (a convolution picks its algorithm, hence its bits, by its operands' layout: the copy's)
     tiles = "convolution" not in func._opname
-    tagged = _round_gemm_operands(args, uargs, operands, tiles)
+    tagged = _round_gemm_operands(args, uargs, operands, cls, tiles)
     if tagged is None:
         for pos, axis in operands:
-            _round_operand(args, uargs, pos, axis, tiles)
+            _round_operand(args, uargs, pos, axis, cls, tiles)
     else:
         args = tagged
     if acc is not None:  # the products summed by the operands' accumulator
@@ -1017,7 +1011,7 @@ def _owns(out, uargs, ukwargs) -> bool:
     return True
 
 
-def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
+def _wrap_out(cls, out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
     """Wrap each floating tensor of out (a tensor, or a tuple/list of them); round if rnd.
     ``fresh``: the op's (payload args, payload kwargs) when its outputs are new tensors of its
     own (a computing op, no view, no mutation): those are rounded in place unless one of them
@@ -1035,7 +1029,7 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
                     before, (out, tscale) = out, _ops.quantize_with_scale(out, fmt,
                                                                           tensor_scale=tscale)
                     _block_specials.check(before, out, fmt, op=func)
-                t = QTensor._wrap(out, fmt, mm_fmt)
+                t = cls._wrap(out, fmt, mm_fmt)
                 t._tscale = tscale
                 return t
             if rnd:
@@ -1047,11 +1041,11 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
                     if type(fmt) is BlockFormat:
                         _block_specials.check(before, out, fmt, op=func)
             if type(out) is torch.Tensor and not _compiler._is_exporting_flag:
-                return QTensor._wrap_eager(out, fit_format(fmt, out.dim()), mm_fmt)
-            return QTensor._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
+                return cls._wrap_eager(out, fit_format(fmt, out.dim()), mm_fmt)
+            return cls._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_out(o, fmt, mm_fmt, rnd, func, fresh, tscale) for o in out)
+        return type(out)(_wrap_out(cls, o, fmt, mm_fmt, rnd, func, fresh, tscale) for o in out)
     return out
 
 
@@ -1060,7 +1054,7 @@ def _wrap_out(out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
 FAST_MOVES = True
 
 
-def _single_move(call, func, rule, a, data, args, kwargs):
+def _single_move(call, func, rule, a, data, args, kwargs, cls):
     """dispatch's fast path for a move of one eager QTensor ``a`` (Rule.single): what the general
     path does for it, with the steps that cannot apply left out (no other operand: no rounding
     unless its blocks are regrouped; one output; no mutation)."""
@@ -1073,11 +1067,11 @@ def _single_move(call, func, rule, a, data, args, kwargs):
         fmt = fit_format(fmt, out.dim())
     if (rnd or out.dtype not in FLOAT_DTYPES or out.layout != torch.strided
             or out.is_nested):  # (as the general path)
-        out = _wrap_out(out, fmt, a.mm_fmt, rnd, func)
-        if not isinstance(out, QTensor):
+        out = _wrap_out(cls, out, fmt, a.mm_fmt, rnd, func)
+        if not isinstance(out, cls):
             return out
     else:
-        out = QTensor._wrap_eager(out, fmt, a.mm_fmt)
+        out = cls._wrap_eager(out, fmt, a.mm_fmt)
     if a._accum is not None:
         out._accum = a._accum
     if rule.aliases_self:
@@ -1085,7 +1079,7 @@ def _single_move(call, func, rule, a, data, args, kwargs):
     return out
 
 
-def dispatch(func, args, kwargs):
+def dispatch(func, args, kwargs, cls):
     """QTensor.__torch_dispatch__: run func on payloads by its rule, round, re-wrap."""
     rule = getattr(func, "_qtensor_rule", None)
     if rule is None:
@@ -1095,29 +1089,29 @@ def dispatch(func, args, kwargs):
         data = getattr(a, "_data", None)
         # eager payloads only (traced ones take the general path), not while torch.export
         # traces (QTensor._wrap records the constructions)
-        if (type(data) is torch.Tensor and type(a) is QTensor
+        if (type(data) is torch.Tensor and type(a) is cls
                 and not _compiler._is_exporting_flag and a._tscale is None
                 and not _two_level(a.fmt)):
-            return _single_move(rule.single, func, rule, a, data, args, kwargs)
+            return _single_move(rule.single, func, rule, a, data, args, kwargs, cls)
     if rule.kind >= FOREACH:
         if rule.kind == FOREACH:
-            return _dispatch_foreach(func, rule, args, kwargs)
+            return _dispatch_foreach(func, rule, args, kwargs, cls)
         if rule.kind == DECOMPOSE:
             return func.decompose(*args, **(kwargs or {}))
-        return _collective(func, args, kwargs)
+        return _collective(func, args, kwargs, cls)
     qs = []
-    uargs, ukwargs, plain = _unwrap(args, kwargs, qs)
+    uargs, ukwargs, plain = _unwrap(args, kwargs, qs, cls)
     try:
         if rule.kind == CONTRACT_KIND:
-            out = _contract(func, rule, args, kwargs, uargs, ukwargs)
+            out = _contract(func, rule, args, kwargs, uargs, ukwargs, cls)
         else:
             out = rule.call(*uargs, **ukwargs)
     except RuntimeError as err:
         if "device" in str(err):
-            _device_error(func, args, kwargs, err)
+            _device_error(func, args, kwargs, err, cls)
         raise
 
-    src = qs[0] if rule.order is None else _first_q(rule, args, qs)
+    src = qs[0] if rule.order is None else _first_q(rule, args, qs, cls)
     fmt, mm_fmt = src.fmt, src.mm_fmt
     if type(mm_fmt) is _gemm.GemmOperand and rule.kind != MOVE_KIND:
         mm_fmt = mm_fmt.base  # per-GEMM tags: kept by data movement only (qtensor.tensor.gemm)
@@ -1141,15 +1135,15 @@ def dispatch(func, args, kwargs):
         tscale, rnd = _moved_scale(func, qs, src, plain, rnd, uargs)
 
     if rule.mutated:
-        return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt)
+        return _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls)
     fresh = None
     if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
         fresh = (uargs, ukwargs)
-    out = _wrap_out(out, fmt, mm_fmt, rnd, func, fresh, tscale)
-    acc = _accum_of(qs)
+    out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
+    acc = _accum_of(qs, cls)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
-        _set_accum(out, acc)
-    if rule.is_view and _has_q(out):
+        _set_accum(out, acc, cls)
+    if rule.is_view and _has_q(out, cls):
         return return_and_correct_aliasing(func, args, kwargs, out)
     return out
 
@@ -1224,58 +1218,58 @@ def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
     return fmt, rnd
 
 
-def _set_accum(out, acc):
-    if isinstance(out, QTensor):
+def _set_accum(out, acc, cls):
+    if isinstance(out, cls):
         out._accum = acc
     elif isinstance(out, (tuple, list)):
         for o in out:
-            _set_accum(o, acc)
+            _set_accum(o, acc, cls)
 
 
-def _has_q(out):
+def _has_q(out, cls):
     if isinstance(out, (tuple, list)):
-        return any(isinstance(o, QTensor) for o in out)
-    return isinstance(out, QTensor)
+        return any(isinstance(o, cls) for o in out)
+    return isinstance(out, cls)
 
 
-def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt):
+def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls):
     """In-place and out= ops: round each QTensor destination into its own format."""
     for pos, name in rule.mutated:
         dst = _arg(args, kwargs, pos, name)
         targets = dst if isinstance(dst, (list, tuple)) else (dst,)
         for d in targets:
-            if isinstance(d, QTensor):
+            if isinstance(d, cls):
                 if tuple(d._data.shape) != tuple(d.shape) and not rule.inplace_view:
                     raise RuntimeError(
                         f"{func}: out= QTensor of shape {tuple(d.shape)} would have to be resized "
                         f"to {tuple(d._data.shape)}; pass an out tensor of the result's shape")
-                if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs)):
+                if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs, cls)):
                     _round_inplace(d, func)
                 elif _two_level(d.fmt) and not rule.inplace_view:
-                    _scale_into(d, func, args, kwargs)
+                    _scale_into(d, func, args, kwargs, cls)
     if rule.inplace_view:
-        if isinstance(args[0], QTensor):  # t_, unsqueeze_, ...: the block axis moves
+        if isinstance(args[0], cls):  # t_, unsqueeze_, ...: the block axis moves
             args[0].fmt = fmt
         return return_and_correct_aliasing(func, args, kwargs, out)
     if rule.returns_void:
         return None
     if rule.out_alias is None:  # fresh outputs besides the mutation (e.g. batch-norm stats)
-        return _wrap_out(out, fmt, mm_fmt, rnd, func)
+        return _wrap_out(cls, out, fmt, mm_fmt, rnd, func)
     res = []
     outs = out if isinstance(out, (tuple, list)) else (out,)
     for o, alias in zip(outs, rule.out_alias):
         res.append(_arg(args, kwargs, alias[0], alias[1]) if alias is not None
-                   else _wrap_out(o, fmt, mm_fmt, rnd))
+                   else _wrap_out(cls, o, fmt, mm_fmt, rnd))
     return res[0] if len(res) == 1 else tuple(res)
 
 
-def _scale_into(d, func, args, kwargs) -> None:
+def _scale_into(d, func, args, kwargs, cls) -> None:
     """Values of d's format moved into the two-level QTensor d: under d's tensor scale they
     stay; a copy_ over all of d brings its source's scale; other writes under another scale
     round d again under a fresh one."""
     srcs = [t for a in list(args) + list((kwargs or {}).values())
             for t in (a if isinstance(a, (list, tuple)) else (a,))
-            if isinstance(t, QTensor) and t is not d]
+            if isinstance(t, cls) and t is not d]
     ds = d.tensor_scale
     if all(bool(torch.equal(t.tensor_scale, ds)) for t in srcs):
         return
@@ -1286,14 +1280,14 @@ def _scale_into(d, func, args, kwargs) -> None:
     _round_inplace(d, func)
 
 
-def _needs_round_into(dst, args, kwargs) -> bool:
+def _needs_round_into(dst, args, kwargs, cls) -> bool:
     """A data-movement op writing into dst: do the moved values have dst's format already?"""
     for a in list(args) + list((kwargs or {}).values()):
         items = a if isinstance(a, (list, tuple)) else (a,)
         for t in items:
             if t is dst:
                 continue
-            if isinstance(t, QTensor):
+            if isinstance(t, cls):
                 if t.fmt != dst.fmt:
                     return True
             elif isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES:
@@ -1316,7 +1310,7 @@ def _wait_all(out) -> None:
             o.wait()
 
 
-def _collective(func, args, kwargs):
+def _collective(func, args, kwargs, cls):
     """A collective on QTensors: run on the payloads, wait for it here (its results must not be
     read, nor rounded, before they have arrived), then round once into the format: a reduction
     sums (or averages) the payloads in their precision (float32) and rounds the result once;
@@ -1326,7 +1320,7 @@ def _collective(func, args, kwargs):
     return (its later wait is a no-op)."""
     if func._opname == "wait_tensor":  # the output was waited on when it was made
         a = args[0] if args else kwargs["tensor"]
-        if isinstance(a, QTensor):
+        if isinstance(a, cls):
             func(a._data)
         return a
     qs = []
@@ -1339,7 +1333,7 @@ def _collective(func, args, kwargs):
         def copy_of(a):  # (scatter, gather, alltoall take lists of lists)
             if isinstance(a, (list, tuple)):
                 return type(a)(copy_of(x) for x in a)
-            if isinstance(a, QTensor):
+            if isinstance(a, cls):
                 pairs.append((a, a._data.clone()))
                 return pairs[-1][1]
             return a
@@ -1355,7 +1349,7 @@ def _collective(func, args, kwargs):
         qs = [q for q, _c in pairs]
         alias = {id(c): q for q, c in pairs}
     else:
-        uargs, ukwargs, _plain = _unwrap(args, kwargs, qs)
+        uargs, ukwargs, _plain = _unwrap(args, kwargs, qs, cls)
         out = func(*uargs, **ukwargs)
         _wait_all(out)
         if func._opname.endswith("_"):  # all_reduce_, broadcast_: in place
@@ -1372,7 +1366,7 @@ def _collective(func, args, kwargs):
         q = alias.get(id(o))
         if q is not None:  # an output that is an input's payload (or its copy) is that QTensor
             return q
-        w = QTensor._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
+        w = cls._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
         if src.accum is not None:
             w._accum = src.accum
         return w
@@ -1382,30 +1376,30 @@ def _collective(func, args, kwargs):
 # ---------------------------------------------------------------------------------------------
 # _foreach_* ops: element i of every list belongs together (per-parameter formats)
 
-def _dispatch_foreach(func, rule, args, kwargs):
+def _dispatch_foreach(func, rule, args, kwargs, cls):
     lists = [a for a in args if isinstance(a, (list, tuple))]
-    singles = [a for a in args if isinstance(a, QTensor)]
+    singles = [a for a in args if isinstance(a, cls)]
     n = len(lists[0]) if lists else 0
     qs = []
-    uargs, ukwargs, _ = _unwrap(args, kwargs, qs)
+    uargs, ukwargs, _ = _unwrap(args, kwargs, qs, cls)
     out = func(*uargs, **ukwargs)
     move = rule.moves
 
     def source(i):
         for lst in lists:
-            if i < len(lst) and isinstance(lst[i], QTensor):
+            if i < len(lst) and isinstance(lst[i], cls):
                 return lst[i]
         return singles[0] if singles else None
 
     if rule.mutated:
         dst_list = _arg(args, kwargs, rule.mutated[0][0], rule.mutated[0][1])
         for i, d in enumerate(dst_list):
-            if isinstance(d, QTensor):
+            if isinstance(d, cls):
                 if not move:
                     _round_inplace(d)
                 else:
                     others = [lst[i] for lst in lists if lst is not dst_list and i < len(lst)]
-                    if _needs_round_into(d, others, None):
+                    if _needs_round_into(d, others, None, cls):
                         _round_inplace(d)
         if rule.returns_void:
             return None
@@ -1416,5 +1410,5 @@ def _dispatch_foreach(func, rule, args, kwargs):
         if s is None or not isinstance(o, torch.Tensor):
             res.append(o)
         else:
-            res.append(_wrap_out(o, s.fmt, s.mm_fmt, True))
+            res.append(_wrap_out(cls, o, s.fmt, s.mm_fmt, True))
     return type(out)(res) if isinstance(out, tuple) else res

@@ -27,6 +27,7 @@ import torch
 from ..accum import lowering as _accum
 from . import dispatch as _dispatch
 from . import gemm as _gemm
+from .subclass import QTensor
 
 __all__ = ["grouped_mm", "PACKETS"]
 
@@ -162,9 +163,9 @@ def _mm(a, b, spec):
     b = _round(b, fb, 0, transform)
     if acc is None:
         return torch.mm(a, b)
-    Q = _dispatch.QTensor  # (the accumulator reads each operand's format from its wrapper)
-    qa = Q._wrap(a, va if va is not None else fa, fa)
-    qb = Q._wrap(b, vb if vb is not None else fb, fb)
+    # (the accumulator reads each operand's format from its wrapper)
+    qa = QTensor._wrap(a, va if va is not None else fa, fa)
+    qb = QTensor._wrap(b, vb if vb is not None else fb, fb)
     return _accum.contract("mm", [a, b], {}, acc, [qa, qb])
 
 
@@ -218,12 +219,16 @@ def _(a, b, offs, spec):
 def _spec(ops):
     """The spec of one grouped GEMM whose multiplied operands are ``ops`` (QTensors or plain):
     the per-GEMM formats where an operand is tagged (qtensor.tensor.gemm), else each one's own."""
-    fmts = _gemm.operand_formats(ops, _dispatch._own_mm_fmt)
+    fmts = _gemm.operand_formats(ops, _own_mm_fmt)
     if fmts is None:
-        fmts = [_dispatch._own_mm_fmt(a) for a in ops]
+        fmts = [_own_mm_fmt(a) for a in ops]
     transform = _gemm.operand_transform(ops)
     vals = [getattr(a, "fmt", None) for a in ops]
     return (fmts[0], fmts[1], transform, None, vals[0], vals[1])
+
+
+def _own_mm_fmt(a):
+    return _dispatch._own_mm_fmt(a, QTensor)
 
 
 def _call(a, b, offs, spec, acc):
@@ -236,7 +241,7 @@ def _arg(args, kwargs, pos, name):
 
 
 @_dispatch._handles("_grouped_mm")
-def _grouped_mm_handler(func, args, uargs, ukwargs, acc=None):
+def _grouped_mm_handler(func, args, uargs, ukwargs, acc=None, cls=QTensor):
     # _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None)
     bias = _arg(uargs, ukwargs, 3, "bias")
     out_dtype = _arg(uargs, ukwargs, 4, "out_dtype")
@@ -252,7 +257,7 @@ def _grouped_mm_handler(func, args, uargs, ukwargs, acc=None):
 
 
 @_dispatch._handles("grouped_mm_fallback")
-def _fallback_handler(func, args, uargs, ukwargs, acc=None):
+def _fallback_handler(func, args, uargs, ukwargs, acc=None, cls=QTensor):
     # transformers::grouped_mm_fallback(input (S, K), weight (G, K, N), offs): 2D x 3D
     a, b = uargs[0], uargs[1]
     offs = _arg(uargs, ukwargs, 2, "offs")
@@ -260,7 +265,7 @@ def _fallback_handler(func, args, uargs, ukwargs, acc=None):
 
 
 @_dispatch._handles("grouped_mm_fallback_backward")
-def _fallback_backward_handler(func, args, uargs, ukwargs, acc=None):
+def _fallback_backward_handler(func, args, uargs, ukwargs, acc=None, cls=QTensor):
     # transformers::grouped_mm_fallback_backward(input, weight, offs, grad_output): the dgrad
     # dX = dY W^T and the wgrad dW = X^T dY of each group, as autograd's _grouped_mm backward
     x, w, offs, dy = (_arg(uargs, ukwargs, i, n) for i, n in

@@ -104,7 +104,7 @@ def store(x: torch.Tensor, fmt, what: str = "kv_cache") -> torch.Tensor:
     rounded = _dispatch.quantize(data.detach(), fmt)
     if not isinstance(x, QTensor):
         return rounded
-    return QTensor._wrap(rounded, fmt, _dispatch._own_mm_fmt(x))
+    return QTensor._wrap(rounded, fmt, _dispatch._own_mm_fmt(x, QTensor))
 
 
 class _CacheUpdate:

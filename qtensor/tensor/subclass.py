@@ -28,13 +28,13 @@ import copy
 import dataclasses
 import hashlib
 import re
-import sys
 from typing import Optional
 
 import torch
 
 from . import dispatch as _dispatch
 from . import gemm as _gemm
+from . import shims as _shims
 from ..accum.format import PRESETS as _ACCUM_PRESETS, AccumFormat, AccumFormatError
 from ..accum.format import as_accum as _as_accum
 from ..kernels import ops as _ops
@@ -47,21 +47,17 @@ from ..formats.parse import format as _parse_format
 
 __all__ = ["QTensor", "as_qtensor", "quantize_grad"]
 
-_TENSOR_DATA = torch._C.TensorBase.data  # the C getter/setter of Tensor.data
-_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
-_compiler = torch.compiler  # (its _is_compiling_flag is what is_compiling() returns, eagerly)
-
-try:  # dynamo's frame callback (None: no compiled region on the stack) and its frame skip list
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
-    from torch._dynamo.eval_frame import skip_code as _skip_code
-except ImportError:  # another torch: every op goes through torch._disable_dynamo
-    _eval_frame_callback = _skip_code = None
+# torch internals: qtensor.tensor.shims
+_TENSOR_DATA = _shims.TENSOR_DATA
+_make_wrapper_subclass = _shims.make_wrapper_subclass
+_compiler = _shims.compiler
+_eval_frame_callback = _shims.eval_frame_callback
 
 
 def _code_version() -> str:
     """A hash of the modules whose code decides what a traced QTensor graph contains."""
     h = hashlib.blake2b(digest_size=8)
-    for path in (_dispatch.__file__, _ops.__file__, __file__):
+    for path in (_dispatch.__file__, _ops.__file__, __file__, _shims.__file__):
         try:
             with open(path, "rb") as f:
                 h.update(f.read())
@@ -71,13 +67,6 @@ def _code_version() -> str:
 
 
 _CODE_VERSION = _code_version()
-
-try:  # where torch describes a tensor to make a fake one of it (QTensor.untyped_storage)
-    from torch._subclasses.meta_utils import MetaTensorDescriber
-    _DESCRIBE_TENSOR = MetaTensorDescriber.describe_tensor.__code__
-except (ImportError, AttributeError):
-    _DESCRIBE_TENSOR = None
-
 
 def _parse(fmt) -> Optional[Format]:
     if fmt is None:
@@ -101,7 +90,7 @@ def _check_floating(x: torch.Tensor, fmt) -> None:
                         "tensors can carry a number format")
 
 
-_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_functorch_wrapped = _shims.is_functorch_wrapped
 
 
 def refuse_transformed(x: torch.Tensor, what: str = "the input") -> None:
@@ -167,11 +156,7 @@ def _exported_init(self, *args, **kwargs):
 
 # the decorator takes only a function named __init__
 _exported_init.__name__, _exported_init.__qualname__ = "__init__", "QTensor.__init__"
-try:
-    from torch._export.wrappers import mark_subclass_constructor_exportable_experimental
-    _exported_init = mark_subclass_constructor_exportable_experimental(_exported_init)
-except ImportError:  # an older torch: export fails where a QTensor is built in the model
-    pass
+_exported_init = _shims.mark_exportable_init(_exported_init)
 
 
 _FIELD_NAMES: dict = {}  # type -> its dataclass field names (_holds_its_fields)
@@ -269,61 +254,19 @@ def _teach_dynamo() -> None:
     with no source, only for the types it knows, and a frozen dataclass is not among them. Called
     where dynamo first meets a QTensor (flattening an input, or building one in the graph); a
     torch without this private table only loses that (a graph break, as before). Also lets
-    AOTAutograd take zeros for a QTensor output's missing gradient (_accept_zero_tangents)."""
+    AOTAutograd take zeros for a QTensor output's missing gradient (shims.accept_zero_tangents)."""
     global _dynamo_taught
-    if _dynamo_taught or "torch._dynamo.variables.builder" not in sys.modules:
+    if _dynamo_taught or not _shims.dynamo_loaded():
         return
     _dynamo_taught = True
-    try:
-        from torch._dynamo.variables.builder import SourcelessBuilder
-        from torch._dynamo.variables.user_defined import FrozenDataClassVariable
-
-        class FormatVariable(FrozenDataClassVariable):
-            """A format (an immutable value) is its own constant: the compiled code may return
-            it (dynamo rebuilds only pytree specs from a frozen dataclass's fields)."""
-
-            def as_python_constant(self):
-                return self.value
-
-        from .transforms import Hadamard
-        for cls in (*FORMAT_CLASSES, AccumFormat, _gemm.GemmOperand, Hadamard):
-            SourcelessBuilder._type_handlers.setdefault(
-                cls, lambda tx, value: FormatVariable(value))
-    except (ImportError, AttributeError):
-        pass
-    _accept_zero_tangents()
-
-
-def _accept_zero_tangents() -> None:
-    """Let a compiled graph's QTensor output that gets no gradient (an extra output the loss
-    does not use: a cache, HF's logits beside its loss) take the plain zeros that autograd
-    makes for it: AOTAutograd expects a QTensor tangent there and refused the zeros ("Expected
-    a QTensor tangent but got a plain Tensor"). Zeros are zeros in every format; any other
-    plain tangent (the output dequantized outside the compiled code) is refused with an error
-    that says what to do instead (_plain_tangent_error): the backward was traced for a QTensor
-    gradient in the output's formats, and no QTensor made of the plain one gives eager's
-    gradients in general (a rounding to the output's format, skipped in the traced graph as
-    a no-op, is one that eager makes on the plain gradient). A torch without this private
-    function keeps torch's error."""
-    try:
-        from torch._functorch._aot_autograd.runtime_wrappers import AOTDispatchAutograd
-        from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
-        process = AOTDispatchAutograd.process_runtime_tangent
-    except (ImportError, AttributeError):
-        return
-
-    def process_runtime_tangent(x, meta, *args, **kwargs):
-        if (type(x) is torch.Tensor and isinstance(meta, SubclassCreationMeta)
-                and meta.original_subclass_type is QTensor and not x.any()):
-            fmt, mm_fmt, accum = meta.meta
-            x = QTensor._wrap(x, fmt, mm_fmt, accum=accum)
-        elif type(x) is torch.Tensor and isinstance(meta, SubclassCreationMeta) and (
-                meta.original_subclass_type is QTensor):
-            raise _plain_tangent_error(meta.meta[0], args[0] if args else
-                                       kwargs.get("tangent_idx"))
-        return process(x, meta, *args, **kwargs)
-
-    AOTDispatchAutograd.process_runtime_tangent = staticmethod(process_runtime_tangent)
+    from .transforms import Hadamard
+    _shims.register_dynamo_constants((*FORMAT_CLASSES, AccumFormat, _gemm.GemmOperand, Hadamard))
+    # a QTensor output that gets no gradient: see _shims.accept_zero_tangents (zeros are zeros
+    # in every format; any other plain tangent is refused by _plain_tangent_error: the backward
+    # was traced for a QTensor gradient, which no QTensor made of a plain one matches in general)
+    _shims.accept_zero_tangents(
+        QTensor, lambda x, fmt, mm_fmt, accum: QTensor._wrap(x, fmt, mm_fmt, accum=accum),
+        _plain_tangent_error)
 
 
 def _plain_tangent_error(fmt, index) -> RuntimeError:
@@ -346,13 +289,7 @@ def _check_not_lowering_a_dynamic_output(t) -> None:
     has length 2 ..."). A torch whose AOTAutograd differs is not checked."""
     if not any(isinstance(s, torch.SymInt) for s in t.shape):
         return
-    try:  # what AOTAutograd describes a traced program's outputs with
-        from torch._functorch._aot_autograd.descriptors import AOTOutput
-    except ImportError:
-        return
-    caller = sys._getframe(2)  # torch's flatten_subclass (1 is __tensor_flatten__)
-    if caller.f_code.co_name != "flatten_subclass" or not isinstance(
-            caller.f_locals.get("desc"), AOTOutput):
+    if not _shims.flattening_program_output(2):  # (1 is __tensor_flatten__)
         return
     raise NotImplementedError(
         f"torch.export: the program's output is a QTensor of dynamic size {tuple(t.shape)} "
@@ -522,14 +459,15 @@ class QTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # dynamo never traces the rules themselves (AOTAutograd runs them on fake payloads):
-        # dynamo skips this frame (_skip_code below) and, where its frame callback is set (a
+        # dynamo skips this frame (shims.dynamo_skips below) and, where its frame callback is set (a
         # compiled region on the stack), the rules run under torch._disable_dynamo; else they
         # run directly (that wrapper costs several microseconds per op)
         if _eval_frame_callback is None or _eval_frame_callback() is not None:
             return _dispatch_outside_dynamo(func, args, kwargs)
         if _compiler._is_compiling_flag:
             _check_accum_not_set_while_tracing(func, args, kwargs)
-        return _dispatch.dispatch(func, args, kwargs)
+        # (the rules sit below this class: they get it here, to unwrap and wrap QTensors)
+        return _dispatch.dispatch(func, args, kwargs, QTensor)
 
     # -- values --------------------------------------------------------------------------------
     @property
@@ -584,7 +522,7 @@ class QTensor(torch.Tensor):
         to fake tensors, which must not share storage with their payloads), and where fake tensors
         are made of it outside tracing (torch.export's fake parameters)."""
         if (torch.compiler.is_compiling() or type(self._data) is not torch.Tensor
-                or sys._getframe(1).f_code is _DESCRIBE_TENSOR):
+                or _shims.called_by_describe_tensor(1)):
             return super().untyped_storage()
         return self._data.untyped_storage()
 
@@ -639,8 +577,9 @@ class QTensor(torch.Tensor):
         """The sharded parameter's all-gather input: its payload (already in format; FSDP2 pads
         an uneven last shard, so this does too); the formats travel as metadata."""
         _check_fsdp_policy(mp_policy, self)
-        if _fsdp_hook is not None:  # qtensor.nn.distributed: the sharded parameter's gradient
-            _fsdp_hook(self, module)
+        hook = module.__dict__.get(FSDP_HOOK_ATTR)
+        if hook is not None:  # qtensor.nn.distributed's: the sharded parameter's gradient
+            hook(self, module)
         data = self._data
         rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
         if data.dim() and data.shape[0] < rows:
@@ -694,24 +633,20 @@ def _dispatch_outside_dynamo(func, args, kwargs):
     """QTensor.__torch_dispatch__ where dynamo's frame callback is set."""
     if torch.compiler.is_compiling():
         _check_accum_not_set_while_tracing(func, args, kwargs)
-    return _dispatch.dispatch(func, args, kwargs)
+    return _dispatch.dispatch(func, args, kwargs, QTensor)
 
 
-if _skip_code is not None:  # dynamo runs this frame as it is (its callees: see the method)
-    _skip_code(QTensor.__torch_dispatch__.__func__.__code__)
-else:
+# dynamo runs this frame as it is (its callees: see the method)
+if not _shims.dynamo_skips(QTensor.__torch_dispatch__.__func__.__code__):
     QTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(
         QTensor.__torch_dispatch__.__func__))
 
 
-_fsdp_hook = None  # called with (sharded QTensor, its module) before each FSDP2 all-gather
-
-
-def register_fsdp_hook(hook) -> None:
-    """qtensor.nn.distributed's hook on FSDP2's sharded QTensor parameters (it sits above this
-    module: it finds the sharded parameter and its plan, and rounds its reduced gradient)."""
-    global _fsdp_hook
-    _fsdp_hook = hook
+# A module whose QTensor parameters FSDP2 shards may hold, under this attribute, a hook that
+# fsdp_pre_all_gather calls with (sharded QTensor, module) before each all-gather: whoever
+# converted the module puts it there (qtensor.nn.distributed.remember_plan, which sits above
+# this module: it finds the sharded parameter and its plan, and rounds its reduced gradient).
+FSDP_HOOK_ATTR = "_qt_on_fsdp_all_gather"
 
 
 def _check_fsdp_policy(mp_policy, t) -> None:
@@ -761,35 +696,11 @@ def _rebuild_qtensor(data, fmt, mm_fmt, requires_grad, is_param=False, accum=Non
     return t
 
 
-_dispatch.register_qtensor(QTensor)
-
-
-def _accum_set_while_tracing() -> set:
-    """ids of the example values (the QTensors dynamo runs ops on while it traces) whose
-    ``.accum`` the traced code has assigned: dynamo keeps such an assignment as a side effect, to
-    apply after the graph, so ops in the graph would see the old accumulator. Empty when dynamo
-    is not tracing (or its internals differ: then nothing is checked)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-        mutations = tx.output.side_effects.store_attr_mutations if tx is not None else {}
-    except (ImportError, AttributeError):
-        return set()
-    ids = set()
-    for var, attrs in mutations.items():
-        if "accum" in attrs:
-            try:
-                ids.add(id(var.as_proxy().node.meta["example_value"]))
-            except (AttributeError, KeyError, NotImplementedError):
-                pass
-    return ids
-
-
 def _check_accum_not_set_while_tracing(func, args, kwargs) -> None:
     """Make dynamo run ``func`` outside the graph (a graph break; an error under fullgraph=True
     or torch.export(strict=True)) when one of its QTensors had ``.accum`` assigned by the code being traced:
     the graph would compute with the accumulator the tensor had before, silently."""
-    pending = _accum_set_while_tracing()
+    pending = _shims.attributes_set_while_tracing("accum")
     if not pending:
         return
     for a in torch.utils._pytree.tree_leaves((args, kwargs)):
@@ -805,13 +716,7 @@ def _check_accum_not_set_while_tracing(func, args, kwargs) -> None:
            "default, non-strict export records it), set .accum before the compiled call "
            "(Recipe(accumulate=...), or t.accum = ... outside it), or build the tensor with it "
            "inside: qt.QTensor(payload, fmt, mm_fmt, accum=...).")
-    try:
-        from torch._dynamo.exc import unimplemented
-    except ImportError:
-        unimplemented = None
-    if unimplemented is not None:
-        unimplemented(gb_type="QTensor.accum set inside compiled code, then used there",
-                      context=str(func), explanation=msg, hints=[])
+    _shims.graph_break("QTensor.accum set inside compiled code, then used there", str(func), msg)
     raise NotImplementedError(msg)  # dynamo makes a graph break of it too
 
 

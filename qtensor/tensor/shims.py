@@ -1,0 +1,205 @@
+"""Every reach of the QTensor subclass into torch internals, in one place.
+
+Each shim says which torch version it was written for and what torch code it relies on or
+replaces (``TARGETS``: one line per name). ``tests/tensor/test_shims.py`` checks, shim by shim,
+that torch still has what the shim relies on (the function it wraps, its signature or source,
+the attributes it reads), and fails naming the shim when a torch upgrade changed it. Where an
+internal is missing the shims degrade to what torch does without them (noted per shim), so an
+unknown torch loses a convenience, never a value.
+
+This module imports no qtensor module: whatever a shim needs of the subclass (the class, its
+constructor, an error) is passed in by ``qtensor.tensor.subclass``.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+__all__ = ["TARGET", "TARGETS", "TENSOR_DATA", "make_wrapper_subclass", "compiler",
+           "is_functorch_wrapped", "eval_frame_callback", "dynamo_skips", "called_by_describe_tensor",
+           "mark_exportable_init", "dynamo_loaded",
+           "register_dynamo_constants", "accept_zero_tangents",
+           "flattening_program_output", "attributes_set_while_tracing", "graph_break"]
+
+TARGET = "2.13"  # the torch version every shim here was written and tested for
+
+# name -> what it relies on in torch (the constants have no docstring of their own)
+TARGETS = {
+    "TENSOR_DATA": "torch 2.13: torch._C.TensorBase.data, the C getter/setter of Tensor.data "
+                   "(QTensor.data overrides the property and calls it for the wrapper)",
+    "make_wrapper_subclass": "torch 2.13: torch.Tensor._make_wrapper_subclass's positional order "
+                             "(size, strides, storage_offset, memory_format, dtype, layout, "
+                             "device), which parses faster than keywords on dispatch's fast path",
+    "compiler": "torch 2.13: torch.compiler._is_compiling_flag / _is_exporting_flag, what "
+                "is_compiling() / is_exporting() return eagerly (read as attributes: per op)",
+    "is_functorch_wrapped": "torch 2.13: torch._C._functorch.is_functorch_wrapped_tensor (a "
+                            "torch.func transform's wrapper tensor)",
+    "eval_frame_callback": "torch 2.13: torch._C._dynamo.eval_frame.get_eval_frame_callback "
+                           "(None: no compiled region on the stack); None where torch lacks it",
+}
+
+
+TENSOR_DATA = torch._C.TensorBase.data
+make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+compiler = torch.compiler
+is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
+    from torch._dynamo.eval_frame import skip_code as _skip_code
+except ImportError:  # another torch: every op goes through torch._disable_dynamo
+    eval_frame_callback = _skip_code = None
+
+
+def dynamo_skips(code) -> bool:
+    """torch 2.13: ``torch._dynamo.eval_frame.skip_code``. Make dynamo run the frames of
+    ``code`` as they are, without tracing them (their callees are traced as usual); replaces
+    wrapping the function in ``torch._disable_dynamo`` (several microseconds per call). False
+    where torch has no such hook: the caller then wraps."""
+    if _skip_code is None or eval_frame_callback is None:
+        return False
+    _skip_code(code)
+    return True
+
+
+try:  # where torch describes a tensor to make a fake one of it
+    from torch._subclasses.meta_utils import MetaTensorDescriber
+    _DESCRIBE_TENSOR = MetaTensorDescriber.describe_tensor.__code__
+except (ImportError, AttributeError):
+    _DESCRIBE_TENSOR = None
+
+
+def called_by_describe_tensor(levels: int) -> bool:
+    """torch 2.13: ``torch._subclasses.meta_utils.MetaTensorDescriber.describe_tensor`` calls
+    ``t.untyped_storage()`` itself. Whether the frame ``levels`` above the caller of this
+    function is that method (``sys._getframe``): QTensor.untyped_storage then gives the
+    wrapper's own storage, which the fake tensor must describe. False on a torch without it."""
+    return _DESCRIBE_TENSOR is not None and sys._getframe(levels + 1).f_code is _DESCRIBE_TENSOR
+
+
+def mark_exportable_init(init):
+    """torch 2.13: ``torch._export.wrappers.mark_subclass_constructor_exportable_experimental``.
+    ``init`` (a function named ``__init__``) decorated so that torch.export records the
+    subclass's construction in the graph it traces (it cannot follow a tensor subclass built in
+    the traced code). ``init`` itself on an older torch: export then fails where a QTensor is
+    built inside the model."""
+    try:
+        from torch._export.wrappers import mark_subclass_constructor_exportable_experimental
+    except ImportError:
+        return init
+    return mark_subclass_constructor_exportable_experimental(init)
+
+
+def dynamo_loaded() -> bool:
+    """torch 2.13: ``torch._dynamo.variables.builder``, the module of dynamo's tracker table, is
+    imported once dynamo is (nothing to extend before: importing it would load dynamo)."""
+    return "torch._dynamo.variables.builder" in sys.modules
+
+
+def register_dynamo_constants(classes) -> bool:
+    """torch 2.13: ``torch._dynamo.variables.builder.SourcelessBuilder._type_handlers`` (a dict
+    type -> handler) and ``torch._dynamo.variables.user_defined.FrozenDataClassVariable``. Let
+    dynamo build trackers for values of ``classes`` (frozen dataclasses: formats, accumulators)
+    that have no source, as constants, so compiled code can read ``t.fmt`` of a QTensor it
+    computed and return formats; torch itself knows only its own types there. False (nothing
+    done: a graph break where such a value is met) on a torch without them."""
+    try:
+        from torch._dynamo.variables.builder import SourcelessBuilder
+        from torch._dynamo.variables.user_defined import FrozenDataClassVariable
+        handlers = SourcelessBuilder._type_handlers
+    except (ImportError, AttributeError):
+        return False
+
+    class FormatVariable(FrozenDataClassVariable):
+        """A format (an immutable value) is its own constant: the compiled code may return
+        it (dynamo rebuilds only pytree specs from a frozen dataclass's fields)."""
+
+        def as_python_constant(self):
+            return self.value
+
+    for cls in classes:
+        handlers.setdefault(cls, lambda tx, value: FormatVariable(value))
+    return True
+
+
+def accept_zero_tangents(cls, wrap, plain_tangent_error) -> bool:
+    """torch 2.13: replaces the staticmethod
+    ``torch._functorch._aot_autograd.runtime_wrappers.AOTDispatchAutograd.process_runtime_tangent``
+    (x, meta, tangent_idx, ...), reading ``SubclassCreationMeta.original_subclass_type`` and
+    ``.meta`` (what ``cls.__tensor_flatten__`` returned: (fmt, mm_fmt, accum)).
+
+    A compiled graph's ``cls`` output that gets no gradient gets the plain zeros autograd makes
+    for it, which AOTAutograd refuses ("Expected a QTensor tangent but got a plain Tensor"):
+    zeros become ``wrap(zeros, fmt, mm_fmt, accum)`` (zeros are zeros in every format); any
+    other plain tangent raises ``plain_tangent_error(fmt, tangent index)``. False (torch's
+    error stays) on a torch without it."""
+    try:
+        from torch._functorch._aot_autograd.runtime_wrappers import AOTDispatchAutograd
+        from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+        process = AOTDispatchAutograd.process_runtime_tangent
+    except (ImportError, AttributeError):
+        return False
+
+    def process_runtime_tangent(x, meta, *args, **kwargs):
+        if (type(x) is torch.Tensor and isinstance(meta, SubclassCreationMeta)
+                and meta.original_subclass_type is cls):
+            if x.any():
+                raise plain_tangent_error(meta.meta[0], args[0] if args else
+                                          kwargs.get("tangent_idx"))
+            fmt, mm_fmt, accum = meta.meta
+            x = wrap(x, fmt, mm_fmt, accum)
+        return process(x, meta, *args, **kwargs)
+
+    AOTDispatchAutograd.process_runtime_tangent = staticmethod(process_runtime_tangent)
+    return True
+
+
+def flattening_program_output(levels: int) -> bool:
+    """torch 2.13: ``torch._functorch._aot_autograd.subclass_utils``'s inner
+    ``flatten_subclass(t, desc, *, out)`` calls ``t.__tensor_flatten__()`` itself, with ``desc``
+    an ``AOTOutput`` for a traced program's outputs. Whether the frame ``levels`` above the
+    caller of this function is that one (``sys._getframe``): ``ep.run_decompositions()``
+    flattening an output. False on a torch without ``AOTOutput`` (nothing is checked)."""
+    try:
+        from torch._functorch._aot_autograd.descriptors import AOTOutput
+    except ImportError:
+        return False
+    frame = sys._getframe(levels + 1)
+    return frame.f_code.co_name == "flatten_subclass" and isinstance(
+        frame.f_locals.get("desc"), AOTOutput)
+
+
+def attributes_set_while_tracing(name: str) -> set:
+    """torch 2.13: ``torch._dynamo.symbolic_convert.InstructionTranslator.current_tx()``, its
+    ``output.side_effects.store_attr_mutations`` ({variable: {attribute: value}}) and each
+    variable's ``as_proxy().node.meta["example_value"]``. The ids of the example values (what
+    dynamo runs ops on while it traces) whose attribute ``name`` the traced code assigned:
+    dynamo applies such an assignment after the graph, so ops in the graph see the old value.
+    Empty when dynamo is not tracing, or on a torch whose dynamo differs (nothing is checked)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        mutations = tx.output.side_effects.store_attr_mutations if tx is not None else {}
+    except (ImportError, AttributeError):
+        return set()
+    ids = set()
+    for var, attrs in mutations.items():
+        if name in attrs:
+            try:
+                ids.add(id(var.as_proxy().node.meta["example_value"]))
+            except (AttributeError, KeyError, NotImplementedError):
+                pass
+    return ids
+
+
+def graph_break(gb_type: str, context: str, explanation: str) -> None:
+    """torch 2.13: ``torch._dynamo.exc.unimplemented(*, gb_type, context, explanation, hints)``.
+    Make dynamo run the current op outside the graph (a graph break; an error under
+    fullgraph=True), explaining why. Returns on a torch without it: the caller then raises
+    NotImplementedError, which dynamo also turns into a graph break."""
+    try:
+        from torch._dynamo.exc import unimplemented
+    except ImportError:
+        return
+    unimplemented(gb_type=gb_type, context=context, explanation=explanation, hints=[])
