@@ -173,6 +173,9 @@ def _slots(source: str) -> list:
 # The slots that stay, each because the module that fills it sits above the one that calls it
 # and the caller cannot be handed the dependency (see the comment at each):
 _KNOWN_SLOTS = {
+    # the classes' str/repr and BlockFormat's elem/scale given by name need the string form and
+    # the parser, which need every class and the presets (formats/parse.py sits above them)
+    "qtensor.formats.base": ["register_string_form"],
     # formats sit at the bottom; model.to(fmt) / t.to(fmt) is implemented by qtensor.nn.to_format
     "qtensor.formats.torch_function": ["register_to_handler"],
     # qt.convert's callers above nn (integrations/hf.py, and attention_hooks, which reads
