@@ -1169,14 +1169,12 @@ def _two_level_source_scales(x, fmt, kdim: int, s, q):
     scales; None where no payload gives x. (From the values alone a coarse subnormal block scale
     can be ambiguous: ceil's 3 x 2q and 6 x q are one block.)"""
     from .formats import is_stochastic
-    from .reference import quantize_two_level
     if is_stochastic(fmt.rounding):
         return None
     d = kdim % x.dim()
     for src in _payload_sources(q, x):
-        v, s2, X = quantize_two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding,
-                                      tensor_scale=s, rnd=_ops._round_scalar32,
-                                      block_scales=True)
+        v, s2, X = _ops._two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding, 0,
+                                   tensor_scale=s, block_scales=True)
         if torch.equal(v.view(torch.int32), x.detach().float().view(torch.int32)):
             X = torch.where(X == 0, 1.0, X)[..., 0].movedim(-1, d)  # all-zero block: any scale
             return X.double(), s.double()
