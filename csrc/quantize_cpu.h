@@ -1780,6 +1780,32 @@ QT_BLOCK_FN float tl_round(float t, uint32_t w, const TwoLevelArgs& a) {
   return u2f(f2u(v) | sign);
 }
 
+// tl_round<MODE, kTlFp4> of 8 magnitudes at (words w) on 8 lanes: gcc turns the scalar form's
+// selects into unpredictable branches
+template <int MODE>
+QT_BLOCK_FN qt_v8f tl_fp4_grid8(qt_v8f at, qt_v8u w) {
+  if (MODE != kStochastic) {
+    qtensor::Fp4Bounds b1;
+    const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    const float grid[7] = {0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int k = 0; k < 7; ++k) b1.t[k] = MODE == kTowardZero ? grid[k] : mid[k];
+    return fp4_round_scaled8<MODE>(at, b1, 1.0f);
+  }
+  const qt_v8f z = at < v8f_of(8.0f) ? at : v8f_of(8.0f);
+  const auto lo2 = z < v8f_of(2.0f), lo4 = z < v8f_of(4.0f);
+  const qt_v8f mul = lo2 ? v8f_of(2.0f) : (lo4 ? v8f_of(1.0f) : v8f_of(0.5f));
+  const qt_v8f sp = lo2 ? v8f_of(0.5f) : (lo4 ? v8f_of(1.0f) : v8f_of(2.0f));
+  const qt_v8f y = z * mul;
+  const qt_v8f fl = __builtin_convertvector(__builtin_convertvector(y, qt_v8i), qt_v8f);
+  const qt_v8f F = (y - fl) * v8f_of(4294967296.0f);
+  const auto big = F >= v8f_of(2147483648.0f);
+  const qt_v8u hi = (qt_v8u)__builtin_convertvector(F - v8f_of(2147483648.0f), qt_v8i) |
+                    0x80000000u;
+  const qt_v8u thr = big ? hi : (qt_v8u)__builtin_convertvector(F, qt_v8i);
+  const qt_v8f v = (fl + (w < thr ? v8f_of(1.0f) : v8f_of(0.0f))) * sp;
+  return v < v8f_of(6.0f) ? v : v8f_of(6.0f);
+}
+
 // the payloads p = e * X of a block's m elements x under the scale X (reference: payload):
 // inv = min(1 / (X * dec), FLT_MAX), e = Q(x * inv); directed and stochastic rounding keep the
 // nearest e where fl32(e * X * dec) is x itself
@@ -1789,7 +1815,26 @@ QT_BLOCK_FN void tl_payload(const float* __restrict__ x, const uint32_t* __restr
   const float r = 1.0f / (X * a.dec);
   const float inv = r < kFltMax ? r : kFltMax;
   const float dec = a.dec;
-  for (int64_t j = 0; j < m; ++j) {
+  int64_t j0 = 0;
+  if (EK == kTlFp4) {  // 8 lanes at a time (magnitudes; e, hence p, takes x's sign)
+    for (; j0 + 8 <= m; j0 += 8) {
+      qt_v8u xb, wv = qt_v8u{};
+      std::memcpy(&xb, x + j0, 32);
+      if (MODE == kStochastic) std::memcpy(&wv, w + j0, 32);
+      const qt_v8u sign = ((qt_v8u)((qt_v8f)xb * inv)) & kSignBit;
+      const qt_v8f ax = (qt_v8f)(xb & kAbsMask), at = ax * inv;
+      qt_v8f v;
+      if (MODE == kNearest || MODE == kNearestAway) {
+        v = tl_fp4_grid8<MODE>(at, wv);
+      } else {
+        const qt_v8f vn = tl_fp4_grid8<kNearest>(at, wv), vd = tl_fp4_grid8<MODE>(at, wv);
+        v = (vn * X) * dec == ax ? vn : vd;
+      }
+      const qt_v8f pv = (qt_v8f)((qt_v8u)v | sign) * X;
+      std::memcpy(p + j0, &pv, 32);
+    }
+  }
+  for (int64_t j = j0; j < m; ++j) {
     const float t = x[j] * inv;
     float e;
     if (MODE == kNearest || MODE == kNearestAway) {
@@ -1853,6 +1898,10 @@ QT_BLOCK_FN bool tl_block(const float* x, const uint32_t* w, int64_t m, const Tw
     }
   }
   const float dec = a.dec;
+  if (EK == kTlFp4) {  // (p, so its product with dec, has x's sign)
+    for (int64_t j = 0; j < m; ++j) q[j] = q[j] * dec;
+    return true;
+  }
   for (int64_t j = 0; j < m; ++j) {
     const float v = q[j] * dec;
     const uint32_t zs = f2u(x[j]) & kSignBit;
