@@ -52,6 +52,8 @@ namespace {
 using qtensor_cpu::cpu_isa;
 using qtensor::BlockArgs;
 using qtensor::Layout;
+using qtensor::TwoLevelArgs;
+using qtensor::TwoLevelGeom;
 
 // The loops (csrc/quantize_cpu.h) are compiled three times, in csrc/cpu/isa_*.cpp: for the
 // baseline x86-64 of the build (no -march), AVX2 and AVX-512; the best one is picked at run time.
@@ -64,6 +66,15 @@ using qtensor::Layout;
 #else
 #define QT_ISA_CALL(fn, ...) qtensor_cpu::isa_base::fn(__VA_ARGS__)
 #endif
+
+// the largest finite |x| (float32 bits) of a contiguous tensor
+#define QT_ISA_CALL_AMAX(xc)                                                           \
+  [&]() -> uint32_t {                                                                \
+    const qtensor::Layout L = qtensor_glue::make_layout(xc, xc);                     \
+    uint32_t r = 0;                                                                  \
+    QT_DTYPE_SWITCH(xc.scalar_type(), r = QT_ISA_CALL(finite_amax<T>, xc.const_data_ptr<T>(), L)); \
+    return r;                                                                        \
+  }()
 
 #define QT_DTYPE_SWITCH(t, ...)                                                      \
   switch (t) {                                                                       \
@@ -184,6 +195,108 @@ at::Tensor& quantize_block_(at::Tensor& x, at::IntArrayRef elem, double elem_max
                             tensor_scale, rounding, seed, x);
 }
 
+// ---- two-level blocks (tensor_scale=True): Transformer Engine's rule -------------------------
+// geom [rows, cols, tr, tc]: the blocks are the tr x tc tiles of x viewed as contiguous
+// [numel / (rows * cols), rows, cols] (qtensor/ops.py _two_level_geom); tensor_scale: the decode
+// tensor scale to round under (0-dim float32), else the one of x's largest finite magnitude.
+// Returns the decode tensor scale (0-dim float32) and, with block_scales, each block's scale X
+// (float32, in block order: groups, then tile rows, then tile columns; else empty).
+std::tuple<at::Tensor, at::Tensor> quantize_two_level_out(
+    const at::Tensor& x, at::IntArrayRef elem, double elem_max, int64_t scale_rule,
+    at::IntArrayRef scale, double scale_max, at::IntArrayRef geom, double bound, bool settle,
+    const c10::optional<at::Tensor>& tensor_scale, bool block_scales, int64_t rounding,
+    int64_t seed, at::Tensor& out) {
+  using namespace qtensor_glue;
+  const char* op = "quantize_two_level";
+  check_op(x, out, rounding, op);
+  TORCH_CHECK(elem.size() == 6 && (elem[0] == 0 || elem[0] == 1) && scale.size() == 6,
+              "qtensor::quantize_two_level: elem and scale as quantize_block's");
+  TORCH_CHECK(geom.size() == 4 && geom[0] >= 1 && geom[1] >= 1 && geom[2] >= 1 && geom[3] >= 1,
+              "qtensor::quantize_two_level: geom must be [rows, cols, tr, tc], each >= 1");
+  TORCH_CHECK(x.numel() % (geom[0] * geom[1]) == 0, "qtensor::quantize_two_level: geom ", geom,
+              " does not tile a tensor of shape ", x.sizes());
+  const bool ceil_rule = scale_rule == kRuleCeil && scale[0] > 0;
+  TORCH_CHECK(scale_rule == kRuleAmax || scale_rule == kRule4over6 || ceil_rule,
+              "qtensor::quantize_two_level: scale_rule must be amax, 4over6, or ceil with a "
+              "scale of mantissa bits");
+  TORCH_CHECK(scale[0] >= 0 && scale[0] <= 23 && scale[1] >= -149 && scale[1] <= 127,
+              "qtensor::quantize_two_level: scale format out of float32's range");
+  TwoLevelArgs a;
+  a.scale_rule = (int)scale_rule;
+  const bool fixed = elem[0] == 1;
+  a.ef = make_float_spec<uint32_t>(0, 0, true, 1.0, kSaturate, false);
+  a.ex = make_fixed_spec<uint32_t>(8, 0, true, true, 0);
+  if (fixed) {
+    TORCH_CHECK(elem[1] >= 1 && elem[1] <= 24, "qtensor::quantize_two_level: fixed element wl "
+                "must be 1..24");
+    a.ex = make_fixed_spec<uint32_t>((int)elem[1], (int)elem[2], elem[3] != 0, elem[4] != 0, 0);
+    a.elem_kind = qtensor::kTlFixed;
+  } else {
+    a.ef = float_spec(elem[1], elem[2], elem[3] != 0, elem_max, kSaturate, false);
+    const bool e2m1 = elem[1] == 1 && elem[2] == 0 && elem[3] != 0 && elem_max == 6.0;
+    a.elem_kind = e2m1 ? qtensor::kTlFp4 : qtensor::kTlFloat;
+  }
+  TORCH_CHECK(scale_rule != kRule4over6 || a.elem_kind == qtensor::kTlFp4,
+              "qtensor::quantize_two_level: scale_rule 4over6 needs e2m1 elements");
+  a.sf = make_float_spec<uint32_t>((int)scale[0], (int)scale[1], scale[3] != 0, scale_max,
+                                   kSaturate, false);
+  a.sfd = make_float_spec<uint64_t>((int)scale[0], (int)scale[1], scale[3] != 0, scale_max,
+                                    kSaturate, false);
+  a.sf_max = (float)scale_max;
+  a.elem_max = (float)elem_max;
+  a.ceil_k = (float)(1.0 - std::ldexp(1.0, -(int)(scale[0] + 2)));
+  a.denom = (float)(elem_max * bound);
+  a.settle = settle;
+  a.sr_or = 0;
+  const at::Tensor xc = x.contiguous();
+  const bool direct = out.is_contiguous();
+  at::Tensor yc = direct ? out : at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (tensor_scale.has_value()) {
+    const at::Tensor& s = *tensor_scale;
+    TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat,
+                "qtensor::quantize_two_level: tensor_scale must be one float32");
+    a.dec = s.item<float>();
+    TORCH_CHECK(std::isfinite(a.dec) && a.dec > 0.0f, "qtensor::quantize_two_level: "
+                "tensor_scale must be a positive finite float32, got ", a.dec);
+    a.enc = 1.0f / a.dec;
+    a.a32 = (float)(elem_max * bound / (double)a.enc);
+  } else {
+    const float am = x.numel() == 0 ? 0.0f : qtensor::u2f(QT_ISA_CALL_AMAX(xc));
+    const float num = (float)(elem_max * bound);
+    float enc = num / am;
+    enc = enc < 3.40282346638528859812e+38f ? enc : 3.40282346638528859812e+38f;
+    a.enc = (am == 0.0f || enc == 0.0f) ? 1.0f : enc;
+    a.dec = 1.0f / a.enc;
+    a.a32 = am;
+  }
+  a.c_amax = a.enc * (float)(1.0 / elem_max);
+  TwoLevelGeom G;
+  G.rows = geom[0]; G.cols = geom[1]; G.tr = geom[2]; G.tc = geom[3];
+  G.groups = x.numel() / (G.rows * G.cols);
+  const int64_t nblocks = G.groups * ((G.rows + G.tr - 1) / G.tr) * ((G.cols + G.tc - 1) / G.tc);
+  at::Tensor X = at::empty({block_scales ? nblocks : 0}, x.options().dtype(at::kFloat));
+  if (x.numel() > 0) {
+    const uint32_t key = key_of(seed);
+    float* Xs = block_scales ? X.mutable_data_ptr<float>() : nullptr;
+    QT_DTYPE_SWITCH(x.scalar_type(),
+                    QT_ISA_CALL(two_level_kernel<T>, xc.const_data_ptr<T>(),
+                                yc.mutable_data_ptr<T>(), G, a, (int)rounding, key, Xs));
+  }
+  if (!direct) out.copy_(yc);
+  return {at::full({}, a.dec, x.options().dtype(at::kFloat)), X};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_two_level(
+    const at::Tensor& x, at::IntArrayRef elem, double elem_max, int64_t scale_rule,
+    at::IntArrayRef scale, double scale_max, at::IntArrayRef geom, double bound, bool settle,
+    const c10::optional<at::Tensor>& tensor_scale, bool block_scales, int64_t rounding,
+    int64_t seed) {
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto r = quantize_two_level_out(x, elem, elem_max, scale_rule, scale, scale_max, geom, bound,
+                                  settle, tensor_scale, block_scales, rounding, seed, out);
+  return {out, std::get<0>(r), std::get<1>(r)};
+}
+
 // The out= and in-place schemas return nothing (so that functionalization, and with it
 // torch.compile, can handle them); these wrappers adapt the implementations above.
 void quantize_float_out_void(const at::Tensor& x, int64_t man, int64_t emin, bool subnormals,
@@ -238,6 +351,10 @@ int64_t constant(c10::string_view name) {
   "int[] elem, float elem_max, int block_size, int? axis, int scale_rule, int[] scale, " \
   "float scale_max, bool tensor_scale, int rounding, int seed"
 
+#define QT_TWO_LEVEL_ARGS                                                                      \
+  "int[] elem, float elem_max, int scale_rule, int[] scale, float scale_max, int[] geom, "  \
+  "float bound, bool settle, Tensor? tensor_scale, bool block_scales, int rounding, int seed"
+
 TORCH_LIBRARY(qtensor, m) {
   m.def("quantize_float(Tensor x, " QT_FLOAT_ARGS ") -> Tensor");
   m.def("quantize_float.out(Tensor x, " QT_FLOAT_ARGS ", *, Tensor(a!) out) -> ()");
@@ -248,6 +365,9 @@ TORCH_LIBRARY(qtensor, m) {
   m.def("quantize_block(Tensor x, " QT_BLOCK_ARGS ") -> Tensor");
   m.def("quantize_block.out(Tensor x, " QT_BLOCK_ARGS ", *, Tensor(a!) out) -> ()");
   m.def("quantize_block_(Tensor(a!) x, " QT_BLOCK_ARGS ") -> ()");
+  m.def("quantize_two_level(Tensor x, " QT_TWO_LEVEL_ARGS ") -> (Tensor, Tensor, Tensor)");
+  m.def("quantize_two_level.out(Tensor x, " QT_TWO_LEVEL_ARGS ", *, Tensor(a!) out) -> "
+        "(Tensor, Tensor)");
   m.def("constant(str name) -> int", &constant);
 }
 
@@ -261,6 +381,8 @@ TORCH_LIBRARY_IMPL(qtensor, CPU, m) {
   m.impl("quantize_block", &quantize_block);
   m.impl("quantize_block.out", &quantize_block_out_void);
   m.impl("quantize_block_", &quantize_block_inplace);
+  m.impl("quantize_two_level", &quantize_two_level);
+  m.impl("quantize_two_level.out", &quantize_two_level_out);
 }
 
 // A Python module named qtensor._C, so that `import qtensor._C` loads the library (and with it

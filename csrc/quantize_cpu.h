@@ -1706,6 +1706,281 @@ void block_kernel(const T* x, T* y, const Layout& L, const BlockArgs& args, int 
   }
 }
 
+// ---- two-level block formats (tensor_scale=True): Transformer Engine's rule, every step one
+// float32 operation in the order of reference._two_level_blocks (docs/formats.md, "NVFP4: the
+// tensor scale"); the scalar roundings are round.h's, as the compiled quantize_float/fixed give
+// them to the reference. One pass over the blocks after the tensor's amax (quantize.cpp).
+using qtensor::TwoLevelArgs;
+using qtensor::TwoLevelGeom;
+using qtensor::kTlFloat;
+using qtensor::kTlFixed;
+using qtensor::kTlFp4;
+constexpr float kFltMax = 3.40282346638528859812e+38f;
+
+// reference._scale_code: t (>= 0; NaN and +Inf read as FLT_MAX) to the scale format, nearest and
+// saturating, or upward (ceil), clamped to the scale's max
+QT_BLOCK_FN float tl_code(float t, const TwoLevelArgs& a) {
+  const float tt = t < kFltMax ? t : kFltMax;
+  if (a.scale_rule == kRuleCeil) {
+    const double up = qtensor::round_float_up((double)tt, a.sfd);
+    return up < (double)a.sf_max ? (float)up : a.sf_max;
+  }
+  return u2f(qtensor::round_float<kNearest, uint32_t, false>(f2u(tt), a.sf, 0u));
+}
+
+// reference.te_scale_fns: a block's scale X (float32, a scale value) from its amax; cand 1 is
+// 4over6's map-to-4 candidate
+QT_BLOCK_FN float tl_scale(float am, int cand, const TwoLevelArgs& a) {
+  if (a.scale_rule == kRule4over6) {
+    const float t = (am / a.elem_max) * a.enc;
+    return tl_code(cand ? t * 1.5f : t, a);
+  }
+  const float X = tl_code(am * a.c_amax, a);
+  if (a.scale_rule != kRuleCeil) return X;
+  const float down = u2f(qtensor::round_float<kTowardZero, uint32_t, false>(f2u(X * a.ceil_k),
+                                                                           a.sf, 0u));
+  return (a.elem_max * down) * a.dec >= am ? down : X;
+}
+
+// t (float32) rounded to the element format. e2m1 (kTlFp4) without the general bit operations:
+// the deterministic modes compare |t| with the grid's boundaries (round.h, fp4_round_scaled at
+// X = 1), stochastic rounding steps on the grid of |t|'s binade in float32, every step exact
+// (y = |t| / spacing is a power-of-two product; y - floor(y) and its 2^32 multiple are exact)
+// with the reference's test up iff word < floor(frac * 2^32).
+template <int MODE, int EK>
+QT_BLOCK_FN float tl_round(float t, uint32_t w, const TwoLevelArgs& a) {
+  if (EK == kTlFixed) return u2f(qtensor::round_fixed<MODE, false, uint32_t>(f2u(t), a.ex, w));
+  if (EK == kTlFloat) return u2f(qtensor::round_float<MODE, uint32_t, false>(f2u(t), a.ef, w));
+  const uint32_t sign = f2u(t) & kSignBit;
+  const float at = u2f(f2u(t) & kAbsMask);
+  float v;
+  if (MODE == kStochastic) {
+    const float z = at < 8.0f ? at : 8.0f;  // (beyond 6: 6; keeps floor(y) small)
+    const bool lo2 = z < 2.0f, lo4 = z < 4.0f;
+    const float mul = lo2 ? 2.0f : (lo4 ? 1.0f : 0.5f), sp = lo2 ? 0.5f : (lo4 ? 1.0f : 2.0f);
+    const float y = z * mul;
+    const float fl = (float)(int32_t)y;
+    const float F = (y - fl) * 4294967296.0f;
+    const bool big = F >= 2147483648.0f;
+    const uint32_t thr = big ? ((uint32_t)(int32_t)(F - 2147483648.0f) | 0x80000000u)
+                             : (uint32_t)(int32_t)F;
+    v = (fl + (w < thr ? 1.0f : 0.0f)) * sp;
+    v = v < 6.0f ? v : 6.0f;
+  } else {
+    const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    const float grid[7] = {0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float step[7] = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f};
+    v = 0.0f;
+    for (int k = 0; k < 7; ++k) {
+      const float b = MODE == kTowardZero ? grid[k] : mid[k];
+      const bool up = (MODE == kNearest && (k & 1) == 0) ? at > b : at >= b;
+      v += up ? step[k] : 0.0f;
+    }
+  }
+  return u2f(f2u(v) | sign);
+}
+
+// tl_round<MODE, kTlFp4> of 8 magnitudes at (words w) on 8 lanes: gcc turns the scalar form's
+// selects into unpredictable branches
+template <int MODE>
+QT_BLOCK_FN qt_v8f tl_fp4_grid8(qt_v8f at, qt_v8u w) {
+  if (MODE != kStochastic) {
+    qtensor::Fp4Bounds b1;
+    const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    const float grid[7] = {0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int k = 0; k < 7; ++k) b1.t[k] = MODE == kTowardZero ? grid[k] : mid[k];
+    return fp4_round_scaled8<MODE>(at, b1, 1.0f);
+  }
+  const qt_v8f z = at < v8f_of(8.0f) ? at : v8f_of(8.0f);
+  const auto lo2 = z < v8f_of(2.0f), lo4 = z < v8f_of(4.0f);
+  const qt_v8f mul = lo2 ? v8f_of(2.0f) : (lo4 ? v8f_of(1.0f) : v8f_of(0.5f));
+  const qt_v8f sp = lo2 ? v8f_of(0.5f) : (lo4 ? v8f_of(1.0f) : v8f_of(2.0f));
+  const qt_v8f y = z * mul;
+  const qt_v8f fl = __builtin_convertvector(__builtin_convertvector(y, qt_v8i), qt_v8f);
+  const qt_v8f F = (y - fl) * v8f_of(4294967296.0f);
+  const auto big = F >= v8f_of(2147483648.0f);
+  const qt_v8u hi = (qt_v8u)__builtin_convertvector(F - v8f_of(2147483648.0f), qt_v8i) |
+                    0x80000000u;
+  const qt_v8u thr = big ? hi : (qt_v8u)__builtin_convertvector(F, qt_v8i);
+  const qt_v8f v = (fl + (w < thr ? v8f_of(1.0f) : v8f_of(0.0f))) * sp;
+  return v < v8f_of(6.0f) ? v : v8f_of(6.0f);
+}
+
+// the payloads p = e * X of a block's m elements x under the scale X (reference: payload):
+// inv = min(1 / (X * dec), FLT_MAX), e = Q(x * inv); directed and stochastic rounding keep the
+// nearest e where fl32(e * X * dec) is x itself
+template <int MODE, int EK>
+QT_BLOCK_FN void tl_payload(const float* __restrict__ x, const uint32_t* __restrict__ w,
+                            int64_t m, float X, const TwoLevelArgs& a, float* __restrict__ p) {
+  const float r = 1.0f / (X * a.dec);
+  const float inv = r < kFltMax ? r : kFltMax;
+  const float dec = a.dec;
+  int64_t j0 = 0;
+  if (EK == kTlFp4) {  // 8 lanes at a time (magnitudes; e, hence p, takes x's sign)
+    for (; j0 + 8 <= m; j0 += 8) {
+      qt_v8u xb, wv = qt_v8u{};
+      std::memcpy(&xb, x + j0, 32);
+      if (MODE == kStochastic) std::memcpy(&wv, w + j0, 32);
+      const qt_v8u sign = ((qt_v8u)((qt_v8f)xb * inv)) & kSignBit;
+      const qt_v8f ax = (qt_v8f)(xb & kAbsMask), at = ax * inv;
+      qt_v8f v;
+      if (MODE == kNearest || MODE == kNearestAway) {
+        v = tl_fp4_grid8<MODE>(at, wv);
+      } else {
+        const qt_v8f vn = tl_fp4_grid8<kNearest>(at, wv), vd = tl_fp4_grid8<MODE>(at, wv);
+        v = (vn * X) * dec == ax ? vn : vd;
+      }
+      const qt_v8f pv = (qt_v8f)((qt_v8u)v | sign) * X;
+      std::memcpy(p + j0, &pv, 32);
+    }
+  }
+  for (int64_t j = j0; j < m; ++j) {
+    const float t = x[j] * inv;
+    float e;
+    if (MODE == kNearest || MODE == kNearestAway) {
+      e = tl_round<MODE, EK>(t, 0u, a);
+    } else {
+      const float en = tl_round<kNearest, EK>(t, 0u, a);
+      const float ed = tl_round<MODE, EK>(t, MODE == kStochastic ? w[j] : 0u, a);
+      e = (en * X) * dec == x[j] ? en : ed;
+    }
+    p[j] = e * X;
+  }
+}
+
+// One candidate scale rule's payloads (into p) and scale, settled if the format says so: while
+// the scale of the block's rounded max (fl32(p * dec)) is lower, the block takes it.
+template <int MODE, int EK>
+QT_BLOCK_FN float tl_settled(const float* x, const uint32_t* w, int64_t m, float am, int cand,
+                             const TwoLevelArgs& a, float* p) {
+  float X = tl_scale(am, cand, a);
+  tl_payload<MODE, EK>(x, w, m, X, a, p);
+  while (a.settle) {
+    float rmax = 0.0f;
+    for (int64_t j = 0; j < m; ++j) {
+      const float q = std::fabs(p[j] * a.dec);
+      rmax = q > rmax ? q : rmax;
+    }
+    const float X2 = tl_scale(rmax, cand, a);
+    if (!(X2 < X)) break;
+    X = X2;
+    tl_payload<MODE, EK>(x, w, m, X, a, p);
+  }
+  return X;
+}
+
+// One block: its values fl32(p * dec) into q (float32; a zero takes x's sign) and its scale X
+// into *Xo, or false for a block holding Inf or NaN (all NaN, X = 0). p4: room for 4over6's
+// second candidate.
+template <int MODE, int EK>
+QT_BLOCK_FN bool tl_block(const float* x, const uint32_t* w, int64_t m, const TwoLevelArgs& a,
+                          float* q, float* p4, float* Xo) {
+  int32_t bm = 0;  // |x|'s bits as int32: ordered as |x|, NaN above Inf (vectorizes: vpmaxsd)
+  for (int64_t j = 0; j < m; ++j) {
+    const int32_t v = (int32_t)(f2u(x[j]) & kAbsMask);
+    bm = v > bm ? v : bm;
+  }
+  *Xo = 0.0f;
+  if ((uint32_t)bm >= kInfBits) return false;
+  const float am = u2f((uint32_t)bm);
+  *Xo = tl_settled<MODE, EK>(x, w, m, am, 0, a, q);
+  if (a.scale_rule == kRule4over6) {
+    const float X4 = tl_settled<MODE, EK>(x, w, m, am, 1, a, p4);
+    // TE's error sums: |fl32(fl32(p * amax) / M) - x| added in float32 in element order
+    float e6 = 0.0f, e4 = 0.0f;
+    for (int64_t j = 0; j < m; ++j) {
+      e6 += std::fabs((q[j] * a.a32) / a.denom - x[j]);
+      e4 += std::fabs((p4[j] * a.a32) / a.denom - x[j]);
+    }
+    if (e4 < e6) {
+      for (int64_t j = 0; j < m; ++j) q[j] = p4[j];
+      *Xo = X4;
+    }
+  }
+  const float dec = a.dec;
+  if (EK == kTlFp4) {  // (p, so its product with dec, has x's sign)
+    for (int64_t j = 0; j < m; ++j) q[j] = q[j] * dec;
+    return true;
+  }
+  for (int64_t j = 0; j < m; ++j) {
+    const float v = q[j] * dec;
+    const uint32_t zs = f2u(x[j]) & kSignBit;
+    q[j] = v == 0.0f ? u2f(zs) : v;  // (e's sign is x's but for integer elements: x's)
+  }
+  return true;
+}
+
+// All blocks: the tiles of [groups, rows, cols] (contiguous x and y, which may be the same),
+// in parallel; each block gathered into float32 (read in place for float32 rows), its random
+// words by each element's index in x. Xs: each block's scale, in block order (nullptr: none).
+template <int MODE, int EK, typename T>
+void tl_blocks(const T* x, T* y, const TwoLevelGeom& G, const TwoLevelArgs& a, uint32_t key,
+               float* Xs) {
+  constexpr bool STOCH = MODE == kStochastic;
+  const int64_t R = G.rows, C = G.cols, tr = G.tr, tc = G.tc, bs = tr * tc;
+  const int64_t nbr = (R + tr - 1) / tr, nbc = (C + tc - 1) / tc, per = nbr * nbc;
+  const int64_t nb = G.groups * per;
+  at::parallel_for(0, nb, std::max<int64_t>(1, kGrain / bs), [&](int64_t b0, int64_t b1) {
+    std::unique_ptr<float[]> buf(new float[3 * bs]);
+    std::unique_ptr<uint32_t[]> wb(new uint32_t[STOCH ? bs : 1]);
+    float *xf = buf.get(), *q = xf + bs, *p4 = q + bs;
+    uint32_t* w = wb.get();
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t g = b / per, rem = b % per, br = rem / nbc, bc = rem % nbc;
+      const int64_t base = g * R * C + br * tr * C + bc * tc;
+      const int64_t mr = std::min(tr, R - br * tr), mc = std::min(tc, C - bc * tc), m = mr * mc;
+      const bool row = mr == 1;
+      const float* xb = xf;
+      if (std::is_same<T, float>::value && row) {
+        xb = (const float*)(const void*)(x + base);
+      } else {
+        for (int64_t i = 0; i < mr; ++i)
+          for (int64_t k = 0; k < mc; ++k) xf[i * mc + k] = u2f(load_bits<T>(x + base + i * C + k));
+      }
+      if (STOCH) {
+        const uint64_t last = (uint64_t)(base + (mr - 1) * C + mc - 1);
+        if (row && ((uint64_t)base >> 32) == (last >> 32)) {
+          const uint32_t ikey = index_key(key, (uint64_t)base), lo = (uint32_t)base;
+          for (int64_t j = 0; j < m; ++j) w[j] = random_word(ikey, lo + (uint32_t)j) | a.sr_or;
+        } else {
+          for (int64_t i = 0; i < mr; ++i)
+            for (int64_t k = 0; k < mc; ++k) {
+              const uint64_t o = (uint64_t)(base + i * C + k);
+              w[i * mc + k] = random_word(index_key(key, o), (uint32_t)o) | a.sr_or;
+            }
+        }
+      }
+      float Xb;
+      const bool ok = tl_block<MODE, EK>(xb, w, m, a, q, p4, &Xb);
+      if (Xs != nullptr) Xs[b] = Xb;
+      if (row) {
+        T* yp = y + base;
+        if (ok) for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, f2u(q[j]));
+        else for (int64_t j = 0; j < m; ++j) store_bits<T>(yp + j, kNaNBits);
+      } else {
+        for (int64_t i = 0; i < mr; ++i)
+          for (int64_t k = 0; k < mc; ++k)
+            store_bits<T>(y + base + i * C + k, ok ? f2u(q[i * mc + k]) : kNaNBits);
+      }
+    }
+  });
+}
+
+template <typename T>
+void two_level_kernel(const T* x, T* y, const TwoLevelGeom& G, const TwoLevelArgs& args,
+                      int mode_arg, uint32_t key, float* Xs) {
+  TwoLevelArgs a = args;
+  a.sr_or = qtensor::sr_or_mask(mode_arg);
+  const int mode = qtensor::mode_base(mode_arg);
+  if (a.elem_kind == kTlFp4) {
+    QT_MODE_SWITCH(mode, tl_blocks<M, kTlFp4, T>(x, y, G, a, key, Xs));
+  } else if (a.elem_kind == kTlFixed) {
+    QT_MODE_SWITCH(mode, tl_blocks<M, kTlFixed, T>(x, y, G, a, key, Xs));
+  } else {
+    QT_MODE_SWITCH(mode, tl_blocks<M, kTlFloat, T>(x, y, G, a, key, Xs));
+  }
+}
+
 template <typename T>
 uint32_t finite_amax(const T* x, const Layout& L) { return amax_bits<true, T>(x, L); }
 #undef QT_BLOCK_FN

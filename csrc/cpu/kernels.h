@@ -27,6 +27,9 @@ int cpu_isa();
                     int mode, uint32_t key);                                                  \
   template <typename T>                                                                       \
   uint32_t finite_amax(const T* x, const qtensor::Layout& L);                                 \
+  template <typename T>                                                                       \
+  void two_level_kernel(const T* x, T* y, const qtensor::TwoLevelGeom& G,                     \
+                        const qtensor::TwoLevelArgs& a, int mode, uint32_t key, float* Xs);   \
   }                                                                                           \
   }
 

@@ -154,9 +154,8 @@ def _two_level_source_scales(x, fmt, kdim: int, s, q):
         return None
     d = kdim % x.dim()
     for src in _payload_sources(q, x):
-        v, s2, X = quantize_two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding,
-                                      tensor_scale=s, rnd=_ops._round_scalar32,
-                                      block_scales=True)
+        v, s2, X = _ops._two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding, 0,
+                                   tensor_scale=s, block_scales=True)
         if torch.equal(v.view(torch.int32), x.detach().float().view(torch.int32)):
             X = torch.where(X == 0, 1.0, X)[..., 0].movedim(-1, d)  # all-zero block: any scale
             return X.double(), s.double()

@@ -95,18 +95,24 @@ def op_args(fmt: Format) -> tuple:
         if fmt.block_shape is not None:
             raise ValueError(f"{fmt}: 2D blocks have no op of their own; quantize lays the tiles "
                              "out for quantize_block (reference.tile_blocks)")
-        e = fmt.elem
-        if isinstance(e, FloatFormat):
-            elem = [0, e.man, e.emin, int(e.subnormals), 0, e.emax]
-        else:
-            elem = [1, e.wl, e.fl, int(e.signed), int(e.symmetric), e.emax]
-        s = fmt.scale if fmt.power_of_two_scales else fmt.amax_scale_format
-        man, emin, subnormals, smax, overflow, unsigned = _float_args(s)
-        scale = [man, emin, s.emax, int(subnormals), overflow, int(unsigned)]
+        elem, elem_max, scale, smax = _elem_scale_args(fmt)
         block_size = 0 if fmt.block_size is None else fmt.block_size
-        return "quantize_block", (elem, float(e.max), block_size, fmt.axis,
+        return "quantize_block", (elem, elem_max, block_size, fmt.axis,
                                   _SCALE_RULE_CODE[fmt.scale_rule], scale, smax, fmt.tensor_scale)
     raise TypeError(f"cannot quantize to {fmt!r}: not a format")
+
+
+def _elem_scale_args(fmt: BlockFormat) -> tuple:
+    """A block format's element and scale arguments of the block ops: (elem, elem_max, scale,
+    scale_max)."""
+    e = fmt.elem
+    if isinstance(e, FloatFormat):
+        elem = [0, e.man, e.emin, int(e.subnormals), 0, e.emax]
+    else:
+        elem = [1, e.wl, e.fl, int(e.signed), int(e.symmetric), e.emax]
+    s = fmt.scale if fmt.power_of_two_scales else fmt.amax_scale_format
+    man, emin, subnormals, smax, overflow, unsigned = _float_args(s)
+    return elem, float(e.max), [man, emin, s.emax, int(subnormals), overflow, int(unsigned)], smax
 
 
 def _seed_arg(seed: int) -> int:
@@ -145,6 +151,19 @@ if _C is not None:
             torch.library.register_fake(f"qtensor::{family}", functional)
             torch.library.register_fake(f"qtensor::{family}.out", out_variant)
             torch.library.register_fake(f"qtensor::{family}_", inplace)
+
+        def two_level(x, *args):
+            # (values, decode tensor scale, block scales: one per block where asked for)
+            nblocks = _two_level_nblocks(x.numel(), args[5]) if args[9] else 0
+            return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                    x.new_empty((), dtype=torch.float32), x.new_empty(nblocks, dtype=torch.float32))
+
+        def two_level_out(x, *args, out):
+            nblocks = _two_level_nblocks(x.numel(), args[5]) if args[9] else 0
+            return x.new_empty((), dtype=torch.float32), x.new_empty(nblocks, dtype=torch.float32)
+
+        torch.library.register_fake("qtensor::quantize_two_level", two_level)
+        torch.library.register_fake("qtensor::quantize_two_level.out", two_level_out)
 
     _register_fakes()
 
@@ -367,8 +386,7 @@ def _round(x, fmt: Format, rounding: str, seed, out) -> torch.Tensor:
                                               str(fmt), rounding)
         return q if out is None else out.copy_(q)
     if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
-        q = _two_level(x, fmt, rounding, seed)
-        return q if out is None else out.copy_(q)
+        return _two_level(x, fmt, rounding, seed, out=out)
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         return _round_tiles(x, fmt, rounding, seed, out)
     if not _use_kernel(x, fmt, rounding):
@@ -492,12 +510,94 @@ def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     return q, s
 
 
-def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False):
-    """x rounded to a two-level format by TE's rule (reference.quantize_two_level, its scalar
-    roundings by the compiled kernels): the values, or (values, decode tensor scale)."""
-    q, s = reference.quantize_two_level(x.detach(), fmt, rounding, seed, tensor_scale,
-                                        rnd=_round_scalar32)
-    return (q, s) if with_scale else q
+def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False,
+               out=None, block_scales=False):
+    """x rounded to a two-level format by TE's rule (reference.quantize_two_level, the spec): the
+    values (into ``out`` if given), or (values, decode tensor scale), and with block_scales each
+    block's scale X as the reference gives them. The fused kernel (qtensor::quantize_two_level)
+    where one takes x, else the reference with its scalar roundings by the compiled kernels."""
+    x = x.detach()
+    geom = None if seed is _DRAWN_IN_GRAPH else _two_level_geom(x, fmt)
+    if geom is None:
+        r = reference.quantize_two_level(x, fmt, rounding, seed, tensor_scale,
+                                         rnd=_round_scalar32, block_scales=block_scales)
+        q = r[0] if out is None else out.copy_(r[0])
+    else:
+        if fmt.axis is not None and x.dim() > 0:
+            check_axis(x, fmt)
+        ts = None
+        if tensor_scale is not None:
+            ts = reference.check_tensor_scale(tensor_scale, fmt).to(x.device)
+        elem, elem_max, scale, smax = _elem_scale_args(fmt)
+        args = (elem, elem_max, _SCALE_RULE_CODE[fmt.scale_rule], scale, smax, geom,
+                float(fmt.tensor_scale_bound), fmt.settle, ts, block_scales,
+                rounding_code(rounding), _seed_arg(seed))
+        op = torch.ops.qtensor.quantize_two_level
+        if out is None or torch.compiler.is_compiling() or _is_traced(x):
+            q, s, X = op(x, *args)
+            if out is not None:
+                q = out.copy_(q)
+        else:
+            s, X = op.out(x, *args, out=out)
+            q = out
+        r = (q, s, _two_level_block_scales(X, x, fmt, geom)) if block_scales else (q, s)
+    if block_scales:
+        return r
+    return (q, r[1]) if with_scale else q
+
+
+def _two_level_nblocks(numel: int, geom) -> int:
+    R, C, tr, tc = geom
+    return numel // (R * C) * -(-R // tr) * -(-C // tc)
+
+
+def _two_level_geom(x, fmt: BlockFormat):
+    """The blocks of x as the two-level kernel takes them, [rows, cols, tr, tc]: the tr x tc
+    tiles of x viewed as [-1, rows, cols] (reference.block_layout's and tile_blocks's blocks);
+    None where the kernel does not take x (no compiled extension, another device or dtype, an
+    element or scale format it has no rounding for): the reference then."""
+    if (_C is None or x.dtype not in KERNEL_DTYPES or x.device.type != "cpu" or gpu.takes(x)
+            or x.dim() > 16 or x.numel() == 0):
+        return None
+    e, sf = fmt.elem, fmt.amax_scale_format
+    if isinstance(e, FloatFormat) and reference.needs_sign_fixup(e):
+        return None
+    if type(sf) is not FloatFormat or not sf.has_zero:  # (rounded as a signed format with zero)
+        return None
+    if fmt.block_shape is not None:
+        if x.dim() < 2:
+            return None  # (the reference's error)
+        r, c = fmt.block_shape
+        if fmt.axis % x.dim() == x.dim() - 2:  # cols along dim -2: the tiles are c x r
+            r, c = c, r
+        R, C = x.shape[-2], x.shape[-1]
+        return [R, C, max(min(r, R), 1), max(min(c, C), 1)]
+    n = x.numel()
+    if fmt.axis is None or x.dim() == 0:
+        return [1, n, 1, n]
+    if not -x.dim() <= fmt.axis < x.dim():
+        return None  # (the reference's error)
+    ax = fmt.axis % x.dim()
+    L = x.shape[ax]
+    inner = n // (x.shape[:ax].numel() * L)
+    bs = max(min(fmt.block_size if fmt.block_size is not None else L, L), 1)
+    return [1, L, 1, bs] if inner == 1 else [L, inner, bs, 1]
+
+
+def _two_level_block_scales(X, x, fmt: BlockFormat, geom):
+    """The kernel's block scales ([groups, row blocks, col blocks] flat) in the reference's
+    layout: block_layout's (block axis last) or tile_blocks's, with a last dim of 1."""
+    R, C, tr, tc = geom
+    X = X.reshape(-1, -(-R // tr), -(-C // tc))
+    if fmt.block_shape is not None:
+        return X.reshape(*x.shape[:-2], X.shape[1], X.shape[2], 1)
+    if fmt.axis is None or x.dim() == 0:
+        return X.reshape(1, 1, 1)
+    ax = fmt.axis % x.dim()
+    if tc == 1 and C > 1 or ax != x.dim() - 1:  # [outer, blocks, inner] -> [outer, inner, blocks]
+        X = X.transpose(1, 2)
+    moved = x.movedim(ax, -1).shape
+    return X.reshape(*moved[:-1], -1, 1)
 
 
 def _round_scalar32(t: torch.Tensor, fmt, rounding: str, index, seed,
@@ -549,8 +649,13 @@ def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
         with torch.no_grad():
             return x.copy_(_round(x, fmt, rounding, seed, None))
     if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
-        with torch.no_grad():
-            return x.copy_(_two_level(x, fmt, rounding, seed))
+        with torch.no_grad():  # (in place: the kernel reads each block before writing it)
+            if x.is_neg() or x.is_conj() or torch.compiler.is_compiling() or _is_traced(x):
+                return x.copy_(_two_level(x, fmt, rounding, seed))
+            _two_level(x, fmt, rounding, seed, out=x)
+        if not torch.compiler.is_compiling():
+            torch.autograd.graph.increment_version(x)
+        return x
     if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
         with torch.no_grad():  # (copy_ bumps x's version)
             return _round_tiles(x, fmt, rounding, seed, out=x)

@@ -198,10 +198,9 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
         # TE's block scales X and decode tensor scale s, as the rounding takes them: a block's
         # top is fl32(max_elem * X * s) (float64 X * s is exact)
         from ..formats.base import is_stochastic
-        from ..kernels.ops import _round_scalar32
+        from ..kernels.ops import _two_level
         rounding = "nearest" if is_stochastic(fmt.rounding) else fmt.rounding
-        _, s, X = reference.quantize_two_level(x, fmt, rounding, rnd=_round_scalar32,
-                                               block_scales=True)
+        _, s, X = _two_level(x, fmt, rounding, 0, block_scales=True)
         scale = X.double() * s.double()
     else:
         candidates = reference.scale_candidates(fmt)

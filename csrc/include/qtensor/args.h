@@ -44,4 +44,30 @@ struct BlockArgs {
   uint32_t sr_or;        // limited-bit stochastic rounding: OR-ed into each random word
 };
 
+// Two-level block formats (tensor_scale=True): Transformer Engine's rule in float32 steps
+// (reference.quantize_two_level). Blocks are r x c tiles of a contiguous [G, R, C] view (a 1D
+// block along the last dim is 1 x bs, along another dim bs x 1 with C its inner size).
+struct TwoLevelGeom {
+  int64_t groups, rows, cols, tr, tc;
+};
+
+enum TwoLevelElem : int { kTlFloat = 0, kTlFixed = 1, kTlFp4 = 2 };
+
+struct TwoLevelArgs {
+  int scale_rule;            // kRuleAmax, kRule4over6, or kRuleCeil (a scale of mantissa bits)
+  int elem_kind;             // TwoLevelElem
+  FloatSpec<uint32_t> ef;    // float elements (saturating)
+  FixedSpec<uint32_t> ex;    // fixed-point elements (saturating)
+  FloatSpec<uint32_t> sf;    // the scale format, saturating (nearest; toward_zero for ceil)
+  FloatSpec<uint64_t> sfd;   // the same on a double carrier (ceil's upward rounding)
+  float sf_max;
+  float elem_max;            // fl32(elem.max)
+  float ceil_k;              // fl32(1 - 2^-(scale man + 2)) (ceil)
+  float denom;               // fl32(elem.max * bound) (4over6's error terms)
+  bool settle;
+  uint32_t sr_or;            // limited-bit stochastic rounding: OR-ed into each random word
+  // the tensor scale: encode, decode, fl32(enc * fl32(1 / elem.max)), the tensor's amax
+  float enc, dec, c_amax, a32;
+};
+
 }  // namespace qtensor

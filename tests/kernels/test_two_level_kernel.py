@@ -1,0 +1,158 @@
+"""The fused two-level kernel (qtensor::quantize_two_level, CPU) gives reference.quantize_two_level's
+bits (Transformer Engine's rule, the spec) in every rounding mode and option the reference has:
+4over6, ceil, settle=, a given tensor scale, UE5M3 scales, float and fixed-point elements, 1D
+blocks along any axis, 2D tiles, float32/half/bf16 payloads; and every caller takes it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qtensor as qt
+from qtensor import ops, reference
+
+pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"), reason="no compiled kernels")
+
+E4M3 = "fp8_e4m3"
+FORMATS = {
+    "nvfp4": qt.nvfp4,
+    "4over6": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="4over6", tensor_scale=True),
+    "ceil": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="ceil", tensor_scale=True),
+    "ue5m3": qt.BlockFormat("fp4_e2m1", 16, scale="ue5m3", scale_rule="amax", tensor_scale=True),
+    "settle": qt.nvfp4.replace(settle=True),
+    "4over6_settle": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="4over6",
+                                    tensor_scale=True, settle=True),
+    "fp6_elems": qt.BlockFormat("fp6_e2m3", 16, scale=E4M3, scale_rule="amax", tensor_scale=True),
+    "fixed_elems": qt.BlockFormat(qt.FixedFormat(4, 0, symmetric=True), 16, scale=E4M3,
+                                  scale_rule="amax", tensor_scale=True),
+    "fixed_ceil_settle": qt.BlockFormat(qt.FixedFormat(6, 2, symmetric=True), 8, scale=E4M3,
+                                        scale_rule="ceil", tensor_scale=True, settle=True),
+    "axis0": qt.nvfp4.replace(axis=0),
+    "axis_none": qt.nvfp4.replace(axis=None, block_size=None),
+    "tiles": qt.nvfp4.replace(block_shape=(4, 8)),
+    "tiles_axis0": qt.nvfp4.replace(block_shape=(4, 8), axis=-2),
+}
+ROUNDINGS = ["nearest", "nearest_away", "toward_zero", "stochastic", "stochastic5"]
+
+
+def _bits(t):
+    return t.detach().float().contiguous().view(torch.int32)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    out = {
+        "normal": torch.randn(8, 64, generator=g),
+        "heavy": torch.randn(8, 64, generator=g) / torch.randn(8, 64, generator=g).abs().pow(3),
+        "tiny": torch.randn(8, 64, generator=g) * 1e-30,
+        "subnormal": torch.randn(8, 64, generator=g) * 1e-41,
+        "huge": torch.randn(8, 64, generator=g) * 1e37,
+        "max": torch.full((2, 32), 3.4e38) * torch.sign(torch.randn(2, 32, generator=g)),
+        "zeros": torch.zeros(2, 32),
+        "neg_zeros": -torch.zeros(3, 16),
+        "wide": torch.randn(8, 64, generator=g) * torch.exp2(torch.randint(-60, 60, (8, 64),
+                                                                         generator=g).float()),
+        "partial": torch.randn(5, 23, generator=g),
+        "3d": torch.randn(3, 6, 20, generator=g),
+    }
+    hot = out["normal"].clone()
+    hot[0, :16] *= 1e6  # all other blocks far below: subnormal E4M3 scales
+    out["one_block_hot"] = hot
+    bad = out["normal"].clone()
+    bad[1, 3], bad[2, 40], bad[5, 17] = float("inf"), float("nan"), -float("inf")
+    out["nonfinite"] = bad
+    allbad = torch.full((2, 16), float("nan"))
+    out["all_nan"] = allbad
+    return out
+
+
+def _check(x, fmt, rounding, seed=12345, tensor_scale=None):
+    want = reference.quantize_two_level(x, fmt, rounding, seed, tensor_scale, block_scales=True)
+    got = ops._two_level(x, fmt, rounding, seed, tensor_scale, block_scales=True)
+    assert got[0].dtype == x.dtype and got[0].shape == x.shape
+    assert torch.equal(_bits(got[0]), _bits(want[0]))
+    assert torch.equal(_bits(got[1]), _bits(want[1]))
+    assert got[2].shape == want[2].shape
+    assert torch.equal(_bits(got[2]), _bits(want[2]))
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_kernel_matches_the_reference_bit_for_bit(name, rounding):
+    fmt = FORMATS[name]
+    for key, x in _inputs().items():
+        if fmt.block_shape is not None and x.dim() < 2:
+            continue
+        try:
+            _check(x, fmt, rounding)
+        except AssertionError as e:
+            raise AssertionError(f"{name} {rounding} {key}") from e
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("name", ["nvfp4", "4over6", "tiles", "axis0"])
+def test_half_payloads(name, rounding, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 48, generator=g) * torch.exp2(torch.randint(-20, 20, (6, 48), generator=g)
+                                                       .float())).to(dtype)
+    x[0, 5] = float("nan")
+    x[3, 0] = 6e4 if dtype == torch.float16 else 3e38
+    _check(x, FORMATS[name], rounding)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic"])
+@pytest.mark.parametrize("name", ["nvfp4", "4over6", "ceil", "settle"])
+def test_given_tensor_scale(name, rounding):
+    x = _inputs()["wide"]
+    for s in (1e-3, 2.0 ** -126, 3.0, torch.tensor(7.5e-6)):
+        if not isinstance(s, torch.Tensor):
+            s = float(torch.tensor(s, dtype=torch.float32))
+        _check(x, FORMATS[name], rounding, tensor_scale=s)
+
+
+def test_strided_and_inplace_callers_take_the_kernel(monkeypatch):
+    """qt.quantize (out= too), quantize_, quantize_with_scale, a QTensor's rounding and accum's
+    source scales all go to the kernel, with the reference's bits."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 48, generator=g)
+    want = {r: reference.quantize(x, qt.nvfp4, rounding=r,
+                                  generator=torch.Generator().manual_seed(9))
+            for r in ("nearest", "stochastic")}
+    want_t = reference.quantize(x.t(), qt.nvfp4, rounding="stochastic",
+                                generator=torch.Generator().manual_seed(9))
+
+    def refuse(*a, **k):
+        raise AssertionError("the reference ran")
+    monkeypatch.setattr(reference, "quantize_two_level", refuse)
+    for r, w in want.items():
+        gen = torch.Generator().manual_seed(9)
+        assert torch.equal(_bits(qt.quantize(x, qt.nvfp4, rounding=r, generator=gen)), _bits(w))
+        out = torch.empty_like(x)
+        qt.quantize(x, qt.nvfp4, rounding=r, generator=torch.Generator().manual_seed(9), out=out)
+        assert torch.equal(_bits(out), _bits(w))
+        y = x.clone()
+        qt.quantize_(y, qt.nvfp4, rounding=r, generator=torch.Generator().manual_seed(9))
+        assert torch.equal(_bits(y), _bits(w))
+        q, s = ops.quantize_with_scale(x, qt.nvfp4, rounding=r,
+                                      generator=torch.Generator().manual_seed(9))
+        assert torch.equal(_bits(q), _bits(w)) and s.dtype == torch.float32
+    # a transposed (non-contiguous) input: random words by the element's index in x.t()
+    got_t = qt.quantize(x.t(), qt.nvfp4, rounding="stochastic",
+                        generator=torch.Generator().manual_seed(9))
+    assert torch.equal(_bits(got_t), _bits(want_t))
+    qx = qt.as_qtensor(x, qt.nvfp4)
+    assert torch.equal(_bits(qx.dequantize()), _bits(want["nearest"]))
+
+
+def test_kernel_is_refused_for_bad_arguments():
+    x = torch.randn(4, 16)
+    fmt = qt.nvfp4
+    elem, emax, scale, smax = ops._elem_scale_args(fmt)
+    args = (elem, emax, 2, scale, smax, [4, 16, 1, 16], 448.0, False, None, False, 0, 0)
+    op = torch.ops.qtensor.quantize_two_level
+    with pytest.raises(RuntimeError, match="geom"):
+        op(x, *args[:5], [3, 16, 1, 16], *args[6:])
+    with pytest.raises(RuntimeError, match="scale_rule"):
+        op(x, elem, emax, 0, *args[3:])
+    with pytest.raises(RuntimeError, match="tensor_scale"):
+        op(x, *args[:8], torch.tensor(-1.0), *args[9:])
