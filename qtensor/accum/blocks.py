@@ -9,7 +9,7 @@ import torch
 
 from ..formats.base import Format, is_stochastic
 from ..kernels import ops as _ops
-from ..kernels.reference import quantize_two_level, scale_candidates, two_level_payload
+from ..kernels.reference import scale_candidates, two_level_payload
 from . import kernel as _kernel
 from .exponents import _exponent, _pow2
 from .format import AccumFormat
