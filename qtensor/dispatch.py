@@ -1369,11 +1369,56 @@ def _collective(func, args, kwargs):
         q = alias.get(id(o))
         if q is not None:  # an output that is an input's payload (or its copy) is that QTensor
             return q
-        w = QTensor._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
+        if _two_level(src.fmt):
+            v, tscale = _collective_two_level(func, args, kwargs, o, src)
+            w = QTensor._wrap(v, fit_format(src.fmt, o.dim()), src.mm_fmt)
+            w._tscale = tscale
+        else:
+            w = QTensor._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
         if src.accum is not None:
             w._accum = src.accum
         return w
     return wrap(out)
+
+
+def _collective_two_level(func, args, kwargs, out, src):
+    """A functional collective's output of two-level QTensors (nvfp4): (its values, the tensor
+    scale they carry), as one process holding the whole tensor has them. An all-gather of
+    shards that share one tensor scale keeps their values and that scale (their scales are
+    gathered too); of shards of different scales, as a cat of them: rounded again under one
+    fresh scale. A reduce-scatter rounds each rank's part under the scale of the whole reduced
+    tensor's amax (the parts' amaxes reduced by max). A broadcast brings the source's scale.
+    Other outputs (all-reduce, all-to-all) are rounded under the scale of their own amax."""
+    c10d = torch.ops._c10d_functional
+    fmt = fit_format(src.fmt, out.dim())
+    name = func._opname
+    if name == "_wrap_tensor_autograd":  # the identity (autograd's wrapper of an output)
+        return out, src.tensor_scale
+    if name == "broadcast":  # the source rank's values, under its scale
+        scale = c10d.wait_tensor(c10d.broadcast(
+            src.tensor_scale.reshape(1).clone(), _arg(args, kwargs, 1, "src"),
+            _arg(args, kwargs, 2, "group_name")))
+        return out, scale.reshape(())
+    if name == "all_gather_into_tensor":
+        scales = c10d.wait_tensor(c10d.all_gather_into_tensor(
+            src.tensor_scale.reshape(1), _arg(args, kwargs, 1, "group_size"),
+            _arg(args, kwargs, 2, "group_name")))
+        bits = scales.view(torch.int32)
+        same = (bits == bits[:1]).all()
+        if type(out) is torch.Tensor and bool(same):  # eager: no rounding to do
+            return out, scales[0].clone()
+        q, fresh = _ops.quantize_with_scale(out, fmt)
+        if type(out) is torch.Tensor:
+            return q, fresh
+        return torch.where(same, out, q), torch.where(same, scales[0], fresh)  # (traced)
+    if name == "reduce_scatter_tensor":
+        x = out.detach().to(torch.float32)
+        amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax() \
+            if x.numel() else x.new_zeros(())
+        amax = c10d.wait_tensor(c10d.all_reduce(amax.reshape(1), "max",
+                                                _arg(args, kwargs, 3, "group_name")))
+        return _ops.quantize_with_scale(out, fmt, tensor_amax=amax.reshape(()))
+    return _ops.quantize_with_scale(out, fmt)
 
 
 # ---------------------------------------------------------------------------------------------

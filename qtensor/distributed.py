@@ -274,7 +274,9 @@ def _local_part(full: torch.Tensor, p) -> torch.Tensor:
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
     if isinstance(full, QTensor):
-        return QTensor._wrap(full._data[index].clone(), full.fmt, full.mm_fmt, accum=full.accum)
+        part = QTensor._wrap(full._data[index].clone(), full.fmt, full.mm_fmt, accum=full.accum)
+        part._tscale = full.tensor_scale  # a two-level part keeps the whole tensor's scale
+        return part
     return full[index].clone()
 
 
@@ -480,15 +482,60 @@ class _GatheredStep:
                     state[key] = _sharded_like(value, p)
             optimizer.state[p] = state
             local = p._local_tensor
+            part = _local_part(whole, p)
             with torch.no_grad():  # the values are in p's format: its payload takes them as is
-                (local._data if isinstance(local, QTensor) else local).copy_(
-                    _plain(_local_part(whole, p)))
+                (local._data if isinstance(local, QTensor) else local).copy_(_plain(part))
+            if isinstance(local, QTensor) and isinstance(part, QTensor):
+                local._tscale = part._tscale  # (two-level: the whole parameter's new scale)
             master = state.get(MASTER_KEY)
             if master is not None:  # as training._restore: what p is once it holds master
                 p._qt_synced = (weakref.ref(master), weakref.ref(p), p._version)
         optimizer._qt_gathered = []
 
 
+def _two_level_scale(t):
+    t = getattr(t, "_local_tensor", t)
+    if isinstance(t, QTensor) and t.fmt.is_block and t.fmt.tensor_scale:
+        return t.tensor_scale
+    return None
+
+
+def _keeps_tensor_scale(method, source):
+    """An FSDPParam method that (re)builds the sharded parameter's local tensor from
+    ``source(fsdp_param, *args)``: zeros of the padded shard's size, this rank's chunk copied in,
+    a view of it. Computed zeros take a fresh tensor scale (of amax 0), which the shard would
+    then carry under values of the whole parameter's scale; give the shard (and FSDP2's flat
+    view of it) the scale its values were rounded with, the whole parameter's."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        scale = _two_level_scale(source(self, *args, **kwargs))
+        out = method(self, *args, **kwargs)
+        if scale is not None:
+            for t in (self.sharded_param._local_tensor, self._sharded_param_data):
+                if isinstance(t, QTensor):
+                    t._tscale = scale
+        return out
+
+    wrapper._qtensor_scales = True
+    return wrapper
+
+
+def _install_fsdp_scales() -> None:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:  # no FSDP2 (torch built without distributed)
+        return
+    for name, source in (
+            ("_init_sharded_param", lambda self, param, *a, **k: param),
+            ("reset_sharded_param", lambda self: getattr(self._module_info.module,
+                                                         self._module_info.param_name, None))):
+        method = getattr(FSDPParam, name, None)
+        if method is not None and not getattr(method, "_qtensor_scales", False):
+            setattr(FSDPParam, name, _keeps_tensor_scale(method, source))
+
+
+_install_fsdp_scales()
 register_fsdp_hook(on_fsdp_all_gather)
 training.register_sharded_plan_lookup(sharded_plan)
 training.register_gathered_step(_GatheredStep.gather, _GatheredStep.put_back)

@@ -472,9 +472,11 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
 
 
 def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
-                        generator: Optional[torch.Generator] = None, tensor_scale=None):
+                        generator: Optional[torch.Generator] = None, tensor_scale=None,
+                        tensor_amax=None):
     """(x rounded to ``fmt``, its FP32 decode tensor scale as a 0-dim float32 tensor) for a
-    two-level block format (Transformer Engine's rule; under ``tensor_scale`` if given);
+    two-level block format (Transformer Engine's rule; under ``tensor_scale`` if given; with
+    the scale of ``tensor_amax``, a whole tensor's amax, for a part of it);
     (quantize(x, fmt), None) for other formats. Straight-through gradient, as ``quantize``."""
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
@@ -483,17 +485,19 @@ def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     check_axis(x, fmt)
     seed = _seed(generator, rounding, fmt)
     xp = x._data if hasattr(x, "_data") else x
-    q, s = _two_level(xp, fmt, rounding, seed, tensor_scale, with_scale=True)
+    q, s = _two_level(xp, fmt, rounding, seed, tensor_scale, with_scale=True,
+                      tensor_amax=tensor_amax)
     if _differentiable(x):
         q = _Replace.apply(x, q)
     return q, s
 
 
-def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False):
+def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False,
+               tensor_amax=None):
     """x rounded to a two-level format by TE's rule (reference.quantize_two_level, its scalar
     roundings by the compiled kernels): the values, or (values, decode tensor scale)."""
     q, s = reference.quantize_two_level(x.detach(), fmt, rounding, seed, tensor_scale,
-                                        rnd=_round_scalar32)
+                                        rnd=_round_scalar32, tensor_amax=tensor_amax)
     return (q, s) if with_scale else q
 
 
