@@ -1166,7 +1166,10 @@ def _moved_scale(func, qs, src, plain, rnd, uargs):
     rounded again where the move takes whole blocks (indexing rows, embedding, cat along
     another dim), so that they never change; blocks regrouped along the block axis are rounded
     again under the shared scale. Different tensor scales, or plain values moved in: the result
-    is rounded again under a fresh scale (of its own amax)."""
+    is rounded again under a fresh scale (of its own amax). A copy_ overwrites its destination:
+    the destination's old scale has no say (_scale_into gives it the source's)."""
+    if func.overloadpacket.__name__ == "copy_" and qs and uargs and qs[0]._data is uargs[0]:
+        qs = qs[1:]
     scales = [q.tensor_scale for q in qs if _two_level(q.fmt)]
     if plain or not scales:
         return None, True

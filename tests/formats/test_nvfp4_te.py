@@ -132,6 +132,21 @@ def test_cat_of_different_tensor_scales_rounds_again_under_one_fresh_scale():
     assert _same(c, torch.tensor(want)) and float(c.tensor_scale) == s
 
 
+def test_copy_over_a_whole_destination_brings_values_and_scale():
+    # the destination's old values are all overwritten: its old scale has no say (FSDP2 makes
+    # its shards so: zeros, then a chunk of the parameter copied into a view of them)
+    w = _table()
+    part = torch.chunk(w, 4, dim=0)[1]  # rows of w: w's scale, not that of their own amax
+    for dst in (torch.zeros_like(part), qt.as_qtensor(torch.randn(part.shape) * 1e3, qt.nvfp4)):
+        assert not torch.equal(dst.tensor_scale, w.tensor_scale)
+        dst.copy_(part)
+        assert _same(dst, part) and torch.equal(dst.tensor_scale, w.tensor_scale)
+    padded = torch.zeros_like(torch.cat([part, part]))
+    view = padded.narrow(0, 0, part.shape[0])
+    view.copy_(part)
+    assert _same(view, part) and torch.equal(view.tensor_scale, w.tensor_scale)
+
+
 def test_serialization_keeps_values_and_scale(tmp_path):
     w = _table()
     torch.save({"w": w}, tmp_path / "w.pt")
