@@ -1219,9 +1219,20 @@ def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
         return fmt, rnd
     fmt, kept = _block_axis_out(fmt, rule, uargs, ukwargs, in_shape, first.shape)
     if (rule.kind == MOVE_KIND and not rule.is_view and not rule.inplace_view
-            and not (kept and rule.op.block == KEEP)):
+            and not ((kept and rule.op.block == KEEP) or _pads_after(func, uargs))):
         rnd = True  # idempotent where the blocks happen to survive
     return fmt, rnd
+
+
+def _pads_after(func, uargs) -> bool:
+    """A zero padding (constant_pad_nd: a move only with value 0) after the last index of each
+    dim: every block keeps its elements, its position and its amax, the tensor its amax (an
+    uneven DTensor shard, padded before its all-gather, may be a piece of bigger blocks: rounded
+    as blocks of its own, its values would change)."""
+    if func.overloadpacket.__name__ != "constant_pad_nd" or len(uargs) < 2:
+        return False
+    pad = list(uargs[1])
+    return all(p == 0 for p in pad[0::2]) and all(p >= 0 for p in pad[1::2])
 
 
 def _set_accum(out, acc):
