@@ -489,7 +489,7 @@ class _GatheredStep:
                 local._tscale = part._tscale  # (two-level: the whole parameter's new scale)
             master = state.get(MASTER_KEY)
             if master is not None:  # as training._restore: what p is once it holds master
-                p._qt_synced = (weakref.ref(master), weakref.ref(p), p._version)
+                training.mark_synced(p, master)
         optimizer._qt_gathered = []
 
 
@@ -535,7 +535,42 @@ def _install_fsdp_scales() -> None:
             setattr(FSDPParam, name, _keeps_tensor_scale(method, source))
 
 
+def _commit_keeps_tensor_scale(commit):
+    """DCP's load copies each loaded tensor into ``planner.resolve_tensor(item).detach()``: a new
+    wrapper (an alias) of the state dict's tensor, which takes the loaded values' tensor scale;
+    the state dict's tensor itself (a DTensor's local QTensor) must take it too, or it would
+    keep the fresh model's scale under the loaded values."""
+
+    @functools.wraps(commit)
+    def wrapper(self, read_item, tensor):
+        out = commit(self, read_item, tensor)
+        scale = _two_level_scale(tensor)
+        if scale is not None:
+            # (the state dict's own object: lookup_tensor may give a new wrapper of it)
+            dest = getattr(self, "state_dict", {}).get(read_item.dest_index.fqn)
+            dest = getattr(dest, "_local_tensor", dest)
+            if (isinstance(dest, QTensor) and dest is not tensor and _two_level_scale(dest)
+                    is not None and dest._data.untyped_storage().data_ptr()
+                    == tensor._data.untyped_storage().data_ptr()):
+                dest._tscale = scale
+        return out
+
+    wrapper._qtensor_scales = True
+    return wrapper
+
+
+def _install_dcp_scales() -> None:
+    try:
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    except ImportError:
+        return
+    commit = DefaultLoadPlanner.commit_tensor
+    if not getattr(commit, "_qtensor_scales", False):
+        DefaultLoadPlanner.commit_tensor = _commit_keeps_tensor_scale(commit)
+
+
 _install_fsdp_scales()
+_install_dcp_scales()
 register_fsdp_hook(on_fsdp_all_gather)
 training.register_sharded_plan_lookup(sharded_plan)
 training.register_gathered_step(_GatheredStep.gather, _GatheredStep.put_back)

@@ -1043,7 +1043,7 @@ def test_tensor_parallel_adam_steps_keep_formats(ranks, plan_name, spec):
 # ---------------------------------------------------------------------------------------------
 # 5. Distributed checkpoints
 
-def _sc_dcp(rank, world, spec, ckpt):
+def _sc_dcp(rank, world, spec, ckpt, scales=None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict,
@@ -1071,8 +1071,10 @@ def _sc_dcp(rank, world, spec, ckpt):
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     full = {k: (_fmt(v), qt_plain(v)) for k, v in full.items()}
     saved_formats = opt_formats(model, opt)
+    saved_scales = {n: _scale(p) for n, p in model.named_parameters()}
     _train_shard(model, opt, rank, world, batches[2:])
     uninterrupted = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+    uninterrupted_scales = {n: _scale(p) for n, p in model.named_parameters()}
 
     model, opt = build()  # a fresh run: initial weights, no optimizer state
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -1081,9 +1083,38 @@ def _sc_dcp(rank, world, spec, ckpt):
     set_optimizer_state_dict(model, opt, state["optim"])
     loaded = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
     loaded_formats = ({n: _fmt(p) for n, p in model.named_parameters()}, opt_formats(model, opt))
+    loaded_scales = {n: _scale(p) for n, p in model.named_parameters()}
     _train_shard(model, opt, rank, world, batches[2:])
     resumed = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+    if scales is not None:  # the local shards' tensor scales: saved, loaded, resumed
+        scales.update(saved=saved_scales, loaded=loaded_scales,
+                      uninterrupted=uninterrupted_scales,
+                      resumed={n: _scale(p) for n, p in model.named_parameters()})
     return full, saved_formats, loaded, loaded_formats, uninterrupted, resumed
+
+
+def _sc_dcp_scales(rank, world, spec, ckpt):
+    scales = {}
+    return _sc_dcp(rank, world, spec, ckpt, scales), scales
+
+
+def test_dcp_of_a_two_level_model_keeps_its_tensor_scales(ranks, tmp_path):
+    # NVFP4 parameters sharded by FSDP2: each shard carries the whole parameter's FP32 tensor
+    # scale, which a save and load must bring back with the values (a shard loaded under
+    # the fresh model's scale would hold values that its scale does not give), and training
+    # resumed from the checkpoint is bit-identical to uninterrupted training
+    res = ranks.run("_sc_dcp_scales", "nvfp4", str(tmp_path / "ckpt"))
+    after2 = _reduced_reference("nvfp4", 2, optim="adam")
+    ref_scales = _REF_SCALES["nvfp4", 16][0]
+    for rank, ((full, _sf, loaded, loaded_formats, uninterrupted, resumed), scales) in \
+            enumerate(res):
+        for n, (fmts, _g, value, _grad) in after2.items():
+            assert full[n][0] == fmts and loaded_formats[0][n] == fmts, (rank, n)
+            _assert_bits_equal(loaded[n], value, f"rank {rank} loaded {n}")
+            assert scales["saved"][n] == ref_scales[n][0] is not None, (rank, n, "saved")
+            assert scales["loaded"][n] == scales["saved"][n], (rank, n, "loaded scale")
+            _assert_bits_equal(resumed[n], uninterrupted[n], f"rank {rank} resumed {n}")
+            assert scales["resumed"][n] == scales["uninterrupted"][n], (rank, n, "resumed")
 
 
 @pytest.mark.parametrize("spec", ["mxfp6", "bf16"])
