@@ -36,6 +36,10 @@ model as a whole:
   dim, a format blocked along the sharded dim), the reduced gradient is rounded as a whole
   tensor (gathered) and the optimizer step runs on the whole parameter (:class:`_GatheredStep`).
 
+- Two-level formats (nvfp4): the tensor scale spans the whole tensor (a cut block, above);
+  FSDP2's shards (built from zeros and a copy of their chunk: :func:`_install_fsdp_scales`) and
+  the tensors that DCP loads into (:func:`_install_dcp_scales`) get the whole parameter's scale.
+
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
 from __future__ import annotations
@@ -530,9 +534,13 @@ def _install_fsdp_scales() -> None:
             ("_init_sharded_param", lambda self, param, *a, **k: param),
             ("reset_sharded_param", lambda self: getattr(self._module_info.module,
                                                          self._module_info.param_name, None))):
-        method = getattr(FSDPParam, name, None)
-        if method is not None and not getattr(method, "_qtensor_scales", False):
-            setattr(FSDPParam, name, _keeps_tensor_scale(method, source))
+        _wrap_once(FSDPParam, name, lambda method: _keeps_tensor_scale(method, source))
+
+
+def _wrap_once(cls, name, wrap) -> None:
+    method = getattr(cls, name, None)
+    if method is not None and not getattr(method, "_qtensor_scales", False):
+        setattr(cls, name, wrap(method))
 
 
 def _commit_keeps_tensor_scale(commit):
@@ -564,9 +572,7 @@ def _install_dcp_scales() -> None:
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     except ImportError:
         return
-    commit = DefaultLoadPlanner.commit_tensor
-    if not getattr(commit, "_qtensor_scales", False):
-        DefaultLoadPlanner.commit_tensor = _commit_keeps_tensor_scale(commit)
+    _wrap_once(DefaultLoadPlanner, "commit_tensor", _commit_keeps_tensor_scale)
 
 
 _install_fsdp_scales()
