@@ -1395,6 +1395,14 @@ def _collective(func, args, kwargs):
     return wrap(out)
 
 
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """x's largest finite magnitude as float32 (0-dim; 0 for none): a two-level format's amax."""
+    x = x.detach().to(torch.float32)
+    if not x.numel():
+        return x.new_zeros(())
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
+
+
 def _collective_two_level(func, args, kwargs, out, src):
     """A functional collective's output of two-level QTensors (nvfp4): (its values, the tensor
     scale they carry), as one process holding the whole tensor has them. An all-gather of
@@ -1426,10 +1434,7 @@ def _collective_two_level(func, args, kwargs, out, src):
             return q, fresh
         return torch.where(same, out, q), torch.where(same, scales[0], fresh)  # (traced)
     if name == "reduce_scatter_tensor":
-        x = out.detach().to(torch.float32)
-        amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax() \
-            if x.numel() else x.new_zeros(())
-        amax = c10d.wait_tensor(c10d.all_reduce(amax.reshape(1), "max",
+        amax = c10d.wait_tensor(c10d.all_reduce(finite_amax(out).reshape(1), "max",
                                                 _arg(args, kwargs, 3, "group_name")))
         return _ops.quantize_with_scale(out, fmt, tensor_amax=amax.reshape(()))
     return _ops.quantize_with_scale(out, fmt)

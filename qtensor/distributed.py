@@ -290,6 +290,32 @@ def _sharded_like(full: torch.Tensor, p):
                               run_check=False, shape=p.shape, stride=p.stride())
 
 
+def _cuts_the_scale_only(fmt, p) -> bool:
+    """Whether ``fmt`` is two-level and the shards of the DTensor ``p`` (on a 1-D mesh) cut its
+    tensor scale (the whole tensor's) but none of its blocks."""
+    if fmt is None or not fmt.is_block or not fmt.tensor_scale or p.device_mesh.ndim != 1:
+        return False
+    try:
+        blocks = fmt.replace(tensor_scale=False)
+    except ValueError:  # (a FormatError: a rule that needs the tensor scale)
+        return False
+    return not cuts_blocks(blocks, p)
+
+
+def _round_under_whole_amax(x, role, mesh) -> QTensor:
+    """This rank's part ``x`` of a whole tensor, rounded into the two-level ``role`` as the
+    whole tensor is (Transformer Engine's one scale of the whole amax): the parts' amaxes
+    all-reduced by max, each part's whole blocks rounded under that amax's scale."""
+    from . import dispatch, ops
+    amax = dispatch.finite_amax(x)
+    torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+    fmt = dispatch.fit_format(role.fmt, x.dim())
+    values, scale = ops.quantize_with_scale(_plain(x), fmt, tensor_amax=amax)
+    q = QTensor._wrap(values, fmt, role.mm_fmt)
+    q._tscale = scale
+    return q
+
+
 class _RoundReducedGrad:
     """A sharded parameter's post-accumulate-grad hook: FSDP2 has set its gradient to the
     reduce-scatter's FP32 mean (a DTensor with a plain local shard); round it once into the grad
@@ -299,7 +325,9 @@ class _RoundReducedGrad:
     Where the shards cut blocks of the grad format, the whole mean is gathered, rounded as in
     one process and this rank keeps its part (an earlier gradient to accumulate into was set
     aside by :class:`_SetAsideGrad`: the sum is formed in FP32 on the whole tensor first, as
-    the in-place add of one process does)."""
+    the in-place add of one process does). Where they cut a two-level format's tensor scale but
+    none of its blocks, the mean (or the sum) stays sharded: one scale of the whole tensor's
+    amax (a scalar all-reduce) gives each rank's part the bits of the whole's rounding."""
 
     def __init__(self, plan):
         self.plan = plan
@@ -312,7 +340,10 @@ class _RoundReducedGrad:
         from torch.distributed.tensor import DTensor
         name = f"gradient of {self.plan.name}"
         earlier = p.__dict__.pop("_qt_set_aside_grad", None)
-        if cuts_blocks(self.plan.grad.fmt, p):
+        if _cuts_the_scale_only(self.plan.grad.fmt, p):
+            x = local if earlier is None else _plain(earlier.to_local()) + local
+            q = _round_under_whole_amax(x, self.plan.grad, g.device_mesh)
+        elif cuts_blocks(self.plan.grad.fmt, p):
             full = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False,
                                       shape=g.shape, stride=g.stride()).full_tensor()
             if earlier is not None:

@@ -826,15 +826,16 @@ def _sc_fsdp_accumulate(rank, world, spec):
         n = len(x) // world
         F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
                    y[rank * n:(rank + 1) * n]).backward()
-    return _full_state(model)
+    return _full_state(model), {n: _scale(p.grad) for n, p in model.named_parameters()}
 
 
-def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks):
+@pytest.mark.parametrize("spec", ["mx_cut", "nvfp4"])
+def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks, spec):
     # FSDP2 adds each backward's reduced mean into the sharded gradient: as one process adds it
     # into the gradient (rounding the sum once), the blocks that the shards cut (the biases')
-    # included
-    res = ranks.run("_sc_fsdp_accumulate", "mx_cut")
-    model = qt.convert(_mlp(80), _spec("mx_cut"))
+    # included; nvfp4: the sum under one tensor scale of the whole sum's amax
+    res = ranks.run("_sc_fsdp_accumulate", spec)
+    model = qt.convert(_mlp(80), _spec(spec))
     params = list(model.parameters())
     acc = None
     for x, y in _data(2):
@@ -854,10 +855,12 @@ def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks):
                     p.grad.add_(mean)  # the sum rounded once
         acc = [p.grad for p in params]
     ref = _state(model)
-    for rank, state in enumerate(res):
+    ref_scales = {n: _scale(p.grad) for n, p in model.named_parameters()}
+    for rank, (state, scales) in enumerate(res):
         for n, (_fmts, gfmts, _value, grad) in state.items():
             assert gfmts == ref[n][1], (rank, n, gfmts, ref[n][1])
             _assert_bits_equal(grad, ref[n][3], f"rank {rank} {n}.grad")
+            assert scales[n] == ref_scales[n], (rank, n, "tensor scale", scales[n])
 
 
 # ---------------------------------------------------------------------------------------------
