@@ -493,9 +493,11 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
 
 
 def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
-                        generator: Optional[torch.Generator] = None, tensor_scale=None):
+                        generator: Optional[torch.Generator] = None, tensor_scale=None,
+                        tensor_amax=None):
     """(x rounded to ``fmt``, its FP32 decode tensor scale as a 0-dim float32 tensor) for a
-    two-level block format (Transformer Engine's rule; under ``tensor_scale`` if given);
+    two-level block format (Transformer Engine's rule; under ``tensor_scale`` if given; with
+    the scale of ``tensor_amax``, a whole tensor's amax, for a part of it);
     (quantize(x, fmt), None) for other formats. Straight-through gradient, as ``quantize``."""
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
@@ -504,23 +506,26 @@ def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     check_axis(x, fmt)
     seed = _seed(generator, rounding, fmt)
     xp = x._data if hasattr(x, "_data") else x
-    q, s = _two_level(xp, fmt, rounding, seed, tensor_scale, with_scale=True)
+    q, s = _two_level(xp, fmt, rounding, seed, tensor_scale, with_scale=True,
+                      tensor_amax=tensor_amax)
     if _differentiable(x):
         q = _Replace.apply(x, q)
     return q, s
 
 
 def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False,
-               out=None, block_scales=False):
+               out=None, block_scales=False, tensor_amax=None):
     """x rounded to a two-level format by TE's rule (reference.quantize_two_level, the spec): the
     values (into ``out`` if given), or (values, decode tensor scale), and with block_scales each
     block's scale X as the reference gives them. The fused kernel (qtensor::quantize_two_level)
-    where one takes x, else the reference with its scalar roundings by the compiled kernels."""
+    where one takes x, else the reference with its scalar roundings by the compiled kernels.
+    tensor_amax: the amax of a whole tensor that x is a part of (its scale is that tensor's)."""
     x = x.detach()
-    geom = None if seed is _DRAWN_IN_GRAPH else _two_level_geom(x, fmt)
+    geom = None if seed is _DRAWN_IN_GRAPH or tensor_amax is not None else _two_level_geom(x, fmt)
     if geom is None:
         r = reference.quantize_two_level(x, fmt, rounding, seed, tensor_scale,
-                                         rnd=_round_scalar32, block_scales=block_scales)
+                                         rnd=_round_scalar32, block_scales=block_scales,
+                                         tensor_amax=tensor_amax)
         q = r[0] if out is None else out.copy_(r[0])
     else:
         if fmt.axis is not None and x.dim() > 0:

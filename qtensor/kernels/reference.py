@@ -422,7 +422,8 @@ def te_round_with_scale(x64: torch.Tensor, scale: torch.Tensor, fmt: BlockFormat
 
 
 def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
-                      idx: Optional[torch.Tensor], seed: Optional[int], tensor_scale, rnd):
+                      idx: Optional[torch.Tensor], seed: Optional[int], tensor_scale, rnd,
+                      tensor_amax=None):
     """blocks ([..., n, block], float32) rounded by TE's rule, as float32 values, and the decode
     tensor scale (float32, 0-dim): tensor_scale (checked) if given, else the one of the blocks'
     largest finite magnitude. Every step is one float32 operation, as in TE's kernels (products
@@ -451,6 +452,8 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
             # the largest finite |x| (0 if none), a non-finite value's block included
             amax_t = torch.where(torch.isfinite(blocks), blocks.abs(),
                                  torch.zeros_like(blocks)).amax() if blocks.numel() else amax_t
+        if tensor_amax is not None:  # a part of a tensor: the whole one's amax
+            amax_t = tensor_amax.to(torch.float32).reshape(())
         enc = encode_scale(amax_t, fmt)
         dec = torch.ones_like(enc) / enc
     else:
@@ -512,7 +515,8 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
 
 
 def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: int = 0,
-                       tensor_scale=None, rnd=round_scalar32, block_scales: bool = False):
+                       tensor_scale=None, rnd=round_scalar32, block_scales: bool = False,
+                       tensor_amax=None):
     """x rounded to a two-level block format by Transformer Engine's NVFP4 rule: (values like
     x, the decode tensor scale as a 0-dim float32 tensor). tensor_scale: round under this
     decode scale (a positive finite float32; the encode scale is then its float32 reciprocal)
@@ -520,11 +524,13 @@ def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: i
     float32 first, as TE reads its inputs). rnd: the scalar rounding of float32 tensors
     (round_scalar32; qtensor.kernels.ops passes the compiled kernels'). block_scales: also return each
     block's scale-format factor X (float32, the blocks' layout: block_layout's, or
-    tile_blocks's, with a last dim of 1)."""
+    tile_blocks's, with a last dim of 1). tensor_amax: the amax whose scale to use (a 0-dim
+    float32 tensor, of a whole tensor that x is a part of) instead of x's own."""
     x32 = x.detach().to(torch.float32)
     if x.numel() == 0:
         s = check_tensor_scale(tensor_scale, fmt) if tensor_scale is not None else \
-            torch.ones((), dtype=torch.float32)
+            torch.ones((), dtype=torch.float32) if tensor_amax is None else \
+            1 / encode_scale(tensor_amax.reshape(()), fmt)
         return x.detach().clone(), s.to(x.device)
     stochastic = stochastic_bits(rounding) is not None
 
@@ -534,7 +540,8 @@ def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: i
         check_axis(x32, fmt)
         y, restore, fmt1 = tile_blocks(x32, fmt)
         iy = tile_blocks(index(), fmt)[0] if stochastic else None
-        q, dec, X = _two_level_blocks(y, fmt1, rounding, iy, seed, tensor_scale, rnd)
+        q, dec, X = _two_level_blocks(y, fmt1, rounding, iy, seed, tensor_scale, rnd,
+                                      tensor_amax)
         q = restore(q)
     else:
         shape = x32.shape
@@ -548,7 +555,8 @@ def quantize_two_level(x: torch.Tensor, fmt: BlockFormat, rounding: str, seed: i
         # they are x's elements in order (None), else laid out as the blocks
         flat = n % blocks.shape[-1] == 0 and (axis is None or axis % x32.dim() == x32.dim() - 1)
         idx = block_layout(index(), fmt) if stochastic and not flat else None
-        q, dec, X = _two_level_blocks(blocks, fmt, rounding, idx, seed, tensor_scale, rnd)
+        q, dec, X = _two_level_blocks(blocks, fmt, rounding, idx, seed, tensor_scale, rnd,
+                                      tensor_amax)
         q = q.reshape(*moved.shape[:-1], -1)[..., :n]
         q = q.reshape(shape) if axis is None else q.movedim(-1, axis)
     out = (_nan_bits(q.to(x.dtype), q, x, fmt), dec)

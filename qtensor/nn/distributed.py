@@ -36,6 +36,10 @@ model as a whole:
   dim, a format blocked along the sharded dim), the reduced gradient is rounded as a whole
   tensor (gathered) and the optimizer step runs on the whole parameter (:class:`_GatheredStep`).
 
+- Two-level formats (nvfp4): the tensor scale spans the whole tensor (a cut block, above);
+  FSDP2's shards (built from zeros and a copy of their chunk: :func:`_install_fsdp_scales`) and
+  the tensors that DCP loads into (:func:`_install_dcp_scales`) get the whole parameter's scale.
+
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
 from __future__ import annotations
@@ -284,7 +288,9 @@ def _local_part(full: torch.Tensor, p) -> torch.Tensor:
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
     if isinstance(full, QTensor):
-        return QTensor._wrap(full._data[index].clone(), full.fmt, full.mm_fmt, accum=full.accum)
+        part = QTensor._wrap(full._data[index].clone(), full.fmt, full.mm_fmt, accum=full.accum)
+        part._tscale = full.tensor_scale  # a two-level part keeps the whole tensor's scale
+        return part
     return full[index].clone()
 
 
@@ -292,6 +298,32 @@ def _sharded_like(full: torch.Tensor, p):
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(_local_part(full, p), p.device_mesh, p.placements,
                               run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _cuts_the_scale_only(fmt, p) -> bool:
+    """Whether ``fmt`` is two-level and the shards of the DTensor ``p`` (on a 1-D mesh) cut its
+    tensor scale (the whole tensor's) but none of its blocks."""
+    if fmt is None or not fmt.is_block or not fmt.tensor_scale or p.device_mesh.ndim != 1:
+        return False
+    try:
+        blocks = fmt.replace(tensor_scale=False)
+    except ValueError:  # (a FormatError: a rule that needs the tensor scale)
+        return False
+    return not cuts_blocks(blocks, p)
+
+
+def _round_under_whole_amax(x, role, mesh) -> QTensor:
+    """This rank's part ``x`` of a whole tensor, rounded into the two-level ``role`` as the
+    whole tensor is (Transformer Engine's one scale of the whole amax): the parts' amaxes
+    all-reduced by max, each part's whole blocks rounded under that amax's scale."""
+    from . import dispatch, ops
+    amax = dispatch.finite_amax(x)
+    torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+    fmt = dispatch.fit_format(role.fmt, x.dim())
+    values, scale = ops.quantize_with_scale(_plain(x), fmt, tensor_amax=amax)
+    q = QTensor._wrap(values, fmt, role.mm_fmt)
+    q._tscale = scale
+    return q
 
 
 class _RoundReducedGrad:
@@ -303,7 +335,9 @@ class _RoundReducedGrad:
     Where the shards cut blocks of the grad format, the whole mean is gathered, rounded as in
     one process and this rank keeps its part (an earlier gradient to accumulate into was set
     aside by :class:`_SetAsideGrad`: the sum is formed in FP32 on the whole tensor first, as
-    the in-place add of one process does)."""
+    the in-place add of one process does). Where they cut a two-level format's tensor scale but
+    none of its blocks, the mean (or the sum) stays sharded: one scale of the whole tensor's
+    amax (a scalar all-reduce) gives each rank's part the bits of the whole's rounding."""
 
     def __init__(self, plan):
         self.plan = plan
@@ -316,7 +350,10 @@ class _RoundReducedGrad:
         from torch.distributed.tensor import DTensor
         name = f"gradient of {self.plan.name}"
         earlier = p.__dict__.pop("_qt_set_aside_grad", None)
-        if cuts_blocks(self.plan.grad.fmt, p):
+        if _cuts_the_scale_only(self.plan.grad.fmt, p):
+            x = local if earlier is None else _plain(earlier.to_local()) + local
+            q = _round_under_whole_amax(x, self.plan.grad, g.device_mesh)
+        elif cuts_blocks(self.plan.grad.fmt, p):
             full = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False,
                                       shape=g.shape, stride=g.stride()).full_tensor()
             if earlier is not None:
@@ -482,14 +519,96 @@ class _GatheredStep:
                     state[key] = _sharded_like(value, p)
             optimizer.state[p] = state
             local = p._local_tensor
+            part = _local_part(whole, p)
             with torch.no_grad():  # the values are in p's format: its payload takes them as is
-                (local._data if isinstance(local, QTensor) else local).copy_(
-                    _plain(_local_part(whole, p)))
+                (local._data if isinstance(local, QTensor) else local).copy_(_plain(part))
+            if isinstance(local, QTensor) and isinstance(part, QTensor):
+                local._tscale = part._tscale  # (two-level: the whole parameter's new scale)
             master = state.get(MASTER_KEY)
             if master is not None:  # as training._restore: what p is once it holds master
-                p._qt_synced = (weakref.ref(master), weakref.ref(p), p._version)
+                training.mark_synced(p, master)
         optimizer._qt_gathered = []
 
 
+def _two_level_scale(t):
+    t = getattr(t, "_local_tensor", t)
+    if isinstance(t, QTensor) and t.fmt.is_block and t.fmt.tensor_scale:
+        return t.tensor_scale
+    return None
+
+
+def _keeps_tensor_scale(method, source):
+    """An FSDPParam method that (re)builds the sharded parameter's local tensor from
+    ``source(fsdp_param, *args)``: zeros of the padded shard's size, this rank's chunk copied in,
+    a view of it. Computed zeros take a fresh tensor scale (of amax 0), which the shard would
+    then carry under values of the whole parameter's scale; give the shard (and FSDP2's flat
+    view of it) the scale its values were rounded with, the whole parameter's."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        scale = _two_level_scale(source(self, *args, **kwargs))
+        out = method(self, *args, **kwargs)
+        if scale is not None:
+            for t in (self.sharded_param._local_tensor, self._sharded_param_data):
+                if isinstance(t, QTensor):
+                    t._tscale = scale
+        return out
+
+    wrapper._qtensor_scales = True
+    return wrapper
+
+
+def _install_fsdp_scales() -> None:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:  # no FSDP2 (torch built without distributed)
+        return
+    for name, source in (
+            ("_init_sharded_param", lambda self, param, *a, **k: param),
+            ("reset_sharded_param", lambda self: getattr(self._module_info.module,
+                                                         self._module_info.param_name, None))):
+        _wrap_once(FSDPParam, name, lambda method: _keeps_tensor_scale(method, source))
+
+
+def _wrap_once(cls, name, wrap) -> None:
+    method = getattr(cls, name, None)
+    if method is not None and not getattr(method, "_qtensor_scales", False):
+        setattr(cls, name, wrap(method))
+
+
+def _commit_keeps_tensor_scale(commit):
+    """DCP's load copies each loaded tensor into ``planner.resolve_tensor(item).detach()``: a new
+    wrapper (an alias) of the state dict's tensor, which takes the loaded values' tensor scale;
+    the state dict's tensor itself (a DTensor's local QTensor) must take it too, or it would
+    keep the fresh model's scale under the loaded values."""
+
+    @functools.wraps(commit)
+    def wrapper(self, read_item, tensor):
+        out = commit(self, read_item, tensor)
+        scale = _two_level_scale(tensor)
+        if scale is not None:
+            # (the state dict's own object: lookup_tensor may give a new wrapper of it)
+            dest = getattr(self, "state_dict", {}).get(read_item.dest_index.fqn)
+            dest = getattr(dest, "_local_tensor", dest)
+            if (isinstance(dest, QTensor) and dest is not tensor and _two_level_scale(dest)
+                    is not None and dest._data.untyped_storage().data_ptr()
+                    == tensor._data.untyped_storage().data_ptr()):
+                dest._tscale = scale
+        return out
+
+    wrapper._qtensor_scales = True
+    return wrapper
+
+
+def _install_dcp_scales() -> None:
+    try:
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    except ImportError:
+        return
+    _wrap_once(DefaultLoadPlanner, "commit_tensor", _commit_keeps_tensor_scale)
+
+
+_install_fsdp_scales()
+_install_dcp_scales()
 training.register_sharded_plan_lookup(sharded_plan)
 training.register_gathered_step(_GatheredStep.gather, _GatheredStep.put_back)

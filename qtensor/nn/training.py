@@ -117,17 +117,29 @@ def _restore(optimizer, copy_back: bool) -> None:
         if copy_back:
             with torch.no_grad():
                 p.copy_(master)  # rounds into p's format with its rounding mode
-            # what p is once it holds master: p set outside the optimizer differs from it
-            # (``p.data = x`` replaces the payload, an in-place edit bumps the version)
-            p._qt_synced = (weakref.ref(master), weakref.ref(getattr(p, "_data", p)), p._version)
+            mark_synced(p, master)
     optimizer._qt_swapped = []
 
 
+def _master_version(master) -> int:
+    return getattr(master, "_local_tensor", master)._version  # (a DTensor: its shard's)
+
+
+def mark_synced(p, master) -> None:
+    """p holds master now: what p and master are then. p set outside the optimizer differs
+    from it (``p.data = x`` replaces the payload, an in-place edit bumps the version)."""
+    p._qt_synced = (weakref.ref(master), weakref.ref(getattr(p, "_data", p)), p._version,
+                    _master_version(master))
+
+
 def _set_outside(p, master) -> bool:
-    """Whether p was set since the optimizer last copied master into it (then p's values win)."""
+    """Whether p was set since the optimizer last copied master into it (then p's values win),
+    and master was not (both set: a checkpoint's load of the model and the optimizer state,
+    whose master is what p was rounded from: the master wins)."""
     sig = getattr(p, "_qt_synced", None)
     return sig is not None and sig[0]() is master and (
-        sig[1]() is not getattr(p, "_data", p) or sig[2] != p._version)
+        sig[1]() is not getattr(p, "_data", p) or sig[2] != p._version) and (
+        sig[3] == _master_version(master))
 
 
 def _swap_in(optimizer, reuse_grad_buffers: bool = True) -> None:

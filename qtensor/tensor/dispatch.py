@@ -1163,7 +1163,10 @@ def _moved_scale(func, qs, src, plain, rnd, uargs):
     rounded again where the move takes whole blocks (indexing rows, embedding, cat along
     another dim), so that they never change; blocks regrouped along the block axis are rounded
     again under the shared scale. Different tensor scales, or plain values moved in: the result
-    is rounded again under a fresh scale (of its own amax)."""
+    is rounded again under a fresh scale (of its own amax). A copy_ overwrites its destination:
+    the destination's old scale has no say (_scale_into gives it the source's)."""
+    if func.overloadpacket.__name__ == "copy_" and qs and uargs and qs[0]._data is uargs[0]:
+        qs = qs[1:]
     scales = [q.tensor_scale for q in qs if _two_level(q.fmt)]
     if plain or not scales:
         return None, True
@@ -1213,9 +1216,20 @@ def _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd):
         return fmt, rnd
     fmt, kept = _block_axis_out(fmt, rule, uargs, ukwargs, in_shape, first.shape)
     if (rule.kind == MOVE_KIND and not rule.is_view and not rule.inplace_view
-            and not (kept and rule.op.block == KEEP)):
+            and not ((kept and rule.op.block == KEEP) or _pads_after(func, uargs))):
         rnd = True  # idempotent where the blocks happen to survive
     return fmt, rnd
+
+
+def _pads_after(func, uargs) -> bool:
+    """A zero padding (constant_pad_nd: a move only with value 0) after the last index of each
+    dim: every block keeps its elements, its position and its amax, the tensor its amax (an
+    uneven DTensor shard, padded before its all-gather, may be a piece of bigger blocks: rounded
+    as blocks of its own, its values would change)."""
+    if func.overloadpacket.__name__ != "constant_pad_nd" or len(uargs) < 2:
+        return False
+    pad = list(uargs[1])
+    return all(p == 0 for p in pad[0::2]) and all(p >= 0 for p in pad[1::2])
 
 
 def _set_accum(out, acc, cls):
@@ -1366,11 +1380,61 @@ def _collective(func, args, kwargs, cls):
         q = alias.get(id(o))
         if q is not None:  # an output that is an input's payload (or its copy) is that QTensor
             return q
-        w = cls._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
+        if _two_level(src.fmt):
+            v, tscale = _collective_two_level(func, args, kwargs, o, src)
+            w = cls._wrap(v, fit_format(src.fmt, o.dim()), src.mm_fmt)
+            w._tscale = tscale
+        else:
+            w = cls._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
         if src.accum is not None:
             w._accum = src.accum
         return w
     return wrap(out)
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """x's largest finite magnitude as float32 (0-dim; 0 for none): a two-level format's amax."""
+    x = x.detach().to(torch.float32)
+    if not x.numel():
+        return x.new_zeros(())
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
+
+
+def _collective_two_level(func, args, kwargs, out, src):
+    """A functional collective's output of two-level QTensors (nvfp4): (its values, the tensor
+    scale they carry), as one process holding the whole tensor has them. An all-gather of
+    shards that share one tensor scale keeps their values and that scale (their scales are
+    gathered too); of shards of different scales, as a cat of them: rounded again under one
+    fresh scale. A reduce-scatter rounds each rank's part under the scale of the whole reduced
+    tensor's amax (the parts' amaxes reduced by max). A broadcast brings the source's scale.
+    Other outputs (all-reduce, all-to-all) are rounded under the scale of their own amax."""
+    c10d = torch.ops._c10d_functional
+    fmt = fit_format(src.fmt, out.dim())
+    name = func._opname
+    if name == "_wrap_tensor_autograd":  # the identity (autograd's wrapper of an output)
+        return out, src.tensor_scale
+    if name == "broadcast":  # the source rank's values, under its scale
+        scale = c10d.wait_tensor(c10d.broadcast(
+            src.tensor_scale.reshape(1).clone(), _arg(args, kwargs, 1, "src"),
+            _arg(args, kwargs, 2, "group_name")))
+        return out, scale.reshape(())
+    if name == "all_gather_into_tensor":
+        scales = c10d.wait_tensor(c10d.all_gather_into_tensor(
+            src.tensor_scale.reshape(1), _arg(args, kwargs, 1, "group_size"),
+            _arg(args, kwargs, 2, "group_name")))
+        bits = scales.view(torch.int32)
+        same = (bits == bits[:1]).all()
+        if type(out) is torch.Tensor and bool(same):  # eager: no rounding to do
+            return out, scales[0].clone()
+        q, fresh = _ops.quantize_with_scale(out, fmt)
+        if type(out) is torch.Tensor:
+            return q, fresh
+        return torch.where(same, out, q), torch.where(same, scales[0], fresh)  # (traced)
+    if name == "reduce_scatter_tensor":
+        amax = c10d.wait_tensor(c10d.all_reduce(finite_amax(out).reshape(1), "max",
+                                                _arg(args, kwargs, 3, "group_name")))
+        return _ops.quantize_with_scale(out, fmt, tensor_amax=amax.reshape(()))
+    return _ops.quantize_with_scale(out, fmt)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -584,18 +584,22 @@ class QTensor(torch.Tensor):
         rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
         if data.dim() and data.shape[0] < rows:
             data = torch.cat([data, data.new_zeros((rows - data.shape[0], *data.shape[1:]))])
+        # a two-level format's tensor scale: the shard's, which is the whole parameter's
+        # (qtensor.nn.distributed keeps it on every shard: at fully_shard and at each step)
         return (data,), (self.fmt, self.mm_fmt, self._accum, self.tensor_scale)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The unsharded parameter: the gathered payloads as they were sent (no rounding: they
-        are in format), with the formats. With ``out`` (every all-gather after the first) FSDP2
-        has gathered into the same storage again: out holds the new values already."""
+        are in format), with the formats and tensor scale. With ``out`` (every all-gather after
+        the first) FSDP2 has gathered into the same storage again: out holds the new values
+        already, and takes the scale they have now (a step changes it)."""
+        fmt, mm_fmt, accum, tscale = metadata
         if out is not None:
+            out._tscale = tscale
             return None
         (data,) = all_gather_outputs
-        fmt, mm_fmt, accum, tscale = metadata
         t = QTensor._wrap(data, fmt, mm_fmt, accum=accum)
-        t._tscale = tscale  # (the sharded parameter's: its shards share it)
+        t._tscale = tscale
         return t, (data,)
 
     # -- serialization -------------------------------------------------------------------------

@@ -132,6 +132,40 @@ def test_cat_of_different_tensor_scales_rounds_again_under_one_fresh_scale():
     assert _same(c, torch.tensor(want)) and float(c.tensor_scale) == s
 
 
+def test_copy_over_a_whole_destination_brings_values_and_scale():
+    # the destination's old values are all overwritten: its old scale has no say (FSDP2 makes
+    # its shards so: zeros, then a chunk of the parameter copied into a view of them)
+    w = _table()
+    part = torch.chunk(w, 4, dim=0)[1]  # rows of w: w's scale, not that of their own amax
+    for dst in (torch.zeros_like(part), qt.as_qtensor(torch.randn(part.shape) * 1e3, qt.nvfp4)):
+        assert not torch.equal(dst.tensor_scale, w.tensor_scale)
+        dst.copy_(part)
+        assert _same(dst, part) and torch.equal(dst.tensor_scale, w.tensor_scale)
+    padded = torch.zeros_like(torch.cat([part, part]))
+    view = padded.narrow(0, 0, part.shape[0])
+    view.copy_(part)
+    assert _same(view, part) and torch.equal(view.tensor_scale, w.tensor_scale)
+
+
+def test_zero_padding_at_the_end_keeps_values_and_scale():
+    # (DTensor pads an uneven shard so before its all-gather) the blocks keep their elements
+    # and their amax, and the tensor its amax: nothing to round again, also where the values
+    # are a piece of bigger blocks (rows 8.. of a bias of 15, one block of 16, whose amax is
+    # among rows ..7: rounded as a block of their own, they would change)
+    g = torch.Generator().manual_seed(0)
+    bias = qt.as_qtensor(torch.randn(15, generator=g) * torch.logspace(1, 0, 15), qt.nvfp4)
+    piece = bias[8:].clone()
+    assert not _same(qt.as_qtensor(piece.dequantize(), qt.nvfp4,
+                                   tensor_scale=bias.tensor_scale), piece)
+    for pad in ((0, 1), (0, 9)):
+        got = torch.nn.functional.pad(piece, pad)
+        assert _same(got[:7], piece) and not got[7:].dequantize().any()
+        assert torch.equal(got.tensor_scale, bias.tensor_scale)
+    rows = _table()[3:5]
+    got = torch.nn.functional.pad(rows, (0, 0, 0, 2))  # rows of zeros below
+    assert _same(got[:2], rows) and torch.equal(got.tensor_scale, rows.tensor_scale)
+
+
 def test_serialization_keeps_values_and_scale(tmp_path):
     w = _table()
     torch.save({"w": w}, tmp_path / "w.pt")

@@ -162,6 +162,90 @@ def test_functional_collectives_wait_and_keep_the_format(ranks):
                            f"rank {rank} reduce_scatter")
 
 
+def _two_level_rows(seed, rows=8, cols=32):
+    """Values whose rows span 4 decades: each half of the rows has its own amax."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * torch.logspace(0, 4, rows).view(rows, 1)
+
+
+def _scale_bits(q):
+    return int(q.tensor_scale.view(torch.int32))
+
+
+def _sc_functional_two_level(rank, world):
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+    out = {}
+    # shards of one tensor rounded whole (both ranks build it), under a given scale (not the one
+    # of its amax: a fresh rounding would take another): they carry its scale
+    whole = qt.as_qtensor(_two_level_rows(0), qt.nvfp4, tensor_scale=16.0)
+    n = whole.shape[0] // world
+    ag = funcol.all_gather_tensor(whole[rank * n:(rank + 1) * n], 0, g)
+    out["all_gather"] = (_fmt(ag), qt_plain(ag), _scale_bits(ag))
+    # tensors of their own scales: as a cat of them, one fresh scale of the gathered amax
+    own = qt.as_qtensor(_two_level_rows(1 + rank, rows=4), qt.nvfp4)
+    ag2 = funcol.all_gather_tensor(own, 0, g)
+    out["all_gather_own"] = (qt_plain(ag2), _scale_bits(ag2))
+    # the reduced sum: one scale, of the whole sum's amax, on each rank's part
+    x = qt.as_qtensor(_two_level_rows(10 + rank) * (1 + rank), qt.nvfp4)
+    rs = funcol.reduce_scatter_tensor(x, "sum", 0, g)
+    out["reduce_scatter"] = (_fmt(rs), qt_plain(rs), _scale_bits(rs))
+    ar = funcol.all_reduce(x, "sum", g)
+    out["all_reduce"] = (qt_plain(ar), _scale_bits(ar))
+    return out
+
+
+def _sc_functional_two_level_compiled(rank, world):
+    """The all-gather and reduce-scatter of _sc_functional_two_level in a compiled function."""
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+    whole = qt.as_qtensor(_two_level_rows(0), qt.nvfp4, tensor_scale=16.0)
+    n = whole.shape[0] // world
+    x = qt.as_qtensor(_two_level_rows(10 + rank) * (1 + rank), qt.nvfp4)
+
+    def f(part, x):
+        return funcol.all_gather_tensor(part, 0, g), funcol.reduce_scatter_tensor(x, "sum", 0, g)
+    try:  # aot_eager: the rules traced on fake payloads, no code generation (cheap)
+        ag, rs = torch.compile(f, backend="aot_eager")(whole[rank * n:(rank + 1) * n].clone(), x)
+    finally:
+        torch._dynamo.reset()
+    return {"all_gather": (_fmt(ag), qt_plain(ag), _scale_bits(ag)),
+            "reduce_scatter": (_fmt(rs), qt_plain(rs), _scale_bits(rs))}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_functional_collectives_of_two_level_formats_follow_one_process(ranks, compiled):
+    # (as torch.compile's graphs and DTensor use them) an all-gather keeps the shards' values
+    # and their shared tensor scale; a reduce-scatter rounds each part under the scale of the
+    # whole reduced tensor's amax (Transformer Engine's one scale): bit for bit one process's
+    # result, then sliced; the same in a compiled function
+    if compiled:
+        res = ranks.run("_sc_functional_two_level_compiled", timeout=300)
+    else:
+        res = ranks.run("_sc_functional_two_level")
+    whole = qt.as_qtensor(_two_level_rows(0), qt.nvfp4, tensor_scale=16.0)
+    own = torch.cat([qt.as_qtensor(_two_level_rows(1 + r, rows=4), qt.nvfp4)
+                     for r in range(WORLD)])
+    xs = [qt.as_qtensor(_two_level_rows(10 + r) * (1 + r), qt.nvfp4) for r in range(WORLD)]
+    total = qt.as_qtensor(_fp32_sum(qt_plain(x) for x in xs), qt.nvfp4)
+    n = whole.shape[0] // WORLD
+    for rank, out in enumerate(res):
+        fmts, values, scale = out["all_gather"]
+        assert fmts == ("nvfp4", None)
+        _assert_bits_equal(values, whole, f"rank {rank} all_gather")
+        assert scale == _scale_bits(whole), (rank, "all_gather scale")
+        fmts, values, scale = out["reduce_scatter"]
+        assert fmts == ("nvfp4", None)
+        _assert_bits_equal(values, total[rank * n:(rank + 1) * n], f"rank {rank} reduce_scatter")
+        assert scale == _scale_bits(total), (rank, "reduce_scatter scale")
+        if compiled:
+            continue
+        _assert_bits_equal(out["all_gather_own"][0], own, f"rank {rank} all_gather, own scales")
+        assert out["all_gather_own"][1] == _scale_bits(own), (rank, "all_gather own scales")
+        _assert_bits_equal(out["all_reduce"][0], total, f"rank {rank} all_reduce")
+        assert out["all_reduce"][1] == _scale_bits(total), (rank, "all_reduce scale")
+
+
 def _sc_c10d_collectives(rank, world):
     vals = (torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]) if rank == 0
             else torch.tensor([2.0 ** -10, 5.0, 1.0, 0.25]))
@@ -227,8 +311,10 @@ def _spec(name):
         mx = qt.mxfp8_e4m3
         return qt.Recipe(weight=mx.replace(axis=0, block_size=16), bias=mx.replace(axis=None),
                          activation=qt.bf16, grad=qt.mxfp4_e2m1.replace(axis=None), master_weights=True)
+    if name == "nvfp4_grad":  # two-level gradients only: the reduce-scatter's output
+        return qt.Recipe(weight=qt.bf16, activation=qt.bf16, grad=qt.nvfp4)
     return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3,
-            "mx_all_mxfp8": qt.recipes.mx_all_mxfp8}[name]
+            "mx_all_mxfp8": qt.recipes.mx_all_mxfp8, "nvfp4": qt.nvfp4}[name]
 
 
 def _state(model):
@@ -277,9 +363,13 @@ def _reduced_reference(spec, steps, world=WORLD, optim="sgd", hidden=16):
     model = qt.convert(_mlp(hidden), _spec(spec))
     opt = _optimizer(optim, model)
     params = list(model.parameters())
+    names = [n for n, _p in model.named_parameters()]
+    seen_scales = {n: [] for n in names}
     for x, y in _data(steps):
         n = len(x) // world
         grads = []
+        for name, p in zip(names, params):  # the tensor scales forward sees at this step
+            seen_scales[name].append(_scale(p))
         for r in range(world):
             opt.zero_grad()
             loss = F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n])
@@ -291,6 +381,8 @@ def _reduced_reference(spec, steps, world=WORLD, optim="sgd", hidden=16):
                 p.grad.copy_(mean)  # rounded once, into the gradient's format
         opt.step()
     _REF_OPT_STATE[spec, hidden] = _opt_state(opt)
+    _REF_SCALES[spec, hidden] = ({n: (_scale(p), _scale(p.grad)) for n, p in zip(names, params)},
+                                 seen_scales)
     return _state(model)
 
 
@@ -305,6 +397,7 @@ def _fp32_sum(tensors):
 
 
 _REF_OPT_STATE = {}  # (spec, hidden) -> the last reference run's optimizer state
+_REF_SCALES = {}  # (spec, hidden) -> its two-level tensor scales (as _sc_fsdp's scales=True)
 
 
 def _accumulated_reference(spec, steps, world=WORLD):
@@ -625,14 +718,22 @@ def _full_state(model):
     return out
 
 
-def _sc_fsdp(rank, world, spec, steps, hidden=16, optim="adam"):
+def _scale(t):
+    """A two-level QTensor's tensor scale (a DTensor's local tensor's) as float32 bits, or None."""
+    t = getattr(t, "_local_tensor", t)
+    ts = t.tensor_scale if isinstance(t, qt.QTensor) else None
+    return None if ts is None else int(ts.view(torch.int32))
+
+
+def _sc_fsdp(rank, world, spec, steps, hidden=16, optim="adam", scales=False):
     from torch.distributed.fsdp import fully_shard
     model = qt.convert(_mlp(hidden), _spec(spec))
-    seen = {}
+    seen, seen_scales = {}, {}
 
     def record(mod, args):  # what forward sees: the unsharded parameters
         for n, p in mod.named_parameters(recurse=False):
             seen[f"{mod._name}.{n}"] = (type(p).__name__, _fmt(p))
+            seen_scales.setdefault(f"{mod._name}.{n}", []).append(_scale(p))
     for name in ("0", "2"):
         model[int(name)]._name = name
         model[int(name)].register_forward_pre_hook(record)
@@ -640,6 +741,9 @@ def _sc_fsdp(rank, world, spec, steps, hidden=16, optim="adam"):
     fully_shard(model)
     opt = _optimizer(optim, model)  # after fully_shard: on the sharded parameters
     _train_shard(model, opt, rank, world, _data(steps))
+    if scales:  # the local shards' tensor scales, and those forward saw at each step
+        local = {n: (_scale(p), _scale(p.grad)) for n, p in model.named_parameters()}
+        return _full_state(model), seen, _opt_state(opt), local, seen_scales
     return _full_state(model), seen, _opt_state(opt)
 
 
@@ -707,6 +811,34 @@ def test_fsdp2_block_value_formats_follow_the_reduction_rule(ranks, spec, optim)
             _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
 
 
+@pytest.mark.parametrize("spec,hidden", [("nvfp4", 32), ("nvfp4_grad", 32), ("nvfp4", 15)])
+def test_fsdp2_two_level_formats_use_the_whole_tensors_scale(ranks, spec, hidden):
+    # NVFP4's FP32 tensor scale comes from the amax of the whole tensor (Transformer Engine,
+    # one process). Under FSDP2 each rank holds a shard: the reduced gradient shard must be
+    # rounded under the scale of the whole reduced gradient, and the parameter (rounded whole
+    # before sharding, stepped whole) must keep the whole tensor's scale on every shard and in
+    # what forward sees after the all-gather, so that values and scales stay bit-identical to
+    # one process. hidden=15: uneven shards (8 and 7 rows), which FSDP2 pads.
+    res = ranks.run("_sc_fsdp", spec, 3, hidden, "adam", True)
+    ref = _reduced_reference(spec, 3, optim="adam", hidden=hidden)
+    ref_local, ref_seen = _REF_SCALES[spec, hidden]
+    assert any(g is not None for _v, g in ref_local.values())  # two-level gradients
+    for rank, (state, seen, opt_state, local, seen_scales) in enumerate(res):
+        for n, (fmts, gfmts, value, grad) in state.items():
+            rf, rg, rv, rgrad = ref[n]
+            assert fmts == rf and gfmts == rg, (rank, n, fmts, gfmts, rf, rg)
+            _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
+            _assert_bits_equal(value, rv, f"rank {rank} {n}")
+            assert local[n] == ref_local[n], (rank, n, "local scales", local[n], ref_local[n])
+            assert seen_scales[n] == ref_seen[n], (rank, n, "forward's", seen_scales[n],
+                                                   ref_seen[n])
+        ref_state = _REF_OPT_STATE[spec, hidden]
+        assert opt_state.keys() == ref_state.keys(), (opt_state.keys(), ref_state.keys())
+        for key, (fmt, value) in opt_state.items():
+            assert fmt == ref_state[key][0], (rank, key, fmt, ref_state[key][0])
+            _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
+
+
 def _sc_fsdp_accumulate(rank, world, spec):
     """Two backwards (two global batches) into the same sharded gradients, no step."""
     from torch.distributed.fsdp import fully_shard
@@ -718,15 +850,16 @@ def _sc_fsdp_accumulate(rank, world, spec):
         n = len(x) // world
         F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
                    y[rank * n:(rank + 1) * n]).backward()
-    return _full_state(model)
+    return _full_state(model), {n: _scale(p.grad) for n, p in model.named_parameters()}
 
 
-def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks):
+@pytest.mark.parametrize("spec", ["mx_cut", "nvfp4"])
+def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks, spec):
     # FSDP2 adds each backward's reduced mean into the sharded gradient: as one process adds it
     # into the gradient (rounding the sum once), the blocks that the shards cut (the biases')
-    # included
-    res = ranks.run("_sc_fsdp_accumulate", "mx_cut")
-    model = qt.convert(_mlp(80), _spec("mx_cut"))
+    # included; nvfp4: the sum under one tensor scale of the whole sum's amax
+    res = ranks.run("_sc_fsdp_accumulate", spec)
+    model = qt.convert(_mlp(80), _spec(spec))
     params = list(model.parameters())
     acc = None
     for x, y in _data(2):
@@ -746,10 +879,12 @@ def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks):
                     p.grad.add_(mean)  # the sum rounded once
         acc = [p.grad for p in params]
     ref = _state(model)
-    for rank, state in enumerate(res):
+    ref_scales = {n: _scale(p.grad) for n, p in model.named_parameters()}
+    for rank, (state, scales) in enumerate(res):
         for n, (_fmts, gfmts, _value, grad) in state.items():
             assert gfmts == ref[n][1], (rank, n, gfmts, ref[n][1])
             _assert_bits_equal(grad, ref[n][3], f"rank {rank} {n}.grad")
+            assert scales[n] == ref_scales[n], (rank, n, "tensor scale", scales[n])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -935,7 +1070,7 @@ def test_tensor_parallel_adam_steps_keep_formats(ranks, plan_name, spec):
 # ---------------------------------------------------------------------------------------------
 # 5. Distributed checkpoints
 
-def _sc_dcp(rank, world, spec, ckpt):
+def _sc_dcp(rank, world, spec, ckpt, scales=None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict,
@@ -963,8 +1098,10 @@ def _sc_dcp(rank, world, spec, ckpt):
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     full = {k: (_fmt(v), qt_plain(v)) for k, v in full.items()}
     saved_formats = opt_formats(model, opt)
+    saved_scales = {n: _scale(p) for n, p in model.named_parameters()}
     _train_shard(model, opt, rank, world, batches[2:])
     uninterrupted = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+    uninterrupted_scales = {n: _scale(p) for n, p in model.named_parameters()}
 
     model, opt = build()  # a fresh run: initial weights, no optimizer state
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -973,9 +1110,38 @@ def _sc_dcp(rank, world, spec, ckpt):
     set_optimizer_state_dict(model, opt, state["optim"])
     loaded = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
     loaded_formats = ({n: _fmt(p) for n, p in model.named_parameters()}, opt_formats(model, opt))
+    loaded_scales = {n: _scale(p) for n, p in model.named_parameters()}
     _train_shard(model, opt, rank, world, batches[2:])
     resumed = {n: qt_plain(p.full_tensor()) for n, p in model.named_parameters()}
+    if scales is not None:  # the local shards' tensor scales: saved, loaded, resumed
+        scales.update(saved=saved_scales, loaded=loaded_scales,
+                      uninterrupted=uninterrupted_scales,
+                      resumed={n: _scale(p) for n, p in model.named_parameters()})
     return full, saved_formats, loaded, loaded_formats, uninterrupted, resumed
+
+
+def _sc_dcp_scales(rank, world, spec, ckpt):
+    scales = {}
+    return _sc_dcp(rank, world, spec, ckpt, scales), scales
+
+
+def test_dcp_of_a_two_level_model_keeps_its_tensor_scales(ranks, tmp_path):
+    # NVFP4 parameters sharded by FSDP2: each shard carries the whole parameter's FP32 tensor
+    # scale, which a save and load must bring back with the values (a shard loaded under
+    # the fresh model's scale would hold values that its scale does not give), and training
+    # resumed from the checkpoint is bit-identical to uninterrupted training
+    res = ranks.run("_sc_dcp_scales", "nvfp4", str(tmp_path / "ckpt"))
+    after2 = _reduced_reference("nvfp4", 2, optim="adam")
+    ref_scales = _REF_SCALES["nvfp4", 16][0]
+    for rank, ((full, _sf, loaded, loaded_formats, uninterrupted, resumed), scales) in \
+            enumerate(res):
+        for n, (fmts, _g, value, _grad) in after2.items():
+            assert full[n][0] == fmts and loaded_formats[0][n] == fmts, (rank, n)
+            _assert_bits_equal(loaded[n], value, f"rank {rank} loaded {n}")
+            assert scales["saved"][n] == ref_scales[n][0] is not None, (rank, n, "saved")
+            assert scales["loaded"][n] == scales["saved"][n], (rank, n, "loaded scale")
+            _assert_bits_equal(resumed[n], uninterrupted[n], f"rank {rank} resumed {n}")
+            assert scales["resumed"][n] == scales["uninterrupted"][n], (rank, n, "resumed")
 
 
 @pytest.mark.parametrize("spec", ["mxfp6", "bf16"])

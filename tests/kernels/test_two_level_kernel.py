@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor import ops, reference
+from qtensor.kernels import ops, reference
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"), reason="no compiled kernels")
 
