@@ -252,6 +252,54 @@ def test_hf_experts_are_a_loop_of_linears(family, impl, recipe):
         assert _same(exp.down_proj.grad[e], down[e].weight.grad), f"expert {e} down"
 
 
+def _batched_reference(exp, hs, idx, wts, gate_up, down):
+    """transformers' batched_mm experts forward (each token repeated per chosen expert, that
+    expert's weights gathered, a bmm per token, the weighted top-k sum) with each token's GEMMs
+    a converted nn.Linear of its expert."""
+    T, k = idx.shape
+    outs = []
+    for s, e in enumerate(idx.reshape(-1).tolist()):
+        x = hs[s // k:s // k + 1]
+        gate, up = gate_up[e](x).chunk(2, dim=-1)
+        outs.append(down[e](exp.act_fn(gate) * up))
+    return (torch.cat(outs) * wts.reshape(-1).unsqueeze(-1)).view(T, k, -1).sum(dim=1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("recipe", ["mxfp6", "gemm"])
+def test_hf_batched_mm_experts_are_linears_per_token(family, recipe):
+    """transformers' batched_mm experts (torch.bmm of each token with its expert's gathered
+    weights, the weight as the first operand): each GEMM is that expert's linear layer's (the
+    output in the activation's value format, not the weight's; Recipe.gemm's per-GEMM formats on
+    the gathered weights), bit for bit against converted nn.Linear layers, forward; no leak in a
+    training step of the whole model."""
+    recipe = RECIPES[recipe]
+    model = _tiny(family, "batched_mm")
+    exp = model.model.layers[0].mlp.experts
+    gu0, dn0 = exp.gate_up_proj.detach().clone(), exp.down_proj.detach().clone()
+    qt.convert(model, recipe)
+    gate_up = [_linear_of(w, recipe) for w in gu0]
+    down = [_linear_of(w, recipe) for w in dn0]
+    T, E, k = 12, gu0.shape[0], 2
+    g = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    act = recipe.activation
+    wts = qt.as_qtensor(torch.rand(T, k, generator=g), act.fmt, mm_fmt=act.mm_fmt)
+    hs = qt.as_qtensor(torch.randn(T, 32, generator=g), act.fmt, mm_fmt=act.mm_fmt)
+    with torch.no_grad():
+        y = exp(hs, idx, wts)
+        ref = qt.plans.round_to(_batched_reference(exp, hs, idx, wts, gate_up, down), act)
+    assert _same(y, ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8))
+    with sdpa_kernel(SDPBackend.MATH), qt.leak_check(action="record", optimizer=opt,
+                                                     allow=qt.hf.LEAK_ALLOW) as report:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    assert not report.findings, report.summary()
+    assert exp.gate_up_proj.grad is not None and exp.down_proj.grad is not None
+
+
 # ---------------------------------------------------------------------------------------------
 # leak_check: a contraction that ignores its operands' formats is reported
 
