@@ -815,12 +815,7 @@ def test_fsdp2_trains_a_converted_moe_as_one_process(ranks, spec):
     experts = [n for n in ref if ".experts." in n]
     assert experts and all(ref[n][0] is not None for n in experts)  # QTensors in the format
     for rank, (state, opt_state) in enumerate(res):
-        assert state.keys() == ref.keys()
-        for n, (fmts, gfmts, value, grad) in state.items():
-            rf, rg, rv, rgrad = ref[n]
-            assert fmts == rf and gfmts == rg, (rank, n, fmts, gfmts, rf, rg)
-            _assert_bits_equal(grad, rgrad, f"rank {rank} {n}.grad")
-            _assert_bits_equal(value, rv, f"rank {rank} {n}")
+        _assert_states_equal(state, ref, f"rank {rank}")
         assert opt_state.keys() == ref_opt.keys()
         for key, (fmt, value) in opt_state.items():
             assert fmt == ref_opt[key][0], (rank, key, fmt, ref_opt[key][0])
