@@ -143,6 +143,28 @@ def _attach_activation_hooks(model: nn.Module, conv: _Conversion) -> None:
         conv.handles.append(mod.register_forward_hook(_OutputHook(mplan)))
 
 
+def _install_experts(model: nn.Module, conv: _Conversion) -> None:
+    """MoE experts modules (stacked 3D weights): their GEMMs run as linear layers'
+    (gemm_forward.ExpertsForward): Recipe.gemm's per-GEMM formats unless a rule decides the
+    module or its weights; with or without them, the weight-first GEMMs of transformers'
+    batched_mm take the activation's value format."""
+    recipe = conv.recipe
+    linear = None if recipe.gemm is None else gemm_for(recipe.gemm, "linear")
+    for mname, mod in model.named_modules():
+        if not _gemm.expert_weights(mod) or (mname and "forward" in mod.__dict__):
+            continue
+        prefix = f"{mname}." if mname else ""
+        mplan = conv.module_plans.get(mname)
+        ruled = (mplan is not None and mplan.rule is not None) or any(
+            conv.tensor_plans[prefix + n].rule is not None
+            for n, p in mod._parameters.items() if prefix + n in conv.tensor_plans)
+        fwd = _gemm.ExpertsForward(mod, None if ruled else linear)
+        if not mname and isinstance(model.__dict__.get("forward"), ConvertedForward):
+            model.forward.inner = fwd
+        else:
+            mod.forward = fwd
+
+
 def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
     """Recipe.gemm: every converted Linear/Conv1d/2d/3d (its own forward, weight a QTensor)
     that no rule decides (neither the module nor its weight) runs its GEMMs in the per-GEMM
@@ -153,6 +175,7 @@ def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
     operand in its format instead."""
     recipe = conv.recipe
     ruled = {p for p, spec in recipe.rules.items() if isinstance(spec, dict) and "gemm" in spec}
+    _install_experts(model, conv)
     if recipe.gemm is None and recipe.last_layers is None and not ruled:
         return
     layers = [(mname, mod) for mname, mod in model.named_modules()
@@ -164,21 +187,6 @@ def _install_gemm(model: nn.Module, conv: _Conversion) -> None:
         last = {mname for mname, _ in layers[len(layers) - last_layers_count(
             recipe.last_layers, len(layers)):]}
         high = GemmFormats(**{f"{gemm}_{o}": fmt for gemm, ops in GEMMS.items() for o in ops})
-    experts = [] if recipe.gemm is None or gemm_for(recipe.gemm, "linear") is None else [
-        (mname, mod) for mname, mod in model.named_modules()
-        if _gemm.expert_weights(mod) and not (mname and "forward" in mod.__dict__)]
-    for mname, mod in experts:  # MoE experts: their GEMMs are linear layers'
-        prefix = f"{mname}." if mname else ""
-        mplan = conv.module_plans.get(mname)
-        if (mplan is not None and mplan.rule is not None) or any(
-                conv.tensor_plans[prefix + n].rule is not None
-                for n, p in mod._parameters.items() if prefix + n in conv.tensor_plans):
-            continue
-        fwd = _gemm.ExpertsForward(mod, gemm_for(recipe.gemm, "linear"))
-        if not mname and isinstance(model.__dict__.get("forward"), ConvertedForward):
-            model.forward.inner = fwd
-        else:
-            mod.forward = fwd
     for mname, mod in layers:
         mplan = conv.module_plans.get(mname)
         if mplan is not None and mplan.rule in ruled:
@@ -285,7 +293,8 @@ def unconvert(model: nn.Module) -> nn.Module:
     for handle in conv.handles + conv.param_handles:
         handle.remove()
     for mod in model.modules():
-        if isinstance(mod.__dict__.get("forward"), (ConvertedForward, _gemm.GemmForward)):
+        if isinstance(mod.__dict__.get("forward"),
+                      (ConvertedForward, _gemm.GemmForward, _gemm.ExpertsForward)):
             del mod.__dict__["forward"]
     for _, detach in _model_hooks:
         detach(model)

@@ -4,6 +4,7 @@ Details: docs/convert.md, "Per-GEMM operand formats".
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -233,38 +234,68 @@ def expert_weights(module: nn.Module) -> list:
     return [p for p in module._parameters.values() if _is_q(p) and p.dim() == 3]
 
 
+# gathers of expert weights (transformers' batched_mm: gate_up_proj[expert_ids], one weight per
+# token)
+_GATHERS = frozenset((torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select))
+# GEMMs that transformers' batched_mm calls with the weight first (W @ x): run as (x^T W^T)^T
+_SWAPPABLE = frozenset((torch.mm, torch.bmm, torch.matmul, torch.Tensor.mm, torch.Tensor.bmm,
+                        torch.Tensor.matmul, torch.Tensor.__matmul__))
+
+
 class _TagExperts(torch.overrides.TorchFunctionMode):
     """Inside an experts module's forward: each GEMM with one of its weights (a view of it:
-    transposed, one expert's slice) is a linear layer's, its operands tagged as x and W."""
+    transposed, one expert's slice, the per-token gather of batched_mm) is a linear layer's: its
+    operands tagged as x and W (``gemm``; None: their own formats), x the first operand, so that
+    the output takes the activation's value format (an op's output takes its first QTensor's),
+    not the weight's."""
 
     def __init__(self, storages, gemm):
         super().__init__()
         self.storages = storages
         self.gemm = gemm
+        self.gathered = {}  # id -> weakref of the gathers of a weight
 
     def _is_weight(self, t) -> bool:
-        return _is_q(t) and t._data.untyped_storage().data_ptr() in self.storages
+        if not _is_q(t):
+            return False
+        ref = self.gathered.get(id(t))
+        return (ref is not None and ref() is t) or (
+            t._data.untyped_storage().data_ptr() in self.storages)
+
+    def _tag(self, x, w):
+        g = self.gemm
+        if g is None:
+            return x, w
+        return (tag(x, g.fprop_x, g.wgrad_x, g.wgrad_dy, g.fprop_transform, g.wgrad_transform),
+                tag(w, g.fprop_w, g.dgrad_w, g.dgrad_dy, g.fprop_transform, g.dgrad_transform))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _GATHERS and args and self._is_weight(args[0]):
+            out = func(*args, **kwargs)
+            if _is_q(out):
+                self.gathered[id(out)] = weakref.ref(out)
+            return out
         if func in _EXPERT_GEMMS and len(args) >= 2:
             wpos = 1 if self._is_weight(args[1]) else 0 if self._is_weight(args[0]) else None
             if wpos is not None:
-                g = self.gemm
-                x = tag(args[1 - wpos], g.fprop_x, g.wgrad_x, g.wgrad_dy, g.fprop_transform,
-                        g.wgrad_transform)
-                w = tag(args[wpos], g.fprop_w, g.dgrad_w, g.dgrad_dy, g.fprop_transform,
-                        g.dgrad_transform)
-                pair = (x, w) if wpos == 1 else (w, x)
+                x, w = self._tag(args[1 - wpos], args[wpos])
                 with _forward_gemm():
-                    return func(*pair, *args[2:], **kwargs)
+                    if wpos == 1:
+                        return func(x, w, *args[2:], **kwargs)
+                    if (func in _SWAPPABLE and len(args) == 2 and not kwargs
+                            and w.dim() >= 2 and x.dim() >= 2):
+                        return func(x.transpose(-2, -1), w.transpose(-2, -1)).transpose(-2, -1)
+                    return func(w, x, *args[2:], **kwargs)
         return func(*args, **kwargs)
 
 
 class ExpertsForward:
-    """``forward`` of a converted experts module under ``Recipe.gemm``: its own forward, each
-    contraction with one of its stacked weights run as a linear layer's GEMMs (x and W tagged
-    with the per-GEMM formats, so that the backward's grouped GEMMs take dgrad's and wgrad's)."""
+    """``forward`` of a converted experts module: its own forward, each contraction with one of
+    its stacked weights run as a linear layer's GEMMs (under ``Recipe.gemm``, x and W tagged with
+    the per-GEMM formats, so that the backward's grouped GEMMs take dgrad's and wgrad's). Without
+    Recipe.gemm (``gemm`` None) only transformers' batched_mm implementation needs it (its GEMMs
+    put the weight first); other implementations run the module's own forward as it is."""
 
     def __init__(self, module: nn.Module, gemm):
         self.module = module
@@ -274,9 +305,16 @@ class ExpertsForward:
     def __wrapped__(self):
         return type(self.module).forward.__get__(self.module)
 
+    def __call__(self, *args, **kwargs):
+        m = self.module
+        if self.gemm is None and getattr(getattr(m, "config", None), "_experts_implementation",
+                                         None) != "batched_mm":
+            return type(m).forward(m, *args, **kwargs)
+        return self._tagged(*args, **kwargs)
+
     # (as GemmForward: the tags are Python state that tracing does not keep; eager, same bits)
     @torch.compiler.disable
-    def __call__(self, *args, **kwargs):
+    def _tagged(self, *args, **kwargs):
         m = self.module
         storages = {p._data.untyped_storage().data_ptr() for p in expert_weights(m)}
         with _TagExperts(storages, self.gemm):

@@ -26,6 +26,7 @@ dK, dV (and a float mask's gradient, dS summed to its shape) to dO's (the gradie
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -230,6 +231,18 @@ def _record(pd):
         box.append(pd)
 
 
+@contextlib.contextmanager
+def recording(on: bool = True):
+    """A list that receives P (after dropout) of each emulated attention inside (None if not
+    on)."""
+    before = getattr(_STATE, "weights", None)
+    _STATE.weights = [] if on else None
+    try:
+        yield _STATE.weights
+    finally:
+        _STATE.weights = before
+
+
 def _first_q(*xs):
     return next((x for x in xs if isinstance(x, QTensor)), None)
 
@@ -287,16 +300,43 @@ def _sdpa_or_torch(formats):
     return sdpa
 
 
-def _mha_function(formats):
-    """torch's own F.multi_head_attention_forward code, run with its SDPA call emulated: the same
-    code object with two globals of its own (its torch-function check, which would hand the call
-    back to the mode, and scaled_dot_product_attention). torch's module is not changed."""
-    fn = F.multi_head_attention_forward
-    env = dict(fn.__globals__, has_torch_function=lambda *_: False,
-               scaled_dot_product_attention=_sdpa_or_torch(formats))
-    out = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
+def with_globals(fn, **names):
+    """fn running the same code objects with some globals of its own (the library's module is not
+    changed). Through decorators: a wrapper (``__wrapped__``) whose closure holds the function it
+    wraps gets the rebound one; a wrapper that does not hold it is a ValueError."""
+    closure = fn.__closure__
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is not None:
+        new = with_globals(inner, **names)
+        cells = [c for c in closure or () if _cell_holds(c, inner)]
+        if not cells:
+            raise ValueError(f"{fn.__qualname__}: a decorator that does not hold the function it "
+                             "wraps in its closure")
+        closure = tuple(types.CellType(new) if c in cells else c for c in closure)
+    env = fn.__globals__
+    if any(n in fn.__code__.co_names for n in names):
+        env = dict(env, **names)
+    out = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, closure)
     out.__kwdefaults__ = fn.__kwdefaults__
+    out.__dict__.update(fn.__dict__)
+    if inner is not None:
+        out.__wrapped__ = new
     return out
+
+
+def _cell_holds(cell, obj) -> bool:
+    try:
+        return cell.cell_contents is obj
+    except ValueError:  # an empty cell
+        return False
+
+
+def _mha_function(formats):
+    """torch's own F.multi_head_attention_forward code, run with its SDPA call emulated: two
+    globals of its own (its torch-function check, which would hand the call back to the mode, and
+    scaled_dot_product_attention)."""
+    return with_globals(F.multi_head_attention_forward, has_torch_function=lambda *_: False,
+                        scaled_dot_product_attention=_sdpa_or_torch(formats))
 
 
 class AttentionMode(TorchFunctionMode):
@@ -337,13 +377,8 @@ class AttentionMode(TorchFunctionMode):
         bound["need_weights"] = False
         if self._mha_fn is None:
             self._mha_fn = _mha_function(self.formats)
-        before = getattr(_STATE, "weights", None)
-        _STATE.weights = [] if need else None
-        try:
+        with recording(need) as got:
             out, _ = self._mha_fn(**bound)
-            got = _STATE.weights
-        finally:
-            _STATE.weights = before
         if not need:
             return out, None
         if not got:  # (no QTensor reached the SDPA call: torch's own path)

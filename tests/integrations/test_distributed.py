@@ -887,6 +887,76 @@ def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks, spec):
             assert scales[n] == ref_scales[n], (rank, n, "tensor scale", scales[n])
 
 
+def _moe(spec):
+    """A tiny converted Qwen3-MoE (transformers' grouped_mm experts: stacked 3D expert weights,
+    grouped GEMMs, a router), the same weights in every process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=64, num_experts=4, num_experts_per_tok=2)
+    cfg._experts_implementation = "grouped_mm"
+    return qt.convert(transformers.Qwen3MoeForCausalLM(cfg), _spec(spec))
+
+
+def _moe_batches(steps, batch=4):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 64, (batch, 8), generator=g) for _ in range(steps)]
+
+
+def _moe_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _sc_fsdp_moe(rank, world, spec, steps):
+    from torch.distributed.fsdp import fully_shard
+    model = _moe(spec)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = _optimizer("adam", model)
+    for ids in _moe_batches(steps):
+        n = len(ids) // world
+        opt.zero_grad()
+        _moe_loss(model, ids[rank * n:(rank + 1) * n]).backward()
+        opt.step()
+    return _full_state(model), _opt_state(opt)
+
+
+@pytest.mark.parametrize("spec", ["mxfp6", "bf16"])
+def test_fsdp2_trains_a_converted_moe_as_one_process(ranks, spec):
+    # The experts' stacked 3D weights (E, 2I, H) and (E, H, I) are sharded along the experts;
+    # forward gathers them whole, the grouped GEMMs' weight gradients are reduce-scattered: each
+    # rank's gradients (its micro-batch's tokens routed to each expert), their FP32 mean rounded
+    # once, as one process by the reduction rule
+    res = ranks.run("_sc_fsdp_moe", spec, 2, timeout=300)
+    model = _moe(spec)
+    opt = _optimizer("adam", model)
+    params = list(model.parameters())
+    for ids in _moe_batches(2):
+        n = len(ids) // WORLD
+        grads = []
+        for r in range(WORLD):
+            opt.zero_grad()
+            _moe_loss(model, ids[r * n:(r + 1) * n]).backward()
+            grads.append([qt_plain(p.grad) for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.grad.copy_(_fp32_sum(g[i] for g in grads) / WORLD)
+        opt.step()
+    ref, ref_opt = _state(model), _opt_state(opt)
+    experts = [n for n in ref if ".experts." in n]
+    assert experts and all(ref[n][0] is not None for n in experts)  # QTensors in the format
+    for rank, (state, opt_state) in enumerate(res):
+        _assert_states_equal(state, ref, f"rank {rank}")
+        assert opt_state.keys() == ref_opt.keys()
+        for key, (fmt, value) in opt_state.items():
+            assert fmt == ref_opt[key][0], (rank, key, fmt, ref_opt[key][0])
+            _assert_bits_equal(value, ref_opt[key][1], f"rank {rank} optimizer state {key}")
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. DTensor and tensor parallelism
 

@@ -153,6 +153,17 @@ def _tiny(family, impl="grouped_mm", seed=0):
 FAMILIES = ["qwen3_moe", "olmoe", "mixtral"]
 
 
+def _train_step_without_leaks(model):
+    """One AdamW step of the converted model under leak_check: no finding."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8))
+    with sdpa_kernel(SDPBackend.MATH), qt.leak_check(action="record", optimizer=opt,
+                                                     allow=qt.hf.LEAK_ALLOW) as report:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    assert not report.findings, report.summary()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_moe_trains_without_leaks(family):
     """A new user's run: a tiny MoE model converted to MXFP6, one training step under
@@ -161,13 +172,7 @@ def test_hf_moe_trains_without_leaks(family):
     model = _tiny(family)
     assert model.config._experts_implementation == "grouped_mm"
     qt.convert(model, qt.recipes.mxfp6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 64, (2, 8))
-    with sdpa_kernel(SDPBackend.MATH), qt.leak_check(action="record", optimizer=opt,
-                                                     allow=qt.hf.LEAK_ALLOW) as report:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-    assert not report.findings, report.summary()
+    _train_step_without_leaks(model)
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts.down_proj, qt.QTensor) and experts.down_proj.grad is not None
 
@@ -215,15 +220,10 @@ def _linear_of(w, recipe):
     return qt.convert(lin, recipe)
 
 
-@pytest.mark.parametrize("family,impl", [("qwen3_moe", "grouped_mm"), ("olmoe", "grouped_mm"),
-                                         ("qwen3_moe", "eager"), ("mixtral", "eager")])
-@pytest.mark.parametrize("recipe", ["mxfp6", "nvfp4_tensor_scale", "gemm"])
-def test_hf_experts_are_a_loop_of_linears(family, impl, recipe):
-    """An HF experts module of a converted model (transformers' grouped_mm implementation, and
-    its eager per-expert loop): output, input gradient and each expert's weight gradients bit
-    for bit those of the same experts run as converted nn.Linear layers, one per expert and
-    GEMM (per-GEMM formats of Recipe.gemm included)."""
-    recipe = RECIPES[recipe]
+def _converted_experts(family, impl, recipe):
+    """(model, its first experts module, converted; the same experts as converted nn.Linear
+    layers, gate_up and down; a routing of 12 tokens to 2 experts each, idx and plain weights;
+    the tokens in the activation role; the generator, to draw more)."""
     model = _tiny(family, impl)
     exp = model.model.layers[0].mlp.experts
     gu0, dn0 = exp.gate_up_proj.detach().clone(), exp.down_proj.detach().clone()
@@ -236,6 +236,20 @@ def test_hf_experts_are_a_loop_of_linears(family, impl, recipe):
     wts = torch.rand(T, k, generator=g)
     act = recipe.activation
     hs = qt.as_qtensor(torch.randn(T, 32, generator=g), act.fmt, mm_fmt=act.mm_fmt)
+    return model, exp, gate_up, down, idx, wts, hs, g
+
+
+@pytest.mark.parametrize("family,impl", [("qwen3_moe", "grouped_mm"), ("olmoe", "grouped_mm"),
+                                         ("qwen3_moe", "eager"), ("mixtral", "eager")])
+@pytest.mark.parametrize("recipe", ["mxfp6", "nvfp4_tensor_scale", "gemm"])
+def test_hf_experts_are_a_loop_of_linears(family, impl, recipe):
+    """An HF experts module of a converted model (transformers' grouped_mm implementation, and
+    its eager per-expert loop): output, input gradient and each expert's weight gradients bit
+    for bit those of the same experts run as converted nn.Linear layers, one per expert and
+    GEMM (per-GEMM formats of Recipe.gemm included)."""
+    recipe = RECIPES[recipe]
+    model, exp, gate_up, down, idx, wts, hs, g = _converted_experts(family, impl, recipe)
+    T, E, act = len(idx), len(down), recipe.activation
     h1, h2 = hs.clone().requires_grad_(True), hs.clone().requires_grad_(True)
     # (in the grad role's values already: the module's output hook rounds the gradient it gets)
     gy = torch.randn(T, 32, generator=g).bfloat16().float()
@@ -250,6 +264,39 @@ def test_hf_experts_are_a_loop_of_linears(family, impl, recipe):
     for e in range(E):
         assert _same(exp.gate_up_proj.grad[e], gate_up[e].weight.grad), f"expert {e} gate_up"
         assert _same(exp.down_proj.grad[e], down[e].weight.grad), f"expert {e} down"
+
+
+def _batched_reference(exp, hs, idx, wts, gate_up, down):
+    """transformers' batched_mm experts forward (each token repeated per chosen expert, that
+    expert's weights gathered, a bmm per token, the weighted top-k sum) with each token's GEMMs
+    a converted nn.Linear of its expert."""
+    T, k = idx.shape
+    outs = []
+    for s, e in enumerate(idx.reshape(-1).tolist()):
+        x = hs[s // k:s // k + 1]
+        gate, up = gate_up[e](x).chunk(2, dim=-1)
+        outs.append(down[e](exp.act_fn(gate) * up))
+    return (torch.cat(outs) * wts.reshape(-1).unsqueeze(-1)).view(T, k, -1).sum(dim=1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("recipe", ["mxfp6", "gemm"])
+def test_hf_batched_mm_experts_are_linears_per_token(family, recipe):
+    """transformers' batched_mm experts (torch.bmm of each token with its expert's gathered
+    weights, the weight as the first operand): each GEMM is that expert's linear layer's (the
+    output in the activation's value format, not the weight's; Recipe.gemm's per-GEMM formats on
+    the gathered weights), bit for bit against converted nn.Linear layers, forward; no leak in a
+    training step of the whole model."""
+    recipe = RECIPES[recipe]
+    model, exp, gate_up, down, idx, wts, hs, _ = _converted_experts(family, "batched_mm", recipe)
+    act = recipe.activation
+    wts = qt.as_qtensor(wts, act.fmt, mm_fmt=act.mm_fmt)
+    with torch.no_grad():
+        y = exp(hs, idx, wts)
+        ref = qt.nn.plans.round_to(_batched_reference(exp, hs, idx, wts, gate_up, down), act)
+    assert _same(y, ref)
+    _train_step_without_leaks(model)
+    assert exp.gate_up_proj.grad is not None and exp.down_proj.grad is not None
 
 
 # ---------------------------------------------------------------------------------------------
