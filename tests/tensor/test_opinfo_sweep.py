@@ -22,6 +22,7 @@ Counts (passed / skipped by reason / failed by reason) are printed at the end of
 from __future__ import annotations
 
 import collections
+import threading
 import warnings
 
 import pytest
@@ -199,16 +200,17 @@ def _compare(result, expected, fmt, kind):
     return None
 
 
-# An op's samples, made once and shared by the configurations: OpInfo seeds the RNG before each
+# Each op's samples, made once and shared by the configurations: OpInfo seeds the RNG before each
 # sample, so each configuration made the same ones anyway (all but one op's, whose are drawn
 # before that seed: the same kinds of values). The sweep only reads them (float32 inputs become
-# new QTensors, the reference runs on clones).
+# new QTensors, the reference runs on clones). They are made in a thread of their own: OpInfo
+# inspects the calling stack (with its source lines) per op and torch.manual_seed formats it per
+# sample, most of the sweep's time under pytest's deep stack.
 _SAMPLES = {}
 
 
-def _samples(op):
-    key = id(op)  # op_db's entries live as long as the process
-    if key not in _SAMPLES:
+def _make_samples(ops):
+    for op in ops:
         try:
             samples = []
             for s in op.sample_inputs("cpu", torch.float32, requires_grad=False):
@@ -217,8 +219,18 @@ def _samples(op):
                     break
         except Exception:  # noqa: BLE001
             samples = None
-        _SAMPLES[key] = samples
-    return _SAMPLES[key]
+        _SAMPLES[id(op)] = samples  # op_db's entries live as long as the process
+
+
+def _samples(op_db):
+    """{id(op): its first SAMPLES samples, or None where making them failed}."""
+    todo = [op for op in op_db if id(op) not in _SAMPLES and op.name not in SKIP_OPS
+            and torch.float32 in op.supported_dtypes("cpu")]
+    if todo:
+        t = threading.Thread(target=_make_samples, args=(todo,))
+        t.start()
+        t.join()
+    return _SAMPLES
 
 
 def _seed():
@@ -234,6 +246,7 @@ def _sweep(config):
     fmt, mm_fmt = CONFIGS[config]
     counts = collections.Counter()
     failures = collections.defaultdict(list)
+    all_samples = _samples(op_db)
     for op in op_db:
         name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
         if torch.float32 not in op.supported_dtypes("cpu"):
@@ -242,7 +255,7 @@ def _sweep(config):
         if op.name in SKIP_OPS:
             counts[f"skipped: {SKIP_OPS[op.name]}"] += 1
             continue
-        samples = _samples(op)
+        samples = all_samples[id(op)]
         if samples is None:
             counts["skipped: sample generation failed"] += 1
             continue
