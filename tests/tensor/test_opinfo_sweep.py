@@ -234,9 +234,9 @@ def _samples(op_db):
 
 
 def _seed():
-    """Seed the CPU generator, all the sweep's ops use: torch.manual_seed would also queue the
-    seed for the lazily initialised CUDA/XPU/MTIA generators, formatting a stack trace each
-    time, a third of the sweep's time without a GPU."""
+    """Seed the CPU generator, the one the sweep's (CPU) ops draw from: torch.manual_seed would
+    also queue the seed for the lazily initialised CUDA/XPU/MTIA generators, formatting the
+    stack each time (costly under pytest)."""
     torch.default_generator.manual_seed(0)
 
 
