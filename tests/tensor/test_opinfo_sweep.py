@@ -17,7 +17,8 @@ computed on the plain dequantized inputs:
   which every computing aten op's output is rounded (a TorchDispatchMode on plain tensors).
 
 Counts (passed / skipped by reason / failed by reason) are printed at the end of each test
-(``pytest -s -m opinfo_sweep tests/tensor/test_opinfo_sweep.py``). Budget: about 4 minutes on 2 cores.
+(``pytest -s -m opinfo_sweep tests/tensor/test_opinfo_sweep.py``). Budget: about half a minute
+on 2 cores.
 """
 from __future__ import annotations
 
