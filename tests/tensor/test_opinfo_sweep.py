@@ -17,11 +17,13 @@ computed on the plain dequantized inputs:
   which every computing aten op's output is rounded (a TorchDispatchMode on plain tensors).
 
 Counts (passed / skipped by reason / failed by reason) are printed at the end of each test
-(``pytest -s -m opinfo_sweep tests/tensor/test_opinfo_sweep.py``). Budget: about 4 minutes on 2 cores.
+(``pytest -s -m opinfo_sweep tests/tensor/test_opinfo_sweep.py``). Budget: about half a minute
+on 2 cores.
 """
 from __future__ import annotations
 
 import collections
+import threading
 import warnings
 
 import pytest
@@ -199,12 +201,53 @@ def _compare(result, expected, fmt, kind):
     return None
 
 
+# Each op's samples, made once and shared by the configurations: OpInfo seeds the RNG before each
+# sample, so each configuration made the same ones anyway (all but one op's, whose are drawn
+# before that seed: the same kinds of values). The sweep only reads them (float32 inputs become
+# new QTensors, the reference runs on clones). They are made in a thread of their own: OpInfo
+# inspects the calling stack (with its source lines) per op and torch.manual_seed formats it per
+# sample, most of the sweep's time under pytest's deep stack.
+_SAMPLES = {}
+
+
+def _make_samples(ops):
+    for op in ops:
+        try:
+            samples = []
+            for s in op.sample_inputs("cpu", torch.float32, requires_grad=False):
+                samples.append(s)
+                if len(samples) >= SAMPLES:
+                    break
+        except Exception:  # noqa: BLE001
+            samples = None
+        _SAMPLES[id(op)] = samples  # op_db's entries live as long as the process
+
+
+def _samples(op_db):
+    """{id(op): its first SAMPLES samples, or None where making them failed}."""
+    todo = [op for op in op_db if id(op) not in _SAMPLES and op.name not in SKIP_OPS
+            and torch.float32 in op.supported_dtypes("cpu")]
+    if todo:
+        t = threading.Thread(target=_make_samples, args=(todo,))
+        t.start()
+        t.join()
+    return _SAMPLES
+
+
+def _seed():
+    """Seed the CPU generator, the one the sweep's (CPU) ops draw from: torch.manual_seed would
+    also queue the seed for the lazily initialised CUDA/XPU/MTIA generators, formatting the
+    stack each time (costly under pytest)."""
+    torch.default_generator.manual_seed(0)
+
+
 def _sweep(config):
     from torch.testing._internal.common_methods_invocations import op_db
 
     fmt, mm_fmt = CONFIGS[config]
     counts = collections.Counter()
     failures = collections.defaultdict(list)
+    all_samples = _samples(op_db)
     for op in op_db:
         name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
         if torch.float32 not in op.supported_dtypes("cpu"):
@@ -213,13 +256,8 @@ def _sweep(config):
         if op.name in SKIP_OPS:
             counts[f"skipped: {SKIP_OPS[op.name]}"] += 1
             continue
-        try:
-            samples = []
-            for s in op.sample_inputs("cpu", torch.float32, requires_grad=False):
-                samples.append(s)
-                if len(samples) >= SAMPLES:
-                    break
-        except Exception:  # noqa: BLE001
+        samples = all_samples[id(op)]
+        if samples is None:
             counts["skipped: sample generation failed"] += 1
             continue
         outcome = None
@@ -235,11 +273,11 @@ def _sweep(config):
                 rec = _Record()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    torch.manual_seed(0)
+                    _seed()
                     with rec:
                         op(*_clone((vin[0],) + tuple(vin[1])), **_clone(vin[2]))
                     computing = [f for f in rec.ops if not (qd.rule_of(f).kind == qd.MOVE_KIND)]
-                    torch.manual_seed(0)
+                    _seed()
                     mode = _RoundEveryOp(fmt, mm_fmt)
                     ins = _clone(vin, tag=True)
                     with mode:
@@ -256,7 +294,7 @@ def _sweep(config):
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    torch.manual_seed(0)
+                    _seed()
                     result = op(*((qin[0],) + tuple(qin[1])), **qin[2])
             except Exception as e:  # noqa: BLE001
                 outcome = f"failed: error {type(e).__name__}: {str(e).splitlines()[0][:80]}"
