@@ -511,13 +511,18 @@ def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
 
 
 def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False,
-               out=None, block_scales=False):
+               out=None, block_scales=False, checked=True):
     """x rounded to a two-level format by TE's rule (reference.quantize_two_level, the spec): the
     values (into ``out`` if given), or (values, decode tensor scale), and with block_scales each
-    block's scale X as the reference gives them. The fused kernel (qtensor::quantize_two_level)
-    where one takes x, else the reference with its scalar roundings by the compiled kernels."""
+    block's scale X as the reference gives them. The fused kernel (qtensor::quantize_two_level on
+    CPU, the Triton one where qtensor.kernels.gpu takes x) where one takes x, else the reference
+    with its scalar roundings by the compiled kernels. checked=False: the Triton kernel without
+    its first-use check (the check itself calls it)."""
     x = x.detach()
     geom = None if seed is _DRAWN_IN_GRAPH else _two_level_geom(x, fmt)
+    if geom is not None and checked and gpu.takes(x) and not selfcheck.trusted(
+            x.device.type, "two_level", x.device):
+        geom = None
     if geom is None:
         r = reference.quantize_two_level(x, fmt, rounding, seed, tensor_scale,
                                          rnd=_round_scalar32, block_scales=block_scales)
@@ -532,7 +537,7 @@ def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with
         args = (elem, elem_max, _SCALE_RULE_CODE[fmt.scale_rule], scale, smax, geom,
                 float(fmt.tensor_scale_bound), fmt.settle, ts, block_scales,
                 rounding_code(rounding), _seed_arg(seed))
-        op = torch.ops.qtensor.quantize_two_level
+        op = kernel_ops(x).quantize_two_level
         if out is None or torch.compiler.is_compiling() or _is_traced(x):
             q, s, X = op(x, *args)
             if out is not None:
@@ -556,8 +561,8 @@ def _two_level_geom(x, fmt: BlockFormat):
     tiles of x viewed as [-1, rows, cols] (reference.block_layout's and tile_blocks's blocks);
     None where the kernel does not take x (no compiled extension, another device or dtype, an
     element or scale format it has no rounding for): the reference then."""
-    if (_C is None or x.dtype not in KERNEL_DTYPES or x.device.type != "cpu" or gpu.takes(x)
-            or x.dim() > 16 or x.numel() == 0):
+    kernel = gpu.takes(x) or (_C is not None and x.device.type == "cpu")
+    if not kernel or x.dtype not in KERNEL_DTYPES or x.dim() > 16 or x.numel() == 0:
         return None
     e, sf = fmt.elem, fmt.amax_scale_format
     if isinstance(e, FloatFormat) and reference.needs_sign_fixup(e):
