@@ -223,9 +223,12 @@ def _sample_check(family: str):
     """The first-use check of a quantization kernel family: its sample, kernel vs reference."""
     def check(device: torch.device) -> Optional[str]:
         for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
-            name, args = op_args(fmt)
-            got = getattr(kernel_ops(x), name)(x, *args, rounding_code(rounding),
-                                               _seed_arg(seed))
+            if fmt.is_block and fmt.tensor_scale:
+                got = _two_level(x, fmt, rounding, seed, checked=False)
+            else:
+                name, args = op_args(fmt)
+                got = getattr(kernel_ops(x), name)(x, *args, rounding_code(rounding),
+                                                   _seed_arg(seed))
             found = selfcheck.difference(got, reference.quantize_with_seed(x, fmt, rounding, seed))
             if found is not None:
                 return f"{fmt} with rounding={rounding} on {x.dtype}: {found}"
@@ -233,7 +236,7 @@ def _sample_check(family: str):
     return check
 
 
-for _family in ("scalar", "block", "stochastic"):
+for _family in ("scalar", "block", "stochastic", "two_level"):
     selfcheck.register(_family, _sample_check(_family))
 if gpu.available() and torch.cuda.is_available() and _C is not None:
     gpu.register_cuda_kernels()  # the CUDA kernels of the qtensor:: ops
@@ -516,12 +519,12 @@ def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with
     values (into ``out`` if given), or (values, decode tensor scale), and with block_scales each
     block's scale X as the reference gives them. The fused kernel (qtensor::quantize_two_level on
     CPU, the Triton one where qtensor.kernels.gpu takes x) where one takes x, else the reference
-    with its scalar roundings by the compiled kernels. checked=False: the Triton kernel without
-    its first-use check (the check itself calls it)."""
+    with its scalar roundings by the compiled kernels. checked=False: the kernel without its
+    first-use check (qtensor.kernels.selfcheck; the check itself calls it)."""
     x = x.detach()
     geom = None if seed is _DRAWN_IN_GRAPH else _two_level_geom(x, fmt)
-    if geom is not None and checked and gpu.takes(x) and not selfcheck.trusted(
-            x.device.type, "two_level", x.device):
+    if geom is not None and checked and not selfcheck.trusted(x.device.type, "two_level",
+                                                              x.device):
         geom = None
     if geom is None:
         r = reference.quantize_two_level(x, fmt, rounding, seed, tensor_scale,
