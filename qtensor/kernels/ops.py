@@ -208,7 +208,7 @@ def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if x.dtype not in KERNEL_DTYPES:
         return False
     if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
-        return False  # TE's two-level rule: reference.quantize_two_level (torch float32 ops)
+        return False  # TE's two-level rule: _two_level
     if x.device.type == "meta":
         return _C is not None
     if gpu.takes(x):  # the Triton kernels (what they do not cover goes to the reference)
@@ -562,8 +562,9 @@ def _two_level_nblocks(numel: int, geom) -> int:
 def _two_level_geom(x, fmt: BlockFormat):
     """The blocks of x as the two-level kernel takes them, [rows, cols, tr, tc]: the tr x tc
     tiles of x viewed as [-1, rows, cols] (reference.block_layout's and tile_blocks's blocks);
-    None where the kernel does not take x (no compiled extension, another device or dtype, an
-    element or scale format it has no rounding for): the reference then."""
+    None where no kernel takes x (the C++ one on CPU, the Triton one where qtensor.kernels.gpu
+    takes x; another dtype, an element or scale format it has no rounding for): the reference
+    then."""
     kernel = gpu.takes(x) or (_C is not None and x.device.type == "cpu")
     if not kernel or x.dtype not in KERNEL_DTYPES or x.dim() > 16 or x.numel() == 0:
         return None
