@@ -23,28 +23,12 @@ import qtensor as qt  # noqa: E402
 from qtensor.kernels import gpu, ops, reference  # noqa: E402
 from qtensor.tensor import dispatch  # noqa: E402
 
+from helpers import count_calls, two_level_formats  # noqa: E402
+
 # (the interpreter's numpy casts of float64 steps that overflow float32 to Inf, as they must)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 
-E4M3 = "fp8_e4m3"
-FORMATS = {
-    "nvfp4": qt.nvfp4,
-    "4over6": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="4over6", tensor_scale=True),
-    "ceil": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="ceil", tensor_scale=True),
-    "ue5m3": qt.BlockFormat("fp4_e2m1", 16, scale="ue5m3", scale_rule="amax", tensor_scale=True),
-    "settle": qt.nvfp4.replace(settle=True),
-    "4over6_settle": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="4over6",
-                                    tensor_scale=True, settle=True),
-    "fp6_elems": qt.BlockFormat("fp6_e2m3", 16, scale=E4M3, scale_rule="amax", tensor_scale=True),
-    "fixed_elems": qt.BlockFormat(qt.FixedFormat(4, 0, symmetric=True), 16, scale=E4M3,
-                                  scale_rule="amax", tensor_scale=True),
-    "fixed_ceil_settle": qt.BlockFormat(qt.FixedFormat(6, 2, symmetric=True), 8, scale=E4M3,
-                                        scale_rule="ceil", tensor_scale=True, settle=True),
-    "axis0": qt.nvfp4.replace(axis=0),
-    "axis_none": qt.nvfp4.replace(axis=None, block_size=None),
-    "tiles": qt.nvfp4.replace(block_shape=(4, 8)),
-    "tiles_axis0": qt.nvfp4.replace(block_shape=(4, 8), axis=-2),
-}
+FORMATS = two_level_formats()
 ROUNDINGS = ["nearest", "nearest_away", "toward_zero", "stochastic", "stochastic5"]
 SEED = 0x9E3779B97F4A7C15  # above 2^63: the op's signed seed, a key >= 2^31 in the kernel
 
@@ -87,11 +71,7 @@ def _check(x, fmt, rounding, seed=SEED, tensor_scale=None):
 @pytest.fixture
 def counted(monkeypatch):
     """The calls of the Triton two-level kernel."""
-    calls = []
-    real = gpu.quantize_two_level
-    monkeypatch.setattr(gpu, "quantize_two_level",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
+    return count_calls(monkeypatch, gpu, "quantize_two_level")
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

@@ -10,27 +10,11 @@ import torch
 import qtensor as qt
 from qtensor import ops, reference
 
+from helpers import two_level_formats
+
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"), reason="no compiled kernels")
 
-E4M3 = "fp8_e4m3"
-FORMATS = {
-    "nvfp4": qt.nvfp4,
-    "4over6": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="4over6", tensor_scale=True),
-    "ceil": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="ceil", tensor_scale=True),
-    "ue5m3": qt.BlockFormat("fp4_e2m1", 16, scale="ue5m3", scale_rule="amax", tensor_scale=True),
-    "settle": qt.nvfp4.replace(settle=True),
-    "4over6_settle": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="4over6",
-                                    tensor_scale=True, settle=True),
-    "fp6_elems": qt.BlockFormat("fp6_e2m3", 16, scale=E4M3, scale_rule="amax", tensor_scale=True),
-    "fixed_elems": qt.BlockFormat(qt.FixedFormat(4, 0, symmetric=True), 16, scale=E4M3,
-                                  scale_rule="amax", tensor_scale=True),
-    "fixed_ceil_settle": qt.BlockFormat(qt.FixedFormat(6, 2, symmetric=True), 8, scale=E4M3,
-                                        scale_rule="ceil", tensor_scale=True, settle=True),
-    "axis0": qt.nvfp4.replace(axis=0),
-    "axis_none": qt.nvfp4.replace(axis=None, block_size=None),
-    "tiles": qt.nvfp4.replace(block_shape=(4, 8)),
-    "tiles_axis0": qt.nvfp4.replace(block_shape=(4, 8), axis=-2),
-}
+FORMATS = two_level_formats()
 ROUNDINGS = ["nearest", "nearest_away", "toward_zero", "stochastic", "stochastic5"]
 
 

@@ -417,6 +417,22 @@ def _tl_offsets(base, j, mc, ncols, TILE: tl.constexpr):
 
 
 @triton.jit
+def _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, MODE: tl.constexpr, TILE: tl.constexpr,
+              BC: tl.constexpr):
+    """Elements c0 .. c0 + BC - 1 of blocks at base with m elements: (mask, x's offsets,
+    values, random words)."""
+    j = c0 + tl.arange(0, BC)
+    msk = j[None, :] < m[:, None]
+    off = _tl_offsets(base[:, None], j[None, :], mc[:, None], ncols, TILE)
+    xv = tl.load(x_ptr + off, mask=msk, other=0.0)
+    if MODE == 3:
+        w = C.random_word(key, off, sr_or)
+    else:
+        w = tl.zeros(xv.shape, tl.uint32)
+    return msk, off, xv, w
+
+
+@triton.jit
 def _tl_code(t, s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64, s_minn64,
              UP: tl.constexpr):
     """reference._scale_code: t (>= 0; NaN and +Inf read as FLT_MAX) to the scale format,
@@ -513,20 +529,12 @@ def _tl_settle(X, live, x_ptr, base, m, mc, ncols, bs, enc, dec, c_amax, elem_ma
                TILE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """settle=: while the scale of a block's rounded max (fl32(p * dec)) is lower, the block
     takes it (each step lowers X, so this ends)."""
-    cols = tl.arange(0, BC)
     lower = live
     while tl.max(lower.to(tl.int32), axis=0) > 0:
         inv = _tl_inv(X, dec)
         rmax = tl.zeros([BR], tl.uint32)
         for c0 in range(0, bs, BC):
-            j = c0 + cols
-            msk = j[None, :] < m[:, None]
-            off = _tl_offsets(base[:, None], j[None, :], mc[:, None], ncols, TILE)
-            xv = tl.load(x_ptr + off, mask=msk, other=0.0)
-            if MODE == 3:
-                w = C.random_word(key, off, sr_or)
-            else:
-                w = tl.zeros(xv.shape, tl.uint32)
+            msk, off, xv, w = _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, MODE, TILE, BC)
             p = _tl_payload(xv, w, X[:, None], inv[:, None], dec, man, emin, qlow, e_max,
                             e_minn, fqexp, f_pos, f_neg, f_nsat, MODE, EK)
             q = _mul32(p, dec).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
@@ -575,10 +583,8 @@ def _two_level_kernel(x_ptr, y_ptr, xs_ptr, sc_ptr, nblocks, R, ncols, tr, tc, n
     # the blocks' amax (|x|'s bits: NaN above Inf above every finite value)
     bm = tl.zeros([BR], tl.uint32)
     for c0 in range(0, bs, BC):
-        j = c0 + cols
-        msk = j[None, :] < m[:, None]
-        off = _tl_offsets(base[:, None], j[None, :], mc[:, None], ncols, TILE)
-        u = tl.load(x_ptr + off, mask=msk, other=0.0).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+        msk, off, xv, w = _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, 0, TILE, BC)
+        u = xv.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
         bm = tl.maximum(bm, tl.max(tl.where(msk, u, 0), axis=1))
     bad = bm >= 0x7F800000
     live = row_ok & (bm < 0x7F800000)
@@ -606,14 +612,7 @@ def _two_level_kernel(x_ptr, y_ptr, xs_ptr, sc_ptr, nblocks, R, ncols, tr, tc, n
         e6 = tl.zeros([BR], tl.float32)
         e4 = tl.zeros([BR], tl.float32)
         for c0 in range(0, bs, BC):
-            j = c0 + cols
-            msk = j[None, :] < m[:, None]
-            off = _tl_offsets(base[:, None], j[None, :], mc[:, None], ncols, TILE)
-            xv = tl.load(x_ptr + off, mask=msk, other=0.0)
-            if MODE == 3:
-                w = C.random_word(key, off, sr_or)
-            else:
-                w = tl.zeros(xv.shape, tl.uint32)
+            msk, off, xv, w = _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, MODE, TILE, BC)
             d6 = _tl_error(xv, w, X[:, None], inv6[:, None], dec, a32, denom, man, emin, qlow,
                            e_max, e_minn, fqexp, f_pos, f_neg, f_nsat, MODE, EK)
             d4 = _tl_error(xv, w, X4[:, None], inv4[:, None], dec, a32, denom, man, emin, qlow,
@@ -629,14 +628,7 @@ def _two_level_kernel(x_ptr, y_ptr, xs_ptr, sc_ptr, nblocks, R, ncols, tr, tc, n
     # the values fl32(p * dec); a zero takes x's sign, a block holding Inf or NaN is all NaN
     inv = _tl_inv(X, dec)
     for c0 in range(0, bs, BC):
-        j = c0 + cols
-        msk = j[None, :] < m[:, None]
-        off = _tl_offsets(base[:, None], j[None, :], mc[:, None], ncols, TILE)
-        xv = tl.load(x_ptr + off, mask=msk, other=0.0)
-        if MODE == 3:
-            w = C.random_word(key, off, sr_or)
-        else:
-            w = tl.zeros(xv.shape, tl.uint32)
+        msk, off, xv, w = _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, MODE, TILE, BC)
         p = _tl_payload(xv, w, X[:, None], inv[:, None], dec, man, emin, qlow, e_max, e_minn,
                         fqexp, f_pos, f_neg, f_nsat, MODE, EK)
         q = _mul32(p, dec)
