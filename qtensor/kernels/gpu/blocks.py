@@ -438,16 +438,15 @@ def _tl_code(t, s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64, s_minn64,
     """reference._scale_code: t (>= 0; NaN and +Inf read as FLT_MAX) to the scale format,
     nearest and saturating, or upward (the ceil rule), at most the scale's max."""
     tt = tl.where(t < 3.4028234663852886e38, t, 3.4028234663852886e38)
-    no = s_man < 0  # (a False of the right shape: the scale format rounds as signed)
     if UP:
         up = _round_float_up(tt.to(tl.float64), s_man, s_emin, s_qlow, s_max64, s_max64,
-                             s_minn64, no)
+                             s_minn64, False)
         smax = s_max32.to(tl.float32, bitcast=True)
         X = tl.where(up < smax.to(tl.float64), up.to(tl.float32), smax)
     else:
         zero = tl.zeros(t.shape, tl.uint32)
         X = C.round_float(tt.to(tl.uint32, bitcast=True), s_man, s_emin, s_qlow, s_max32,
-                          s_max32, s_minn32, no, zero, 0, False).to(tl.float32, bitcast=True)
+                          s_max32, s_minn32, False, zero, 0, False).to(tl.float32, bitcast=True)
     return X
 
 
@@ -468,7 +467,7 @@ def _tl_scale(am, enc, dec, c_amax, elem_max, ceil_k, s_man, s_emin, s_qlow, s_m
             # the smallest scale whose largest value covers am (ceil_of)
             zero = tl.zeros(am.shape, tl.uint32)
             down = C.round_float(_mul32(X, ceil_k).to(tl.uint32, bitcast=True), s_man, s_emin,
-                                 s_qlow, s_max32, s_max32, s_minn32, s_man < 0, zero, 2, False)
+                                 s_qlow, s_max32, s_max32, s_minn32, False, zero, 2, False)
             down = down.to(tl.float32, bitcast=True)
             X = tl.where(_mul32(_mul32(down, elem_max), dec) >= am, down, X)
     return X
@@ -490,7 +489,7 @@ def _tl_round(t, w, man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat,
     if EK == 1:
         r, _r, _w = C.round_fixed(u, fqexp, f_pos, f_neg, f_nsat, w, MODE, False)
     else:
-        r = C.round_float(u, man, emin, qlow, e_max, e_max, e_minn, man < 0, w, MODE, False)
+        r = C.round_float(u, man, emin, qlow, e_max, e_max, e_minn, False, w, MODE, False)
     return r.to(tl.float32, bitcast=True)
 
 
