@@ -545,7 +545,8 @@ def _tl_settle(X, live, x_ptr, base, m, mc, ncols, bs, enc, dec, c_amax, elem_ma
     return X
 
 
-@triton.jit
+# (the sizes are not specialized on: one compiled kernel per format and mode, whatever the shape)
+@triton.jit(do_not_specialize=["nblocks", "R", "ncols", "tr", "tc", "nbr", "nbc", "bs"])
 def _two_level_kernel(x_ptr, y_ptr, xs_ptr, sc_ptr, nblocks, R, ncols, tr, tc, nbr, nbc, bs,
                       man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat,
                       elem_max, ceil_k, denom, s_man, s_emin, s_qlow, s_max32, s_minn32,
@@ -715,7 +716,9 @@ def quantize_two_level(x, elem, elem_max, scale_rule, scale, scale_max, geom, bo
         prog = 16384 if interpreted() else 2048
         # (4over6's error sums take BC steps per chunk: short chunks)
         BC = min(triton.next_power_of_2(bs), 64 if scale_rule == _4OVER6 else prog)
-        BR = min(max(1, prog // BC), triton.next_power_of_2(nblocks))
+        BR = max(1, prog // BC)
+        if interpreted():  # (no masked-off blocks to step through: ~7 ms per program there)
+            BR = min(BR, triton.next_power_of_2(nblocks))
         sc = torch.stack([enc, dec, c_amax, a32]).float()
         launcher(_two_level_kernel)[(triton.cdiv(nblocks, BR),)](
             xf, y, X if block_scales else sc, sc, nblocks, R, ncols, tr, tc, nbr, nbc, bs,
