@@ -4,7 +4,8 @@
 # toolkit and no network needed. In under 8 minutes (each step has its own timeout):
 #   1. the CPU extension (skipped where qtensor/_C already imports: e.g. carried over);
 #   2. the CUDA tests: Triton kernels on the device against the CPU kernels and the reference,
-#      bit for bit (test_kernels, test_accum, test_api), and the first-use self-check of every
+#      bit for bit (test_kernels, test_two_level_kernel, test_accum, test_api), and the
+#      first-use self-check of every
 #      family, accumulator included (test_selfcheck), with the check itself off elsewhere;
 #   3. the kernel benchmark: GB/s and ratio to copy_ (scalar, stochastic, MX, NVFP4);
 #   4. qt.accum on CUDA: the Triton kernel's bits against the reference, and its time;
@@ -37,7 +38,7 @@ run() {
   [ "$rc" -eq 0 ] || { echo "FAILED ($rc): $*"; status=1; }
 }
 
-TESTS=(tests/kernels/test_kernels.py tests/accum/test_accum.py tests/test_api.py tests/kernels/test_selfcheck.py)
+TESTS=(tests/kernels/test_kernels.py tests/kernels/test_two_level_kernel.py tests/accum/test_accum.py tests/test_api.py tests/kernels/test_selfcheck.py)
 SELECT="cuda"  # the tests that run on the device (the rest is CI's; test_triton*.py: CPU only)
 
 if [ $dry -eq 1 ]; then

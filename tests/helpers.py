@@ -53,3 +53,39 @@ def assert_passes_under_isa(test_file: str, isa: str, selection: str) -> None:
                        env=dict(os.environ, QTENSOR_CPU_ISA=isa), cwd=root,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def two_level_formats() -> dict:
+    """The two-level formats (tensor_scale=True) the two-level kernels are held to the reference
+    on: every scale rule and option, element kind and blocking the kernels distinguish."""
+    import qtensor as qt
+    e4m3 = "fp8_e4m3"
+    return {
+        "nvfp4": qt.nvfp4,
+        "4over6": qt.BlockFormat("fp4_e2m1", 16, scale=e4m3, scale_rule="4over6",
+                                 tensor_scale=True),
+        "ceil": qt.BlockFormat("fp4_e2m1", 16, scale=e4m3, scale_rule="ceil", tensor_scale=True),
+        "ue5m3": qt.BlockFormat("fp4_e2m1", 16, scale="ue5m3", scale_rule="amax",
+                                tensor_scale=True),
+        "settle": qt.nvfp4.replace(settle=True),
+        "4over6_settle": qt.BlockFormat("fp4_e2m1", 16, scale=e4m3, scale_rule="4over6",
+                                        tensor_scale=True, settle=True),
+        "fp6_elems": qt.BlockFormat("fp6_e2m3", 16, scale=e4m3, scale_rule="amax",
+                                    tensor_scale=True),
+        "fixed_elems": qt.BlockFormat(qt.FixedFormat(4, 0, symmetric=True), 16, scale=e4m3,
+                                      scale_rule="amax", tensor_scale=True),
+        "fixed_ceil_settle": qt.BlockFormat(qt.FixedFormat(6, 2, symmetric=True), 8, scale=e4m3,
+                                            scale_rule="ceil", tensor_scale=True, settle=True),
+        "axis0": qt.nvfp4.replace(axis=0),
+        "axis_none": qt.nvfp4.replace(axis=None, block_size=None),
+        "tiles": qt.nvfp4.replace(block_shape=(4, 8)),
+        "tiles_axis0": qt.nvfp4.replace(block_shape=(4, 8), axis=-2),
+    }
+
+
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """owner.name (a function) patched to append to the returned list on each call."""
+    calls = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls

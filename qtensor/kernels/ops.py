@@ -208,7 +208,7 @@ def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if x.dtype not in KERNEL_DTYPES:
         return False
     if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
-        return False  # TE's two-level rule: reference.quantize_two_level (torch float32 ops)
+        return False  # TE's two-level rule: _two_level
     if x.device.type == "meta":
         return _C is not None
     if gpu.takes(x):  # the Triton kernels (what they do not cover goes to the reference)
@@ -223,9 +223,12 @@ def _sample_check(family: str):
     """The first-use check of a quantization kernel family: its sample, kernel vs reference."""
     def check(device: torch.device) -> Optional[str]:
         for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
-            name, args = op_args(fmt)
-            got = getattr(kernel_ops(x), name)(x, *args, rounding_code(rounding),
-                                               _seed_arg(seed))
+            if fmt.is_block and fmt.tensor_scale:
+                got = _two_level(x, fmt, rounding, seed, checked=False)
+            else:
+                name, args = op_args(fmt)
+                got = getattr(kernel_ops(x), name)(x, *args, rounding_code(rounding),
+                                                   _seed_arg(seed))
             found = selfcheck.difference(got, reference.quantize_with_seed(x, fmt, rounding, seed))
             if found is not None:
                 return f"{fmt} with rounding={rounding} on {x.dtype}: {found}"
@@ -233,7 +236,7 @@ def _sample_check(family: str):
     return check
 
 
-for _family in ("scalar", "block", "stochastic"):
+for _family in ("scalar", "block", "stochastic", "two_level"):
     selfcheck.register(_family, _sample_check(_family))
 if gpu.available() and torch.cuda.is_available() and _C is not None:
     gpu.register_cuda_kernels()  # the CUDA kernels of the qtensor:: ops
@@ -514,14 +517,19 @@ def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
 
 
 def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False,
-               out=None, block_scales=False, tensor_amax=None):
+               out=None, block_scales=False, checked=True, tensor_amax=None):
     """x rounded to a two-level format by TE's rule (reference.quantize_two_level, the spec): the
     values (into ``out`` if given), or (values, decode tensor scale), and with block_scales each
-    block's scale X as the reference gives them. The fused kernel (qtensor::quantize_two_level)
-    where one takes x, else the reference with its scalar roundings by the compiled kernels.
-    tensor_amax: the amax of a whole tensor that x is a part of (its scale is that tensor's)."""
+    block's scale X as the reference gives them. The fused kernel (qtensor::quantize_two_level on
+    CPU, the Triton one where qtensor.kernels.gpu takes x) where one takes x, else the reference
+    with its scalar roundings by the compiled kernels. checked=False: the kernel without its
+    first-use check (qtensor.kernels.selfcheck; the check itself calls it). tensor_amax: the amax
+    of a whole tensor that x is a part of (its scale is that tensor's; the reference)."""
     x = x.detach()
     geom = None if seed is _DRAWN_IN_GRAPH or tensor_amax is not None else _two_level_geom(x, fmt)
+    if geom is not None and checked and not selfcheck.trusted(x.device.type, "two_level",
+                                                              x.device):
+        geom = None
     if geom is None:
         r = reference.quantize_two_level(x, fmt, rounding, seed, tensor_scale,
                                          rnd=_round_scalar32, block_scales=block_scales,
@@ -537,7 +545,7 @@ def _two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with
         args = (elem, elem_max, _SCALE_RULE_CODE[fmt.scale_rule], scale, smax, geom,
                 float(fmt.tensor_scale_bound), fmt.settle, ts, block_scales,
                 rounding_code(rounding), _seed_arg(seed))
-        op = torch.ops.qtensor.quantize_two_level
+        op = kernel_ops(x).quantize_two_level
         if out is None or torch.compiler.is_compiling() or _is_traced(x):
             q, s, X = op(x, *args)
             if out is not None:
@@ -559,10 +567,11 @@ def _two_level_nblocks(numel: int, geom) -> int:
 def _two_level_geom(x, fmt: BlockFormat):
     """The blocks of x as the two-level kernel takes them, [rows, cols, tr, tc]: the tr x tc
     tiles of x viewed as [-1, rows, cols] (reference.block_layout's and tile_blocks's blocks);
-    None where the kernel does not take x (no compiled extension, another device or dtype, an
-    element or scale format it has no rounding for): the reference then."""
-    if (_C is None or x.dtype not in KERNEL_DTYPES or x.device.type != "cpu" or gpu.takes(x)
-            or x.dim() > 16 or x.numel() == 0):
+    None where no kernel takes x (the C++ one on CPU, the Triton one where qtensor.kernels.gpu
+    takes x; another dtype, an element or scale format it has no rounding for): the reference
+    then."""
+    kernel = gpu.takes(x) or (_C is not None and x.device.type == "cpu")
+    if not kernel or x.dtype not in KERNEL_DTYPES or x.dim() > 16 or x.numel() == 0:
         return None
     e, sf = fmt.elem, fmt.amax_scale_format
     if isinstance(e, FloatFormat) and reference.needs_sign_fixup(e):

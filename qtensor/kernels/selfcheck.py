@@ -11,6 +11,8 @@ from then on (the same bits, slower) and warns once, saying how to report it. Th
   ``quantize_fixed``);
 - ``block``: block formats, deterministic rounding (``qtensor::quantize_block``);
 - ``stochastic``: any format with stochastic rounding;
+- ``two_level``: two-level block formats (nvfp4: Transformer Engine's rule), every rounding
+  (``qtensor::quantize_two_level``);
 - ``accumulator``: ``qt.accum.accum_matmul`` (``qtensor::accum_matmul``).
 
 No check runs on devices outside ``CHECKED_DEVICES`` (the CPU kernels are held to the reference
@@ -40,7 +42,7 @@ __all__ = ["GPU_VERIFIED", "CHECKED_DEVICES", "ENV", "FAMILIES", "family", "regi
 GPU_VERIFIED = False  # True once scripts/gpu_check.sh has passed on a GPU
 CHECKED_DEVICES = frozenset({"cuda"})  # device types whose kernels are checked on first use
 ENV = "QTENSOR_KERNEL_CHECK"  # "0": trust the kernels without the check
-FAMILIES = ("scalar", "block", "stochastic", "accumulator")
+FAMILIES = ("scalar", "block", "stochastic", "two_level", "accumulator")
 REPORT = (
     "Please report it as an issue of the qtensor project, with this warning, the output of "
     "`nvidia-smi` and of `python -c \"import torch; print(torch.__version__, torch.version.cuda)\"`"
@@ -53,6 +55,8 @@ _verdicts: dict = {}  # (device type, family) -> True: the kernel agreed; False:
 
 def family(fmt, rounding: str) -> str:
     """The kernel family that rounds to ``fmt`` with ``rounding``."""
+    if fmt.is_block and fmt.tensor_scale:
+        return "two_level"
     if rounding.startswith("stochastic"):  # (also "stochasticN")
         return "stochastic"
     return "block" if fmt.is_block else "scalar"
@@ -126,8 +130,6 @@ _SCALAR = [_P[n] for n in ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "tf32", "fp6_
     FloatFormat(8, 3, bias=130, subnormals=False), FixedFormat(8, 4),
     FixedFormat(8, 4, saturate=False), FixedFormat(8, 4, signed=False),
     FixedFormat(16, 14, symmetric=True)]
-# (two-level formats, NVFP4 with its tensor scale, are not rounded by the kernels: ops runs
-# Transformer Engine's float32 steps for them, with the scalar kernels inside)
 _BLOCK = [_P[n] for n in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp4_e2m1", "mxint8",
                           "nvfp4_single")] + [
     BlockFormat(_P["fp8_e4m3"], 16, axis=0), BlockFormat(_P["fp4_e2m1"], None, axis=None),
@@ -136,6 +138,14 @@ _BLOCK = [_P[n] for n in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp4_e2m1"
     BlockFormat(FixedFormat(8, 6, symmetric=True), 8, scale=_P["fp8_e4m3"], scale_rule="amax")]
 _STOCHASTIC = [_P["fp8_e4m3"], _P["bf16"], _P["fp4_e2m1"], FixedFormat(8, 4), _P["mxfp4_e2m1"],
                _P["nvfp4_single"], _P["mxint8"], BlockFormat(_P["fp8_e4m3"], 16, axis=0)]
+_E4M3 = _P["fp8_e4m3"]
+_TWO_LEVEL = [_P["nvfp4"], _P["nvfp4"].replace(axis=0), _P["nvfp4"].replace(block_shape=(4, 8)),
+              _P["nvfp4"].replace(settle=True),
+              BlockFormat(_P["fp4_e2m1"], 16, scale=_E4M3, scale_rule="4over6", tensor_scale=True),
+              BlockFormat(_P["fp4_e2m1"], 16, scale=_E4M3, scale_rule="ceil", tensor_scale=True),
+              BlockFormat(_P["fp4_e2m1"], 16, scale="ue5m3", scale_rule="amax", tensor_scale=True),
+              BlockFormat(FixedFormat(6, 2, symmetric=True), 8, scale=_E4M3, scale_rule="amax",
+                          tensor_scale=True)]
 _SEED = 0x5EED_0F_C0DA
 
 
@@ -170,6 +180,15 @@ def quantize_cases(name: str, device: torch.device) -> Iterator[tuple]:
             for rounding in ("nearest", "nearest_away", "toward_zero"):
                 for x in inputs:
                     yield x, fmt, rounding, 0
+    elif name == "two_level":
+        inputs.insert(2, base[1:5])  # (without row 0's specials: a tensor scale of normal values)
+        modes = ("nearest", "nearest_away", "toward_zero", "stochastic")
+        for i, fmt in enumerate(_TWO_LEVEL):
+            # (each format and mode is a kernel compiled on first use: every mode for nvfp4,
+            # one for each other format)
+            for rounding in modes if i == 0 else modes[i % 4:i % 4 + 1]:
+                for x in inputs:
+                    yield x, fmt, rounding, _SEED
     else:
         for fmt in _STOCHASTIC:
             for x in inputs:

@@ -149,6 +149,35 @@ def test_a_right_kernel_is_kept_silently(cpu_checked, monkeypatch):
     assert_bits_equal(b, reference.quantize(x, "mxfp4_e2m1"))
 
 
+@pytest.mark.parametrize("fmt", [qt.nvfp4, qt.nvfp4.replace(scale_rule="4over6")], ids=str)
+def test_a_wrong_two_level_kernel_is_replaced(cpu_checked, monkeypatch, fmt):
+    wrong = _inject(monkeypatch, "quantize_two_level", lambda r: (_one_ulp_up(r[0]), *r[1:]))
+    x = _user_input()
+    q, warned = _caught(lambda: qt.quantize(x, fmt))
+    assert_bits_equal(q, reference.quantize(x, fmt), str(fmt))
+    assert len(warned) == 1 and warned[0].startswith(
+        "qtensor: the two_level kernels do not agree with the reference on cpu")
+    # (the reference then rounds with the scalar kernels: their family is checked too)
+    assert selfcheck.verdicts()[("cpu", "two_level")] is False
+    calls = wrong.calls
+    y = x.clone()
+    (q2, _), warned2 = _caught(lambda: (qt.quantize(x, fmt, rounding="stochastic"),
+                                        qt.quantize_(y, fmt)))
+    assert warned2 == [] and wrong.calls == calls  # the wrong kernel is not run again
+    assert_bits_equal(y, reference.quantize(x, fmt), "in place")
+
+
+def test_a_right_two_level_kernel_is_kept_silently(cpu_checked, monkeypatch):
+    packet = _inject(monkeypatch, "quantize_two_level")
+    x = _user_input()
+    q, warned = _caught(lambda: qt.quantize(x, "nvfp4"))
+    assert warned == [] and selfcheck.verdicts() == {("cpu", "two_level"): True}
+    n = packet.calls
+    qt.quantize(x, "nvfp4")
+    assert packet.calls == n + 1  # the kernel does the work
+    assert_bits_equal(q, reference.quantize(x, "nvfp4"))
+
+
 def test_a_kernel_that_raises_is_replaced(cpu_checked, monkeypatch):
     _inject(monkeypatch, "quantize_block", _raise)
     x = _user_input()
@@ -227,7 +256,7 @@ def test_the_check_leaves_the_users_random_stream_alone(cpu_checked):
     assert set(selfcheck.verdicts().values()) == {True}
 
 
-@pytest.mark.parametrize("family", ["scalar", "block", "stochastic", "accumulator"])
+@pytest.mark.parametrize("family", ["scalar", "block", "stochastic", "two_level", "accumulator"])
 def test_every_sample_agrees_on_the_cpu_kernels(family):
     """The samples themselves: the real CPU kernels pass them (a check that fails on right
     kernels would push every GPU user onto the reference)."""
@@ -272,6 +301,7 @@ def test_cuda_kernels_pass_their_first_use_check(monkeypatch):
         assert selfcheck._checks[family](torch.device("cuda")) is None, family
     x = torch.randn(64, 64, device="cuda")
     qt.quantize(x, "fp8_e4m3"), qt.quantize(x, "nvfp4_single"), qt.quantize(x, "bf16", rounding="stochastic")
+    qt.quantize(x, "nvfp4")
     accum.accum_matmul(x, x, accum.hopper_fp8)
     assert selfcheck.verdicts() == {("cuda", f): True for f in selfcheck.FAMILIES}
     selfcheck.reset()

@@ -123,8 +123,10 @@ def test_strided_views_dtypes_out_and_in_place(dtype):
 
 
 def _block_cases():
+    # (two-level formats, nvfp4: quantize_two_level, tests/kernels/test_triton_two_level.py)
     names = [n for n, f in PRESETS.items()
-             if isinstance(f, BlockFormat) and f.block_shape is None and f.scale_rule != "4over6"]
+             if isinstance(f, BlockFormat) and f.block_shape is None and f.scale_rule != "4over6"
+             and not f.tensor_scale]
     return names
 
 
@@ -244,15 +246,19 @@ def test_forced_quantize_takes_the_triton_kernels(forced, monkeypatch):
             want = qt.quantize(x, f)
         assert_same(got, want, str(f))
     assert len(calls) == 2
-    # the two-level formats (NVFP4's TE rule, 4over6 included) have no Triton kernel: the reference,
-    # the same bits
+    # the two-level formats (NVFP4's TE rule, 4over6 included) take their own Triton kernel
+    # (tests/kernels/test_triton_two_level.py), with the reference's bits
+    calls2 = []
+    real2 = gpu.quantize_two_level
+    monkeypatch.setattr(gpu, "quantize_two_level",
+                        lambda *a, **k: calls2.append(1) or real2(*a, **k))
     tiles = PRESETS["nvfp4"].replace(block_shape=(16, 16))
     for f in (PRESETS["nvfp4"].replace(scale_rule="4over6"), PRESETS["nvfp4"], tiles,
               PRESETS["nvfp4"].replace(rounding="stochastic")):
         got = qt.quantize(x, f, generator=torch.Generator().manual_seed(3))
         want = reference.quantize(x, f, generator=torch.Generator().manual_seed(3))
         assert_bits_equal(got, want, str(f))
-    assert len(calls) == 2
+    assert len(calls) == 2 and len(calls2) == 4
 
 
 def _train(recipe, seed=0):

@@ -10,27 +10,11 @@ import torch
 import qtensor as qt
 from qtensor.kernels import ops, reference
 
+from helpers import two_level_formats
+
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"), reason="no compiled kernels")
 
-E4M3 = "fp8_e4m3"
-FORMATS = {
-    "nvfp4": qt.nvfp4,
-    "4over6": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="4over6", tensor_scale=True),
-    "ceil": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="ceil", tensor_scale=True),
-    "ue5m3": qt.BlockFormat("fp4_e2m1", 16, scale="ue5m3", scale_rule="amax", tensor_scale=True),
-    "settle": qt.nvfp4.replace(settle=True),
-    "4over6_settle": qt.BlockFormat("fp4_e2m1", 16, scale=E4M3, scale_rule="4over6",
-                                    tensor_scale=True, settle=True),
-    "fp6_elems": qt.BlockFormat("fp6_e2m3", 16, scale=E4M3, scale_rule="amax", tensor_scale=True),
-    "fixed_elems": qt.BlockFormat(qt.FixedFormat(4, 0, symmetric=True), 16, scale=E4M3,
-                                  scale_rule="amax", tensor_scale=True),
-    "fixed_ceil_settle": qt.BlockFormat(qt.FixedFormat(6, 2, symmetric=True), 8, scale=E4M3,
-                                        scale_rule="ceil", tensor_scale=True, settle=True),
-    "axis0": qt.nvfp4.replace(axis=0),
-    "axis_none": qt.nvfp4.replace(axis=None, block_size=None),
-    "tiles": qt.nvfp4.replace(block_shape=(4, 8)),
-    "tiles_axis0": qt.nvfp4.replace(block_shape=(4, 8), axis=-2),
-}
+FORMATS = two_level_formats()
 ROUNDINGS = ["nearest", "nearest_away", "toward_zero", "stochastic", "stochastic5"]
 
 
@@ -156,3 +140,36 @@ def test_kernel_is_refused_for_bad_arguments():
         op(x, elem, emax, 0, *args[3:])
     with pytest.raises(RuntimeError, match="tensor_scale"):
         op(x, *args[:8], torch.tensor(-1.0), *args[9:])
+
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and ops.kernels_available("cuda")),
+                          reason="needs a CUDA device and the CUDA kernels")
+
+
+@cuda
+def test_cuda_matches_the_cpu_kernel():
+    """On a GPU (scripts/gpu_check.sh): the Triton kernel gives the CPU kernel's bits (values,
+    tensor scale, block scales) on every format, rounding and input above, half payloads, a
+    given tensor scale, and a big tensor with strided views (many programs)."""
+    def same(x, fmt, rounding, tensor_scale=None, what=""):
+        want = ops._two_level(x, fmt, rounding, 12345, tensor_scale, block_scales=True)
+        got = ops._two_level(x.cuda(), fmt, rounding, 12345, tensor_scale, block_scales=True)
+        for g, w in zip(got, want):
+            assert torch.equal(_bits(g.cpu()), _bits(w)), what
+    for i, (name, fmt) in enumerate(FORMATS.items()):
+        # (each format and mode is a kernel compiled on first use: every mode for nvfp4, one
+        # for each other format, every mode over several formats)
+        modes = ROUNDINGS if name == "nvfp4" else (ROUNDINGS[i % 5],)
+        for rounding in modes:
+            for key, x in _inputs().items():
+                if fmt.block_shape is None or x.dim() >= 2:
+                    same(x, fmt, rounding, what=f"{name} {rounding} {key}")
+            for dtype in (torch.float16, torch.bfloat16):
+                same(_inputs()["wide"].clamp(-6e4, 6e4).to(dtype), fmt, rounding,
+                     what=f"{name} {rounding} {dtype}")
+            same(_inputs()["wide"], fmt, rounding, 3e-6, f"{name} {rounding} tensor_scale")
+    big = torch.randn(1000, 4099)
+    for name in ("nvfp4", "4over6", "axis0", "tiles"):
+        for v in (big, big.t(), big[:, 1:]):
+            for rounding in ("nearest", "stochastic"):
+                same(v, FORMATS[name], rounding, what=f"big {name} {rounding} {v.stride()}")

@@ -6,7 +6,8 @@ CPU interpreter (``TRITON_INTERPRET=1``) the same kernels run on CPU tensors, wh
 checks them bit for bit against the C++ CPU kernels and the reference (docs/gpu.md).
 
 The entry point of each family is one function taking the arguments of its ``qtensor::`` op
-(``quantize_float``, ``quantize_fixed``, ``quantize_block``; ``out=`` may be x itself), so a back
+(``quantize_float``, ``quantize_fixed``, ``quantize_block``, ``quantize_two_level``: two-level
+formats by Transformer Engine's rule; ``out=`` may be x itself), so a back
 end can call it directly; :data:`ops` offers them in the ``torch.ops.qtensor`` form (functional
 op, ``.out`` and in-place ``_`` variants) that qtensor.kernels.ops calls for the tensors :func:`takes`.
 The functional ops are ``torch.library.triton_op``s where CUDA is present (torch.compile traces
@@ -16,20 +17,21 @@ into the kernels), else ``custom_op``s with a fake (the interpreter under torch.
 arguments); ``qt.accum`` calls it as ``ops.accum_matmul`` for the tensors :func:`takes`. AMD
 CDNA3's two-stage datapath has no Triton kernel (the reference runs it on CUDA).
 
-Not covered here (:func:`covers`; the reference rounds them, the same bits): the 4over6 scale
-rule with a tensor scale.
+Not covered here (the reference rounds them, the same bits): two-level formats whose elements
+need the reference's sign fix-up (P3109, unsigned) or whose scale has no zero, as on CPU
+(qtensor.kernels.ops._two_level_geom).
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 __all__ = ["available", "takes", "covers", "force", "ops", "quantize_float", "quantize_fixed",
-           "quantize_block", "accum_matmul"]
+           "quantize_block", "quantize_two_level", "accum_matmul"]
 
 FAMILIES = ("quantize_float", "quantize_fixed", "quantize_block")
 _forced = False
@@ -62,9 +64,9 @@ def _cuda_ready() -> bool:
 
 
 def covers(fmt, rounding: str) -> bool:
-    """Whether a Triton kernel rounds ``fmt`` (else the reference does, with the same bits): not
-    two-level formats (NVFP4's tensor scale: the kernel's rule is not Transformer Engine's, which
-    reference.quantize_two_level computes in float32 torch ops on the device)."""
+    """Whether quantize_float, quantize_fixed or quantize_block rounds ``fmt`` (else the
+    reference does, with the same bits): not two-level formats, which quantize_two_level rounds
+    (qtensor.kernels.ops._two_level)."""
     return not getattr(fmt, "tensor_scale", False)
 
 
@@ -111,6 +113,16 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
                                  scale_max, tensor_scale, rounding, seed, out=out)
 
 
+def quantize_two_level(x, elem, elem_max, scale_rule, scale, scale_max, geom, bound, settle,
+                       tensor_scale, block_scales, rounding, seed, *, out=None):
+    """qtensor::quantize_two_level's arguments, rounded by the Triton kernel: (values, decode
+    tensor scale, block scales), the values into out if given."""
+    _check(x, out, "quantize_two_level", (rounding, seed))
+    from . import blocks
+    return blocks.quantize_two_level(x, elem, elem_max, scale_rule, scale, scale_max, geom, bound,
+                                     settle, tensor_scale, block_scales, rounding, seed, out=out)
+
+
 def accum_matmul(a, b, chunk, frac_bits, group, align_rounding, acc_in_alignment, acc_man,
                  acc_rounding, promote, e_zero, a_emin, b_emin, acc_emin, acc_emax, a_gexp=None,
                  b_gexp=None, c=None, a_emins=None, b_emins=None):
@@ -147,6 +159,19 @@ def _block_op(x: torch.Tensor, elem: List[int], elem_max: float, block_size: int
                           tensor_scale, rounding, seed)
 
 
+def _two_level_op(x: torch.Tensor, elem: List[int], elem_max: float, scale_rule: int,
+                  scale: List[int], scale_max: float, geom: List[int], bound: float,
+                  settle: bool, tensor_scale: Optional[torch.Tensor], block_scales: bool,
+                  rounding: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_two_level(x, elem, elem_max, scale_rule, scale, scale_max, geom, bound,
+                              settle, tensor_scale, block_scales, rounding, seed)
+
+
+def _two_level_nblocks(x, geom) -> int:
+    R, C, tr, tc = geom
+    return x.numel() // (R * C) * -(-R // tr) * -(-C // tc)
+
+
 def _accum_op(a: torch.Tensor, b: torch.Tensor, chunk: int, frac_bits: int, group: int,
               align_rounding: int, acc_in_alignment: bool, acc_man: int, acc_rounding: int,
               promote: int, e_zero: int, a_emin: int, b_emin: int, acc_emin: int, acc_emax: int,
@@ -159,7 +184,8 @@ def _accum_op(a: torch.Tensor, b: torch.Tensor, chunk: int, frac_bits: int, grou
 
 
 _FUNCTIONAL = {"quantize_float": _float_op, "quantize_fixed": _fixed_op,
-               "quantize_block": _block_op, "accum_matmul": _accum_op}
+               "quantize_block": _block_op, "quantize_two_level": _two_level_op,
+               "accum_matmul": _accum_op}
 _registered: dict = {}
 
 
@@ -177,6 +203,14 @@ def _op(name: str):
                 @op.register_fake
                 def _(a, b, *args):
                     return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+            elif name == "quantize_two_level":
+                @op.register_fake
+                def _(x, *args):
+                    _check(x, None, "quantize_two_level", args[-2:])
+                    n = _two_level_nblocks(x, args[5]) if args[9] else 0
+                    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                            x.new_empty((), dtype=torch.float32),
+                            x.new_empty(n, dtype=torch.float32))
             else:
                 @op.register_fake
                 def _(x, *args, _name=name):
@@ -205,6 +239,18 @@ class _Family:
         self.out(x, *args, out=x)
 
 
+class _TwoLevelFamily(_Family):
+    """quantize_two_level: op(x, *args) -> (values, decode scale, block scales);
+    op.out(x, *args, out=...) -> (decode scale, block scales)."""
+
+    def out(self, x, *args, out):
+        if torch.compiler.is_compiling():
+            q, s, X = self(x, *args)
+            out.copy_(q)
+            return s, X
+        return quantize_two_level(x, *args, out=out)[1:]
+
+
 class _Ops:
     """The Triton families under the names qtensor.kernels.ops calls (``name`` and ``name + "_"``)."""
 
@@ -213,6 +259,7 @@ class _Ops:
             fam = _Family(name)
             setattr(self, name, fam)
             setattr(self, name + "_", fam.inplace)
+        self.quantize_two_level = _TwoLevelFamily("quantize_two_level")
 
     @staticmethod
     def accum_matmul(a, b, *args):
@@ -232,5 +279,9 @@ def register_cuda_kernels() -> None:
             lambda x, *a, out, _l=launch: (_l(x, *a, out=out), None)[1])
         torch.library.impl(f"qtensor::{name}_", "CUDA")(
             lambda x, *a, _l=launch: (_l(x, *a, out=x), None)[1])
+    if hasattr(torch.ops.qtensor, "quantize_two_level"):
+        torch.library.impl("qtensor::quantize_two_level", "CUDA")(quantize_two_level)
+        torch.library.impl("qtensor::quantize_two_level.out", "CUDA")(
+            lambda x, *a, out: quantize_two_level(x, *a, out=out)[1:])
     if hasattr(torch.ops.qtensor, "accum_matmul"):
         torch.library.impl("qtensor::accum_matmul", "CUDA")(accum_matmul)

@@ -1,13 +1,17 @@
-"""Triton kernel of the block family (qtensor::quantize_block): MX and custom block formats of any
-size along any axis (strided, without a transposing copy), partial blocks, the floor, ceil, even,
-amax and 4over6 scale rules (the even and amax rules' settling step included), power-of-two
-(E8M0) and mantissa-bit (E4M3, FP32, bf16) scales, NVFP4's per-tensor scale; every rounding
-mode. 2D tiles reach it laid out as 1D blocks (qtensor.kernels.ops). 4over6 with a tensor scale has no
-Triton kernel (qtensor.kernels.gpu.covers: the reference rounds it).
+"""Triton kernels of the block families: qtensor::quantize_block and qtensor::quantize_two_level.
 
-One program rounds BR blocks, looping over each block's elements in chunks of BC: the amax pass,
-the scale, then (for the even and amax rules) settling passes, (4over6) the second candidate's
-and an error pass in element order, then the rounding pass."""
+quantize_block: MX and custom block formats of any size along any axis (strided, without a
+transposing copy), partial blocks, the floor, ceil, even, amax and 4over6 scale rules (the even
+and amax rules' settling step included), power-of-two (E8M0) and mantissa-bit (E4M3, FP32, bf16)
+scales; every rounding mode. 2D tiles reach it laid out as 1D blocks (qtensor.kernels.ops). One
+program rounds BR blocks, looping over each block's elements in chunks of BC: the amax pass, the
+scale, then (for the even and amax rules) settling passes, (4over6) the second candidate's and an
+error pass in element order, then the rounding pass.
+
+quantize_two_level: two-level formats (tensor_scale=True: nvfp4 and its variants) by Transformer
+Engine's rule, reference.quantize_two_level's float32 steps (the C++ kernel's tl_blocks): the
+tensor's finite amax is a torch reduction, then one program rounds BR blocks (1D blocks along any
+axis and 2D tiles, as the tiles of x viewed as [groups, rows, cols]) in the same passes."""
 import math
 
 import torch
@@ -17,7 +21,7 @@ import triton.language as tl
 from . import _common as C
 from ._layout import launcher, finish, interpreted, key_and_mode
 
-__all__ = ["quantize_block"]
+__all__ = ["quantize_block", "quantize_two_level"]
 
 _FLOOR, _CEIL, _AMAX, _EVEN, _4OVER6 = 0, 1, 2, 3, 4
 
@@ -74,29 +78,23 @@ def _round_float_up(r, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn, s_uns):
 
 
 @triton.jit
-def _amax_scale(amax, ts, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn, s_uns,
-                UP: tl.constexpr, TS: tl.constexpr):
-    """round.h amax_block_scale: the scale (times the tensor scale) of blocks of amax (bits)."""
+def _amax_scale(amax, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn, s_uns,
+                UP: tl.constexpr):
+    """round.h amax_block_scale: the scale of blocks of amax (bits)."""
     a = amax.to(tl.float32, bitcast=True).to(tl.float64)
-    if TS:
-        denom = elem_max * ts
-        ratio = tl.where(denom > 0, a / tl.where(denom > 0, denom, 1.0), 0.0)
-    else:
-        ratio = a / elem_max
+    ratio = a / elem_max
     if UP:
         sc = _round_float_up(ratio, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn, s_uns)
     else:
         zero = tl.zeros(amax.shape, tl.uint32)
         sc = C.round_float(ratio.to(tl.uint64, bitcast=True), s_man, s_emin, s_qlow, s_max,
                            s_ovf, s_minn, s_uns, zero, 0, True).to(tl.float64, bitcast=True)
-    if TS:
-        sc = sc * ts
     return sc
 
 
 @triton.jit
-def _round_amax(u, sc, rbits, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
-                MODE: tl.constexpr, ELEM_FIXED: tl.constexpr, TS: tl.constexpr):
+def _round_amax(u, sc, rbits, man, emin, qlow, e_max, fl, e_pos, e_neg,
+                MODE: tl.constexpr, ELEM_FIXED: tl.constexpr):
     """round.h round_amax_elem: bits u rounded to the elements times the scale sc, in float64."""
     ok = sc > 0
     safe = tl.where(ok, sc, 1.0)
@@ -110,16 +108,14 @@ def _round_amax(u, sc, rbits, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
         qzb = C.round_float(zb, man, emin, qlow, e_max, e_max, e_max, False, rbits, MODE, True)
         zero = u & 0x80000000
     q = qzb.to(tl.float64, bitcast=True) * safe
-    if TS:
-        q = q.to(tl.float32).to(tl.float64)
     return tl.where(ok, q.to(tl.float32).to(tl.uint32, bitcast=True), zero)
 
 
 @triton.jit
-def _settled(sc, x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, ts, elem_max, key,
+def _settled(sc, x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, elem_max, key,
              sr_or, man, emin, qlow, e_max, fl, e_pos, e_neg, s_man, s_emin, s_qlow, s_max,
              s_ovf, s_minn, s_uns, MODE: tl.constexpr, ELEM_FIXED: tl.constexpr,
-             TS: tl.constexpr, UP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+             UP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """round.h settle_amax_scale: while the scale of the rounded block's amax is lower, the
     block takes it (idempotence)."""
     lower = sc > 0
@@ -134,24 +130,24 @@ def _settled(sc, x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, ts, el
                 rb = C.random_word(key, lbase[:, None] + j[None, :] * I, sr_or)
             else:
                 rb = tl.zeros(u.shape, tl.uint32)
-            q = _round_amax(u, sc[:, None], rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
-                            MODE, ELEM_FIXED, TS)
+            q = _round_amax(u, sc[:, None], rb, man, emin, qlow, e_max, fl, e_pos, e_neg,
+                            MODE, ELEM_FIXED)
             ram = tl.maximum(ram, tl.max(tl.where(m, q & 0x7FFFFFFF, 0), axis=1))
-        again = _amax_scale(ram, ts, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn,
-                            s_uns, UP, TS)
+        again = _amax_scale(ram, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf, s_minn,
+                            s_uns, UP)
         lower = (again < sc) & (sc > 0)
         sc = tl.where(lower, again, sc)
     return sc
 
 
 @triton.jit
-def _block_kernel(x_ptr, y_ptr, ts_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, yso, ysl, ysi,
+def _block_kernel(x_ptr, y_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, yso, ysl, ysi,
                   man, emin, qlow, elem_emax, elem_max, fl, kmin, kmax,
                   scale_emin, scale_emax, even_mbits,
                   s_man, s_emin, s_qlow, s_max, s_ovf, s_minn, s_uns, e_max, e_pos, e_neg,
                   key, sr_or,
                   RULE: tl.constexpr, MODE: tl.constexpr, ELEM_FIXED: tl.constexpr,
-                  TS: tl.constexpr, UP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                  UP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     row_ok = b < nblocks
     per_o = nb * I
@@ -170,10 +166,6 @@ def _block_kernel(x_ptr, y_ptr, ts_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, ys
     e_max = e_max.to(tl.uint64)
     e_pos = e_pos.to(tl.uint64)
     e_neg = e_neg.to(tl.uint64)
-    if TS:
-        ts = tl.load(ts_ptr)
-    else:
-        ts = 1.0
 
     # the blocks' amax (bits: NaN and Inf above every finite value)
     amax = tl.zeros([BR], tl.uint32)
@@ -188,20 +180,20 @@ def _block_kernel(x_ptr, y_ptr, ts_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, ys
 
     if RULE == 2 or RULE == 4:
         s_uns = s_uns != 0
-        sc = _settled(_amax_scale(amax, ts, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf,
-                                  s_minn, s_uns, UP, TS),
-                      x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, ts, elem_max,
+        sc = _settled(_amax_scale(amax, elem_max, s_man, s_emin, s_qlow, s_max, s_ovf,
+                                  s_minn, s_uns, UP),
+                      x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, elem_max,
                       key, sr_or, man, emin, qlow, e_max, fl, e_pos, e_neg, s_man, s_emin,
-                      s_qlow, s_max, s_ovf, s_minn, s_uns, MODE, ELEM_FIXED, TS, UP, BR, BC)
+                      s_qlow, s_max, s_ovf, s_minn, s_uns, MODE, ELEM_FIXED, UP, BR, BC)
         if RULE == 4:
             # 4over6: the scale mapping the max to 4 too, settled the same way; the block takes
             # the one whose sum of |q - x| (float64, in element order, as the CPU kernel) is
             # lower, 6 on a tie. (The elements keep their format, max 6, under either scale.)
-            sc4 = _settled(_amax_scale(amax, ts, 4.0, s_man, s_emin, s_qlow, s_max, s_ovf,
-                                       s_minn, s_uns, UP, TS),
-                           x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, ts, 4.0,
+            sc4 = _settled(_amax_scale(amax, 4.0, s_man, s_emin, s_qlow, s_max, s_ovf,
+                                       s_minn, s_uns, UP),
+                           x_ptr, xbase, xsl, start, L, bs, lbase, I, row_ok, cols, 4.0,
                            key, sr_or, man, emin, qlow, e_max, fl, e_pos, e_neg, s_man, s_emin,
-                           s_qlow, s_max, s_ovf, s_minn, s_uns, MODE, ELEM_FIXED, TS, UP, BR,
+                           s_qlow, s_max, s_ovf, s_minn, s_uns, MODE, ELEM_FIXED, UP, BR,
                            BC)
             e6 = tl.zeros([BR], tl.float64)
             e4 = tl.zeros([BR], tl.float64)
@@ -214,10 +206,10 @@ def _block_kernel(x_ptr, y_ptr, ts_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, ys
                     rb = C.random_word(key, lbase + j * I, sr_or)
                 else:
                     rb = tl.zeros(u.shape, tl.uint32)
-                q6 = _round_amax(u, sc, rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
-                                 MODE, ELEM_FIXED, TS)
-                q4 = _round_amax(u, sc4, rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
-                                 MODE, ELEM_FIXED, TS)
+                q6 = _round_amax(u, sc, rb, man, emin, qlow, e_max, fl, e_pos, e_neg,
+                                 MODE, ELEM_FIXED)
+                q4 = _round_amax(u, sc4, rb, man, emin, qlow, e_max, fl, e_pos, e_neg,
+                                 MODE, ELEM_FIXED)
                 d6 = q6.to(tl.float32, bitcast=True).to(tl.float64) - xv
                 d4 = q4.to(tl.float32, bitcast=True).to(tl.float64) - xv
                 e6 = tl.where(m, e6 + tl.abs(d6), e6)
@@ -256,8 +248,8 @@ def _block_kernel(x_ptr, y_ptr, ts_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, ys
         else:
             rb = tl.zeros(u.shape, tl.uint32)
         if RULE == 2 or RULE == 4:
-            q = _round_amax(u, sc[:, None], rb, ts, man, emin, qlow, e_max, fl, e_pos, e_neg,
-                            MODE, ELEM_FIXED, TS)
+            q = _round_amax(u, sc[:, None], rb, man, emin, qlow, e_max, fl, e_pos, e_neg,
+                            MODE, ELEM_FIXED)
         else:
             q = _round_pow2(u, k[:, None], rb, man, emin, qlow, elem_max, fl, kmax, kmin,
                             MODE, ELEM_FIXED)
@@ -297,20 +289,6 @@ def _three_dims(t, axis):
     return (before[0], t.shape[axis], after[0]), (before[1], t.stride(axis), after[1])
 
 
-def _tensor_scale(xf, elem_max, ts_bound, ts_bits, ts_jmin):
-    """op_common.h tensor_scale_from_amax on the device (a 0-dim float64 tensor, no sync)."""
-    a = torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax() if xf.numel() else \
-        torch.zeros((), device=xf.device)
-    t = a.double() / (elem_max * ts_bound)
-    pos = t > 0
-    t1 = torch.where(pos, t, 1.0)
-    _, e = torch.frexp(t1)
-    j = torch.clamp(e.to(torch.int64) - ts_bits, min=ts_jmin)
-    p = ((j + 1023) << 52).view(torch.float64)
-    ip = ((1023 - j) << 52).view(torch.float64)
-    return torch.where(pos, torch.floor(t1 * ip) * p, 0.0)
-
-
 def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
                    tensor_scale, rounding, seed, *, out=None):
     """qtensor::quantize_block with the Triton kernel (into ``out`` if given; out may be x)."""
@@ -323,15 +301,15 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
     rule = _AMAX if up else scale_rule
     if rule not in (_FLOOR, _CEIL, _AMAX, _EVEN, _4OVER6):
         raise RuntimeError(f"qtensor::quantize_block: unknown scale_rule {scale_rule}")
-    if rule == _4OVER6 and tensor_scale:
-        raise NotImplementedError("qtensor.kernels.gpu: 4over6 with a tensor scale has no Triton kernel "
-                                  "(qtensor.kernels.gpu.covers: the reference rounds it)")
+    if tensor_scale:
+        # (the C++ op's tensor_scale argument computes an older rule than Transformer Engine's,
+        # which two-level formats round by: quantize_two_level)
+        raise RuntimeError("qtensor.kernels.gpu.quantize_block: tensor_scale=True has no Triton "
+                           "kernel; two-level formats (nvfp4) round with quantize_two_level "
+                           "(Transformer Engine's rule)")
     if rule in (_FLOOR, _EVEN) and scale[0] != 0:
         raise RuntimeError("qtensor::quantize_block: scale_rule floor and even need an "
                            "exponent-only scale")
-    if tensor_scale and rule not in (_AMAX, _4OVER6):
-        raise RuntimeError("qtensor::quantize_block: tensor_scale needs scale_rule amax, 4over6, "
-                           "or ceil with a scale of mantissa bits")
     key, sr_or, mode = key_and_mode(seed, rounding)
     whole = axis is None or x.dim() == 0
     if not whole and not -x.dim() <= axis < x.dim():
@@ -374,7 +352,6 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
             even_mbits = wl - 2 if signed else wl - 1
             e_pos = _f64_bits(kmax * 2.0 ** -fl)
             e_neg = _f64_bits(-kmin * 2.0 ** -fl)
-            p_elem, elem_q = (wl - 1 if signed else wl), -fl
         else:
             man, emin = elem[1], elem[2]
             if not 0 <= man <= 23:
@@ -383,31 +360,371 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
             fl = kmin = kmax = 0
             even_mbits = man
             e_pos = e_neg = 0
-            p_elem, elem_q = man + 1, emin - man
         s_man, s_emin, s_emax, s_sub, s_overflow, s_uns = scale
         s_qlow = s_emin - s_man if s_sub else s_emin
         s_max = _f64_bits(scale_max)
-        s_ovf = s_max if (s_overflow == 0 or tensor_scale) else (
+        s_ovf = s_max if s_overflow == 0 else (
             0x7FF0000000000000 if s_overflow == 1 else 0x7FF8000000000000)
-        ts = torch.zeros((), dtype=torch.float64, device=x.device)
-        if tensor_scale:
-            ts_bits = 23 - p_elem - (s_man + 1)
-            if ts_bits < 1:
-                raise RuntimeError("qtensor::quantize_block: tensor_scale needs element and "
-                                   "scale formats of at most 22 significant bits together")
-            ts_jmin = -149 - (elem_q + (s_emin - s_man)) + 1
-            ts = _tensor_scale(xf, elem_max, scale_max, ts_bits, ts_jmin)
         prog = 16384 if interpreted() else 4096
         BC = min(triton.next_power_of_2(bs), prog)
         BR = max(1, prog // BC)
         grid = (triton.cdiv(nblocks, BR),)
         launcher(_block_kernel)[grid](
-            xf, y_view, ts, nblocks, L, I, nb, bs, xso, xsl, xsi, yso, ysl, ysi,
+            xf, y_view, nblocks, L, I, nb, bs, xso, xsl, xsi, yso, ysl, ysi,
             man, emin, qlow, elem[5], float(elem_max), fl, kmin, kmax,
             s_emin, s_emax, even_mbits,
             s_man, s_emin, s_qlow, s_max, s_ovf, _pow2_f64_bits(s_emin), int(bool(s_uns)),
             _f64_bits(elem_max), e_pos, e_neg, key, sr_or,
-            RULE=rule, MODE=mode, ELEM_FIXED=fixed, TS=bool(tensor_scale), UP=up, BR=BR, BC=BC)
+            RULE=rule, MODE=mode, ELEM_FIXED=fixed, UP=up, BR=BR, BC=BC)
     if out is not None and y is out:
         return out
     return finish(x, y.reshape(x.shape), out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two-level formats: Transformer Engine's rule (qtensor::quantize_two_level)
+#
+# Every step is the float32 operation of reference._two_level_blocks, computed in float64 and
+# rounded once to float32: a product of two float32s is exact in float64, and a float64 sum or
+# quotient of float32s rounded to float32 is the correctly rounded float32 one (53 >= 2 * 24 + 2
+# bits). So no step depends on the GPU compiler's float32 division (approximate on NVIDIA), FMA
+# contraction or subnormal flushing.
+
+_F32_MAX = 3.4028234663852886e38
+_TILE_ROW, _TILE_COL, _TILE_2D = 0, 1, 2
+
+
+@triton.jit
+def _mul32(a, b):
+    return (a.to(tl.float64) * b).to(tl.float32)  # (b: float32, or a float argument)
+
+
+@triton.jit
+def _div32(a, b):
+    return (a.to(tl.float64) / b).to(tl.float32)
+
+
+@triton.jit
+def _tl_offsets(base, j, mc, ncols, TILE: tl.constexpr):
+    """x's flat offsets of element j of blocks at base (a tile's elements in row-major order;
+    mc: the tile's columns)."""
+    if TILE == 0:
+        return base + j
+    elif TILE == 1:
+        return base + j.to(tl.int64) * ncols
+    else:
+        return base + (j // mc).to(tl.int64) * ncols + j % mc
+
+
+@triton.jit
+def _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, MODE: tl.constexpr, TILE: tl.constexpr,
+              BC: tl.constexpr):
+    """Elements c0 .. c0 + BC - 1 of blocks at base with m elements: (mask, x's offsets,
+    values, random words)."""
+    j = c0 + tl.arange(0, BC)
+    msk = j[None, :] < m[:, None]
+    off = _tl_offsets(base[:, None], j[None, :], mc[:, None], ncols, TILE)
+    xv = tl.load(x_ptr + off, mask=msk, other=0.0)
+    if MODE == 3:
+        w = C.random_word(key, off, sr_or)
+    else:
+        w = tl.zeros(xv.shape, tl.uint32)
+    return msk, off, xv, w
+
+
+@triton.jit
+def _tl_code(t, s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64, s_minn64,
+             UP: tl.constexpr):
+    """reference._scale_code: t (>= 0; NaN and +Inf read as FLT_MAX) to the scale format,
+    nearest and saturating, or upward (the ceil rule), at most the scale's max."""
+    tt = tl.where(t < 3.4028234663852886e38, t, 3.4028234663852886e38)
+    if UP:
+        up = _round_float_up(tt.to(tl.float64), s_man, s_emin, s_qlow, s_max64, s_max64,
+                             s_minn64, False)
+        smax = s_max32.to(tl.float32, bitcast=True)
+        X = tl.where(up < smax.to(tl.float64), up.to(tl.float32), smax)
+    else:
+        zero = tl.zeros(t.shape, tl.uint32)
+        X = C.round_float(tt.to(tl.uint32, bitcast=True), s_man, s_emin, s_qlow, s_max32,
+                          s_max32, s_minn32, False, zero, 0, False).to(tl.float32, bitcast=True)
+    return X
+
+
+@triton.jit
+def _tl_scale(am, enc, dec, c_amax, elem_max, ceil_k, s_man, s_emin, s_qlow, s_max32,
+              s_minn32, s_max64, s_minn64, RULE: tl.constexpr, CAND: tl.constexpr):
+    """reference.te_scale_fns: blocks' scale X (float32, a scale value) from their amax; CAND 1
+    is 4over6's map-to-4 candidate."""
+    if RULE == 4:
+        t = _mul32(_div32(am, elem_max), enc)
+        if CAND == 1:
+            t = _mul32(t, 1.5)
+        X = _tl_code(t, s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64, s_minn64, False)
+    else:
+        X = _tl_code(_mul32(am, c_amax), s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64,
+                     s_minn64, RULE == 1)
+        if RULE == 1:
+            # the smallest scale whose largest value covers am (ceil_of)
+            zero = tl.zeros(am.shape, tl.uint32)
+            down = C.round_float(_mul32(X, ceil_k).to(tl.uint32, bitcast=True), s_man, s_emin,
+                                 s_qlow, s_max32, s_max32, s_minn32, False, zero, 2, False)
+            down = down.to(tl.float32, bitcast=True)
+            X = tl.where(_mul32(_mul32(down, elem_max), dec) >= am, down, X)
+    return X
+
+
+@triton.jit
+def _tl_inv(X, dec):
+    """min(1 / (X * dec), FLT_MAX) in float32 (a zero X: FLT_MAX)."""
+    d = _mul32(X, dec)
+    r = _div32(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0))
+    return tl.where((d > 0) & (r < 3.4028234663852886e38), r, 3.4028234663852886e38)
+
+
+@triton.jit
+def _tl_round(t, w, man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat,
+              MODE: tl.constexpr, EK: tl.constexpr):
+    """float32 t rounded to the (saturating) element format, as float32."""
+    u = t.to(tl.uint32, bitcast=True)
+    if EK == 1:
+        r, _r, _w = C.round_fixed(u, fqexp, f_pos, f_neg, f_nsat, w, MODE, False)
+    else:
+        r = C.round_float(u, man, emin, qlow, e_max, e_max, e_minn, False, w, MODE, False)
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tl_payload(xv, w, X, inv, dec, man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg,
+                f_nsat, MODE: tl.constexpr, EK: tl.constexpr):
+    """The payloads p = e * X of x under the scale X (reference: payload): e = Q(x * inv);
+    directed and stochastic rounding keep the nearest e where fl32(e * X * dec) is x itself."""
+    t = _mul32(xv, inv)
+    if MODE == 0 or MODE == 1:
+        e = _tl_round(t, w, man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat, MODE,
+                      EK)
+    else:
+        en = _tl_round(t, w, man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat, 0, EK)
+        ed = _tl_round(t, w, man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat, MODE,
+                       EK)
+        e = tl.where(_mul32(_mul32(en, X), dec) == xv, en, ed)
+    return _mul32(e, X)
+
+
+@triton.jit
+def _tl_error(xv, w, X, inv, dec, a32, denom, man, emin, qlow, e_max, e_minn, fqexp, f_pos,
+              f_neg, f_nsat, MODE: tl.constexpr, EK: tl.constexpr):
+    """TE's 4over6 error term of x under the scale X: |fl32(fl32(p * amax) / M) - x|."""
+    p = _tl_payload(xv, w, X, inv, dec, man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg,
+                    f_nsat, MODE, EK)
+    v = _div32(_mul32(p, a32), denom)
+    return tl.abs((v.to(tl.float64) - xv).to(tl.float32))
+
+
+@triton.jit
+def _tl_settle(X, live, x_ptr, base, m, mc, ncols, bs, enc, dec, c_amax, elem_max, ceil_k,
+               s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64, s_minn64, key, sr_or,
+               man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat,
+               RULE: tl.constexpr, CAND: tl.constexpr, MODE: tl.constexpr, EK: tl.constexpr,
+               TILE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """settle=: while the scale of a block's rounded max (fl32(p * dec)) is lower, the block
+    takes it (each step lowers X, so this ends)."""
+    lower = live
+    while tl.max(lower.to(tl.int32), axis=0) > 0:
+        inv = _tl_inv(X, dec)
+        rmax = tl.zeros([BR], tl.uint32)
+        for c0 in range(0, bs, BC):
+            msk, off, xv, w = _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, MODE, TILE, BC)
+            p = _tl_payload(xv, w, X[:, None], inv[:, None], dec, man, emin, qlow, e_max,
+                            e_minn, fqexp, f_pos, f_neg, f_nsat, MODE, EK)
+            q = _mul32(p, dec).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+            rmax = tl.maximum(rmax, tl.max(tl.where(msk, q, 0), axis=1))
+        X2 = _tl_scale(rmax.to(tl.float32, bitcast=True), enc, dec, c_amax, elem_max, ceil_k,
+                       s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64, s_minn64, RULE, CAND)
+        lower = live & (X2 < X)
+        X = tl.where(lower, X2, X)
+    return X
+
+
+# (the sizes are not specialized on: one compiled kernel per format and mode, whatever the shape)
+@triton.jit(do_not_specialize=["nblocks", "R", "ncols", "tr", "tc", "nbr", "nbc", "bs"])
+def _two_level_kernel(x_ptr, y_ptr, xs_ptr, sc_ptr, nblocks, R, ncols, tr, tc, nbr, nbc, bs,
+                      man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat,
+                      elem_max, ceil_k, denom, s_man, s_emin, s_qlow, s_max32, s_minn32,
+                      s_max64, s_minn64, key, sr_or,
+                      RULE: tl.constexpr, MODE: tl.constexpr, EK: tl.constexpr,
+                      SETTLE: tl.constexpr, WRITE_X: tl.constexpr, TILE: tl.constexpr,
+                      BR: tl.constexpr, BC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    row_ok = b < nblocks
+    per = nbr * nbc
+    g = b // per
+    rem = b % per
+    br = rem // nbc
+    bc = rem % nbc
+    base = g * R * ncols + br * tr * ncols + bc * tc
+    mr = tl.where(row_ok, tl.minimum(tr, R - br * tr), 0)
+    mc = tl.where(row_ok, tl.minimum(tc, ncols - bc * tc), 1)
+    m = mr * mc
+    cols = tl.arange(0, BC)
+    e_max = e_max.to(tl.uint32)
+    e_minn = e_minn.to(tl.uint32)
+    f_pos = f_pos.to(tl.uint32)
+    f_neg = f_neg.to(tl.uint32)
+    f_nsat = f_nsat.to(tl.uint32)
+    s_max32 = s_max32.to(tl.uint32)
+    s_minn32 = s_minn32.to(tl.uint32)
+    s_max64 = s_max64.to(tl.uint64)
+    s_minn64 = s_minn64.to(tl.uint64)
+    enc = tl.load(sc_ptr)
+    dec = tl.load(sc_ptr + 1)
+    c_amax = tl.load(sc_ptr + 2)
+    a32 = tl.load(sc_ptr + 3)
+
+    # the blocks' amax (|x|'s bits: NaN above Inf above every finite value)
+    bm = tl.zeros([BR], tl.uint32)
+    for c0 in range(0, bs, BC):
+        msk, off, xv, w = _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, 0, TILE, BC)
+        u = xv.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+        bm = tl.maximum(bm, tl.max(tl.where(msk, u, 0), axis=1))
+    bad = bm >= 0x7F800000
+    live = row_ok & (bm < 0x7F800000)
+    am = tl.where(bad, 0, bm).to(tl.float32, bitcast=True)
+
+    X = _tl_scale(am, enc, dec, c_amax, elem_max, ceil_k, s_man, s_emin, s_qlow, s_max32,
+                  s_minn32, s_max64, s_minn64, RULE, 0)
+    if SETTLE:
+        X = _tl_settle(X, live, x_ptr, base, m, mc, ncols, bs, enc, dec, c_amax, elem_max,
+                       ceil_k, s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64, s_minn64, key,
+                       sr_or, man, emin, qlow, e_max, e_minn, fqexp, f_pos, f_neg, f_nsat,
+                       RULE, 0, MODE, EK, TILE, BR, BC)
+    if RULE == 4:
+        # 4over6: the map-to-4 candidate where TE's error sum, |fl32(fl32(p * amax) / M) - x|
+        # added in float32 in element order, is lower (map-to-6 on a tie)
+        X4 = _tl_scale(am, enc, dec, c_amax, elem_max, ceil_k, s_man, s_emin, s_qlow, s_max32,
+                       s_minn32, s_max64, s_minn64, RULE, 1)
+        if SETTLE:
+            X4 = _tl_settle(X4, live, x_ptr, base, m, mc, ncols, bs, enc, dec, c_amax,
+                            elem_max, ceil_k, s_man, s_emin, s_qlow, s_max32, s_minn32, s_max64,
+                            s_minn64, key, sr_or, man, emin, qlow, e_max, e_minn, fqexp, f_pos,
+                            f_neg, f_nsat, RULE, 1, MODE, EK, TILE, BR, BC)
+        inv6 = _tl_inv(X, dec)
+        inv4 = _tl_inv(X4, dec)
+        e6 = tl.zeros([BR], tl.float32)
+        e4 = tl.zeros([BR], tl.float32)
+        for c0 in range(0, bs, BC):
+            msk, off, xv, w = _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, MODE, TILE, BC)
+            d6 = _tl_error(xv, w, X[:, None], inv6[:, None], dec, a32, denom, man, emin, qlow,
+                           e_max, e_minn, fqexp, f_pos, f_neg, f_nsat, MODE, EK)
+            d4 = _tl_error(xv, w, X4[:, None], inv4[:, None], dec, a32, denom, man, emin, qlow,
+                           e_max, e_minn, fqexp, f_pos, f_neg, f_nsat, MODE, EK)
+            d6 = tl.where(msk, d6, 0.0)
+            d4 = tl.where(msk, d4, 0.0)
+            for k in range(0, BC):  # in element order (a column's sum is its one term)
+                sel = cols[None, :] == k
+                e6 = (e6.to(tl.float64) + tl.sum(tl.where(sel, d6, 0.0), axis=1)).to(tl.float32)
+                e4 = (e4.to(tl.float64) + tl.sum(tl.where(sel, d4, 0.0), axis=1)).to(tl.float32)
+        X = tl.where(e4 < e6, X4, X)
+
+    # the values fl32(p * dec); a zero takes x's sign, a block holding Inf or NaN is all NaN
+    inv = _tl_inv(X, dec)
+    for c0 in range(0, bs, BC):
+        msk, off, xv, w = _tl_chunk(x_ptr, base, m, mc, ncols, c0, key, sr_or, MODE, TILE, BC)
+        p = _tl_payload(xv, w, X[:, None], inv[:, None], dec, man, emin, qlow, e_max, e_minn,
+                        fqexp, f_pos, f_neg, f_nsat, MODE, EK)
+        q = _mul32(p, dec)
+        qb = tl.where(q == 0, xv.to(tl.uint32, bitcast=True) & 0x80000000,
+                      q.to(tl.uint32, bitcast=True))
+        qb = tl.where(bad[:, None], 0x7FC00000, qb).to(tl.uint32)
+        tl.store(y_ptr + off, qb.to(tl.float32, bitcast=True), mask=msk)
+    if WRITE_X:
+        tl.store(xs_ptr + b, tl.where(bad, 0.0, X), mask=row_ok)
+
+
+def quantize_two_level(x, elem, elem_max, scale_rule, scale, scale_max, geom, bound, settle,
+                       tensor_scale, block_scales, rounding, seed, *, out=None):
+    """qtensor::quantize_two_level with the Triton kernel: (values, the decode tensor scale as a
+    0-dim float32 tensor, each block's scale X in block order where block_scales, else an empty
+    tensor); the values into ``out`` if given (out may be x). geom [rows, cols, tr, tc]: the
+    blocks are the tr x tc tiles of x viewed as contiguous [-1, rows, cols]. tensor_scale: the
+    decode scale to round under (a positive finite 0-dim float32 tensor, as qtensor.kernels.ops
+    checks it), else the one of x's largest finite magnitude."""
+    from .scalar import fixed_params, float_params
+    elem, scale, geom = list(elem), list(scale), list(geom)
+    op = "qtensor::quantize_two_level"
+    if len(elem) != 6 or elem[0] not in (0, 1) or len(scale) != 6:
+        raise RuntimeError(f"{op}: elem and scale as quantize_block's")
+    if len(geom) != 4 or min(geom) < 1:
+        raise RuntimeError(f"{op}: geom must be [rows, cols, tr, tc], each >= 1")
+    R, ncols, tr, tc = geom
+    if x.numel() % (R * ncols):
+        raise RuntimeError(f"{op}: geom {geom} does not tile a tensor of shape {list(x.shape)}")
+    ceil_rule = scale_rule == _CEIL and scale[0] > 0
+    if not (scale_rule in (_AMAX, _4OVER6) or ceil_rule):
+        raise RuntimeError(f"{op}: scale_rule must be amax, 4over6, or ceil with a scale of "
+                           "mantissa bits")
+    if not (0 <= scale[0] <= 23 and -149 <= scale[1] <= 127):
+        raise RuntimeError(f"{op}: scale format out of float32's range")
+    fixed = elem[0] == 1
+    if fixed:
+        if not 1 <= elem[1] <= 24:
+            raise RuntimeError(f"{op}: fixed element wl must be 1..24")
+        fqexp, f_pos, f_neg, f_nsat = fixed_params(elem[1], elem[2], bool(elem[3]),
+                                                   bool(elem[4]))[:4]
+        eparams = (0, 0, 0, 0, 0, fqexp, f_pos, f_neg, f_nsat)
+    else:
+        man, emin, qlow, e_max, _ovf, e_minn, _u = float_params(elem[1], elem[2], bool(elem[3]),
+                                                                elem_max, 0, False)
+        eparams = (man, emin, qlow, e_max, e_minn, 0, 0, 0, 0)
+    e2m1 = not fixed and elem[1] == 1 and elem[2] == 0 and elem[3] != 0 and elem_max == 6.0
+    if scale_rule == _4OVER6 and not e2m1:
+        raise RuntimeError(f"{op}: scale_rule 4over6 needs e2m1 elements")
+    s_man, s_emin, _smx, s_sub = scale[:4]
+    _, _, s_qlow, s_max32, _o, s_minn32, _u = float_params(s_man, s_emin, bool(s_sub), scale_max,
+                                                           0, False)
+    sparams = (s_man, s_emin, s_qlow, s_max32, s_minn32, _f64_bits(scale_max),
+               _pow2_f64_bits(s_emin))
+    key, sr_or, mode = key_and_mode(seed, rounding)
+
+    dev = x.device
+    xf = (x if x.dtype is torch.float32 else x.float()).contiguous()
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    if tensor_scale is not None:
+        if tensor_scale.numel() != 1 or tensor_scale.dtype is not torch.float32:
+            raise RuntimeError(f"{op}: tensor_scale must be one float32")
+        dec = tensor_scale.detach().reshape(()).to(dev, copy=True)  # (not an alias of an input)
+        enc = one / dec
+        a32 = (torch.full((), elem_max * bound, dtype=torch.float64, device=dev)
+               / enc.double()).float()
+    else:
+        # the largest finite |x|, then TE's encode scale (reference.encode_scale)
+        a32 = (xf.abs().nan_to_num(0.0, posinf=0.0).amax() if xf.numel()
+               else torch.zeros((), device=dev))
+        enc = torch.clamp(torch.full((), elem_max * bound, dtype=torch.float32, device=dev)
+                          / a32, max=_F32_MAX)
+        enc = torch.where((a32 == 0) | (enc == 0), one, enc)
+        dec = one / enc
+    c_amax = enc * torch.full((), 1.0 / elem_max, dtype=torch.float32, device=dev)
+    groups = x.numel() // (R * ncols)
+    nbr, nbc = -(-R // tr), -(-ncols // tc)
+    nblocks = groups * nbr * nbc
+    X = torch.empty(nblocks if block_scales else 0, dtype=torch.float32, device=dev)
+    y = out if (out is not None and out.dtype is torch.float32 and out.is_contiguous()) else \
+        torch.empty_like(xf)
+    if xf.numel():
+        bs = tr * tc
+        tile = _TILE_ROW if tr == 1 else (_TILE_COL if tc == 1 else _TILE_2D)
+        prog = 16384 if interpreted() else 2048
+        # (4over6's error sums take BC steps per chunk: short chunks)
+        BC = min(triton.next_power_of_2(bs), 64 if scale_rule == _4OVER6 else prog)
+        BR = max(1, prog // BC)
+        if interpreted():  # (no masked-off blocks to step through: ~7 ms per program there)
+            BR = min(BR, triton.next_power_of_2(nblocks))
+        sc = torch.stack([enc, dec, c_amax, a32]).float()
+        launcher(_two_level_kernel)[(triton.cdiv(nblocks, BR),)](
+            xf, y, X if block_scales else sc, sc, nblocks, R, ncols, tr, tc, nbr, nbc, bs,
+            *eparams, float(elem_max), float(1.0 - 2.0 ** -(s_man + 2)),
+            float(elem_max * bound), *sparams, key, sr_or,
+            RULE=_4OVER6 if scale_rule == _4OVER6 else (_CEIL if ceil_rule else _AMAX),
+            MODE=mode, EK=int(fixed), SETTLE=bool(settle), WRITE_X=bool(block_scales),
+            TILE=tile, BR=BR, BC=BC, enable_fp_fusion=False)
+    return finish(x, y.reshape(x.shape), out), dec, X
