@@ -89,3 +89,71 @@ def count_calls(monkeypatch, owner, name: str) -> list:
     real = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
+
+
+def two_level_inputs(more: bool = False) -> dict:
+    """Inputs of two-level (NVFP4) rounding by name: normal, heavy-tailed, tiny, subnormal, huge,
+    near FLT_MAX, zero, wide-exponent, partial-block and one-hot-block values; ``more``: also
+    -0.0, a 3D tensor, Inf/NaN among finite values and all NaN."""
+    g = torch.Generator().manual_seed(0)
+    out = {
+        "normal": torch.randn(8, 64, generator=g),
+        # heavy tails: a normal divided by |normal|^3 (a few huge values per tensor)
+        "heavy": torch.randn(8, 64, generator=g) / torch.randn(8, 64, generator=g).abs().pow(3),
+        "tiny": torch.randn(8, 64, generator=g) * 1e-30,
+        "subnormal": torch.randn(8, 64, generator=g) * 1e-41,
+        "huge": torch.randn(8, 64, generator=g) * 1e37,
+        "max": torch.full((2, 32), 3.4e38) * torch.sign(torch.randn(2, 32, generator=g)),
+        "zeros": torch.zeros(2, 32),
+        "wide": torch.randn(8, 64, generator=g) * torch.exp2(torch.randint(-60, 60, (8, 64),
+                                                                         generator=g).float()),
+        "partial": torch.randn(5, 23, generator=g),
+    }
+    if more:
+        out["neg_zeros"] = -torch.zeros(3, 16)
+        out["3d"] = torch.randn(3, 6, 20, generator=g)
+    out["one_block_hot"] = out["normal"].clone()
+    out["one_block_hot"][0, :16] *= 1e6  # all other blocks far below: subnormal E4M3 scales
+    if more:
+        bad = out["normal"].clone()
+        bad[1, 3], bad[2, 40], bad[5, 17] = float("inf"), float("nan"), -float("inf")
+        out["nonfinite"] = bad
+        out["all_nan"] = torch.full((2, 16), float("nan"))
+    return out
+
+
+def two_level_caller_wants(x):
+    """The reference's NVFP4 roundings of x that the callers' checks compare with: {rounding:
+    values} (seed 9) and the stochastic rounding of x.t(); computed before a test refuses the
+    reference."""
+    import qtensor as qt
+    from qtensor.kernels import reference
+    want = {r: reference.quantize(x, qt.nvfp4, rounding=r,
+                                  generator=torch.Generator().manual_seed(9))
+            for r in ("nearest", "stochastic")}
+    want_t = reference.quantize(x.t(), qt.nvfp4, rounding="stochastic",
+                                generator=torch.Generator().manual_seed(9))
+    return want, want_t
+
+
+def check_two_level_callers(x, want, want_t):
+    """qt.quantize (and out=), qt.quantize_, a transposed input (random words by the element's
+    index in x.t()) and a QTensor's rounding give ``two_level_caller_wants``' bits."""
+    import qtensor as qt
+
+    def bits(t):
+        return t.detach().float().contiguous().view(torch.int32)
+    for r, w in want.items():
+        gen = torch.Generator().manual_seed(9)
+        assert torch.equal(bits(qt.quantize(x, qt.nvfp4, rounding=r, generator=gen)), bits(w))
+        out = torch.empty_like(x)
+        qt.quantize(x, qt.nvfp4, rounding=r, generator=torch.Generator().manual_seed(9), out=out)
+        assert torch.equal(bits(out), bits(w))
+        y = x.clone()
+        qt.quantize_(y, qt.nvfp4, rounding=r, generator=torch.Generator().manual_seed(9))
+        assert torch.equal(bits(y), bits(w))
+    got_t = qt.quantize(x.t(), qt.nvfp4, rounding="stochastic",
+                        generator=torch.Generator().manual_seed(9))
+    assert torch.equal(bits(got_t), bits(want_t))
+    qx = qt.as_qtensor(x, qt.nvfp4)
+    assert torch.equal(bits(qx.dequantize()), bits(want["nearest"]))

@@ -11,6 +11,7 @@ import torch
 
 import qtensor as qt
 from oracles import nvfp4_te
+from helpers import two_level_inputs
 
 
 def _bits(t):
@@ -18,23 +19,7 @@ def _bits(t):
 
 
 def _inputs():
-    g = torch.Generator().manual_seed(0)
-    out = {
-        "normal": torch.randn(8, 64, generator=g),
-        # heavy tails: a normal divided by |normal|^3 (a few huge values per tensor)
-        "heavy": torch.randn(8, 64, generator=g) / torch.randn(8, 64, generator=g).abs().pow(3),
-        "tiny": torch.randn(8, 64, generator=g) * 1e-30,
-        "subnormal": torch.randn(8, 64, generator=g) * 1e-41,
-        "huge": torch.randn(8, 64, generator=g) * 1e37,
-        "max": torch.full((2, 32), 3.4e38) * torch.sign(torch.randn(2, 32, generator=g)),
-        "zeros": torch.zeros(2, 32),
-        "wide": torch.randn(8, 64, generator=g) * torch.exp2(torch.randint(-60, 60, (8, 64),
-                                                                         generator=g).float()),
-        "partial": torch.randn(5, 23, generator=g),
-    }
-    out["one_block_hot"] = out["normal"].clone()
-    out["one_block_hot"][0, :16] *= 1e6  # all other blocks far below: subnormal E4M3 scales
-    return out
+    return two_level_inputs()
 
 
 @pytest.mark.parametrize("name", list(_inputs()))

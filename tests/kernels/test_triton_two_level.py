@@ -23,7 +23,8 @@ import qtensor as qt  # noqa: E402
 from qtensor.kernels import gpu, ops, reference  # noqa: E402
 from qtensor.tensor import dispatch  # noqa: E402
 
-from helpers import count_calls, two_level_formats  # noqa: E402
+from helpers import (check_two_level_callers, count_calls, two_level_caller_wants,  # noqa: E402
+                     two_level_formats)
 
 # (the interpreter's numpy casts of float64 steps that overflow float32 to Inf, as they must)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast")
@@ -126,11 +127,7 @@ def test_callers_take_the_kernel(counted, monkeypatch):
     flush statistics round with the Triton kernel where it takes x, with the reference's bits."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(32, 48, generator=g)
-    want = {r: reference.quantize(x, qt.nvfp4, rounding=r,
-                                  generator=torch.Generator().manual_seed(9))
-            for r in ("nearest", "stochastic")}
-    want_t = reference.quantize(x.t(), qt.nvfp4, rounding="stochastic",
-                                generator=torch.Generator().manual_seed(9))
+    want, want_t = two_level_caller_wants(x)
     want_X = reference.quantize_two_level(x, qt.nvfp4, "nearest", block_scales=True)[2]
 
     def refuse(*a, **k):
@@ -138,22 +135,7 @@ def test_callers_take_the_kernel(counted, monkeypatch):
     monkeypatch.setattr(reference, "quantize_two_level", refuse)
     monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
     with gpu.force():
-        for r, w in want.items():
-            gen = torch.Generator().manual_seed(9)
-            assert torch.equal(_bits(qt.quantize(x, qt.nvfp4, rounding=r, generator=gen)),
-                               _bits(w))
-            out = torch.empty_like(x)
-            qt.quantize(x, qt.nvfp4, rounding=r, generator=torch.Generator().manual_seed(9),
-                        out=out)
-            assert torch.equal(_bits(out), _bits(w))
-            y = x.clone()
-            qt.quantize_(y, qt.nvfp4, rounding=r, generator=torch.Generator().manual_seed(9))
-            assert torch.equal(_bits(y), _bits(w))
-        got_t = qt.quantize(x.t(), qt.nvfp4, rounding="stochastic",
-                            generator=torch.Generator().manual_seed(9))
-        assert torch.equal(_bits(got_t), _bits(want_t))
-        qx = qt.as_qtensor(x, qt.nvfp4)
-        assert torch.equal(_bits(qx.dequantize()), _bits(want["nearest"]))
+        check_two_level_callers(x, want, want_t)
         _, _, X = ops._two_level(x, qt.nvfp4, "nearest", 0, block_scales=True)
         assert torch.equal(_bits(X), _bits(want_X))
     assert len(counted) == 9

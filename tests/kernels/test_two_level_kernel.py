@@ -10,7 +10,8 @@ import torch
 import qtensor as qt
 from qtensor.kernels import ops, reference
 
-from helpers import two_level_formats
+from helpers import (check_two_level_callers, two_level_caller_wants, two_level_formats,
+                     two_level_inputs)
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"), reason="no compiled kernels")
 
@@ -23,30 +24,7 @@ def _bits(t):
 
 
 def _inputs():
-    g = torch.Generator().manual_seed(0)
-    out = {
-        "normal": torch.randn(8, 64, generator=g),
-        "heavy": torch.randn(8, 64, generator=g) / torch.randn(8, 64, generator=g).abs().pow(3),
-        "tiny": torch.randn(8, 64, generator=g) * 1e-30,
-        "subnormal": torch.randn(8, 64, generator=g) * 1e-41,
-        "huge": torch.randn(8, 64, generator=g) * 1e37,
-        "max": torch.full((2, 32), 3.4e38) * torch.sign(torch.randn(2, 32, generator=g)),
-        "zeros": torch.zeros(2, 32),
-        "neg_zeros": -torch.zeros(3, 16),
-        "wide": torch.randn(8, 64, generator=g) * torch.exp2(torch.randint(-60, 60, (8, 64),
-                                                                         generator=g).float()),
-        "partial": torch.randn(5, 23, generator=g),
-        "3d": torch.randn(3, 6, 20, generator=g),
-    }
-    hot = out["normal"].clone()
-    hot[0, :16] *= 1e6  # all other blocks far below: subnormal E4M3 scales
-    out["one_block_hot"] = hot
-    bad = out["normal"].clone()
-    bad[1, 3], bad[2, 40], bad[5, 17] = float("inf"), float("nan"), -float("inf")
-    out["nonfinite"] = bad
-    allbad = torch.full((2, 16), float("nan"))
-    out["all_nan"] = allbad
-    return out
+    return two_level_inputs(more=True)
 
 
 def _check(x, fmt, rounding, seed=12345, tensor_scale=None):
@@ -99,33 +77,16 @@ def test_strided_and_inplace_callers_take_the_kernel(monkeypatch):
     source scales all go to the kernel, with the reference's bits."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(32, 48, generator=g)
-    want = {r: reference.quantize(x, qt.nvfp4, rounding=r,
-                                  generator=torch.Generator().manual_seed(9))
-            for r in ("nearest", "stochastic")}
-    want_t = reference.quantize(x.t(), qt.nvfp4, rounding="stochastic",
-                                generator=torch.Generator().manual_seed(9))
+    want, want_t = two_level_caller_wants(x)
 
     def refuse(*a, **k):
         raise AssertionError("the reference ran")
     monkeypatch.setattr(reference, "quantize_two_level", refuse)
+    check_two_level_callers(x, want, want_t)
     for r, w in want.items():
-        gen = torch.Generator().manual_seed(9)
-        assert torch.equal(_bits(qt.quantize(x, qt.nvfp4, rounding=r, generator=gen)), _bits(w))
-        out = torch.empty_like(x)
-        qt.quantize(x, qt.nvfp4, rounding=r, generator=torch.Generator().manual_seed(9), out=out)
-        assert torch.equal(_bits(out), _bits(w))
-        y = x.clone()
-        qt.quantize_(y, qt.nvfp4, rounding=r, generator=torch.Generator().manual_seed(9))
-        assert torch.equal(_bits(y), _bits(w))
         q, s = ops.quantize_with_scale(x, qt.nvfp4, rounding=r,
                                       generator=torch.Generator().manual_seed(9))
         assert torch.equal(_bits(q), _bits(w)) and s.dtype == torch.float32
-    # a transposed (non-contiguous) input: random words by the element's index in x.t()
-    got_t = qt.quantize(x.t(), qt.nvfp4, rounding="stochastic",
-                        generator=torch.Generator().manual_seed(9))
-    assert torch.equal(_bits(got_t), _bits(want_t))
-    qx = qt.as_qtensor(x, qt.nvfp4)
-    assert torch.equal(_bits(qx.dequantize()), _bits(want["nearest"]))
 
 
 def test_kernel_is_refused_for_bad_arguments():
