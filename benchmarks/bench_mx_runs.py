@@ -29,7 +29,7 @@ WORKER = r"""
 import json, statistics, sys, time, torch
 torch.set_num_threads(1)
 import qtensor as qt
-from qtensor import ops
+from qtensor.kernels import ops
 x_by = {}
 for line in sys.stdin:
     n, name, axis, rounding, calls, dtype = json.loads(line)
