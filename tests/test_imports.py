@@ -251,3 +251,35 @@ def test_packages_form_layers():
         for group in cycles)
     assert graph["qtensor.formats"] <= set(), graph["qtensor.formats"]
     assert "qtensor.tensor" not in graph["qtensor.kernels"] | graph["qtensor.accum"]
+
+
+def test_every_import_of_a_qtensor_module_resolves():
+    """Each ``from <qtensor module> import name`` in the package names a module or something the
+    module defines, also inside functions, where an import runs only when the code does; the old
+    flat layout's module names stay importable for pickles only (qtensor/__init__.py), so
+    ``from qtensor import ops`` must not be what the package itself uses."""
+    import importlib
+    bad = []
+    for name, path in _modules().items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                module = ".".join(base[:len(base) - (node.level - 1)]
+                                  + ([node.module] if node.module else []))
+            elif (node.module or "").split(".")[0] == "qtensor":
+                module = node.module
+            else:
+                continue
+            if module.split(".")[1:2] and module.split(".")[1] in qtensor._FLAT_LAYOUT and \
+                    f"qtensor.{module.split('.', 1)[1]}" not in _modules():
+                bad.append(f"{name}:{node.lineno}: the flat layout's {module}")
+                continue
+            mod = importlib.import_module(module)
+            for alias in node.names:
+                if alias.name != "*" and not hasattr(mod, alias.name) and \
+                        f"{module}.{alias.name}" not in _modules():
+                    bad.append(f"{name}:{node.lineno}: {module} has no {alias.name}")
+    assert not bad, "imports that do not resolve:\n" + "\n".join(bad)
