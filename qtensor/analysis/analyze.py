@@ -44,7 +44,7 @@ from ..tensor import flush_warnings
 from ..nn import gemm_forward
 from ..kernels import reference
 from ..nn.convert import ModulePlan, Recipe, _InputHook, convert, conversion_of, unconvert
-from ..tensor.dispatch import quantize as _round, with_axis
+from ..kernels.backend import round_payload as _round, with_axis
 from ..formats.core import FloatFormat, Format, is_stochastic
 from ..nn.plans import GEMMS, GemmFormats, Role, _plain, round_to
 from ..nn.spec import as_recipe

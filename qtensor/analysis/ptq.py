@@ -60,7 +60,7 @@ from torch import nn
 
 from ..nn.convert import conversion_of, convert, is_converted, unconvert
 from ..nn.gemm_forward import gemm_formats
-from ..tensor.dispatch import quantize as _round, with_axis
+from ..kernels.backend import round_payload as _round, with_axis
 from ..formats.core import Format, is_stochastic
 from ..nn.plans import Recipe, _plain, round_to
 from ..nn.recipes import direct_cast

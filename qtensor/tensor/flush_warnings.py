@@ -197,9 +197,9 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
         # TE's block scales X and decode tensor scale s, as the rounding takes them: a block's
         # top is fl32(max_elem * X * s) (float64 X * s is exact)
         from ..formats.core import is_stochastic
-        from ..kernels.ops import _round_scalar32
+        from ..kernels.backend import round_scalar32
         rounding = "nearest" if is_stochastic(fmt.rounding) else fmt.rounding
-        _, s, X = reference.quantize_two_level(x, fmt, rounding, rnd=_round_scalar32,
+        _, s, X = reference.quantize_two_level(x, fmt, rounding, rnd=round_scalar32,
                                                block_scales=True)
         scale = X.double() * s.double()
     else:

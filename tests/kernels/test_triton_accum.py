@@ -21,6 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (conftest.py sets it where ther
 import qtensor as qt  # noqa: E402
 from qtensor.accum import core as accum
 from qtensor.tensor import dispatch
+from qtensor.kernels import backend
 from qtensor.kernels import gpu  # noqa: E402
 from qtensor.accum.core import AccumFormat  # noqa: E402
 
@@ -144,7 +145,7 @@ def calls(monkeypatch):
     real = gpu_accum.accum_matmul
     monkeypatch.setattr(gpu_accum, "accum_matmul",
                         lambda *a, **k: seen.append(1) or real(*a, **k))
-    monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
+    monkeypatch.setattr(backend, "_CPU_KERNELS", False)
     return seen
 
 
