@@ -734,7 +734,7 @@ def _instruction_scaled(fn, a, b, f, sa, sb, blk, kw):
 # Entry point: the compiled kernel where it applies, else the reference
 
 def _register_fake():
-    if _ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
+    if not _ops.kernels_available("cpu") or not hasattr(torch.ops.qtensor, "accum_matmul"):
         return
 
     @torch.library.register_fake("qtensor::accum_matmul")
@@ -755,7 +755,7 @@ def _kernel_ready(a: torch.Tensor) -> bool:
     CPU inside qtensor.kernels.gpu.force), else the C++ one on CPU."""
     if _ops.gpu.takes(a):
         return True
-    if _ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
+    if not _ops.kernels_available("cpu") or not hasattr(torch.ops.qtensor, "accum_matmul"):
         return False
     return a.device.type == "cpu"
 
@@ -1175,7 +1175,7 @@ def _two_level_source_scales(x, fmt, kdim: int, s, q):
     d = kdim % x.dim()
     for src in _payload_sources(q, x):
         v, s2, X = quantize_two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding,
-                                      tensor_scale=s, rnd=_ops._round_scalar32,
+                                      tensor_scale=s, rnd=_ops.round_scalar32,
                                       block_scales=True)
         if torch.equal(v.view(torch.int32), x.detach().float().view(torch.int32)):
             X = torch.where(X == 0, 1.0, X)[..., 0].movedim(-1, d)  # all-zero block: any scale
