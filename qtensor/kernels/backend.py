@@ -233,15 +233,35 @@ def with_axis(fmt: Format, axis: int) -> Format:
 _KERNEL_CALLS: dict = {}
 
 
+def _plan(fmt):
+    """(whether fmt's own rounding is stochastic, its kernel calls or None) of a format, derived
+    once per format object (cached by id: a format's own hash walks all its fields)."""
+    hit = _KERNEL_CALLS.get((id(fmt), None))
+    return hit[1] if hit is not None else _shared(_KERNEL_CALLS, "kernel", fmt, None,
+                                                  lambda: _make_plan(fmt))
+
+
+def _make_plan(fmt):
+    stochastic = is_stochastic(fmt.rounding)
+    tiles2d = type(fmt) is BlockFormat and fmt.block_shape is not None  # (no op of their own)
+    return stochastic, None if stochastic or tiles2d else _kernel_calls(fmt)
+
+
+_OP_ARGS: dict = {}
+
+
+def _op_args(fmt):
+    """op_args(fmt), derived once per format object."""
+    hit = _OP_ARGS.get((id(fmt), None))
+    return hit[1] if hit is not None else _shared(_OP_ARGS, "op", fmt, None, lambda: op_args(fmt))
+
+
 def _kernel_call(fmt, inplace=False):
     """(the op overload's function, trailing args) of the fused kernel for a deterministic
-    format in its own rounding (its in-place variant with ``inplace``), cached by id: building
-    them costs more than rounding a small tensor. (The function is OpOverload.__call__'s own,
-    called without that frame.)"""
-    hit = _KERNEL_CALLS.get((id(fmt), None))
-    calls = hit[1] if hit is not None else _shared(_KERNEL_CALLS, "kernel", fmt, None,
-                                                   lambda: _kernel_calls(fmt))
-    return calls[inplace]
+    format in its own rounding (its in-place variant with ``inplace``): building them costs
+    more than rounding a small tensor. (The function is OpOverload.__call__'s own, called
+    without that frame.)"""
+    return _plan(fmt)[1][inplace]
 
 
 def _kernel_calls(fmt):
@@ -438,7 +458,7 @@ def _round(x, fmt: Format, rounding: str, seed, out) -> torch.Tensor:
     if not _use_kernel(x, fmt, rounding):
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
         return q if out is None else out.copy_(q)
-    name, args = op_args(fmt)
+    name, args = _op_args(fmt)
     args = (*args, rounding_code(rounding), seed_arg(seed))
     x = x.detach()
     if reference.needs_sign_fixup(fmt):  # P3109, UE5M3: the signed kernel, then the sign rules
@@ -477,7 +497,7 @@ def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
     if reference.needs_sign_fixup(fmt):
         with torch.no_grad():
             return x.copy_(_round(x, fmt, rounding, seed, None))
-    name, args = op_args(fmt)
+    name, args = _op_args(fmt)
     args = (*args, rounding_code(rounding), seed_arg(seed))
     if x.is_neg() or x.is_conj():
         # a lazily negated view: torch's math-bit fallback for an in-place op reads a freed
@@ -597,13 +617,16 @@ def round_payload(x: torch.Tensor, fmt: Format, keep_layout: bool = True, tiles:
     if rounding is None or rounding == fmt.rounding:
         rounding = fmt.rounding
         own = True
+        stochastic = _plan(fmt)[0]
     else:
         own = False
-    if type(fmt) is BlockFormat and fmt.block_shape is not None:
+        stochastic = is_stochastic(rounding)
+    block = type(fmt) is BlockFormat
+    if block and fmt.block_shape is not None:
         # a fitted 2D format can still have its axis off the last two dims (a conv weight's K):
         # tiles along other dims would be a silent other blocking
         check_axis(x, fmt)
-    if seed is None and is_stochastic(rounding):
+    if seed is None and stochastic:
         seed = _drawn_seed(x, fmt)
     if seed is not None or not own:  # the caller's seed or mode: the general rounding
         seed = 0 if seed is None else seed
@@ -613,7 +636,7 @@ def round_payload(x: torch.Tensor, fmt: Format, keep_layout: bool = True, tiles:
             _round_in_place(x, fmt)
             return x
         return _round(x, fmt, rounding, 0, out)
-    if type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1:
+    if block and fmt.axis is not None and x.dim() > 1:
         ax = fmt.axis % x.dim()
         # (2D tiles: only their own two dims may be swapped)
         if (ax != x.dim() - 1 or not x.is_contiguous()) and (

@@ -811,8 +811,8 @@ def test_format_protocol_block_extent():
 
 _FAMILY_SWITCH = re.compile(r"isinstance\([^)]*(FloatFormat|FixedFormat|BlockFormat|AccumFormat)")
 # modules whose switches on the format's class are still to be replaced by protocol questions
-_NOT_YET_PROTOCOL = ("formats/", "kernels/ops.py", "kernels/reference.py", "tensor/dispatch.py",
-                     "accum/core.py", "tensor/subclass.py", "kernels/gpu/")
+_NOT_YET_PROTOCOL = ("formats/", "kernels/ops.py", "kernels/backend.py", "kernels/reference.py",
+                     "tensor/dispatch.py", "accum/core.py", "tensor/subclass.py", "kernels/gpu/")
 
 
 def test_modules_ask_the_format_protocol_not_the_format_class():

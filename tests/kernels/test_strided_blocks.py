@@ -152,7 +152,7 @@ def test_stochastic_and_4over6_keep_their_paths():
                               f"{fmt} {rounding}")
     f = BlockFormat(P["fp4_e2m1"], 16, axis=0, scale=P["fp8_e4m3"], scale_rule="4over6")
     assert backend._strided_blocks(x, f, 0) is not None  # (dispatch checks the rule itself)
-    assert not dispatch._tiles_in_place(x, f)
+    assert not backend.tiles_in_place(x, f)
 
 
 def test_dispatch_takes_the_tiles(monkeypatch):
