@@ -251,7 +251,10 @@ _OP_ARGS: dict = {}
 
 
 def _op_args(fmt):
-    """op_args(fmt), derived once per format object."""
+    """op_args(fmt), derived once per format object (not while dynamo traces: a format it
+    made would have to be rebuilt from the cache, which it cannot do)."""
+    if torch.compiler.is_dynamo_compiling():
+        return op_args(fmt)
     hit = _OP_ARGS.get((id(fmt), None))
     return hit[1] if hit is not None else _shared(_OP_ARGS, "op", fmt, None, lambda: op_args(fmt))
 
@@ -614,22 +617,19 @@ def round_payload(x: torch.Tensor, fmt: Format, keep_layout: bool = True, tiles:
     when x was contiguous. tiles=False (convolution operands: convolutions pick their
     algorithm, hence their last bits, by layout) keeps the copy's layout.
     """
-    if rounding is None or rounding == fmt.rounding:
+    if rounding is None:
         rounding = fmt.rounding
-        own = True
-        stochastic = _plan(fmt)[0]
-    else:
-        own = False
-        stochastic = is_stochastic(rounding)
+    if seed is not None or rounding != fmt.rounding:  # the caller's seed or mode: the general rounding
+        if seed is None:
+            seed = _drawn_seed(x, fmt) if is_stochastic(rounding) else 0
+        return _round_(x, fmt, rounding, seed) if out is x else _round(x, fmt, rounding, seed, out)
     block = type(fmt) is BlockFormat
     if block and fmt.block_shape is not None:
         # a fitted 2D format can still have its axis off the last two dims (a conv weight's K):
         # tiles along other dims would be a silent other blocking
         check_axis(x, fmt)
-    if seed is None and stochastic:
+    if _plan(fmt)[0]:  # stochastic
         seed = _drawn_seed(x, fmt)
-    if seed is not None or not own:  # the caller's seed or mode: the general rounding
-        seed = 0 if seed is None else seed
         return _round_(x, fmt, rounding, seed) if out is x else _round(x, fmt, rounding, seed, out)
     if out is not None:
         if out is x:
