@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import qtensor as qt  # noqa: E402
+from qtensor.kernels import backend  # noqa: E402
 from qtensor.tensor import dispatch  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def rounding(repeats):
 
         def run(strided, keep):
             def go():
-                dispatch.STRIDED_BLOCKS = strided
+                backend.STRIDED_BLOCKS = strided
                 dispatch.quantize(x, f, keep_layout=keep)
             return go
         fns = {"copy_": lambda: out.copy_(x),
@@ -62,7 +63,7 @@ def rounding(repeats):
         print(f"{label}, MXFP8 (median of {repeats} interleaved repeats, 1 call each):")
         for k, v in med.items():
             print(f"  {k:24s} {v * 1e3:8.2f} ms  {v / med['copy_']:5.2f}x copy_")
-        dispatch.STRIDED_BLOCKS = True
+        backend.STRIDED_BLOCKS = True
 
 
 def training(names, steps, warmup):
@@ -76,20 +77,20 @@ def training(names, steps, warmup):
         for _ in range(warmup):
             fp32.step()
             for s in (False, True):
-                dispatch.STRIDED_BLOCKS = s
+                backend.STRIDED_BLOCKS = s
                 emu.step()
         tf, toff, ton = [], [], []
         for _ in range(steps):
             tf.append(fp32.timed_step())
-            dispatch.STRIDED_BLOCKS = False
+            backend.STRIDED_BLOCKS = False
             toff.append(emu.timed_step())
-            dispatch.STRIDED_BLOCKS = True
+            backend.STRIDED_BLOCKS = True
             ton.append(emu.timed_step())
         f, off, on = (statistics.median(t) for t in (tf, toff, ton))
         print(f"{name} ({what}): medians of {steps} interleaved steps: FP32 {f * 1e3:.1f} ms, "
               f"STRIDED_BLOCKS off {off * 1e3:.1f} ms ({off / f:.2f}x), "
               f"on {on * 1e3:.1f} ms ({on / f:.2f}x)")
-    dispatch.STRIDED_BLOCKS = True
+    backend.STRIDED_BLOCKS = True
 
 
 def main():

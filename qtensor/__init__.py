@@ -39,6 +39,8 @@ from .analysis.ptq import error_diffusion, gptq  # noqa: E402
 # module name qtensor.formats.core / qtensor.accum.core.
 import sys as _sys  # noqa: E402
 
+from . import analysis, formats, integrations, kernels, nn, tensor  # noqa: E402
+
 _FLAT_LAYOUT = {"convert": nn.convert, "plans": nn.plans, "gemm_forward": nn.gemm_forward,
                 "training": nn.training, "spec": nn.spec, "distributed": nn.distributed,
                 "to_format": nn.to_format, "attention_convert": nn.attention_hooks,

@@ -215,7 +215,7 @@ def test_formats_made_per_call_do_not_grow_the_caches():
     """A training loop that names its formats as strings, or builds them anew, per step: the
     format caches (keyed by a format's id) stay the same size (equal formats share their
     entries) and within their bound; memory does not grow with the number of steps."""
-    from qtensor.tensor import dispatch
+    from qtensor.kernels import backend
     caches = ("_KERNEL_CALLS", "_FIT_CACHE", "_AXIS_CACHE", "_BY_VALUE")
     w = torch.randn(64, 64)
     x = torch.randn(4, 64)
@@ -228,20 +228,20 @@ def test_formats_made_per_call_do_not_grow_the_caches():
         (a @ b).sum()
 
     for n in caches:  # (earlier tests' entries: the sizes below are this test's own)
-        getattr(dispatch, n).clear()
+        getattr(backend, n).clear()
     for i in range(20):
         step(i, fresh=False)
-    sizes = {n: len(getattr(dispatch, n, {})) for n in caches}
+    sizes = {n: len(getattr(backend, n, {})) for n in caches}
     for i in range(300):
         step(i, fresh=False)
-    assert {n: len(getattr(dispatch, n, {})) for n in caches} == sizes
+    assert {n: len(getattr(backend, n, {})) for n in caches} == sizes
     bound = 40
-    old = dispatch._CACHE_SIZE
-    dispatch._CACHE_SIZE = bound
+    old = backend._CACHE_SIZE
+    backend._CACHE_SIZE = bound
     try:
         for i in range(300):
             step(i, fresh=True)
         for n in caches:
-            assert len(getattr(dispatch, n, {})) <= bound + 1, n
+            assert len(getattr(backend, n, {})) <= bound + 1, n
     finally:
-        dispatch._CACHE_SIZE = old
+        backend._CACHE_SIZE = old

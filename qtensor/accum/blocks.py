@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ..formats.base import Format, is_stochastic
+from ..kernels import backend as _backend
 from ..kernels import ops as _ops
 from ..kernels.reference import scale_candidates, two_level_payload
 from . import kernel as _kernel
@@ -154,7 +155,7 @@ def _two_level_source_scales(x, fmt, kdim: int, s, q):
         return None
     d = kdim % x.dim()
     for src in _payload_sources(q, x):
-        v, s2, X = _ops._two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding, 0,
+        v, s2, X = _backend.two_level(src.detach().float(), fmt.replace(axis=d), fmt.rounding, 0,
                                    tensor_scale=s, block_scales=True)
         if torch.equal(v.view(torch.int32), x.detach().float().view(torch.int32)):
             X = torch.where(X == 0, 1.0, X)[..., 0].movedim(-1, d)  # all-zero block: any scale

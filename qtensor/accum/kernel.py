@@ -19,7 +19,7 @@ _ROUND_CODE = {"toward_zero": 0, "floor": 1, "nearest": 2}
 
 
 def _register_fake():
-    if _ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
+    if not _ops.kernels_available("cpu") or not hasattr(torch.ops.qtensor, "accum_matmul"):
         return
 
     @torch.library.register_fake("qtensor::accum_matmul")
@@ -40,7 +40,7 @@ def _kernel_ready(a: torch.Tensor) -> bool:
     CPU inside qtensor.kernels.gpu.force), else the C++ one on CPU."""
     if _ops.gpu.takes(a):
         return True
-    if _ops._C is None or not hasattr(torch.ops.qtensor, "accum_matmul"):
+    if not _ops.kernels_available("cpu") or not hasattr(torch.ops.qtensor, "accum_matmul"):
         return False
     return a.device.type == "cpu"
 

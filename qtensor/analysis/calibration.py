@@ -11,7 +11,7 @@ from torch import nn
 
 from ..nn.conversion import conversion_of, is_converted
 from ..nn.plans import _plain, round_to
-from ..tensor.dispatch import quantize as _round, with_axis
+from ..kernels.backend import round_payload as _round, with_axis
 from .least_squares import _columns, _fprop, _input_axis
 
 

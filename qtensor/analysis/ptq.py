@@ -35,7 +35,7 @@ from torch import nn
 
 from ..nn.conversion import is_converted
 from ..nn.convert import convert, unconvert
-from ..tensor.dispatch import quantize as _round, with_axis
+from ..kernels.backend import round_payload as _round, with_axis
 from ..formats.base import Format
 from ..nn.plans import Recipe, _plain
 from ..nn.recipes import direct_cast

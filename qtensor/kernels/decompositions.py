@@ -219,7 +219,7 @@ def _f8_cast_nan(quiet):
 
 
 # round_to_dtype's dtypes: (man, emin, subnormals, max, overflow, NaN on CPU, NaN elsewhere).
-# Eager CPU payloads round to the float8 dtypes by the kernel (qtensor.tensor.dispatch._SLOW_CPU_CASTS):
+# Eager CPU payloads round to the float8 dtypes by the kernel (qtensor.kernels.backend._SLOW_CPU_CASTS):
 # the kernel's NaN (the input's) there; a cast's elsewhere.
 _CAST_FORMATS = {
     torch.bfloat16: (7, -126, True, 3.3895313892515355e+38, 1, _bf16_cast_nan, _bf16_cast_nan),

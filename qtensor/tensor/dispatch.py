@@ -29,19 +29,15 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..accum import lowering as _accum
 from . import block_specials as _block_specials
-from ..kernels import decompositions as _decompositions
 from . import gemm as _gemm
-from ..kernels import ops as _ops
-from ..kernels import reference as _reference
-from ..kernels.checks import FLOAT_DTYPES, KERNEL_DTYPES as _KERNEL_DTYPES
-from ..formats.presets import PRESETS as _PRESETS
-from ..formats.block import BlockFormat
-from ..formats.float import FloatFormat
+from ..kernels import backend as _backend
+from ..kernels.backend import eager_cpu_kernel as _eager_cpu_kernel, fit_format, with_axis
+from ..kernels.checks import FLOAT_DTYPES
 from ..formats.base import Format, is_stochastic
+from ..formats.block import BlockFormat
 
 aten = torch.ops.aten
 _compiler = torch.compiler  # (its _is_exporting_flag is what is_exporting() returns)
-_increment_version = getattr(torch._C, "_increment_version", torch.autograd.graph.increment_version)
 
 __all__ = ["dispatch", "OPS", "OpRule", "MOVE", "CONTRACT", "rule_of", "FLOAT_DTYPES"]
 
@@ -238,7 +234,6 @@ CONTRACT = {p: r.operands if isinstance(r.operands, tuple) else None
             for p, r in OPS.items() if r.kind == CONTRACT_KIND}
 MOVE_IF = {p: r.move_if for p, r in OPS.items() if r.move_if is not None}
 
-_CPU_KERNELS = _ops.kernels_available("cpu")
 
 
 class Rule:
@@ -359,66 +354,6 @@ def rule_of(func) -> Rule:
 # ---------------------------------------------------------------------------------------------
 # Formats of outputs
 
-_FIT_CACHE: dict = {}
-_CACHE_SIZE = 4096  # entries of the format caches below, before they start again
-_BY_VALUE: dict = {}  # (cache name, fmt, key): the entry that equal formats share
-
-
-def _shared(cache: dict, name: str, fmt, key, make):
-    """``cache[(id(fmt), key)]`` (a format's own hash walks its fields: a hit is a lookup by
-    id) with, on a miss, the entry of an equal format: formats made anew per call (strings
-    parsed per call, ``fmt.replace(...)``) share one entry and return the same object. Both
-    tables start again past _CACHE_SIZE entries: bounded."""
-    shared = (name, fmt, key)
-    value = _BY_VALUE.get(shared)
-    if value is None:
-        value = make()
-        if len(_BY_VALUE) > _CACHE_SIZE:
-            _BY_VALUE.clear()
-        _BY_VALUE[shared] = value
-    if len(cache) > _CACHE_SIZE:
-        cache.clear()
-    cache[(id(fmt), key)] = (fmt, value)  # (fmt kept alive, so its id stays its own)
-    return value
-
-
-def fit_format(fmt: Format, ndim: int) -> Format:
-    """fmt usable on a tensor of ``ndim`` dims: a block axis it lacks becomes the last one. A
-    2D block format (block_shape r x c) on fewer than 2 dims becomes the 1D blocks of one row
-    of its tiles (c elements, or r with its cols along dim -2); on 2+ dims it is kept (an axis
-    that is not one of the last two dims, e.g. a conv weight's K, is a FormatError when
-    rounding: tiles along other dims would be a silent other blocking)."""
-    if type(fmt) is not BlockFormat or fmt.axis is None:
-        return fmt
-    if fmt.block_shape is None:
-        if -ndim <= fmt.axis < ndim or ndim == 0:
-            return fmt
-    elif ndim >= 2 and -ndim <= fmt.axis < ndim:
-        return fmt  # (an axis that is not one of the last two: quantize says so, FormatError)
-    hit = _FIT_CACHE.get((id(fmt), ndim))
-    return hit[1] if hit is not None else _shared(_FIT_CACHE, "fit", fmt, ndim,
-                                                  lambda: _fitted(fmt, ndim))
-
-
-def _fitted(fmt: Format, ndim: int) -> Format:
-    if fmt.block_shape is None or ndim >= 2:
-        return fmt.replace(axis=-1)
-    r, c = fmt.block_shape  # one row of tiles; which of r, c runs along the row: axis -1 or -2
-    along_row = c if fmt.axis in (-1, 1) else r  # (1: the last dim of a matrix)
-    return fmt.replace(block_shape=None, block_size=along_row, axis=-1)
-
-_AXIS_CACHE: dict = {}
-
-
-def with_axis(fmt: Format, axis: int) -> Format:
-    """A BlockFormat blocked along ``axis`` (axis=None formats, per-tensor, are kept)."""
-    if type(fmt) is not BlockFormat or fmt.axis is None or fmt.axis == axis:
-        return fmt
-    hit = _AXIS_CACHE.get((id(fmt), axis))
-    return hit[1] if hit is not None else _shared(_AXIS_CACHE, "axis", fmt, axis,
-                                                  lambda: fmt.replace(axis=axis))
-
-
 def _transposed_fmt(fmt, func, args, in_ndim):
     """(The block axis after transpose/t/permute, whether the values keep their blocks: 1D
     blocks always do; 2D tiles where their two dims stay the last two, e.g. W.t() or
@@ -519,213 +454,37 @@ def _block_axis_out(fmt, rule, args, kwargs, in_shape, out_shape):
     return with_axis(fmt, new - nout if fmt.axis < 0 else new), kept
 
 
-_KERNEL_CALLS: dict = {}
-
-
-def _kernel_call(fmt, inplace=False):
-    """(the op overload's function, trailing args) of the fused kernel for a deterministic
-    format (its in-place variant with ``inplace``), cached by id (a format's own hash walks all
-    its fields): building them in qtensor.kernels.ops costs more than rounding a small tensor. (The
-    function is OpOverload.__call__'s own, called without that frame.)"""
-    hit = _KERNEL_CALLS.get((id(fmt), None))
-    calls = hit[1] if hit is not None else _shared(_KERNEL_CALLS, "kernel", fmt, None,
-                                                   lambda: _kernel_calls(fmt))
-    return calls[inplace]
-
-
-def _kernel_calls(fmt):
-    if type(fmt) is BlockFormat and fmt.tensor_scale:  # TE's two-level rule: no fused kernel
-        return ((lambda x, *a: _ops.quantize(x, fmt), ()),
-                (lambda x, *a: _ops.quantize_(x, fmt), ()))
-    name, args = _ops.op_args(fmt)
-    args = (*args, _ops._ROUNDING_CODE[fmt.rounding], 0)
-    op, op_ = (getattr(torch.ops.qtensor, name).default._op,
-               getattr(torch.ops.qtensor, name + "_").default._op)
-    if _reference.needs_sign_fixup(fmt):  # P3109, UE5M3: the signed kernel, then the signs
-        kernel = op
-
-        def op(x, *a):
-            return _reference.sign_fixup(x, kernel(x, *a), fmt, fmt.rounding)
-
-        def op_(x, *a):
-            return x.copy_(op(x, *a))
-    return (op, args), (op_, args)
-
-
-# Formats that are exactly a torch dtype: rounding a float32 tensor to them is a cast down and
-# back (one rounding, round-to-nearest-even, the same bits as qt.quantize, NaN by position: tested
-# in test_tensor.py), which runs at memory speed. Keyed by the preset objects' ids (qt.format and
-# the presets hand out these very objects); an equal format built otherwise takes the kernel.
-_CAST_DTYPES = {id(_PRESETS[name]): dt for name, dt in (
-    ("bf16", torch.bfloat16), ("fp16", torch.float16),
-    ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
-# ... except where the cast is slow: torch's CPU casts to the float8 dtypes convert element by
-# element (torch 2.13: 6-35x slower than the quantize_float kernel, which gives the same bits),
-# so eager CPU payloads take the kernel for those two.
-_SLOW_CPU_CASTS = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
-
-
-def _eager_cpu_kernel(x) -> bool:
-    """Whether x is an eager CPU tensor that the compiled kernels take."""
-    return (_CPU_KERNELS and type(x) is torch.Tensor and x.is_cpu  # (.device costs more)
-            and x.dtype in _KERNEL_DTYPES)
-
-
-@torch.library.custom_op("qtensor_dispatch::round_to_dtype", mutates_args=())
-def _round_to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The cast down and back as one opaque op, for traced graphs: inductor must not fuse the
-    casts into the producing op (it would, e.g., split addmm into mm + a fused bias add, and
-    the float32 bits would differ from eager)."""
-    return x.to(dtype).to(x.dtype)
-
-
-@_round_to_dtype.register_fake
-def _(x, dtype):
-    _decompositions.register_scalar()  # inductor fuses it (qtensor.kernels.decompositions)
-    return torch.empty_like(x)
-
-
-def _traced_float_args(x, fmt):
-    """round_float's arguments after x for a traced float32 payload in a scalar float format
-    that the short form covers, else None."""
-    if (type(fmt) is not FloatFormat or x.dtype is not torch.float32 or type(x) is torch.Tensor
-            or _reference.needs_sign_fixup(fmt)
-            or x.device.type != "cpu" or not _CPU_KERNELS or is_stochastic(fmt.rounding)):
-        return None
-    args = _kernel_call(fmt)[1][:-1]  # (man, emin, subnormals, max, overflow, unsigned, rounding)
-    return args if _decompositions.fast_float_applies(*args[:3], args[5], args[6]) else None
-
-
-# Eager CPU blocks along a strided axis of a dense tensor with another contiguous dim go to the
-# kernel as they lie (its tiles: csrc/quantize_cpu.h, blocks_tiled) instead of through a
-# transposing copy; False takes the copy (the same bits: tests/kernels/test_strided_blocks.py).
-STRIDED_BLOCKS = True
-
-
-def _strided_blocks(x, fmt, ax):
-    """x (a dense eager CPU tensor) rounded to the deterministic 1D-block format fmt along its
-    non-innermost axis ax by the kernel's tiles, in x's layout; None where they do not apply."""
-    if x.is_contiguous():
-        xp, perm = x, None
-    else:  # a permutation of a contiguous tensor (e.g. W.mT): round that, permute back
-        perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
-        xp = x.permute(perm)
-        if not xp.is_contiguous():
-            return None
-        ax = perm.index(ax)
-    n = xp.dim()
-    # the tiles need the block axis strided and a contiguous dim besides it (the kernel's lanes:
-    # the last dim of size > 1); where the axis is the innermost, the flat kernel is faster
-    if ax == n - 1 or not any(xp.size(d) > 1 for d in range(ax + 1, n)):
-        return None
-    op, args = _kernel_call(with_axis(fmt, ax - n))
-    q = op(xp, *args)
-    if perm is None:
-        return q
-    inv = [0] * n
-    for i, d in enumerate(perm):
-        inv[d] = i
-    return q.permute(inv)
-
-
 def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True,
              tiles: bool = True) -> torch.Tensor:
-    """One rounding of a plain payload tensor to fmt (the fused kernel when available).
-
-    Block formats along an axis other than the innermost contiguous one: eager CPU tensors that
-    are dense with another contiguous dim (a matrix with blocks along its first dim, a transposed
-    view with blocks along its last) go to the kernel as they lie (STRIDED_BLOCKS: tiles across
-    the contiguous dim), the result in x's layout. Others are rounded on a view that makes the
-    block axis innermost (a transposing copy; the blocks, hence the bits, are the same):
-    keep_layout=False (contraction operands, consumed at once) returns that layout as it is;
-    otherwise the result gets x's layout back when x was contiguous. Not for stochastic
-    rounding, whose random bits follow the element order. tiles=False (convolution operands:
-    convolutions pick their algorithm, hence their last bits, by layout) keeps the copy's layout.
-    """
-    fmt = fit_format(fmt, x.dim())
-    if (type(fmt) is BlockFormat and fmt.axis is not None and x.dim() > 1
-            and not is_stochastic(fmt.rounding)):
-        ax = fmt.axis % x.dim()
-        # (2D tiles: only their own two dims may be swapped; another axis is a FormatError)
-        if (ax != x.dim() - 1 or not x.is_contiguous()) and (
-                fmt.block_shape is None or ax == x.dim() - 2):
-            if (STRIDED_BLOCKS and tiles and fmt.block_shape is None and fmt.scale_rule != "4over6"
-                    and _eager_cpu_kernel(x)):
-                q = _strided_blocks(x, fmt, ax)
-                if q is not None:
-                    return q
-            xm = x.movedim(ax, -1)
-            inner = with_axis(fmt, -1)
-            if not xm.is_contiguous() and _eager_cpu_kernel(xm) and fmt.block_shape is None:
-                # the copy is ours: round it in place (a second buffer of that size costs
-                # more than the rounding, in allocation and page faults)
-                xm = xm.contiguous()
-                op, args = _kernel_call(inner, inplace=True)
-                op(xm, *args)
-                q = xm.movedim(-1, ax)
-            else:
-                q = _quantize_flat(xm.contiguous(), inner).movedim(-1, ax)
-            return q.contiguous() if keep_layout and x.is_contiguous() else q
-    return _quantize_flat(x, fmt)
-
-
-def _tiles_in_place(out, fmt):
-    """Whether the in-place kernel rounds the contiguous ``out`` along its non-innermost block
-    axis by its tiles (STRIDED_BLOCKS), with no copy: a dim of size > 1 after the axis."""
-    ax = fmt.axis % out.dim()
-    return (STRIDED_BLOCKS and fmt.scale_rule != "4over6"
-            and any(out.size(d) > 1 for d in range(ax + 1, out.dim())))
+    """One rounding of a plain payload tensor to fmt, fitted to its dims (fit_format): the
+    op rules' call of the rounding back end (qtensor.kernels.backend.round_payload, whose
+    docstring tells keep_layout and tiles)."""
+    return _backend.round_payload(x, fit_format(fmt, x.dim()), keep_layout, tiles)
 
 
 def _round_fresh(out, fmt, func):
     """An op's own new output, an eager CPU tensor that the kernels take (_eager_cpu_kernel),
-    rounded to fmt: in place where the kernels can (the same bits as ``quantize``, without a
-    second buffer), else by ``quantize``; block formats are watched for NaN blocks
-    (qtensor.tensor.block_specials)."""
+    rounded to fmt (fitted to it): in place where the kernels can (the same bits as
+    ``quantize``, without a second buffer), else by ``quantize``; block formats are watched for
+    NaN blocks (qtensor.tensor.block_specials)."""
     block = type(fmt) is BlockFormat
     if (is_stochastic(fmt.rounding) or not out.is_contiguous()
-            or out.is_neg() or (block and fmt.block_shape is not None)  # (2D tiles: qtensor.kernels.ops)
+            or out.is_neg() or (block and fmt.block_shape is not None)  # (2D tiles)
             or (block and fmt.axis is not None and out.dim() > 1
                 and fmt.axis % out.dim() != out.dim() - 1
-                and not _tiles_in_place(out, fmt))):
-        before, out = out, quantize(out, fmt)
+                and not _backend.tiles_in_place(out, fmt))):
+        before, out = out, _backend.round_payload(out, fmt)
         if block:
             _block_specials.check(before, out, fmt, op=func)
         return out
     if (block and _block_specials.watching() and out.numel()
             and not torch.isfinite(out.sum())):  # an Inf or NaN may spread over its block
         before = out.clone()
-        _round_inplace_to(out, fmt, kernel=True)
+        _backend.round_fresh_in_place(out, fmt)
         _block_specials.check(before, out, fmt, op=func)
         return out
-    _round_inplace_to(out, fmt, kernel=True)
+    _backend.round_fresh_in_place(out, fmt)
     return out
-
-
-def _quantize_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    if type(fmt) is BlockFormat and fmt.block_shape is not None:  # 2D tiles: qtensor.kernels.ops
-        if (is_stochastic(fmt.rounding) and type(x) is not torch.Tensor
-                and not _ops.seeds_in_graph()):
-            raise _ops.stochastic_under_tracing(fmt)
-        return _ops.quantize(x, fmt)
-    if x.dtype is torch.float32:
-        dt = _CAST_DTYPES.get(id(fmt))
-        if dt is not None:
-            if type(x) is not torch.Tensor:
-                return _round_to_dtype(x, dt)  # traced (fake/functional payloads)
-            if dt not in _SLOW_CPU_CASTS or not _eager_cpu_kernel(x):
-                return x.to(dt).to(torch.float32)  # eager
-    if (_CPU_KERNELS and not is_stochastic(fmt.rounding) and x.dtype in _KERNEL_DTYPES
-            and x.device.type == "cpu"):
-        if type(x) is not torch.Tensor:  # traced: scalar float formats as a fusable op
-            fargs = _traced_float_args(x, fmt)
-            if fargs is not None:
-                return _ops.round_float(x, *fargs)
-        op, args = _kernel_call(fmt)
-        return op(x, *args)
-    if is_stochastic(fmt.rounding) and type(x) is not torch.Tensor and not _ops.seeds_in_graph():
-        raise _ops.stochastic_under_tracing(fmt)
-    return _ops.quantize(x, fmt)
 
 
 def _round_inplace(q, func=None) -> None:
@@ -733,39 +492,17 @@ def _round_inplace(q, func=None) -> None:
     data = q._data
     fmt = fit_format(q.fmt, data.dim())
     if _two_level(fmt):  # computed in place: a fresh tensor scale
-        v, q._tscale = _ops.quantize_with_scale(data, fmt)
+        v, q._tscale = _backend.round_with_scale(data, fmt)
         data.copy_(v)
         return
     if (type(fmt) is BlockFormat and _block_specials.watching() and type(data) is torch.Tensor
             and data.numel() and not torch.compiler.is_compiling()
             and not torch.isfinite(data.sum())):  # an Inf or NaN may spread over its block
         before = data.clone()
-        _round_inplace_to(data, fmt)
+        _backend.round_payload(data, fmt, out=data)
         _block_specials.check(before, data, fmt, op=func)
         return
-    _round_inplace_to(data, fmt)
-
-
-def _round_inplace_to(data, fmt, kernel=None) -> None:
-    """data rounded to fmt in place; ``kernel``: whether the in-place kernels take it, where
-    the caller knows (deterministic, an eager CPU tensor, no 2D tiles)."""
-    dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
-    if kernel is None:
-        kernel = (not is_stochastic(fmt.rounding) and _eager_cpu_kernel(data)
-                  and getattr(fmt, "block_shape", None) is None)  # (2D tiles: qtensor.kernels.ops)
-    if dt is not None and not (kernel and dt in _SLOW_CPU_CASTS):
-        data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
-    elif kernel and data.is_contiguous() and not data.is_neg():
-        # the in-place kernel, without qt.quantize_'s checks (as ops._round_ calls it)
-        op, args = _kernel_call(fmt, inplace=True)
-        op(data, *args)
-        _increment_version((data,))  # (torch.autograd.graph.increment_version's own call)
-    elif type(data) is not torch.Tensor and _traced_float_args(data, fmt) is not None:
-        data.copy_(_ops.round_float(data, *_traced_float_args(data, fmt)))  # traced: fusable
-    elif data.is_contiguous():
-        _ops.quantize_(data, fmt)
-    else:
-        data.copy_(quantize(data, fmt))
+    _backend.round_payload(data, fmt, out=data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -965,7 +702,7 @@ def _accum_of(args, cls):
 
 def _contract(func, rule, args, kwargs, uargs, ukwargs, cls):
     if torch.compiler.is_compiling():  # (stochastic roundings traced after every operand)
-        with _ops.after(uargs):
+        with _backend.after(uargs):
             return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls)
     return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls)
 
@@ -1023,26 +760,25 @@ def _wrap_out(cls, out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
                     f"QTensor: an op made a nested tensor of QTensor values ({fmt}); nested "
                     "tensors cannot carry a number format. Pad the values instead (a "
                     "converted nn.TransformerEncoder does: it skips its nested fast path)")
+            fmt = fit_format(fmt, out.dim())
             if _two_level(fmt):  # values with their tensor scale (fresh unless one is given)
-                fmt = fit_format(fmt, out.dim())
                 if rnd:
-                    before, (out, tscale) = out, _ops.quantize_with_scale(out, fmt,
-                                                                          tensor_scale=tscale)
+                    before, (out, tscale) = out, _backend.round_with_scale(out, fmt,
+                                                                           tensor_scale=tscale)
                     _block_specials.check(before, out, fmt, op=func)
                 t = cls._wrap(out, fmt, mm_fmt)
                 t._tscale = tscale
                 return t
             if rnd:
                 if fresh is not None and _eager_cpu_kernel(out) and _owns(out, *fresh):
-                    fmt = fit_format(fmt, out.dim())
                     out = _round_fresh(out, fmt, func)
                 else:
-                    before, out = out, quantize(out, fmt)
+                    before, out = out, _backend.round_payload(out, fmt)
                     if type(fmt) is BlockFormat:
                         _block_specials.check(before, out, fmt, op=func)
             if type(out) is torch.Tensor and not _compiler._is_exporting_flag:
-                return cls._wrap_eager(out, fit_format(fmt, out.dim()), mm_fmt)
-            return cls._wrap(out, fit_format(fmt, out.dim()), mm_fmt)
+                return cls._wrap_eager(out, fmt, mm_fmt)
+            return cls._wrap(out, fmt, mm_fmt)
         return out
     if isinstance(out, (tuple, list)):
         return type(out)(_wrap_out(cls, o, fmt, mm_fmt, rnd, func, fresh, tscale) for o in out)
@@ -1426,15 +1162,15 @@ def _collective_two_level(func, args, kwargs, out, src):
         same = (bits == bits[:1]).all()
         if type(out) is torch.Tensor and bool(same):  # eager: no rounding to do
             return out, scales[0].clone()
-        q, fresh = _ops.quantize_with_scale(out, fmt)
+        q, fresh = _backend.round_with_scale(out, fmt)
         if type(out) is torch.Tensor:
             return q, fresh
         return torch.where(same, out, q), torch.where(same, scales[0], fresh)  # (traced)
     if name == "reduce_scatter_tensor":
         amax = c10d.wait_tensor(c10d.all_reduce(finite_amax(out).reshape(1), "max",
                                                 _arg(args, kwargs, 3, "group_name")))
-        return _ops.quantize_with_scale(out, fmt, tensor_amax=amax.reshape(()))
-    return _ops.quantize_with_scale(out, fmt)
+        return _backend.round_with_scale(out, fmt, tensor_amax=amax.reshape(()))
+    return _backend.round_with_scale(out, fmt)
 
 
 # ---------------------------------------------------------------------------------------------

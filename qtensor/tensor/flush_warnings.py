@@ -198,7 +198,7 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
         # TE's block scales X and decode tensor scale s, as the rounding takes them: a block's
         # top is fl32(max_elem * X * s) (float64 X * s is exact)
         from ..formats.base import is_stochastic
-        from ..kernels.ops import _two_level
+        from ..kernels.backend import two_level as _two_level
         rounding = "nearest" if is_stochastic(fmt.rounding) else fmt.rounding
         _, s, X = _two_level(x, fmt, rounding, 0, block_scales=True)
         scale = X.double() * s.double()

@@ -817,7 +817,7 @@ _FAMILY_SWITCH = re.compile(r"isinstance\([^)]*(FloatFormat|FixedFormat|BlockFor
 # the modules that define the classes (they check their own arguments' types), and the modules
 # whose switches on the format's class are still to be replaced by protocol questions
 _DEFINE_THE_CLASSES = ("formats/", "accum/format.py")
-_NOT_YET_PROTOCOL = _DEFINE_THE_CLASSES + ("kernels/ops.py", "tensor/dispatch.py",
+_NOT_YET_PROTOCOL = _DEFINE_THE_CLASSES + ("kernels/ops.py", "kernels/backend.py", "tensor/dispatch.py",
                                            "tensor/subclass.py", "kernels/gpu/")
 
 

@@ -99,7 +99,7 @@ def test_short_form_gives_the_kernels_bits(spec, rounding, _fusion_on):
 def test_cast_short_form_gives_eagers_bits(spec, _fusion_on):
     """round_to_dtype's decomposition against what eager QTensor code gives on CPU: torch's cast
     down and back (bf16, fp16: NaNs as its vector loop makes them), the kernel for the float8
-    dtypes (qtensor.tensor.dispatch._SLOW_CPU_CASTS)."""
+    dtypes (qtensor.kernels.backend._SLOW_CPU_CASTS)."""
     x = _bits_grid()
     dt = CASTS[spec]
     got = decompositions.round_to_dtype(x, dt)

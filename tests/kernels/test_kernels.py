@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor.kernels import ops, reference
+from qtensor.kernels import backend, ops, reference
 from qtensor.formats.block import BlockFormat
 from qtensor.formats.fixed import FixedFormat
 from qtensor.formats.float import FloatFormat
@@ -314,7 +314,7 @@ def _check_out_and_in_place(v, fmt, rounding, msg, seed=9):
     assert res is out
     assert_bits_equal(out, want, msg + " out= (strided)")
     y = v.clone()
-    ops._round_(y, fmt, rounding, seed)  # (quantize_ after its checks, seeded)
+    backend._round_(y, fmt, rounding, seed)  # (quantize_ after its checks, seeded)
     assert_bits_equal(y, want, msg + " in place")
 
 
@@ -429,7 +429,7 @@ def test_op_codes_match_cpp():
     assert {r: code("scale_rule." + r) for r in ops._SCALE_RULE_CODE} == ops._SCALE_RULE_CODE
     overflow = {"saturate": FloatFormat(4, 3, specials="ieee", saturate=True),
                 "inf": FloatFormat(4, 3), "nan": FloatFormat(4, 3, specials="fn", saturate=False)}
-    assert {n: ops._float_args(f)[4] for n, f in overflow.items()} == \
+    assert {n: backend._float_args(f)[4] for n, f in overflow.items()} == \
         {n: code("overflow." + n) for n in overflow}
     with pytest.raises(RuntimeError, match="unknown name 'rounding.up'"):
         code("rounding.up")

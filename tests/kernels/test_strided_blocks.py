@@ -14,6 +14,7 @@ import torch
 
 import qtensor as qt
 from qtensor.tensor import dispatch
+from qtensor.kernels import backend
 from qtensor.kernels import ops, reference
 from qtensor.formats.block import BlockFormat
 from qtensor.formats.fixed import FixedFormat
@@ -75,12 +76,12 @@ def _reference(x, fmt):
 
 def _via_copy(x, fmt):
     """today's transposing copy (dispatch with STRIDED_BLOCKS off)."""
-    old = dispatch.STRIDED_BLOCKS
-    dispatch.STRIDED_BLOCKS = False
+    old = backend.STRIDED_BLOCKS
+    backend.STRIDED_BLOCKS = False
     try:
         return dispatch.quantize(x, fmt, keep_layout=False)
     finally:
-        dispatch.STRIDED_BLOCKS = old
+        backend.STRIDED_BLOCKS = old
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
@@ -152,16 +153,16 @@ def test_stochastic_and_4over6_keep_their_paths():
             assert_bits_equal(got, reference.quantize_with_seed(x, fmt, rounding, 5),
                               f"{fmt} {rounding}")
     f = BlockFormat(P["fp4_e2m1"], 16, axis=0, scale=P["fp8_e4m3"], scale_rule="4over6")
-    assert dispatch._strided_blocks(x, f, 0) is not None  # (dispatch checks the rule itself)
-    assert not dispatch._tiles_in_place(x, f)
+    assert backend._strided_blocks(x, f, 0) is not None  # (dispatch checks the rule itself)
+    assert not backend.tiles_in_place(x, f)
 
 
 def test_dispatch_takes_the_tiles(monkeypatch):
     """quantize() gives strided block axes to the kernel without a copy (and keeps x's layout);
     the copy path stays where the axis is already the innermost of a permuted tensor."""
     calls = []
-    real = dispatch._strided_blocks
-    monkeypatch.setattr(dispatch, "_strided_blocks",
+    real = backend._strided_blocks
+    monkeypatch.setattr(backend, "_strided_blocks",
                         lambda *a: calls.append(a[2]) or real(*a))
     x = torch.randn(64, 96)
     q = dispatch.quantize(x, P["mxfp8_e4m3"].replace(axis=0), keep_layout=False)
@@ -175,8 +176,8 @@ def test_dispatch_takes_the_tiles(monkeypatch):
 def _train(fmt, strided, steps=3):
     # (convolution operands keep the copy's layout: tests/tensor/test_gemm.py's
     # test_conv2d_three_gemms_against_manual fails where they take the tiles)
-    old = dispatch.STRIDED_BLOCKS
-    dispatch.STRIDED_BLOCKS = strided
+    old = backend.STRIDED_BLOCKS
+    backend.STRIDED_BLOCKS = strided
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(),
@@ -194,7 +195,7 @@ def _train(fmt, strided, steps=3):
             opt.step()
         return [p.detach().clone() for p in model.parameters()], grads
     finally:
-        dispatch.STRIDED_BLOCKS = old
+        backend.STRIDED_BLOCKS = old
 
 
 def _recipe(name):
@@ -209,8 +210,8 @@ def test_converted_model_same_bits(name, monkeypatch):
     """A converted MLP trained a few steps: the same parameters and gradients, bit for bit, with
     the tiles on and off; and the tiles were used (backward rounds operands along strided axes)."""
     calls = []
-    real = dispatch._strided_blocks
-    monkeypatch.setattr(dispatch, "_strided_blocks",
+    real = backend._strided_blocks
+    monkeypatch.setattr(backend, "_strided_blocks",
                         lambda *a: calls.append(1) or real(*a))
     p_on, g_on = _train(_recipe(name), True)
     assert calls, "the strided path was not taken"
@@ -234,12 +235,12 @@ def test_round_fresh_in_place():
         got = dispatch._round_fresh(out, fmt, torch.ops.aten.mm.default)
         assert got is out
         assert_bits_equal(got, want, f"{fmt} fresh")
-        old = dispatch.STRIDED_BLOCKS
-        dispatch.STRIDED_BLOCKS = False
+        old = backend.STRIDED_BLOCKS
+        backend.STRIDED_BLOCKS = False
         try:
             out = x.clone()
             got = dispatch._round_fresh(out, fmt, torch.ops.aten.mm.default)
         finally:
-            dispatch.STRIDED_BLOCKS = old
+            backend.STRIDED_BLOCKS = old
         assert got is not out  # (the copy path)
         assert_bits_equal(got, want, f"{fmt} fresh, copy")

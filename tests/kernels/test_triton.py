@@ -17,6 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (conftest.py sets it where ther
 
 import qtensor as qt  # noqa: E402
 from qtensor.tensor import dispatch
+from qtensor.kernels import backend
 from qtensor.kernels import gpu, ops, reference  # noqa: E402
 from qtensor.formats.presets import PRESETS
 from qtensor.formats.block import BlockFormat
@@ -53,12 +54,12 @@ def hard(n, seed=0):
 
 
 def call(family, x, args, rounding, seed=SEED):
-    return getattr(gpu, family)(x, *args, ops.rounding_code(rounding), ops._seed_arg(seed))
+    return getattr(gpu, family)(x, *args, ops.rounding_code(rounding), ops.seed_arg(seed))
 
 
 def cpu(family, x, args, rounding, seed=SEED):
     return getattr(torch.ops.qtensor, family)(x, *args, ops.rounding_code(rounding),
-                                              ops._seed_arg(seed))
+                                              ops.seed_arg(seed))
 
 
 def assert_same(got, want, what):
@@ -166,7 +167,7 @@ def test_4over6_every_rounding_both_axes_strided(monkeypatch):
     calls = []
     real = gpu.quantize_block
     monkeypatch.setattr(gpu, "quantize_block", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
+    monkeypatch.setattr(backend, "_CPU_KERNELS", False)
     with gpu.force():
         got = qt.quantize(x, FOUR_OVER_SIX)
     assert calls and gpu.covers(FOUR_OVER_SIX, "nearest")
@@ -230,7 +231,7 @@ def test_hypothesis_custom_float_and_block_formats():
 def forced(monkeypatch):
     # dispatch's CPU fast paths call the C++ kernels directly: off, so that every rounding goes
     # through qtensor.kernels.ops, which picks the kernels per device
-    monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
+    monkeypatch.setattr(backend, "_CPU_KERNELS", False)
     with gpu.force():
         yield
 
@@ -282,7 +283,7 @@ def test_training_step_forced_gives_the_cpu_bits(recipe, monkeypatch):
     for fam in gpu.FAMILIES:
         real = getattr(gpu, fam)
         monkeypatch.setattr(gpu, fam, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
-    monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
+    monkeypatch.setattr(backend, "_CPU_KERNELS", False)
     with gpu.force():
         got = _train(getattr(qt.recipes, recipe))
     assert calls, "the Triton kernels did not run"

@@ -23,6 +23,7 @@ from qtensor import accum
 from qtensor.accum import kernel as accum_kernel
 from qtensor.accum import reference as accum_reference
 from qtensor.tensor import dispatch
+from qtensor.kernels import backend
 from qtensor.kernels import gpu  # noqa: E402
 from qtensor.accum.format import AccumFormat  # noqa: E402
 
@@ -146,7 +147,7 @@ def calls(monkeypatch):
     real = gpu_accum.accum_matmul
     monkeypatch.setattr(gpu_accum, "accum_matmul",
                         lambda *a, **k: seen.append(1) or real(*a, **k))
-    monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
+    monkeypatch.setattr(backend, "_CPU_KERNELS", False)
     return seen
 
 

@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (conftest.py sets it where ther
                 allow_module_level=True)
 
 import qtensor as qt  # noqa: E402
-from qtensor.kernels import gpu, ops, reference  # noqa: E402
+from qtensor.kernels import backend, gpu, ops, reference  # noqa: E402
 from qtensor.tensor import dispatch  # noqa: E402
 
 from helpers import (check_two_level_callers, count_calls, two_level_caller_wants,  # noqa: E402
@@ -59,8 +59,8 @@ def _packed(seed=0):
 
 def _check(x, fmt, rounding, seed=SEED, tensor_scale=None):
     with gpu.force():
-        assert ops._two_level_geom(x, fmt) is not None
-        got = ops._two_level(x, fmt, rounding, seed, tensor_scale, block_scales=True)
+        assert backend._two_level_geom(x, fmt) is not None
+        got = backend.two_level(x, fmt, rounding, seed, tensor_scale, block_scales=True)
     want = reference.quantize_two_level(x, fmt, rounding, seed, tensor_scale, block_scales=True)
     assert got[0].dtype == x.dtype and got[0].shape == x.shape
     for g, w, what in zip(got, want, ("values", "tensor scale", "block scales")):
@@ -133,10 +133,10 @@ def test_callers_take_the_kernel(counted, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the reference ran")
     monkeypatch.setattr(reference, "quantize_two_level", refuse)
-    monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
+    monkeypatch.setattr(backend, "_CPU_KERNELS", False)
     with gpu.force():
         check_two_level_callers(x, want, want_t)
-        _, _, X = ops._two_level(x, qt.nvfp4, "nearest", 0, block_scales=True)
+        _, _, X = backend.two_level(x, qt.nvfp4, "nearest", 0, block_scales=True)
         assert torch.equal(_bits(X), _bits(want_X))
     assert len(counted) == 9
 
@@ -158,7 +158,7 @@ def test_training_step_forced_gives_the_cpu_bits(counted, monkeypatch):
     """A converted model's step with NVIDIA's NVFP4 recipe (stochastic gradients, 2D weight
     tiles) on the Triton kernels gives the C++ kernels' bits."""
     want = _train(qt.recipes.nvfp4_nvidia)
-    monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
+    monkeypatch.setattr(backend, "_CPU_KERNELS", False)
     with gpu.force():
         got = _train(qt.recipes.nvfp4_nvidia)
     assert counted, "the Triton two-level kernel did not run"
@@ -167,7 +167,7 @@ def test_training_step_forced_gives_the_cpu_bits(counted, monkeypatch):
 
 
 def test_compiled_forced_matches_eager(counted, monkeypatch):
-    monkeypatch.setattr(dispatch, "_CPU_KERNELS", False)
+    monkeypatch.setattr(backend, "_CPU_KERNELS", False)
     x = _packed(5)[:, :64]
     want = reference.quantize(x, qt.nvfp4) * 2
     torch._dynamo.reset()
@@ -180,14 +180,14 @@ def test_compiled_forced_matches_eager(counted, monkeypatch):
 
 def test_bad_arguments_are_refused():
     x = torch.randn(4, 16)
-    elem, emax, scale, smax = ops._elem_scale_args(qt.nvfp4)
+    elem, emax, scale, smax = backend.elem_scale_args(qt.nvfp4)
     args = (elem, emax, 2, scale, smax, [4, 16, 1, 16], 448.0, False, None, False, 0, 0)
     with pytest.raises(RuntimeError, match="geom"):
         gpu.quantize_two_level(x, *args[:5], [3, 16, 1, 16], *args[6:])
     with pytest.raises(RuntimeError, match="scale_rule"):
         gpu.quantize_two_level(x, elem, emax, 0, *args[3:])
     with pytest.raises(RuntimeError, match="4over6 needs e2m1"):
-        e6, m6, _, _ = ops._elem_scale_args(FORMATS["fp6_elems"])
+        e6, m6, _, _ = backend.elem_scale_args(FORMATS["fp6_elems"])
         gpu.quantize_two_level(x, e6, m6, 4, *args[3:])
     with pytest.raises(RuntimeError, match="tensor_scale must be one float32"):
         gpu.quantize_two_level(x, *args[:8], torch.ones(2), *args[9:])

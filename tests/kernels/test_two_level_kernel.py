@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qtensor as qt
-from qtensor.kernels import ops, reference
+from qtensor.kernels import backend, ops, reference
 
 from helpers import (check_two_level_callers, two_level_caller_wants, two_level_formats,
                      two_level_inputs)
@@ -29,7 +29,7 @@ def _inputs():
 
 def _check(x, fmt, rounding, seed=12345, tensor_scale=None):
     want = reference.quantize_two_level(x, fmt, rounding, seed, tensor_scale, block_scales=True)
-    got = ops._two_level(x, fmt, rounding, seed, tensor_scale, block_scales=True)
+    got = backend.two_level(x, fmt, rounding, seed, tensor_scale, block_scales=True)
     assert got[0].dtype == x.dtype and got[0].shape == x.shape
     assert torch.equal(_bits(got[0]), _bits(want[0]))
     assert torch.equal(_bits(got[1]), _bits(want[1]))
@@ -92,7 +92,7 @@ def test_strided_and_inplace_callers_take_the_kernel(monkeypatch):
 def test_kernel_is_refused_for_bad_arguments():
     x = torch.randn(4, 16)
     fmt = qt.nvfp4
-    elem, emax, scale, smax = ops._elem_scale_args(fmt)
+    elem, emax, scale, smax = backend.elem_scale_args(fmt)
     args = (elem, emax, 2, scale, smax, [4, 16, 1, 16], 448.0, False, None, False, 0, 0)
     op = torch.ops.qtensor.quantize_two_level
     with pytest.raises(RuntimeError, match="geom"):
@@ -113,8 +113,8 @@ def test_cuda_matches_the_cpu_kernel():
     tensor scale, block scales) on every format, rounding and input above, half payloads, a
     given tensor scale, and a big tensor with strided views (many programs)."""
     def same(x, fmt, rounding, tensor_scale=None, what=""):
-        want = ops._two_level(x, fmt, rounding, 12345, tensor_scale, block_scales=True)
-        got = ops._two_level(x.cuda(), fmt, rounding, 12345, tensor_scale, block_scales=True)
+        want = backend.two_level(x, fmt, rounding, 12345, tensor_scale, block_scales=True)
+        got = backend.two_level(x.cuda(), fmt, rounding, 12345, tensor_scale, block_scales=True)
         for g, w in zip(got, want):
             assert torch.equal(_bits(g.cpu()), _bits(w)), what
     for i, (name, fmt) in enumerate(FORMATS.items()):

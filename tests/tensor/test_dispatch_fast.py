@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import qtensor as qt
 from helpers import assert_bits_equal
 from qtensor.tensor import dispatch
+from qtensor.kernels import backend
 
 aten = torch.ops.aten
 MX6 = qt.mxfp6_e3m2
@@ -233,9 +234,9 @@ def test_leak_check_reports_a_plain_tensor_met_through_views():
 def test_format_caches_by_id_stay_bounded_and_equal():
     """with_axis/fit_format cache by the format object's id: formats made anew per call give
     equal results and the caches start again at their bound (no growth without end)."""
-    for i in range(dispatch._CACHE_SIZE + 50):
+    for i in range(backend._CACHE_SIZE + 50):
         f = MX6.replace(block_size=32, axis=-1)  # a new, equal object each time
         assert dispatch.with_axis(f, 0) == MX6.replace(block_size=32, axis=0)
         assert dispatch.fit_format(MX6.replace(axis=3), 2) == MX6.replace(axis=-1)
-    assert len(dispatch._AXIS_CACHE) <= dispatch._CACHE_SIZE + 1
-    assert len(dispatch._FIT_CACHE) <= dispatch._CACHE_SIZE + 1
+    assert len(backend._AXIS_CACHE) <= backend._CACHE_SIZE + 1
+    assert len(backend._FIT_CACHE) <= backend._CACHE_SIZE + 1

@@ -19,7 +19,7 @@ CDNA3's two-stage datapath has no Triton kernel (the reference runs it on CUDA).
 
 Not covered here (the reference rounds them, the same bits): two-level formats whose elements
 need the reference's sign fix-up (P3109, unsigned) or whose scale has no zero, as on CPU
-(qtensor.kernels.ops._two_level_geom).
+(qtensor.kernels.backend._two_level_geom).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _cuda_ready() -> bool:
 def covers(fmt, rounding: str) -> bool:
     """Whether quantize_float, quantize_fixed or quantize_block rounds ``fmt`` (else the
     reference does, with the same bits): not two-level formats, which quantize_two_level rounds
-    (qtensor.kernels.ops._two_level)."""
+    (qtensor.kernels.backend.two_level)."""
     return not getattr(fmt, "tensor_scale", False)
 
 
