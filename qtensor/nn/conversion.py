@@ -32,6 +32,14 @@ class _Conversion:
     dtypes: Dict[str, torch.dtype] = field(default_factory=dict)  # original dtypes, by name
     nested_off: list = field(default_factory=list)  # TransformerEncoders: their use_nested_tensor
     gemms: Dict[str, Any] = field(default_factory=dict)  # module name: its GemmFormats, if any
+    # whether the model's parameters carry its plans and hooks: a deep copy or an unpickled copy
+    # of a converted model is not (its tensors kept neither), so a copy starts False
+    attached: bool = False
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["attached"] = False
+        return state
 
 
 def is_converted(model: nn.Module) -> bool:

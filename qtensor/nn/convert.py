@@ -24,7 +24,6 @@ Roles, rules, precedence and every detail: docs/convert.md.
 
 from __future__ import annotations
 
-import weakref
 
 import torch
 from torch import nn
@@ -70,19 +69,16 @@ def _attach(conv: _Conversion) -> None:
             conv.param_handles.append(p.register_hook(_GradHook(plan)))
 
 
-# Models whose parameters carry their plans and hooks. A deep copy or an unpickled copy of a
-# converted model is not in it (weak: a freed model's id cannot be mistaken for a live one's).
-_attached = weakref.WeakSet()
-
-
 def _reattach_hook(model, args):
     # A deep copy of a converted model copies its modules, hooks and _qt_conversion, but a copied
-    # tensor keeps neither its attributes nor its hooks: attach them again on first use.
+    # tensor keeps neither its attributes nor its hooks: attach them again on first use. (A flag
+    # on the conversion, not a set of models: torch.compile guards on what the hook reads, and a
+    # guard on a weak set's members breaks when another model is freed meanwhile.)
     conv = getattr(model, "_qt_conversion", None)
-    if conv is not None and model not in _attached:
+    if conv is not None and not conv.attached:
         conv.param_handles = []
         _attach(conv)
-        _attached.add(model)
+        conv.attached = True
     distributed.check_ddp_forward(model)  # inside a DDP's forward: its options (once per DDP)
     return None
 
@@ -119,7 +115,7 @@ def _attach_grad_hooks(model: nn.Module, conv: _Conversion, params) -> None:
         if plan is not None:
             conv.hooked_params.append((mod, local, plan))
     _attach(conv)
-    _attached.add(model)
+    conv.attached = True
     conv.handles.append(model.register_forward_pre_hook(_reattach_hook))
 
 
@@ -325,8 +321,8 @@ def unconvert(model: nn.Module) -> nn.Module:
         if b is not None and _is_q(b):
             mod._buffers[local] = b.dequantize().detach().to(conv.dtypes.get(qual, b.dtype),
                                                              copy=True)
+    conv.attached = False
     del model._qt_conversion
-    _attached.discard(model)
     training.unconvert_optimizers(moved)
     _replaced_warning(
         "qt.unconvert", replaced,

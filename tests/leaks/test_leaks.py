@@ -539,8 +539,8 @@ def test_plain_result(monkeypatch):
     from qtensor.tensor import dispatch as qd
     orig = qd.dispatch
 
-    def leaky_dispatch(func, args, kwargs):
-        out = orig(func, args, kwargs)
+    def leaky_dispatch(func, args, kwargs, cls):
+        out = orig(func, args, kwargs, cls)
         if func is torch.ops.aten.gelu.default:
             return out.dequantize()
         return out
