@@ -560,6 +560,8 @@ def _keeps_tensor_scale(method, source):
 
 
 def _install_fsdp_scales() -> None:
+    # torch 2.13's private FSDPParam (tests/integrations/test_distributed.py checks what this
+    # relies on: test_the_torch_internals_distributed_wraps_are_still_there)
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     except ImportError:  # no FSDP2 (torch built without distributed)

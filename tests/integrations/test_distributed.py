@@ -1277,3 +1277,42 @@ def test_four_ranks_agree_and_follow_the_rule(four_ranks):
         for n, (fmts, gfmts, value, grad) in first.items():
             assert (fmts, gfmts) == ref[n][:2], (which, n, fmts, gfmts, ref[n][:2])
             _assert_bits_equal(value, ref[n][2], f"{['ddp', 'fsdp'][which]} 4 ranks {n}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The private torch functions qtensor.nn.distributed wraps (written for torch 2.13): a torch
+# upgrade that changes one fails here by name, not somewhere far away in a multi-process run
+
+def _wraps_still(ok, what):
+    assert ok, (f"qtensor.nn.distributed (written for torch 2.13) wraps {what}; torch "
+                f"{torch.__version__} changed it: update the wrapper and this test")
+
+
+def test_the_torch_internals_distributed_wraps_are_still_there():
+    import inspect
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    bc = dist._broadcast_coalesced
+    _wraps_still(getattr(bc, "_qtensor_payloads", False)
+                 and (bc.__wrapped__.__doc__ or "").startswith(
+                     "_broadcast_coalesced(process_group: torch._C._distributed_c10d.ProcessGroup, "
+                     "tensors:"),
+                 "dist._broadcast_coalesced(process_group, tensors, ...), which DDP calls")
+    init = _fsdp_param.FSDPParam._init_sharded_param
+    _wraps_still(getattr(init, "_qtensor_scales", False)
+                 and list(inspect.signature(init.__wrapped__).parameters)[:2] == ["self", "param"],
+                 "FSDPParam._init_sharded_param(self, param, ...)")
+    reset = _fsdp_param.FSDPParam.reset_sharded_param
+    _wraps_still(getattr(reset, "_qtensor_scales", False)
+                 and list(inspect.signature(reset.__wrapped__).parameters) == ["self"],
+                 "FSDPParam.reset_sharded_param(self)")
+    source = inspect.getsource(_fsdp_param)
+    _wraps_still(all(name in source for name in ("self.sharded_param", "self._sharded_param_data",
+                                                 "self._module_info", "param_name")),
+                 "FSDPParam's sharded_param, _sharded_param_data and _module_info.param_name")
+    commit = DefaultLoadPlanner.commit_tensor
+    _wraps_still(getattr(commit, "_qtensor_scales", False)
+                 and list(inspect.signature(commit.__wrapped__).parameters)
+                 == ["self", "read_item", "tensor"],
+                 "DefaultLoadPlanner.commit_tensor(self, read_item, tensor)")
