@@ -341,6 +341,14 @@ def check_tensor_scale(s, fmt) -> torch.Tensor:
     return torch.tensor(f, dtype=torch.float32)
 
 
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """x's largest finite magnitude as float32 (0-dim; 0 for none): a two-level format's amax."""
+    x = x.detach().to(torch.float32)
+    if not x.numel():
+        return x.new_zeros(())
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
+
+
 def encode_scale(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """TE's global encode scale (float32, 0-dim) of a tensor whose largest finite magnitude is
     ``amax``: max_elem * bound / amax in float32 (bound: 448, 256 for 4over6), FLT_MAX where
@@ -447,13 +455,12 @@ def _two_level_blocks(blocks: torch.Tensor, fmt: BlockFormat, rounding: str,
     if any_bad:
         amax_b = torch.where(bad, torch.zeros_like(amax_b), amax_b)
     if tensor_scale is None:
-        amax_t = amax_b.amax() if amax_b.numel() else amax_b.sum()
-        if any_bad:
-            # the largest finite |x| (0 if none), a non-finite value's block included
-            amax_t = torch.where(torch.isfinite(blocks), blocks.abs(),
-                                 torch.zeros_like(blocks)).amax() if blocks.numel() else amax_t
         if tensor_amax is not None:  # a part of a tensor: the whole one's amax
             amax_t = tensor_amax.to(torch.float32).reshape(())
+        elif any_bad and blocks.numel():  # (a non-finite value's block included)
+            amax_t = finite_amax(blocks)
+        else:
+            amax_t = amax_b.amax() if amax_b.numel() else amax_b.sum()
         enc = encode_scale(amax_t, fmt)
         dec = torch.ones_like(enc) / enc
     else:

@@ -53,7 +53,7 @@ from torch import nn
 
 from . import training
 from .plans import _plain, round_to
-from ..kernels import ops
+from ..kernels import ops, reference
 from ..tensor import dispatch
 from ..tensor.subclass import FSDP_HOOK_ATTR, QTensor
 
@@ -318,7 +318,7 @@ def _round_under_whole_amax(x, role, mesh) -> QTensor:
     """This rank's part ``x`` of a whole tensor, rounded into the two-level ``role`` as the
     whole tensor is (Transformer Engine's one scale of the whole amax): the parts' amaxes
     all-reduced by max, each part's whole blocks rounded under that amax's scale."""
-    amax = dispatch.finite_amax(x)
+    amax = reference.finite_amax(x)
     torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group())
     fmt = dispatch.fit_format(role.fmt, x.dim())
     values, scale = ops.quantize_with_scale(_plain(x), fmt, tensor_amax=amax)

@@ -33,6 +33,7 @@ from . import gemm as _gemm
 from ..kernels import backend as _backend
 from ..kernels.backend import eager_cpu_kernel as _eager_cpu_kernel, fit_format, with_axis
 from ..kernels.checks import FLOAT_DTYPES
+from ..kernels.reference import finite_amax
 from ..formats.base import Format, is_stochastic
 from ..formats.block import BlockFormat
 
@@ -1126,14 +1127,6 @@ def _collective(func, args, kwargs, cls):
             w._accum = src.accum
         return w
     return wrap(out)
-
-
-def finite_amax(x: torch.Tensor) -> torch.Tensor:
-    """x's largest finite magnitude as float32 (0-dim; 0 for none): a two-level format's amax."""
-    x = x.detach().to(torch.float32)
-    if not x.numel():
-        return x.new_zeros(())
-    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
 
 
 def _collective_two_level(func, args, kwargs, out, src):
