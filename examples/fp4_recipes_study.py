@@ -20,7 +20,7 @@ three GEMMs (forward, dgrad, wgrad) of each Linear/Conv (``Recipe.gemm``):
 - ``nvidia-rht``, ``nvidia-sr``, ``nvidia-last``: ``nvfp4_nvidia`` without its wgrad RHT,
   without stochastic rounding of dY, without the BF16 last layers.
 
-Sized for a shared machine (one core, ~10 minutes): a small GPT (2 layers, d=64, context 32)
+Sized for a shared machine (one core, ~3 minutes): a small GPT (2 layers, d=64, context 32)
 for 100 AdamW steps of 8x32 characters and the CNN for 60 Adam steps, far shorter than the
 papers' runs (billions of tokens): the table says what FP4 costs early in training, at tiny
 scale. ``--steps``, ``--batch`` and ``--cnn-steps`` run longer.

@@ -25,7 +25,7 @@ Python's standard-library source (the char corpus of mx_training.py), 3 seeds ea
    forward with a ``DynamicCache`` wrapped by ``qt.kv_cache.wrap`` (attention reads the stored,
    rounded K and V; a token never changes once stored, so this equals decoding token by token).
 
-Sized for a shared 2-core machine (about 10 minutes with one thread): ~0.3M-parameter models,
+Sized for a shared 2-core machine (about 3 minutes with one thread): ~0.3M-parameter models,
 a few hundred steps; the papers train billions of parameters on trillions of tokens. The tables
 show what the formats cost early in training at tiny scale, nothing about long horizons.
 """
