@@ -1420,11 +1420,13 @@ def test_four_ranks_agree_and_follow_the_rule(four_ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-# The private torch functions qtensor.nn.distributed wraps (written for torch 2.13): a torch
-# upgrade that changes one fails here by name, not somewhere far away in a multi-process run
+# The private torch functions qtensor.tensor.shims wraps for qtensor.nn.distributed (written for
+# torch 2.13): a torch upgrade that changes one fails here by name, not somewhere far away in a
+# multi-process run
 
 def _wraps_still(ok, what):
-    assert ok, (f"qtensor.nn.distributed (written for torch 2.13) wraps {what}; torch "
+    from qtensor.tensor import shims
+    assert ok, (f"qtensor.tensor.shims (written for torch {shims.TARGET}) wraps {what}; torch "
                 f"{torch.__version__} changed it: update the wrapper and this test")
 
 
@@ -1433,6 +1435,11 @@ def test_the_torch_internals_distributed_wraps_are_still_there():
     import torch.distributed as dist
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from qtensor.tensor import shims
+    # each is a shim that names the torch version it targets (tests/tensor/test_shims.py)
+    for name in ("wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor"):
+        assert name in shims.__all__, name
+        assert getattr(shims, name).__doc__.startswith(f"torch {shims.TARGET}:"), name
     bc = dist._broadcast_coalesced
     _wraps_still(getattr(bc, "_qtensor_payloads", False)
                  and (bc.__wrapped__.__doc__ or "").startswith(
@@ -1456,3 +1463,8 @@ def test_the_torch_internals_distributed_wraps_are_still_there():
                  and list(inspect.signature(commit.__wrapped__).parameters)
                  == ["self", "read_item", "tensor"],
                  "DefaultLoadPlanner.commit_tensor(self, read_item, tensor)")
+    from torch.distributed.checkpoint import default_planner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    _wraps_still("self.state_dict" in inspect.getsource(default_planner.DefaultLoadPlanner)
+                 and "fqn" in {f.name for f in __import__("dataclasses").fields(MetadataIndex)},
+                 "DefaultLoadPlanner.state_dict and ReadItem.dest_index.fqn")
