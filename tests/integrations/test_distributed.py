@@ -767,7 +767,6 @@ def test_coalesced_functional_collectives_follow_their_single_forms(ranks):
     # bits and tensor scale), each output in the formats of its own input
     res = ranks.run("_sc_functional_coalesced")
     o = _two_level_oracle()
-    n = o["whole"].shape[0] // WORLD
     bfs = [qt.as_qtensor(torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]) * (1 + r), qt.bf16)
            for r in range(WORLD)]
     own_total = qt.as_qtensor(_fp32_sum(qt_plain(t) for t in o["owns"]), qt.nvfp4)
