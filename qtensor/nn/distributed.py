@@ -20,8 +20,8 @@ model as a whole:
   each forward; also DCP's ``broadcast_from_rank0``) go through ``dist._broadcast_coalesced``,
   which flattens all the tensors into one with a ``cat``: of QTensors of different formats (or
   plain tensors among them) that cat would round every value to the first one's format.
-  :func:`_broadcast_coalesced` (installed in its place) sends the QTensors' payloads instead:
-  the values arrive unchanged, bit for bit.
+  :func:`_broadcast_payloads` (qtensor.tensor.shims wraps it with this) sends the QTensors'
+  payloads instead: the values arrive unchanged, bit for bit.
 
 - FSDP2 (``fully_shard`` of a converted model): the sharded parameters are DTensors whose local
   tensors are QTensor shards; ``QTensor.fsdp_pre_all_gather``/``fsdp_post_all_gather`` (in
@@ -37,8 +37,9 @@ model as a whole:
   tensor (gathered) and the optimizer step runs on the whole parameter (:class:`_GatheredStep`).
 
 - Two-level formats (nvfp4): the tensor scale spans the whole tensor (a cut block, above);
-  FSDP2's shards (built from zeros and a copy of their chunk: :func:`_install_fsdp_scales`) and
-  the tensors that DCP loads into (:func:`_install_dcp_scales`) get the whole parameter's scale.
+  FSDP2's shards (built from zeros and a copy of their chunk: :func:`_give_scale`) and the
+  tensors that DCP loads into (:func:`_commit_scale`) get the whole parameter's scale (the
+  wrappers of those private torch functions are in qtensor.tensor.shims).
 
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
@@ -54,7 +55,7 @@ from torch import nn
 from . import training
 from .plans import _plain, round_to
 from ..kernels import ops, reference
-from ..tensor import dispatch
+from ..tensor import dispatch, shims
 from ..tensor.subclass import FSDP_HOOK_ATTR, QTensor
 
 __all__ = ["check_unwrapped", "check_ddp_forward", "on_fsdp_all_gather"]
@@ -201,38 +202,24 @@ class _OnBackward:
                     p.grad = round_to(g, plan.grad, name=f"gradient of {plan.name}")
 
 
-def _broadcast_coalesced(broadcast):
-    """``dist._broadcast_coalesced`` on the payloads of the QTensors among ``tensors``: it
-    flattens its tensors with one ``cat``, which would round values of other formats (and plain
-    ones) to the first one's format. Payloads are plain FP32 values, and the source rank's
-    values are in their formats: the copies written into the payloads need no rounding. A
-    two-level format's FP32 tensor scale travels with its payload (the values are fl32(e X s)
-    under it: a receiver keeping its own would hold values that its scale does not give)."""
-
-    @functools.wraps(broadcast)
-    def wrapper(process_group, tensors, *args, **kwargs):
-        if not any(isinstance(t, QTensor) for t in tensors):
-            return broadcast(process_group, tensors, *args, **kwargs)
-        # into the scale tensors themselves: callers pass detached aliases of the parameters,
-        # which share them (as do the tensors a QTensor was sliced from)
-        scales = [t.tensor_scale for t in tensors
-                  if isinstance(t, QTensor) and t.tensor_scale is not None]
-        payloads = [t._data if isinstance(t, QTensor) else t for t in tensors]
-        return broadcast(process_group, payloads + scales, *args, **kwargs)
-
-    wrapper._qtensor_payloads = True
-    return wrapper
+def _broadcast_payloads(tensors):
+    """What ``dist._broadcast_coalesced`` sends for ``tensors`` (qtensor.tensor.shims wraps it),
+    None for tensors as they are. It flattens its tensors with one ``cat``, which would round
+    values of other formats (and plain ones) to the first QTensor's format: it sends the
+    QTensors' payloads instead. Payloads are plain FP32 values, and the source rank's values are
+    in their formats: the copies written into the payloads need no rounding. A two-level
+    format's FP32 tensor scale travels with its payload (the values are fl32(e X s) under it: a
+    receiver keeping its own would hold values that its scale does not give)."""
+    if not any(isinstance(t, QTensor) for t in tensors):
+        return None
+    # into the scale tensors themselves: callers pass detached aliases of the parameters,
+    # which share them (as do the tensors a QTensor was sliced from)
+    scales = [t.tensor_scale for t in tensors
+              if isinstance(t, QTensor) and t.tensor_scale is not None]
+    return [t._data if isinstance(t, QTensor) else t for t in tensors] + scales
 
 
-def _install_broadcast() -> None:
-    dist = torch.distributed
-    if not dist.is_available() or getattr(dist._broadcast_coalesced, "_qtensor_payloads", False):
-        return
-    # (callers look it up on torch.distributed at each call: DDP, torch.distributed.utils, DCP)
-    dist._broadcast_coalesced = _broadcast_coalesced(dist._broadcast_coalesced)
-
-
-_install_broadcast()
+shims.wrap_broadcast_coalesced(_broadcast_payloads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,80 +525,28 @@ def _two_level_scale(t):
     return None
 
 
-def _keeps_tensor_scale(method, source):
-    """An FSDPParam method that (re)builds the sharded parameter's local tensor from
-    ``source(fsdp_param, *args)``: zeros of the padded shard's size, this rank's chunk copied in,
-    a view of it. Computed zeros take a fresh tensor scale (of amax 0), which the shard would
-    then carry under values of the whole parameter's scale; give the shard (and FSDP2's flat
-    view of it) the scale its values were rounded with, the whole parameter's."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        scale = _two_level_scale(source(self, *args, **kwargs))
-        out = method(self, *args, **kwargs)
-        if scale is not None:
-            for t in (self.sharded_param._local_tensor, self._sharded_param_data):
-                if isinstance(t, QTensor):
-                    t._tscale = scale
-        return out
-
-    wrapper._qtensor_scales = True
-    return wrapper
+def _give_scale(t, scale) -> None:
+    """FSDP2 built the shard ``t`` from zeros (which take a fresh tensor scale, of amax 0) and a
+    copy of its chunk of the parameter: it carries the scale its values were rounded with, the
+    whole parameter's."""
+    if isinstance(t, QTensor):
+        t._tscale = scale
 
 
-def _install_fsdp_scales() -> None:
-    # torch 2.13's private FSDPParam (tests/integrations/test_distributed.py checks what this
-    # relies on: test_the_torch_internals_distributed_wraps_are_still_there)
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    except ImportError:  # no FSDP2 (torch built without distributed)
-        return
-    for name, source in (
-            ("_init_sharded_param", lambda self, param, *a, **k: param),
-            ("reset_sharded_param", lambda self: getattr(self._module_info.module,
-                                                         self._module_info.param_name, None))):
-        _wrap_once(FSDPParam, name, lambda method: _keeps_tensor_scale(method, source))
+def _commit_scale(dest, tensor) -> None:
+    """DCP's load copied the loaded values into ``tensor``, an alias of the state dict's tensor
+    ``dest`` (a new wrapper, which took the loaded tensor scale): ``dest`` itself (a DTensor's
+    local QTensor) takes it too, or it would keep the fresh model's scale under the loaded
+    values."""
+    scale = _two_level_scale(tensor)
+    if (scale is not None and isinstance(dest, QTensor) and dest is not tensor
+            and _two_level_scale(dest) is not None and dest._data.untyped_storage().data_ptr()
+            == tensor._data.untyped_storage().data_ptr()):
+        dest._tscale = scale
 
 
-def _wrap_once(cls, name, wrap) -> None:
-    method = getattr(cls, name, None)
-    if method is not None and not getattr(method, "_qtensor_scales", False):
-        setattr(cls, name, wrap(method))
-
-
-def _commit_keeps_tensor_scale(commit):
-    """DCP's load copies each loaded tensor into ``planner.resolve_tensor(item).detach()``: a new
-    wrapper (an alias) of the state dict's tensor, which takes the loaded values' tensor scale;
-    the state dict's tensor itself (a DTensor's local QTensor) must take it too, or it would
-    keep the fresh model's scale under the loaded values."""
-
-    @functools.wraps(commit)
-    def wrapper(self, read_item, tensor):
-        out = commit(self, read_item, tensor)
-        scale = _two_level_scale(tensor)
-        if scale is not None:
-            # (the state dict's own object: lookup_tensor may give a new wrapper of it)
-            dest = getattr(self, "state_dict", {}).get(read_item.dest_index.fqn)
-            dest = getattr(dest, "_local_tensor", dest)
-            if (isinstance(dest, QTensor) and dest is not tensor and _two_level_scale(dest)
-                    is not None and dest._data.untyped_storage().data_ptr()
-                    == tensor._data.untyped_storage().data_ptr()):
-                dest._tscale = scale
-        return out
-
-    wrapper._qtensor_scales = True
-    return wrapper
-
-
-def _install_dcp_scales() -> None:
-    try:
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    except ImportError:
-        return
-    _wrap_once(DefaultLoadPlanner, "commit_tensor", _commit_keeps_tensor_scale)
-
-
-_install_fsdp_scales()
-_install_dcp_scales()
+# torch's private FSDPParam shard builders and DCP's commit_tensor (qtensor.tensor.shims)
+shims.wrap_fsdp_shard_builders(_two_level_scale, _give_scale)
+shims.wrap_dcp_commit_tensor(_commit_scale)
 training.register_sharded_plan_lookup(sharded_plan)
 training.register_gathered_step(_GatheredStep.gather, _GatheredStep.put_back)

@@ -1066,104 +1066,271 @@ def _collective(func, args, kwargs, cls):
     read, nor rounded, before they have arrived), then round once into the format: a reduction
     sums (or averages) the payloads in their precision (float32) and rounds the result once;
     a gather, broadcast or all-to-all moves values already in format (rounding them again
-    changes nothing, unless blocks were regrouped). Outputs keep the formats of the first
-    QTensor input; in-place destinations keep their own. An async collective is thus complete on
-    return (its later wait is a no-op)."""
-    if func._opname == "wait_tensor":  # the output was waited on when it was made
+    changes nothing, unless blocks were regrouped). New outputs keep the formats of the QTensor
+    input they come from (of a coalesced op: the input at their index); destinations written in
+    place keep their own. Two-level formats: :func:`_two_level_received`. An async collective
+    is thus complete on return (its later wait is a no-op)."""
+    name = func._opname
+    if name == "wait_tensor":  # the output was waited on when it was made
         a = args[0] if args else kwargs["tensor"]
         if isinstance(a, cls):
             func(a._data)
         return a
-    qs = []
     if func.namespace == "c10d":
-        # c10d's ops write into their tensor lists, and some backends' Work copies its result
-        # into them again on every wait() (gloo's reduce-scatter): they get copies of the
-        # payloads, and the payloads get the rounded results once
-        pairs = []
-
-        def copy_of(a):  # (scatter, gather, alltoall take lists of lists)
-            if isinstance(a, (list, tuple)):
-                return type(a)(copy_of(x) for x in a)
-            if isinstance(a, cls):
-                pairs.append((a, a._data.clone()))
-                return pairs[-1][1]
-            return a
-        uargs = [copy_of(a) for a in args]
-        out = func(*uargs, **(kwargs or {}))
-        _wait_all(out)
-        for q, c in pairs:
-            if _two_level(q.fmt):  # rounded under a fresh scale, which q then carries
-                q._data.copy_(c)
-                _round_inplace(q)
-            else:
-                q._data.copy_(quantize(c, q.fmt))
-        qs = [q for q, _c in pairs]
-        alias = {id(c): q for q, c in pairs}
-    else:
-        uargs, ukwargs, _plain = _unwrap(args, kwargs, qs, cls)
-        out = func(*uargs, **ukwargs)
-        _wait_all(out)
-        if func._opname.endswith("_"):  # all_reduce_, broadcast_: in place
-            for q in qs:
-                _round_inplace(q)
-        alias = {id(q._data): q for q in qs}
-    src = qs[0]
-
-    def wrap(o):
-        if isinstance(o, (tuple, list)):
-            return type(o)(wrap(x) for x in o)
-        if not isinstance(o, torch.Tensor) or o.dtype not in FLOAT_DTYPES:
-            return o
-        q = alias.get(id(o))
-        if q is not None:  # an output that is an input's payload (or its copy) is that QTensor
-            return q
-        if _two_level(src.fmt):
-            v, tscale = _collective_two_level(func, args, kwargs, o, src)
-            w = cls._wrap(v, fit_format(src.fmt, o.dim()), src.mm_fmt)
-            w._tscale = tscale
+        return _c10d_collective(func, args, kwargs, cls)
+    qs = []
+    uargs, ukwargs, _plain = _unwrap(args, kwargs, qs, cls)
+    out = func(*uargs, **ukwargs)
+    _wait_all(out)
+    bound = _bound(func, args, kwargs)
+    comm = _FunctionalComm(bound)
+    kind = _FUNCTIONAL_KINDS.get(name.rstrip("_").removesuffix("_coalesced")
+                                 .removesuffix("_out"), "whole")
+    coalesced = name.rstrip("_").endswith("_coalesced")
+    alias = {id(q._data): q for q in qs}  # an output that is an input's payload is that QTensor
+    if name.endswith("_") or "out" in bound:  # written in place (all_reduce_, broadcast_), out=
+        written = (list(args[0]) if coalesced else [args[0]]) if name.endswith("_") else [
+            bound["out"]]
+        sources = written if name.endswith("_") else [args[0]]
+        keep = [i for i, q in enumerate(written) if isinstance(q, cls)]
+        _into_written(kind, [(written[i], written[i]._data) for i in keep],
+                      [sources[i] for i in keep], comm)
+        return _aliased(out, alias)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    sources = list(args[0]) if coalesced else [qs[0]] * len(outs)
+    res = list(outs)
+    two = []
+    for i, (o, s) in enumerate(zip(outs, sources)):
+        if not isinstance(s, cls) or not isinstance(o, torch.Tensor) or o.dtype not in FLOAT_DTYPES:
+            continue
+        if id(o) in alias:
+            res[i] = alias[id(o)]
+        elif _two_level(s.fmt):
+            two.append(i)
         else:
-            w = cls._wrap(quantize(o, src.fmt), fit_format(src.fmt, o.dim()), src.mm_fmt)
-        if src.accum is not None:
-            w._accum = src.accum
-        return w
-    return wrap(out)
+            res[i] = _wrap_received(cls, quantize(o, s.fmt), s, o.dim())
+    if two:
+        fmts = [fit_format(sources[i].fmt, outs[i].dim()) for i in two]
+        got = _two_level_received(kind, [outs[i] for i in two], fmts,
+                                  [sources[i] for i in two], comm)
+        for i, (v, tscale) in zip(two, got):
+            res[i] = _wrap_received(cls, v, sources[i], outs[i].dim())
+            res[i]._tscale = tscale
+    if isinstance(out, (tuple, list)):
+        return type(out)(res)
+    return res[0]
 
 
-def _collective_two_level(func, args, kwargs, out, src):
-    """A functional collective's output of two-level QTensors (nvfp4): (its values, the tensor
-    scale they carry), as one process holding the whole tensor has them. An all-gather of
-    shards that share one tensor scale keeps their values and that scale (their scales are
-    gathered too); of shards of different scales, as a cat of them: rounded again under one
-    fresh scale. A reduce-scatter rounds each rank's part under the scale of the whole reduced
-    tensor's amax (the parts' amaxes reduced by max). A broadcast brings the source's scale.
-    Other outputs (all-reduce, all-to-all) are rounded under the scale of their own amax."""
-    c10d = torch.ops._c10d_functional
-    fmt = fit_format(src.fmt, out.dim())
+def _aliased(out, alias):
+    """``out`` with the payloads among its tensors replaced by their QTensors."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_aliased(o, alias) for o in out)
+    return alias.get(id(out), out)
+
+
+def _wrap_received(cls, values, src, ndim):
+    w = cls._wrap(values, fit_format(src.fmt, ndim), src.mm_fmt)
+    if src.accum is not None:
+        w._accum = src.accum
+    return w
+
+
+# How each functional collective's two-level outputs take their tensor scale (the coalesced,
+# in-place and out= forms as their single form): _two_level_received
+_FUNCTIONAL_KINDS = {"broadcast": "bcast", "all_gather_into_tensor": "cat",
+                     "reduce_scatter_tensor": "part", "_wrap_tensor_autograd": "same"}
+# c10d's ops: the tensors they write are their first argument (send writes none)
+_C10D_KINDS = {"broadcast_": "bcast", "_allgather_base_": "cat",
+               "allgather_into_tensor_coalesced_": "cat", "allgather_": "list",
+               "_reduce_scatter_base_": "part", "reduce_scatter_tensor_coalesced_": "part"}
+
+
+def _bound(func, args, kwargs) -> dict:
+    """The arguments of an op call by their schema names (those passed)."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args))
+    bound.update(kwargs or {})
+    return bound
+
+
+def _c10d_collective(func, args, kwargs, cls):
+    """c10d's ops write into their first argument (a tensor, a list, a list of lists), and some
+    backends' Work copies its result into it again on every wait() (gloo's reduce-scatter):
+    they write into copies of the destinations' payloads, and the destinations get the
+    results once; the tensors only read are passed as payloads (a destination's input may be a
+    view of it: FSDP's all-gather in place)."""
+    pairs = []
+
+    def copy_of(a):  # (scatter, gather, allgather take lists of lists)
+        if isinstance(a, (list, tuple)):
+            return type(a)(copy_of(x) for x in a)
+        if isinstance(a, cls):
+            pairs.append((a, a._data.clone()))
+            return pairs[-1][1]
+        return a
+
+    def payload(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(payload(x) for x in a)
+        return a._data if isinstance(a, cls) else a
     name = func._opname
-    if name == "_wrap_tensor_autograd":  # the identity (autograd's wrapper of an output)
-        return out, src.tensor_scale
-    if name == "broadcast":  # the source rank's values, under its scale
-        scale = c10d.wait_tensor(c10d.broadcast(
-            src.tensor_scale.reshape(1).clone(), _arg(args, kwargs, 1, "src"),
-            _arg(args, kwargs, 2, "group_name")))
-        return out, scale.reshape(())
-    if name == "all_gather_into_tensor":
-        scales = c10d.wait_tensor(c10d.all_gather_into_tensor(
-            src.tensor_scale.reshape(1), _arg(args, kwargs, 1, "group_size"),
-            _arg(args, kwargs, 2, "group_name")))
-        bits = scales.view(torch.int32)
-        same = (bits == bits[:1]).all()
-        if type(out) is torch.Tensor and bool(same):  # eager: no rounding to do
-            return out, scales[0].clone()
-        q, fresh = _backend.round_with_scale(out, fmt)
-        if type(out) is torch.Tensor:
-            return q, fresh
-        return torch.where(same, out, q), torch.where(same, scales[0], fresh)  # (traced)
-    if name == "reduce_scatter_tensor":
-        amax = c10d.wait_tensor(c10d.all_reduce(finite_amax(out).reshape(1), "max",
-                                                _arg(args, kwargs, 3, "group_name")))
-        return _backend.round_with_scale(out, fmt, tensor_amax=amax.reshape(()))
-    return _backend.round_with_scale(out, fmt)
+    if name == "send":
+        uargs = [payload(a) for a in args]
+    else:
+        uargs = [copy_of(args[0])] + [payload(a) for a in args[1:]]
+    out = func(*uargs, **(kwargs or {}))
+    _wait_all(out)
+    if pairs:
+        kind = _C10D_KINDS.get(name, "whole")
+        bound = _bound(func, args, kwargs)
+        dst = args[0]
+        src = next((bound[k] for k in ("input_tensor", "inputs", "input_tensors") if k in bound),
+                   None)
+        if kind == "list":  # output_tensors[i][j]: rank j's input_tensors[i]
+            sources = [(src[i], j) for i, row in enumerate(dst) for j, q in enumerate(row)
+                       if isinstance(q, cls)]
+        elif kind == "cat":  # each output's input
+            sources = [src] if isinstance(dst, cls) else [
+                s for q, s in zip(dst, src) if isinstance(q, cls)]
+        else:
+            sources = [q for q, _c in pairs]
+        _into_written(kind, pairs, sources, _C10dComm(bound, _c10d_world(kind, dst, src)))
+    return _aliased(out, {id(c): q for q, c in pairs})
+
+
+def _c10d_world(kind, dst, src) -> int:
+    """The group's size, from a gather's or reduce-scatter's shapes (what the scale
+    collectives need)."""
+    if kind == "list":
+        return len(dst[0])
+    if kind not in ("cat", "part"):
+        return 0
+    d = dst if isinstance(dst, torch.Tensor) else dst[0]
+    s = src if isinstance(src, torch.Tensor) else src[0]
+    big, small = (d, s) if kind == "cat" else (s, d)
+    return big.numel() // max(small.numel(), 1)
+
+
+def _into_written(kind, written, sources, comm) -> None:
+    """The QTensors of ``written`` ((destination, the payload it received)) get the received
+    values in their formats; ``sources``: what each destination's values come from (its
+    tensor scale; for a list all-gather (input, rank))."""
+    two, two_sources = [], []
+    for (q, c), s in zip(written, sources):
+        if _two_level(q.fmt):
+            two.append((q, c))
+            two_sources.append(s)
+        elif c is q._data:
+            _round_inplace(q)
+        else:
+            q._data.copy_(quantize(c, q.fmt))
+    if not two:
+        return
+    outs = [c for _q, c in two]
+    fmts = [fit_format(q.fmt, c.dim()) for q, c in two]
+    if kind == "list":  # output_tensors[i][j]: rank j's input_tensors[i], with its scale
+        inputs = list({id(s): s for s, _j in two_sources}.values())
+        scales = comm.gather(_scales_of(inputs, fmts[:1] * len(inputs), outs[:1] * len(inputs)))
+        got = []
+        for c, f, (s, j) in zip(outs, fmts, two_sources):
+            scale = scales[j, next(k for k, t in enumerate(inputs) if t is s)]
+            got.append((c, scale.clone()) if bool(scale > 0) else _backend.round_with_scale(c, f))
+    else:
+        if kind in ("bcast", "same"):  # (in place: the destination is the source)
+            two_sources = [q for q, _c in two]
+        got = _two_level_received(kind, outs, fmts, two_sources, comm)
+    for (q, c), (v, tscale) in zip(two, got):
+        if v is not q._data:
+            q._data.copy_(v)
+        q._tscale = tscale
+
+
+def _scales_of(tensors, fmts, outs) -> torch.Tensor:
+    """The tensor scales of ``tensors`` as one float32 vector, 0 for a tensor without one or not
+    of the format its output has (``fmts``, fitted to ``outs``): values no scale of it gives."""
+    zero = torch.zeros((), dtype=torch.float32, device=outs[0].device)
+    return torch.stack([
+        t.tensor_scale.reshape(()).to(torch.float32)
+        if (getattr(t, "fmt", None) is not None and _two_level(t.fmt)
+            and fit_format(t.fmt, o.dim()) == f) else zero
+        for t, f, o in zip(tensors, fmts, outs)])
+
+
+class _FunctionalComm:
+    """The scale collectives of a functional collective, in its group."""
+
+    def __init__(self, bound):
+        self.bound = bound
+
+    def gather(self, t):  # [group size, len(t)]
+        c10d, b = torch.ops._c10d_functional, self.bound
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(
+            t, b["group_size"], b["group_name"])).view(b["group_size"], -1)
+
+    def broadcast(self, t):
+        c10d, b = torch.ops._c10d_functional, self.bound
+        return c10d.wait_tensor(c10d.broadcast(t.clone(), b["src"], b["group_name"]))
+
+
+class _C10dComm:
+    """The scale collectives of a c10d collective, in its process group."""
+
+    def __init__(self, bound, world):
+        self.bound, self.world = bound, world
+
+    def gather(self, t):
+        out = t.new_empty(self.world * t.numel())
+        _wait_all(torch.ops.c10d._allgather_base_.default(out, t.contiguous(),
+                                                          self.bound["process_group"]))
+        return out.view(self.world, -1)
+
+    def broadcast(self, t):
+        t = t.clone()
+        _wait_all(torch.ops.c10d.broadcast_.default([t], self.bound["process_group"],
+                                                    self.bound["root_rank"], 0))
+        return t
+
+
+def _two_level_received(kind, outs, fmts, sources, comm):
+    """The values and tensor scales of a collective's two-level outputs ``outs`` (received
+    payloads, ``fmts`` their formats) as one process holding the whole tensors has them;
+    ``sources``: the tensors each output's values come from (their tensor scales).
+
+    - ``bcast``: the source rank's values, under its scale (broadcast with them).
+    - ``cat``: an all-gather of parts that share one tensor scale keeps their values and that
+      scale (the ranks' scales are gathered too); of parts of different scales, as a cat of
+      them: rounded again under one fresh scale (of the gathered amax).
+    - ``part``: a reduce-scatter rounds each rank's part under the scale of the whole reduced
+      tensor's amax (the parts' amaxes gathered: their max).
+    - ``same``: the identity (autograd's wrapper of an output): the source's scale.
+    - ``whole`` (all-reduce, all-to-all): rounded under the scale of their own amax (an
+      all-reduce's result is the same on every rank: so is its scale).
+    Eager or traced (torch.compile: a choice by the gathered scales is a torch.where)."""
+    if kind == "same":
+        return [(o, s.tensor_scale) for o, s in zip(outs, sources)]
+    if kind == "bcast":
+        scales = comm.broadcast(_scales_of(sources, fmts, outs))
+        return [(o, scales[i]) for i, o in enumerate(outs)]
+    if kind == "part":
+        amax = comm.gather(torch.stack([finite_amax(o).reshape(()) for o in outs])).amax(0)
+        return [_backend.round_with_scale(o, f, tensor_amax=amax[i])
+                for i, (o, f) in enumerate(zip(outs, fmts))]
+    if kind != "cat":
+        return [_backend.round_with_scale(o, f) for o, f in zip(outs, fmts)]
+    gathered = comm.gather(_scales_of(sources, fmts, outs))
+    res = []
+    for i, (o, f) in enumerate(zip(outs, fmts)):
+        col = gathered[:, i]
+        bits = col.view(torch.int32)
+        same = (bits == bits[:1]).all() & (col[0] > 0)
+        if type(o) is torch.Tensor and bool(same):  # eager: no rounding to do
+            res.append((o, col[0].clone()))
+            continue
+        q, fresh = _backend.round_with_scale(o, f)
+        if type(o) is torch.Tensor:
+            res.append((q, fresh))
+        else:  # (traced)
+            res.append((torch.where(same, o, q), torch.where(same, col[0], fresh)))
+    return res
 
 
 # ---------------------------------------------------------------------------------------------

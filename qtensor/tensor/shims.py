@@ -1,4 +1,5 @@
-"""Every reach of the QTensor subclass into torch internals, in one place.
+"""Every reach of qtensor into torch internals, in one place: the QTensor subclass's, and the
+private torch.distributed functions that qtensor.nn.distributed wraps.
 
 Each shim says which torch version it was written for and what torch code it relies on or
 replaces (``TARGETS``: one line per name). ``tests/tensor/test_shims.py`` checks, shim by shim,
@@ -8,10 +9,12 @@ internal is missing the shims degrade to what torch does without them (noted per
 unknown torch loses a convenience, never a value.
 
 This module imports no qtensor module: whatever a shim needs of the subclass (the class, its
-constructor, an error) is passed in by ``qtensor.tensor.subclass``.
+constructor, an error) is passed in by ``qtensor.tensor.subclass``, and what the distributed
+wrappers do with QTensors by ``qtensor.nn.distributed``.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -20,7 +23,8 @@ __all__ = ["TARGET", "TARGETS", "TENSOR_DATA", "make_wrapper_subclass", "compile
            "is_functorch_wrapped", "eval_frame_callback", "dynamo_skips", "called_by_describe_tensor",
            "mark_exportable_init", "dynamo_loaded",
            "register_dynamo_constants", "accept_zero_tangents",
-           "flattening_program_output", "attributes_set_while_tracing", "graph_break"]
+           "flattening_program_output", "attributes_set_while_tracing", "graph_break",
+           "wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor"]
 
 TARGET = "2.13"  # the torch version every shim here was written and tested for
 
@@ -203,3 +207,98 @@ def graph_break(gb_type: str, context: str, explanation: str) -> None:
     except ImportError:
         return
     unimplemented(gb_type=gb_type, context=context, explanation=explanation, hints=[])
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed's private functions (qtensor.nn.distributed passes in what to do)
+
+def _wrap_once(owner, name, wrap) -> bool:
+    """``owner.name`` replaced by ``wrap(owner.name)``, unless it is that already (the wrappers
+    carry ``_qtensor_wrapped``). False where owner has no such attribute."""
+    method = getattr(owner, name, None)
+    if method is None:
+        return False
+    if not getattr(method, "_qtensor_wrapped", False):
+        wrapper = wrap(method)
+        wrapper._qtensor_wrapped = True
+        setattr(owner, name, wrapper)
+    return True
+
+
+def wrap_broadcast_coalesced(tensors_to_send) -> bool:
+    """torch 2.13: ``torch.distributed._broadcast_coalesced(process_group, tensors, buffer_size,
+    src)``, which DDP (its start-up broadcast of rank 0's parameters and buffers, the buffers at
+    each forward), ``torch.distributed.utils`` and DCP's ``broadcast_from_rank0`` look up on
+    ``torch.distributed`` at each call. Replaced by a wrapper that broadcasts
+    ``tensors_to_send(tensors)`` instead (None: the tensors as they are). False where torch has
+    no distributed package or no such function (the broadcast is torch's own)."""
+    dist = torch.distributed
+    if not dist.is_available():
+        return False
+
+    def wrap(broadcast):
+        @functools.wraps(broadcast)
+        def wrapper(process_group, tensors, *args, **kwargs):
+            send = tensors_to_send(tensors)
+            return broadcast(process_group, tensors if send is None else send, *args, **kwargs)
+        wrapper._qtensor_payloads = True
+        return wrapper
+    return _wrap_once(dist, "_broadcast_coalesced", wrap)
+
+
+def wrap_fsdp_shard_builders(scale_of, give_scale) -> bool:
+    """torch 2.13: the private ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam``'s
+    ``_init_sharded_param(self, param, ...)`` and ``reset_sharded_param(self)``, which (re)build
+    the sharded parameter's local tensor (``self.sharded_param._local_tensor``, and FSDP2's flat
+    view of it, ``self._sharded_param_data``) from zeros of the padded shard's size, a copy of
+    this rank's chunk of the parameter (``param``; for the reset, the module's,
+    ``getattr(self._module_info.module, self._module_info.param_name)``) and a view of it. Each
+    wrapped: ``scale = scale_of(that parameter)`` before it, then, unless None,
+    ``give_scale(t, scale)`` for both local tensors. False without FSDP2 (nothing wrapped)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:  # torch built without distributed
+        return False
+
+    def keeping(source):
+        def wrap(method):
+            @functools.wraps(method)
+            def wrapper(self, *args, **kwargs):
+                scale = scale_of(source(self, *args, **kwargs))
+                out = method(self, *args, **kwargs)
+                if scale is not None:
+                    for t in (self.sharded_param._local_tensor, self._sharded_param_data):
+                        give_scale(t, scale)
+                return out
+            wrapper._qtensor_scales = True
+            return wrapper
+        return wrap
+    found = _wrap_once(FSDPParam, "_init_sharded_param",
+                       keeping(lambda self, param, *a, **k: param))
+    return _wrap_once(FSDPParam, "reset_sharded_param", keeping(
+        lambda self: getattr(self._module_info.module, self._module_info.param_name, None))
+    ) and found
+
+
+def wrap_dcp_commit_tensor(after_commit) -> bool:
+    """torch 2.13: ``torch.distributed.checkpoint.default_planner.DefaultLoadPlanner
+    .commit_tensor(self, read_item, tensor)``, called when DCP's load has copied the loaded
+    values into ``tensor`` (``self.resolve_tensor(read_item).detach()``: a new alias of the state
+    dict's tensor). Wrapped: after it, ``after_commit(dest, tensor)``, ``dest`` the state dict's
+    own entry ``self.state_dict[read_item.dest_index.fqn]`` (a DTensor's ``_local_tensor``), or
+    None. False without DCP (nothing wrapped)."""
+    try:
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    except ImportError:
+        return False
+
+    def wrap(commit):
+        @functools.wraps(commit)
+        def wrapper(self, read_item, tensor):
+            out = commit(self, read_item, tensor)
+            dest = getattr(self, "state_dict", {}).get(read_item.dest_index.fqn)
+            after_commit(getattr(dest, "_local_tensor", dest), tensor)
+            return out
+        wrapper._qtensor_scales = True
+        return wrapper
+    return _wrap_once(DefaultLoadPlanner, "commit_tensor", wrap)

@@ -648,6 +648,145 @@ def test_c10d_all_gather_outputs_carry_their_values_tensor_scale(ranks):
             _assert_bits_equal(again, v, f"rank {rank} output {i}")
 
 
+def _two_level_inputs(rank):
+    """(whole, own, x, b): a tensor every rank rounds whole under a given scale (not its amax's:
+    a fresh rounding would take another), a tensor of this rank's own scale, a rank's summand
+    and a rank's tensor under a scale given per rank."""
+    whole = qt.as_qtensor(_two_level_rows(0), qt.nvfp4, tensor_scale=16.0)
+    own = qt.as_qtensor(_two_level_rows(1 + rank, rows=4), qt.nvfp4)
+    x = qt.as_qtensor(_two_level_rows(10 + rank) * (1 + rank), qt.nvfp4)
+    b = qt.as_qtensor(_two_level_rows(20 + rank), qt.nvfp4, tensor_scale=8.0 * (1 + rank))
+    return whole, own, x, b
+
+
+def _values_and_scale(q):
+    return _fmt(q), qt_plain(q), _scale_bits(q)
+
+
+def _sc_c10d_two_level(rank, world, async_op):
+    whole, own, x, b = _two_level_inputs(rank)
+    n = whole.shape[0] // world
+
+    def run(collective, *args, **kwargs):
+        work = collective(*args, async_op=async_op, **kwargs)
+        if async_op:
+            work.wait()
+
+    def zeros(*shape):
+        return qt.as_qtensor(torch.zeros(*shape), qt.nvfp4)
+    out = {}
+    run(dist.broadcast, b, src=1)
+    out["broadcast"] = _values_and_scale(b)
+    ag = zeros(8, 32)
+    run(dist.all_gather_into_tensor, ag, whole[rank * n:(rank + 1) * n])
+    out["all_gather_into_tensor"] = _values_and_scale(ag)
+    ag_own = zeros(8, 32)
+    run(dist.all_gather_into_tensor, ag_own, own)
+    out["all_gather_into_tensor_own"] = _values_and_scale(ag_own)
+    lst = [zeros(4, 32) for _ in range(world)]
+    run(dist.all_gather, lst, own)
+    out["all_gather"] = [_values_and_scale(t) for t in lst]
+    rs = zeros(4, 32)
+    run(dist.reduce_scatter_tensor, rs, x)
+    out["reduce_scatter_tensor"] = _values_and_scale(rs)
+    ar = x.clone()
+    run(dist.all_reduce, ar)
+    out["all_reduce"] = _values_and_scale(ar)
+    am = x.clone()
+    run(dist.all_reduce, am, op=dist.ReduceOp.MAX)
+    out["all_reduce_max"] = _values_and_scale(am)
+    out["inputs"] = [_values_and_scale(t) for t in (whole, own, x)]  # read, never written
+    return out
+
+
+def _two_level_oracle():
+    """What one process holding every rank's tensors gets for _sc_c10d_two_level's collectives."""
+    ins = [_two_level_inputs(r) for r in range(WORLD)]
+    whole = ins[0][0]
+    owns = [i[1] for i in ins]
+    xs = [i[2] for i in ins]
+    total = qt.as_qtensor(_fp32_sum(qt_plain(x) for x in xs), qt.nvfp4)
+    return {"whole": whole, "owns": owns, "own_cat": torch.cat(owns), "xs": xs, "total": total,
+            "b": [i[3] for i in ins], "max": torch.maximum(xs[0], xs[1])}
+
+
+def _assert_values_and_scale(got, want, what):
+    fmts, values, scale = got
+    assert fmts == _fmt(want), (what, fmts)
+    _assert_bits_equal(values, want, what)
+    assert scale == _scale_bits(want), (what, "tensor scale", scale, _scale_bits(want))
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_c10d_collectives_of_two_level_formats_follow_one_process(ranks, async_op):
+    # c10d's collectives that write into QTensors, as one process holding every rank's tensors:
+    # a broadcast brings the source's values and tensor scale; an all-gather of parts of one
+    # scale keeps their bits and that scale, of parts of different scales is their cat (one
+    # fresh scale); a list all-gather gives each output its rank's bits and scale; a
+    # reduce-scatter rounds each part under the scale of the whole sum's amax; an all-reduce is
+    # rounded under the scale of its result's amax; the inputs are not touched
+    res = ranks.run("_sc_c10d_two_level", async_op)
+    o = _two_level_oracle()
+    n = o["whole"].shape[0] // WORLD
+    for rank, out in enumerate(res):
+        who = f"rank {rank}"
+        _assert_values_and_scale(out["broadcast"], o["b"][1], f"{who} broadcast")
+        _assert_values_and_scale(out["all_gather_into_tensor"], o["whole"],
+                                 f"{who} all_gather_into_tensor")
+        _assert_values_and_scale(out["all_gather_into_tensor_own"], o["own_cat"],
+                                 f"{who} all_gather_into_tensor, own scales")
+        for i, got in enumerate(out["all_gather"]):
+            _assert_values_and_scale(got, o["owns"][i], f"{who} all_gather output {i}")
+        rs = out["reduce_scatter_tensor"]
+        _assert_bits_equal(rs[1], o["total"][rank * n:(rank + 1) * n], f"{who} reduce_scatter")
+        assert rs[2] == _scale_bits(o["total"]), (who, "reduce_scatter tensor scale")
+        _assert_values_and_scale(out["all_reduce"], o["total"], f"{who} all_reduce")
+        _assert_values_and_scale(out["all_reduce_max"], o["max"], f"{who} all_reduce max")
+        for got, want in zip(out["inputs"], (o["whole"], o["owns"][rank], o["xs"][rank])):
+            _assert_values_and_scale(got, want, f"{who} input")
+
+
+def _sc_functional_coalesced(rank, world):
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+    whole, own, x, _b = _two_level_inputs(rank)
+    n = whole.shape[0] // world
+    bf = qt.as_qtensor(torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]) * (1 + rank), qt.bf16)
+    out = {}
+    ag = funcol.all_gather_into_tensor_coalesced([whole[rank * n:(rank + 1) * n], own, bf], g)
+    out["all_gather"] = [_values_and_scale(t) for t in ag[:2]] + [(_fmt(ag[2]), qt_plain(ag[2]))]
+    rs = funcol.reduce_scatter_tensor_coalesced([x, own], "sum", [0, 0], g)
+    out["reduce_scatter"] = [_values_and_scale(t) for t in rs]
+    ar = funcol.all_reduce_coalesced([x, bf], "sum", g)
+    out["all_reduce"] = [_values_and_scale(ar[0]), (_fmt(ar[1]), qt_plain(ar[1]))]
+    return out
+
+
+def test_coalesced_functional_collectives_follow_their_single_forms(ranks):
+    # each tensor of a coalesced collective as its single-tensor form has it (one process's
+    # bits and tensor scale), each output in the formats of its own input
+    res = ranks.run("_sc_functional_coalesced")
+    o = _two_level_oracle()
+    bfs = [qt.as_qtensor(torch.tensor([1.0, 3.0, 2.0 ** -10, 0.5]) * (1 + r), qt.bf16)
+           for r in range(WORLD)]
+    own_total = qt.as_qtensor(_fp32_sum(qt_plain(t) for t in o["owns"]), qt.nvfp4)
+    for rank, out in enumerate(res):
+        who = f"rank {rank}"
+        _assert_values_and_scale(out["all_gather"][0], o["whole"], f"{who} all_gather 0")
+        _assert_values_and_scale(out["all_gather"][1], o["own_cat"], f"{who} all_gather 1")
+        assert out["all_gather"][2][0] == ("bf16", None), (who, out["all_gather"][2][0])
+        _assert_bits_equal(out["all_gather"][2][1], torch.cat(bfs), f"{who} all_gather 2")
+        for i, total in enumerate((o["total"], own_total)):
+            got = out["reduce_scatter"][i]
+            m = total.shape[0] // WORLD
+            _assert_bits_equal(got[1], total[rank * m:(rank + 1) * m], f"{who} reduce_scatter {i}")
+            assert got[2] == _scale_bits(total), (who, "reduce_scatter tensor scale", i)
+        _assert_values_and_scale(out["all_reduce"][0], o["total"], f"{who} all_reduce 0")
+        assert out["all_reduce"][1][0] == ("bf16", None), (who, out["all_reduce"][1][0])
+        _assert_bits_equal(out["all_reduce"][1][1], qt.quantize(_fp32_sum(
+            qt_plain(t) for t in bfs), qt.bf16), f"{who} all_reduce 1")
+
+
 def _sc_convert_wrapped(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1280,11 +1419,13 @@ def test_four_ranks_agree_and_follow_the_rule(four_ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-# The private torch functions qtensor.nn.distributed wraps (written for torch 2.13): a torch
-# upgrade that changes one fails here by name, not somewhere far away in a multi-process run
+# The private torch functions qtensor.tensor.shims wraps for qtensor.nn.distributed (written for
+# torch 2.13): a torch upgrade that changes one fails here by name, not somewhere far away in a
+# multi-process run
 
 def _wraps_still(ok, what):
-    assert ok, (f"qtensor.nn.distributed (written for torch 2.13) wraps {what}; torch "
+    from qtensor.tensor import shims
+    assert ok, (f"qtensor.tensor.shims (written for torch {shims.TARGET}) wraps {what}; torch "
                 f"{torch.__version__} changed it: update the wrapper and this test")
 
 
@@ -1293,6 +1434,11 @@ def test_the_torch_internals_distributed_wraps_are_still_there():
     import torch.distributed as dist
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from qtensor.tensor import shims
+    # each is a shim that names the torch version it targets (tests/tensor/test_shims.py)
+    for name in ("wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor"):
+        assert name in shims.__all__, name
+        assert getattr(shims, name).__doc__.startswith(f"torch {shims.TARGET}:"), name
     bc = dist._broadcast_coalesced
     _wraps_still(getattr(bc, "_qtensor_payloads", False)
                  and (bc.__wrapped__.__doc__ or "").startswith(
@@ -1316,3 +1462,8 @@ def test_the_torch_internals_distributed_wraps_are_still_there():
                  and list(inspect.signature(commit.__wrapped__).parameters)
                  == ["self", "read_item", "tensor"],
                  "DefaultLoadPlanner.commit_tensor(self, read_item, tensor)")
+    from torch.distributed.checkpoint import default_planner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    _wraps_still("self.state_dict" in inspect.getsource(default_planner.DefaultLoadPlanner)
+                 and "fqn" in {f.name for f in __import__("dataclasses").fields(MetadataIndex)},
+                 "DefaultLoadPlanner.state_dict and ReadItem.dest_index.fqn")
