@@ -416,18 +416,52 @@ def f32(v: float) -> float:
 F32_MAX = 3.4028234663852886e38
 
 
-def nvfp4_te(rows, e4m3, e2m1, bound: float = 448.0, block: int = 16, tensor_scale=None):
+def round_with_word(x: float, fmt, word: int, nbits: int = 32) -> float:
+    """x (a float within fmt's range) stochastically rounded to a FloatFormat with the random
+    word ``word`` (a uint32): up to the larger neighbour iff the word's top ``nbits`` bits, as an
+    integer, are below floor(frac * 2^nbits), frac = x's distance above the smaller neighbour
+    in units of their spacing."""
+    r = round_float(x, fmt, "stochastic")
+    if not isinstance(r, tuple):
+        return r
+    lo, hi = r
+    frac = (abs(Fraction(x)) - abs(Fraction(lo))) / (abs(Fraction(hi)) - abs(Fraction(lo)))
+    return hi if (word >> (32 - nbits)) < math.floor(frac * 2 ** nbits) else lo
+
+
+def _fmt_max(fmt) -> float:
+    return float(max(v for _c, v in float_codes(fmt) if v is not None and math.isfinite(v)))
+
+
+def nvfp4_te(rows, e4m3, e2m1, bound: Optional[float] = None, block: int = 16,
+             tensor_scale=None, *, mode: str = "nearest", words=None, nbits: int = 32,
+             scale_rule: str = "amax", settle: bool = False):
     """rows (lists of float32 values; blocks of ``block`` along each row) by TE's NVFP4 rule:
     (values, decode tensor scale). e4m3/e2m1: the scale and element formats (rounded through
-    :func:`round_float`, to nearest, saturating as TE's satfinite casts). ``tensor_scale``: a
-    given decode scale instead of the one of the rows' amax (its encode scale: 1/s in float32)."""
-    emax = elem_max = float(max(v for _c, v in float_codes(e2m1) if v is not None and
-                                math.isfinite(v)))
-    smax = float(max(v for _c, v in float_codes(e4m3) if v is not None and math.isfinite(v)))
+    :func:`round_float`, saturating as TE's satfinite casts; the scale to nearest). ``bound``:
+    the scale value the tensor amax maps to (default: the scale format's max; for 4over6 the
+    largest power of two <= max * 4/6). ``tensor_scale``: a given decode scale instead of the
+    one of the rows' amax (its encode scale: 1/s in float32).
+
+    mode: the elements' rounding (nearest, nearest_away, toward_zero, stochastic); stochastic
+    takes ``words`` (rows of uint32, one per element) and uses their top ``nbits`` bits.
+    toward_zero and stochastic keep an element whose nearest rounding gives back x exactly.
+    scale_rule: "amax" (X the nearest scale to the block's target), "4over6" (X6 and X4 = the
+    nearest scales to base = fl32(fl32(amax_b / 6) * S_enc) and fl32(base * 1.5), the block
+    rounded with each, map-4 kept where its float32 sum of |fl32(fl32(fl32(e X) amax) / M) - x|
+    in element order is lower), "ceil" (the smallest scale value X whose block top
+    fl32(fl32(6 X) s) is at least amax_b; the scale's max if none). settle: each block rounded
+    again with the scale of its rounded max while that scale is lower (4over6: each
+    candidate on its own)."""
+    elem_max = _fmt_max(e2m1)
+    smax = _fmt_max(e4m3)
+    if bound is None:
+        bound = smax if scale_rule != "4over6" else 2.0 ** math.floor(math.log2(smax * 4 / 6))
+    M = f32(elem_max * bound)
     if tensor_scale is None:
         finite = [abs(v) for r in rows for v in r if math.isfinite(v)]
         amax = max(finite, default=0.0)
-        enc = f32(f32(elem_max * bound) / amax) if amax > 0 else 1.0
+        enc = f32(M / amax) if amax > 0 else 1.0
         enc = min(enc, F32_MAX)
         if enc == 0:
             enc = 1.0
@@ -435,24 +469,78 @@ def nvfp4_te(rows, e4m3, e2m1, bound: float = 448.0, block: int = 16, tensor_sca
     else:
         dec = tensor_scale
         enc = f32(1.0 / dec)
-    inv_max = f32(1.0 / emax)
+        amax = f32(M / enc)
+    amax32 = f32(amax)
+    inv_max = f32(1.0 / elem_max)
+    scales = sorted(v for _c, v in float_codes(e4m3) if v is not None and math.isfinite(v)
+                    and v >= 0)
+
+    def nearest_scale(t):
+        return round_float(min(t, smax), e4m3, "nearest")
+
+    def scale_amax(a):
+        return nearest_scale(f32(a * f32(enc * inv_max)))
+
+    def scale_ceil(a):
+        return next((X for X in scales if f32(f32(elem_max * X) * dec) >= a), smax)
+
+    def scale_map6(a):
+        return nearest_scale(f32(f32(a / elem_max) * enc))
+
+    def scale_map4(a):
+        return nearest_scale(f32(f32(f32(a / elem_max) * enc) * 1.5))
+
+    scale_ofs = {"amax": [scale_amax], "ceil": [scale_ceil],
+                 "4over6": [scale_map6, scale_map4]}[scale_rule]
+
+    def element(v, y, X, w):
+        y = max(-elem_max, min(elem_max, y))
+        en = round_float(y, e2m1, "nearest")
+        if mode == "nearest_away":
+            return round_float(y, e2m1, mode)
+        if mode == "nearest" or f32(en * X * dec) == v:
+            return en
+        if mode == "toward_zero":
+            return round_float(y, e2m1, mode)
+        return round_with_word(y, e2m1, w, nbits)
+
+    def payload(vals, ws, X):  # the elements times X, exact
+        d = f32(X * dec)
+        inv = F32_MAX if d == 0 else min(f32(1.0 / d), F32_MAX)
+        return [element(v, f32(v * inv), X, w) * X for v, w in zip(vals, ws)]
+
+    def settled(vals, ws, scale_of):
+        X = scale_of(max(abs(v) for v in vals))
+        p = payload(vals, ws, X)
+        while settle:
+            X2 = scale_of(max(abs(f32(q * dec)) for q in p))
+            if X2 >= X:
+                break
+            X, p = X2, payload(vals, ws, X2)
+        return p
+
+    def err(vals, p):
+        acc = 0.0
+        for v, q in zip(vals, p):
+            acc = f32(acc + abs(f32(f32(f32(q * amax32) / M) - v)))
+        return acc
+
     out = []
-    for r in rows:
+    for i, r in enumerate(rows):
         res = []
         for b in range(0, len(r), block):
             vals = r[b:b + block]
+            ws = words[i][b:b + block] if words is not None else [None] * len(vals)
             if not all(math.isfinite(v) for v in vals):
                 res += [NAN] * len(vals)
                 continue
-            bamax = max(abs(v) for v in vals)
-            t = f32(bamax * f32(enc * inv_max))
-            X = round_float(min(t, smax), e4m3, "nearest")
-            d = f32(X * dec)
-            inv = F32_MAX if d == 0 else min(f32(1.0 / d), F32_MAX)
-            for v in vals:
-                y = f32(v * inv)
-                e = round_float(max(-elem_max, min(elem_max, y)), e2m1, "nearest")
-                q = f32(e * X * dec)  # (e * X * dec exact in float64)
+            p = settled(vals, ws, scale_ofs[0])
+            if len(scale_ofs) == 2:
+                p4 = settled(vals, ws, scale_ofs[1])
+                if err(vals, p4) < err(vals, p):
+                    p = p4
+            for v, q in zip(vals, p):
+                q = f32(q * dec)  # (e * X exact: one float32 rounding)
                 res.append(math.copysign(0.0, v) if q == 0 else q)
         out.append(res)
     return out, dec

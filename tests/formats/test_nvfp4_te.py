@@ -5,13 +5,16 @@ carries its tensor scale, so that moving its values never changes them."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 import qtensor as qt
-from oracles import nvfp4_te
-from helpers import two_level_inputs
+from qtensor.kernels import reference
+from qtensor.kernels.reference import draw_seed, random_bits
+from oracles import float_codes, nvfp4_te
+from helpers import two_level_formats, two_level_inputs
 
 
 def _bits(t):
@@ -220,3 +223,170 @@ def test_kernel_path_gives_the_reference_bits(name, rounding):
         want = qt.reference.quantize(x, fmt, rounding=rounding,
                                      generator=torch.Generator().manual_seed(3))
         assert torch.equal(_bits(got), _bits(want)), (name, rounding, key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every rounding mode and scale rule against the oracle: the C++ kernel (qt.quantize), the
+# reference, and the Triton kernel under its CPU interpreter
+
+_ORACLE_FORMATS = {k: v for k, v in two_level_formats().items()
+                   if k in ("nvfp4", "4over6", "ceil", "ue5m3", "settle", "4over6_settle")}
+_MODES = ["nearest", "nearest_away", "toward_zero", "stochastic", "stochastic8"]
+
+
+def _nbits(rounding):
+    return int(rounding[len("stochastic"):] or 32) if rounding.startswith("stochastic") else None
+
+
+def _oracle(x, fmt, rounding, seed=None, tensor_scale=None, index=None):
+    """(values like x, decode scale) by the oracle; stochastic rounding with the words the
+    documented generator gives each element's flat index in x (``index``: other indices)."""
+    rows = x.reshape(-1, x.shape[-1])
+    words = None
+    if _nbits(rounding) is not None:
+        index = torch.arange(x.numel()) if index is None else index
+        words = random_bits(seed, index.reshape(-1)).reshape(rows.shape).tolist()
+    want, s = nvfp4_te(rows.tolist(), fmt.scale, fmt.elem, tensor_scale=tensor_scale,
+                       mode="stochastic" if words is not None else rounding, words=words,
+                       nbits=_nbits(rounding) or 32, scale_rule=fmt.scale_rule,
+                       settle=fmt.settle)
+    return torch.tensor(want, dtype=torch.float32).reshape(x.shape), s
+
+
+def _ties():
+    """Elements exactly halfway between E2M1 values: the first row's amax 10.5 makes the tensor
+    scale 2^-8, under which a block of amax 6 (or 6 / 8) has X s = 1 (1 / 8)."""
+    ties = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5,
+            -5.0, 0.5]
+    return torch.tensor([[10.5] + [0.0] * 15, ties, [v / 8 for v in ties]])
+
+
+@pytest.mark.parametrize("rounding", _MODES)
+@pytest.mark.parametrize("name", list(_ORACLE_FORMATS))
+def test_every_mode_and_scale_rule_matches_the_oracle_bit_for_bit(name, rounding):
+    fmt = _ORACLE_FORMATS[name]
+    for key, x in dict(two_level_inputs(more=True), ties=_ties()).items():
+        seed = draw_seed(torch.Generator().manual_seed(len(key)))
+        want, s = _oracle(x, fmt, rounding, seed)
+        got = qt.quantize(x, fmt, rounding=rounding,
+                          generator=torch.Generator().manual_seed(len(key)))
+        assert torch.equal(_bits(got), _bits(want)), (key, "qt.quantize")
+        ref, ref_s = reference.quantize_two_level(x, fmt, rounding, seed)
+        assert torch.equal(_bits(ref), _bits(want)), (key, "reference")
+        assert float(ref_s) == s, key
+
+
+def _scale_boundaries(fmt, stride):
+    """Blocks whose amax lies within a float32 ulp of where a scale rule's choice changes, under
+    the tensor scale of the first block (amax T): 6 X s (ceil), and the midpoints m of scale
+    values X < Y times 6 s and 4 s (the nearest scale of the map-to-6 and map-to-4 targets);
+    the other 15 elements are fixed fractions of the amax, or zeros."""
+    T = 1.2345677614212036  # (a float32)
+    enc = float(torch.tensor(6 * fmt.tensor_scale_bound / T, dtype=torch.float32))
+    dec = 1.0 / enc
+    xs = sorted(v for _c, v in float_codes(fmt.scale) if v is not None and 0 < v < math.inf)
+    amaxes = []
+    for X, Y in list(zip(xs, xs[1:]))[::stride]:
+        for target in (6 * X, 3 * (X + Y), 2 * (X + Y)):
+            a = torch.tensor(target * dec, dtype=torch.float32).view(torch.int32)
+            amaxes += [v for v in (a + torch.tensor([-1, 0, 1], dtype=torch.int32))
+                       .view(torch.float32).tolist() if 0 < v < T]
+    frac = torch.rand(15, generator=torch.Generator().manual_seed(8)) * 2 - 1
+    a = torch.tensor(amaxes).unsqueeze(1)
+    # every other block holds its amax alone: there 4over6's map-to-6 can win
+    frac = frac * (torch.arange(len(amaxes)) % 2).unsqueeze(1)
+    blocks = torch.cat([a, a * frac], dim=1)
+    return torch.cat([torch.tensor([[T] + [0.0] * 15]), blocks])
+
+
+@pytest.mark.parametrize("name,rounding", [("nvfp4", "nearest"), ("4over6", "nearest"),
+                                           ("ceil", "nearest"), ("ue5m3", "stochastic"),
+                                           ("settle", "toward_zero"),
+                                           ("4over6_settle", "stochastic")])
+def test_blocks_at_the_scale_rules_boundaries_match_the_oracle(name, rounding):
+    fmt = _ORACLE_FORMATS[name]
+    x = _scale_boundaries(fmt, 1 if name == "4over6" else 4)
+    seed = draw_seed(torch.Generator().manual_seed(9))
+    want, s = _oracle(x, fmt, rounding, seed)
+    got = qt.quantize(x, fmt, rounding=rounding, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(_bits(got), _bits(want))
+    ref, ref_s = reference.quantize_two_level(x, fmt, rounding, seed)
+    assert torch.equal(_bits(ref), _bits(want)) and float(ref_s) == s
+
+
+@pytest.mark.parametrize("name,rounding", [("4over6", "stochastic"), ("ceil", "toward_zero"),
+                                           ("settle", "stochastic5"),
+                                           ("4over6_settle", "nearest_away")])
+def test_given_tensor_scale_in_every_mode_follows_the_oracle(name, rounding):
+    fmt = _ORACLE_FORMATS[name]
+    x = two_level_inputs()["one_block_hot"]
+    seed = draw_seed(torch.Generator().manual_seed(5))
+    for s in (2.0 ** -126, float(torch.tensor(7.5e-6)), 1.0):
+        want, _ = _oracle(x, fmt, rounding, seed, tensor_scale=s)
+        got = qt.quantize(x, fmt, rounding=rounding, tensor_scale=s,
+                          generator=torch.Generator().manual_seed(5))
+        assert torch.equal(_bits(got), _bits(want)), s
+
+
+def test_a_row_major_index_of_blocks_along_dim0_draws_each_elements_own_word():
+    # blocks down the columns: element (i, j) keeps the word of its index i * cols + j
+    fmt = qt.nvfp4.replace(axis=0)
+    x = two_level_inputs()["heavy"].t().contiguous()[:, :40]  # [64, 40]: 4 blocks per column
+    seed = draw_seed(torch.Generator().manual_seed(6))
+    idx = torch.arange(x.numel()).reshape(x.shape)
+    want, _ = _oracle(x.t(), fmt, "stochastic", seed, index=idx.t())
+    got = qt.quantize(x, fmt, rounding="stochastic", generator=torch.Generator().manual_seed(6))
+    assert torch.equal(_bits(got), _bits(want.t()))
+
+
+@pytest.mark.parametrize("name,roundings", [("nvfp4", ("stochastic", "toward_zero")),
+                                            ("4over6", ("stochastic", "nearest_away")),
+                                            ("ceil", ("stochastic",)),
+                                            ("ue5m3", ("stochastic",)),
+                                            ("4over6_settle", ("stochastic", "toward_zero"))])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # (the interpreter's casts)
+def test_triton_kernel_matches_the_oracle_bit_for_bit(name, roundings, monkeypatch):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
+    from qtensor.kernels import backend, gpu
+    from helpers import count_calls
+    calls = count_calls(monkeypatch, gpu, "quantize_two_level")
+    xs = two_level_inputs(more=True)
+    x = torch.cat([xs[k][:, :48] for k in ("normal", "heavy", "one_block_hot", "nonfinite",
+                                           "tiny")] + [torch.zeros(1, 48), -torch.zeros(1, 48)])
+    fmt = _ORACLE_FORMATS[name]
+    for rounding in roundings:
+        seed = 0x9E3779B97F4A7C15  # above 2^63: a key of the high half too
+        want, s = _oracle(x, fmt, rounding, seed)
+        with gpu.force():
+            got, got_s = backend.two_level(x, fmt, rounding, seed, with_scale=True)
+        assert torch.equal(_bits(got), _bits(want)), rounding
+        assert float(got_s) == s
+    assert len(calls) == len(roundings)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "stochastic3"])
+def test_stochastic_rounding_of_a_block_is_unbiased_over_seeds(rounding):
+    """One block under a fixed scale (its max 6 X s = 6 stays; the other block sets the tensor
+    scale 2^-8, X s = 1): over n seeds the mean of each element lies within Hoeffding's bound
+    of its expectation, x itself (stochasticN: x less the part of frac below 2^-N)."""
+    vals = [6.0, 0.1, 0.3, 0.7, 1.1, 1.3, 2.2, 2.9, 3.3, 3.7, 4.5, 5.1, 5.9, -0.45, -2.6,
+            -5.3]
+    x = torch.tensor([vals, [10.5] + [0.0] * 15])
+    n = 2000
+    total = torch.zeros(16, dtype=torch.float64)
+    for k in range(n):
+        q = qt.quantize(x, qt.nvfp4, rounding=rounding, generator=torch.Generator().manual_seed(k))
+        assert q[0, 0] == 6.0 and q[1, 0] == 10.5
+        total += q[0].double()
+    mean = total / n
+    xs = x[0].double()
+    a = xs.abs()
+    h = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))  # E2M1's spacing at |x|
+    frac = (a - torch.floor(a / h) * h) / h
+    nb = _nbits(rounding)
+    want = xs - torch.sign(xs) * h * (frac * 2 ** nb - torch.floor(frac * 2 ** nb)) / 2 ** nb
+    # Hoeffding: P(|mean - E| >= t) <= 2 exp(-2 n t^2 / h^2), over 16 elements at most 1e-6
+    t = h * math.sqrt(math.log(2 * 16 / 1e-6) / (2 * n))
+    assert ((mean - want).abs() <= t).all(), (mean - want) / h
