@@ -670,7 +670,7 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
     index = None
     if stochastic_bits(rounding) is not None:
         index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
-    if fmt.is_block and fmt.tensor_scale:
+    if fmt.is_two_level:
         return quantize_two_level(x, fmt, rounding, seed)[0]
     x64 = x.detach().to(torch.float64)
     if fmt.is_block:
@@ -715,7 +715,7 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     check_generator(generator)
     seed = draw_seed(generator) if stochastic_bits(rounding) is not None else 0
     if tensor_scale is not None:
-        if not (fmt.is_block and fmt.tensor_scale):
+        if not (fmt.is_two_level):
             raise ValueError(f"quantize to {fmt}: tensor_scale is for two-level block formats "
                              "(tensor_scale=True, such as nvfp4)")
         return quantize_two_level(x, fmt, rounding, seed, tensor_scale)[0]
