@@ -700,15 +700,15 @@ def _accum_of(args, cls):
     return None
 
 
-def _contract(func, rule, args, kwargs, uargs, ukwargs, cls):
+def _contract(func, rule, args, kwargs, uargs, ukwargs, acc, cls):
+    """The contraction's result; ``acc``: its operands' accumulator (_accum_of), or None."""
     if torch.compiler.is_compiling():  # (stochastic roundings traced after every operand)
         with _backend.after(uargs):
-            return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls)
-    return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls)
+            return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, acc, cls)
+    return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, acc, cls)
 
 
-def _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls):
-    acc = _accum_of(args, cls)
+def _contract_operands(func, rule, args, kwargs, uargs, ukwargs, acc, cls):
     op = rule.op
     if op.handler is not None:
         return op.handler(func, args, uargs, ukwargs, acc, cls)
@@ -837,9 +837,13 @@ def dispatch(func, args, kwargs, cls):
         return _collective(func, args, kwargs, cls)
     qs = []
     uargs, ukwargs, plain = _unwrap(args, kwargs, qs, cls)
+    acc = None
     try:
         if rule.kind == CONTRACT_KIND:
-            out = _contract(func, rule, args, kwargs, uargs, ukwargs, cls)
+            # derived once: the operands' accumulator sums the products and the result carries
+            # it on (a contraction's QTensors are its positional operands; an out= one is not)
+            acc = _accum_of(args, cls)
+            out = _contract(func, rule, args, kwargs, uargs, ukwargs, acc, cls)
         else:
             out = rule.call(*uargs, **ukwargs)
     except RuntimeError as err:
@@ -876,7 +880,8 @@ def dispatch(func, args, kwargs, cls):
     if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
         fresh = (uargs, ukwargs)
     out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
-    acc = _accum_of(qs, cls)
+    if rule.kind != CONTRACT_KIND:
+        acc = _accum_of(qs, cls)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
         _set_accum(out, acc, cls)
     if rule.is_view and _has_q(out, cls):

@@ -54,5 +54,3 @@ def test_an_op_fits_its_output_format_once(monkeypatch):
     c = a + b
     assert len(calls) == 1, calls
     assert_bits_equal(c.payload, qt.quantize(a.payload + b.payload, qt.mxfp8_e4m3), "a + b")
-
-
