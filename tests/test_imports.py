@@ -93,7 +93,7 @@ def test_graph_sees_imports():
     # the parser must see the edges it is meant to check, or the acyclicity test cannot fail
     graph = _graph()
     assert "qtensor.kernels.ops" in graph["qtensor"]
-    assert "qtensor.formats.block" in graph["qtensor.kernels.ops"]
+    assert "qtensor.formats.block" in graph["qtensor.kernels.backend"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -283,3 +283,97 @@ def test_every_import_of_a_qtensor_module_resolves():
                         f"{module}.{alias.name}" not in _modules():
                     bad.append(f"{name}:{node.lineno}: {module} has no {alias.name}")
     assert not bad, "imports that do not resolve:\n" + "\n".join(bad)
+
+
+_KERNELS = "qtensor.kernels"
+
+
+def _in_kernels(module: str) -> bool:
+    return module == _KERNELS or module.startswith(_KERNELS + ".")
+
+
+def _is_private(n: str) -> bool:
+    return n.startswith("_") and not n.startswith("__")
+
+
+def _dotted(node):
+    """``a.b.c`` of a chain of attribute reads on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id] + parts[::-1]) if isinstance(node, ast.Name) else None
+
+
+def _kernel_private_uses(name: str, package: str, source: str, modules) -> list:
+    """The private names (one leading underscore) of qtensor.kernels' modules that the module
+    ``name`` outside the package imports or reads as attributes (``from ..kernels.ops import
+    _x``, ``_ops._x``, ``qtensor.kernels.backend._x``); for a module inside it, the private
+    names it imports from another module of the package: ``from .backend import _C`` makes
+    ``ops._C`` a second way to reach it (read ``backend._C`` instead)."""
+    tree = ast.parse(source)
+    inside = _in_kernels(name)
+    bound = {}  # local name -> the qtensor.kernels module it binds
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = ".".join(base[:len(base) - (node.level - 1)]
+                                + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if not _in_kernels(base):
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in modules:  # a module (inside the package: its private ones too)
+                    bound[alias.asname or alias.name] = full
+                    if _is_private(alias.name) and not inside:
+                        found.append(f"{name}:{node.lineno} imports {full}")
+                elif _is_private(alias.name):
+                    found.append(f"{name}:{node.lineno} imports {full}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if _in_kernels(alias.name) and alias.asname:
+                    bound[alias.asname] = alias.name
+    if inside:
+        return found
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        owner = _dotted(node.value)
+        if owner is None:
+            continue
+        head, _, rest = owner.partition(".")
+        module = bound.get(head, head) + (f".{rest}" if rest else "")
+        if _in_kernels(module):
+            found.append(f"{name}:{node.lineno} reads {module}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_the_kernels_private_names():
+    # the private names of qtensor.kernels (its back end's tables and helpers, the extension
+    # handle) are used inside the package only, and each is reached where it lives
+    modules = _modules()
+    before = ("from ..kernels import ops as _ops\nfrom ..kernels.ops import _round_scalar32\n"
+              "import qtensor.kernels.backend as kb\nx = _ops._ROUNDING_CODE, kb._C\n"
+              "y = qtensor.kernels.reference._f32\nfrom ..kernels.reference import _round_scalar\n"
+              "z = _ops.quantize, kb.__name__\n")
+    assert sorted(_kernel_private_uses("qtensor.tensor.dispatch", "qtensor.tensor", before,
+                                       modules)) == [
+        "qtensor.tensor.dispatch:2 imports qtensor.kernels.ops._round_scalar32",
+        "qtensor.tensor.dispatch:4 reads qtensor.kernels.backend._C",
+        "qtensor.tensor.dispatch:4 reads qtensor.kernels.ops._ROUNDING_CODE",
+        "qtensor.tensor.dispatch:5 reads qtensor.kernels.reference._f32",
+        "qtensor.tensor.dispatch:6 imports qtensor.kernels.reference._round_scalar"]
+    reexport = "from .backend import (_C, _ROUNDING_CODE, op_args)\nfrom . import backend\nx = backend._C\n"
+    assert _kernel_private_uses("qtensor.kernels.ops", "qtensor.kernels", reexport, modules) == [
+        "qtensor.kernels.ops:1 imports qtensor.kernels.backend._C",
+        "qtensor.kernels.ops:1 imports qtensor.kernels.backend._ROUNDING_CODE"]
+    found = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found += _kernel_private_uses(name, package, path.read_text(), modules)
+    assert not found, ("private names of qtensor.kernels used outside it, or re-exported inside "
+                       "it:\n" + "\n".join(found))

@@ -8,8 +8,9 @@ from typing import Optional
 
 import torch
 
+from ..kernels import gpu, selfcheck
 from ..kernels import ops as _ops
-from ..kernels import selfcheck
+from ..kernels.backend import kernel_ops
 from .exponents import _EXP_MIN, _ZERO_EXP, _check_operands, _group_exps, _operand_emin
 from .format import PRESETS, AccumFormat
 from .reference import _reference
@@ -38,7 +39,7 @@ _register_fake()
 def _kernel_ready(a: torch.Tensor) -> bool:
     """Whether a kernel sums a's contractions: the Triton one where qtensor.kernels.gpu takes a (CUDA;
     CPU inside qtensor.kernels.gpu.force), else the C++ one on CPU."""
-    if _ops.gpu.takes(a):
+    if gpu.takes(a):
         return True
     if not _ops.kernels_available("cpu") or not hasattr(torch.ops.qtensor, "accum_matmul"):
         return False
@@ -57,7 +58,7 @@ def _sample_check(device: torch.device) -> Optional[str]:
     for x, y in operands + [(a, b)]:
         x, y = x.to(device), y.to(device)
         for f in (p for p in PRESETS.values() if p.stages == "fused"):  # (the kernel's)
-            got = _ops.kernel_ops(x).accum_matmul(x, y, *op_args(f), None, None, None, None,
+            got = kernel_ops(x).accum_matmul(x, y, *op_args(f), None, None, None, None,
                                                   None)
             found = selfcheck.difference(got, _reference(x, y, f))
             if found is not None:
@@ -87,7 +88,7 @@ def _matmul(a, b, f: AccumFormat, *, a_emin=None, b_emin=None, a_gexp=None, b_ge
                        block_size)
     kw = dict(a_emin=a_emin, b_emin=b_emin, a_gexp=a_gexp, b_gexp=b_gexp, c=c)
     if (f.stages != "fused" and a.device.type == "cpu" and _kernel_ready(a) and f.frac_bits <= 24
-            and a_gexp is None and b_gexp is None and not _ops.gpu.takes(a)
+            and a_gexp is None and b_gexp is None and not gpu.takes(a)
             and hasattr(torch.ops.qtensor, "accum_matmul_cdna3")):
         return _cdna3_matmul(a, b, f, a_emin, b_emin, c)
     # CUDA: the kernel must first agree with the reference there (qtensor/kernels/selfcheck.py)
@@ -113,7 +114,7 @@ def _matmul(a, b, f: AccumFormat, *, a_emin=None, b_emin=None, a_gexp=None, b_ge
         b_emins, b_emin = b_emin.expand(*batch, K, N).reshape(B, K, N).int(), -1000
     a3 = a.float().expand(*batch, M, K).reshape(B, M, K)
     b3 = b.float().expand(*batch, K, N).reshape(B, K, N)
-    out = _ops.kernel_ops(a3).accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp,
+    out = kernel_ops(a3).accum_matmul(a3, b3, *op_args(f, a_emin, b_emin), a_gexp, b_gexp,
                                            c, a_emins, b_emins)
     return out.reshape(*batch, M, N)
 

@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..formats.base import Format, is_stochastic
-from ..kernels.reference import (_round_scalar, block_scale, encode_scale, round_with_scale,
+from ..kernels.reference import (block_scale, encode_scale, round_scalar64, round_with_scale,
                                  te_block_scale, te_round_with_scale)
 
 __all__ = ["weight_groups"]
@@ -141,7 +141,7 @@ class _Grid:
               c: int) -> torch.Tensor:
         """Column ``c``'s values ``v`` (for the rows ``rows``) rounded with their block scales."""
         if not self.block:
-            q = _round_scalar(v, self.fmt, self.fmt.rounding, None, None)
+            q = round_scalar64(v, self.fmt, self.fmt.rounding, None, None)
         else:
             q = self._round_with(v, scale[:, 0])
         if self.pin is not None and c == self.pin[1]:

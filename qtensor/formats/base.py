@@ -139,6 +139,12 @@ class Format(TorchFunctionTarget):
     #: Whether rounding can put a finite value beyond its block's largest value (a block format
     #: whose block scale can be too small for a block's amax).
     clips_in_blocks = False
+    #: Whether rounding follows Transformer Engine's two-level rule: an FP32 scale per tensor,
+    #: from its amax, and the block scales under it (then the format has ``settle`` and
+    #: ``tensor_scale_bound``; a QTensor of it carries its tensor scale).
+    is_two_level = False
+    #: Whether its blocks are 2D tiles (``block_shape``) over a tensor's last two dims.
+    is_tiled = False
 
     @property
     def max_magnitude(self) -> Optional[float]:
@@ -157,6 +163,18 @@ class Format(TorchFunctionTarget):
     def storage_bits(self, shape) -> float:
         """The bits a tensor of ``shape`` takes in this format (block scales counted per block)."""
         return float(self.bits * math.prod(shape))
+
+    def kernel_args(self) -> tuple:
+        """``(name, args)``: the custom op ``qtensor::<name>`` that rounds a tensor to this format
+        and its arguments after x, before the rounding mode's code and the seed (the op schemas
+        of csrc/quantize.cpp)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no rounding kernel: a format family implements kernel_args")
+
+    def element_args(self) -> list:
+        """Its arguments as a block's element format in the block ops (``quantize_block``,
+        ``quantize_two_level``): [kind, ...] as csrc/op_common.h reads them."""
+        raise FormatError(f"{self} cannot be a block's element format")
 
     def replace(self, **changes) -> "Format":
         """A copy with some fields changed, validated like a new format."""

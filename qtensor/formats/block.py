@@ -17,6 +17,8 @@ from .float import _P3109_SPECIALS, FloatFormat, Fp32ScaleGrid
 # RCEIL, also spelled "rceil"): the smallest scale with amax / X <= max_elem; amax: scale =
 # Q_scale(amax / max_elem); 4over6: NVFP4 blocks whose max maps to 4 or to 6 (Transformer Engine)
 SCALE_RULES = ("floor", "ceil", "amax", "even", "4over6")
+# the block ops' codes of the rules (csrc/include/qtensor/args.h, ScaleRule)
+SCALE_RULE_CODES = {"floor": 0, "ceil": 1, "amax": 2, "even": 3, "4over6": 4}
 _SCALE_RULE_ALIASES = {"rceil": "ceil"}
 
 
@@ -209,13 +211,19 @@ class BlockFormat(Format):
         numbers of 24 - (element bits) significant bits that are multiples of 2^(-149 - the
         element's lowest bit exponent), so that element times scale is a float32 exactly: 20
         bits and multiples of 2^-140 for E4M3 elements (:class:`Fp32ScaleGrid`)."""
-        s = self.scale
-        if (s.exp, s.man, s.bias, s.specials) == (8, _F32_MAN, 127, "ieee") and s.signed:
+        if self.fp32_scales:
             man = _F32_MAN - _significant_bits(self.elem)
             elem_q = self.elem.min_quantum_exp
             emin = max(1 - 127, _F32_MIN_QUANTUM_EXP - elem_q + man)
             return Fp32ScaleGrid(8, man, bias=1 - emin, saturate=True)
-        return s
+        return self.scale
+
+    @property
+    def fp32_scales(self) -> bool:
+        """Whether its scales are float32 numbers (scale='fp32'): the amax rule's then lie on an
+        :class:`Fp32ScaleGrid` (``amax_scale_format``)."""
+        s = self.scale
+        return (s.exp, s.man, s.bias, s.specials) == (8, _F32_MAN, 127, "ieee") and s.signed
 
     def _check_amax_rule(self, elem, scale) -> None:
         # A value of the format, element times scale (times the tensor scale), must be a float32
@@ -314,6 +322,32 @@ class BlockFormat(Format):
         return self.elem.eps
 
     is_block = True
+
+    @property
+    def is_two_level(self) -> bool:
+        return self.tensor_scale
+
+    @property
+    def is_tiled(self) -> bool:
+        return self.block_shape is not None
+
+    def kernel_args(self) -> tuple:
+        if self.block_shape is not None:
+            raise ValueError(f"{self}: 2D blocks have no op of their own; quantize lays the tiles "
+                             "out for quantize_block (reference.tile_blocks)")
+        elem, elem_max, scale, smax = self.elem_scale_args()
+        block_size = 0 if self.block_size is None else self.block_size
+        return "quantize_block", (elem, elem_max, block_size, self.axis,
+                                  SCALE_RULE_CODES[self.scale_rule], scale, smax, self.tensor_scale)
+
+    def elem_scale_args(self) -> tuple:
+        """Its element and scale arguments of the block ops (``quantize_block``,
+        ``quantize_two_level``): (elem, elem_max, scale, scale_max)."""
+        e = self.elem
+        s = self.scale if self.power_of_two_scales else self.amax_scale_format
+        man, emin, subnormals, smax, overflow, unsigned = s.kernel_args()[1]
+        return (e.element_args(), float(e.max),
+                [man, emin, s.emax, int(subnormals), overflow, int(unsigned)], smax)
 
     @property
     def max_magnitude(self) -> Optional[float]:

@@ -105,6 +105,12 @@ class FixedFormat(Format):
     def max_magnitude(self) -> float:
         return max(self.max, -self.min)
 
+    def kernel_args(self) -> tuple:
+        return "quantize_fixed", (self.wl, self.fl, self.signed, self.symmetric, self.saturate)
+
+    def element_args(self) -> list:
+        return [1, self.wl, self.fl, int(self.signed), int(self.symmetric), self.emax]
+
     def unsigned_range(self) -> Optional[str]:
         if self.signed:
             return None

@@ -199,6 +199,19 @@ class FloatFormat(Format):
     def is_fp32(self) -> bool:
         return self.exp == _F32_EXP and self.man == _F32_MAN
 
+    def kernel_args(self) -> tuple:
+        if self.saturate:
+            overflow = 0
+        else:
+            overflow = 1 if self.has_inf else 2
+        # is_unsigned: the kernels' exponent-only formats without zero (E8M0); an unsigned format
+        # with zero rounds as a signed one, then the reference's sign_fixup
+        return "quantize_float", (self.man, self.emin, self.subnormals, float(self.max), overflow,
+                                  not self.has_zero)
+
+    def element_args(self) -> list:
+        return [0, self.man, self.emin, int(self.subnormals), 0, self.emax]
+
     def unsigned_range(self) -> Optional[str]:
         if self.signed:
             return None

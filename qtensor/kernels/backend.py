@@ -24,9 +24,7 @@ import torch
 from . import decompositions, gpu, reference, selfcheck
 from .checks import KERNEL_DTYPES, check_axis
 from ..formats.base import Format, is_stochastic, stochastic_bits
-from ..formats.block import BlockFormat
-from ..formats.fixed import FixedFormat
-from ..formats.float import FloatFormat
+from ..formats.block import SCALE_RULE_CODES
 from ..formats.presets import PRESETS
 
 __all__ = ["round_payload", "round_scalar32", "fit_format", "with_axis", "kernels_available",
@@ -35,7 +33,6 @@ __all__ = ["round_payload", "round_scalar32", "fit_format", "with_axis", "kernel
            "DRAWN_IN_GRAPH", "tiles_in_place", "eager_cpu_kernel", "STRIDED_BLOCKS"]
 
 _ROUNDING_CODE = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "stochastic": 3}
-_SCALE_RULE_CODE = {"floor": 0, "ceil": 1, "amax": 2, "even": 3, "4over6": 4}
 
 
 def rounding_code(rounding: str) -> int:
@@ -78,46 +75,13 @@ def kernel_ops(x: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------
-# Format -> op arguments (the one place that knows the op signatures)
-
-def _float_args(f: FloatFormat) -> tuple:
-    if f.saturate:
-        overflow = 0
-    else:
-        overflow = 1 if f.has_inf else 2
-    # is_unsigned: the kernels' exponent-only formats without zero (E8M0); an unsigned format
-    # with zero rounds as a signed one, then reference.sign_fixup
-    return (f.man, f.emin, f.subnormals, float(f.max), overflow, not f.has_zero)
-
+# Format -> op arguments (each family gives its own: Format.kernel_args)
 
 def op_args(fmt: Format) -> tuple:
     """``(op name, arguments after x)`` of the custom op that rounds to ``fmt``."""
-    if isinstance(fmt, FloatFormat):
-        return "quantize_float", _float_args(fmt)
-    if isinstance(fmt, FixedFormat):
-        return "quantize_fixed", (fmt.wl, fmt.fl, fmt.signed, fmt.symmetric, fmt.saturate)
-    if isinstance(fmt, BlockFormat):
-        if fmt.block_shape is not None:
-            raise ValueError(f"{fmt}: 2D blocks have no op of their own; quantize lays the tiles "
-                             "out for quantize_block (reference.tile_blocks)")
-        elem, elem_max, scale, smax = elem_scale_args(fmt)
-        block_size = 0 if fmt.block_size is None else fmt.block_size
-        return "quantize_block", (elem, elem_max, block_size, fmt.axis,
-                                  _SCALE_RULE_CODE[fmt.scale_rule], scale, smax, fmt.tensor_scale)
-    raise TypeError(f"cannot quantize to {fmt!r}: not a format")
-
-
-def elem_scale_args(fmt: BlockFormat) -> tuple:
-    """A block format's element and scale arguments of the block ops: (elem, elem_max, scale,
-    scale_max)."""
-    e = fmt.elem
-    if isinstance(e, FloatFormat):
-        elem = [0, e.man, e.emin, int(e.subnormals), 0, e.emax]
-    else:
-        elem = [1, e.wl, e.fl, int(e.signed), int(e.symmetric), e.emax]
-    s = fmt.scale if fmt.power_of_two_scales else fmt.amax_scale_format
-    man, emin, subnormals, smax, overflow, unsigned = _float_args(s)
-    return elem, float(e.max), [man, emin, s.emax, int(subnormals), overflow, int(unsigned)], smax
+    if not isinstance(fmt, Format):
+        raise TypeError(f"cannot quantize to {fmt!r}: not a format")
+    return fmt.kernel_args()
 
 
 def seed_arg(seed: int) -> int:
@@ -207,7 +171,7 @@ def fit_format(fmt: Format, ndim: int) -> Format:
     of its tiles (c elements, or r with its cols along dim -2); on 2+ dims it is kept (an axis
     that is not one of the last two dims, e.g. a conv weight's K, is a FormatError when
     rounding: tiles along other dims would be a silent other blocking)."""
-    if type(fmt) is not BlockFormat or fmt.axis is None:
+    if not fmt.is_block or fmt.axis is None:
         return fmt
     if fmt.block_shape is None:
         if -ndim <= fmt.axis < ndim or ndim == 0:
@@ -231,8 +195,8 @@ _AXIS_CACHE: dict = {}
 
 
 def with_axis(fmt: Format, axis: int) -> Format:
-    """A BlockFormat blocked along ``axis`` (axis=None formats, per-tensor, are kept)."""
-    if type(fmt) is not BlockFormat or fmt.axis is None or fmt.axis == axis:
+    """A block format blocked along ``axis`` (axis=None formats, per-tensor, are kept)."""
+    if not fmt.is_block or fmt.axis is None or fmt.axis == axis:
         return fmt
     hit = _AXIS_CACHE.get((id(fmt), axis))
     return hit[1] if hit is not None else _shared(_AXIS_CACHE, "axis", fmt, axis,
@@ -252,8 +216,8 @@ def _plan(fmt):
 
 def _make_plan(fmt):
     stochastic = is_stochastic(fmt.rounding)
-    tiles2d = type(fmt) is BlockFormat and fmt.block_shape is not None  # (no op of their own)
-    return stochastic, None if stochastic or tiles2d else _kernel_calls(fmt)
+    # (2D tiles have no op of their own)
+    return stochastic, None if stochastic or fmt.is_tiled else _kernel_calls(fmt)
 
 
 _OP_ARGS: dict = {}
@@ -277,7 +241,7 @@ def _kernel_call(fmt, inplace=False):
 
 
 def _kernel_calls(fmt):
-    if type(fmt) is BlockFormat and fmt.tensor_scale:  # TE's two-level rule: no fused kernel
+    if fmt.is_two_level:  # TE's two-level rule: no fused kernel
         return ((lambda x, *a: _round(x, fmt, fmt.rounding, 0, None), ()),
                 (lambda x, *a: _round_(x, fmt, fmt.rounding, 0), ()))
     name, args = op_args(fmt)
@@ -322,7 +286,7 @@ def eager_cpu_kernel(x) -> bool:
 def _traced_float_args(x, fmt):
     """round_float's arguments after x for a traced float32 payload in a scalar float format
     that the short form covers, else None."""
-    if (type(fmt) is not FloatFormat or x.dtype is not torch.float32 or type(x) is torch.Tensor
+    if (not fmt.is_float or x.dtype is not torch.float32 or type(x) is torch.Tensor
             or reference.needs_sign_fixup(fmt)
             or x.device.type != "cpu" or not _CPU_KERNELS or is_stochastic(fmt.rounding)):
         return None
@@ -411,7 +375,7 @@ def _(x, after, fmt, rounding):
 def _use_kernel(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     if x.dtype not in KERNEL_DTYPES:
         return False
-    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+    if fmt.is_two_level:
         return False  # TE's two-level rule: two_level
     if x.device.type == "meta":
         return _C is not None
@@ -432,7 +396,7 @@ def _is_traced(x) -> bool:
     return is_fake(x)
 
 
-def _round_tiles(x, fmt: BlockFormat, rounding: str, seed: int, out=None) -> torch.Tensor:
+def _round_tiles(x, fmt: Format, rounding: str, seed: int, out=None) -> torch.Tensor:
     """x rounded to a 2D block format (into ``out`` if given): its tiles laid out as 1D blocks
     of r*c for the quantize_block kernel (the same bits as the reference). Stochastic rounding
     goes to the reference: its random bits follow each element's index in x, not in the tiled
@@ -462,9 +426,9 @@ def _round(x, fmt: Format, rounding: str, seed, out) -> torch.Tensor:
         q = torch.ops.qtensor_ops.round_drawn(x.detach(), list(getattr(_AFTER, "tensors", ())),
                                               str(fmt), rounding)
         return q if out is None else out.copy_(q)
-    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+    if fmt.is_two_level:
         return two_level(x, fmt, rounding, seed, out=out)
-    if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
+    if fmt.is_tiled:
         return _round_tiles(x, fmt, rounding, seed, out)
     if not _use_kernel(x, fmt, rounding):
         q = reference.quantize_with_seed(x, fmt, rounding, seed)
@@ -496,7 +460,7 @@ def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
     if seed is DRAWN_IN_GRAPH:
         with torch.no_grad():
             return x.copy_(_round(x, fmt, rounding, seed, None))
-    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+    if fmt.is_two_level:
         with torch.no_grad():  # (in place: the kernel reads each block before writing it)
             if x.is_neg() or x.is_conj() or torch.compiler.is_compiling() or _is_traced(x):
                 return x.copy_(two_level(x, fmt, rounding, seed))
@@ -504,7 +468,7 @@ def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             torch.autograd.graph.increment_version(x)
         return x
-    if isinstance(fmt, BlockFormat) and fmt.block_shape is not None:
+    if fmt.is_tiled:
         with torch.no_grad():  # (copy_ bumps x's version)
             return _round_tiles(x, fmt, rounding, seed, out=x)
     if not _use_kernel(x, fmt, rounding):
@@ -529,7 +493,7 @@ def _round_(x, fmt: Format, rounding: str, seed) -> torch.Tensor:
     return x
 
 
-def two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_scale=False,
+def two_level(x, fmt: Format, rounding: str, seed, tensor_scale=None, with_scale=False,
               out=None, block_scales=False, checked=True, tensor_amax=None):
     """x rounded to a two-level format by TE's rule (reference.quantize_two_level, the spec): the
     values (into ``out`` if given), or (values, decode tensor scale), and with block_scales each
@@ -554,8 +518,8 @@ def two_level(x, fmt: BlockFormat, rounding: str, seed, tensor_scale=None, with_
         ts = None
         if tensor_scale is not None:
             ts = reference.check_tensor_scale(tensor_scale, fmt).to(x.device)
-        elem, elem_max, scale, smax = elem_scale_args(fmt)
-        args = (elem, elem_max, _SCALE_RULE_CODE[fmt.scale_rule], scale, smax, geom,
+        elem, elem_max, scale, smax = fmt.elem_scale_args()
+        args = (elem, elem_max, SCALE_RULE_CODES[fmt.scale_rule], scale, smax, geom,
                 float(fmt.tensor_scale_bound), fmt.settle, ts, block_scales,
                 rounding_code(rounding), seed_arg(seed))
         op = kernel_ops(x).quantize_two_level
@@ -578,7 +542,7 @@ def two_level_nblocks(numel: int, geom) -> int:
     return numel // (R * C) * -(-R // tr) * -(-C // tc)
 
 
-def _two_level_geom(x, fmt: BlockFormat):
+def _two_level_geom(x, fmt: Format):
     """The blocks of x as the two-level kernel takes them, [rows, cols, tr, tc]: the tr x tc
     tiles of x viewed as [-1, rows, cols] (reference.block_layout's and tile_blocks's blocks);
     None where no kernel takes x (the C++ one on CPU, the Triton one where qtensor.kernels.gpu
@@ -587,10 +551,10 @@ def _two_level_geom(x, fmt: BlockFormat):
     kernel = gpu.takes(x) or (_C is not None and x.device.type == "cpu")
     if not kernel or x.dtype not in KERNEL_DTYPES or x.dim() > 16 or x.numel() == 0:
         return None
-    e, sf = fmt.elem, fmt.amax_scale_format
-    if isinstance(e, FloatFormat) and reference.needs_sign_fixup(e):
+    if reference.needs_sign_fixup(fmt.elem):
         return None
-    if type(sf) is not FloatFormat or not sf.has_zero:  # (rounded as a signed format with zero)
+    # (a scale is rounded as a signed format with zero; FP32 scales' grid: the reference)
+    if fmt.fp32_scales or not fmt.amax_scale_format.has_zero:
         return None
     if fmt.block_shape is not None:
         if x.dim() < 2:
@@ -612,7 +576,7 @@ def _two_level_geom(x, fmt: BlockFormat):
     return [1, L, 1, bs] if inner == 1 else [L, inner, bs, 1]
 
 
-def _two_level_block_scales(X, x, fmt: BlockFormat, geom):
+def _two_level_block_scales(X, x, fmt: Format, geom):
     """The kernel's block scales ([groups, row blocks, col blocks] flat) in the reference's
     layout: block_layout's (block axis last) or tile_blocks's, with a last dim of 1."""
     R, C, tr, tc = geom
@@ -640,7 +604,7 @@ def round_scalar32(t: torch.Tensor, fmt, rounding: str, index, seed,
     return _round(t, fmt, rounding, seed, None)
 
 
-def round_with_scale(x, fmt: BlockFormat, rounding: Optional[str] = None, seed=None,
+def round_with_scale(x, fmt: Format, rounding: Optional[str] = None, seed=None,
                      tensor_scale=None, tensor_amax=None):
     """(x rounded to the two-level format fmt, its FP32 decode tensor scale): TE's rule, under
     ``tensor_scale`` if given (else the scale of x's amax; of ``tensor_amax``, a whole tensor's
@@ -729,8 +693,8 @@ def round_payload(x: torch.Tensor, fmt: Format, keep_layout: bool = True, tiles:
         if seed is None:
             seed = _drawn_seed(x, fmt) if is_stochastic(rounding) else 0
         return _round_(x, fmt, rounding, seed) if out is x else _round(x, fmt, rounding, seed, out)
-    block = type(fmt) is BlockFormat
-    if block and fmt.block_shape is not None:
+    block = fmt.is_block
+    if fmt.is_tiled:
         # a fitted 2D format can still have its axis off the last two dims (a conv weight's K):
         # tiles along other dims would be a silent other blocking
         check_axis(x, fmt)
@@ -769,7 +733,7 @@ def round_payload(x: torch.Tensor, fmt: Format, keep_layout: bool = True, tiles:
 
 def _round_flat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """x rounded to fmt in its own deterministic mode, in the layout the kernel gives."""
-    if type(fmt) is BlockFormat and fmt.block_shape is not None:  # 2D tiles
+    if fmt.is_tiled:
         return _round(x, fmt, fmt.rounding, 0, None)
     if x.dtype is torch.float32:
         dt = _CAST_DTYPES.get(id(fmt))
@@ -793,7 +757,7 @@ def _round_in_place(data, fmt, kernel=None) -> None:
     in-place kernels take it, where the caller knows (an eager CPU tensor, no 2D tiles)."""
     dt = _CAST_DTYPES.get(id(fmt)) if data.dtype is torch.float32 else None
     if kernel is None:
-        kernel = eager_cpu_kernel(data) and getattr(fmt, "block_shape", None) is None
+        kernel = eager_cpu_kernel(data) and not fmt.is_tiled
     if dt is not None and not (kernel and dt in _SLOW_CPU_CASTS):
         data.copy_(data.to(dt) if type(data) is torch.Tensor else _round_to_dtype(data, dt))
     elif kernel and data.is_contiguous() and not data.is_neg():

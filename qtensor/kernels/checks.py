@@ -50,7 +50,7 @@ def check_out(x: torch.Tensor, out, fmt) -> None:
 def check_axis(x: torch.Tensor, fmt) -> None:
     """A BlockFormat's axis must be a dim of x (a 0-dim x is one block whatever the axis); a 2D
     block format (block_shape) needs 2+ dims, with its axis one of the last two."""
-    if fmt.is_block and fmt.block_shape is not None:
+    if fmt.is_tiled:
         r, c = fmt.block_shape
         if x.dim() < 2:
             raise FormatError(

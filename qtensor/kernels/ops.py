@@ -17,15 +17,12 @@ import torch
 import torch.autograd.forward_ad as _fwad
 
 from . import decompositions, gpu, reference, selfcheck
-from .backend import (_C, _LOAD_ERROR, _ROUNDING_CODE, _SCALE_RULE_CODE, DRAWN_IN_GRAPH,  # noqa: F401
-                      kernel_ops, kernels_available, op_args, round_float, round_payload,
-                      round_scalar32, round_with_scale, rounding_code, seed_arg,
-                      seeds_in_graph, stochastic_under_tracing, traced_round_float, two_level,
-                      two_level_nblocks)
+from .backend import (DRAWN_IN_GRAPH, kernel_ops, kernels_available, op_args, round_payload,  # noqa: F401
+                      round_with_scale, rounding_code, seed_arg, seeds_in_graph,
+                      stochastic_under_tracing, two_level, two_level_nblocks)
 from .checks import check_axis, check_generator, check_input, check_out
 from .checks import check_op_args, resolve_rounding
 from ..formats.base import stochastic_bits
-from ..formats.block import BlockFormat
 
 __all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_under_tracing"]
 
@@ -38,7 +35,7 @@ __all__ = ["quantize", "quantize_", "kernels_available", "op_args", "stochastic_
 _check_op_fake = check_op_args  # (the fakes' checks, in qtensor.kernels.checks)
 
 
-if _C is not None:
+if kernels_available("cpu"):  # (the compiled extension loaded: its ops exist)
     def _register_fakes():
         for family in ("quantize_float", "quantize_fixed", "quantize_block"):
             def functional(x, *args, _op=family):
@@ -84,7 +81,7 @@ def _sample_check(family: str):
     """The first-use check of a quantization kernel family: its sample, kernel vs reference."""
     def check(device: torch.device) -> Optional[str]:
         for x, fmt, rounding, seed in selfcheck.quantize_cases(family, device):
-            if fmt.is_block and fmt.tensor_scale:
+            if fmt.is_two_level:
                 got = two_level(x, fmt, rounding, seed, checked=False)
             else:
                 name, args = op_args(fmt)
@@ -99,7 +96,7 @@ def _sample_check(family: str):
 
 for _family in ("scalar", "block", "stochastic", "two_level"):
     selfcheck.register(_family, _sample_check(_family))
-if gpu.available() and torch.cuda.is_available() and _C is not None:
+if gpu.available() and torch.cuda.is_available() and kernels_available("cpu"):
     gpu.register_cuda_kernels()  # the CUDA kernels of the qtensor:: ops
 
 
@@ -217,7 +214,7 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     """
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
-    if isinstance(fmt, BlockFormat) and fmt.tensor_scale and (
+    if fmt.is_two_level and (
             tensor_scale is not None or getattr(x, "fmt", None) == fmt):
         if out is not None:
             raise ValueError(f"quantize to {fmt}: out= with a tensor scale is not supported")
@@ -240,7 +237,7 @@ def quantize_with_scale(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     (quantize(x, fmt), None) for other formats. Straight-through gradient, as ``quantize``."""
     fmt = check_input(x, fmt)
     rounding = resolve_rounding(fmt, rounding)
-    if not (isinstance(fmt, BlockFormat) and fmt.tensor_scale):
+    if not fmt.is_two_level:
         return quantize(x, fmt, rounding=rounding, generator=generator), None
     check_axis(x, fmt)
     seed = _seed(generator, rounding, fmt)
@@ -300,7 +297,7 @@ def count_off_format(values: torch.Tensor, fmt, tensor_scale=None) -> int:
         if v.is_floating_point() and v.dtype not in (torch.float32, torch.float64):
             v = v.float()  # (exactly)
         fmt = check_input(v, fmt)
-        if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        if fmt.is_two_level:
             if not bool(v.isfinite().all()):
                 return 0
             s = tensor_scale if tensor_scale is not None else reference.quantize_two_level(

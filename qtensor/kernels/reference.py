@@ -205,7 +205,9 @@ def _round_fixed(x: torch.Tensor, fmt: FixedFormat, rounding: str,
     return (k + 0.0) * 2.0 ** -fmt.fl  # -0.0 + 0.0 = +0.0: no negative zero
 
 
-def _round_scalar(x64: torch.Tensor, fmt, rounding, index, seed) -> torch.Tensor:
+def round_scalar64(x64: torch.Tensor, fmt, rounding, index, seed) -> torch.Tensor:
+    """x64 (float64) rounded to a scalar (float or fixed-point) format, as float64; stochastic
+    rounding draws each element's random bits by its ``index`` under ``seed``."""
     if fmt.is_float:
         return _round_float(x64, fmt, rounding, index, seed)
     return _round_fixed(x64, fmt, rounding, index, seed)
@@ -292,7 +294,7 @@ def round_with_scale(x64: torch.Tensor, scale: torch.Tensor, fmt: BlockFormat,
     float64: exact. A zero scale gives (signed, for float elements) zeros."""
     elem = fmt.elem
     safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = _round_scalar(x64 / safe_scale, elem, rounding, index, seed) * safe_scale  # exact
+    q = round_scalar64(x64 / safe_scale, elem, rounding, index, seed) * safe_scale  # exact
     zero = torch.zeros_like(q)
     if not elem.no_negative_zero:  # signed zeros; integer elements have no -0.0
         zero = torch.copysign(zero, x64)
@@ -371,7 +373,7 @@ def round_scalar32(t: torch.Tensor, fmt, rounding: str, index: Optional[torch.Te
     overwritten with the result (here a new tensor is returned)."""
     if index is None and stochastic_bits(rounding) is not None:
         index = torch.arange(t.numel(), device=t.device, dtype=torch.int64).reshape(t.shape)
-    return _f32(_round_scalar(t.to(torch.float64), fmt, rounding, index, seed))
+    return _f32(round_scalar64(t.to(torch.float64), fmt, rounding, index, seed))
 
 
 def _scale_code(t32: torch.Tensor, fmt: BlockFormat, rnd) -> torch.Tensor:
@@ -670,13 +672,13 @@ def quantize_with_seed(x: torch.Tensor, fmt, rounding: Optional[str] = None,
     index = None
     if stochastic_bits(rounding) is not None:
         index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).reshape(x.shape)
-    if fmt.is_block and fmt.tensor_scale:
+    if fmt.is_two_level:
         return quantize_two_level(x, fmt, rounding, seed)[0]
     x64 = x.detach().to(torch.float64)
     if fmt.is_block:
         q = _quantize_blocks(x64, fmt, rounding, index, seed)
     else:
-        q = _round_scalar(x64, fmt, rounding, index, seed)
+        q = round_scalar64(x64, fmt, rounding, index, seed)
     if x.dtype in (torch.float16, torch.bfloat16):
         return _nan_bits(q.to(torch.float32).to(x.dtype), q, x, fmt)
     return _nan_bits(q.to(x.dtype), q, x, fmt)
@@ -715,7 +717,7 @@ def quantize(x: torch.Tensor, fmt, *, rounding: Optional[str] = None,
     check_generator(generator)
     seed = draw_seed(generator) if stochastic_bits(rounding) is not None else 0
     if tensor_scale is not None:
-        if not (fmt.is_block and fmt.tensor_scale):
+        if not (fmt.is_two_level):
             raise ValueError(f"quantize to {fmt}: tensor_scale is for two-level block formats "
                              "(tensor_scale=True, such as nvfp4)")
         return quantize_two_level(x, fmt, rounding, seed, tensor_scale)[0]

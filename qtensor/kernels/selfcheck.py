@@ -55,7 +55,7 @@ _verdicts: dict = {}  # (device type, family) -> True: the kernel agreed; False:
 
 def family(fmt, rounding: str) -> str:
     """The kernel family that rounds to ``fmt`` with ``rounding``."""
-    if fmt.is_block and fmt.tensor_scale:
+    if fmt.is_two_level:
         return "two_level"
     if rounding.startswith("stochastic"):  # (also "stochasticN")
         return "stochastic"

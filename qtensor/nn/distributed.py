@@ -520,7 +520,7 @@ class _GatheredStep:
 
 def _two_level_scale(t):
     t = getattr(t, "_local_tensor", t)
-    if isinstance(t, QTensor) and t.fmt.is_block and t.fmt.tensor_scale:
+    if isinstance(t, QTensor) and t.fmt.is_two_level:
         return t.tensor_scale
     return None
 

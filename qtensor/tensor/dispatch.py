@@ -35,7 +35,6 @@ from ..kernels.backend import eager_cpu_kernel as _eager_cpu_kernel, fit_format,
 from ..kernels.checks import FLOAT_DTYPES
 from ..kernels.reference import finite_amax
 from ..formats.base import Format, is_stochastic
-from ..formats.block import BlockFormat
 
 aten = torch.ops.aten
 _compiler = torch.compiler  # (its _is_exporting_flag is what is_exporting() returns)
@@ -359,7 +358,7 @@ def _transposed_fmt(fmt, func, args, in_ndim):
     """(The block axis after transpose/t/permute, whether the values keep their blocks: 1D
     blocks always do; 2D tiles where their two dims stay the last two, e.g. W.t() or
     x.transpose(-1, -2), whose format is the same tiles with the axis on the other dim)."""
-    if type(fmt) is not BlockFormat or fmt.axis is None or in_ndim < 2:
+    if not fmt.is_block or fmt.axis is None or in_ndim < 2:
         return fmt, True
     ax = fmt.axis % in_ndim
     packet = func._opname
@@ -468,9 +467,9 @@ def _round_fresh(out, fmt, func):
     rounded to fmt (fitted to it): in place where the kernels can (the same bits as
     ``quantize``, without a second buffer), else by ``quantize``; block formats are watched for
     NaN blocks (qtensor.tensor.block_specials)."""
-    block = type(fmt) is BlockFormat
+    block = fmt.is_block
     if (is_stochastic(fmt.rounding) or not out.is_contiguous()
-            or out.is_neg() or (block and fmt.block_shape is not None)  # (2D tiles)
+            or out.is_neg() or fmt.is_tiled
             or (block and fmt.axis is not None and out.dim() > 1
                 and fmt.axis % out.dim() != out.dim() - 1
                 and not _backend.tiles_in_place(out, fmt))):
@@ -492,11 +491,11 @@ def _round_inplace(q, func=None) -> None:
     """Round a QTensor's payload in place to its own format (after an in-place op)."""
     data = q._data
     fmt = fit_format(q.fmt, data.dim())
-    if _two_level(fmt):  # computed in place: a fresh tensor scale
+    if fmt.is_two_level:  # computed in place: a fresh tensor scale
         v, q._tscale = _backend.round_with_scale(data, fmt)
         data.copy_(v)
         return
-    if (type(fmt) is BlockFormat and _block_specials.watching() and type(data) is torch.Tensor
+    if (fmt.is_block and _block_specials.watching() and type(data) is torch.Tensor
             and data.numel() and not torch.compiler.is_compiling()
             and not torch.isfinite(data.sum())):  # an Inf or NaN may spread over its block
         before = data.clone()
@@ -701,15 +700,15 @@ def _accum_of(args, cls):
     return None
 
 
-def _contract(func, rule, args, kwargs, uargs, ukwargs, cls):
+def _contract(func, rule, args, kwargs, uargs, ukwargs, acc, cls):
+    """The contraction's result; ``acc``: its operands' accumulator (_accum_of), or None."""
     if torch.compiler.is_compiling():  # (stochastic roundings traced after every operand)
         with _backend.after(uargs):
-            return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls)
-    return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls)
+            return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, acc, cls)
+    return _contract_operands(func, rule, args, kwargs, uargs, ukwargs, acc, cls)
 
 
-def _contract_operands(func, rule, args, kwargs, uargs, ukwargs, cls):
-    acc = _accum_of(args, cls)
+def _contract_operands(func, rule, args, kwargs, uargs, ukwargs, acc, cls):
     op = rule.op
     if op.handler is not None:
         return op.handler(func, args, uargs, ukwargs, acc, cls)
@@ -762,7 +761,7 @@ def _wrap_out(cls, out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
                     "tensors cannot carry a number format. Pad the values instead (a "
                     "converted nn.TransformerEncoder does: it skips its nested fast path)")
             fmt = fit_format(fmt, out.dim())
-            if _two_level(fmt):  # values with their tensor scale (fresh unless one is given)
+            if fmt.is_two_level:  # values with their tensor scale (fresh unless one is given)
                 if rnd:
                     before, (out, tscale) = out, _backend.round_with_scale(out, fmt,
                                                                            tensor_scale=tscale)
@@ -775,7 +774,7 @@ def _wrap_out(cls, out, fmt, mm_fmt, rnd, func=None, fresh=None, tscale=None):
                     out = _round_fresh(out, fmt, func)
                 else:
                     before, out = out, _backend.round_payload(out, fmt)
-                    if type(fmt) is BlockFormat:
+                    if fmt.is_block:
                         _block_specials.check(before, out, fmt, op=func)
             if type(out) is torch.Tensor and not _compiler._is_exporting_flag:
                 return cls._wrap_eager(out, fmt, mm_fmt)
@@ -798,7 +797,7 @@ def _single_move(call, func, rule, a, data, args, kwargs, cls):
     out = call(data, *args[1:], **kwargs) if kwargs else call(data, *args[1:])
     fmt = a.fmt
     rnd = False
-    if type(fmt) is BlockFormat:
+    if fmt.is_block:
         if fmt.axis is not None:
             fmt, rnd = _block_out(fmt, func, rule, args, kwargs, a, out, False)
         fmt = fit_format(fmt, out.dim())
@@ -828,7 +827,7 @@ def dispatch(func, args, kwargs, cls):
         # traces (QTensor._wrap records the constructions)
         if (type(data) is torch.Tensor and type(a) is cls
                 and not _compiler._is_exporting_flag and a._tscale is None
-                and not _two_level(a.fmt)):
+                and not a.fmt.is_two_level):
             return _single_move(rule.single, func, rule, a, data, args, kwargs, cls)
     if rule.kind >= FOREACH:
         if rule.kind == FOREACH:
@@ -838,9 +837,13 @@ def dispatch(func, args, kwargs, cls):
         return _collective(func, args, kwargs, cls)
     qs = []
     uargs, ukwargs, plain = _unwrap(args, kwargs, qs, cls)
+    acc = None
     try:
         if rule.kind == CONTRACT_KIND:
-            out = _contract(func, rule, args, kwargs, uargs, ukwargs, cls)
+            # derived once: the operands' accumulator sums the products and the result carries
+            # it on (a contraction's QTensors are its positional operands; an out= one is not)
+            acc = _accum_of(args, cls)
+            out = _contract(func, rule, args, kwargs, uargs, ukwargs, acc, cls)
         else:
             out = rule.call(*uargs, **ukwargs)
     except RuntimeError as err:
@@ -865,10 +868,10 @@ def dispatch(func, args, kwargs, cls):
             rnd = not cond(uargs, ukwargs, src)
     else:
         rnd = True
-    if type(fmt) is BlockFormat and fmt.axis is not None:
+    if fmt.is_block and fmt.axis is not None:
         fmt, rnd = _block_out(fmt, func, rule, uargs, ukwargs, src, out, rnd)
     tscale = None
-    if _two_level(fmt) and rule.kind == MOVE_KIND:
+    if fmt.is_two_level and rule.kind == MOVE_KIND:
         tscale, rnd = _moved_scale(func, qs, src, plain, rnd, uargs)
 
     if rule.mutated:
@@ -877,16 +880,13 @@ def dispatch(func, args, kwargs, cls):
     if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
         fresh = (uargs, ukwargs)
     out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
-    acc = _accum_of(qs, cls)
+    if rule.kind != CONTRACT_KIND:
+        acc = _accum_of(qs, cls)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
         _set_accum(out, acc, cls)
     if rule.is_view and _has_q(out, cls):
         return return_and_correct_aliasing(func, args, kwargs, out)
     return out
-
-
-def _two_level(fmt) -> bool:
-    return type(fmt) is BlockFormat and fmt.tensor_scale
 
 
 # moves that take whole blocks along the block axis (the dim they select along is another)
@@ -904,7 +904,7 @@ def _moved_scale(func, qs, src, plain, rnd, uargs):
     the destination's old scale has no say (_scale_into gives it the source's)."""
     if func.overloadpacket.__name__ == "copy_" and qs and uargs and qs[0]._data is uargs[0]:
         qs = qs[1:]
-    scales = [q.tensor_scale for q in qs if _two_level(q.fmt)]
+    scales = [q.tensor_scale for q in qs if q.fmt.is_two_level]
     if plain or not scales:
         return None, True
     s0 = scales[0]
@@ -996,7 +996,7 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls):
                         f"to {tuple(d._data.shape)}; pass an out tensor of the result's shape")
                 if rnd or (not rule.inplace_view and _needs_round_into(d, args, kwargs, cls)):
                     _round_inplace(d, func)
-                elif _two_level(d.fmt) and not rule.inplace_view:
+                elif d.fmt.is_two_level and not rule.inplace_view:
                     _scale_into(d, func, args, kwargs, cls)
     if rule.inplace_view:
         if isinstance(args[0], cls):  # t_, unsqueeze_, ...: the block axis moves
@@ -1105,7 +1105,7 @@ def _collective(func, args, kwargs, cls):
             continue
         if id(o) in alias:
             res[i] = alias[id(o)]
-        elif _two_level(s.fmt):
+        elif s.fmt.is_two_level:
             two.append(i)
         else:
             res[i] = _wrap_received(cls, quantize(o, s.fmt), s, o.dim())
@@ -1216,7 +1216,7 @@ def _into_written(kind, written, sources, comm) -> None:
     tensor scale; for a list all-gather (input, rank))."""
     two, two_sources = [], []
     for (q, c), s in zip(written, sources):
-        if _two_level(q.fmt):
+        if q.fmt.is_two_level:
             two.append((q, c))
             two_sources.append(s)
         elif c is q._data:
@@ -1250,7 +1250,7 @@ def _scales_of(tensors, fmts, outs) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.float32, device=outs[0].device)
     return torch.stack([
         t.tensor_scale.reshape(()).to(torch.float32)
-        if (getattr(t, "fmt", None) is not None and _two_level(t.fmt)
+        if (getattr(t, "fmt", None) is not None and t.fmt.is_two_level
             and fit_format(t.fmt, o.dim()) == f) else zero
         for t, f, o in zip(tensors, fmts, outs)])
 

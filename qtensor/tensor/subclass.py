@@ -177,13 +177,16 @@ _TOKENS: dict = {}  # id(object) -> (object, its string form); see _graph_tokens
 _TOKENS_SIZE = 4096  # entries before the cache starts again (objects made anew: bounded)
 
 
-def _token(obj) -> str:
+def _token(obj, to_string=str) -> str:
+    """obj's string form by ``to_string`` (a format's: str; an accumulator's: _accum_token), a
+    str itself."""
+    if type(obj) is str:
+        return obj
     hit = _TOKENS.get(id(obj))
     if hit is None:
         if len(_TOKENS) > _TOKENS_SIZE:
             _TOKENS.clear()
-        token = _accum_token(obj) if isinstance(obj, AccumFormat) else str(obj)  # (a str: itself)
-        hit = _TOKENS[id(obj)] = (obj, token)  # (obj kept alive, so its id stays its own)
+        hit = _TOKENS[id(obj)] = (obj, to_string(obj))  # (obj kept alive, so its id stays its own)
     return hit[1]
 
 
@@ -198,7 +201,8 @@ def _graph_tokens(fmt, mm_fmt, accum):
     objs = (fmt, mm_fmt, accum)
     if not all(o is None or type(o) is str or _holds_its_fields(o) for o in objs):
         return None
-    return tuple(None if o is None else _token(o) for o in objs)
+    return (None if fmt is None else _token(fmt), None if mm_fmt is None else _token(mm_fmt),
+            None if accum is None else _token(accum, _accum_token))
 
 
 @torch.compiler.assume_constant_result
@@ -728,7 +732,7 @@ def _check_accum_not_set_while_tracing(func, args, kwargs) -> None:
 # Differentiable construction
 
 def _two_level(fmt) -> bool:
-    return fmt is not None and fmt.is_block and fmt.tensor_scale
+    return fmt is not None and fmt.is_two_level
 
 
 def _payload_of(x: torch.Tensor) -> torch.Tensor:

@@ -813,16 +813,27 @@ def test_format_protocol_block_extent():
 
 
 
-_FAMILY_SWITCH = re.compile(r"isinstance\([^)]*(FloatFormat|FixedFormat|BlockFormat|AccumFormat)")
-# the modules that define the classes (they check their own arguments' types), and the modules
-# whose switches on the format's class are still to be replaced by protocol questions
+_FAMILIES = r"(FloatFormat|FixedFormat|BlockFormat|AccumFormat|Fp32ScaleGrid)\b"
+# isinstance(x, Family), type(x) is (not) Family, and a family's field tested by getattr (a
+# switch on the class in disguise: getattr(fmt, "tensor_scale", False))
+_FAMILY_SWITCH = re.compile(
+    r"isinstance\([^)]*" + _FAMILIES + r"|type\([^()]*\) is (not )?" + _FAMILIES
+    + r"|getattr\([^,()]+, \"(tensor_scale|block_shape|elem|scale_rule|block_size|man|wl)\"")
+# the modules that define the classes (they check their own arguments' types)
 _DEFINE_THE_CLASSES = ("formats/", "accum/format.py")
-_NOT_YET_PROTOCOL = _DEFINE_THE_CLASSES + ("kernels/ops.py", "kernels/backend.py", "tensor/dispatch.py",
-                                           "tensor/subclass.py", "kernels/gpu/")
+_NOT_YET_PROTOCOL = _DEFINE_THE_CLASSES
 
 
 def test_modules_ask_the_format_protocol_not_the_format_class():
     import pathlib
+    # the check must see each form of a switch on the class
+    for line in ("if isinstance(fmt, BlockFormat) and fmt.tensor_scale:",
+                 "if type(fmt) is not FloatFormat or x.dtype is not torch.float32",
+                 "block = type(fmt) is BlockFormat", "if type(sf) is Fp32ScaleGrid:",
+                 'return not getattr(fmt, "tensor_scale", False)',
+                 'kernel = ok and getattr(fmt, "block_shape", None) is None'):
+        assert _FAMILY_SWITCH.search(line), line
+    assert not _FAMILY_SWITCH.search("if fmt.is_two_level and type(x) is torch.Tensor:")
     root = pathlib.Path(qt.__file__).parent
     found = []
     for path in sorted(root.rglob("*.py")):
@@ -834,6 +845,69 @@ def test_modules_ask_the_format_protocol_not_the_format_class():
                 found.append(f"{rel}:{n}: {line.strip()}")
     assert not found, "isinstance on a format family (ask the format: formats.Format):\n" + \
         "\n".join(found)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _NamedBlock(BlockFormat):
+    """A user's subclass of a family (a named format of their own): rounds as the family."""
+
+
+def test_a_family_subclass_rounds_as_its_family():
+    # the back end and QTensor ops ask the format, not its exact class: a subclass of
+    # BlockFormat gives BlockFormat's bits in every path (2D tiles, a block axis moved by .t(),
+    # two-level, in place)
+    e4m3 = qt.PRESETS["fp8_e4m3"]
+    torch.manual_seed(0)
+    x, v = torch.randn(8, 12) * 3, torch.randn(12)
+    for kw in (dict(block_shape=(4, 4), scale="fp32", scale_rule="amax"),
+               dict(block_size=4, axis=0, scale="fp32", scale_rule="amax"),
+               dict(block_size=4, axis=-1, scale=e4m3, scale_rule="amax", tensor_scale=True),
+               dict(block_size=4, axis=-1)):
+        mine, theirs = _NamedBlock(e4m3, **kw), BlockFormat(e4m3, **kw)
+        if "block_shape" not in kw:
+            assert mine.kernel_args() == theirs.kernel_args()
+        assert (mine.is_tiled, mine.is_two_level) == (theirs.is_tiled, theirs.is_two_level)
+        assert _bits(qt.quantize(x, mine)) == _bits(qt.quantize(x, theirs)), kw
+        a, b = qt.as_qtensor(x, mine), qt.as_qtensor(x, theirs)
+        for f in (lambda t: t * 3, lambda t: t.t() * 3, lambda t: (t * 3).t().contiguous(),
+                  lambda t: t.mul_(5)):
+            assert _bits(f(a.clone())._data) == _bits(f(b.clone())._data), kw
+        if "block_shape" not in kw:
+            assert _bits((qt.as_qtensor(v, mine) * 3)._data) == _bits((qt.as_qtensor(v, theirs) * 3)._data)
+
+
+def _bits(t: torch.Tensor) -> list:
+    return t.contiguous().view(torch.int32).tolist()
+
+
+def test_format_protocol_kernel_args_each_family():
+    # each family names its op and arguments (the kernels' signatures, csrc/quantize.cpp)
+    P = qt.PRESETS
+    assert P["fp8_e4m3"].kernel_args() == ("quantize_float", (3, -6, True, 448.0, 0, False))
+    assert P["e8m0"].kernel_args()[1][5] is True  # (no zero: the kernels' unsigned float)
+    assert FixedFormat(8, 4, symmetric=True).kernel_args() == (
+        "quantize_fixed", (8, 4, True, True, True))
+    name, args = P["mxfp8_e4m3"].kernel_args()
+    assert name == "quantize_block"
+    assert args == ([0, 3, -6, 1, 0, 8], 448.0, 32, -1, 0, [0, -127, 127, 0, 2, 1],
+                    2.0 ** 127, False)
+    assert P["mxint8"].elem.element_args() == [1, 8, 6, 1, 1, 0]
+    assert qt.kernels.ops.op_args(P["nvfp4"]) == P["nvfp4"].kernel_args()
+    tiles = BlockFormat(P["fp8_e4m3"], block_shape=(4, 4), scale="fp32", scale_rule="amax")
+    assert tiles.is_tiled and not tiles.is_two_level and tiles.fp32_scales
+    with pytest.raises(ValueError, match="2D blocks have no op of their own"):
+        tiles.kernel_args()
+    with pytest.raises(FormatError, match="cannot be a block's element format"):
+        P["mxfp8_e4m3"].element_args()
+    with pytest.raises(TypeError, match="not a format"):
+        qt.kernels.ops.op_args("fp8_e4m3")
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare(qt.Format):  # a new family that has not answered yet: says so, naming itself
+        rounding: str = "nearest"
+    with pytest.raises(NotImplementedError, match="Bare has no rounding kernel"):
+        Bare().kernel_args()
+    assert (Bare().is_two_level, Bare().is_tiled, Bare().is_block) == (False, False, False)
 
 
 def test_format_protocol_signed_zeros_floats_and_p3109():

@@ -20,7 +20,7 @@ from torch import nn
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.kernels import decompositions, ops
+from qtensor.kernels import backend, decompositions, ops
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="the oracle is the compiled kernel")
@@ -79,7 +79,7 @@ def _fusion_on():
 
 def _kernel(fmt, x, rounding):
     name, args = ops.op_args(fmt)
-    return getattr(torch.ops.qtensor, name)(x, *args, ops._ROUNDING_CODE[rounding], 0)
+    return getattr(torch.ops.qtensor, name)(x, *args, backend.rounding_code(rounding), 0)
 
 
 @pytest.mark.parametrize("rounding", MODES)
@@ -88,7 +88,7 @@ def test_short_form_gives_the_kernels_bits(spec, rounding, _fusion_on):
     """round_float (the decomposition inductor fuses), run eagerly, against the kernel."""
     fmt = qt.format(spec)
     args = ops.op_args(fmt)[1]
-    code = ops._ROUNDING_CODE[rounding]
+    code = backend.rounding_code(rounding)
     assert decompositions.fast_float_applies(*args[:3], args[5], code), spec
     x = _bits_grid()
     got = decompositions.round_float(x, *args, code)

@@ -1,8 +1,7 @@
 """The one rounding back end (qtensor.kernels.backend.round_payload): the ops of QTensors round
-through it without the public entry points' argument checks, derive each output's format once,
-and no module outside the kernels package reaches into the package's private helpers."""
-import ast
-import pathlib
+through it without the public entry points' argument checks and derive each output's format
+once (that no module outside the kernels package reaches into the package's private helpers:
+tests/test_imports.py)."""
 
 import pytest
 import torch
@@ -11,8 +10,6 @@ import qtensor as qt
 from qtensor.kernels import ops
 from qtensor.tensor import dispatch
 from helpers import assert_bits_equal
-
-ROOT = pathlib.Path(qt.__file__).parent
 
 
 @pytest.fixture
@@ -57,67 +54,3 @@ def test_an_op_fits_its_output_format_once(monkeypatch):
     c = a + b
     assert len(calls) == 1, calls
     assert_bits_equal(c.payload, qt.quantize(a.payload + b.payload, qt.mxfp8_e4m3), "a + b")
-
-
-def _kernel_modules(tree, package: str) -> dict:
-    """Local name -> qtensor.kernels module, for the modules of the kernels package a module
-    binds (``from ..kernels import ops as _ops``)."""
-    out = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package.split(".")
-            base = ".".join(base[:len(base) - (node.level - 1)]
-                            + ([node.module] if node.module else []))
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                if full.startswith("qtensor.kernels.") and (
-                        (ROOT.parent / (full.replace(".", "/") + ".py")).exists()
-                        or (ROOT.parent / full.replace(".", "/")).is_dir()):
-                    out[alias.asname or alias.name] = full
-    return out
-
-
-# the rounding back end and its public entry points (the reference is the specification,
-# whose float64 helpers analysis.ptq computes with)
-BACKEND = ("qtensor.kernels.backend", "qtensor.kernels.ops")
-
-
-def _private_uses(name: str, package: str, source: str) -> list:
-    """The private names (one leading underscore) of the BACKEND modules that the module
-    ``name`` imports or reads as attributes."""
-    tree = ast.parse(source)
-    mods = _kernel_modules(tree, package)
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package.split(".")
-            base = ".".join(base[:len(base) - (node.level - 1)]
-                            + ([node.module] if node.module else []))
-            if base in BACKEND:
-                found += [f"{name}:{node.lineno} imports {base}.{a.name}" for a in node.names
-                          if a.name.startswith("_") and not a.name.startswith("__")]
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-              and mods.get(node.value.id) in BACKEND and node.attr.startswith("_")
-              and not node.attr.startswith("__")):
-            found.append(f"{name}:{node.lineno} reads {mods[node.value.id]}.{node.attr}")
-    return found
-
-
-def test_no_module_outside_the_kernels_package_uses_the_back_ends_private_helpers():
-    # what tensor/dispatch.py did: the check must see both forms
-    before = ("from ..kernels import ops as _ops\nfrom ..kernels.ops import _round_scalar32\n"
-              "x = _ops._ROUNDING_CODE\n")
-    assert _private_uses("qtensor.tensor.dispatch", "qtensor.tensor", before) == [
-        "qtensor.tensor.dispatch:2 imports qtensor.kernels.ops._round_scalar32",
-        "qtensor.tensor.dispatch:3 reads qtensor.kernels.ops._ROUNDING_CODE"]
-    found = []
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-        if parts[:2] == ["qtensor", "kernels"]:
-            continue
-        if parts[-1] == "__init__":
-            parts.pop()
-        name = ".".join(parts)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found += _private_uses(name, package, path.read_text())
-    assert not found, "private helpers of the rounding back end used outside qtensor.kernels:\n" + "\n".join(found)

@@ -12,7 +12,7 @@ import torch
 
 import qtensor as qt
 from helpers import assert_bits_equal
-from qtensor.kernels import decompositions, ops
+from qtensor.kernels import backend, decompositions, ops
 from qtensor.formats.block import BlockFormat
 from qtensor.formats.fixed import FixedFormat
 from qtensor.formats.float import FloatFormat
@@ -50,7 +50,7 @@ def _values(n: int = 2048) -> torch.Tensor:
 
 def _call(fmt, x, rounding, impl):
     name, args = ops.op_args(fmt)
-    code = ops._ROUNDING_CODE[rounding]
+    code = backend.rounding_code(rounding)
     if impl == "kernel":
         return getattr(torch.ops.qtensor, name)(x, *args, code, 0)
     return getattr(decompositions, name)(x, *args, code, 0)

@@ -17,7 +17,7 @@ import torch
 
 import qtensor as qt
 from qtensor.kernels import backend, ops, reference
-from qtensor.formats.block import BlockFormat
+from qtensor.formats.block import SCALE_RULE_CODES, SCALE_RULES, BlockFormat
 from qtensor.formats.fixed import FixedFormat
 from qtensor.formats.float import FloatFormat
 
@@ -425,11 +425,13 @@ def test_op_codes_match_cpp():
     # the integer codes ops.py passes (rounding, scale rule, overflow) are the ones the C++ glue
     # decodes: qtensor::constant exports the C++ side's
     code = torch.ops.qtensor.constant
-    assert {m: code("rounding." + m) for m in ops._ROUNDING_CODE} == ops._ROUNDING_CODE
-    assert {r: code("scale_rule." + r) for r in ops._SCALE_RULE_CODE} == ops._SCALE_RULE_CODE
+    modes = ("nearest", "nearest_away", "toward_zero", "stochastic")
+    assert {m: code("rounding." + m) for m in modes} == {m: backend.rounding_code(m) for m in modes}
+    assert {r: code("scale_rule." + r) for r in SCALE_RULE_CODES} == SCALE_RULE_CODES
+    assert sorted(SCALE_RULE_CODES) == sorted(SCALE_RULES)
     overflow = {"saturate": FloatFormat(4, 3, specials="ieee", saturate=True),
                 "inf": FloatFormat(4, 3), "nan": FloatFormat(4, 3, specials="fn", saturate=False)}
-    assert {n: backend._float_args(f)[4] for n, f in overflow.items()} == \
+    assert {n: f.kernel_args()[1][4] for n, f in overflow.items()} == \
         {n: code("overflow." + n) for n in overflow}
     with pytest.raises(RuntimeError, match="unknown name 'rounding.up'"):
         code("rounding.up")

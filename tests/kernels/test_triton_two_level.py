@@ -180,14 +180,14 @@ def test_compiled_forced_matches_eager(counted, monkeypatch):
 
 def test_bad_arguments_are_refused():
     x = torch.randn(4, 16)
-    elem, emax, scale, smax = backend.elem_scale_args(qt.nvfp4)
+    elem, emax, scale, smax = qt.nvfp4.elem_scale_args()
     args = (elem, emax, 2, scale, smax, [4, 16, 1, 16], 448.0, False, None, False, 0, 0)
     with pytest.raises(RuntimeError, match="geom"):
         gpu.quantize_two_level(x, *args[:5], [3, 16, 1, 16], *args[6:])
     with pytest.raises(RuntimeError, match="scale_rule"):
         gpu.quantize_two_level(x, elem, emax, 0, *args[3:])
     with pytest.raises(RuntimeError, match="4over6 needs e2m1"):
-        e6, m6, _, _ = backend.elem_scale_args(FORMATS["fp6_elems"])
+        e6, m6, _, _ = FORMATS["fp6_elems"].elem_scale_args()
         gpu.quantize_two_level(x, e6, m6, 4, *args[3:])
     with pytest.raises(RuntimeError, match="tensor_scale must be one float32"):
         gpu.quantize_two_level(x, *args[:8], torch.ones(2), *args[9:])

@@ -92,7 +92,7 @@ def test_strided_and_inplace_callers_take_the_kernel(monkeypatch):
 def test_kernel_is_refused_for_bad_arguments():
     x = torch.randn(4, 16)
     fmt = qt.nvfp4
-    elem, emax, scale, smax = backend.elem_scale_args(fmt)
+    elem, emax, scale, smax = fmt.elem_scale_args()
     args = (elem, emax, 2, scale, smax, [4, 16, 1, 16], 448.0, False, None, False, 0, 0)
     op = torch.ops.qtensor.quantize_two_level
     with pytest.raises(RuntimeError, match="geom"):

@@ -240,3 +240,25 @@ def test_format_caches_by_id_stay_bounded_and_equal():
         assert dispatch.fit_format(MX6.replace(axis=3), 2) == MX6.replace(axis=-1)
     assert len(backend._AXIS_CACHE) <= backend._CACHE_SIZE + 1
     assert len(backend._FIT_CACHE) <= backend._CACHE_SIZE + 1
+
+
+def test_a_contraction_derives_its_accumulator_once(monkeypatch):
+    """One contraction of QTensors that carry an accumulator finds it once (dispatch._accum_of):
+    the contraction sums with it and its result carries it on, with accum_matmul's bits."""
+    calls = []
+    real = dispatch._accum_of
+    monkeypatch.setattr(dispatch, "_accum_of", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 64, generator=g), torch.randn(64, 16, generator=g)
+    acc = qt.accum.hopper_fp8
+    a = qt.QTensor(qt.quantize(x, qt.fp8_e4m3), qt.fp8_e4m3, accum=acc)
+    b = qt.QTensor(qt.quantize(w, qt.fp8_e4m3), qt.fp8_e4m3, accum=acc)
+    y = a @ b
+    assert len(calls) == 1, calls
+    assert y.accum == acc
+    want = qt.quantize(qt.accum.accum_matmul(a.payload, b.payload, acc, a_fmt=qt.fp8_e4m3,
+                                             b_fmt=qt.fp8_e4m3), qt.fp8_e4m3)
+    assert_bits_equal(y.payload, want, "a @ b")
+    del calls[:]
+    z = a * 2  # a computing op: its result carries the accumulator on, found once too
+    assert len(calls) == 1 and z.accum == acc

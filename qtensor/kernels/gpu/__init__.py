@@ -67,7 +67,7 @@ def covers(fmt, rounding: str) -> bool:
     """Whether quantize_float, quantize_fixed or quantize_block rounds ``fmt`` (else the
     reference does, with the same bits): not two-level formats, which quantize_two_level rounds
     (qtensor.kernels.backend.two_level)."""
-    return not getattr(fmt, "tensor_scale", False)
+    return not fmt.is_two_level
 
 
 @contextlib.contextmanager
