@@ -1805,16 +1805,15 @@ QT_BLOCK_FN qt_v8f tl_fp4_grid8(qt_v8f at, qt_v8u w) {
     return fp4_round_scaled8<MODE>(at, b1, 1.0f);
   }
   const qt_v8f z = at < v8f_of(8.0f) ? at : v8f_of(8.0f);
-  const auto lo2 = z < v8f_of(2.0f), lo4 = z < v8f_of(4.0f);
-  const qt_v8f mul = lo2 ? v8f_of(2.0f) : (lo4 ? v8f_of(1.0f) : v8f_of(0.5f));
-  const qt_v8f sp = lo2 ? v8f_of(0.5f) : (lo4 ? v8f_of(1.0f) : v8f_of(2.0f));
+  // the spacing sp = 2^(E - 128) and 1 / sp of z's binade E (clamped to [127, 129]: z < 2 and
+  // z >= 4 step by 0.5 and 2)
+  const qt_v8i E127 = qt_v8i{} + (127 << 23), E129 = qt_v8i{} + (129 << 23);
+  qt_v8i E = (qt_v8i)z & (int32_t)kInfBits;
+  E = E < E127 ? E127 : (E > E129 ? E129 : E);
+  const qt_v8f sp = (qt_v8f)(E - (1 << 23)), mul = (qt_v8f)((255 << 23) - E);
   const qt_v8f y = z * mul;
   const qt_v8f fl = __builtin_convertvector(__builtin_convertvector(y, qt_v8i), qt_v8f);
-  const qt_v8f F = (y - fl) * v8f_of(4294967296.0f);
-  const auto big = F >= v8f_of(2147483648.0f);
-  const qt_v8u hi = (qt_v8u)__builtin_convertvector(F - v8f_of(2147483648.0f), qt_v8i) |
-                    0x80000000u;
-  const qt_v8u thr = big ? hi : (qt_v8u)__builtin_convertvector(F, qt_v8i);
+  const qt_v8u thr = __builtin_convertvector((y - fl) * v8f_of(4294967296.0f), qt_v8u);
   const qt_v8f v = (fl + (w < thr ? v8f_of(1.0f) : v8f_of(0.0f))) * sp;
   return v < v8f_of(6.0f) ? v : v8f_of(6.0f);
 }
@@ -1823,7 +1822,7 @@ QT_BLOCK_FN qt_v8f tl_fp4_grid8(qt_v8f at, qt_v8u w) {
 // e (so p) takes x's sign
 template <int MODE>
 QT_BLOCK_FN qt_v8f tl_fp4_payload8(qt_v8u xb, qt_v8u w, float inv, float X, float dec) {
-  const qt_v8u sign = ((qt_v8u)((qt_v8f)xb * inv)) & kSignBit;
+  const qt_v8u sign = xb & kSignBit;  // (x * inv's: inv > 0)
   const qt_v8f ax = (qt_v8f)(xb & kAbsMask), at = ax * inv;
   qt_v8f v;
   if (MODE == kNearest || MODE == kNearestAway) {
@@ -2098,6 +2097,7 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
       const qt_v8f inv6 = inv_of(X6), inv4 = four ? inv_of(X4) : v8f_of(0.0f);
       uint32_t ikey = 0;
       if (MODE == kStochastic) ikey = index_key(key, o0);
+      const qt_v8f nan = (qt_v8f)(qt_v8u{} + kNaNBits);
       qt_v8f p6[8][2], p4[8][2], d6[8][2], d4[8][2];
       for (int k = 0; k < 8; ++k)
         for (int h = 0; h < 2; ++h) {
@@ -2110,7 +2110,10 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
             w = lowbias32_v8((iota + lo) ^ ikey) | a.sr_or;
           }
           p6[k][h] = tl_fp4_payload8<MODE>(xv, w, inv6[k], X6[k], dec);
-          if (!four) continue;
+          if (!four) {
+            if (k < n) tl_store8<T>(y + o0 + k * 16 + h * 8, bad[k] ? nan : p6[k][h] * dec);
+            continue;
+          }
           p4[k][h] = tl_fp4_payload8<MODE>(xv, w, inv4[k], X4[k], dec);
           // TE's error terms |fl32(fl32(p * amax) / M) - x|
           const qt_v8f xs = (qt_v8f)xv;
@@ -2118,20 +2121,18 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
           d6[k][h] = (qt_v8f)((qt_v8u)((p6[k][h] * a.a32) / a.denom - xs) & abs);
           d4[k][h] = (qt_v8f)((qt_v8u)((p4[k][h] * a.a32) / a.denom - xs) & abs);
         }
-      qt_v8f X = X6;
-      auto pick4 = X6 < X6;  // (all false)
-      if (four) {
-        pick4 = tl_sums8(d4) < tl_sums8(d6);
-        X = pick4 ? X4 : X6;
+      if (!four) {
+        if (Xs != nullptr)
+          for (int k = 0; k < n; ++k) Xs[b0 + k] = bad[k] ? 0.0f : X6[k];
+        continue;
       }
+      const auto pick4 = tl_sums8(d4) < tl_sums8(d6);
+      const qt_v8f X = pick4 ? X4 : X6;
       for (int k = 0; k < n; ++k) {
-        T* yp = y + o0 + k * 16;
         if (Xs != nullptr) Xs[b0 + k] = bad[k] ? 0.0f : X[k];
-        for (int h = 0; h < 2; ++h) {
-          const qt_v8f q = bad[k] ? (qt_v8f)(qt_v8u{} + kNaNBits)
-                                  : (pick4[k] ? p4[k][h] : p6[k][h]) * dec;
-          tl_store8<T>(yp + h * 8, q);
-        }
+        for (int h = 0; h < 2; ++h)
+          tl_store8<T>(y + o0 + k * 16 + h * 8,
+                       bad[k] ? nan : (pick4[k] ? p4[k][h] : p6[k][h]) * dec);
       }
     }
   });
