@@ -149,7 +149,7 @@ uint32_t amax_bits(const T* x, const Layout& L) {
 constexpr int64_t kFp4StoMax = 64;
 
 // 8-lane vectors (GCC vector extensions: each ISA's copy splits or widens them as it can) for
-// the loops gcc does not vectorize in scalar form (the run paths below, amax_8x32)
+// the loops gcc does not vectorize in scalar form (the run paths below, amax_8x)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"  // (always inlined: no call passes a vector)
 typedef uint32_t qt_v8u __attribute__((vector_size(32)));
@@ -158,16 +158,22 @@ typedef float qt_v8f __attribute__((vector_size(32)));
 typedef double qt_v8d __attribute__((vector_size(64)));
 QT_BLOCK_FN qt_v8d v8d_of(double c) { return qt_v8d{} + c; }
 QT_BLOCK_FN qt_v8f v8f_of(float c) { return qt_v8f{} + c; }
+// N lanes of float32, int32 and uint32 (N = 16: one AVX-512 register, a block of NVFP4)
+template <int N> struct Lanes {
+  typedef float F __attribute__((vector_size(4 * N)));
+  typedef int32_t I __attribute__((vector_size(4 * N)));
+  typedef uint32_t U __attribute__((vector_size(4 * N)));
+};
 
-// fp4_round_scaled (round.h) on 8 lanes: the same comparisons and sums
-template <int MODE>
-QT_BLOCK_FN qt_v8f fp4_round_scaled8(qt_v8f a, const qtensor::Fp4Bounds& b, float X) {
+// fp4_round_scaled (round.h) on the lanes of a (8 or 16): the same comparisons and sums
+template <int MODE, typename V>
+QT_BLOCK_FN V fp4_round_scaled8(V a, const qtensor::Fp4Bounds& b, float X) {
   const float step[7] = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 2.0f};
-  qt_v8f v = v8f_of(0.0f);
+  V v = V{};
   for (int k = 0; k < 7; ++k) {
-    const qt_v8f t = v8f_of(b.t[k]);
-    const qt_v8i up = (MODE == kNearest && (k & 1) == 0) ? (qt_v8i)(a > t) : (qt_v8i)(a >= t);
-    v += up ? v8f_of(step[k]) : v8f_of(0.0f);
+    const V t = V{} + b.t[k];
+    const auto up = (MODE == kNearest && (k & 1) == 0) ? (a > t) : (a >= t);
+    v += up ? V{} + step[k] : V{};
   }
   return v * X;
 }
@@ -369,8 +375,9 @@ QT_BLOCK_FN qt_v8d fp4_sto_grid8(qt_v8f a, qt_v8d X, qt_v8u r) {
   return v < v8d_of(6.0) ? v : v8d_of(6.0);
 }
 
-// lowbias32 (round.h, random_word) on 8 lanes
-QT_BLOCK_FN qt_v8u lowbias32_v8(qt_v8u v) {
+// lowbias32 (round.h, random_word) on each lane (uint32 lanes)
+template <typename V>
+QT_BLOCK_FN V lowbias32_v(V v) {
   v ^= v >> 16; v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
   return v;
 }
@@ -630,7 +637,7 @@ void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
     const uint64_t lb = l0 + (uint64_t)(b * bs);
     if (__builtin_expect(one_key, 1)) {
       for (int64_t k = 0; k < (m + 7) / 8; ++k)
-        r[k] = lowbias32_v8((iota + ((uint32_t)lb + (uint32_t)(8 * k))) ^ ik) | sr_or;
+        r[k] = lowbias32_v((iota + ((uint32_t)lb + (uint32_t)(8 * k))) ^ ik) | sr_or;
     } else {
       uint32_t* rw = (uint32_t*)r;
       for (int64_t j = 0; j < (m + 7) / 8 * 8; ++j)
@@ -1104,8 +1111,8 @@ QT_BLOCK_FN void pow2_elems(const T* __restrict__ xp, T* __restrict__ yp, int64_
   }
 }
 
-// max |x| bits of 8 consecutive float32 blocks of 32 at x: per block the lanewise max of its 4
-// vectors of 8, then the 8 vectors reduced together by 3 levels of shuffles and maxes (a
+// max |x| bits of 8 consecutive float32 blocks of BS (a multiple of 8) at x: per block the
+// lanewise max of its vectors of 8, then the 8 vectors reduced together by 3 levels of shuffles and maxes (a
 // transpose; a vector reduction per block costs about twice as much with 16 lanes). GCC vector
 // extensions: each ISA's copy splits or widens them as it can.
 #pragma GCC diagnostic push
@@ -1116,12 +1123,13 @@ QT_BLOCK_FN qt_v8u v8_abs_bits(const float* p) {
   std::memcpy(&v, p, 32);
   return v & kAbsMask;
 }
-QT_BLOCK_FN void amax_8x32(const float* x, uint32_t* am) {
+template <int BS>
+QT_BLOCK_FN void amax_8x(const float* x, uint32_t* am) {
   qt_v8u p[8], q[4], r[2];
   for (int b = 0; b < 8; ++b) {
-    const float* xp = x + b * 32;
-    p[b] = v8_max(v8_max(v8_abs_bits(xp), v8_abs_bits(xp + 8)),
-                  v8_max(v8_abs_bits(xp + 16), v8_abs_bits(xp + 24)));
+    const float* xp = x + b * BS;
+    p[b] = v8_abs_bits(xp);
+    for (int i = 8; i < BS; i += 8) p[b] = v8_max(p[b], v8_abs_bits(xp + i));
   }
   for (int i = 0; i < 4; ++i)  // lanes: p[2i] 0-3 | p[2i+1] 0-3, max with the 4-7s
     q[i] = v8_max(__builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11),
@@ -1147,7 +1155,7 @@ void pow2_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail
   const int64_t nfull = std::min(nblk, avail / bs);
   int64_t b0 = 0;
   if constexpr (std::is_same<T, float>::value && BS == 32)
-    for (; b0 + 8 <= nfull; b0 += 8) amax_8x32(x + b0 * 32, G.amax + b0);
+    for (; b0 + 8 <= nfull; b0 += 8) amax_8x<32>(x + b0 * 32, G.amax + b0);
   for (int64_t b = b0; b < nfull; ++b) G.amax[b] = block_amax<T>(x + b * bs, bs, 1, true);
   if (nfull < nblk) G.amax[nfull] = block_amax<T>(x + nfull * bs, avail - nfull * bs, 1, true);
   pow2_grids<FIXED>(G, nblk, P, a);
@@ -1780,10 +1788,30 @@ QT_BLOCK_FN float tl_round(float t, uint32_t w, const TwoLevelArgs& a) {
   return u2f(f2u(v) | sign);
 }
 
-// tl_round<MODE, kTlFp4> of 8 magnitudes at (words w) on 8 lanes: gcc turns the scalar form's
-// selects into unpredictable branches
-template <int MODE>
-QT_BLOCK_FN qt_v8f tl_fp4_grid8(qt_v8f at, qt_v8u w) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // (always inlined: no call passes a vector)
+// round.h's round_magnitude_add (nearest) on the lanes of z >= 0: the grid of a float format with
+// subnormals whose smallest normal has the bits nmin_c, d = 23 - man bits dropped (dsh = d << 23;
+// the caller keeps z's binade + d within float32's)
+template <typename V>
+QT_BLOCK_FN V round_add_v(V z, uint32_t nmin_c, uint32_t dsh) {
+  using I = decltype(z < z);
+  const I E = (I)z & (int32_t)kInfBits, nm = I{} + (int32_t)nmin_c;
+  const V c = (V)((E > nm ? E : nm) + (int32_t)dsh);
+  return (z + c) - c;
+}
+
+// tl_round<MODE, kTlFp4> of N magnitudes at (words w) on N lanes: gcc turns the scalar form's
+// selects into unpredictable branches. Nearest: e2m1's grid by round_add_v (at most 6, its max;
+// smallest normal 1, 22 bits dropped), the same as the comparisons for every float32.
+template <int MODE, int N>
+QT_BLOCK_FN typename Lanes<N>::F tl_fp4_grid_v(typename Lanes<N>::F at,
+                                               typename Lanes<N>::U w) {
+  using F = typename Lanes<N>::F;
+  using I = typename Lanes<N>::I;
+  using U = typename Lanes<N>::U;
+  if (MODE == kNearest) return round_add_v(at < F{} + 6.0f ? at : F{} + 6.0f, 0x3F800000u,
+                                          22u << 23);
   if (MODE != kStochastic) {
     qtensor::Fp4Bounds b1;
     const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
@@ -1791,19 +1819,38 @@ QT_BLOCK_FN qt_v8f tl_fp4_grid8(qt_v8f at, qt_v8u w) {
     for (int k = 0; k < 7; ++k) b1.t[k] = MODE == kTowardZero ? grid[k] : mid[k];
     return fp4_round_scaled8<MODE>(at, b1, 1.0f);
   }
-  const qt_v8f z = at < v8f_of(8.0f) ? at : v8f_of(8.0f);
-  const auto lo2 = z < v8f_of(2.0f), lo4 = z < v8f_of(4.0f);
-  const qt_v8f mul = lo2 ? v8f_of(2.0f) : (lo4 ? v8f_of(1.0f) : v8f_of(0.5f));
-  const qt_v8f sp = lo2 ? v8f_of(0.5f) : (lo4 ? v8f_of(1.0f) : v8f_of(2.0f));
-  const qt_v8f y = z * mul;
-  const qt_v8f fl = __builtin_convertvector(__builtin_convertvector(y, qt_v8i), qt_v8f);
-  const qt_v8f F = (y - fl) * v8f_of(4294967296.0f);
-  const auto big = F >= v8f_of(2147483648.0f);
-  const qt_v8u hi = (qt_v8u)__builtin_convertvector(F - v8f_of(2147483648.0f), qt_v8i) |
-                    0x80000000u;
-  const qt_v8u thr = big ? hi : (qt_v8u)__builtin_convertvector(F, qt_v8i);
-  const qt_v8f v = (fl + (w < thr ? v8f_of(1.0f) : v8f_of(0.0f))) * sp;
-  return v < v8f_of(6.0f) ? v : v8f_of(6.0f);
+  const F z = at < F{} + 8.0f ? at : F{} + 8.0f;
+  // the spacing sp = 2^(E - 128) and 1 / sp of z's binade E (clamped to [127, 129]: z < 2 and
+  // z >= 4 step by 0.5 and 2)
+  const I E127 = I{} + (127 << 23), E129 = I{} + (129 << 23);
+  I E = (I)z & (int32_t)kInfBits;
+  E = E < E127 ? E127 : (E > E129 ? E129 : E);
+  const F sp = (F)(E - (1 << 23)), mul = (F)((255 << 23) - E);
+  const F y = z * mul;
+  const F fl = __builtin_convertvector(__builtin_convertvector(y, I), F);
+  const U thr = __builtin_convertvector((y - fl) * 4294967296.0f, U);
+  const F v = (fl + (w < thr ? F{} + 1.0f : F{})) * sp;
+  return v < F{} + 6.0f ? v : F{} + 6.0f;
+}
+
+// tl_payload (e2m1) of N elements (float32 bits xb, words w) under X with its inv: magnitudes,
+// e (so p) takes x's sign
+template <int MODE, int N>
+QT_BLOCK_FN typename Lanes<N>::F tl_fp4_payload_v(typename Lanes<N>::U xb,
+                                                  typename Lanes<N>::U w, float inv, float X,
+                                                  float dec) {
+  using F = typename Lanes<N>::F;
+  using U = typename Lanes<N>::U;
+  const U sign = xb & kSignBit;  // (x * inv's: inv > 0)
+  const F ax = (F)(xb & kAbsMask), at = ax * inv;
+  F v;
+  if (MODE == kNearest || MODE == kNearestAway) {
+    v = tl_fp4_grid_v<MODE, N>(at, w);
+  } else {
+    const F vn = tl_fp4_grid_v<kNearest, N>(at, w), vd = tl_fp4_grid_v<MODE, N>(at, w);
+    v = (vn * X) * dec == ax ? vn : vd;
+  }
+  return (F)((U)v | sign) * X;
 }
 
 // the payloads p = e * X of a block's m elements x under the scale X (reference: payload):
@@ -1816,21 +1863,12 @@ QT_BLOCK_FN void tl_payload(const float* __restrict__ x, const uint32_t* __restr
   const float inv = r < kFltMax ? r : kFltMax;
   const float dec = a.dec;
   int64_t j0 = 0;
-  if (EK == kTlFp4) {  // 8 lanes at a time (magnitudes; e, hence p, takes x's sign)
+  if (EK == kTlFp4) {  // 8 lanes at a time
     for (; j0 + 8 <= m; j0 += 8) {
       qt_v8u xb, wv = qt_v8u{};
       std::memcpy(&xb, x + j0, 32);
       if (MODE == kStochastic) std::memcpy(&wv, w + j0, 32);
-      const qt_v8u sign = ((qt_v8u)((qt_v8f)xb * inv)) & kSignBit;
-      const qt_v8f ax = (qt_v8f)(xb & kAbsMask), at = ax * inv;
-      qt_v8f v;
-      if (MODE == kNearest || MODE == kNearestAway) {
-        v = tl_fp4_grid8<MODE>(at, wv);
-      } else {
-        const qt_v8f vn = tl_fp4_grid8<kNearest>(at, wv), vd = tl_fp4_grid8<MODE>(at, wv);
-        v = (vn * X) * dec == ax ? vn : vd;
-      }
-      const qt_v8f pv = (qt_v8f)((qt_v8u)v | sign) * X;
+      const qt_v8f pv = tl_fp4_payload_v<MODE, 8>(xb, wv, inv, X, dec);
       std::memcpy(p + j0, &pv, 32);
     }
   }
@@ -1966,13 +2004,170 @@ void tl_blocks(const T* x, T* y, const TwoLevelGeom& G, const TwoLevelArgs& a, u
   });
 }
 
+// ---- the common case in registers: e2m1 elements in blocks of 16 along contiguous rows (cols a
+// multiple of 16: block b is x[16 b, 16 b + 16)), amax or 4over6 scales, no settling, a scale
+// format that round_add_v rounds (tl_fast_grid). Batches of 8 blocks: their amaxes (amax_8x)
+// and scales on 8 lanes, a lane per block; then each block's elements as one vector of 16
+// (tl_fp4_payload_v); 4over6's error sums on a lane per block after a transpose, so that each
+// block's terms are still added in element order. The same steps, so the same bits, as tl_block.
+struct TlFast {
+  uint32_t nmin_c, dsh;  // round_add_v's, for the scale format
+  float sf_max;
+};
+
+// Whether tl_code's nearest rounding is round_add_v of min(t, max) (NaN: the max): a scale format
+// with subnormals (round_magnitude_add's grid) whose max lies on it, with room above it for c.
+inline bool tl_fast_grid(const TwoLevelArgs& a, TlFast& f) {
+  const auto& s = a.sf;
+  const uint32_t mb = f2u(a.sf_max), d = (uint32_t)(23 - s.man);
+  if (s.qlow != s.emin - s.man || s.man < 0 || s.man > 22 || s.emin < -126 ||
+      !(a.sf_max > 0.0f) || mb >= kInfBits || (mb >> 23) + d > 254 ||
+      qtensor::round_float<kNearest, uint32_t, false>(mb, s, 0u) != mb)
+    return false;
+  f.nmin_c = qtensor::pow2_bits<uint32_t>(s.emin);
+  f.dsh = d << 23;
+  f.sf_max = a.sf_max;
+  return true;
+}
+
+// tl_code (nearest) of 8 lanes t >= 0
+QT_BLOCK_FN qt_v8f tl_code8(qt_v8f t, const TlFast& f) {
+  const qt_v8f mx = v8f_of(f.sf_max);
+  return round_add_v(t < mx ? t : mx, f.nmin_c, f.dsh);
+}
+
+// r[i][j] -> r[j][i]
+QT_BLOCK_FN void transpose8(qt_v8f r[8]) {
+  qt_v8f t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int b = 0; b < 8; b += 4)
+    for (int h = 0; h < 2; ++h) {
+      u[b + 2 * h] = __builtin_shufflevector(t[b + h], t[b + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[b + 2 * h + 1] =
+          __builtin_shufflevector(t[b + h], t[b + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+typedef Lanes<16>::F qt_v16f;
+typedef Lanes<16>::U qt_v16u;
+
+// 4over6's error sums of 8 blocks (d[k]: block k's terms), lane k block k's: the terms added in
+// element order, from 0
+QT_BLOCK_FN qt_v8f tl_sums8(const qt_v16f d[8]) {
+  qt_v8f lo[8], hi[8];
+  for (int k = 0; k < 8; ++k) {
+    lo[k] = __builtin_shufflevector(d[k], d[k], 0, 1, 2, 3, 4, 5, 6, 7);
+    hi[k] = __builtin_shufflevector(d[k], d[k], 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  transpose8(lo);
+  transpose8(hi);
+  qt_v8f e = v8f_of(0.0f);
+  for (int j = 0; j < 8; ++j) e += lo[j];
+  for (int j = 0; j < 8; ++j) e += hi[j];
+  return e;
+}
+
+template <typename T>
+QT_BLOCK_FN void tl_store16(T* y, qt_v16f q) {
+  if constexpr (std::is_same<T, float>::value) {
+    std::memcpy(y, &q, 64);
+  } else {
+    for (int j = 0; j < 16; ++j) store_bits<T>(y + j, f2u(q[j]));
+  }
+}
+
+// nb blocks of 16 at x (tl_blocks' block order: block b at 16 b)
+template <int MODE, typename T>
+void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast& f,
+               uint32_t key, float* Xs) {
+  const bool four = a.scale_rule == kRule4over6;
+  const float dec = a.dec;
+  at::parallel_for(0, (nb + 7) / 8, std::max<int64_t>(1, kGrain / 128), [&](int64_t c0,
+                                                                            int64_t c1) {
+    alignas(64) float xf[128];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b0 = c * 8, n = std::min<int64_t>(8, nb - b0);
+      const uint64_t o0 = (uint64_t)b0 * 16;  // (a batch's 128 indices share their high half)
+      const float* xb = xf;  // the batch as float32 (a short last batch: zeros after it)
+      if (std::is_same<T, float>::value && n == 8) {
+        xb = (const float*)(const void*)(x + o0);
+      } else {
+        for (int64_t j = 0; j < n * 16; ++j) xf[j] = u2f(load_bits<T>(x + o0 + j));
+        for (int64_t j = n * 16; j < 128; ++j) xf[j] = 0.0f;
+      }
+      qt_v8u bm;
+      amax_8x<16>(xb, (uint32_t*)&bm);
+      const auto bad = (qt_v8i)bm >= (int32_t)kInfBits;  // an Inf or NaN: all NaN, X = 0
+      const qt_v8f am = bad ? v8f_of(0.0f) : (qt_v8f)bm;
+      qt_v8f X6, X4 = v8f_of(0.0f);
+      if (four) {  // tl_scale's 4over6 candidates
+        const qt_v8f t = (am / a.elem_max) * a.enc;
+        X6 = tl_code8(t, f);
+        X4 = tl_code8(t * 1.5f, f);
+      } else {
+        X6 = tl_code8(am * a.c_amax, f);
+      }
+      auto inv_of = [&](qt_v8f X) {
+        const qt_v8f r = v8f_of(1.0f) / (X * dec);
+        return r < v8f_of(kFltMax) ? r : v8f_of(kFltMax);
+      };
+      const qt_v8f inv6 = inv_of(X6), inv4 = four ? inv_of(X4) : v8f_of(0.0f);
+      const uint32_t ikey = MODE == kStochastic ? index_key(key, o0) : 0u;
+      const qt_v16u iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const qt_v16f nan = (qt_v16f)(qt_v16u{} + kNaNBits);
+      qt_v16f p6[8], p4[8], d6[8], d4[8];
+      for (int k = 0; k < 8; ++k) {
+        qt_v16u xv;
+        std::memcpy(&xv, xb + k * 16, 64);
+        qt_v16u w = qt_v16u{};
+        if (MODE == kStochastic)
+          w = lowbias32_v((iota + (uint32_t)(o0 + k * 16)) ^ ikey) | a.sr_or;
+        p6[k] = tl_fp4_payload_v<MODE, 16>(xv, w, inv6[k], X6[k], dec);
+        if (!four) {
+          if (k < n) tl_store16<T>(y + o0 + k * 16, bad[k] ? nan : p6[k] * dec);
+          continue;
+        }
+        p4[k] = tl_fp4_payload_v<MODE, 16>(xv, w, inv4[k], X4[k], dec);
+        // TE's error terms |fl32(fl32(p * amax) / M) - x|
+        const qt_v16f xs = (qt_v16f)xv;
+        d6[k] = (qt_v16f)((qt_v16u)((p6[k] * a.a32) / a.denom - xs) & kAbsMask);
+        d4[k] = (qt_v16f)((qt_v16u)((p4[k] * a.a32) / a.denom - xs) & kAbsMask);
+      }
+      if (!four) {
+        if (Xs != nullptr)
+          for (int k = 0; k < n; ++k) Xs[b0 + k] = bad[k] ? 0.0f : X6[k];
+        continue;
+      }
+      const auto pick4 = tl_sums8(d4) < tl_sums8(d6);
+      const qt_v8f X = pick4 ? X4 : X6;
+      for (int k = 0; k < n; ++k) {
+        if (Xs != nullptr) Xs[b0 + k] = bad[k] ? 0.0f : X[k];
+        tl_store16<T>(y + o0 + k * 16, bad[k] ? nan : (pick4[k] ? p4[k] : p6[k]) * dec);
+      }
+    }
+  });
+}
+#pragma GCC diagnostic pop
+
 template <typename T>
 void two_level_kernel(const T* x, T* y, const TwoLevelGeom& G, const TwoLevelArgs& args,
                       int mode_arg, uint32_t key, float* Xs) {
   TwoLevelArgs a = args;
   a.sr_or = qtensor::sr_or_mask(mode_arg);
   const int mode = qtensor::mode_base(mode_arg);
-  if (a.elem_kind == kTlFp4) {
+  TlFast f;
+  if (a.elem_kind == kTlFp4 && (a.scale_rule == kRuleAmax || a.scale_rule == kRule4over6) &&
+      !a.settle && G.tr == 1 && G.tc == 16 && G.cols % 16 == 0 && tl_fast_grid(a, f)) {
+    const int64_t nb = G.groups * G.rows * G.cols / 16;
+    QT_MODE_SWITCH(mode, tl_rows16<M, T>(x, y, nb, a, f, key, Xs));
+  } else if (a.elem_kind == kTlFp4) {
     QT_MODE_SWITCH(mode, tl_blocks<M, kTlFp4, T>(x, y, G, a, key, Xs));
   } else if (a.elem_kind == kTlFixed) {
     QT_MODE_SWITCH(mode, tl_blocks<M, kTlFixed, T>(x, y, G, a, key, Xs));

@@ -62,6 +62,35 @@ def test_half_payloads(name, rounding, dtype):
     _check(x, FORMATS[name], rounding)
 
 
+def _whole_block_rows():
+    """Rows of whole blocks of 16 (the kernel's register path, 8 blocks at a time): 15 blocks
+    (a short last batch) with an Inf, a NaN (in the short batch), -0 blocks and elements, a huge
+    and a subnormal block; 4480 blocks of exponents far apart (many parallel chunks); a 1-D row."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 48, generator=g)
+    x[0, 17], x[4, 40] = -float("inf"), float("nan")
+    x[2, :16] = -0.0
+    x[1, 0] = x[1, 33] = -0.0
+    x[3, 16:32] *= 1e30
+    x[3, 32:48] *= 1e-40
+    e = torch.randint(-30, 30, (70, 64, 1), generator=g).float()
+    big = (torch.randn(70, 64, 16, generator=g) * torch.exp2(e)).reshape(70, 1024)
+    return {"short": x, "big": big, "flat": torch.randn(16 * 13, generator=g)}
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("name", ["nvfp4", "4over6", "e5m2_scales"])
+def test_rows_of_whole_blocks(name, rounding):
+    fmt = FORMATS.get(name) or qt.BlockFormat("fp4_e2m1", 16, scale="fp8_e5m2",
+                                              scale_rule="amax", tensor_scale=True)
+    for key, x in _whole_block_rows().items():
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            try:
+                _check(x.to(dtype), fmt, rounding)
+            except AssertionError as err:
+                raise AssertionError(f"{key} {dtype}") from err
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic"])
 @pytest.mark.parametrize("name", ["nvfp4", "4over6", "ceil", "settle"])
 def test_given_tensor_scale(name, rounding):
