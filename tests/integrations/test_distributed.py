@@ -1026,6 +1026,71 @@ def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks, spec):
             assert scales[n] == ref_scales[n], (rank, n, "tensor scale", scales[n])
 
 
+def _sc_fsdp_shard_ops(rank, world):
+    """Ops on two-level shards outside the optimizer step: an in-place init after fully_shard,
+    then clip_grad_norm_ of the reduced gradients."""
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(32), qt.nvfp4)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    init = {n: (_scale(p), qt_plain(p.full_tensor())) for n, p in model.named_parameters()}
+    x, y = _data(1)[0]
+    n = len(x) // world
+    F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+               y[rank * n:(rank + 1) * n]).backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    total = getattr(total, "_local_tensor", total)
+    clipped = {n: (_scale(p.grad), qt_plain(p.grad.full_tensor()))
+               for n, p in model.named_parameters()}
+    return init, (total._data.clone(), total.tensor_scale), clipped
+
+
+def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
+    # An op on a shard of a two-level tensor (nvfp4) rounds under the scale of the whole
+    # tensor's amax, as one process rounds the whole tensor: an in-place init of the sharded
+    # parameters after fully_shard, and clip_grad_norm_'s p.grad.mul_(clip_coef) on the reduced
+    # gradient shards. 2.bias (4 values, one block of 16) is cut by the shards: not checked
+    # (such tensors are rounded whole only in the reduced gradient and the optimizer step).
+    res = ranks.run("_sc_fsdp_shard_ops")
+    model = qt.convert(_mlp(32), qt.nvfp4)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for p in params.values():
+            p.mul_(0.5)
+    x, y = _data(1)[0]
+    n = len(x) // WORLD
+    grads = []
+    for r in range(WORLD):
+        model.zero_grad()
+        F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
+        grads.append({k: qt_plain(p.grad) for k, p in params.items()})
+    with torch.no_grad():
+        for k, p in params.items():
+            p.grad.copy_(_fp32_sum(g[k] for g in grads) / WORLD)  # the rule
+    checked = [k for k in params if k != "2.bias"]
+    reduced = {k: p.grad for k, p in params.items()}
+    for rank, (init, _total, _clipped) in enumerate(res):
+        for k in checked:
+            assert init[k][0] == _scale(params[k]), (rank, k, "init's scale")
+            _assert_bits_equal(init[k][1], qt_plain(params[k]), f"rank {rank} {k} init")
+    for rank, (_init, (total_values, total_scale), clipped) in enumerate(res):
+        # the sharded run's total norm (made of the shards' norms, where one process takes
+        # the whole gradients' norms: other bits), so the same clip coefficient: then every
+        # clipped shard must be one process's clipped gradient, sliced
+        total = qt.QTensor(total_values, qt.nvfp4, tensor_scale=total_scale)
+        for k, p in params.items():
+            p.grad = reduced[k].clone()
+        torch.nn.utils.clip_grads_with_norm_(params.values(), 0.1, total)
+        ref = {k: p.grad for k, p in params.items()}
+        for k in checked:
+            assert clipped[k][0] == _scale(ref[k]), (rank, k, "clipped gradient's scale")
+            _assert_bits_equal(clipped[k][1], qt_plain(ref[k]), f"rank {rank} {k}.grad clipped")
+
+
 def _moe(spec):
     """A tiny converted Qwen3-MoE (transformers' grouped_mm experts: stacked 3D expert weights,
     grouped GEMMs, a router), the same weights in every process."""
