@@ -36,10 +36,13 @@ model as a whole:
   dim, a format blocked along the sharded dim), the reduced gradient is rounded as a whole
   tensor (gathered) and the optimizer step runs on the whole parameter (:class:`_GatheredStep`).
 
-- Two-level formats (nvfp4): the tensor scale spans the whole tensor (a cut block, above);
-  FSDP2's shards (built from zeros and a copy of their chunk: :func:`_give_scale`) and the
-  tensors that DCP loads into (:func:`_commit_scale`) get the whole parameter's scale (the
-  wrappers of those private torch functions are in qtensor.tensor.shims).
+- Two-level formats (nvfp4): the tensor scale spans the whole tensor. Where the shards cut
+  none of its blocks, the sharded parameter, its reduced gradient and its optimizer state are
+  marked as shards (qtensor.tensor.shards): every op on them rounds under the whole tensor's
+  scale, so they step on their shards; where they cut a block, as cut blocks above. FSDP2's
+  shards (built from zeros and a copy of their chunk: :func:`_give_scale`) and the tensors that
+  DCP loads into (:func:`_commit_scale`) get the whole parameter's scale (the wrappers of those
+  private torch functions are in qtensor.tensor.shims).
 
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
