@@ -36,10 +36,13 @@ model as a whole:
   dim, a format blocked along the sharded dim), the reduced gradient is rounded as a whole
   tensor (gathered) and the optimizer step runs on the whole parameter (:class:`_GatheredStep`).
 
-- Two-level formats (nvfp4): the tensor scale spans the whole tensor (a cut block, above);
-  FSDP2's shards (built from zeros and a copy of their chunk: :func:`_give_scale`) and the
-  tensors that DCP loads into (:func:`_commit_scale`) get the whole parameter's scale (the
-  wrappers of those private torch functions are in qtensor.tensor.shims).
+- Two-level formats (nvfp4): the tensor scale spans the whole tensor. Where the shards cut
+  none of its blocks, the sharded parameter, its reduced gradient and its optimizer state are
+  marked as shards (qtensor.tensor.shards): every op on them rounds under the whole tensor's
+  scale, so they step on their shards; where they cut a block, as cut blocks above. FSDP2's
+  shards (built from zeros and a copy of their chunk: :func:`_give_scale`) and the tensors that
+  DCP loads into (:func:`_commit_scale`) get the whole parameter's scale (the wrappers of those
+  private torch functions are in qtensor.tensor.shims).
 
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
@@ -53,9 +56,9 @@ import torch
 from torch import nn
 
 from . import training
-from .plans import _plain, round_to
-from ..kernels import ops, reference
-from ..tensor import dispatch, shims
+from .plans import _plain, round_shard_to, round_to
+from ..tensor import shards, shims
+from ..tensor.shards import cuts_blocks
 from ..tensor.subclass import FSDP_HOOK_ATTR, QTensor
 
 __all__ = ["check_unwrapped", "check_ddp_forward", "on_fsdp_all_gather"]
@@ -245,28 +248,11 @@ def forget_plans(module: nn.Module) -> None:
     module.__dict__.pop(FSDP_HOOK_ATTR, None)
 
 
-def cuts_blocks(fmt, p) -> bool:
-    """Whether the shards of the DTensor ``p`` (FSDP2's sharded parameter) cut blocks of
-    ``fmt``: rounding a shard on its own would then round parts of a block as blocks. FSDP2
-    (torch.chunk) gives each rank ceil(n / world) indices of the sharded dim."""
-    if fmt is None or not fmt.is_block:
-        return False
-    from torch.distributed.tensor import Shard
-    for mesh_dim, placement in enumerate(p.placements):
-        if not placement.is_shard():
-            continue
-        dim = placement.dim % p.dim()
-        n = p.shape[dim]
-        chunk = -(-n // p.device_mesh.size(mesh_dim))
-        extent = fmt.block_extent(p.dim(), dim, n)
-        # (a strided shard interleaves its chunks: cut wherever a block spans indices)
-        if extent > 1 and n > chunk and (chunk % extent or type(placement) is not Shard):
-            return True
-    return False
-
-
 def _cut_roles(p, plan, roles=("value", "grad", "optimizer_state")) -> bool:
-    return any(cuts_blocks(getattr(plan, r).fmt, p) for r in roles)
+    """Whether the shards of ``p`` cut blocks of a role's format (a two-level format's tensor
+    scale alone is no cut here: its shards round under the whole tensor's scale)."""
+    return any(cuts_blocks(getattr(plan, r).fmt, p)
+               and not shards.cuts_scale_only(getattr(plan, r).fmt, p) for r in roles)
 
 
 def _local_part(full: torch.Tensor, p) -> torch.Tensor:
@@ -279,6 +265,7 @@ def _local_part(full: torch.Tensor, p) -> torch.Tensor:
     if isinstance(full, QTensor):
         part = QTensor._wrap(full._data[index].clone(), full.fmt, full.mm_fmt, accum=full.accum)
         part._tscale = full.tensor_scale  # a two-level part keeps the whole tensor's scale
+        shards.mark(part, p)
         return part
     return full[index].clone()
 
@@ -287,31 +274,6 @@ def _sharded_like(full: torch.Tensor, p):
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(_local_part(full, p), p.device_mesh, p.placements,
                               run_check=False, shape=p.shape, stride=p.stride())
-
-
-def _cuts_the_scale_only(fmt, p) -> bool:
-    """Whether ``fmt`` is two-level and the shards of the DTensor ``p`` (on a 1-D mesh) cut its
-    tensor scale (the whole tensor's) but none of its blocks."""
-    if fmt is None or not fmt.is_block or not fmt.tensor_scale or p.device_mesh.ndim != 1:
-        return False
-    try:
-        blocks = fmt.replace(tensor_scale=False)
-    except ValueError:  # (a FormatError: a rule that needs the tensor scale)
-        return False
-    return not cuts_blocks(blocks, p)
-
-
-def _round_under_whole_amax(x, role, mesh) -> QTensor:
-    """This rank's part ``x`` of a whole tensor, rounded into the two-level ``role`` as the
-    whole tensor is (Transformer Engine's one scale of the whole amax): the parts' amaxes
-    all-reduced by max, each part's whole blocks rounded under that amax's scale."""
-    amax = reference.finite_amax(x)
-    torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group())
-    fmt = dispatch.fit_format(role.fmt, x.dim())
-    values, scale = ops.quantize_with_scale(_plain(x), fmt, tensor_amax=amax)
-    q = QTensor._wrap(values, fmt, role.mm_fmt)
-    q._tscale = scale
-    return q
 
 
 class _RoundReducedGrad:
@@ -338,9 +300,10 @@ class _RoundReducedGrad:
         from torch.distributed.tensor import DTensor
         name = f"gradient of {self.plan.name}"
         earlier = p.__dict__.pop("_qt_set_aside_grad", None)
-        if _cuts_the_scale_only(self.plan.grad.fmt, p):
+        shard = shards.sharding_of(self.plan.grad.fmt, p)
+        if shard is not None:
             x = local if earlier is None else _plain(earlier.to_local()) + local
-            q = _round_under_whole_amax(x, self.plan.grad, g.device_mesh)
+            q = round_shard_to(x, self.plan.grad, shard, name=name)
         elif cuts_blocks(self.plan.grad.fmt, p):
             full = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False,
                                       shape=g.shape, stride=g.stride()).full_tensor()
@@ -452,11 +415,23 @@ def sharded_plan(p):
     return found
 
 
+def _mark_shards(p, state) -> None:
+    """Before a step on the shards of ``p``: its local value, gradient and state tensors are
+    marked as shards (qtensor.tensor.shards) where they are two-level, so that every op of the
+    update rounds them under the whole tensor's scale (they are marked where they are made;
+    this also covers tensors made elsewhere, such as state loaded from a checkpoint)."""
+    for t in [p, p.grad] + list((state or {}).values()):
+        if _is_dtensor(t) and t.shape == p.shape:
+            shards.mark(t._local_tensor, p)
+
+
 class _GatheredStep:
     """The optimizer step of sharded parameters whose shards cut blocks of their value, grad or
     optimizer-state format (a bias sharded along its only dim, a format blocked along the
     sharded dim or over the whole tensor): every op of the update rounds into those formats,
-    and a shard rounded on its own would round parts of a block as blocks. For the step the
+    and a shard rounded on its own would round parts of a block as blocks. (A two-level
+    format's tensor scale alone is no cut: those shards round under the whole tensor's scale,
+    qtensor.tensor.shards, and step as they are.) For the step the
     optimizer holds the whole parameter instead (a QTensor with the whole gradient and state,
     gathered from the shards); each rank runs the same update of it, as one process does, and
     keeps its part (the parameter's local values, its state as DTensors of shards)."""
@@ -471,7 +446,10 @@ class _GatheredStep:
                 if not _is_dtensor(p):
                     continue
                 plan = training._plan(p)
-                if plan is None or not _cut_roles(p, plan):
+                if plan is None:
+                    continue
+                if not _cut_roles(p, plan):  # stepped on its shards
+                    _mark_shards(p, optimizer.state.get(p))
                     continue
                 before = optimizer.state.pop(p, None)
                 state = {}
@@ -525,12 +503,15 @@ def _two_level_scale(t):
     return None
 
 
-def _give_scale(t, scale) -> None:
+def _give_scale(t, scale, sharded) -> None:
     """FSDP2 built the shard ``t`` from zeros (which take a fresh tensor scale, of amax 0) and a
     copy of its chunk of the parameter: it carries the scale its values were rounded with, the
-    whole parameter's."""
+    whole parameter's. The local tensor of ``sharded`` (not FSDP2's flat view of it) is marked
+    as a shard (qtensor.tensor.shards)."""
     if isinstance(t, QTensor):
         t._tscale = scale
+        if t is sharded._local_tensor:
+            shards.mark(t, sharded)
 
 
 def _commit_scale(dest, tensor) -> None:

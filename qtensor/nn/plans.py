@@ -22,6 +22,8 @@ from ..tensor.attention import AttentionFormats
 from ..tensor.kv_cache import cache_format
 from ..tensor import block_specials
 from ..tensor import flush_warnings
+from ..tensor import shards
+from ..kernels.backend import fit_format
 from ..formats.float import FloatFormat
 from ..formats.base import Format, FormatError
 from ..formats.parse import format as _parse_format
@@ -445,10 +447,20 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor",
     (:mod:`qtensor.tensor.flush_warnings`).
     A DTensor (tensor parallelism) is rounded shard by shard: the same placements, its local
     tensor in ``role`` (a Partial one's partial values each, as a TP device rounds its outputs
-    before the reduction; docs/distributed.md)."""
+    before the reduction; docs/distributed.md). A two-level role whose tensor scale alone the
+    shards cut: each shard as a part of the whole tensor (:func:`round_shard_to`)."""
     dtensor = None if torch.compiler.is_dynamo_compiling() else _dtensor_class()
     if dtensor is not None and type(x) is dtensor:
-        local = round_to(x.to_local(), role, name=name, kind=kind)
+        local = x.to_local()
+        shard = None if role.full_precision else shards.sharding_of(role.fmt, x)
+        if (shard is not None and not torch.compiler.is_compiling()
+                and not (_is_q(local) and same_formats(local.fmt, local.mm_fmt, role.fmt,
+                                                       role.mm_fmt))):
+            local = round_shard_to(local, role, shard, name=name, kind=kind)
+        else:
+            local = round_to(local, role, name=name, kind=kind)
+            if shard is not None:
+                shards.mark(local, x)
         return dtensor.from_local(local, x.device_mesh, x.placements, run_check=False,
                                   shape=x.shape, stride=x.stride())
     if role.full_precision:
@@ -463,9 +475,26 @@ def round_to(x: torch.Tensor, role: Role, *, name: str = "tensor",
         raise
     except (FormatError, ValueError, RuntimeError, IndexError) as e:
         raise type(e)(f"{name} (shape {tuple(x.shape)}) to {role}: {e}") from None
+    return _checked(x, y, role, name, kind)
+
+
+def _checked(x, y, role, name, kind):
     src = x._data if _is_q(x) else x.detach()  # the values before this rounding
     if role.fmt.is_block:  # a mask's -inf makes its whole block NaN: say so
         block_specials.check(src, y._data, role.fmt, what=name)
     if kind is not None:  # most of it flushed to zero or saturated: say so
         flush_warnings.check(kind, name, role, src, y._data)
     return y
+
+
+def round_shard_to(x: torch.Tensor, role: Role, shard, *, name: str = "tensor",
+                   kind: Optional[str] = None) -> QTensor:
+    """``x``, this rank's part of a whole tensor of ``shard`` (a qtensor.tensor.shards.ShardOf),
+    as a QTensor in the two-level ``role``, rounded as the whole tensor is (Transformer
+    Engine's one scale of the whole amax: the parts' amaxes all-reduced by max, a collective),
+    and marked as that shard."""
+    fmt = fit_format(role.fmt, x.dim())
+    values, scale = shards.round_shard(_plain(x).detach(), fmt, shard)
+    y = QTensor._wrap(values, fmt, role.mm_fmt, accum=x.accum if _is_q(x) else None)
+    y._tscale, y._shard = scale, shard
+    return _checked(x, y, role, name, kind)

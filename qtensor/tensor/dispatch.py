@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from ..accum import lowering as _accum
 from . import block_specials as _block_specials
 from . import gemm as _gemm
+from . import shards as _shards
 from ..kernels import backend as _backend
 from ..kernels.backend import eager_cpu_kernel as _eager_cpu_kernel, fit_format, with_axis
 from ..kernels.checks import FLOAT_DTYPES
@@ -491,8 +492,12 @@ def _round_inplace(q, func=None) -> None:
     """Round a QTensor's payload in place to its own format (after an in-place op)."""
     data = q._data
     fmt = fit_format(q.fmt, data.dim())
-    if fmt.is_two_level:  # computed in place: a fresh tensor scale
-        v, q._tscale = _backend.round_with_scale(data, fmt)
+    if fmt.is_two_level:  # computed in place: a fresh tensor scale (a shard's: the whole's)
+        shard = _shards.live(q) if q._shard is not None else None
+        if shard is not None:
+            v, q._tscale = _shards.round_shard(data, fmt, shard)
+        else:
+            v, q._tscale = _backend.round_with_scale(data, fmt)
         data.copy_(v)
         return
     if (fmt.is_block and _block_specials.watching() and type(data) is torch.Tensor
@@ -879,7 +884,14 @@ def dispatch(func, args, kwargs, cls):
     fresh = None
     if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
         fresh = (uargs, ukwargs)
-    out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
+    shard = _shards.of_output(func, src, qs, out) if src._shard is not None else None
+    if shard is not None and fmt.is_two_level:  # a shard's values: the whole tensor's scale
+        if rnd:
+            out, tscale = _shards.round_shard(out, fit_format(fmt, out.dim()), shard)
+        out = _wrap_out(cls, out, fmt, mm_fmt, False, func, None, tscale)
+        out._shard = shard
+    else:
+        out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
     if rule.kind != CONTRACT_KIND:
         acc = _accum_of(qs, cls)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
@@ -1369,6 +1381,12 @@ def _dispatch_foreach(func, rule, args, kwargs, cls):
         s = source(i) if i < n else None
         if s is None or not isinstance(o, torch.Tensor):
             res.append(o)
+        elif (s._shard is not None and s.fmt.is_two_level and o.shape == s.shape
+              and _shards.live(s) is not None):  # a shard's: the whole tensor's scale
+            fmt = fit_format(s.fmt, o.dim())
+            v, tscale = _shards.round_shard(o, fmt, s._shard)
+            res.append(_wrap_out(cls, v, fmt, s.mm_fmt, False, tscale=tscale))
+            res[-1]._shard = s._shard
         else:
             res.append(_wrap_out(cls, o, s.fmt, s.mm_fmt, True))
     return type(out)(res) if isinstance(out, tuple) else res

@@ -254,7 +254,8 @@ def wrap_fsdp_shard_builders(scale_of, give_scale) -> bool:
     this rank's chunk of the parameter (``param``; for the reset, the module's,
     ``getattr(self._module_info.module, self._module_info.param_name)``) and a view of it. Each
     wrapped: ``scale = scale_of(that parameter)`` before it, then, unless None,
-    ``give_scale(t, scale)`` for both local tensors. False without FSDP2 (nothing wrapped)."""
+    ``give_scale(t, scale, self.sharded_param)`` for both local tensors. False without FSDP2
+    (nothing wrapped)."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     except ImportError:  # torch built without distributed
@@ -268,7 +269,7 @@ def wrap_fsdp_shard_builders(scale_of, give_scale) -> bool:
                 out = method(self, *args, **kwargs)
                 if scale is not None:
                     for t in (self.sharded_param._local_tensor, self._sharded_param_data):
-                        give_scale(t, scale)
+                        give_scale(t, scale, self.sharded_param)
                 return out
             wrapper._qtensor_scales = True
             return wrapper

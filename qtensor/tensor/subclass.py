@@ -323,6 +323,7 @@ class QTensor(torch.Tensor):
     mm_fmt: Optional[Format]
     _accum = None  # see accum; internal code sets _accum (no export recording)
     _tscale = None  # two-level formats (nvfp4): the FP32 decode tensor scale, 0-dim float32
+    _shard = None  # a shard of a whole two-level tensor: its ShardOf (qtensor.tensor.shards)
 
     @property
     def tensor_scale(self) -> Optional[torch.Tensor]:
@@ -628,6 +629,7 @@ class QTensor(torch.Tensor):
         new = QTensor._wrap(data, self.fmt, self.mm_fmt, requires_grad=self.requires_grad,
                             accum=self.accum)
         new._tscale = self._tscale
+        new._shard = self._shard  # (a copy of a shard is one of the same sharding)
         if getattr(self, "_is_param", False):
             new._is_param = True
         memo[id(self)] = new

@@ -313,6 +313,9 @@ def _spec(name):
                          activation=qt.bf16, grad=qt.mxfp4_e2m1.replace(axis=None), master_weights=True)
     if name == "nvfp4_grad":  # two-level gradients only: the reduce-scatter's output
         return qt.Recipe(weight=qt.bf16, activation=qt.bf16, grad=qt.nvfp4)
+    if name == "nvfp4_state":  # two-level optimizer state, no masters: every op of the update
+        return qt.Recipe(weight=qt.nvfp4, activation=qt.nvfp4, grad=qt.nvfp4,
+                         optimizer_state=qt.nvfp4, master_weights=False)
     return {"bf16": qt.bf16, "mxfp6": qt.recipes.mxfp6, "fp8": qt.fp8_e4m3,
             "mx_all_mxfp8": qt.recipes.mx_all_mxfp8, "nvfp4": qt.nvfp4}[name]
 
@@ -354,6 +357,8 @@ def _optimizer(name, model):
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if name == "adamw":  # (eps: 1e-8 rounds to 0 beside exp_avg_sq in an MXFP8 block)
         return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1)
+    if name == "adamw_eps1":  # (NVFP4 state: E2M1 flushes eps=1e-3 beside sqrt(exp_avg_sq))
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1.0, weight_decay=0.1)
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -978,6 +983,74 @@ def test_fsdp2_two_level_formats_use_the_whole_tensors_scale(ranks, spec, hidden
             _assert_bits_equal(value, ref_state[key][1], f"rank {rank} optimizer state {key}")
 
 
+def _sc_fsdp_sharded_steps(rank, world, runs):
+    """_sc_fsdp's runs (spec, optim), with the shapes of what DTensor all-gathers in training
+    (FSDP2's own all-gathers of the parameters for forward are c10d's, not counted)."""
+    import sys
+    import torch.distributed._functional_collectives as funcol
+    out = []
+    for spec, optim in runs:
+        gathered = []
+        gather = funcol.all_gather_single
+
+        def counting(*args, **kwargs):
+            gathered.append(tuple(args[0].shape))
+            return gather(*args, **kwargs)
+
+        def train(*args, _train=_train_shard):
+            with _patched(funcol, "all_gather_single", counting):
+                return _train(*args)
+        with _patched(sys.modules[__name__], "_train_shard", train):
+            res = _sc_fsdp(rank, world, spec, 3, 32, optim, True)
+        out.append((res, gathered))
+    return out
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    before = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, before)
+
+
+def test_fsdp2_two_level_weights_step_on_their_shards(ranks):
+    # A two-level weight blocked along dim 1 and sharded along dim 0: its shards cut no block,
+    # only the tensor scale, so the optimizer step runs on the shards (every op of the update
+    # rounds under the whole tensor's scale), gathering neither the weight nor its gradient or
+    # state; still bit-identical to one process with FP32 masters (Adam) and with NVFP4
+    # optimizer state (AdamW, eps=1). The biases: 0.bias (32, blocks of 16 in whole halves) steps on
+    # its shards too; 2.bias (4 values, one block cut in two) is stepped whole.
+    runs = [("nvfp4", "adam"), ("nvfp4_state", "adamw_eps1")]
+    res = ranks.run("_sc_fsdp_sharded_steps", runs)
+    for (spec, optim), per_rank in zip(runs, zip(*res)):
+        ref = _reduced_reference(spec, 3, optim=optim, hidden=32)
+        ref_local, ref_seen = _REF_SCALES[spec, 32]
+        ref_state = _REF_OPT_STATE[spec, 32]
+        assert ("qt_master" in str(ref_state.keys())) == (spec == "nvfp4")
+        for rank, ((state, _seen, opt_state, local, seen_scales), gathered) in enumerate(
+                per_rank):
+            who = f"{spec} {optim} rank {rank}"
+            for n, (fmts, gfmts, value, grad) in state.items():
+                rf, rg, rv, rgrad = ref[n]
+                assert fmts == rf and gfmts == rg, (who, n, fmts, gfmts, rf, rg)
+                assert value.isfinite().all() and grad.isfinite().all(), (who, n)
+                _assert_bits_equal(grad, rgrad, f"{who} {n}.grad")
+                _assert_bits_equal(value, rv, f"{who} {n}")
+                assert local[n] == ref_local[n], (who, n, "local scales", local[n], ref_local[n])
+                assert seen_scales[n] == ref_seen[n], (who, n, "forward's scales")
+            assert opt_state.keys() == ref_state.keys(), (opt_state.keys(), ref_state.keys())
+            for key, (fmt, value) in opt_state.items():
+                assert fmt == ref_state[key][0], (who, key, fmt, ref_state[key][0])
+                _assert_bits_equal(value, ref_state[key][1], f"{who} optimizer state {key}")
+            # in training, only 2.bias's gradient, parameter and state (shards of 2 values) are
+            # gathered, and tensor scales (one value per rank)
+            assert set(gathered) <= {(2,), (1,)}, (who, sorted(set(gathered)))
+            assert ((2,) in gathered) == (spec == "nvfp4"), who  # (nvfp4_state: plain biases)
+
+
 def _sc_fsdp_accumulate(rank, world, spec):
     """Two backwards (two global batches) into the same sharded gradients, no step."""
     from torch.distributed.fsdp import fully_shard
@@ -1024,6 +1097,71 @@ def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks, spec):
             assert gfmts == ref[n][1], (rank, n, gfmts, ref[n][1])
             _assert_bits_equal(grad, ref[n][3], f"rank {rank} {n}.grad")
             assert scales[n] == ref_scales[n], (rank, n, "tensor scale", scales[n])
+
+
+def _sc_fsdp_shard_ops(rank, world):
+    """Ops on two-level shards outside the optimizer step: an in-place init after fully_shard,
+    then clip_grad_norm_ of the reduced gradients."""
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(32), qt.nvfp4)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    init = {n: (_scale(p), qt_plain(p.full_tensor())) for n, p in model.named_parameters()}
+    x, y = _data(1)[0]
+    n = len(x) // world
+    F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+               y[rank * n:(rank + 1) * n]).backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    total = getattr(total, "_local_tensor", total)
+    clipped = {n: (_scale(p.grad), qt_plain(p.grad.full_tensor()))
+               for n, p in model.named_parameters()}
+    return init, (total._data.clone(), total.tensor_scale), clipped
+
+
+def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
+    # An op on a shard of a two-level tensor (nvfp4) rounds under the scale of the whole
+    # tensor's amax, as one process rounds the whole tensor: an in-place init of the sharded
+    # parameters after fully_shard, and clip_grad_norm_'s p.grad.mul_(clip_coef) on the reduced
+    # gradient shards. 2.bias (4 values, one block of 16) is cut by the shards: not checked
+    # (such tensors are rounded whole only in the reduced gradient and the optimizer step).
+    res = ranks.run("_sc_fsdp_shard_ops")
+    model = qt.convert(_mlp(32), qt.nvfp4)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for p in params.values():
+            p.mul_(0.5)
+    x, y = _data(1)[0]
+    n = len(x) // WORLD
+    grads = []
+    for r in range(WORLD):
+        model.zero_grad()
+        F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
+        grads.append({k: qt_plain(p.grad) for k, p in params.items()})
+    with torch.no_grad():
+        for k, p in params.items():
+            p.grad.copy_(_fp32_sum(g[k] for g in grads) / WORLD)  # the rule
+    checked = [k for k in params if k != "2.bias"]
+    reduced = {k: p.grad for k, p in params.items()}
+    for rank, (init, _total, _clipped) in enumerate(res):
+        for k in checked:
+            assert init[k][0] == _scale(params[k]), (rank, k, "init's scale")
+            _assert_bits_equal(init[k][1], qt_plain(params[k]), f"rank {rank} {k} init")
+    for rank, (_init, (total_values, total_scale), clipped) in enumerate(res):
+        # the sharded run's total norm (made of the shards' norms, where one process takes
+        # the whole gradients' norms: other bits), so the same clip coefficient: then every
+        # clipped shard must be one process's clipped gradient, sliced
+        total = qt.QTensor(total_values, qt.nvfp4, tensor_scale=total_scale)
+        for k, p in params.items():
+            p.grad = reduced[k].clone()
+        torch.nn.utils.clip_grads_with_norm_(params.values(), 0.1, total)
+        ref = {k: p.grad for k, p in params.items()}
+        for k in checked:
+            assert clipped[k][0] == _scale(ref[k]), (rank, k, "clipped gradient's scale")
+            _assert_bits_equal(clipped[k][1], qt_plain(ref[k]), f"rank {rank} {k}.grad clipped")
 
 
 def _moe(spec):
