@@ -27,6 +27,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from ..kernels.ops import quantize
+from ..tensor import shards as _shards
 from .plans import _is_q, _plain, check_scale, round_to
 from .spec import as_recipe
 from ..warn import warn as _warn
@@ -236,6 +237,7 @@ def _pre_step(optimizer, args, kwargs):
     # A step that raised left the masters (or whole tensors) in place: put the parameters back.
     _restore(optimizer, copy_back=False)
     _put_back_sharded(optimizer, copy_back=False)
+    _shards.set_in_step(True)
     if not _involved(optimizer):
         return None
     _optimizers.add(optimizer)
@@ -344,6 +346,7 @@ def _flushes(eps: float, fmt) -> bool:
 
 
 def _post_step(optimizer, args, kwargs):
+    _shards.set_in_step(False)
     _restore(optimizer, copy_back=True)
     if not _involved(optimizer):
         return

@@ -884,7 +884,7 @@ def dispatch(func, args, kwargs, cls):
     fresh = None
     if rnd and rule.kind != MOVE_KIND and not rule.is_view:  # its outputs are its own
         fresh = (uargs, ukwargs)
-    shard = _shards.of_output(func, src, qs, out) if src._shard is not None else None
+    shard = _shards.of_output(func, src, qs, out, rnd) if src._shard is not None else None
     if shard is not None and fmt.is_two_level:  # a shard's values: the whole tensor's scale
         if rnd:
             out, tscale = _shards.round_shard(out, fit_format(fmt, out.dim()), shard)
@@ -1382,7 +1382,7 @@ def _dispatch_foreach(func, rule, args, kwargs, cls):
         if s is None or not isinstance(o, torch.Tensor):
             res.append(o)
         elif (s._shard is not None and s.fmt.is_two_level and o.shape == s.shape
-              and _shards.live(s) is not None):  # a shard's: the whole tensor's scale
+              and _shards.in_step() and _shards.live(s) is not None):  # the whole's scale
             fmt = fit_format(s.fmt, o.dim())
             v, tscale = _shards.round_shard(o, fmt, s._shard)
             res.append(_wrap_out(cls, v, fmt, s.mm_fmt, False, tscale=tscale))

@@ -28,7 +28,23 @@ from ..kernels import backend as _backend
 from ..kernels.reference import finite_amax
 
 __all__ = ["ShardOf", "cuts_blocks", "cuts_scale_only", "sharding_of", "mark", "live",
-           "round_shard", "of_output"]
+           "round_shard", "of_output", "set_in_step", "in_step"]
+
+# Whether an optimizer step is running (qtensor.nn.training's step hooks say so). Only there do
+# out-of-place ops on shards (Adam's denominators) round under the whole tensor's scale, a
+# collective: outside a step, an op on one rank's shard alone (a log line on rank 0) must not
+# wait for the other ranks, so it rounds under a fresh scale of its own and drops the mark.
+# In-place ops on a shard (clip_grad_norm_'s mul_, an init) are collectives everywhere.
+_in_step = False
+
+
+def set_in_step(on: bool) -> None:
+    global _in_step
+    _in_step = on
+
+
+def in_step() -> bool:
+    return _in_step
 
 
 class ShardOf(NamedTuple):
@@ -113,13 +129,14 @@ _SAME_ELEMENTS = frozenset({"detach", "alias", "view", "_unsafe_view", "view_as"
                             "zeros_like", "ones_like", "full_like", "empty_like"})
 
 
-def of_output(func, src, qs, out) -> Optional[ShardOf]:
+def of_output(func, src, qs, out, rounds: bool) -> Optional[ShardOf]:
     """The sharding of an op's output ``out`` (a payload): that of its format source ``src`` where
     ``src`` is a live shard, ``out`` has its shape, the op is elementwise (or moves the same
-    elements) and every other shard among the operands ``qs`` is of the same sharding."""
+    elements) and every other shard among the operands ``qs`` is of the same sharding; for an
+    op that rounds its output (``rounds``), only inside an optimizer step."""
     shard = src._shard
     if (shard is None or not isinstance(out, torch.Tensor) or out.shape != src.shape
-            or live(src) is None):
+            or (rounds and not _in_step) or live(src) is None):
         return None
     if (torch.Tag.pointwise not in func.tags
             and func.overloadpacket.__name__ not in _SAME_ELEMENTS):

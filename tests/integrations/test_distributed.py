@@ -1119,7 +1119,14 @@ def _sc_fsdp_shard_ops(rank, world):
     total = getattr(total, "_local_tensor", total)
     clipped = {n: (_scale(p.grad), qt_plain(p.grad.full_tensor()))
                for n, p in model.named_parameters()}
-    return init, (total._data.clone(), total.tensor_scale), clipped
+    alone = None
+    if rank == 0:  # an op of one rank alone outside a step: no collective, which would hang
+        with torch.no_grad():
+            local = model[0].weight.to_local()
+            tripled = local * 3
+        alone = (local._shard is not None, tripled._shard is None, qt_plain(local).clone(),
+                 qt_plain(tripled), _scale(tripled))
+    return init, (total._data.clone(), total.tensor_scale), clipped, alone
 
 
 def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
@@ -1146,11 +1153,11 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
             p.grad.copy_(_fp32_sum(g[k] for g in grads) / WORLD)  # the rule
     checked = [k for k in params if k != "2.bias"]
     reduced = {k: p.grad for k, p in params.items()}
-    for rank, (init, _total, _clipped) in enumerate(res):
+    for rank, (init, _total, _clipped, _alone) in enumerate(res):
         for k in checked:
             assert init[k][0] == _scale(params[k]), (rank, k, "init's scale")
             _assert_bits_equal(init[k][1], qt_plain(params[k]), f"rank {rank} {k} init")
-    for rank, (_init, (total_values, total_scale), clipped) in enumerate(res):
+    for rank, (_init, (total_values, total_scale), clipped, _alone) in enumerate(res):
         # the sharded run's total norm (made of the shards' norms, where one process takes
         # the whole gradients' norms: other bits), so the same clip coefficient: then every
         # clipped shard must be one process's clipped gradient, sliced
@@ -1162,6 +1169,13 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
         for k in checked:
             assert clipped[k][0] == _scale(ref[k]), (rank, k, "clipped gradient's scale")
             _assert_bits_equal(clipped[k][1], qt_plain(ref[k]), f"rank {rank} {k}.grad clipped")
+    # outside an optimizer step, an out-of-place op on a shard rounds under its own fresh scale
+    # (one rank ran it alone and returned) and its result is no shard
+    was_marked, unmarked, local, tripled, scale = res[0][3]
+    assert was_marked and unmarked
+    want = qt.as_qtensor(local * 3, qt.nvfp4)
+    assert scale == _scale(want)
+    _assert_bits_equal(tripled, qt_plain(want), "rank 0's local weight * 3")
 
 
 def _moe(spec):
