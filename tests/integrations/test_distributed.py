@@ -787,6 +787,47 @@ def test_coalesced_functional_collectives_follow_their_single_forms(ranks):
             qt_plain(t) for t in bfs), qt.bf16), f"{who} all_reduce 1")
 
 
+def _sc_functional_in_place(rank, world):
+    c10d = torch.ops._c10d_functional
+    name = dist.group.WORLD.group_name
+    whole, own, x, b = _two_level_inputs(rank)
+    n = whole.shape[0] // world
+    out = {}
+    t = b.clone()
+    c10d.wait_tensor(c10d.broadcast_(t, 1, name))
+    out["broadcast_"] = _values_and_scale(t)
+    ts = [x.clone(), b.clone()]
+    c10d.all_reduce_coalesced_(ts, "sum", name)
+    out["all_reduce_coalesced_"] = [_values_and_scale(q) for q in ts]
+    ag = qt.as_qtensor(torch.zeros(8, 32), qt.nvfp4)
+    c10d.wait_tensor(c10d.all_gather_into_tensor_out(whole[rank * n:(rank + 1) * n], world,
+                                                     name, out=ag))
+    out["all_gather_into_tensor_out"] = _values_and_scale(ag)
+    ag = qt.as_qtensor(torch.zeros(8, 32), qt.nvfp4)
+    c10d.wait_tensor(c10d.all_gather_into_tensor_out(own, world, name, out=ag))
+    out["all_gather_into_tensor_out_own"] = _values_and_scale(ag)
+    return out
+
+
+def test_functional_in_place_and_out_collectives_follow_their_single_forms(ranks):
+    # the in-place and out= functional forms (torch.ops._c10d_functional) as the single ones:
+    # a broadcast_ brings the source's values and scale, all_reduce_coalesced_ rounds each sum
+    # under the scale of its amax, all_gather_into_tensor_out keeps a shared scale (a cat's
+    # fresh one for parts of their own scales)
+    res = ranks.run("_sc_functional_in_place")
+    o = _two_level_oracle()
+    b_total = qt.as_qtensor(_fp32_sum(qt_plain(t) for t in o["b"]), qt.nvfp4)
+    for rank, out in enumerate(res):
+        who = f"rank {rank}"
+        _assert_values_and_scale(out["broadcast_"], o["b"][1], f"{who} broadcast_")
+        for got, want, i in zip(out["all_reduce_coalesced_"], (o["total"], b_total), (0, 1)):
+            _assert_values_and_scale(got, want, f"{who} all_reduce_coalesced_ {i}")
+        _assert_values_and_scale(out["all_gather_into_tensor_out"], o["whole"],
+                                 f"{who} all_gather_into_tensor_out")
+        _assert_values_and_scale(out["all_gather_into_tensor_out_own"], o["own_cat"],
+                                 f"{who} all_gather_into_tensor_out, own scales")
+
+
 def _rest_inputs(rank):
     """The tensors _sc_c10d_two_level_rest sends from ``rank``: (b, a list of one tensor per
     destination rank under scales given per (rank, destination), a tensor every rank rounds
