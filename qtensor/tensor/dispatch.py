@@ -1139,7 +1139,8 @@ def _wrap_received(cls, values, src, ndim):
 # How each functional collective's two-level outputs take their tensor scale (the coalesced,
 # in-place and out= forms as their single form): _two_level_received
 _FUNCTIONAL_KINDS = {"broadcast": "bcast", "all_gather_into_tensor": "cat",
-                     "reduce_scatter_tensor": "part", "_wrap_tensor_autograd": "same"}
+                     "all_to_all_single": "cat", "reduce_scatter_tensor": "part",
+                     "_wrap_tensor_autograd": "same"}
 # c10d's ops: the tensors they write are their first argument (send writes none); "from": each
 # tensor written is a whole tensor one rank sent (_senders says which)
 _C10D_KINDS = {"broadcast_": "bcast", "_allgather_base_": "cat",
@@ -1393,8 +1394,12 @@ class _FunctionalComm:
 
     def gather(self, t):  # [group size, len(t)]
         c10d, b = torch.ops._c10d_functional, self.bound
+        size = b.get("group_size")
+        if size is None:  # (all_to_all_single names its group only)
+            from torch.distributed.distributed_c10d import _resolve_process_group
+            size = _resolve_process_group(b["group_name"]).size()
         return c10d.wait_tensor(c10d.all_gather_into_tensor(
-            t, b["group_size"], b["group_name"])).view(b["group_size"], -1)
+            t, size, b["group_name"])).view(size, -1)
 
     def broadcast(self, t):
         c10d, b = torch.ops._c10d_functional, self.bound

@@ -806,17 +806,22 @@ def _sc_functional_in_place(rank, world):
     ag = qt.as_qtensor(torch.zeros(8, 32), qt.nvfp4)
     c10d.wait_tensor(c10d.all_gather_into_tensor_out(own, world, name, out=ag))
     out["all_gather_into_tensor_out_own"] = _values_and_scale(ag)
+    import torch.distributed._functional_collectives as funcol
+    for key, t in (("all_to_all_single", whole), ("all_to_all_single_own", b)):
+        out[key] = _values_and_scale(funcol.all_to_all_single(t, None, None, dist.group.WORLD))
     return out
 
 
-def test_functional_in_place_and_out_collectives_follow_their_single_forms(ranks):
+def test_functional_in_place_out_and_all_to_all_collectives_follow_one_process(ranks):
     # the in-place and out= functional forms (torch.ops._c10d_functional) as the single ones:
     # a broadcast_ brings the source's values and scale, all_reduce_coalesced_ rounds each sum
     # under the scale of its amax, all_gather_into_tensor_out keeps a shared scale (a cat's
-    # fresh one for parts of their own scales)
+    # fresh one for parts of their own scales); all_to_all_single (DTensor's Shard(i) to
+    # Shard(j)) is the cat of the chunks it receives
     res = ranks.run("_sc_functional_in_place")
     o = _two_level_oracle()
     b_total = qt.as_qtensor(_fp32_sum(qt_plain(t) for t in o["b"]), qt.nvfp4)
+    n = o["whole"].shape[0] // WORLD
     for rank, out in enumerate(res):
         who = f"rank {rank}"
         _assert_values_and_scale(out["broadcast_"], o["b"][1], f"{who} broadcast_")
@@ -826,6 +831,10 @@ def test_functional_in_place_and_out_collectives_follow_their_single_forms(ranks
                                  f"{who} all_gather_into_tensor_out")
         _assert_values_and_scale(out["all_gather_into_tensor_out_own"], o["own_cat"],
                                  f"{who} all_gather_into_tensor_out, own scales")
+        for key, ts in (("all_to_all_single", [o["whole"]] * WORLD), ("all_to_all_single_own",
+                                                                     o["b"])):
+            _assert_values_and_scale(out[key], torch.cat([t[rank * n:(rank + 1) * n] for t in ts]),
+                                     f"{who} {key}")
 
 
 def _rest_inputs(rank):
