@@ -1185,7 +1185,8 @@ def _c10d_collective(func, args, kwargs, cls):
     else:
         uargs = [copy_of(args[0])] + [payload(a) for a in args[1:]]
     out = func(*uargs, **(kwargs or {}))
-    _wait_all(out)
+    if name != "send":  # (a send writes nothing here: it may stay in flight)
+        _wait_all(out)
     bound = _bound(func, args, kwargs)
     if name in _P2P:
         return _p2p(name, bound, pairs, out, cls)
@@ -1290,54 +1291,59 @@ def _received_whole(written, origins, sent, comm, exchange) -> None:
 
 def _p2p(name, bound, pairs, out, cls):
     """send/recv: a two-level QTensor sent is followed by its tensor scale (and format
-    fingerprint), which the two-level QTensor that receives it takes with its values. Both are
-    complete here: the Work returned is a done one (gloo's Work of a send or recv must not be
-    waited on twice)."""
+    fingerprint), which the two-level QTensor that receives it takes with its values. A send
+    stays in flight (the Work returned waits for both messages: a batch of isend/irecv in which
+    every rank sends first must not wait here); a recv is complete here, its Work a done one
+    (gloo's Work of a send or recv must not be waited on twice)."""
     import torch.distributed as dist
     c10d, pg = torch.ops.c10d, bound["process_group"]
     t = bound["tensors"][0]
     if name == "send":
-        peer = bound["dst"]
-        if isinstance(t, cls) and t.fmt.is_two_level:
-            _wait_all(c10d.send.default([_sent_scales([t])], pg, peer, bound["tag"]))
-    else:
-        peer = bound["src"] if name == "recv_" else dist.Work.unbox(out)._source_rank()
-        for q, c in pairs:
-            if q.fmt.is_two_level:
-                row = torch.zeros(1, 2, device=c.device)
-                _wait_all(c10d.recv_.default([row], pg, peer, bound["tag"]))
-                v, q._tscale = _as_sent(c, fit_format(q.fmt, c.dim()), row[0])
-                q._data.copy_(v)
-            else:
-                q._data.copy_(quantize(c, q.fmt))
-    return _done_work(peer).boxed()
+        if not (isinstance(t, cls) and t.fmt.is_two_level):
+            return out
+        scale = c10d.send.default([_sent_scales([t])], pg, bound["dst"], bound["tag"])
+        return _work_of([out, scale], bound["dst"]).boxed()
+    peer = bound["src"] if name == "recv_" else dist.Work.unbox(out)._source_rank()
+    for q, c in pairs:
+        if q.fmt.is_two_level:
+            row = torch.zeros(1, 2, device=c.device)
+            _wait_all(c10d.recv_.default([row], pg, peer, bound["tag"]))
+            v, q._tscale = _as_sent(c, fit_format(q.fmt, c.dim()), row[0])
+            q._data.copy_(v)
+        else:
+            q._data.copy_(quantize(c, q.fmt))
+    return _work_of([], peer).boxed()
 
 
-def _done_work(source_rank):
-    """A c10d Work already complete (its source rank: a recv from any source asks for it)."""
-    w = _done_work_type()()
-    w.source = source_rank
-    _DONE.append(w)
+def _work_of(works, source_rank):
+    """A c10d Work that waits for ``works`` (c10d Works, each once); its source rank: a recv
+    from any source asks for it."""
+    w = _work_type()()
+    w.works, w.source = list(works), source_rank
+    _KEPT.append(w)
     return w
 
 
-# The Python side of a _Done Work must live until the op's caller holds it (what the dispatcher
-# returns is the C++ Work, whose base wait() would block): the last ones are kept
-_DONE = collections.deque(maxlen=64)
+# The Python side of a _work_of Work must live until the op's caller holds it (what the
+# dispatcher returns is the C++ Work, whose base wait() would block): the last ones are kept
+_KEPT = collections.deque(maxlen=64)
 
 
 @functools.cache
-def _done_work_type():
+def _work_type():
     import torch.distributed as dist
 
-    class _Done(dist.Work):
+    class _Works(dist.Work):
         def wait(self, timeout=None):
+            while self.works:
+                dist.Work.unbox(self.works.pop(0)).wait()
             return True
 
         def is_completed(self):
-            return True
+            return all(dist.Work.unbox(w).is_completed() for w in self.works)
 
         def get_future(self):
+            self.wait()
             fut = torch.futures.Future()
             fut.set_result(None)
             return fut
@@ -1346,7 +1352,7 @@ def _done_work_type():
             return self.source
 
         source_rank = _source_rank
-    return _Done
+    return _Works
 
 
 def _into_written(kind, written, sources, comm) -> None:

@@ -892,16 +892,22 @@ def _sc_c10d_two_level_rest(rank, world):
         dist.recv(r, src=0)
         dist.send(b, dst=0)
     out["recv"] = _values_and_scale(r)
+    r = zeros(8, 32)  # every rank sends first
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, b, 1 - rank),
+                                        dist.P2POp(dist.irecv, r, 1 - rank)]):
+        work.wait()
+    out["batch_isend_irecv"] = _values_and_scale(r)
     out["inputs"] = [_values_and_scale(q) for q in (own, x, b, *per_dst, whole)]
     return out
 
 
 def test_c10d_other_collectives_of_two_level_formats_follow_one_process(ranks):
     # what a rank receives that is a whole tensor another rank holds (gather's parts, scatter's
-    # part, all_to_all's tensors, all_gather_coalesced's, recv's) keeps its values and tensor
-    # scale, as a copy_ of it in one process (a part that cuts blocks too); a reduction is
-    # rounded under the scale of its result's amax (reduce_scatter: the whole sum's); an
-    # all_to_all_single is the cat of the chunks it receives; reduce leaves the others' tensors
+    # part, all_to_all's tensors, all_gather_coalesced's, recv's, also in a batch of isend and
+    # irecv where every rank sends first) keeps its values and tensor scale, as a copy_ of it
+    # in one process (a part that cuts blocks too); a reduction is rounded under the scale of
+    # its result's amax (reduce_scatter: the whole sum's); an all_to_all_single is the cat of
+    # the chunks it receives; reduce leaves the other ranks' tensors as they were
     res = ranks.run("_sc_c10d_two_level_rest")
     ins = [_rest_inputs(r) for r in range(WORLD)]
     own, x, b, per_dst, whole, cut = (list(z) for z in zip(*ins))
@@ -921,7 +927,7 @@ def test_c10d_other_collectives_of_two_level_formats_follow_one_process(ranks):
         w["all_to_all_single_own"] = torch.cat([b[j][r * n:(r + 1) * n] for j in range(WORLD)])
         w["reduce_scatter"] = total[r * n:(r + 1) * n]
         w["all_gather_coalesced"] = [[b[j], own[j]] for j in range(WORLD)]
-        w["recv"] = b[1 - r]
+        w["recv"] = w["batch_isend_irecv"] = b[1 - r]
         w["inputs"] = [own[r], x[r], b[r], *per_dst[r], whole[r]]
     wrong = []
 
