@@ -1443,8 +1443,9 @@ def _two_level_received(kind, outs, fmts, sources, comm):
     - ``part``: a reduce-scatter rounds each rank's part under the scale of the whole reduced
       tensor's amax (the parts' amaxes gathered: their max).
     - ``same``: the identity (autograd's wrapper of an output): the source's scale.
-    - ``whole`` (all-reduce, all-to-all): rounded under the scale of their own amax (an
+    - ``whole`` (all-reduce, a reduce's root): rounded under the scale of their own amax (an
       all-reduce's result is the same on every rank: so is its scale).
+    c10d's collectives of whole tensors sent (gather, scatter, lists): :func:`_received_whole`.
     Eager or traced (torch.compile: a choice by the gathered scales is a torch.where)."""
     if kind == "same":
         return [(o, s.tensor_scale) for o, s in zip(outs, sources)]
