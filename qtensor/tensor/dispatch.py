@@ -1250,9 +1250,9 @@ def _fingerprint(fmt) -> float:
     return float(zlib.crc32(str(fmt).encode()) & 0xFFFFFF)
 
 
-def _sent_scales(sent) -> torch.Tensor:
-    """[len(sent), 2] float32: each sent tensor's tensor scale and format fingerprint (zeros for
-    a tensor that is not a two-level QTensor)."""
+def _sent_scales(sent, device) -> torch.Tensor:
+    """[len(sent), 2] float32 on ``device``: each sent tensor's tensor scale and format
+    fingerprint (zeros for a tensor that is not a two-level QTensor)."""
     rows = []
     for t in sent:
         if getattr(t, "fmt", None) is not None and t.fmt.is_two_level:
@@ -1260,8 +1260,7 @@ def _sent_scales(sent) -> torch.Tensor:
                                      torch.tensor(_fingerprint(fit_format(t.fmt, t.dim())))]))
         else:
             rows.append(torch.zeros(2))
-    dev = next((t.device for t in sent if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    return (torch.stack(rows) if rows else torch.zeros(0, 2)).to(dev)
+    return (torch.stack(rows) if rows else torch.zeros(0, 2)).to(device)
 
 
 def _as_sent(c, fmt, row):
@@ -1280,7 +1279,9 @@ def _received_whole(written, origins, sent, comm, exchange) -> None:
     ``exchange``: any of the op's tensors is two-level, on every rank alike)."""
     table = None
     if exchange:
-        table = comm.gather(_sent_scales(sent).reshape(-1)).view(comm.world, len(sent), 2)
+        dev = next(t.device for t in [c for _q, c in written] + sent + [torch.zeros(())]
+                   if isinstance(t, torch.Tensor))  # (a scatter's non-root sends none)
+        table = comm.gather(_sent_scales(sent, dev).reshape(-1)).view(comm.world, len(sent), 2)
     for (q, c), (j, i) in zip(written, origins):
         if q.fmt.is_two_level:
             v, q._tscale = _as_sent(c, fit_format(q.fmt, c.dim()), table[j, i])
@@ -1301,7 +1302,7 @@ def _p2p(name, bound, pairs, out, cls):
     if name == "send":
         if not (isinstance(t, cls) and t.fmt.is_two_level):
             return out
-        scale = c10d.send.default([_sent_scales([t])], pg, bound["dst"], bound["tag"])
+        scale = c10d.send.default([_sent_scales([t], t.device)], pg, bound["dst"], bound["tag"])
         return _work_of([out, scale], bound["dst"]).boxed()
     peer = bound["src"] if name == "recv_" else dist.Work.unbox(out)._source_rank()
     for q, c in pairs:

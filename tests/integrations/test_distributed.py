@@ -831,10 +831,10 @@ def test_functional_in_place_out_and_all_to_all_collectives_follow_one_process(r
                                  f"{who} all_gather_into_tensor_out")
         _assert_values_and_scale(out["all_gather_into_tensor_out_own"], o["own_cat"],
                                  f"{who} all_gather_into_tensor_out, own scales")
-        for key, ts in (("all_to_all_single", [o["whole"]] * WORLD), ("all_to_all_single_own",
-                                                                     o["b"])):
-            _assert_values_and_scale(out[key], torch.cat([t[rank * n:(rank + 1) * n] for t in ts]),
-                                     f"{who} {key}")
+        for key, ts in (("all_to_all_single", [o["whole"]] * WORLD),
+                        ("all_to_all_single_own", o["b"])):
+            want = torch.cat([t[rank * n:(rank + 1) * n] for t in ts])
+            _assert_values_and_scale(out[key], want, f"{who} {key}")
 
 
 def _rest_inputs(rank):
