@@ -20,6 +20,7 @@ formats, block axes, contraction blockings, the MX linear layer): docs/dispatch.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Callable, Optional, Union
@@ -1150,11 +1151,17 @@ def _wrap_received(cls, values, src, ndim):
 # How each functional collective's two-level outputs take their tensor scale (the coalesced,
 # in-place and out= forms as their single form): _two_level_received
 _FUNCTIONAL_KINDS = {"broadcast": "bcast", "all_gather_into_tensor": "cat",
-                     "reduce_scatter_tensor": "part", "_wrap_tensor_autograd": "same"}
-# c10d's ops: the tensors they write are their first argument (send writes none)
+                     "all_to_all_single": "cat", "reduce_scatter_tensor": "part",
+                     "_wrap_tensor_autograd": "same"}
+# c10d's ops: the tensors they write are their first argument (send writes none); "from": each
+# tensor written is a whole tensor one rank sent (_senders says which)
 _C10D_KINDS = {"broadcast_": "bcast", "_allgather_base_": "cat",
-               "allgather_into_tensor_coalesced_": "cat", "allgather_": "list",
-               "_reduce_scatter_base_": "part", "reduce_scatter_tensor_coalesced_": "part"}
+               "allgather_into_tensor_coalesced_": "cat", "alltoall_base_": "cat",
+               "allgather_": "from", "allgather_coalesced_": "from", "gather_": "from",
+               "scatter_": "from", "alltoall_": "from",
+               "_reduce_scatter_base_": "part", "reduce_scatter_tensor_coalesced_": "part",
+               "reduce_scatter_": "part"}
+_P2P = frozenset({"send", "recv_", "recv_any_source_"})
 
 
 def _bound(func, args, kwargs) -> dict:
@@ -1190,42 +1197,181 @@ def _c10d_collective(func, args, kwargs, cls):
     else:
         uargs = [copy_of(args[0])] + [payload(a) for a in args[1:]]
     out = func(*uargs, **(kwargs or {}))
-    _wait_all(out)
-    if pairs:
-        kind = _C10D_KINDS.get(name, "whole")
-        bound = _bound(func, args, kwargs)
-        dst = args[0]
-        src = next((bound[k] for k in ("input_tensor", "inputs", "input_tensors") if k in bound),
-                   None)
-        if kind == "list":  # output_tensors[i][j]: rank j's input_tensors[i]
-            sources = [(src[i], j) for i, row in enumerate(dst) for j, q in enumerate(row)
-                       if isinstance(q, cls)]
-        elif kind == "cat":  # each output's input
+    if name != "send":  # (a send writes nothing here: it may stay in flight)
+        _wait_all(out)
+    bound = _bound(func, args, kwargs)
+    if name in _P2P:
+        return _p2p(name, bound, pairs, out, cls)
+    kind = _C10D_KINDS.get(name, "whole")
+    dst = args[0]
+    if kind == "from":
+        pg = _group(bound)
+        sent, origins = _senders(name, bound, pg.rank(), pg.size())
+        flat = _flat(dst)
+        exchange = any(isinstance(t, cls) and t.fmt.is_two_level for t in flat + sent)
+        _received_whole(pairs, [o for t, o in zip(flat, origins) if isinstance(t, cls)], sent,
+                        _C10dComm(bound, pg.size()), exchange)
+    elif pairs and not (name == "reduce_" and _group(bound).rank() != bound["root_rank"]):
+        # (a reduce's result is the root's: the other ranks' tensors were only read)
+        src = next((bound[k] for k in ("input_tensor", "input", "inputs", "input_tensors")
+                    if k in bound), None)
+        if kind == "cat":  # each output's input
             sources = [src] if isinstance(dst, cls) else [
                 s for q, s in zip(dst, src) if isinstance(q, cls)]
         else:
             sources = [q for q, _c in pairs]
-        _into_written(kind, pairs, sources, _C10dComm(bound, _c10d_world(kind, dst, src)))
+        _into_written(kind, pairs, sources, _C10dComm(bound, _group(bound).size()))
     return _aliased(out, {id(c): q for q, c in pairs})
 
 
-def _c10d_world(kind, dst, src) -> int:
-    """The group's size, from a gather's or reduce-scatter's shapes (what the scale
-    collectives need)."""
-    if kind == "list":
-        return len(dst[0])
-    if kind not in ("cat", "part"):
-        return 0
-    d = dst if isinstance(dst, torch.Tensor) else dst[0]
-    s = src if isinstance(src, torch.Tensor) else src[0]
-    big, small = (d, s) if kind == "cat" else (s, d)
-    return big.numel() // max(small.numel(), 1)
+def _group(bound):
+    """The c10d ProcessGroup of an op's ``process_group`` argument."""
+    import torch.distributed as dist
+    return dist.ProcessGroup.unbox(bound["process_group"])
+
+
+def _flat(a) -> list:
+    if isinstance(a, (list, tuple)):
+        return [t for x in a for t in _flat(x)]
+    return [a]
+
+
+def _senders(name, bound, me, world):
+    """(the tensors this rank sends, the same number on every rank (None: a rank that sends
+    none); for each tensor the op writes, in _flat order: (the rank that sent it, its index
+    in that rank's list))."""
+    dst = bound["output_tensors"] if "output_tensors" in bound else bound["output_lists"]
+    if name == "scatter_":
+        ins = bound["input_tensors"]
+        return (list(ins[0]) if ins else [None] * world), [(bound["root_rank"], me)]
+    if name == "allgather_":  # output_tensors[i][j]: rank j's input_tensors[i]
+        return list(bound["input_tensors"]), [(j, i) for i, row in enumerate(dst)
+                                              for j, _t in enumerate(row)]
+    if name == "allgather_coalesced_":  # output_lists[j][i]: rank j's input_list[i]
+        return list(bound["input_list"]), [(j, i) for j, row in enumerate(dst)
+                                           for i, _t in enumerate(row)]
+    if name == "gather_":  # the root's output_tensors[0][j]: rank j's input_tensors[0]
+        return list(bound["input_tensors"]), [(j, 0) for row in dst
+                                              for j, _t in enumerate(row)]
+    return list(bound["input_tensors"]), [(j, me) for j, _t in enumerate(dst)]  # alltoall_
+
+
+def _fingerprint(fmt) -> float:
+    """A number that tells formats apart across processes (24 bits: exact in float32)."""
+    import zlib
+    return float(zlib.crc32(str(fmt).encode()) & 0xFFFFFF)
+
+
+def _sent_scales(sent, device) -> torch.Tensor:
+    """[len(sent), 2] float32 on ``device``: each sent tensor's tensor scale and format
+    fingerprint (zeros for a tensor that is not a two-level QTensor)."""
+    rows = []
+    for t in sent:
+        if getattr(t, "fmt", None) is not None and t.fmt.is_two_level:
+            rows.append(torch.stack([t.tensor_scale.reshape(()).to(torch.float32).cpu(),
+                                     torch.tensor(_fingerprint(fit_format(t.fmt, t.dim())))]))
+        else:
+            rows.append(torch.zeros(2))
+    return (torch.stack(rows) if rows else torch.zeros(0, 2)).to(device)
+
+
+def _as_sent(c, fmt, row):
+    """A received whole tensor ``c`` (two-level ``fmt``) as a copy_ of the tensor sent (its
+    scale and fingerprint ``row``) gives it in one process: its values under its scale; one not
+    of the format: rounded under a fresh scale of its own amax."""
+    if bool(row[0] > 0) and float(row[1]) == _fingerprint(fmt):
+        return c, row[0].to(device=c.device).clone()
+    return _backend.round_with_scale(c, fmt)
+
+
+def _received_whole(written, origins, sent, comm, exchange) -> None:
+    """Collectives whose every output is a whole tensor one rank sent (list all-gather, gather,
+    scatter, all-to-all of lists): ``written`` ((destination, the payload it received)) came
+    from ``origins`` ((rank, index)); every rank's ``sent`` scales are all-gathered (where
+    ``exchange``: any of the op's tensors is two-level, on every rank alike)."""
+    table = None
+    if exchange:
+        dev = next(t.device for t in [c for _q, c in written] + sent + [torch.zeros(())]
+                   if isinstance(t, torch.Tensor))  # (a scatter's non-root sends none)
+        table = comm.gather(_sent_scales(sent, dev).reshape(-1)).view(comm.world, len(sent), 2)
+    for (q, c), (j, i) in zip(written, origins):
+        if q.fmt.is_two_level:
+            v, q._tscale = _as_sent(c, fit_format(q.fmt, c.dim()), table[j, i])
+            q._data.copy_(v)
+        else:
+            q._data.copy_(quantize(c, q.fmt))
+
+
+def _p2p(name, bound, pairs, out, cls):
+    """send/recv: a two-level QTensor sent is followed by its tensor scale (and format
+    fingerprint), which the two-level QTensor that receives it takes with its values. A send
+    stays in flight (the Work returned waits for both messages: a batch of isend/irecv in which
+    every rank sends first must not wait here); a recv is complete here, its Work a done one
+    (gloo's Work of a send or recv must not be waited on twice)."""
+    import torch.distributed as dist
+    c10d, pg = torch.ops.c10d, bound["process_group"]
+    t = bound["tensors"][0]
+    if name == "send":
+        if not (isinstance(t, cls) and t.fmt.is_two_level):
+            return out
+        scale = c10d.send.default([_sent_scales([t], t.device)], pg, bound["dst"], bound["tag"])
+        return _work_of([out, scale], bound["dst"]).boxed()
+    peer = bound["src"] if name == "recv_" else dist.Work.unbox(out)._source_rank()
+    for q, c in pairs:
+        if q.fmt.is_two_level:
+            row = torch.zeros(1, 2, device=c.device)
+            _wait_all(c10d.recv_.default([row], pg, peer, bound["tag"]))
+            v, q._tscale = _as_sent(c, fit_format(q.fmt, c.dim()), row[0])
+            q._data.copy_(v)
+        else:
+            q._data.copy_(quantize(c, q.fmt))
+    return _work_of([], peer).boxed()
+
+
+def _work_of(works, source_rank):
+    """A c10d Work that waits for ``works`` (c10d Works, each once); its source rank: a recv
+    from any source asks for it."""
+    w = _work_type()()
+    w.works, w.source = list(works), source_rank
+    _KEPT.append(w)
+    return w
+
+
+# The Python side of a _work_of Work must live until the op's caller holds it (what the
+# dispatcher returns is the C++ Work, whose base wait() would block): the last ones are kept
+_KEPT = collections.deque(maxlen=64)
+
+
+@functools.cache
+def _work_type():
+    import torch.distributed as dist
+
+    class _Works(dist.Work):
+        def wait(self, timeout=None):
+            while self.works:
+                dist.Work.unbox(self.works.pop(0)).wait()
+            return True
+
+        def is_completed(self):
+            return all(dist.Work.unbox(w).is_completed() for w in self.works)
+
+        def get_future(self):
+            self.wait()
+            fut = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+
+        def _source_rank(self):
+            return self.source
+
+        source_rank = _source_rank
+    return _Works
 
 
 def _into_written(kind, written, sources, comm) -> None:
     """The QTensors of ``written`` ((destination, the payload it received)) get the received
     values in their formats; ``sources``: what each destination's values come from (its
-    tensor scale; for a list all-gather (input, rank))."""
+    tensor scale)."""
     two, two_sources = [], []
     for (q, c), s in zip(written, sources):
         if q.fmt.is_two_level:
@@ -1239,17 +1385,9 @@ def _into_written(kind, written, sources, comm) -> None:
         return
     outs = [c for _q, c in two]
     fmts = [fit_format(q.fmt, c.dim()) for q, c in two]
-    if kind == "list":  # output_tensors[i][j]: rank j's input_tensors[i], with its scale
-        inputs = list({id(s): s for s, _j in two_sources}.values())
-        scales = comm.gather(_scales_of(inputs, fmts[:1] * len(inputs), outs[:1] * len(inputs)))
-        got = []
-        for c, f, (s, j) in zip(outs, fmts, two_sources):
-            scale = scales[j, next(k for k, t in enumerate(inputs) if t is s)]
-            got.append((c, scale.clone()) if bool(scale > 0) else _backend.round_with_scale(c, f))
-    else:
-        if kind in ("bcast", "same"):  # (in place: the destination is the source)
-            two_sources = [q for q, _c in two]
-        got = _two_level_received(kind, outs, fmts, two_sources, comm)
+    if kind in ("bcast", "same"):  # (in place: the destination is the source)
+        two_sources = [q for q, _c in two]
+    got = _two_level_received(kind, outs, fmts, two_sources, comm)
     for (q, c), (v, tscale) in zip(two, got):
         if v is not q._data:
             q._data.copy_(v)
@@ -1275,8 +1413,12 @@ class _FunctionalComm:
 
     def gather(self, t):  # [group size, len(t)]
         c10d, b = torch.ops._c10d_functional, self.bound
+        size = b.get("group_size")
+        if size is None:  # (all_to_all_single names its group only)
+            from torch.distributed.distributed_c10d import _resolve_process_group
+            size = _resolve_process_group(b["group_name"]).size()
         return c10d.wait_tensor(c10d.all_gather_into_tensor(
-            t, b["group_size"], b["group_name"])).view(b["group_size"], -1)
+            t, size, b["group_name"])).view(size, -1)
 
     def broadcast(self, t):
         c10d, b = torch.ops._c10d_functional, self.bound
@@ -1314,8 +1456,9 @@ def _two_level_received(kind, outs, fmts, sources, comm):
     - ``part``: a reduce-scatter rounds each rank's part under the scale of the whole reduced
       tensor's amax (the parts' amaxes gathered: their max).
     - ``same``: the identity (autograd's wrapper of an output): the source's scale.
-    - ``whole`` (all-reduce, all-to-all): rounded under the scale of their own amax (an
+    - ``whole`` (all-reduce, a reduce's root): rounded under the scale of their own amax (an
       all-reduce's result is the same on every rank: so is its scale).
+    c10d's collectives of whole tensors sent (gather, scatter, lists): :func:`_received_whole`.
     Eager or traced (torch.compile: a choice by the gathered scales is a torch.where)."""
     if kind == "same":
         return [(o, s.tensor_scale) for o, s in zip(outs, sources)]

@@ -792,6 +792,169 @@ def test_coalesced_functional_collectives_follow_their_single_forms(ranks):
             qt_plain(t) for t in bfs), qt.bf16), f"{who} all_reduce 1")
 
 
+def _sc_functional_in_place(rank, world):
+    c10d = torch.ops._c10d_functional
+    name = dist.group.WORLD.group_name
+    whole, own, x, b = _two_level_inputs(rank)
+    n = whole.shape[0] // world
+    out = {}
+    t = b.clone()
+    c10d.wait_tensor(c10d.broadcast_(t, 1, name))
+    out["broadcast_"] = _values_and_scale(t)
+    ts = [x.clone(), b.clone()]
+    c10d.all_reduce_coalesced_(ts, "sum", name)
+    out["all_reduce_coalesced_"] = [_values_and_scale(q) for q in ts]
+    ag = qt.as_qtensor(torch.zeros(8, 32), qt.nvfp4)
+    c10d.wait_tensor(c10d.all_gather_into_tensor_out(whole[rank * n:(rank + 1) * n], world,
+                                                     name, out=ag))
+    out["all_gather_into_tensor_out"] = _values_and_scale(ag)
+    ag = qt.as_qtensor(torch.zeros(8, 32), qt.nvfp4)
+    c10d.wait_tensor(c10d.all_gather_into_tensor_out(own, world, name, out=ag))
+    out["all_gather_into_tensor_out_own"] = _values_and_scale(ag)
+    import torch.distributed._functional_collectives as funcol
+    for key, t in (("all_to_all_single", whole), ("all_to_all_single_own", b)):
+        out[key] = _values_and_scale(funcol.all_to_all_single(t, None, None, dist.group.WORLD))
+    return out
+
+
+def test_functional_in_place_out_and_all_to_all_collectives_follow_one_process(ranks):
+    # the in-place and out= functional forms (torch.ops._c10d_functional) as the single ones:
+    # a broadcast_ brings the source's values and scale, all_reduce_coalesced_ rounds each sum
+    # under the scale of its amax, all_gather_into_tensor_out keeps a shared scale (a cat's
+    # fresh one for parts of their own scales); all_to_all_single (DTensor's Shard(i) to
+    # Shard(j)) is the cat of the chunks it receives
+    res = ranks.run("_sc_functional_in_place")
+    o = _two_level_oracle()
+    b_total = qt.as_qtensor(_fp32_sum(qt_plain(t) for t in o["b"]), qt.nvfp4)
+    n = o["whole"].shape[0] // WORLD
+    for rank, out in enumerate(res):
+        who = f"rank {rank}"
+        _assert_values_and_scale(out["broadcast_"], o["b"][1], f"{who} broadcast_")
+        for got, want, i in zip(out["all_reduce_coalesced_"], (o["total"], b_total), (0, 1)):
+            _assert_values_and_scale(got, want, f"{who} all_reduce_coalesced_ {i}")
+        _assert_values_and_scale(out["all_gather_into_tensor_out"], o["whole"],
+                                 f"{who} all_gather_into_tensor_out")
+        _assert_values_and_scale(out["all_gather_into_tensor_out_own"], o["own_cat"],
+                                 f"{who} all_gather_into_tensor_out, own scales")
+        for key, ts in (("all_to_all_single", [o["whole"]] * WORLD),
+                        ("all_to_all_single_own", o["b"])):
+            want = torch.cat([t[rank * n:(rank + 1) * n] for t in ts])
+            _assert_values_and_scale(out[key], want, f"{who} {key}")
+
+
+def _rest_inputs(rank):
+    """The tensors _sc_c10d_two_level_rest sends from ``rank``: (b, a list of one tensor per
+    destination rank under scales given per (rank, destination), a tensor every rank rounds
+    whole under a given scale, one whose blocks a chunk along its columns cuts)."""
+    _whole, own, x, b = _two_level_inputs(rank)
+    per_dst = [qt.as_qtensor(_two_level_rows(40 + 10 * rank + j, rows=4), qt.nvfp4,
+                             tensor_scale=4.0 * (1 + rank + 2 * j)) for j in range(WORLD)]
+    whole = qt.as_qtensor(_two_level_rows(30), qt.nvfp4, tensor_scale=32.0)
+    cut = qt.as_qtensor(_two_level_rows(31, rows=4, cols=48), qt.nvfp4, tensor_scale=64.0)
+    return own, x, b, per_dst, whole, cut
+
+
+def _sc_c10d_two_level_rest(rank, world):
+    own, x, b, per_dst, whole, cut = _rest_inputs(rank)
+    n = whole.shape[0] // world
+
+    def zeros(*shape):
+        return qt.as_qtensor(torch.zeros(*shape), qt.nvfp4)
+    out = {}
+    t = b.clone()  # the root gets the sum; the others' tensors are only read
+    dist.reduce(t, dst=0)
+    out["reduce"] = _values_and_scale(t)
+    lst = [zeros(8, 32) for _ in range(world)] if rank == 0 else None
+    dist.gather(b, lst, dst=0)
+    out["gather"] = None if lst is None else [_values_and_scale(q) for q in lst]
+    s = zeros(4, 32)
+    dist.scatter(s, list(whole.chunk(world)) if rank == 1 else None, src=1)
+    out["scatter"] = _values_and_scale(s)
+    s = zeros(4, 24)  # chunks along the block axis: 24 columns cut the second block of 16
+    dist.scatter(s, [c.contiguous() for c in cut.chunk(world, dim=1)] if rank == 1 else None,
+                 src=1)
+    out["scatter_cut"] = _values_and_scale(s)
+    lst = [zeros(4, 32) for _ in range(world)]
+    dist.all_to_all(lst, per_dst)
+    out["all_to_all"] = [_values_and_scale(q) for q in lst]
+    a = zeros(8, 32)
+    dist.all_to_all_single(a, whole)
+    out["all_to_all_single"] = _values_and_scale(a)
+    a = zeros(8, 32)
+    dist.all_to_all_single(a, b)
+    out["all_to_all_single_own"] = _values_and_scale(a)
+    rs = zeros(4, 32)
+    dist.reduce_scatter(rs, list(x.chunk(world)))
+    out["reduce_scatter"] = _values_and_scale(rs)
+    lists = [[zeros(8, 32), zeros(4, 32)] for _ in range(world)]
+    dist.all_gather_coalesced(lists, [b, own])
+    out["all_gather_coalesced"] = [[_values_and_scale(q) for q in row] for row in lists]
+    r = zeros(8, 32)
+    if rank == 0:
+        dist.send(b, dst=1)
+        dist.recv(r)  # from any source
+    else:
+        dist.recv(r, src=0)
+        dist.send(b, dst=0)
+    out["recv"] = _values_and_scale(r)
+    r = zeros(8, 32)  # every rank sends first
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, b, 1 - rank),
+                                        dist.P2POp(dist.irecv, r, 1 - rank)]):
+        work.wait()
+    out["batch_isend_irecv"] = _values_and_scale(r)
+    out["inputs"] = [_values_and_scale(q) for q in (own, x, b, *per_dst, whole)]
+    return out
+
+
+def test_c10d_other_collectives_of_two_level_formats_follow_one_process(ranks):
+    # what a rank receives that is a whole tensor another rank holds (gather's parts, scatter's
+    # part, all_to_all's tensors, all_gather_coalesced's, recv's, also in a batch of isend and
+    # irecv where every rank sends first) keeps its values and tensor scale, as a copy_ of it
+    # in one process (a part that cuts blocks too); a reduction is rounded under the scale of
+    # its result's amax (reduce_scatter: the whole sum's); an all_to_all_single is the cat of
+    # the chunks it receives; reduce leaves the other ranks' tensors as they were
+    res = ranks.run("_sc_c10d_two_level_rest")
+    ins = [_rest_inputs(r) for r in range(WORLD)]
+    own, x, b, per_dst, whole, cut = (list(z) for z in zip(*ins))
+    n = whole[0].shape[0] // WORLD
+    want = [{} for _ in range(WORLD)]
+    want[0]["reduce"] = qt.as_qtensor(_fp32_sum(qt_plain(t) for t in b), qt.nvfp4)
+    want[1]["reduce"] = b[1]
+    total = qt.as_qtensor(_fp32_sum(qt_plain(t) for t in x), qt.nvfp4)
+    for r in range(WORLD):
+        w = want[r]
+        w["gather"] = b if r == 0 else None
+        w["scatter"] = whole[1].chunk(WORLD)[r]
+        w["scatter_cut"] = qt.as_qtensor(torch.zeros(4, 24), qt.nvfp4).copy_(
+            cut[1].chunk(WORLD, dim=1)[r])
+        w["all_to_all"] = [per_dst[j][r] for j in range(WORLD)]
+        w["all_to_all_single"] = torch.cat([whole[j][r * n:(r + 1) * n] for j in range(WORLD)])
+        w["all_to_all_single_own"] = torch.cat([b[j][r * n:(r + 1) * n] for j in range(WORLD)])
+        w["reduce_scatter"] = total[r * n:(r + 1) * n]
+        w["all_gather_coalesced"] = [[b[j], own[j]] for j in range(WORLD)]
+        w["recv"] = w["batch_isend_irecv"] = b[1 - r]
+        w["inputs"] = [own[r], x[r], b[r], *per_dst[r], whole[r]]
+    wrong = []
+
+    def check(got, want, what):
+        if isinstance(want, list) or want is None:
+            if want is None or got is None:
+                if got is not want:
+                    wrong.append(f"{what}: {got!r} for {want!r}")
+                return
+            for i, (g, w) in enumerate(zip(got, want)):
+                check(g, w, f"{what}[{i}]")
+            return
+        try:
+            _assert_values_and_scale(got, want, what)
+        except AssertionError as e:
+            wrong.append(str(e).splitlines()[0])
+    for rank, out in enumerate(res):
+        for key, w in want[rank].items():
+            check(out[key], w, f"rank {rank} {key}")
+    assert not wrong, "\n".join(wrong)
+
+
 def _sc_convert_wrapped(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
