@@ -1090,9 +1090,20 @@ def test_block_of_asymmetric_fixed_elements_is_idempotent(quantize):
     once = quantize(t32([1.801440065696563e+16, -5.404319552844595e+16]), fmt)
     assert_bits_equal(once, t32([2.0 ** 55, -2.0 ** 56]), "q(x)")
     assert_bits_equal(quantize(once, fmt), once, "q(q(x))")
-    # a block of -2^c alone keeps it, as the code -2 of the scale 2^(c-1)
-    assert_bits_equal(quantize(t32([-4.0, 1.0, -2.0 ** -140]), fmt.replace(block_size=3)),
-                      t32([-4.0, 1.0, 0.0]), "-2^c")
+    # a block whose amax is -2^c takes the scale 2^(c-1), where -2^c is the code -2: the other
+    # values keep a bit more (1.5 / 2 rounds to 1; under 2^c, 1.5 / 4 would round to 0)
+    assert_bits_equal(quantize(t32([-4.0, 1.5, -2.0 ** -140]), fmt.replace(block_size=3)),
+                      t32([-4.0, 2.0, 0.0]), "-2^c")
+
+
+@pytest.mark.xfail(strict=True, reason="known issue: the even rule with two's-complement "
+                   "elements settles (toward_zero, stochastic) to a scale X where a value is the "
+                   "most negative code -2 X, whose own scale, rounded again, is 2 X")
+def test_even_rule_block_of_asymmetric_fixed_elements_is_not_idempotent(quantize):
+    fmt = BlockFormat(FixedFormat(2, 0), 2, scale_rule="even")
+    once = quantize(t32([-0.753058910369873, -6.170853614807129]), fmt, rounding="toward_zero")
+    assert_bits_equal(once, t32([-0.5, -1.0]), "q(x)")
+    assert_bits_equal(quantize(once, fmt, rounding="toward_zero"), once, "q(q(x))")
 
 
 TWOS_FIXED = [FixedFormat(2, 0), FixedFormat(3, 1), FixedFormat(4, -2),
