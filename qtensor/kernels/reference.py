@@ -248,9 +248,8 @@ def negative_power_lowers(fmt: BlockFormat) -> bool:
     """Whether fmt's scale rule counts a negative power of two one binade lower: the floor rule
     with signed two's-complement fixed-point elements (codes down to -2^(emax_elem+1), one past
     the positive max), whose scale 2^(c-1-emax_elem) holds -2^c as that code."""
-    elem = fmt.elem
-    return (fmt.scale_rule == "floor" and isinstance(elem, FixedFormat) and elem.signed
-            and not elem.symmetric)
+    # (an element range past -max: two's complement's most negative code -max - 2^-fl)
+    return fmt.scale_rule == "floor" and -fmt.elem.lowest > fmt.elem.max
 
 
 def scale_amax(blocks: torch.Tensor, fmt: BlockFormat, dim=-1, keepdim: bool = True):
