@@ -23,7 +23,8 @@ from qtensor.formats.presets import PRESETS
 from qtensor.formats.block import BlockFormat
 from qtensor.formats.fixed import FixedFormat
 from qtensor.formats.float import FloatFormat  # noqa: E402
-from helpers import assert_bits_equal, twos_complement_blocks  # noqa: E402  (NaN payloads: the reference's differ)
+# (assert_bits_equal: NaN payloads, where the reference's differ)
+from helpers import assert_bits_equal, twos_complement_blocks  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors",
                                         "ignore:invalid value encountered in cast")
