@@ -110,10 +110,24 @@ void elementwise(const T* x, T* y, const Layout& L, uint32_t key, const Fn& fn) 
   });
 }
 
+// The floor rule with signed two's-complement fixed-point elements (reference.py,
+// negative_power_lowers): whether a negative power of two counts one binade lower.
+inline bool negative_power_lowers(const BlockArgs& a) {
+  return a.scale_rule == qtensor::kRuleFloor && a.elem_fixed && a.is_signed && !a.symmetric;
+}
+
+// |x|'s bits as the scale sees them there (reference.py, scale_amax): a negative power of two
+// -2^c (above 2^-149; not Inf) as the largest float32 below 2^c, whose binade is c - 1
+QT_BLOCK_FN uint32_t lowered_abs_bits(uint32_t u) {
+  const uint32_t a = u & kAbsMask;
+  const bool pow2 = a < 0x00800000u ? (a & (a - 1u)) == 0 : (a & 0x007FFFFFu) == 0;
+  return a - (((u >> 31) != 0 && pow2 && a > 1u && a < kInfBits) ? 1u : 0u);
+}
+
 // max |x| as float32 bits over the finite elements (FINITE, for NVFP4's tensor scale) or over all
-// elements (NaN and Inf sort above every finite value)
+// elements (NaN and Inf sort above every finite value); `lowered`: of lowered_abs_bits
 template <bool FINITE, typename T>
-uint32_t amax_bits(const T* x, const Layout& L) {
+uint32_t amax_bits(const T* x, const Layout& L, bool lowered = false) {
   const int64_t n = L.numel;
   const uint32_t r = at::parallel_reduce(
       0, n, kGrain, (uint32_t)0,
@@ -121,6 +135,15 @@ uint32_t amax_bits(const T* x, const Layout& L) {
         Counter c; c.nd = L.ndim;
         for (int d = 0; d < L.ndim; ++d) {
           c.size[d] = L.sizes[d]; c.sx[d] = L.xs[d]; c.sy[d] = 0; c.sl[d] = 0;
+        }
+        if (lowered) {  // (a rare format: the plain loop below)
+          c.set(b);
+          for (int64_t i = b; i < e; ++i) {
+            const uint32_t a = lowered_abs_bits(load_bits<T>(x + c.ox));
+            acc = ((!FINITE || a < kInfBits) && a > acc) ? a : acc;
+            c.next();
+          }
+          return acc;
         }
         if (L.contiguous) {
           // |x|'s bits as int32 (non-negative, ordered like the values): gcc vectorizes a signed
@@ -473,6 +496,7 @@ struct BlockPlan {
   // rows (pow2_block_run); else the tiles (round_tile) use it.
   bool pow2_run, pow2_rows;
   uint32_t p2_bump;              // pow2_scale_exp: the significand field from which b steps up
+  bool lowered;                  // the amaxes of lowered_abs_bits (negative_power_lowers)
 };
 
 template <int MODE>
@@ -546,6 +570,7 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
                                     : (a.man >= 1 && a.man <= 22 && a.qlow == a.emin - a.man);
   p.pow2_run = MODE != kStochastic && rule_ok && elem_ok && !a.whole_tensor;
   p.pow2_rows = p.pow2_run && p.inner == 1 && p.unit_stride;
+  p.lowered = negative_power_lowers(a);
   return p;
 }
 
@@ -583,10 +608,16 @@ QT_BLOCK_FN uint32_t block_word(const Block<T>& b, int64_t sal, int64_t j) {
 }
 
 // amax of a block from the bits: |x| as integers orders like the values, NaN on top
+// (`lowered`: of lowered_abs_bits)
 template <typename T>
-QT_BLOCK_FN uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_stride) {
+QT_BLOCK_FN uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_stride,
+                                bool lowered = false) {
   uint32_t amax = 0;
-  if (unit_stride) {
+  if (lowered) {
+    for (int64_t j = 0; j < m; ++j) {
+      uint32_t v = lowered_abs_bits(load_bits<T>(xp + j * sax)); amax = v > amax ? v : amax;
+    }
+  } else if (unit_stride) {
     for (int64_t j = 0; j < m; ++j) {
       uint32_t v = load_bits<T>(xp + j) & kAbsMask; amax = v > amax ? v : amax;
     }
@@ -976,7 +1007,7 @@ QT_BLOCK_FN void block_pow2(const Block<T>& b, uint32_t amax, const BlockPlan& P
 // One block: its amax, then the path that applies.
 template <int MODE, typename T>
 QT_BLOCK_FN void round_block(const Block<T>& b, const BlockPlan& P, const BlockArgs& a) {
-  const uint32_t amax = block_amax<T>(b.xp, b.m, P.sax, P.unit_stride);
+  const uint32_t amax = block_amax<T>(b.xp, b.m, P.sax, P.unit_stride, P.lowered);
   if (amax >= kInfBits) {  // NaN or Inf in the block: all NaN
     for (int64_t j = 0; j < b.m; ++j) store_bits<T>(b.yp + j * P.say, kNaNBits);
   } else if (MODE == kStochastic && P.fp4_sto) {
@@ -1155,9 +1186,12 @@ void pow2_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail
   const int64_t nfull = std::min(nblk, avail / bs);
   int64_t b0 = 0;
   if constexpr (std::is_same<T, float>::value && BS == 32)
-    for (; b0 + 8 <= nfull; b0 += 8) amax_8x<32>(x + b0 * 32, G.amax + b0);
-  for (int64_t b = b0; b < nfull; ++b) G.amax[b] = block_amax<T>(x + b * bs, bs, 1, true);
-  if (nfull < nblk) G.amax[nfull] = block_amax<T>(x + nfull * bs, avail - nfull * bs, 1, true);
+    if (!P.lowered)
+      for (; b0 + 8 <= nfull; b0 += 8) amax_8x<32>(x + b0 * 32, G.amax + b0);
+  for (int64_t b = b0; b < nfull; ++b)
+    G.amax[b] = block_amax<T>(x + b * bs, bs, 1, true, P.lowered);
+  if (nfull < nblk)
+    G.amax[nfull] = block_amax<T>(x + nfull * bs, avail - nfull * bs, 1, true, P.lowered);
   pow2_grids<FIXED>(G, nblk, P, a);
   const uint32_t dsh = FIXED ? 0u : (uint32_t)(23 - a.man) << 23;
   // the rare blocks out of line: round_block inlined here would keep gcc from inlining the
@@ -1241,6 +1275,13 @@ void round_tile(const T* xt, T* yt, int64_t m, int64_t w, const BlockPlan& P,
   for (int64_t c = 0; c < w; ++c) amax[c] = 0;
   for (int64_t j = 0; j < m; ++j) {
     const T* xr = xt + j * P.sax;
+    if (P.lowered) {
+      for (int64_t c = 0; c < w; ++c) {
+        const uint32_t v = lowered_abs_bits(load_bits<T>(xr + c));
+        amax[c] = v > amax[c] ? v : amax[c];
+      }
+      continue;
+    }
     for (int64_t c = 0; c < w; ++c) {
       const uint32_t v = load_bits<T>(xr + c) & kAbsMask;
       amax[c] = v > amax[c] ? v : amax[c];
@@ -1536,7 +1577,7 @@ template <int MODE, typename T>
 void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key) {
   if (L.numel == 0) return;
   constexpr bool STOCH = MODE == kStochastic;
-  const uint32_t amax = amax_bits<false, T>(x, L);
+  const uint32_t amax = amax_bits<false, T>(x, L, negative_power_lowers(a));
   if (amax >= kInfBits) {
     elementwise<false, T>(x, y, L, key, [](uint32_t, uint32_t) { return kNaNBits; });
   } else if (a.scale_rule == kRuleAmax) {

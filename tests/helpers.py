@@ -157,3 +157,21 @@ def check_two_level_callers(x, want, want_t):
     assert torch.equal(bits(got_t), bits(want_t))
     qx = qt.as_qtensor(x, qt.nvfp4)
     assert torch.equal(bits(qx.dequantize()), bits(want["nearest"]))
+
+
+def twos_complement_blocks(elem, bs: int, limit: int = 6000, seed: int = 0) -> torch.Tensor:
+    """Blocks of bs (a [n, bs] float32 tensor) of a signed two's-complement FixedFormat elem:
+    every bs-tuple (at most ``limit`` of them, drawn at random past that) of its codes and the
+    points between neighbouring codes (quarters, ties), each tuple at the scales 2^-3, 1 and
+    2^40, and 2^-146 (float32 subnormals: scales clamped to the smallest)."""
+    kmin, kmax = -(2 ** (elem.wl - 1)), 2 ** (elem.wl - 1) - 1
+    steps = torch.arange(4 * kmin, 4 * kmax + 1, dtype=torch.float64) / 4
+    values = steps * 2.0 ** -elem.fl
+    n = values.numel() ** bs
+    if n <= limit:
+        idx = torch.cartesian_prod(*[torch.arange(values.numel())] * bs).reshape(n, bs)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, values.numel(), (limit, bs), generator=g)
+    rows = values[idx]
+    return torch.cat([rows * 2.0 ** s for s in (-3, 0, 40, -146)]).float()

@@ -246,6 +246,29 @@ def block_scale(amax: Fraction, fmt, ts: Optional[Fraction] = None) -> Fraction:
     return Fraction(2) ** min(max(k, s_emin), s_emax)
 
 
+def twos_complement(elem) -> bool:
+    """Whether elem is signed two's-complement fixed point: one more negative code,
+    -2^(wl-1-fl), than positive ones."""
+    return hasattr(elem, "wl") and elem.signed and not elem.symmetric
+
+
+def floor_binade(values, fmt) -> Optional[int]:
+    """The exponent b of the floor rule's scale 2^(b - emax_elem) of a block (None: all zeros):
+    floor(log2 amax); with two's-complement elements the smallest b with every value in
+    [-2^(b+1), 2^(b+1)), i.e. the max of floor(log2 p) over positives p and ceil(log2 |n|) - 1
+    over negatives n (a block's -2^c is the code -2^(emax_elem+1) of the scale below)."""
+    b = None
+    for v in values:
+        if v == 0:
+            continue
+        a = abs(Fraction(v))
+        e = floor_log2(a)
+        if v < 0 and twos_complement(fmt.elem) and a == Fraction(2) ** e:
+            e -= 1
+        b = e if b is None else max(b, e)
+    return b
+
+
 def quantize_block(values: List[float], fmt, mode: Optional[str] = None,
                    ts: Optional[Fraction] = None) -> list:
     """One block (a list of floats) quantized; stochastic entries are (lo, hi) tuples; ts: the
@@ -260,6 +283,8 @@ def quantize_block(values: List[float], fmt, mode: Optional[str] = None,
         return 0.0 if integer else _with_sign(0, math.copysign(1.0, v) < 0)
     if amax == 0:
         return [zero(v) for v in values]
+    if fmt.scale_rule == "floor":  # (amax's binade, or the two's-complement rule's)
+        amax = Fraction(2) ** floor_binade(values, fmt)
     X = block_scale(amax, fmt, ts)
     elem = fmt.elem.replace(saturate=True)
     if fmt.scale_rule == "amax" and mode != "stochastic":

@@ -10,7 +10,7 @@ import torch
 from ..formats.base import Format, is_stochastic
 from ..kernels import backend as _backend
 from ..kernels import ops as _ops
-from ..kernels.reference import scale_candidates, two_level_payload
+from ..kernels.reference import scale_amax, scale_candidates, two_level_payload
 from . import kernel as _kernel
 from .exponents import _exponent, _pow2
 from .format import AccumFormat
@@ -98,7 +98,7 @@ def _block_scales(x: torch.Tensor, fmt, kdim: int, need: str = "value", q=None):
     # in x's own layout (a reduction over a middle dim runs in vectors; no copy of x)
     blocks = xk.unflatten(d, (-1, bs))
     r = d + 1  # the dim of a block's elements
-    amax = blocks.abs().amax(r).double()  # exact (float32 values)
+    amax = scale_amax(blocks, fmt, r, False)  # exact (float32 values), as the rule reads it
     if not compiling and not torch.isfinite(amax).all():  # inf or NaN in some block
         return None
     ts = torch.ones((), dtype=torch.float64, device=x.device)

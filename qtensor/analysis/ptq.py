@@ -39,7 +39,7 @@ from ..kernels.backend import round_payload as _round, with_axis
 from ..formats.base import Format
 from ..nn.plans import Recipe, _plain
 from ..nn.recipes import direct_cast
-from ..kernels.reference import block_scale, round_with_scale
+from ..kernels.reference import block_scale, round_with_scale, scale_amax
 from ..tensor.subclass import QTensor
 from .calibration import _Inputs, _batches, _execution_order
 from .error_diffusion import _diffusion_matrix
@@ -211,7 +211,7 @@ def _flow_eval(model, batches, recipe, layers, who, quantize_layer, need_fp32_in
 
         q, scale = solve()
         while scale is not None:  # a per-tensor block: the whole weight must be a fixed point
-            again = block_scale(q.abs().amax().reshape(1, 1), fmt)
+            again = block_scale(scale_amax(q, fmt, None).reshape(1, 1), fmt)
             if not bool((again < scale).all()) or torch.equal(
                     round_with_scale(q, again, fmt, fmt.rounding), q):
                 break

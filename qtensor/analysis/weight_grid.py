@@ -19,7 +19,7 @@ import torch
 
 from ..formats.base import Format, is_stochastic
 from ..kernels.reference import (block_scale, encode_scale, round_scalar64, round_with_scale,
-                                 te_block_scale, te_round_with_scale)
+                                 scale_amax, te_block_scale, te_round_with_scale)
 
 __all__ = ["weight_groups"]
 
@@ -69,7 +69,7 @@ class _Grid:
         self.whole_scale = None
         if self.block and fmt.axis is None:
             src = w0 if whole is None else whole
-            self.whole_scale = (block_scale(src.abs().amax().reshape(1, 1), fmt)
+            self.whole_scale = (block_scale(scale_amax(src, fmt, None).reshape(1, 1), fmt)
                                 if whole_scale is None else whole_scale)
         self.te, self.pin = None, None
         if self.block and fmt.tensor_scale:
@@ -132,7 +132,7 @@ class _Grid:
             return None
         if self.whole_scale is not None:  # one scale for the tensor (see _flow)
             return self.whole_scale.expand(len(cur), 1).clone()
-        x = self._scale_of(cur.abs().amax(dim=1, keepdim=True))
+        x = self._scale_of(scale_amax(cur, self.fmt, 1))
         if self.pin is not None and a <= self.pin[1] < b:
             x[self.pin[0], 0] = self.pin[3]
         return x
@@ -161,7 +161,7 @@ class _Grid:
         E4M3, whose 240 doubles to 480 > 448; with the amax rule any smaller scale moves them.)"""
         if not self.block or self.whole_scale is not None:  # (per-tensor: checked in _flow)
             return torch.zeros(len(rows), dtype=torch.bool)
-        again = self._scale_of(q.abs().amax(dim=1, keepdim=True))
+        again = self._scale_of(scale_amax(q, self.fmt, 1))
         moved = (self._round_with(q, again) != q).any(dim=1)
         moved &= (again < scale)[:, 0]
         if self.pin is not None and a <= self.pin[1] < b:

@@ -345,7 +345,13 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
         u = torch.nn.functional.pad(u, (0, pad))  # zeros: no effect on the amax
     u = u.reshape(*u.shape[:-1], -1, bs)
     A = u & _ABS
-    amax = A.amax(dim=-1, keepdim=True)  # |x| as integers orders like the values, NaN on top
+    key = A
+    if scale_rule == _RULE_FLOOR and elem_fixed and elem[3] != 0 and elem[4] == 0:
+        # (quantize_cpu.h lowered_abs_bits) two's-complement elements: a negative power of two
+        # counts a binade lower
+        pow2 = torch.where(A < 0x00800000, (A & (A - 1)) == 0, (A & 0x007FFFFF) == 0)
+        key = A - ((u < 0) & pow2 & (A > 1) & (A < _INF)).to(A.dtype)
+    amax = key.amax(dim=-1, keepdim=True)  # |x| as integers orders like the values, NaN on top
     # round.h block_scale_exp
     b = torch.where(amax == 0, -1, _binade(amax, amax >> 23))
     k = b - elem[5]

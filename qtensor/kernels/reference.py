@@ -244,6 +244,32 @@ def tile_blocks(x: torch.Tensor, fmt: BlockFormat):
     return y, restore, fmt1
 
 
+def negative_power_lowers(fmt: BlockFormat) -> bool:
+    """Whether fmt's scale rule counts a negative power of two one binade lower: the floor rule
+    with signed two's-complement fixed-point elements (codes down to -2^(emax_elem+1), one past
+    the positive max), whose scale 2^(c-1-emax_elem) holds -2^c as that code."""
+    # (an element range past -max: two's complement's most negative code -max - 2^-fl)
+    return fmt.scale_rule == "floor" and -fmt.elem.lowest > fmt.elem.max
+
+
+def scale_amax(blocks: torch.Tensor, fmt: BlockFormat, dim=-1, keepdim: bool = True):
+    """The magnitude the blocks' scales derive from (what :func:`scale_candidates` takes): the
+    largest |x| along dim, float64 (NaN or Inf where the block holds one). Under
+    :func:`negative_power_lowers` a negative x = -2^c (c > -149) counts as the largest float64
+    below 2^c: b = max(floor(log2 p) over positives, ceil(log2 |n|) - 1 over negatives), so a
+    block's own rounded values (its most negative code -2^(emax_elem+1) * X) derive the same
+    scale again (docs/formats.md, the floor rule). (-2^-149 keeps its binade: both scales
+    clamp to the smallest.)"""
+    a = blocks.abs().double()
+    if negative_power_lowers(fmt):
+        m, _ = torch.frexp(a)
+        lower = (blocks < 0) & (m == 0.5) & (a > 2.0 ** -149)
+        a = torch.where(lower, a * (1 - 2.0 ** -53), a)  # exact: 53 ones below 2^c
+    if not a.numel():
+        return a.sum(dim, keepdim)
+    return a.amax(dim, keepdim) if dim is not None else a.amax()
+
+
 def scale_candidates(fmt: BlockFormat) -> list:
     """The functions amax -> X of blocks whose largest magnitude is amax (finite float64,
     >= 0), by ``fmt.scale_rule``: one, or two for 4over6 (the block's max mapped to max_elem
@@ -612,7 +638,7 @@ def _quantize_blocks(x64: torch.Tensor, fmt: BlockFormat, rounding: str,
     idx = block_layout(index, fmt) if index is not None else None
     moved = x64.reshape(1, -1) if axis is None else x64.movedim(axis, -1)
     n = moved.shape[-1]
-    amax = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.sum(-1, True)
+    amax = scale_amax(blocks, fmt)
     bad = ~torch.isfinite(amax)
     amax_f = torch.where(bad, torch.zeros_like(amax), amax)
 

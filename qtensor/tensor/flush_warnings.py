@@ -215,7 +215,8 @@ def clipping(x: torch.Tensor, fmt: Format, q: Optional[torch.Tensor] = None, *,
             if len(candidates) == 2:  # 4over6: map-to-6 where the block's max is its top
                 scale = torch.where(rmax == hi * scale, scale, candidates[1](rmax))
         else:
-            scale = candidates[0](torch.where(bad, 0.0, amax))
+            # (the amax the scale rule reads: a negative power of two can count lower)
+            scale = candidates[0](torch.where(bad, 0.0, reference.scale_amax(b, fmt)))
     keep = ~bad & (scale > 0)
     inf = torch.full_like(scale, float("inf"))
     top = torch.where(keep, hi * scale, inf).float()  # (past float32: Inf, clips nothing)

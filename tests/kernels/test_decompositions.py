@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qtensor as qt
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, twos_complement_blocks
 from qtensor.kernels import backend, decompositions, ops
 from qtensor.formats.block import BlockFormat
 from qtensor.formats.fixed import FixedFormat
@@ -71,6 +71,17 @@ def test_decomposition_gives_the_kernels_bits(spec, rounding, dtype):
     assert got is not NotImplemented
     assert got.dtype == dtype and got.shape == x.shape
     assert_bits_equal(got, want, f"{fmt} {rounding} {dtype}")
+
+
+def test_twos_complement_floor_blocks():
+    """The floor rule with two's-complement elements counts a negative power of two a binade
+    lower (docs/formats.md): every tuple of codes and points between them, the kernel's bits."""
+    for elem in (FixedFormat(2, 0), FixedFormat(4, -2)):
+        x = twos_complement_blocks(elem, 3, limit=2000)
+        for rounding in MODES:
+            fmt = BlockFormat(elem, 3)
+            assert_bits_equal(_call(fmt, x, rounding, "decomposition"),
+                              _call(fmt, x, rounding, "kernel"), f"{fmt} {rounding}")
 
 
 def test_block_edge_shapes():

@@ -23,7 +23,8 @@ from qtensor.formats.presets import PRESETS
 from qtensor.formats.block import BlockFormat
 from qtensor.formats.fixed import FixedFormat
 from qtensor.formats.float import FloatFormat  # noqa: E402
-from helpers import assert_bits_equal  # noqa: E402  (NaN payloads: the reference's differ)
+# (assert_bits_equal: NaN payloads, where the reference's differ)
+from helpers import assert_bits_equal, twos_complement_blocks  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors",
                                         "ignore:invalid value encountered in cast")
@@ -200,6 +201,26 @@ def test_custom_blocks_every_rule(fmt):
     y = x[:, :5]
     assert_bits_equal(call(fam, y, args, "toward_zero"),
                       reference.quantize_with_seed(y, fmt, "toward_zero"), f"{fmt} vs reference")
+
+
+@pytest.mark.parametrize("elem", [FixedFormat(2, 0), FixedFormat(3, 1), FixedFormat(4, -2)],
+                         ids=str)
+def test_twos_complement_floor_blocks(elem):
+    """The floor rule's exponent with two's-complement elements (a negative power of two counts
+    a binade lower): every tuple of codes and points between them in blocks of 2 to 4, every
+    rounding mode, along rows and a strided axis, gives the C++ kernels' and the reference's
+    bits, and rounding again gives them back."""
+    for bs in (2, 3, 4):
+        x = twos_complement_blocks(elem, bs, limit=800)
+        for t, f in ((x, BlockFormat(elem, bs)), (x.t(), BlockFormat(elem, bs, axis=0))):
+            fam, args = ops.op_args(f)
+            for r in ROUNDINGS:
+                got = call(fam, t, args, r)
+                assert_same(got, cpu(fam, t, args, r), f"{f} {r}")
+                assert_same(call(fam, got, args, r, SEED + 1), got, f"{f} {r} q(q(x))")
+            assert_bits_equal(call(fam, t, args, "stochastic"),
+                              reference.quantize_with_seed(t, f, "stochastic", SEED),
+                              f"{f} vs reference")
 
 
 def test_hypothesis_custom_float_and_block_formats():

@@ -147,7 +147,7 @@ def _block_kernel(x_ptr, y_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, yso, ysl, 
                   s_man, s_emin, s_qlow, s_max, s_ovf, s_minn, s_uns, e_max, e_pos, e_neg,
                   key, sr_or,
                   RULE: tl.constexpr, MODE: tl.constexpr, ELEM_FIXED: tl.constexpr,
-                  UP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                  UP: tl.constexpr, LOWERED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     row_ok = b < nblocks
     per_o = nb * I
@@ -173,8 +173,12 @@ def _block_kernel(x_ptr, y_ptr, nblocks, L, I, nb, bs, xso, xsl, xsi, yso, ysl, 
         j = c0 + cols
         m = row_ok[:, None] & (j[None, :] < bs) & ((start[:, None] + j[None, :]) < L)
         u = tl.load(x_ptr + xbase[:, None] + j[None, :] * xsl, mask=m, other=0.0)
-        u = u.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-        amax = tl.maximum(amax, tl.max(tl.where(m, u, 0), axis=1))
+        u = u.to(tl.uint32, bitcast=True)
+        a = u & 0x7FFFFFFF
+        if LOWERED:  # (quantize_cpu.h lowered_abs_bits) a negative power of two: a binade lower
+            pow2 = tl.where(a < 0x00800000, (a & (a - 1)) == 0, (a & 0x007FFFFF) == 0)
+            a -= (((u >> 31) != 0) & pow2 & (a > 1) & (a < 0x7F800000)).to(tl.uint32)
+        amax = tl.maximum(amax, tl.max(tl.where(m, a, 0), axis=1))
     bad = amax >= 0x7F800000
     amax = tl.where(bad, 0, amax)
 
@@ -352,6 +356,9 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
             even_mbits = wl - 2 if signed else wl - 1
             e_pos = _f64_bits(kmax * 2.0 ** -fl)
             e_neg = _f64_bits(-kmin * 2.0 ** -fl)
+            # the floor rule counts a negative power of two a binade lower with one more
+            # negative code (reference.negative_power_lowers)
+            lowered = rule == _FLOOR and signed and not sym
         else:
             man, emin = elem[1], elem[2]
             if not 0 <= man <= 23:
@@ -360,6 +367,7 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
             fl = kmin = kmax = 0
             even_mbits = man
             e_pos = e_neg = 0
+            lowered = False
         s_man, s_emin, s_emax, s_sub, s_overflow, s_uns = scale
         s_qlow = s_emin - s_man if s_sub else s_emin
         s_max = _f64_bits(scale_max)
@@ -375,7 +383,7 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
             s_emin, s_emax, even_mbits,
             s_man, s_emin, s_qlow, s_max, s_ovf, _pow2_f64_bits(s_emin), int(bool(s_uns)),
             _f64_bits(elem_max), e_pos, e_neg, key, sr_or,
-            RULE=rule, MODE=mode, ELEM_FIXED=fixed, UP=up, BR=BR, BC=BC)
+            RULE=rule, MODE=mode, ELEM_FIXED=fixed, UP=up, LOWERED=lowered, BR=BR, BC=BC)
     if out is not None and y is out:
         return out
     return finish(x, y.reshape(x.shape), out)
