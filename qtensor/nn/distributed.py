@@ -1,7 +1,7 @@
 """Converted models under torch.distributed: wrap order, DDP's options, FSDP2's sharded parameters.
 
-The collectives themselves are op rules (``qtensor.tensor.dispatch``: a collective on QTensors waits for
-its result, then rounds it once into the format). This module holds what concerns a converted
+The collectives themselves are op rules (``qtensor.tensor.collectives``: a collective on QTensors
+waits for its result, then rounds it once into the format). This module holds what concerns a converted
 model as a whole:
 
 - :func:`check_unwrapped`: ``qt.convert`` refuses a model already wrapped for data or tensor

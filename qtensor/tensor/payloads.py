@@ -1,0 +1,118 @@
+"""A QTensor op's payloads: the arguments unwrapped to them, and their roundings to a format
+(a fresh output, in place after an in-place op), as the op rules (qtensor.tensor.dispatch) and
+the collectives (qtensor.tensor.collectives) call the rounding back end."""
+from __future__ import annotations
+
+import torch
+
+from . import block_specials as _block_specials
+from . import shards as _shards
+from ..kernels import backend as _backend
+from ..kernels.backend import fit_format
+from ..kernels.checks import FLOAT_DTYPES
+from ..formats.base import Format, is_stochastic
+
+__all__ = ["quantize", "round_fresh", "round_inplace", "unwrap", "unwrap_list"]
+
+
+def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True,
+             tiles: bool = True) -> torch.Tensor:
+    """One rounding of a plain payload tensor to fmt, fitted to its dims (fit_format): the
+    op rules' call of the rounding back end (qtensor.kernels.backend.round_payload, whose
+    docstring tells keep_layout and tiles)."""
+    return _backend.round_payload(x, fit_format(fmt, x.dim()), keep_layout, tiles)
+
+
+def round_fresh(out, fmt, func):
+    """An op's own new output, an eager CPU tensor that the kernels take (_eager_cpu_kernel),
+    rounded to fmt (fitted to it): in place where the kernels can (the same bits as
+    ``quantize``, without a second buffer), else by ``quantize``; block formats are watched for
+    NaN blocks (qtensor.tensor.block_specials)."""
+    block = fmt.is_block
+    if (is_stochastic(fmt.rounding) or not out.is_contiguous()
+            or out.is_neg() or fmt.is_tiled
+            or (block and fmt.axis is not None and out.dim() > 1
+                and fmt.axis % out.dim() != out.dim() - 1
+                and not _backend.tiles_in_place(out, fmt))):
+        before, out = out, _backend.round_payload(out, fmt)
+        if block:
+            _block_specials.check(before, out, fmt, op=func)
+        return out
+    if (block and _block_specials.watching() and out.numel()
+            and not torch.isfinite(out.sum())):  # an Inf or NaN may spread over its block
+        before = out.clone()
+        _backend.round_fresh_in_place(out, fmt)
+        _block_specials.check(before, out, fmt, op=func)
+        return out
+    _backend.round_fresh_in_place(out, fmt)
+    return out
+
+
+def round_inplace(q, func=None) -> None:
+    """Round a QTensor's payload in place to its own format (after an in-place op)."""
+    data = q._data
+    fmt = fit_format(q.fmt, data.dim())
+    if fmt.is_two_level:  # computed in place: a fresh tensor scale (a shard's: the whole's)
+        shard = _shards.live(q) if q._shard is not None else None
+        if shard is not None:
+            v, q._tscale = _shards.round_shard(data, fmt, shard)
+        else:
+            v, q._tscale = _backend.round_with_scale(data, fmt)
+        data.copy_(v)
+        return
+    if (fmt.is_block and _block_specials.watching() and type(data) is torch.Tensor
+            and data.numel() and not torch.compiler.is_compiling()
+            and not torch.isfinite(data.sum())):  # an Inf or NaN may spread over its block
+        before = data.clone()
+        _backend.round_payload(data, fmt, out=data)
+        _block_specials.check(before, data, fmt, op=func)
+        return
+    _backend.round_payload(data, fmt, out=data)
+
+
+def unwrap_list(seq, qs, cls):
+    out = []
+    plain = False
+    for a in seq:
+        if isinstance(a, cls):
+            qs.append(a)
+            out.append(a._data)
+        else:
+            if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
+                plain = True
+            out.append(a)
+    return out, plain
+
+
+def unwrap(args, kwargs, qs, cls):
+    """(args, kwargs) with payloads in place of QTensors (one list level deep, as aten arguments
+    are), appended to qs; and whether a plain floating tensor is among them (high-precision
+    values meeting QTensors)."""
+    plain = False
+    uargs = []
+    for a in args:
+        if isinstance(a, cls):
+            qs.append(a)
+            uargs.append(a._data)
+        elif isinstance(a, (list, tuple)):
+            a, p = unwrap_list(a, qs, cls)
+            uargs.append(a)
+            plain |= p
+        else:
+            if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
+                plain = True
+            uargs.append(a)
+    ukwargs = {}
+    if kwargs:
+        for k, a in kwargs.items():
+            if isinstance(a, cls):
+                qs.append(a)
+                ukwargs[k] = a._data
+            elif isinstance(a, (list, tuple)):
+                ukwargs[k], p = unwrap_list(a, qs, cls)
+                plain |= p
+            else:
+                if isinstance(a, torch.Tensor) and a.dtype in FLOAT_DTYPES:
+                    plain = True
+                ukwargs[k] = a
+    return uargs, ukwargs, plain
