@@ -375,12 +375,14 @@ QT_BLOCK_FN qt_v8d fp4_sto_grid8(qt_v8f a, qt_v8d X, qt_v8u r) {
   return v < v8d_of(6.0) ? v : v8d_of(6.0);
 }
 
-// lowbias32 (round.h, random_word) on each lane (uint32 lanes)
+// lowbias32 (round.h, random_word) on each lane (uint32 lanes); _rest_v: after its first step
 template <typename V>
-QT_BLOCK_FN V lowbias32_v(V v) {
-  v ^= v >> 16; v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
+QT_BLOCK_FN V lowbias32_rest_v(V v) {
+  v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
   return v;
 }
+template <typename V>
+QT_BLOCK_FN V lowbias32_v(V v) { return lowbias32_rest_v(v ^ (v >> 16)); }
 
 // The block scale value (before the tensor scale; 0: no scale) of a (rounded) amax, as
 // fp4_scale: ts_div = elem_max times the tensor scale, as float32.
@@ -2119,16 +2121,22 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
         return r < v8f_of(kFltMax) ? r : v8f_of(kFltMax);
       };
       const qt_v8f inv6 = inv_of(X6), inv4 = four ? inv_of(X4) : v8f_of(0.0f);
+      // lowbias32's first step v ^ (v >> 16) of the words' inputs (o0 + 16 k + j) ^ ikey, j < 16,
+      // o0 + 16 k a multiple of 16: (o0 + 16 k) ^ (j ^ ikey), so the step is the xor of the same
+      // step of each part, the latter's once a batch
       const uint32_t ikey = MODE == kStochastic ? index_key(key, o0) : 0u;
       const qt_v16u iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const qt_v16u jk = iota ^ ikey, jk1 = jk ^ (jk >> 16);
       const qt_v16f nan = (qt_v16f)(qt_v16u{} + kNaNBits);
       qt_v16f p6[8], p4[8], d6[8], d4[8];
       for (int k = 0; k < 8; ++k) {
         qt_v16u xv;
         std::memcpy(&xv, xb + k * 16, 64);
         qt_v16u w = qt_v16u{};
-        if (MODE == kStochastic)
-          w = lowbias32_v((iota + (uint32_t)(o0 + k * 16)) ^ ikey) | a.sr_or;
+        if (MODE == kStochastic) {
+          const uint32_t o = (uint32_t)(o0 + k * 16);
+          w = lowbias32_rest_v(jk1 ^ (o ^ (o >> 16))) | a.sr_or;
+        }
         p6[k] = tl_fp4_payload_v<MODE, 16>(xv, w, inv6[k], X6[k], dec);
         if (!four) {
           if (k < n) tl_store16<T>(y + o0 + k * 16, bad[k] ? nan : p6[k] * dec);
