@@ -1803,6 +1803,15 @@ QT_BLOCK_FN V round_add_v(V z, uint32_t nmin_c, uint32_t dsh) {
   return (z + c) - c;
 }
 
+// min(a, b) on lanes a >= 0 (or NaN: b) and b >= 0 by their bits' integer order, which is theirs:
+// one integer instruction where the float select takes a compare and a blend
+template <typename V>
+QT_BLOCK_FN V min_nonneg_v(V a, float b) {
+  using I = decltype(a < a);
+  const I ai = (I)a, bi = I{} + (int32_t)f2u(b);
+  return (V)(ai < bi ? ai : bi);
+}
+
 // tl_round<MODE, kTlFp4> of N magnitudes at (words w) on N lanes: gcc turns the scalar form's
 // selects into unpredictable branches. Nearest: e2m1's grid by round_add_v (at most 6, its max;
 // smallest normal 1, 22 bits dropped), the same as the comparisons for every float32.
@@ -1812,8 +1821,7 @@ QT_BLOCK_FN typename Lanes<N>::F tl_fp4_grid_v(typename Lanes<N>::F at,
   using F = typename Lanes<N>::F;
   using I = typename Lanes<N>::I;
   using U = typename Lanes<N>::U;
-  if (MODE == kNearest) return round_add_v(at < F{} + 6.0f ? at : F{} + 6.0f, 0x3F800000u,
-                                          22u << 23);
+  if (MODE == kNearest) return round_add_v(min_nonneg_v(at, 6.0f), 0x3F800000u, 22u << 23);
   if (MODE != kStochastic) {
     qtensor::Fp4Bounds b1;
     const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
@@ -1821,18 +1829,19 @@ QT_BLOCK_FN typename Lanes<N>::F tl_fp4_grid_v(typename Lanes<N>::F at,
     for (int k = 0; k < 7; ++k) b1.t[k] = MODE == kTowardZero ? grid[k] : mid[k];
     return fp4_round_scaled8<MODE>(at, b1, 1.0f);
   }
-  const F z = at < F{} + 8.0f ? at : F{} + 8.0f;
-  // the spacing sp = 2^(E - 128) and 1 / sp of z's binade E (clamped to [127, 129]: z < 2 and
-  // z >= 4 step by 0.5 and 2)
-  const I E127 = I{} + (127 << 23), E129 = I{} + (129 << 23);
+  // z = min(|t|, 6), nearest's z: beyond 6 both give 6 (6 is on the grid, its fraction 0), and
+  // every result is at most 6 (z in [4, 6): 4 or 6)
+  const F z = min_nonneg_v(at, 6.0f);
+  // the spacing sp = 2^(E - 128) and 1 / sp of z's binade E (at least 127, at most 129 as z < 8:
+  // z < 2 and z >= 4 step by 0.5 and 2)
+  const I E127 = I{} + (127 << 23);
   I E = (I)z & (int32_t)kInfBits;
-  E = E < E127 ? E127 : (E > E129 ? E129 : E);
+  E = E < E127 ? E127 : E;
   const F sp = (F)(E - (1 << 23)), mul = (F)((255 << 23) - E);
   const F y = z * mul;
   const F fl = __builtin_convertvector(__builtin_convertvector(y, I), F);
   const U thr = __builtin_convertvector((y - fl) * 4294967296.0f, U);
-  const F v = (fl + (w < thr ? F{} + 1.0f : F{})) * sp;
-  return v < F{} + 6.0f ? v : F{} + 6.0f;
+  return (fl + (w < thr ? F{} + 1.0f : F{})) * sp;
 }
 
 // tl_payload (e2m1) of N elements (float32 bits xb, words w) under X with its inv: magnitudes,
