@@ -398,12 +398,14 @@ QT_BLOCK_FN qt_v8d fp4_sto_grid8(qt_v8f a, qt_v8d X, qt_v8u r) {
   return v < v8d_of(6.0) ? v : v8d_of(6.0);
 }
 
-// lowbias32 (round.h, random_word) on each lane (uint32 lanes)
+// lowbias32 (round.h, random_word) on each lane (uint32 lanes); _rest_v: after its first step
 template <typename V>
-QT_BLOCK_FN V lowbias32_v(V v) {
-  v ^= v >> 16; v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
+QT_BLOCK_FN V lowbias32_rest_v(V v) {
+  v *= 0x7feb352du; v ^= v >> 15; v *= 0x846ca68bu; v ^= v >> 16;
   return v;
 }
+template <typename V>
+QT_BLOCK_FN V lowbias32_v(V v) { return lowbias32_rest_v(v ^ (v >> 16)); }
 
 // The block scale value (before the tensor scale; 0: no scale) of a (rounded) amax, as
 // fp4_scale: ts_div = elem_max times the tensor scale, as float32.
@@ -1842,6 +1844,15 @@ QT_BLOCK_FN V round_add_v(V z, uint32_t nmin_c, uint32_t dsh) {
   return (z + c) - c;
 }
 
+// min(a, b) on lanes a >= 0 (or NaN: b) and b >= 0 by their bits' integer order, which is theirs:
+// one integer instruction where the float select takes a compare and a blend
+template <typename V>
+QT_BLOCK_FN V min_nonneg_v(V a, float b) {
+  using I = decltype(a < a);
+  const I ai = (I)a, bi = I{} + (int32_t)f2u(b);
+  return (V)(ai < bi ? ai : bi);
+}
+
 // tl_round<MODE, kTlFp4> of N magnitudes at (words w) on N lanes: gcc turns the scalar form's
 // selects into unpredictable branches. Nearest: e2m1's grid by round_add_v (at most 6, its max;
 // smallest normal 1, 22 bits dropped), the same as the comparisons for every float32.
@@ -1851,8 +1862,7 @@ QT_BLOCK_FN typename Lanes<N>::F tl_fp4_grid_v(typename Lanes<N>::F at,
   using F = typename Lanes<N>::F;
   using I = typename Lanes<N>::I;
   using U = typename Lanes<N>::U;
-  if (MODE == kNearest) return round_add_v(at < F{} + 6.0f ? at : F{} + 6.0f, 0x3F800000u,
-                                          22u << 23);
+  if (MODE == kNearest) return round_add_v(min_nonneg_v(at, 6.0f), 0x3F800000u, 22u << 23);
   if (MODE != kStochastic) {
     qtensor::Fp4Bounds b1;
     const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
@@ -1860,18 +1870,19 @@ QT_BLOCK_FN typename Lanes<N>::F tl_fp4_grid_v(typename Lanes<N>::F at,
     for (int k = 0; k < 7; ++k) b1.t[k] = MODE == kTowardZero ? grid[k] : mid[k];
     return fp4_round_scaled8<MODE>(at, b1, 1.0f);
   }
-  const F z = at < F{} + 8.0f ? at : F{} + 8.0f;
-  // the spacing sp = 2^(E - 128) and 1 / sp of z's binade E (clamped to [127, 129]: z < 2 and
-  // z >= 4 step by 0.5 and 2)
-  const I E127 = I{} + (127 << 23), E129 = I{} + (129 << 23);
+  // z = min(|t|, 6), nearest's z: beyond 6 both give 6 (6 is on the grid, its fraction 0), and
+  // every result is at most 6 (z in [4, 6): 4 or 6)
+  const F z = min_nonneg_v(at, 6.0f);
+  // the spacing sp = 2^(E - 128) and 1 / sp of z's binade E (at least 127, at most 129 as z < 8:
+  // z < 2 and z >= 4 step by 0.5 and 2)
+  const I E127 = I{} + (127 << 23);
   I E = (I)z & (int32_t)kInfBits;
-  E = E < E127 ? E127 : (E > E129 ? E129 : E);
+  E = E < E127 ? E127 : E;
   const F sp = (F)(E - (1 << 23)), mul = (F)((255 << 23) - E);
   const F y = z * mul;
   const F fl = __builtin_convertvector(__builtin_convertvector(y, I), F);
   const U thr = __builtin_convertvector((y - fl) * 4294967296.0f, U);
-  const F v = (fl + (w < thr ? F{} + 1.0f : F{})) * sp;
-  return v < F{} + 6.0f ? v : F{} + 6.0f;
+  return (fl + (w < thr ? F{} + 1.0f : F{})) * sp;
 }
 
 // tl_payload (e2m1) of N elements (float32 bits xb, words w) under X with its inv: magnitudes,
@@ -2160,16 +2171,22 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
         return r < v8f_of(kFltMax) ? r : v8f_of(kFltMax);
       };
       const qt_v8f inv6 = inv_of(X6), inv4 = four ? inv_of(X4) : v8f_of(0.0f);
+      // lowbias32's first step v ^ (v >> 16) of the words' inputs (o0 + 16 k + j) ^ ikey, j < 16,
+      // o0 + 16 k a multiple of 16: (o0 + 16 k) ^ (j ^ ikey), so the step is the xor of the same
+      // step of each part, the latter's once a batch
       const uint32_t ikey = MODE == kStochastic ? index_key(key, o0) : 0u;
       const qt_v16u iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const qt_v16u jk = iota ^ ikey, jk1 = jk ^ (jk >> 16);
       const qt_v16f nan = (qt_v16f)(qt_v16u{} + kNaNBits);
       qt_v16f p6[8], p4[8], d6[8], d4[8];
       for (int k = 0; k < 8; ++k) {
         qt_v16u xv;
         std::memcpy(&xv, xb + k * 16, 64);
         qt_v16u w = qt_v16u{};
-        if (MODE == kStochastic)
-          w = lowbias32_v((iota + (uint32_t)(o0 + k * 16)) ^ ikey) | a.sr_or;
+        if (MODE == kStochastic) {
+          const uint32_t o = (uint32_t)(o0 + k * 16);
+          w = lowbias32_rest_v(jk1 ^ (o ^ (o >> 16))) | a.sr_or;
+        }
         p6[k] = tl_fp4_payload_v<MODE, 16>(xv, w, inv6[k], X6[k], dec);
         if (!four) {
           if (k < n) tl_store16<T>(y + o0 + k * 16, bad[k] ? nan : p6[k] * dec);

@@ -91,6 +91,32 @@ def test_rows_of_whole_blocks(name, rounding):
                 raise AssertionError(f"{key} {dtype}") from err
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "stochastic5"])
+@pytest.mark.parametrize("name", ["nvfp4", "4over6"])
+def test_stochastic_elements_past_the_grid_max(name, rounding):
+    """Register path, stochastic e2m1: elements whose |x| / (X dec) lies past 6 (in (6, 8): a block
+    scale rounded down; at or past 8: the smallest scale, or a zero scale's inv of FLT_MAX) give
+    the reference's bits (the kernel clamps at 6 before its grid step)."""
+    g = torch.Generator().manual_seed(3)
+    fmt = FORMATS[name]
+    # the tensor's amax 1: enc = 6 * bound, X = code(amax * enc / 6) for amax and 4over6 alike
+    enc = 6.0 * float(fmt.tensor_scale_bound)
+    X_of = [1.0625, 1.125, 1.0, 2.0 ** -9 * 1.4, 2.0 ** -9 * 0.6, 2.0 ** -12]
+    rows = []
+    for k in range(64):
+        t = X_of[k % len(X_of)] * (1.0 + 0.06 * torch.rand((), generator=g).item())
+        b = torch.rand(16, generator=g) * (t * 6.0 / enc)
+        b[k % 16] = t * 6.0 / enc  # the block's amax
+        rows.append(b * torch.where(torch.rand(16, generator=g) < 0.5, -1.0, 1.0))
+    x = torch.stack(rows).reshape(8, 128)
+    x[0, 0] = 1.0
+    for seed in (1, 2, 3):
+        _check(x, fmt, rounding, seed=seed)
+    _, dec, X = backend.two_level(x, fmt, "nearest", 0, block_scales=True)
+    at = x.reshape(-1, 16).abs() / (X.reshape(-1, 1) * dec)
+    assert ((at > 6) & (at < 8)).any() and (at >= 8).any()
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic"])
 @pytest.mark.parametrize("name", ["nvfp4", "4over6", "ceil", "settle"])
 def test_given_tensor_scale(name, rounding):
