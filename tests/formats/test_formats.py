@@ -864,7 +864,9 @@ def test_a_family_subclass_rounds_as_its_family():
                dict(block_size=4, axis=-1, scale=e4m3, scale_rule="amax", tensor_scale=True),
                dict(block_size=4, axis=-1)):
         mine, theirs = _NamedBlock(e4m3, **kw), BlockFormat(e4m3, **kw)
-        if "block_shape" not in kw:
+        if "tensor_scale" in kw:  # (quantize_two_level's element and scale arguments)
+            assert mine.elem_scale_args() == theirs.elem_scale_args()
+        elif "block_shape" not in kw:
             assert mine.kernel_args() == theirs.kernel_args()
         assert (mine.is_tiled, mine.is_two_level) == (theirs.is_tiled, theirs.is_two_level)
         assert _bits(qt.quantize(x, mine)) == _bits(qt.quantize(x, theirs)), kw
