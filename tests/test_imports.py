@@ -181,9 +181,6 @@ _KNOWN_SLOTS = {
     # qt.convert's callers above nn (integrations/hf.py, and attention_hooks, which reads
     # convert's conversion table) add to every conversion
     "qtensor.nn.convert": ["register_model_hooks"],
-    # nn/distributed.py uses training's step internals; training's step asks it about sharded
-    # parameters
-    "qtensor.nn.training": ["register_sharded_plan_lookup", "register_gathered_step"],
 }
 
 

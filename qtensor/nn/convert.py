@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import distributed, gemm_forward as _gemm, training
+from . import distributed, gemm_forward as _gemm, masters, training
 # (F401: names this module had before its parts were modules of their own: conversion_of, which
 # other modules import from here, and the classes a converted model's pickle names here)
 from .conversion import _Conversion, _owners, _plan, conversion_of, is_converted, plan_of  # noqa: F401
@@ -59,7 +59,7 @@ def register_model_hooks(attach, detach) -> None:
 
 def _attach(conv: _Conversion) -> None:
     """Put the plans and gradient hooks on the parameters (tensor attributes and tensor hooks)."""
-    training.bump_epoch()
+    masters.bump_epoch()
     for mod, local, plan in conv.hooked_params:
         p = mod._parameters[local]
         distributed.remember_plan(mod, local, plan, _GradHook)  # for FSDP2's sharded parameters
@@ -328,5 +328,5 @@ def unconvert(model: nn.Module) -> nn.Module:
         "qt.unconvert", replaced,
         "the optimizers that stepped the model hold the new one, but other references taken "
         "before qt.unconvert (weak references, lists of parameters) still see the converted one.")
-    training.bump_epoch()
+    masters.bump_epoch()
     return model

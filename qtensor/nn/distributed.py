@@ -55,7 +55,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import training
+from .masters import MASTER_KEY, bump_epoch, mark_synced, set_outside
 from .plans import _plain, round_shard_to, round_to
 from ..tensor import shards, shims
 from ..tensor.shards import cuts_blocks
@@ -341,7 +341,7 @@ def _attach_sharded(p, plan) -> None:
     p._qt_reduced_grad_hook = True
     if not plan.value.full_precision:  # qt.training's step hooks: masters, optimizer state
         p._qt_plan = plan
-        training.bump_epoch()
+        bump_epoch()
 
 
 class _HookUnsharded:
@@ -438,14 +438,13 @@ class _GatheredStep:
 
     @staticmethod
     def gather(optimizer) -> bool:
-        from .training import MASTER_KEY, _set_outside
         gathered = []
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
                 if not _is_dtensor(p):
                     continue
-                plan = training._plan(p)
+                plan = getattr(p, "_qt_plan", None) or sharded_plan(p)
                 if plan is None:
                     continue
                 if not _cut_roles(p, plan):  # stepped on its shards
@@ -454,7 +453,7 @@ class _GatheredStep:
                 before = optimizer.state.pop(p, None)
                 state = {}
                 for key, value in (before or {}).items():
-                    if key == MASTER_KEY and _set_outside(p, value):
+                    if key == MASTER_KEY and set_outside(p, value):
                         continue  # p was set outside the optimizer: its values win
                     state[key] = value.full_tensor() if _is_dtensor(value) else value
                 with torch.no_grad():
@@ -471,7 +470,6 @@ class _GatheredStep:
     def put_back(optimizer, copy_back: bool) -> None:
         """The sharded parameters back into the optimizer: with copy_back, this rank's part of
         each whole parameter and its state; without (a step that raised), as they were."""
-        from .training import MASTER_KEY
         for params, i, p, whole, before in getattr(optimizer, "_qt_gathered", ()):
             params[i] = p
             state = optimizer.state.pop(whole, None) or {}
@@ -492,7 +490,7 @@ class _GatheredStep:
                 local._tscale = part._tscale  # (two-level: the whole parameter's new scale)
             master = state.get(MASTER_KEY)
             if master is not None:  # as training._restore: what p is once it holds master
-                training.mark_synced(p, master)
+                mark_synced(p, master)
         optimizer._qt_gathered = []
 
 
@@ -529,5 +527,7 @@ def _commit_scale(dest, tensor) -> None:
 # torch's private FSDPParam shard builders and DCP's commit_tensor (qtensor.tensor.shims)
 shims.wrap_fsdp_shard_builders(_two_level_scale, _give_scale)
 shims.wrap_dcp_commit_tensor(_commit_scale)
-training.register_sharded_plan_lookup(sharded_plan)
-training.register_gathered_step(_GatheredStep.gather, _GatheredStep.put_back)
+
+# qtensor.nn.training's step hooks, around each optimizer step
+gather_for_step = _GatheredStep.gather
+put_back_gathered = _GatheredStep.put_back

@@ -26,15 +26,16 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
+from . import distributed as _distributed
 from ..kernels.ops import quantize
 from ..tensor import shards as _shards
+from .masters import MASTER_KEY, epoch, mark_synced, set_outside as _set_outside
 from .plans import _is_q, _plain, check_scale, round_to
 from .spec import as_recipe
 from ..warn import warn as _warn
 
 __all__ = ["install_optimizer_hooks", "master_weight", "LossScaler", "check_scale"]
 
-MASTER_KEY = "qt_master"  # the optimizer-state key of a parameter's FP32 master
 _installed = False
 
 
@@ -47,53 +48,21 @@ def install_optimizer_hooks() -> None:
         _installed = True
 
 
-# Slots filled by qtensor.nn.distributed, which uses this module's step internals (bump_epoch,
-# _plan, MASTER_KEY): the optimizer's global step hooks are called by torch with the optimizer
-# only, and FSDP2 makes the sharded parameters, so neither can hand these over
-_sharded_plan = None  # qtensor.nn.distributed's lookup of an FSDP2 sharded parameter's plan
-
-
-def register_sharded_plan_lookup(lookup) -> None:
-    """qtensor.nn.distributed (above this module): the plan of a DTensor parameter that FSDP2 made
-    of a converted one (the optimizer may step it before any forward: DCP's state init)."""
-    global _sharded_plan
-    _sharded_plan = lookup
-
-
-_gathered_step = None  # qtensor.nn.distributed's (gather, put_back) of sharded parameters
-
-
-def register_gathered_step(gather, put_back) -> None:
-    """qtensor.nn.distributed: around each step, the whole tensors of sharded parameters whose
-    shards cut blocks of their formats (``gather(optimizer) -> bool``, ``put_back(optimizer,
-    copy_back)``)."""
-    global _gathered_step
-    _gathered_step = (gather, put_back)
-
-
 def _put_back_sharded(optimizer, copy_back: bool) -> None:
-    if _gathered_step is not None:
-        _gathered_step[1](optimizer, copy_back)
+    _distributed.put_back_gathered(optimizer, copy_back)
 
 
 def _plan(p):
     plan = getattr(p, "_qt_plan", None)
-    if plan is None and _sharded_plan is not None and hasattr(p, "_local_tensor"):
-        plan = _sharded_plan(p)
+    if plan is None and hasattr(p, "_local_tensor"):  # FSDP2's sharded parameter
+        plan = _distributed.sharded_plan(p)
     return plan
-
-
-_epoch = [0]  # bumped whenever parameters gain or lose plans (convert, unconvert, re-attach)
-
-
-def bump_epoch() -> None:
-    _epoch[0] += 1
 
 
 def _involved(optimizer) -> bool:
     """Whether any parameter of ``optimizer`` is converted (cached until the next conversion)."""
     n = sum(len(g["params"]) for g in optimizer.param_groups)
-    key = (_epoch[0], n)
+    key = (epoch(), n)
     cached = getattr(optimizer, "_qt_involved", None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -120,27 +89,6 @@ def _restore(optimizer, copy_back: bool) -> None:
                 p.copy_(master)  # rounds into p's format with its rounding mode
             mark_synced(p, master)
     optimizer._qt_swapped = []
-
-
-def _master_version(master) -> int:
-    return getattr(master, "_local_tensor", master)._version  # (a DTensor: its shard's)
-
-
-def mark_synced(p, master) -> None:
-    """p holds master now: what p and master are then. p set outside the optimizer differs
-    from it (``p.data = x`` replaces the payload, an in-place edit bumps the version)."""
-    p._qt_synced = (weakref.ref(master), weakref.ref(getattr(p, "_data", p)), p._version,
-                    _master_version(master))
-
-
-def _set_outside(p, master) -> bool:
-    """Whether p was set since the optimizer last copied master into it (then p's values win),
-    and master was not (both set: a checkpoint's load of the model and the optimizer state,
-    whose master is what p was rounded from: the master wins)."""
-    sig = getattr(p, "_qt_synced", None)
-    return sig is not None and sig[0]() is master and (
-        sig[1]() is not getattr(p, "_data", p) or sig[2] != p._version) and (
-        sig[3] == _master_version(master))
 
 
 def _swap_in(optimizer, reuse_grad_buffers: bool = True) -> None:
@@ -241,7 +189,7 @@ def _pre_step(optimizer, args, kwargs):
     if not _involved(optimizer):
         return None
     _optimizers.add(optimizer)
-    gathered = _gathered_step is not None and _gathered_step[0](optimizer)
+    gathered = _distributed.gather_for_step(optimizer)
     if isinstance(optimizer, torch.optim.Adagrad):
         _init_adagrad_state(optimizer)
     _swap_in(optimizer)
