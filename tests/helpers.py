@@ -175,3 +175,19 @@ def twos_complement_blocks(elem, bs: int, limit: int = 6000, seed: int = 0) -> t
         idx = torch.randint(0, values.numel(), (limit, bs), generator=g)
     rows = values[idx]
     return torch.cat([rows * 2.0 ** s for s in (-3, 0, 40, -146)]).float()
+
+
+def one_sgd_step(model, n_in: int, n_out: int, **sgd) -> list:
+    """The values of a converted ``model``'s parameters after one SGD step (``sgd``: its
+    options) of the MSE against random targets, on a fixed batch of 16 ``n_in`` inputs."""
+    import torch.nn.functional as F
+
+    import qtensor as qt  # (here: the Triton tests set their environment before importing it)
+    plain = lambda t: t.dequantize() if isinstance(t, qt.QTensor) else t  # noqa: E731
+    opt = torch.optim.SGD(model.parameters(), **sgd)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, n_in, generator=g), torch.randn(16, n_out, generator=g)
+    opt.zero_grad()
+    F.mse_loss(plain(model(x)), y).backward()
+    opt.step()
+    return [plain(p) for p in model.parameters()]

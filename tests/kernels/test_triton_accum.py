@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("triton")
@@ -26,6 +25,8 @@ from qtensor.tensor import dispatch
 from qtensor.kernels import backend
 from qtensor.kernels import gpu  # noqa: E402
 from qtensor.accum.format import AccumFormat  # noqa: E402
+
+from helpers import one_sgd_step  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::qtensor.accum.OperandFormatWarning",
                                         "ignore:invalid value encountered",
@@ -186,14 +187,7 @@ def _train(seed=0):
     recipe = qt.Recipe(weight=("bf16", "fp8_e4m3"), activation=("bf16", "fp8_e4m3"),
                        grad=("bf16", "fp8_e5m2"), accumulate=accum.hopper_fp8)
     model = qt.convert(nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 8)), recipe)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(16, 40, generator=g), torch.randn(16, 8, generator=g)
-    opt.zero_grad()
-    out = model(x)
-    F.mse_loss(out.dequantize() if isinstance(out, qt.QTensor) else out, y).backward()
-    opt.step()
-    return [p.dequantize() if isinstance(p, qt.QTensor) else p for p in model.parameters()]
+    return one_sgd_step(model, 40, 8, lr=1e-2)
 
 
 def test_training_step_with_the_accumulator_forced_gives_the_cpu_bits(calls):

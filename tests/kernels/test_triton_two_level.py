@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("triton")
@@ -23,7 +22,7 @@ import qtensor as qt  # noqa: E402
 from qtensor.kernels import backend, gpu, ops, reference  # noqa: E402
 from qtensor.tensor import dispatch  # noqa: E402
 
-from helpers import (check_two_level_callers, count_calls, two_level_caller_wants,  # noqa: E402
+from helpers import (check_two_level_callers, count_calls, one_sgd_step, two_level_caller_wants,  # noqa: E402
                      two_level_formats)
 
 # (the interpreter's numpy casts of float64 steps that overflow float32 to Inf, as they must)
@@ -144,14 +143,7 @@ def test_callers_take_the_kernel(counted, monkeypatch):
 def _train(recipe):
     torch.manual_seed(0)
     model = qt.convert(nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)), recipe)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 16, generator=g)
-    opt.zero_grad()
-    out = model(x)
-    F.mse_loss(out.dequantize() if isinstance(out, qt.QTensor) else out, y).backward()
-    opt.step()
-    return [p.dequantize() if isinstance(p, qt.QTensor) else p for p in model.parameters()]
+    return one_sgd_step(model, 32, 16, lr=1e-2, momentum=0.9)
 
 
 def test_training_step_forced_gives_the_cpu_bits(counted, monkeypatch):
