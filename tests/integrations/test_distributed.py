@@ -1341,6 +1341,45 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
     _assert_bits_equal(tripled, qt_plain(want), "rank 0's local weight * 3")
 
 
+def _sc_fsdp_failed_step(rank, world):
+    """An optimizer step whose closure raises (on every rank), then an op of rank 0 alone on a
+    two-level shard: outside a step, no collective."""
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(32), qt.nvfp4)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = _data(1)[0]
+
+    def closure():
+        F.mse_loss(qt_plain_grad(model(x)), y).backward()
+        raise FloatingPointError("loss is NaN")
+    try:
+        opt.step(closure)
+    except FloatingPointError:
+        pass
+    alone = None
+    if rank == 0:
+        with torch.no_grad():
+            local = model[0].weight.to_local()
+            tripled = local * 3
+        alone = (local._shard is not None, tripled._shard is None, qt_plain(local).clone(),
+                 qt_plain(tripled), _scale(tripled))
+    dist.barrier()
+    return alone
+
+
+def test_fsdp2_op_of_one_rank_after_a_failed_step_is_no_collective(ranks):
+    # a step that raises skips the post-step hooks; it must still end the step: rank 0's op on
+    # its shard alone then rounds under a fresh scale of its own (inside a step it would be a
+    # collective, and wait for rank 1 forever: the short timeout fails the test instead)
+    res = ranks.run("_sc_fsdp_failed_step", timeout=30)
+    was_marked, unmarked, local, tripled, scale = res[0]
+    assert was_marked and unmarked
+    want = qt.as_qtensor(local * 3, qt.nvfp4)
+    assert scale == _scale(want)
+    _assert_bits_equal(tripled, qt_plain(want), "rank 0's local weight * 3")
+
+
 def _moe(spec):
     """A tiny converted Qwen3-MoE (transformers' grouped_mm experts: stacked 3D expert weights,
     grouped GEMMs, a router), the same weights in every process."""
