@@ -36,7 +36,7 @@ class OptimizerChecker:
     def pre_step(self, optimizer, args, kwargs):
         """Every optimizer: the gradients and state a recipe keeps in full precision are
         deliberate (the FP32 state the optimizer computes from them too)."""
-        self.tracker.in_step += 1
+        self.tracker.steps.enter(levels=1)
         deliberate = self.ex.deliberate
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -52,7 +52,7 @@ class OptimizerChecker:
                             deliberate[v] = True
 
     def post_step(self, optimizer, args, kwargs):
-        self.tracker.in_step = max(0, self.tracker.in_step - 1)
+        self.tracker.steps.exit(levels=1)
 
     def step_hook(self, optimizer, args, kwargs):
         if self.tracker.pending:

@@ -11,6 +11,7 @@ from torch.nn.modules.loss import _Loss
 from torch.utils._pytree import tree_leaves
 
 from ..nn.convert import conversion_of
+from ..tensor.shims import RunningSteps
 from ..tensor.subclass import QTensor
 from .frames import LOSS_DATA, user_location
 from .tensors import is_float, storage_key, target_position
@@ -120,13 +121,18 @@ class Tracker:
     def __init__(self, exemptions):
         self.exemptions = exemptions  # filled with the names and deliberate storages of roots
         self.pending = []             # (output, tag, target key) to tag once it has a grad_fn
-        self.in_step = 0              # inside optimizer.step()
+        self.steps = RunningSteps()   # the optimizer steps running
         self._tls = threading.local()
 
     def reset(self) -> None:
         self.pending = []
-        self.in_step = 0
+        self.steps = RunningSteps()
         self._tls = threading.local()
+
+    @property
+    def in_step(self) -> bool:
+        """Inside optimizer.step() (not after a step that raised: RunningSteps)."""
+        return self.steps.active()
 
     def _stack(self) -> list:
         s = getattr(self._tls, "stack", None)

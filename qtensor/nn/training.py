@@ -185,7 +185,7 @@ def _pre_step(optimizer, args, kwargs):
     # A step that raised left the masters (or whole tensors) in place: put the parameters back.
     _restore(optimizer, copy_back=False)
     _put_back_sharded(optimizer, copy_back=False)
-    _shards.set_in_step(True)
+    _shards.enter_step()
     if not _involved(optimizer):
         return None
     _optimizers.add(optimizer)
@@ -294,7 +294,7 @@ def _flushes(eps: float, fmt) -> bool:
 
 
 def _post_step(optimizer, args, kwargs):
-    _shards.set_in_step(False)
+    _shards.exit_step()
     _restore(optimizer, copy_back=True)
     if not _involved(optimizer):
         return

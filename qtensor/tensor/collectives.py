@@ -152,16 +152,12 @@ def _c10d_collective(func, args, kwargs, cls):
             return type(a)(payload(x) for x in a)
         return a._data if isinstance(a, cls) else a
     name = func._opname
-    if name == "send":
-        uargs = [payload(a) for a in args]
-    else:
-        uargs = [copy_of(args[0])] + [payload(a) for a in args[1:]]
-    out = func(*uargs, **(kwargs or {}))
-    if name != "send":  # (a send writes nothing here: it may stay in flight)
-        _wait_all(out)
-    bound = _bound(func, args, kwargs)
     if name in _P2P:
-        return _p2p(name, bound, pairs, out, cls)
+        return _p2p(func, args, kwargs, cls)
+    uargs = [copy_of(args[0])] + [payload(a) for a in args[1:]]
+    out = func(*uargs, **(kwargs or {}))
+    _wait_all(out)
+    bound = _bound(func, args, kwargs)
     kind = _C10D_KINDS.get(name, "whole")
     dst = args[0]
     if kind == "from":
@@ -262,30 +258,92 @@ def _received_whole(written, origins, sent, comm, exchange) -> None:
             q._data.copy_(quantize(c, q.fmt))
 
 
-def _p2p(name, bound, pairs, out, cls):
-    """send/recv: a two-level QTensor sent is followed by its tensor scale (and format
-    fingerprint), which the two-level QTensor that receives it takes with its values. A send
-    stays in flight (the Work returned waits for both messages: a batch of isend/irecv in which
-    every rank sends first must not wait here); a recv is complete here, its Work a done one
-    (gloo's Work of a send or recv must not be waited on twice)."""
+# The trailer a send of a two-level QTensor puts after its payload's bytes (int32: a magic
+# number, the tensor scale's and the format fingerprint's float32 bits, the magic number)
+_MAGIC = 0x51547363
+_TRAILER = 16
+
+
+def _p2p(func, args, kwargs, cls):
+    """send/recv: a two-level QTensor is sent as one message, its payload's bytes then a
+    trailer with its tensor scale and format fingerprint (_TRAILER bytes); a QTensor receives
+    into a buffer that long, which gloo fills with a shorter message too: a trailer present
+    gives the sender's scale (a two-level receiver takes it), one absent (still zeros) a plain
+    tensor's values (rounded into the receiver's format, under a fresh scale where two-level).
+    So every pairing of QTensors and plain tensors gets one process's ``dst.copy_(src)``, but a
+    two-level QTensor sent to a plain tensor (a message longer than its buffer: gloo aborts
+    that rank) and, on backends that need a recv as long as its message (NCCL), a two-level
+    QTensor and anything else. A send stays in flight (a batch of isend/irecv in which every
+    rank sends first must not wait here); a recv is complete here, its Work a done one."""
     import torch.distributed as dist
-    c10d, pg = torch.ops.c10d, bound["process_group"]
-    t = bound["tensors"][0]
-    if name == "send":
-        if not (isinstance(t, cls) and t.fmt.is_two_level):
-            return out
-        scale = c10d.send.default([_sent_scales([t], t.device)], pg, bound["dst"], bound["tag"])
-        return _work_of([out, scale], bound["dst"]).boxed()
-    peer = bound["src"] if name == "recv_" else dist.Work.unbox(out)._source_rank()
-    for q, c in pairs:
-        if q.fmt.is_two_level:
-            row = torch.zeros(1, 2, device=c.device)
-            _wait_all(c10d.recv_.default([row], pg, peer, bound["tag"]))
-            v, q._tscale = _as_sent(c, fit_format(q.fmt, c.dim()), row[0])
-            q._data.copy_(v)
-        else:
-            q._data.copy_(quantize(c, q.fmt))
+    bound = _bound(func, args, kwargs)
+    tensors, pg = bound["tensors"], bound["process_group"]
+    if func._opname == "send":
+        return func([_framed(t, cls) for t in tensors], *args[1:], **(kwargs or {}))
+    bufs = [_frame_buffer(t, cls, pg) for t in tensors]
+    out = func([b if b is not None else t for b, t in zip(bufs, tensors)], *args[1:],
+               **(kwargs or {}))
+    _wait_all(out)
+    peer = bound["src"] if "src" in bound else dist.Work.unbox(out)._source_rank()
+    for q, buf in zip(tensors, bufs):
+        if buf is not None:
+            _into_received(q, buf)
     return _work_of([], peer).boxed()
+
+
+def _framed(t, cls):
+    """What a send of ``t`` sends: a two-level QTensor's payload bytes and trailer; else the
+    payload (a plain tensor: itself)."""
+    if not isinstance(t, cls):
+        return t
+    if not t.fmt.is_two_level:
+        return t._data
+    magic = torch.tensor([_MAGIC], dtype=torch.int32, device=t.device)
+    row = _sent_scales([t], t.device)[0].view(torch.int32)
+    return torch.cat([t._data.contiguous().reshape(-1).view(torch.uint8),
+                      torch.cat([magic, row, magic]).view(torch.uint8)])
+
+
+def _frame_buffer(t, cls, pg):
+    """The buffer a QTensor ``t`` receives into: its payload's bytes and a trailer, zeros (a
+    non-two-level QTensor only where the backend takes a message shorter than the buffer);
+    None where it receives into a copy of its payload."""
+    if not isinstance(t, cls) or not (t.fmt.is_two_level or _takes_shorter(pg, t.device)):
+        return t._data.clone() if isinstance(t, cls) else None
+    return torch.zeros(t._data.numel() * t._data.element_size() + _TRAILER, dtype=torch.uint8,
+                       device=t.device)
+
+
+def _takes_shorter(pg, device) -> bool:
+    """Whether ``pg``'s backend for ``device`` receives a message shorter than the buffer (gloo:
+    a recv's buffer must only be long enough; NCCL's must be as long as the message)."""
+    import torch.distributed as dist
+    try:
+        return isinstance(dist.ProcessGroup.unbox(pg)._get_backend(device), dist.ProcessGroupGloo)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _into_received(q, buf) -> None:
+    """Write what the QTensor ``q`` received (``buf``: a copy of its payload, or a frame) into
+    it, as ``q.copy_`` of the tensor sent in one process."""
+    c = q._data
+    row = None
+    if buf.dtype != c.dtype:  # a frame
+        tail = buf[-_TRAILER:].clone().view(torch.int32)
+        if bool((tail[0] == _MAGIC) & (tail[3] == _MAGIC)):
+            row = tail[1:3].clone().view(torch.float32)
+        elif bool(tail.any()):
+            raise ValueError(
+                f"recv into a QTensor of {q.fmt} ({tuple(c.shape)}, {c.dtype}): the message is "
+                f"longer than the tensor (a tensor of another shape or dtype was sent)")
+        buf = buf[:-_TRAILER].view(c.dtype).view(c.shape)
+    if q.fmt.is_two_level:
+        v, q._tscale = _as_sent(buf, fit_format(q.fmt, c.dim()),
+                                torch.zeros(2, device=c.device) if row is None else row)
+        c.copy_(v)
+    else:
+        c.copy_(quantize(buf, q.fmt))
 
 
 def _work_of(works, source_rank):

@@ -24,27 +24,34 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import shims as _shims
 from ..kernels import backend as _backend
 from ..kernels.reference import finite_amax
 
 __all__ = ["ShardOf", "cuts_blocks", "cuts_scale_only", "sharding_of", "mark", "live",
-           "round_shard", "of_output", "set_in_step", "in_step"]
+           "round_shard", "of_output", "enter_step", "exit_step", "in_step"]
 
-# Whether an optimizer step is running (qtensor.nn.training's step hooks say so). Only there do
-# out-of-place ops on shards (Adam's denominators) round under the whole tensor's scale, a
-# collective: outside a step, an op on one rank's shard alone (a log line on rank 0) must not
+# The optimizer steps running (qtensor.nn.training's step hooks enter and exit them). Only inside
+# one do out-of-place ops on shards (Adam's denominators) round under the whole tensor's scale,
+# a collective: outside a step, an op on one rank's shard alone (a log line on rank 0) must not
 # wait for the other ranks, so it rounds under a fresh scale of its own and drops the mark.
+# A step that raised has ended too (its post-step hook never ran): RunningSteps.
 # In-place ops on a shard (clip_grad_norm_'s mul_, an init) are collectives everywhere.
-_in_step = False
+_steps = _shims.RunningSteps()
 
 
-def set_in_step(on: bool) -> None:
-    global _in_step
-    _in_step = on
+def enter_step() -> None:
+    """An optimizer step begins (called by a pre-step hook)."""
+    _steps.enter(levels=2)
+
+
+def exit_step() -> None:
+    """An optimizer step ends (called by a post-step hook)."""
+    _steps.exit(levels=2)
 
 
 def in_step() -> bool:
-    return _in_step
+    return _steps.active()
 
 
 class ShardOf(NamedTuple):
@@ -136,7 +143,7 @@ def of_output(func, src, qs, out, rounds: bool) -> Optional[ShardOf]:
     op that rounds its output (``rounds``), only inside an optimizer step."""
     shard = src._shard
     if (shard is None or not isinstance(out, torch.Tensor) or out.shape != src.shape
-            or (rounds and not _in_step) or live(src) is None):
+            or (rounds and not in_step()) or live(src) is None):
         return None
     if (torch.Tag.pointwise not in func.tags
             and func.overloadpacket.__name__ not in _SAME_ELEMENTS):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import torch
 
@@ -24,6 +25,7 @@ __all__ = ["TARGET", "TARGETS", "TENSOR_DATA", "make_wrapper_subclass", "compile
            "mark_exportable_init", "dynamo_loaded",
            "register_dynamo_constants", "accept_zero_tangents",
            "flattening_program_output", "attributes_set_while_tracing", "graph_break",
+           "RunningSteps",
            "wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor"]
 
 TARGET = "2.13"  # the torch version every shim here was written and tested for
@@ -41,6 +43,9 @@ TARGETS = {
                             "torch.func transform's wrapper tensor)",
     "eval_frame_callback": "torch 2.13: torch._C._dynamo.eval_frame.get_eval_frame_callback "
                            "(None: no compiled region on the stack); None where torch lacks it",
+    "RunningSteps": "torch 2.13: torch.optim.Optimizer.profile_hook_step's wrapper, the frame "
+                    "that runs a step between its pre- and post-step hooks (its code object, "
+                    "shared by every optimizer class); else the frame that calls the hooks",
 }
 
 
@@ -207,6 +212,66 @@ def graph_break(gb_type: str, context: str, explanation: str) -> None:
     except ImportError:
         return
     unimplemented(gb_type=gb_type, context=context, explanation=explanation, hints=[])
+
+
+def _step_wrapper_code():
+    try:
+        return torch.optim.Optimizer.profile_hook_step(lambda: None).__code__
+    except (AttributeError, TypeError):
+        return None
+
+
+_STEP_WRAPPER = _step_wrapper_code()
+
+
+def _step_frame(frame):
+    """The frame of the optimizer step that ``frame`` (a step hook's caller) runs in."""
+    f = frame
+    while f is not None and f.f_code is not _STEP_WRAPPER:
+        f = f.f_back
+    return frame if f is None else f
+
+
+class RunningSteps:
+    """The optimizer steps running in this thread, as seen from their step hooks: ``enter`` in a
+    pre-step hook, ``exit`` in a post-step hook, ``active()`` anywhere. A step that raises
+    skips its post-step hooks, so a flag or a counter would stay set; each step is instead
+    tied to the frame of torch's step wrapper (``_STEP_WRAPPER``), and a step whose frame has
+    left the stack has ended. Nested steps (a wrapper optimizer stepping another) stack."""
+
+    def __init__(self):
+        self._tls = threading.local()
+
+    def _frames(self) -> list:
+        frames = getattr(self._tls, "frames", None)
+        if frames is None:
+            frames = self._tls.frames = []
+        return frames
+
+    def enter(self, levels: int = 1) -> None:
+        """Called by a pre-step hook ``levels`` frames below torch's hook loop."""
+        self.active()  # (drops the steps that raised)
+        self._frames().append(_step_frame(sys._getframe(levels + 1)))
+
+    def exit(self, levels: int = 1) -> None:
+        """Called by a post-step hook: this step ends, and any step it ran that raised."""
+        frames, frame = self._frames(), _step_frame(sys._getframe(levels + 1))
+        for i in range(len(frames) - 1, -1, -1):
+            if frames[i] is frame:
+                del frames[i:]
+                return
+
+    def active(self) -> bool:
+        """Whether an optimizer step is running in this thread."""
+        frames = getattr(self._tls, "frames", None)
+        while frames:
+            top, f = frames[-1], sys._getframe(1)
+            while f is not None and f is not top:
+                f = f.f_back
+            if f is not None:
+                return True
+            frames.pop()  # a step that raised: its frame has left the stack
+        return False
 
 
 # ---------------------------------------------------------------------------------------------

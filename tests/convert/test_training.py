@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qtensor as qt
+from qtensor.tensor import shards
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:qt.convert. non-floating tensors")
@@ -194,6 +195,65 @@ def test_exception_inside_step_then_zero_grad_clears_model_grads():
     assert all(torch.equal(p.dequantize(), b) for p, b in zip(params, before))
     fit(model, opt, 1, x, y)
     assert not all(torch.equal(p.dequantize(), b) for p, b in zip(params, before))
+
+
+
+class _Outer(torch.optim.Optimizer):
+    """An optimizer whose step runs another optimizer's step (as a wrapper such as Lookahead
+    does), then an update of its own."""
+
+    def __init__(self, params, inner, seen):
+        super().__init__(params, {})
+        self.inner, self.seen = inner, seen
+
+    def step(self, closure=None):
+        self.inner.step()
+        self.seen.append(("outer, after the inner step", shards.in_step()))
+
+
+def test_a_step_that_raises_ends_the_step():
+    # Inside a step, ops on two-level shards are collectives; a step that raises skips the
+    # post-step hooks, and must not leave the process inside a step (a later op of one rank
+    # alone would wait for the others forever)
+    x, y = toy()
+    model = qt.convert(mlp(), qt.nvfp4)
+    seen = []
+
+    def closure():
+        seen.append(("closure", shards.in_step()))
+        F.mse_loss(model(x), y).backward()
+        raise FloatingPointError("loss is NaN")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(FloatingPointError, match="NaN"):
+        opt.step(closure)
+    assert seen == [("closure", True)]
+    assert not shards.in_step()
+    # a user hook that raises inside the step; another optimizer's steps after it
+    handle = opt.register_step_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("hook")))
+    with pytest.raises(RuntimeError, match="hook"):
+        opt.step()
+    handle.remove()
+    assert not shards.in_step()
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit(model, other, 1, x, y)
+    assert not shards.in_step()
+    # nested steps: the outer step is still running after the inner one returns
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = _Outer(model.parameters(), inner, seen)
+    F.mse_loss(model(x), y).backward()
+    outer.step()
+    assert seen[-1] == ("outer, after the inner step", True)
+    assert not shards.in_step()
+    # a nested step that raises, caught inside the outer step
+    def failing_inner():
+        with pytest.raises(FloatingPointError):
+            inner.step(closure)
+    outer.inner = type("I", (), {"step": staticmethod(failing_inner)})()
+    outer.step()
+    assert seen[-1] == ("outer, after the inner step", True)
+    assert not shards.in_step()
+    fit(model, opt, 1, x, y)  # and training goes on
+    assert not shards.in_step()
 
 
 # ---------------------------------------------------------------------------------------------

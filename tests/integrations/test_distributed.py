@@ -955,6 +955,68 @@ def test_c10d_other_collectives_of_two_level_formats_follow_one_process(ranks):
     assert not wrong, "\n".join(wrong)
 
 
+def _p2p_inputs():
+    return {"nvfp4": qt.as_qtensor(_two_level_rows(50), qt.nvfp4, tensor_scale=8.0),
+            "plain": _two_level_rows(51), "bf16": qt.as_qtensor(_two_level_rows(52), qt.bf16)}
+
+
+def _p2p_empty(kind):
+    z = torch.zeros(8, 32)
+    return z if kind == "plain" else qt.as_qtensor(z, getattr(qt, kind))
+
+
+def _p2p_got(t):
+    return _fmt(t), qt_plain(t), _scale(t)
+
+
+# (what rank 0 sends, what rank 1 receives it into): every pairing of a two-level QTensor, a
+# QTensor of another format and a plain tensor, but a two-level QTensor into a plain tensor
+# (docs/distributed.md: a message longer than the plain rank's buffer)
+_P2P_PAIRS = [("nvfp4", "nvfp4"), ("nvfp4", "bf16"), ("plain", "nvfp4"), ("bf16", "nvfp4"),
+              ("plain", "bf16"), ("bf16", "plain"), ("nvfp4", "nvfp4")]
+
+
+def _sc_p2p_mixed(rank, world):
+    ins, out = _p2p_inputs(), []
+    for sent, into in _P2P_PAIRS + [("plain", "nvfp4 from any source")]:
+        if rank == 0:
+            dist.send(ins[sent], dst=1)
+            continue
+        r = _p2p_empty(into.split()[0])
+        dist.recv(r, src=None if "any" in into else 0)
+        out.append(_p2p_got(r))
+    error = None
+    if rank == 0:  # 4 values more than the receiver holds
+        dist.send(torch.ones(8 * 32 + 4), dst=1)
+    else:
+        try:
+            dist.recv(_p2p_empty("nvfp4"), src=0)
+        except ValueError as e:
+            error = str(e)
+    r = _p2p_empty("nvfp4")  # and the next message is whole
+    dist.recv(r, src=1 - rank) if rank == 1 else dist.send(ins["nvfp4"], dst=1)
+    return out, error, _p2p_got(r)
+
+
+def test_send_recv_between_two_level_qtensors_and_other_tensors(ranks):
+    # a two-level QTensor is sent as one message (its payload, then its scale): a QTensor of
+    # any format receives it as a copy_ of the tensor sent in one process, and a two-level
+    # QTensor receives a plain tensor or a QTensor of another format so too (under a fresh
+    # scale); no pairing waits for a message that never comes (the timeout fails instead)
+    res = ranks.run("_sc_p2p_mixed", timeout=60)
+    ins = _p2p_inputs()
+    got, error, last = res[1]
+    for (sent, into), g in zip(_P2P_PAIRS + [("plain", "nvfp4")], got):
+        want = _p2p_empty(into).copy_(ins[sent]) if into != "plain" else qt_plain(ins[sent])
+        what = f"{sent} received into {into}"
+        assert g[0] == _fmt(want), (what, g[0])
+        _assert_bits_equal(g[1], want, what)
+        assert g[2] == _scale(want), (what, "tensor scale", g[2], _scale(want))
+    assert error is not None and "longer than the tensor" in error, error
+    assert last[2] == _scale(ins["nvfp4"])
+    _assert_bits_equal(last[1], ins["nvfp4"], "the message after the refused one")
+
+
 def _sc_convert_wrapped(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1335,6 +1397,45 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
     # outside an optimizer step, an out-of-place op on a shard rounds under its own fresh scale
     # (one rank ran it alone and returned) and its result is no shard
     was_marked, unmarked, local, tripled, scale = res[0][3]
+    assert was_marked and unmarked
+    want = qt.as_qtensor(local * 3, qt.nvfp4)
+    assert scale == _scale(want)
+    _assert_bits_equal(tripled, qt_plain(want), "rank 0's local weight * 3")
+
+
+def _sc_fsdp_failed_step(rank, world):
+    """An optimizer step whose closure raises (on every rank), then an op of rank 0 alone on a
+    two-level shard: outside a step, no collective."""
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(32), qt.nvfp4)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = _data(1)[0]
+
+    def closure():
+        F.mse_loss(qt_plain_grad(model(x)), y).backward()
+        raise FloatingPointError("loss is NaN")
+    try:
+        opt.step(closure)
+    except FloatingPointError:
+        pass
+    alone = None
+    if rank == 0:
+        with torch.no_grad():
+            local = model[0].weight.to_local()
+            tripled = local * 3
+        alone = (local._shard is not None, tripled._shard is None, qt_plain(local).clone(),
+                 qt_plain(tripled), _scale(tripled))
+    dist.barrier()
+    return alone
+
+
+def test_fsdp2_op_of_one_rank_after_a_failed_step_is_no_collective(ranks):
+    # a step that raises skips the post-step hooks; it must still end the step: rank 0's op on
+    # its shard alone then rounds under a fresh scale of its own (inside a step it would be a
+    # collective, and wait for rank 1 forever: the short timeout fails the test instead)
+    res = ranks.run("_sc_fsdp_failed_step", timeout=30)
+    was_marked, unmarked, local, tripled, scale = res[0]
     assert was_marked and unmarked
     want = qt.as_qtensor(local * 3, qt.nvfp4)
     assert scale == _scale(want)

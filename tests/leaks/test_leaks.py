@@ -394,6 +394,29 @@ def test_label_smoothing_and_probability_targets_are_not_leaks():
               "LEAK: the product outside")
 
 
+def test_a_step_that_raises_ends_the_step_for_the_checker():
+    """A step whose closure raises skips the post-step hooks: the checker must not stay inside
+    the step (where plain values made from deliberate ones count as deliberate too), neither
+    after it nor after the next step."""
+    torch.manual_seed(0)
+    model = _quiet_convert(MLP(), qt.recipes.mxfp6)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    inside = []
+
+    def closure():
+        inside.append(bool(check._tracker.in_step))
+        F.cross_entropy(model(x), y).backward()
+        raise FloatingPointError("loss is NaN")
+    check = qt.leak_check(action="record", optimizer=opt)
+    with check as report:
+        with pytest.raises(FloatingPointError):
+            opt.step(closure)
+        assert inside == [True] and not check._tracker.in_step
+        step(model, opt, x, y, steps=1)
+        assert not check._tracker.in_step
+    assert_clean(report)
+
 def test_logits_loss_class_weights_are_not_leaks():
     """binary_cross_entropy_with_logits' weight= and pos_weight= (and nn.BCEWithLogitsLoss's)
     are class weights, data: its backward formula (``pos_weight * target``, then with the

@@ -181,3 +181,18 @@ def test_frame_levels_count_from_the_caller(levels):
     def inner():
         return shims.called_by_describe_tensor(levels)
     assert inner() is False
+
+
+def test_optimizer_steps_run_their_hooks_in_the_step_wrapper():
+    # RunningSteps ties a step to the frame of torch's step wrapper, the caller of its hooks
+    import sys
+    found = []
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    handle = opt.register_step_pre_hook(
+        lambda *a: found.append(shims._step_frame(sys._getframe(1)).f_code))
+    p.grad = torch.ones(2)
+    opt.step()
+    handle.remove()
+    _relies(shims._STEP_WRAPPER is not None and found == [shims._STEP_WRAPPER], "RunningSteps",
+            "torch.optim.Optimizer.profile_hook_step's wrapper calling the step hooks")
