@@ -406,7 +406,34 @@ def _bad_op_calls():
          RuntimeError, r"qtensor::quantize_float: at most 16 dims, got 17"),
         ("axis", lambda m: q.quantize_block(m((2, 32), torch.float32), *bargs, 0, 0),
          IndexError, r"qtensor::quantize_block: axis 5 is out of range for a tensor of shape"),
+        ("tensor_scale", lambda m: q.quantize_block(m((2, 32), torch.float32), *_NVFP4_TS, 0, 0),
+         RuntimeError, _TS_REFUSED),
     ]
+
+
+# quantize_block's arguments for nvfp4's blocks with tensor_scale=True, which the op refuses:
+# two-level formats round by quantize_two_level
+_NVFP4_TS = (*ops.op_args(P["nvfp4_single"])[1][:-1], True)
+_TS_REFUSED = r"qtensor::quantize_block: tensor_scale=True .*quantize_two_level"
+
+
+def test_quantize_block_refuses_tensor_scale():
+    x = torch.randn(4, 64)
+    before = x.clone()
+    q = torch.ops.qtensor
+    with pytest.raises(RuntimeError, match=_TS_REFUSED):
+        q.quantize_block(x, *_NVFP4_TS, 0, 7)
+    out = torch.full_like(x, 5.0)
+    with pytest.raises(RuntimeError, match=_TS_REFUSED):
+        q.quantize_block.out(x, *_NVFP4_TS, 3, 7, out=out)
+    with pytest.raises(RuntimeError, match=_TS_REFUSED):
+        q.quantize_block_(x, *_NVFP4_TS, 0, 7)
+    # nothing written: x and out keep their values
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))
+    assert bool((out == 5.0).all())
+    # the same blocks without it round as nvfp4_single does
+    assert_bits_equal(q.quantize_block(x, *_NVFP4_TS[:-1], False, 0, 7),
+                      reference.quantize(x, P["nvfp4_single"]))
 
 
 @pytest.mark.parametrize("case", _bad_op_calls(), ids=lambda c: c[0])
@@ -480,11 +507,34 @@ def test_stochastic_unbiased(fmt):
 # ---------------------------------------------------------------------------------------------
 # torch.library integration
 
+def _two_level_op_args(monkeypatch, x, fmt, **kw):
+    """The arguments after x that backend.two_level passes to qtensor::quantize_two_level."""
+    calls = []
+
+    def op(x, *args):
+        calls.append(args)
+        return torch.ops.qtensor.quantize_two_level(x, *args)
+    monkeypatch.setattr(backend, "kernel_ops", lambda t: type("Ops", (), {
+        "quantize_two_level": staticmethod(op)}))
+    backend.two_level(x, fmt, checked=False, **kw)
+    monkeypatch.undo()
+    assert len(calls) == 1, f"{fmt}: backend.two_level did not call the kernel"
+    return calls[0]
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fixed8.4", "mxfp8_e4m3", "nvfp4"])
-def test_opcheck(name):
+def test_opcheck(name, monkeypatch):
     fmt = qt.format(name)
-    op, args = ops.op_args(fmt)
     x = torch.randn(4, 64)
+    if fmt.is_two_level:  # the op that rounds it, with the arguments the library passes
+        for rounding in ("nearest", "stochastic"):
+            for kw in ({}, {"tensor_scale": 0.5, "block_scales": True}):
+                args = _two_level_op_args(monkeypatch, x, fmt, rounding=rounding, seed=7, **kw)
+                op = torch.ops.qtensor.quantize_two_level
+                torch.library.opcheck(op.default, (x, *args))
+                torch.library.opcheck(op.out, (x, *args), {"out": torch.empty_like(x)})
+        return
+    op, args = ops.op_args(fmt)
     for rounding in (0, 3):
         full = (*args, rounding, 7)
         torch.library.opcheck(getattr(torch.ops.qtensor, op).default, (x, *full))
