@@ -21,7 +21,7 @@ from qtensor.formats.block import SCALE_RULE_CODES, SCALE_RULES, BlockFormat
 from qtensor.formats.fixed import FixedFormat
 from qtensor.formats.float import FloatFormat
 
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, two_level_op_args
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="qtensor._C not built (pip install --no-build-isolation -e .)")
@@ -507,29 +507,15 @@ def test_stochastic_unbiased(fmt):
 # ---------------------------------------------------------------------------------------------
 # torch.library integration
 
-def _two_level_op_args(monkeypatch, x, fmt, **kw):
-    """The arguments after x that backend.two_level passes to qtensor::quantize_two_level."""
-    calls = []
-
-    def op(x, *args):
-        calls.append(args)
-        return torch.ops.qtensor.quantize_two_level(x, *args)
-    monkeypatch.setattr(backend, "kernel_ops", lambda t: type("Ops", (), {
-        "quantize_two_level": staticmethod(op)}))
-    backend.two_level(x, fmt, checked=False, **kw)
-    monkeypatch.undo()
-    assert len(calls) == 1, f"{fmt}: backend.two_level did not call the kernel"
-    return calls[0]
-
-
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fixed8.4", "mxfp8_e4m3", "nvfp4"])
-def test_opcheck(name, monkeypatch):
+def test_opcheck(name):
     fmt = qt.format(name)
     x = torch.randn(4, 64)
     if fmt.is_two_level:  # the op that rounds it, with the arguments the library passes
         for rounding in ("nearest", "stochastic"):
             for kw in ({}, {"tensor_scale": 0.5, "block_scales": True}):
-                args = _two_level_op_args(monkeypatch, x, fmt, rounding=rounding, seed=7, **kw)
+                args = two_level_op_args(x, fmt, rounding=rounding, seed=7, **kw)
+                assert args is not None, f"{fmt}: backend.two_level did not call the kernel"
                 op = torch.ops.qtensor.quantize_two_level
                 torch.library.opcheck(op.default, (x, *args))
                 torch.library.opcheck(op.out, (x, *args), {"out": torch.empty_like(x)})
