@@ -136,6 +136,10 @@ inline FixedSpec<uint32_t> fixed_spec(int64_t wl, int64_t fl, bool is_signed, bo
 inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double elem_max,
                             int64_t block_size, c10::optional<int64_t> axis, int64_t scale_rule,
                             at::IntArrayRef scale, double scale_max, bool tensor_scale) {
+  // (the op keeps the argument in its schema; qtensor/kernels/checks.py refuses it alike)
+  TORCH_CHECK(!tensor_scale, "qtensor::quantize_block: tensor_scale=True is not a rule of this "
+              "op; two-level formats (nvfp4) round with qtensor::quantize_two_level "
+              "(Transformer Engine's rule)");
   TORCH_CHECK(elem.size() == 6 && (elem[0] == 0 || elem[0] == 1),
               "qtensor::quantize_block: elem must be [0, man, emin, subnormals, 0, emax] or "
               "[1, wl, fl, signed, symmetric, emax]");
@@ -155,9 +159,6 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
                    elem_max == 6.0 && scale[0] > 0),
               "qtensor::quantize_block: scale_rule 4over6 needs e2m1 elements and a scale with "
               "mantissa bits");
-  TORCH_CHECK(!tensor_scale || scale_rule == kRuleAmax || scale_rule == kRule4over6,
-              "qtensor::quantize_block: tensor_scale needs scale_rule amax, 4over6, or ceil with "
-              "a scale of mantissa bits");
   BlockArgs a;
   a.whole_tensor = !axis.has_value() || x.dim() == 0;
   a.axis = 0;
@@ -185,8 +186,6 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
   a.elem_max = elem_max;
   a.scale_emin = (int)scale[1];
   a.scale_emax = (int)scale[2];
-  a.tensor_scale = tensor_scale;
-  a.ts = 1.0;
   a.elem_emax = (int)elem[5];  // the format's emax (floor(log2(max)), or -fl when max is 0)
   // the amax rule works in double
   a.amax_spec.scale = make_float_spec<uint64_t>((int)scale[0], (int)scale[1], scale[3] != 0,
@@ -202,36 +201,7 @@ inline BlockArgs block_args(const at::Tensor& x, at::IntArrayRef elem, double el
   a.even_mbits = scale_rule != kRuleEven ? -1
                : (a.elem_fixed ? (a.is_signed ? a.wl - 2 : a.wl - 1) : a.man);
   a.sr_or = 0;
-  // 4over6: the largest power of two at most max_scale * 4/6 (BlockFormat.tensor_scale_bound)
-  a.ts_bound = scale_max;
-  if (scale_rule == kRule4over6) a.ts_bound = std::ldexp(1.0, (int)std::floor(std::log2(scale_max * 4.0 / 6.0)));
-  // the tensor scale (BlockFormat.tensor_scale_bits): element, scale and rounding boundary times
-  // it stay float32s exactly; the block scales saturate (amax_block <= amax_tensor: a ratio past
-  // the scale's max comes from rounding the tensor scale down, not from overflow)
-  const int p_elem = a.elem_fixed ? (a.is_signed ? a.wl - 1 : a.wl) : a.man + 1;
-  // (the lowest bits of element and scale values: emin - man, with or without subnormals)
-  const int scale_q = (int)scale[1] - (int)scale[0];
-  const int elem_q = a.elem_fixed ? -a.fl : a.emin - a.man;
-  a.ts_bits = 23 - p_elem - ((int)scale[0] + 1);
-  a.ts_jmin = -149 - (elem_q + scale_q) + 1;  // BlockFormat.tensor_scale_min_exp
-  if (tensor_scale) {
-    TORCH_CHECK(a.ts_bits >= 1, "qtensor::quantize_block: tensor_scale needs element and scale "
-                "formats of at most 22 significant bits together");
-    a.amax_spec.scale.ovf_bits = a.amax_spec.scale.max_bits;
-  }
   return a;
-}
-
-// NVFP4's per-tensor scale from the finite amax (float32 bits): amax / (max_elem * max_scale)
-// rounded down to a.ts_bits significant bits and to a multiple of 2^ts_jmin (reference.py's
-// _tensor_scale; the double quotient has the exact one's floor)
-inline double tensor_scale_from_amax(uint32_t amax_bits, const BlockArgs& a) {
-  const double t = (double)u2f(amax_bits) / (a.elem_max * a.ts_bound);
-  if (!(t > 0)) return 0.0;
-  int e;
-  std::frexp(t, &e);
-  const int j = std::max(e - a.ts_bits, a.ts_jmin);
-  return std::floor(std::ldexp(t, -j)) * std::ldexp(1.0, j);
 }
 
 }  // namespace qtensor_glue

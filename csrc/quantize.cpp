@@ -169,10 +169,6 @@ at::Tensor& quantize_block_out(const at::Tensor& x, at::IntArrayRef elem, double
   QT_DTYPE_SWITCH(x.scalar_type(), {
     const T* xp = x.const_data_ptr<T>();
     T* yp = out.mutable_data_ptr<T>();
-    if (tensor_scale) {
-      const uint32_t amax = QT_ISA_CALL(finite_amax<T>, xp, make_layout(x, out));
-      a.ts = tensor_scale_from_amax(amax, a);
-    }
     QT_ISA_CALL(block_kernel<T>, xp, yp, L, a, (int)rounding, key);
   });
   return out;

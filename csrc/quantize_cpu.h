@@ -222,13 +222,13 @@ QT_BLOCK_FN bool fp4_sums_exact(uint32_t am, uint32_t mn, float X6, float X4) {
 // fp4_round_scaled: no division). BS > 0 fixes the block size at compile time (one vector).
 constexpr int64_t kFp4Run = 64;  // blocks per run: the run's amaxes and scales stay in registers/L1
 
-// A block's scale times the tensor scale (0: no scale) from its amax, as float32 (see
-// fp4_block_run), before the idempotence check (fp4_settled)
+// A block's scale (0: no scale) from its amax, as float32 (see fp4_block_run), before the
+// idempotence check (fp4_settled)
 QT_BLOCK_FN float fp4_scale(uint32_t amax, const qtensor::FastGrid& g, uint32_t smax,
-                            uint32_t sovf, float div, float ts) {
+                            uint32_t sovf, float div) {
   const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax) / div), g, smax, sovf,
                                                            0u));
-  return s == s ? s * ts : 0.0f;
+  return s == s ? s : 0.0f;
 }
 
 // Idempotence: a block whose amax does not round to 6 X (a scale in E4M3's subnormal range,
@@ -242,14 +242,13 @@ QT_BLOCK_FN float fp4_settled(uint32_t amax, float Xb, const BlockArgs& a) {
                        (MODE == kNearest ? am > top : am >= top);
   if (__builtin_expect(settled, 1)) return Xb;
   const qtensor::AmaxBlockSpec& sp = a.amax_spec;
-  return (float)qtensor::settle_amax_scale(
-      (double)Xb, sp, a.tensor_scale, a.ts, [&](double sc) {
-        return f2u(qtensor::round_amax_elem_t<MODE, false>(am, sc, sp, a.tensor_scale, 0u));
-      });
+  return (float)qtensor::settle_amax_scale((double)Xb, sp, [&](double sc) {
+    return f2u(qtensor::round_amax_elem_t<MODE, false>(am, sc, sp, 0u));
+  });
 }
 
 // F46: the 4over6 rule (block_4over6's choice, here in float32 where it is exact: both
-// candidates' scales as the amax rule's below, X4 from the divisor 4 (times the tensor scale),
+// candidates' scales as the amax rule's below, X4 from the divisor 4,
 // then per block the error sums of both in double, in element order: |q - |x|| of two float32s
 // within a factor of two, or |x| where q = 0, is exact).
 template <int MODE, int BS, typename T, bool F46 = false>
@@ -284,31 +283,21 @@ void fp4_block_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   // the scale: float32 amax / max_elem rounds (nearest) to the same scale as the reference's
   // double quotient (see block_amax_fast32 below); a NaN scale (a NaN-on-overflow scale format)
   // means "no scale" (signed zeros), which X = 0 gives.
-  // With a tensor scale s (tensor_scale_bits = 17 significant bits, formats.py) the divisor is
-  // D = 6 s (19 bits: a midpoint of the scale format times D still has at most 24, so the same
-  // argument holds), and X * s (21 bits) and its products with the boundaries are exact.
   const qtensor::FastGrid g = sg;
-  const float ts = a.tensor_scale ? (float)a.ts : 1.0f;
-  const float div = a.tensor_scale ? (float)(a.elem_max * a.ts) : elem_max;
-  for (int64_t b = 0; b < nblk; ++b) X[b] = fp4_scale(amax[b], g, smax, sovf, div, ts);
+  for (int64_t b = 0; b < nblk; ++b) X[b] = fp4_scale(amax[b], g, smax, sovf, elem_max);
   if (F46) {
-    const float div4 = a.tensor_scale ? (float)(4.0 * a.ts) : 4.0f;
     qtensor::AmaxBlockSpec s4 = a.amax_spec;
     s4.elem_max = 4.0;
     for (int64_t b = 0; b < nblk; ++b) {
-      const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax[b]) / div4), g,
-                                                               smax, sovf, 0u));
-      const float Xb = s == s ? s * ts : 0.0f;
+      const float Xb = fp4_scale(amax[b], g, smax, sovf, 4.0f);
       // settled at once where the amax rounds to 4 X (usual): exact float32 comparisons
       const bool settled = amax[b] >= kInfBits || !(Xb > 0.0f) ||
           qtensor::fp4_round_scaled<MODE>(u2f(amax[b]), qtensor::fp4_bounds<MODE>(Xb), Xb) ==
               4.0f * Xb;
       X4[F46 ? b : 0] = settled ? Xb
-          : (float)qtensor::settle_amax_scale(
-                (double)Xb, s4, a.tensor_scale, a.ts, [&](double sc) {
-                  return f2u(qtensor::round_amax_elem_t<MODE, false>(u2f(amax[b]), sc, s4,
-                                                                     a.tensor_scale, 0u));
-                });
+          : (float)qtensor::settle_amax_scale((double)Xb, s4, [&](double sc) {
+              return f2u(qtensor::round_amax_elem_t<MODE, false>(u2f(amax[b]), sc, s4, 0u));
+            });
     }
   }
   // idempotence (fp4_settled)
@@ -407,21 +396,11 @@ QT_BLOCK_FN V lowbias32_rest_v(V v) {
 template <typename V>
 QT_BLOCK_FN V lowbias32_v(V v) { return lowbias32_rest_v(v ^ (v >> 16)); }
 
-// The block scale value (before the tensor scale; 0: no scale) of a (rounded) amax, as
-// fp4_scale: ts_div = elem_max times the tensor scale, as float32.
-QT_BLOCK_FN float fp4_scale_value(uint32_t amax, const qtensor::FastGrid& g, uint32_t smax,
-                                  uint32_t sovf, float ts_div) {
-  const float s = u2f(qtensor::round_float_fast<kNearest>(f2u(u2f(amax) / ts_div), g, smax,
-                                                           sovf, 0u));
-  return s == s ? s : 0.0f;
-}
-
-// What fp4_sto_block needs besides the block: the scale grid, the tensor scale.
+// What fp4_sto_block needs besides the block: the scale grid.
 struct Fp4Sto {
   qtensor::FastGrid g;
   uint32_t smax, sovf;
-  float ts_div;   // elem_max times the tensor scale, as float32 (fp4_scale)
-  double tsd;     // the tensor scale (1 without)
+  float div;      // elem_max as float32 (fp4_scale)
 };
 
 // One block of m <= kFp4StoMax finite elements x[j*sx] -> y[j*sy], the words in r (nv vectors
@@ -440,7 +419,7 @@ QT_BLOCK_FN void fp4_sto_block(const T* xp, int64_t sx, T* yp, int64_t sy, int64
     for (int64_t j = 0; j < m; ++j) xf[j] = u2f(load_bits<T>(xp + j * sx) & kAbsMask);
   for (int64_t j = m; j < nv * 8; ++j) xf[j] = 0.0f;
   qt_v8d v[kFp4StoMax / 8];
-  double X = (double)s * c.tsd;  // round_amax_elem_t's scale: sc * tensor scale, in double
+  double X = (double)s;  // round_amax_elem_t's scale, in double
   while (s > 0.0f) {
     const qt_v8d Xv = v8d_of(X);
     qt_v8d vm = v8d_of(0.0);
@@ -450,10 +429,10 @@ QT_BLOCK_FN void fp4_sto_block(const T* xp, int64_t sx, T* yp, int64_t sy, int64
     }
     double vmax = 0.0;
     for (int l = 0; l < 8; ++l) vmax = vm[l] > vmax ? vm[l] : vmax;
-    const float s2 = fp4_scale_value(f2u((float)(vmax * X)), c.g, c.smax, c.sovf, c.ts_div);
+    const float s2 = fp4_scale(f2u((float)(vmax * X)), c.g, c.smax, c.sovf, c.div);
     if (__builtin_expect(!(s2 < s), 1)) break;
     s = s2;
-    X = (double)s * c.tsd;
+    X = (double)s;
   }
   const double* vd = (const double*)v;
   if (s > 0.0f) {
@@ -530,21 +509,14 @@ BlockPlan block_plan(const Layout& L, const BlockArgs& a) {
       qtensor::make_fast_grid(p.sg, ssp.man, ssp.emin, ssp.qlow,
                               ssp.emin == -126 && ssp.qlow == ssp.emin - ssp.man, false, false);
   const bool scale_grid = scale_grid_any && MODE != kStochastic;
-  const bool amax_fast32_scale = scale_grid && !a.tensor_scale;
-  p.amax_fast32 = amax_fast32_scale &&  // the elements' grid (amax rule: unshifted)
+  p.amax_fast32 = scale_grid &&  // the elements' grid (amax rule: unshifted)
       qtensor::make_fast_grid(p.eg, a.man, a.emin, a.qlow,
                               a.emin == -126 && a.qlow == a.emin - a.man, false, false);
   p.smax = f2u((float)qtensor::u2d(ssp.max_bits));
-  // a tensor scale keeps the fp4 path (the block scales in float32, see fp4_block_run)
-  const bool fp4_scales = p.amax_fast32 || (scale_grid && a.tensor_scale);
-  p.fp4_fmt = fp4_scales && a.man == 1 && a.emin == 0 && a.qlow == -1 && a.elem_max == 6.0 &&
+  p.fp4_fmt = p.amax_fast32 && a.man == 1 && a.emin == 0 && a.qlow == -1 && a.elem_max == 6.0 &&
               ssp.man <= 3 && qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38;
-  // stochastic NVFP4 (fp4_sto_block): the same scales (with a tensor scale of at most 17
-  // significant bits, the float32 scale argument's), the amax rule, blocks of <= kFp4StoMax
-  const bool ts_ok = !a.tensor_scale ||
-      ((double)(float)a.ts == a.ts && (f2u((float)a.ts) & 0x7Fu) == 0 && a.ts > 0 &&
-       std::isfinite(a.ts));
-  p.fp4_sto = MODE == kStochastic && scale_grid_any && a.scale_rule == kRuleAmax && ts_ok &&
+  // stochastic NVFP4 (fp4_sto_block): the same scales, the amax rule, blocks of <= kFp4StoMax
+  p.fp4_sto = MODE == kStochastic && scale_grid_any && a.scale_rule == kRuleAmax &&
               a.man == 1 && a.emin == 0 && a.qlow == -1 && a.elem_max == 6.0 && ssp.man <= 3 &&
               qtensor::u2d(ssp.max_bits) * 8.0 < 3.0e38 && p.bs <= kFp4StoMax;
   p.fp4_rows = (p.fp4_fmt || p.fp4_sto) && p.inner == 1 && p.unit_stride;
@@ -631,11 +603,10 @@ QT_BLOCK_FN uint32_t block_amax(const T* xp, int64_t m, int64_t sax, bool unit_s
   return amax;
 }
 
-QT_BLOCK_FN Fp4Sto fp4_sto_consts(const BlockPlan& P, const BlockArgs& a) {
+QT_BLOCK_FN Fp4Sto fp4_sto_consts(const BlockPlan& P) {
   Fp4Sto c;
   c.g = P.sg; c.smax = P.smax; c.sovf = P.sovf;
-  c.ts_div = a.tensor_scale ? (float)(a.elem_max * a.ts) : P.elem_max_f;
-  c.tsd = a.tensor_scale ? a.ts : 1.0;
+  c.div = P.elem_max_f;
   return c;
 }
 
@@ -646,7 +617,7 @@ QT_BLOCK_FN Fp4Sto fp4_sto_consts(const BlockPlan& P, const BlockArgs& a) {
 // whose scale is lower (rare), the NaN and no-scale blocks.
 template <int BS, typename T>
 void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
-                 const BlockPlan& P, const BlockArgs& a, uint64_t l0, uint32_t key) {
+                 const BlockPlan& P, uint64_t l0, uint32_t key) {
   constexpr int64_t kBuf = kFp4Run * (BS > 0 ? BS : kFp4StoMax) + 8;
   const int64_t bs = BS > 0 ? BS : bs_rt;
   uint32_t amax[kFp4Run], ra[kFp4Run];
@@ -657,9 +628,8 @@ void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
   const int64_t tail = avail - nfull * bs;  // the last block's length when nfull < nblk
   for (int64_t b = 0; b < nfull; ++b) amax[b] = block_amax<T>(x + b * bs, bs, 1, true);
   if (nfull < nblk) amax[nfull] = block_amax<T>(x + nfull * bs, tail, 1, true);
-  const Fp4Sto c = fp4_sto_consts(P, a);
-  for (int64_t b = 0; b < nblk; ++b)
-    S[b] = fp4_scale_value(amax[b], c.g, c.smax, c.sovf, c.ts_div);
+  const Fp4Sto c = fp4_sto_consts(P);
+  for (int64_t b = 0; b < nblk; ++b) S[b] = fp4_scale(amax[b], c.g, c.smax, c.sovf, c.div);
   const uint32_t sr_or = P.sr_or;
   const uint64_t lend = l0 + (uint64_t)(nblk * bs) - 1;
   const bool one_key = (l0 >> 32) == (lend >> 32);  // else per element (a multiple of 2^32 inside)
@@ -683,7 +653,7 @@ void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
     qt_v8u r[kFp4StoMax / 8];
     words(b, m, r);
     const T* xp = x + b * bs;
-    const double X = (double)S[b] * c.tsd;
+    const double X = (double)S[b];
     const qt_v8d Xv = v8d_of(X);
     qt_v8d vm = v8d_of(0.0);
     for (int64_t k = 0; k < (m + 7) / 8; ++k) {
@@ -707,7 +677,7 @@ void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
     for (int64_t b = 0; b < nfull; ++b) values(b, bs, qv + b * bs / 8);
     if (nfull < nblk) values(nfull, tail, qv + nfull * bs / 8);
     for (int64_t b = 0; b < nblk; ++b)
-      S2[b] = fp4_scale_value(ra[b], c.g, c.smax, c.sovf, c.ts_div);
+      S2[b] = fp4_scale(ra[b], c.g, c.smax, c.sovf, c.div);
   }
   for (int64_t b = 0; b < nblk; ++b) {
     const int64_t m = b < nfull ? bs : tail;
@@ -715,7 +685,7 @@ void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
     T* yp = y + b * bs;
     if (!(BS > 0 && BS % 8 == 0)) {
       values(b, m, qv);  // into the buffer's start (a block of up to kFp4StoMax)
-      S2[b] = fp4_scale_value(ra[b], c.g, c.smax, c.sovf, c.ts_div);
+      S2[b] = fp4_scale(ra[b], c.g, c.smax, c.sovf, c.div);
     }
     const float* qb = qf + (BS > 0 && BS % 8 == 0 ? b * bs : 0);
     if (__builtin_expect(amax[b] < kInfBits && S[b] > 0.0f && !(S2[b] < S[b]), 1)) {
@@ -736,19 +706,18 @@ void fp4_sto_run(const T* x, T* y, int64_t nblk, int64_t bs_rt, int64_t avail,
 // store, so that in-place rounding still reads x).
 template <int MODE, typename T>
 QT_BLOCK_FN double settled_scale(const Block<T>& b, uint32_t amax, double sc, const BlockPlan& P,
-                                 const BlockArgs& a, const qtensor::AmaxBlockSpec& sp) {
+                                 const qtensor::AmaxBlockSpec& sp) {
   if (amax >= kInfBits) return sc;
-  const bool ts = a.tensor_scale;
   if (qtensor::rounded_amax_from_amax<MODE>(sp)) {
-    return qtensor::settle_amax_scale(sc, sp, ts, a.ts, [&](double s) {
-      return f2u(qtensor::round_amax_elem<MODE>(u2f(amax), s, sp, ts, 0u)) & kAbsMask;
+    return qtensor::settle_amax_scale(sc, sp, [&](double s) {
+      return f2u(qtensor::round_amax_elem<MODE>(u2f(amax), s, sp, 0u)) & kAbsMask;
     });
   }
-  return qtensor::settle_amax_scale(sc, sp, ts, a.ts, [&](double s) {
+  return qtensor::settle_amax_scale(sc, sp, [&](double s) {
     uint32_t m = 0;
     for (int64_t j = 0; j < b.m; ++j) {
       const float q = qtensor::round_amax_elem<MODE>(u2f(load_bits<T>(b.xp + j * P.sax)), s, sp,
-                                                     ts, block_word<MODE>(b, P.sal, j));
+                                                     block_word<MODE>(b, P.sal, j));
       const uint32_t v = f2u(q) & kAbsMask;
       m = v > m ? v : m;
     }
@@ -758,16 +727,15 @@ QT_BLOCK_FN double settled_scale(const Block<T>& b, uint32_t amax, double sc, co
 
 // stochastic NVFP4, any block (plan.fp4_sto): fp4_sto_run's scale and elements
 template <int MODE, typename T>
-QT_BLOCK_FN void block_fp4_sto(const Block<T>& b, uint32_t amax, const BlockPlan& P,
-                               const BlockArgs& a) {
+QT_BLOCK_FN void block_fp4_sto(const Block<T>& b, uint32_t amax, const BlockPlan& P) {
   if constexpr (MODE == kStochastic) {  // (the plan takes it for stochastic rounding only)
-    const Fp4Sto c = fp4_sto_consts(P, a);
+    const Fp4Sto c = fp4_sto_consts(P);
     qt_v8u r[kFp4StoMax / 8];
     uint32_t* rw = (uint32_t*)r;
     for (int64_t j = 0; j < (b.m + 7) / 8 * 8; ++j)
       rw[j] = j < b.m ? block_word<MODE>(b, P.sal, j) : 0u;
     fp4_sto_block<T>(b.xp, P.sax, b.yp, P.say, b.m, r,
-                     fp4_scale_value(amax, c.g, c.smax, c.sovf, c.ts_div), c);
+                     fp4_scale(amax, c.g, c.smax, c.sovf, c.div), c);
   }
 }
 
@@ -782,7 +750,7 @@ QT_BLOCK_FN void block_amax_fast32(const Block<T>& b, uint32_t amax, const Block
   // reference's double quotient, by the argument below (a midpoint of the scale format
   // times max_elem has at most 24 significant bits)
   const double sc = settled_scale<MODE, T>(b, amax, (double)u2f(qtensor::round_float_fast<kNearest>(
-      f2u(u2f(amax) / P.elem_max_f), P.sg, P.smax, P.sovf, 0u)), P, a, a.amax_spec);
+      f2u(u2f(amax) / P.elem_max_f), P.sg, P.smax, P.sovf, 0u)), P, a.amax_spec);
   // Deterministic rounding with a scale of few significant bits (NVFP4): the float32
   // quotient z = x / X rounds to the same grid point as the exact one (and so as the
   // reference's double quotient): a grid point or midpoint m times X has at most 24
@@ -812,16 +780,14 @@ QT_BLOCK_FN void block_amax_unit(const Block<T>& b, uint32_t amax, const BlockPl
   T* yp = b.yp;
   const int64_t m = b.m;
   const double sc = settled_scale<MODE, T>(
-      b, amax, qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts), P, a,
-      a.amax_spec);
+      b, amax, qtensor::amax_block_scale(amax, a.amax_spec), P, a.amax_spec);
   const qtensor::AmaxBlockSpec sp = a.amax_spec;
-  const bool ts = a.tensor_scale;
   const uint32_t ikey0 = b.ikey0;
   const uint32_t lo = (uint32_t)b.l0;
   for (int64_t j = 0; j < m; ++j) {
     const uint32_t r = stoch ? random_word(ikey0, lo + (uint32_t)j) | b.sr_or : 0u;
     const float q = qtensor::round_amax_elem_t<MODE, false>(u2f(load_bits<T>(xp + j)), sc,
-                                                            sp, ts, r);
+                                                            sp, r);
     store_bits<T>(yp + j, f2u(q));
   }
 }
@@ -831,12 +797,10 @@ template <int MODE, typename T>
 QT_BLOCK_FN void block_amax_general(const Block<T>& b, uint32_t amax, const BlockPlan& P,
                         const BlockArgs& a) {
   const double sc = settled_scale<MODE, T>(
-      b, amax, qtensor::amax_block_scale(amax, a.amax_spec, a.tensor_scale, a.ts), P, a,
-      a.amax_spec);
+      b, amax, qtensor::amax_block_scale(amax, a.amax_spec), P, a.amax_spec);
   for (int64_t j = 0; j < b.m; ++j) {
     float xv = u2f(load_bits<T>(b.xp + j * P.sax));
-    float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, a.tensor_scale,
-                                             block_word<MODE>(b, P.sal, j));
+    float q = qtensor::round_amax_elem<MODE>(xv, sc, a.amax_spec, block_word<MODE>(b, P.sal, j));
     store_bits<T>(b.yp + j * P.say, f2u(q));
   }
 }
@@ -850,23 +814,20 @@ QT_BLOCK_FN void block_4over6(const Block<T>& b, uint32_t amax, const BlockPlan&
   const qtensor::AmaxBlockSpec& s6 = a.amax_spec;
   qtensor::AmaxBlockSpec s4 = s6;
   s4.elem_max = 4.0;
-  const bool ts = a.tensor_scale;
-  const double sc6 = settled_scale<MODE, T>(
-      b, amax, qtensor::amax_block_scale(amax, s6, ts, a.ts), P, a, s6);
-  const double sc4 = settled_scale<MODE, T>(
-      b, amax, qtensor::amax_block_scale(amax, s4, ts, a.ts), P, a, s4);
+  const double sc6 = settled_scale<MODE, T>(b, amax, qtensor::amax_block_scale(amax, s6), P, s6);
+  const double sc4 = settled_scale<MODE, T>(b, amax, qtensor::amax_block_scale(amax, s4), P, s4);
   double e6 = 0.0, e4 = 0.0;
   for (int64_t j = 0; j < b.m; ++j) {
     const float xv = u2f(load_bits<T>(b.xp + j * P.sax));
     const uint32_t r = block_word<MODE>(b, P.sal, j);
-    e6 += std::fabs((double)qtensor::round_amax_elem<MODE>(xv, sc6, s6, ts, r) - (double)xv);
-    e4 += std::fabs((double)qtensor::round_amax_elem<MODE>(xv, sc4, s6, ts, r) - (double)xv);
+    e6 += std::fabs((double)qtensor::round_amax_elem<MODE>(xv, sc6, s6, r) - (double)xv);
+    e4 += std::fabs((double)qtensor::round_amax_elem<MODE>(xv, sc4, s6, r) - (double)xv);
   }
   const double sc = e4 < e6 ? sc4 : sc6;
   for (int64_t j = 0; j < b.m; ++j) {
     const float xv = u2f(load_bits<T>(b.xp + j * P.sax));
     store_bits<T>(b.yp + j * P.say, f2u(qtensor::round_amax_elem<MODE>(
-                                        xv, sc, s6, ts, block_word<MODE>(b, P.sal, j))));
+                                        xv, sc, s6, block_word<MODE>(b, P.sal, j))));
   }
 }
 
@@ -1013,7 +974,7 @@ QT_BLOCK_FN void round_block(const Block<T>& b, const BlockPlan& P, const BlockA
   if (amax >= kInfBits) {  // NaN or Inf in the block: all NaN
     for (int64_t j = 0; j < b.m; ++j) store_bits<T>(b.yp + j * P.say, kNaNBits);
   } else if (MODE == kStochastic && P.fp4_sto) {
-    block_fp4_sto<MODE, T>(b, amax, P, a);
+    block_fp4_sto<MODE, T>(b, amax, P);
   } else if (a.scale_rule == kRule4over6) {
     block_4over6<MODE, T>(b, amax, P, a);
   } else if (a.scale_rule == kRuleAmax) {
@@ -1297,10 +1258,8 @@ void round_tile(const T* xt, T* yt, int64_t m, int64_t w, const BlockPlan& P,
   if (a.scale_rule == kRuleAmax) {
     if (P.fp4_fmt) {  // NVFP4: fp4_block_run's scales and elements
       float X[kTileW];
-      const float ts = a.tensor_scale ? (float)a.ts : 1.0f;
-      const float div = a.tensor_scale ? (float)(a.elem_max * a.ts) : P.elem_max_f;
       const qtensor::FastGrid g = P.sg;
-      for (int64_t c = 0; c < w; ++c) X[c] = fp4_scale(amax[c], g, P.smax, P.sovf, div, ts);
+      for (int64_t c = 0; c < w; ++c) X[c] = fp4_scale(amax[c], g, P.smax, P.sovf, P.elem_max_f);
       for (int64_t c = 0; c < w; ++c) X[c] = fp4_settled<MODE>(amax[c], X[c], a);
       tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
         const float Xc = X[c];
@@ -1315,7 +1274,7 @@ void round_tile(const T* xt, T* yt, int64_t m, int64_t w, const BlockPlan& P,
         if (!nan[c])
           sc = settled_scale<MODE, T>(lane_block(c), amax[c], (double)u2f(
               qtensor::round_float_fast<kNearest>(f2u(u2f(amax[c]) / P.elem_max_f), P.sg,
-                                                  P.smax, P.sovf, 0u)), P, a, a.amax_spec);
+                                                  P.smax, P.sovf, 0u)), P, a.amax_spec);
         ok[c] = sc > 0 ? 1u : 0u;
         Xs[c] = sc > 0 ? (float)sc : 1.0f;
       }
@@ -1333,13 +1292,11 @@ void round_tile(const T* xt, T* yt, int64_t m, int64_t w, const BlockPlan& P,
       double S[kTileW];
       for (int64_t c = 0; c < w; ++c)
         S[c] = nan[c] ? 1.0 : settled_scale<MODE, T>(
-            lane_block(c), amax[c],
-            qtensor::amax_block_scale(amax[c], a.amax_spec, a.tensor_scale, a.ts), P, a,
+            lane_block(c), amax[c], qtensor::amax_block_scale(amax[c], a.amax_spec), P,
             a.amax_spec);
       const qtensor::AmaxBlockSpec sp = a.amax_spec;
-      const bool ts = a.tensor_scale;
       tile_elems<T>(xt, P.sax, yt, P.say, m, w, nan, [&](uint32_t u, int64_t c) {
-        return f2u(qtensor::round_amax_elem<MODE>(u2f(u), S[c], sp, ts, 0u));
+        return f2u(qtensor::round_amax_elem<MODE>(u2f(u), S[c], sp, 0u));
       });
     }
     return;
@@ -1495,9 +1452,9 @@ void blocks(const T* x, T* y, const Layout& L, const BlockArgs& a, uint32_t key)
         T* yp = y + oc.oy + j0;
         if constexpr (MODE == kStochastic) {  // (the axis' logical stride is 1: inner == 1)
           if (bs == 16)
-            fp4_sto_run<16, T>(xp, yp, run, bs, len - j0, P, a, (uint64_t)(oc.ol + j0), key);
+            fp4_sto_run<16, T>(xp, yp, run, bs, len - j0, P, (uint64_t)(oc.ol + j0), key);
           else
-            fp4_sto_run<0, T>(xp, yp, run, bs, len - j0, P, a, (uint64_t)(oc.ol + j0), key);
+            fp4_sto_run<0, T>(xp, yp, run, bs, len - j0, P, (uint64_t)(oc.ol + j0), key);
         } else if (a.scale_rule == kRule4over6)
           fp4_block_run<MODE, 0, T, true>(xp, yp, run, bs, len - j0, P.sg, P.smax, P.sovf,
                                           P.elem_max_f, a);
@@ -1584,23 +1541,22 @@ void whole_tensor_block(const T* x, T* y, const Layout& L, const BlockArgs& a, u
     elementwise<false, T>(x, y, L, key, [](uint32_t, uint32_t) { return kNaNBits; });
   } else if (a.scale_rule == kRuleAmax) {
     const qtensor::AmaxBlockSpec spec = a.amax_spec;
-    const bool use_ts = a.tensor_scale;
-    double sc = qtensor::amax_block_scale(amax, spec, use_ts, a.ts);
+    double sc = qtensor::amax_block_scale(amax, spec);
     // idempotence (round.h, settle_amax_scale), before any store (x may be y)
     if (qtensor::rounded_amax_from_amax<MODE>(spec)) {
-      sc = qtensor::settle_amax_scale(sc, spec, use_ts, a.ts, [&](double s) {
-        return f2u(qtensor::round_amax_elem<MODE>(u2f(amax), s, spec, use_ts, 0u)) & kAbsMask;
+      sc = qtensor::settle_amax_scale(sc, spec, [&](double s) {
+        return f2u(qtensor::round_amax_elem<MODE>(u2f(amax), s, spec, 0u)) & kAbsMask;
       });
     } else {
-      sc = qtensor::settle_amax_scale(sc, spec, use_ts, a.ts, [&](double s) {
+      sc = qtensor::settle_amax_scale(sc, spec, [&](double s) {
         return max_of_elementwise<STOCH, T>(x, L, key, a.sr_or, [=](uint32_t u, uint32_t r) {
-          return f2u(qtensor::round_amax_elem<MODE>(u2f(u), s, spec, use_ts, r)) & kAbsMask;
+          return f2u(qtensor::round_amax_elem<MODE>(u2f(u), s, spec, r)) & kAbsMask;
         });
       });
     }
     const uint32_t om = a.sr_or;
     elementwise<STOCH, T>(x, y, L, key, [=](uint32_t u, uint32_t r) {
-      return f2u(qtensor::round_amax_elem<MODE>(u2f(u), sc, spec, use_ts, r | om));
+      return f2u(qtensor::round_amax_elem<MODE>(u2f(u), sc, spec, r | om));
     });
   } else {
     int k = qtensor::block_scale_exp(amax, a.scale_rule == kRuleCeil, a.elem_emax,

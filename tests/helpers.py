@@ -83,6 +83,29 @@ def two_level_formats() -> dict:
     }
 
 
+def two_level_op_args(x, fmt, **kw):
+    """The arguments after x that backend.two_level(x, fmt, **kw) passes to
+    qtensor::quantize_two_level (the call is made, and its arguments recorded), or None where it
+    calls no op (no kernel takes x: the reference rounds it)."""
+    from unittest import mock
+
+    from qtensor.kernels import backend
+    calls = []
+
+    def op(x, *args):
+        calls.append(args)
+        return torch.ops.qtensor.quantize_two_level(x, *args)
+    def kernel_ops(t):  # (the reference's scalar roundings call the other ops)
+        real = kernel_ops.real(t)
+        return type("Ops", (), {"quantize_two_level": staticmethod(op),
+                                "__getattr__": lambda self, name: getattr(real, name)})()
+    kernel_ops.real = backend.kernel_ops
+    with mock.patch.object(backend, "kernel_ops", kernel_ops):
+        backend.two_level(x, fmt, checked=False, **kw)
+    assert len(calls) <= 1, f"{fmt}: backend.two_level called the kernel {len(calls)} times"
+    return calls[0] if calls else None
+
+
 def count_calls(monkeypatch, owner, name: str) -> list:
     """owner.name (a function) patched to append to the returned list on each call."""
     calls = []

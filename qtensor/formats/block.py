@@ -332,13 +332,18 @@ class BlockFormat(Format):
         return self.block_shape is not None
 
     def kernel_args(self) -> tuple:
+        if self.tensor_scale:
+            raise ValueError(f"{self}: a two-level format (tensor_scale=True) has no "
+                             "quantize_block arguments; qtensor::quantize_two_level rounds it, "
+                             "with the block layout of x (qtensor.kernels.backend.two_level; "
+                             "elem_scale_args() gives its element and scale arguments)")
         if self.block_shape is not None:
             raise ValueError(f"{self}: 2D blocks have no op of their own; quantize lays the tiles "
                              "out for quantize_block (reference.tile_blocks)")
         elem, elem_max, scale, smax = self.elem_scale_args()
         block_size = 0 if self.block_size is None else self.block_size
         return "quantize_block", (elem, elem_max, block_size, self.axis,
-                                  SCALE_RULE_CODES[self.scale_rule], scale, smax, self.tensor_scale)
+                                  SCALE_RULE_CODES[self.scale_rule], scale, smax, False)
 
     def elem_scale_args(self) -> tuple:
         """Its element and scale arguments of the block ops (``quantize_block``,

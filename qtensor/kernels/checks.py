@@ -88,6 +88,10 @@ def check_generator(generator) -> None:
 # tensors alike: the ops' fakes and the Triton launchers (qtensor/gpu) call them
 
 _MAX_DIMS = 16  # kMaxDims of csrc/include/qtensor/args.h
+# (block_args in csrc/op_common.h)
+_TENSOR_SCALE_REFUSED = (
+    "qtensor::quantize_block: tensor_scale=True is not a rule of this op; two-level formats "
+    "(nvfp4) round with qtensor::quantize_two_level (Transformer Engine's rule)")
 
 
 def check_op_args(op: str, x: torch.Tensor, out: torch.Tensor, args: tuple) -> None:
@@ -109,6 +113,8 @@ def check_op_args(op: str, x: torch.Tensor, out: torch.Tensor, args: tuple) -> N
         f"qtensor::{op}: rounding must be 0 (nearest), 1 (nearest_away), 2 (toward_zero), "
         f"3 (stochastic) or 3 + 256 * (32 - N) (stochastic with N = 1..31 random bits), "
         f"got {rounding}"))
+    if op == "quantize_block":
+        torch._check(not args[7], lambda: _TENSOR_SCALE_REFUSED)
     if op == "quantize_block" and args[3] is not None and x.dim() > 0:
         axis = args[3]
         torch._check_index(-x.dim() <= axis < x.dim(), lambda: (

@@ -28,11 +28,14 @@ written:
   logical order and on a seed; under compile QTensor refuses stochastic rounding anyway);
 - non-saturating fixed point (the two's-complement wrap needs 64-bit unsigned arithmetic);
 - block formats other than floor and ceil with power-of-two (exponent-only) scales: the
-  ``amax`` rule (NVFP4, tensor_scale) makes the scale idempotent by a data-dependent loop
+  ``amax`` rule (NVFP4's blocks) makes the scale idempotent by a data-dependent loop
   (round.h settle_amax_scale) that a graph cannot unroll exactly; ``even`` rounds amax first
   and settles its scale by a second pass; ``4over6`` and ``ceil`` with scales of mantissa bits
   divide by a rounded scale (the formula below shifts the element grid by 2^k only);
 - inputs other than float16/bfloat16/float32 on a device (the custom op refuses those alike).
+
+Two-level formats (nvfp4) round by ``qtensor::quantize_two_level``, which has no decomposition:
+it stays an extern call.
 """
 from __future__ import annotations
 
@@ -328,6 +331,7 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
     """qtensor::quantize_block with power-of-two scales: the floor rule, and ceil with an
     exponent-only scale format (MX). Every other rule declines (see the module docstring)."""
     pow2 = scale_rule == _RULE_FLOOR or (scale_rule == _RULE_CEIL and scale[0] == 0)
+    # (tensor_scale=True: the op's own error, two-level formats round by quantize_two_level)
     if not _applies(x, rounding) or not pow2 or tensor_scale or x.numel() == 0:
         return NotImplemented
     elem_fixed = elem[0] == 1

@@ -864,7 +864,9 @@ def test_a_family_subclass_rounds_as_its_family():
                dict(block_size=4, axis=-1, scale=e4m3, scale_rule="amax", tensor_scale=True),
                dict(block_size=4, axis=-1)):
         mine, theirs = _NamedBlock(e4m3, **kw), BlockFormat(e4m3, **kw)
-        if "block_shape" not in kw:
+        if "tensor_scale" in kw:  # (quantize_two_level's element and scale arguments)
+            assert mine.elem_scale_args() == theirs.elem_scale_args()
+        elif "block_shape" not in kw:
             assert mine.kernel_args() == theirs.kernel_args()
         assert (mine.is_tiled, mine.is_two_level) == (theirs.is_tiled, theirs.is_two_level)
         assert _bits(qt.quantize(x, mine)) == _bits(qt.quantize(x, theirs)), kw
@@ -892,7 +894,14 @@ def test_format_protocol_kernel_args_each_family():
     assert args == ([0, 3, -6, 1, 0, 8], 448.0, 32, -1, 0, [0, -127, 127, 0, 2, 1],
                     2.0 ** 127, False)
     assert P["mxint8"].elem.element_args() == [1, 8, 6, 1, 1, 0]
-    assert qt.kernels.ops.op_args(P["nvfp4"]) == P["nvfp4"].kernel_args()
+    assert qt.kernels.ops.op_args(P["mxfp8_e4m3"]) == (name, args)
+    # a two-level format: no quantize_block arguments (quantize_two_level rounds it, with the
+    # block layout of x); its element and scale arguments are elem_scale_args()'s
+    for get in (P["nvfp4"].kernel_args, lambda: qt.kernels.ops.op_args(P["nvfp4"])):
+        with pytest.raises(ValueError, match="nvfp4: .*two-level.*quantize_two_level"):
+            get()
+    assert P["nvfp4_single"].kernel_args() == ("quantize_block", (
+        *P["nvfp4"].elem_scale_args()[:2], 16, -1, 2, *P["nvfp4"].elem_scale_args()[2:], False))
     tiles = BlockFormat(P["fp8_e4m3"], block_shape=(4, 4), scale="fp32", scale_rule="amax")
     assert tiles.is_tiled and not tiles.is_two_level and tiles.fp32_scales
     with pytest.raises(ValueError, match="2D blocks have no op of their own"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qtensor as qt
-from helpers import assert_bits_equal, twos_complement_blocks
+from helpers import assert_bits_equal, two_level_op_args, twos_complement_blocks
 from qtensor.kernels import backend, decompositions, ops
 from qtensor.formats.block import BlockFormat
 from qtensor.formats.fixed import FixedFormat
@@ -48,12 +48,30 @@ def _values(n: int = 2048) -> torch.Tensor:
                       torch.randn(n, generator=g)])
 
 
-def _call(fmt, x, rounding, impl):
+def _op_args(fmt, x, rounding):
+    """(the qtensor:: op that rounds x to fmt, its arguments after x) as the library calls it: a
+    two-level format's op is quantize_two_level, with the arguments backend.two_level passes
+    (None where no kernel takes x: the reference rounds it)."""
+    if fmt.is_two_level:
+        return (torch.ops.qtensor.quantize_two_level,
+                two_level_op_args(x, fmt, rounding=rounding, seed=0))
     name, args = ops.op_args(fmt)
-    code = backend.rounding_code(rounding)
+    return getattr(torch.ops.qtensor, name), (*args, backend.rounding_code(rounding), 0)
+
+
+def _call(fmt, x, rounding, impl, op_args=None):
+    """x rounded to fmt by the op (impl="kernel") or by the op's entry in the decompositions'
+    table, which inductor gets: NotImplemented where it declines or the op has none (the op
+    then stays an extern call). op_args: _op_args's, made before (outside a compiled graph)."""
+    op, args = op_args or _op_args(fmt, x, rounding)
+    decomposition = decompositions._ops_table().get(op.default)
+    if impl != "kernel" and decomposition is None:
+        return NotImplemented
+    assert args is not None, f"{fmt}: no kernel takes x"
     if impl == "kernel":
-        return getattr(torch.ops.qtensor, name)(x, *args, code, 0)
-    return getattr(decompositions, name)(x, *args, code, 0)
+        q = op(x, *args)
+        return q[0] if fmt.is_two_level else q  # (quantize_two_level: values, scales)
+    return decomposition(x, *args)
 
 
 def _shaped(fmt, x):
@@ -103,7 +121,7 @@ def test_block_edge_shapes():
                          ids=str)
 def test_not_decomposed_where_not_exact(fmt):
     """Stochastic rounding, the amax scale rule (its idempotence loop) and wrapping fixed point
-    keep the custom op: the decomposition declines."""
+    keep the custom op: the decomposition declines (nvfp4's op, quantize_two_level, has none)."""
     x = _shaped(fmt, _values())
     assert _call(fmt, x, fmt.rounding, "decomposition") is NotImplemented
 
@@ -117,14 +135,16 @@ _COMPILED = [(qt.format(s), m) for s, m in [
     (BlockFormat("fp8_e5m2", block_size=24, axis=0, scale_rule="ceil"), "nearest")]
 
 
-def _many(x, h):
+def _many(x, h, nvfp4):
     """Each rounding of 2 * x (exact: the kernel sees the same float32 values), of a bfloat16
-    input h, and nvfp4 (the custom op). (A cast to bfloat16 inside the graph would not do:
-    inductor keeps the float32 value of a fused cast.)"""
+    input h, nvfp4_single (quantize_block, amax rule) and nvfp4 (quantize_two_level, with
+    ``nvfp4``, _op_args's). (A cast to bfloat16 inside the graph would not do: inductor keeps
+    the float32 value of a fused cast.)"""
     y = x * 2.0
     out = [_call(f, _shaped(f, y), m, "kernel") for f, m in _COMPILED]
     out += [_call(f, _shaped(f, h), m, "kernel") for f, m in _COMPILED[:2]]
-    out.append(_call(qt.nvfp4, _shaped(qt.nvfp4, y), "nearest", "kernel"))
+    out.append(_call(qt.nvfp4_single, _shaped(qt.nvfp4_single, y), "nearest", "kernel"))
+    out.append(_call(qt.nvfp4, _shaped(qt.nvfp4, y), "nearest", "kernel", nvfp4))
     return out
 
 
@@ -141,16 +161,19 @@ def test_inductor_fuses_the_roundings_with_the_kernels_bits(_enabled):
     x = _values() / 2
     x = torch.where(x.isfinite(), x, _values())  # 2 * x: the specials again, and overflows
     h = _values().to(torch.bfloat16)
+    nvfp4 = _op_args(qt.nvfp4, _shaped(qt.nvfp4, x * 2.0), "nearest")
     # (no caches: a graph compiled before, in another process, would not show what inductor does)
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        got, (code,) = run_and_get_code(torch.compile(_many, fullgraph=True), x, h)
-    want = _many(x, h)
-    names = _COMPILED + _COMPILED[:2] + [(qt.nvfp4, "nearest")]
+        got, (code,) = run_and_get_code(
+            torch.compile(lambda x, h: _many(x, h, nvfp4), fullgraph=True), x, h)
+    want = _many(x, h, nvfp4)
+    names = _COMPILED + _COMPILED[:2] + [(qt.nvfp4_single, "nearest"), (qt.nvfp4, "nearest")]
     for (f, m), g, w in zip(names, got, want, strict=True):
         assert_bits_equal(g, w, f"compiled {f} {m} {g.dtype}")
-    # only nvfp4 (amax rule) is an extern call; everything else is generated code
+    # only nvfp4_single (amax rule) and nvfp4 are extern calls; everything else is generated code
     assert code.count("torch.ops.qtensor.quantize_block.default(") == 1, code
+    assert code.count("torch.ops.qtensor.quantize_two_level.default(") == 1, code
     assert "qtensor.quantize_float" not in code and "qtensor.quantize_fixed" not in code
 
 
@@ -210,7 +233,8 @@ def _every_block_format():
 def test_every_scale_rule_and_scale_format_is_exact_or_declines():
     """The block decomposition shifts the element grid by a power of two: exact for the floor
     rule and for ceil with exponent-only scales, which it must cover; every other rule (even,
-    4over6, amax, ceil with scales of mantissa bits) must keep the custom op."""
+    4over6, amax, ceil with scales of mantissa bits) must keep the custom op, as must every
+    two-level format (tensor_scale=True: quantize_two_level's)."""
     x = _values()[: 64 * 96].reshape(64, 96)
     formats = list(_every_block_format())
     assert {f.scale_rule for f in formats} == {"floor", "ceil", "amax", "even", "4over6"}

@@ -21,7 +21,7 @@ from qtensor.formats.block import SCALE_RULE_CODES, SCALE_RULES, BlockFormat
 from qtensor.formats.fixed import FixedFormat
 from qtensor.formats.float import FloatFormat
 
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, two_level_op_args
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available("cpu"),
                                 reason="qtensor._C not built (pip install --no-build-isolation -e .)")
@@ -406,7 +406,34 @@ def _bad_op_calls():
          RuntimeError, r"qtensor::quantize_float: at most 16 dims, got 17"),
         ("axis", lambda m: q.quantize_block(m((2, 32), torch.float32), *bargs, 0, 0),
          IndexError, r"qtensor::quantize_block: axis 5 is out of range for a tensor of shape"),
+        ("tensor_scale", lambda m: q.quantize_block(m((2, 32), torch.float32), *_NVFP4_TS, 0, 0),
+         RuntimeError, _TS_REFUSED),
     ]
+
+
+# quantize_block's arguments for nvfp4's blocks with tensor_scale=True, which the op refuses:
+# two-level formats round by quantize_two_level
+_NVFP4_TS = (*ops.op_args(P["nvfp4_single"])[1][:-1], True)
+_TS_REFUSED = r"qtensor::quantize_block: tensor_scale=True .*quantize_two_level"
+
+
+def test_quantize_block_refuses_tensor_scale():
+    x = torch.randn(4, 64)
+    before = x.clone()
+    q = torch.ops.qtensor
+    with pytest.raises(RuntimeError, match=_TS_REFUSED):
+        q.quantize_block(x, *_NVFP4_TS, 0, 7)
+    out = torch.full_like(x, 5.0)
+    with pytest.raises(RuntimeError, match=_TS_REFUSED):
+        q.quantize_block.out(x, *_NVFP4_TS, 3, 7, out=out)
+    with pytest.raises(RuntimeError, match=_TS_REFUSED):
+        q.quantize_block_(x, *_NVFP4_TS, 0, 7)
+    # nothing written: x and out keep their values
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))
+    assert bool((out == 5.0).all())
+    # the same blocks without it round as nvfp4_single does
+    assert_bits_equal(q.quantize_block(x, *_NVFP4_TS[:-1], False, 0, 7),
+                      reference.quantize(x, P["nvfp4_single"]))
 
 
 @pytest.mark.parametrize("case", _bad_op_calls(), ids=lambda c: c[0])
@@ -483,8 +510,17 @@ def test_stochastic_unbiased(fmt):
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fixed8.4", "mxfp8_e4m3", "nvfp4"])
 def test_opcheck(name):
     fmt = qt.format(name)
-    op, args = ops.op_args(fmt)
     x = torch.randn(4, 64)
+    if fmt.is_two_level:  # the op that rounds it, with the arguments the library passes
+        for rounding in ("nearest", "stochastic"):
+            for kw in ({}, {"tensor_scale": 0.5, "block_scales": True}):
+                args = two_level_op_args(x, fmt, rounding=rounding, seed=7, **kw)
+                assert args is not None, f"{fmt}: backend.two_level did not call the kernel"
+                op = torch.ops.qtensor.quantize_two_level
+                torch.library.opcheck(op.default, (x, *args))
+                torch.library.opcheck(op.out, (x, *args), {"out": torch.empty_like(x)})
+        return
+    op, args = ops.op_args(fmt)
     for rounding in (0, 3):
         full = (*args, rounding, 7)
         torch.library.opcheck(getattr(torch.ops.qtensor, op).default, (x, *full))

@@ -37,10 +37,6 @@ struct BlockArgs {
   int even_mbits;      // scale_rule even: the element's significant bits after the leading one
   // scale_rule == amax
   AmaxBlockSpec amax_spec;
-  bool tensor_scale;
-  double ts;  // the per-tensor scale (when tensor_scale)
-  int ts_bits, ts_jmin;  // its significant bits and smallest quantum exponent (formats.py)
-  double ts_bound;       // the scale value the tensor's amax maps to (tensor_scale_bound)
   uint32_t sr_or;        // limited-bit stochastic rounding: OR-ed into each random word
 };
 

@@ -507,7 +507,7 @@ QT_HD uint32_t round_block_elem(uint32_t u, const BlockElemSpec& s, uint32_t rbi
 }
 
 // Blocks whose scale is not a power of two (scale_rule "amax", NVFP4): everything in double as
-// the reference: z = x / X, q = X * Q(z) (rounded once to float32 when a tensor scale is used).
+// the reference: z = x / X, q = X * Q(z).
 struct AmaxBlockSpec {
   FloatSpec<uint64_t> scale;   // the scale format, nearest
   bool elem_fixed;
@@ -534,25 +534,14 @@ QT_HD double round_float_up(double r, const FloatSpec<uint64_t>& s) {
 
 // The block scale (0 or negative/NaN means "no scale": the block becomes zeros, signed for float
 // elements).
-QT_HD double amax_block_scale(uint32_t amax_bits, const AmaxBlockSpec& s, bool use_tensor_scale,
-                              double tensor_scale) {
-  double amax = (double)u2f(amax_bits);
-  double ratio;
-  if (use_tensor_scale) {
-    double denom = s.elem_max * tensor_scale;
-    ratio = denom > 0 ? amax / denom : 0.0;
-  } else {
-    ratio = amax / s.elem_max;
-  }
-  double sc = s.up ? round_float_up(ratio, s.scale)
-                   : u2d(round_float<kNearest, uint64_t>(d2u(ratio), s.scale, 0));
-  if (use_tensor_scale) sc = sc * tensor_scale;
-  return sc;
+QT_HD double amax_block_scale(uint32_t amax_bits, const AmaxBlockSpec& s) {
+  const double ratio = (double)u2f(amax_bits) / s.elem_max;
+  return s.up ? round_float_up(ratio, s.scale)
+              : u2d(round_float<kNearest, uint64_t>(d2u(ratio), s.scale, 0));
 }
 
 template <int MODE, bool ELEM_FIXED>
-QT_HD float round_amax_elem_t(float x, double scale, const AmaxBlockSpec& s, bool use_tensor_scale,
-                              uint32_t rbits) {
+QT_HD float round_amax_elem_t(float x, double scale, const AmaxBlockSpec& s, uint32_t rbits) {
   const bool ok = scale > 0;
   const double safe = ok ? scale : 1.0;
   const double z = (double)x / safe;
@@ -560,18 +549,16 @@ QT_HD float round_amax_elem_t(float x, double scale, const AmaxBlockSpec& s, boo
   uint64_t qzb;
   if (ELEM_FIXED) qzb = round_fixed<MODE, false, uint64_t>(zb, s.ex, rbits);
   else qzb = round_float<MODE, uint64_t, false>(zb, s.ef, rbits);
-  double q = u2d(qzb) * safe;
-  if (use_tensor_scale) q = (double)(float)q;
+  const double q = u2d(qzb) * safe;
   // no scale: signed zeros (integer elements have no -0.0)
   const float zero = ELEM_FIXED ? 0.0f : u2f(f2u(x) & F32::SIGN);
   return ok ? (float)q : zero;
 }
 
 template <int MODE>
-QT_HD float round_amax_elem(float x, double scale, const AmaxBlockSpec& s, bool use_tensor_scale,
-                            uint32_t rbits) {
-  return s.elem_fixed ? round_amax_elem_t<MODE, true>(x, scale, s, use_tensor_scale, rbits)
-                      : round_amax_elem_t<MODE, false>(x, scale, s, use_tensor_scale, rbits);
+QT_HD float round_amax_elem(float x, double scale, const AmaxBlockSpec& s, uint32_t rbits) {
+  return s.elem_fixed ? round_amax_elem_t<MODE, true>(x, scale, s, rbits)
+                      : round_amax_elem_t<MODE, false>(x, scale, s, rbits);
 }
 
 // The amax rule's idempotence (docs/formats.md): the scale derived again from the rounded
@@ -579,10 +566,10 @@ QT_HD float round_amax_elem(float x, double scale, const AmaxBlockSpec& s, bool 
 // rounded_amax(sc) gives the bits of max |q| of the block rounded with the scale sc. Each step
 // lowers the scale (the rounded amax is at most max_elem * sc), so the loop ends.
 template <typename RoundedAmax>
-QT_HD double settle_amax_scale(double sc, const AmaxBlockSpec& s, bool use_tensor_scale,
-                               double tensor_scale, const RoundedAmax& rounded_amax) {
+QT_HD double settle_amax_scale(double sc, const AmaxBlockSpec& s,
+                               const RoundedAmax& rounded_amax) {
   while (sc > 0) {
-    const double again = amax_block_scale(rounded_amax(sc), s, use_tensor_scale, tensor_scale);
+    const double again = amax_block_scale(rounded_amax(sc), s);
     if (!(again < sc)) break;
     sc = again;
   }

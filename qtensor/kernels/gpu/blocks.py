@@ -295,7 +295,8 @@ def _three_dims(t, axis):
 
 def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale_max,
                    tensor_scale, rounding, seed, *, out=None):
-    """qtensor::quantize_block with the Triton kernel (into ``out`` if given; out may be x)."""
+    """qtensor::quantize_block with the Triton kernel (into ``out`` if given; out may be x);
+    tensor_scale=True never reaches it (checks.check_op_args refuses it, as the C++ op)."""
     elem, scale = list(elem), list(scale)
     if len(elem) != 6 or elem[0] not in (0, 1) or len(scale) != 6:
         raise RuntimeError("qtensor::quantize_block: elem must be [0, man, emin, subnormals, 0, "
@@ -305,12 +306,6 @@ def quantize_block(x, elem, elem_max, block_size, axis, scale_rule, scale, scale
     rule = _AMAX if up else scale_rule
     if rule not in (_FLOOR, _CEIL, _AMAX, _EVEN, _4OVER6):
         raise RuntimeError(f"qtensor::quantize_block: unknown scale_rule {scale_rule}")
-    if tensor_scale:
-        # (the C++ op's tensor_scale argument computes an older rule than Transformer Engine's,
-        # which two-level formats round by: quantize_two_level)
-        raise RuntimeError("qtensor.kernels.gpu.quantize_block: tensor_scale=True has no Triton "
-                           "kernel; two-level formats (nvfp4) round with quantize_two_level "
-                           "(Transformer Engine's rule)")
     if rule in (_FLOOR, _EVEN) and scale[0] != 0:
         raise RuntimeError("qtensor::quantize_block: scale_rule floor and even need an "
                            "exponent-only scale")
