@@ -126,7 +126,7 @@ def test_4over6_near_ties(rounding):
     for seed in (1, 2, 3):
         x = _near_ties(seed)
         _check(x, fmt, rounding, seed=seed)
-        for s in (2.0 ** -120, 1e-3, 2.0 ** 100):
+        for s in (2.0 ** -120, float(torch.tensor(1e-3)), 2.0 ** 100):
             _check(x, fmt, rounding, seed=seed, tensor_scale=s)
 
 
