@@ -2016,8 +2016,9 @@ void tl_blocks(const T* x, T* y, const TwoLevelGeom& G, const TwoLevelArgs& a, u
 // multiple of 16: block b is x[16 b, 16 b + 16)), amax or 4over6 scales, no settling, a scale
 // format that round_add_v rounds (tl_fast_grid). Batches of 8 blocks: their amaxes (amax_8x)
 // and scales on 8 lanes, a lane per block; then each block's elements as one vector of 16
-// (tl_fp4_payload_v); 4over6's error sums on a lane per block after a transpose, so that each
-// block's terms are still added in element order. The same steps, so the same bits, as tl_block.
+// (tl_fp4_payload_v); 4over6's pick from error sums that provably pick as TE's do
+// (tl_pick4_near), else TE's own on a lane per block after a transpose, each block's terms added
+// in element order. The same bits as tl_block.
 struct TlFast {
   uint32_t nmin_c, dsh;  // round_add_v's, for the scale format
   float sf_max;
@@ -2082,6 +2083,54 @@ QT_BLOCK_FN qt_v8f tl_sums8(const qt_v16f d[8]) {
   return e;
 }
 
+// The sums of 8 blocks' terms as tl_sums8, but added in another order (a tree: fewer shuffles)
+QT_BLOCK_FN qt_v8f tl_sums8_any(const qt_v16f d[8]) {
+  qt_v8f h[8], a[4], b[2];
+  for (int k = 0; k < 8; ++k)
+    h[k] = __builtin_shufflevector(d[k], d[k], 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(d[k], d[k], 8, 9, 10, 11, 12, 13, 14, 15);
+  // a[i]: blocks 2i, 2i + 1 interleaved; b[j]: blocks 4j..4j+3; then 128-bit halves
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(h[2 * i], h[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+           __builtin_shufflevector(h[2 * i], h[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  for (int j = 0; j < 2; ++j)
+    b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  // b[0] lanes: blocks 0 1 2 3 (low half's share) 0 1 2 3 (high half's); b[1]: 4-7
+  return __builtin_shufflevector(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// 4over6's picks of 8 blocks (lane k: block k takes the 4 candidate) by TE's rule e4 < e6, each
+// error sum of the terms t = fl32(|fl32(fl32(p amax) / M) - x|) added in element order (p = e X,
+// exact, with x's sign), when the terms t' = fl32(|fl32(p c) - x|), c = fl32(amax / M), added in
+// any order (d4, d6: a block's t' in a vector; their sums e4', e6') decide it; else false.
+// With r = |p| amax / M and u = 2^-24: fl32(p c) and TE's quotient are each within 2.0001 u r of
+// r, so |t - t'| <= 4.01 u r + 2 u |r - x|; 16 non-negative terms added in any order are within
+// 15.01 u of their exact total; so |e - e'| <= 4.04 u R + 32.1 u e', R the block's sum of r <=
+// 96 X amax / M <= 96 W (1 + 3 u), W = fl32(X c). Where e4' and e6' differ by more than
+// tol = 2^-18 (e4' + e6') + 3 2^-15 (W4 + W6) (at least twice those bounds), the picks are TE's.
+// So are blocks whose candidates are one scale (X4 = X6: the same terms, e4 = e6, so 6) and
+// blocks of Inf or NaN (`bad`: the pick is not used). The bounds hold where every intermediate is
+// normal and finite: M >= 1 (the caller's check), W >= 2^-100 and fl32(6 X) amax finite, or X = 0
+// (then every t and t' is |x|). Near ties (rare) are left to TE's terms in element order.
+QT_BLOCK_FN bool tl_pick4_near(const qt_v16f d4[8], const qt_v16f d6[8], qt_v8f X4, qt_v8f X6,
+                               qt_v8f W4, qt_v8f W6, qt_v8i bad, float a32, qt_v8i* pick4) {
+  auto bounded = [&](qt_v8f X, qt_v8f W) {
+    return (X == 0.0f) | ((W >= 0x1p-100f) & ((X * 6.0f) * a32 <= kFltMax));
+  };
+  const qt_v8f e4 = tl_sums8_any(d4), e6 = tl_sums8_any(d6);
+  const qt_v8f tol = (e4 + e6) * 0x1p-18f + (W4 + W6) * 0x3p-15f;
+  const qt_v8i same = X4 == X6;
+  const qt_v8i sure = (((e4 - e6 > tol) | (e6 - e4 > tol)) & bounded(X4, W4) & bounded(X6, W6)) |
+                      same | bad;
+  uint64_t s[4];  // (every lane's all ones: one test, not a branch per lane)
+  std::memcpy(s, &sure, 32);
+  if ((s[0] & s[1] & s[2] & s[3]) != ~0ull) return false;
+  *pick4 = e4 < e6;
+  return true;
+}
+
 template <typename T>
 QT_BLOCK_FN void tl_store16(T* y, qt_v16f q) {
   if constexpr (std::is_same<T, float>::value) {
@@ -2092,41 +2141,67 @@ QT_BLOCK_FN void tl_store16(T* y, qt_v16f q) {
 }
 
 // nb blocks of 16 at x (tl_blocks' block order: block b at 16 b)
-template <int MODE, typename T>
+template <int MODE, bool FOUR, typename T>
 void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast& f,
                uint32_t key, float* Xs) {
-  const bool four = a.scale_rule == kRule4over6;
-  const float dec = a.dec;
+  constexpr bool four = FOUR;  // scale rule 4over6, else amax
   at::parallel_for(0, (nb + 7) / 8, std::max<int64_t>(1, kGrain / 128), [&](int64_t c0,
                                                                             int64_t c1) {
-    alignas(64) float xf[128];
-    for (int64_t c = c0; c < c1; ++c) {
+    // locals, which the loops keep in registers (a store through y could alias a capture)
+    T* const yp = y;
+    const float dec = a.dec, a32 = a.a32, denom = a.denom;
+    const uint32_t sr_or = a.sr_or;
+    // 4over6's close terms (tl_pick4_near): fl32(amax / M), and whether M >= 1
+    const float cq = a32 / denom;
+    const bool close = denom >= 1.0f;
+    // a batch: its blocks as float32 (xb: x itself, or xf), which are Inf or NaN (all NaN, X =
+    // 0), their scales and inv = min(1 / (X dec), FLT_MAX)
+    struct Batch {
+      const float* xb;
+      qt_v8i bad;
+      qt_v8f X6, X4, inv6, inv4;
+    };
+    alignas(64) float xf[2][128];
+    auto scales = [&](int64_t c, float* xfc, Batch& B) {
       const int64_t b0 = c * 8, n = std::min<int64_t>(8, nb - b0);
-      const uint64_t o0 = (uint64_t)b0 * 16;  // (a batch's 128 indices share their high half)
-      const float* xb = xf;  // the batch as float32 (a short last batch: zeros after it)
+      const uint64_t o0 = (uint64_t)b0 * 16;
+      B.xb = xfc;  // (a short last batch: zeros after it)
       if (std::is_same<T, float>::value && n == 8) {
-        xb = (const float*)(const void*)(x + o0);
+        B.xb = (const float*)(const void*)(x + o0);
       } else {
-        for (int64_t j = 0; j < n * 16; ++j) xf[j] = u2f(load_bits<T>(x + o0 + j));
-        for (int64_t j = n * 16; j < 128; ++j) xf[j] = 0.0f;
+        for (int64_t j = 0; j < n * 16; ++j) xfc[j] = u2f(load_bits<T>(x + o0 + j));
+        for (int64_t j = n * 16; j < 128; ++j) xfc[j] = 0.0f;
       }
       qt_v8u bm;
-      amax_8x<16>(xb, (uint32_t*)&bm);
-      const auto bad = (qt_v8i)bm >= (int32_t)kInfBits;  // an Inf or NaN: all NaN, X = 0
-      const qt_v8f am = bad ? v8f_of(0.0f) : (qt_v8f)bm;
-      qt_v8f X6, X4 = v8f_of(0.0f);
+      amax_8x<16>(B.xb, (uint32_t*)&bm);
+      B.bad = (qt_v8i)bm >= (int32_t)kInfBits;
+      const qt_v8f am = B.bad ? v8f_of(0.0f) : (qt_v8f)bm;
+      B.X4 = v8f_of(0.0f);
       if (four) {  // tl_scale's 4over6 candidates
         const qt_v8f t = (am / a.elem_max) * a.enc;
-        X6 = tl_code8(t, f);
-        X4 = tl_code8(t * 1.5f, f);
+        B.X6 = tl_code8(t, f);
+        B.X4 = tl_code8(t * 1.5f, f);
       } else {
-        X6 = tl_code8(am * a.c_amax, f);
+        B.X6 = tl_code8(am * a.c_amax, f);
       }
       auto inv_of = [&](qt_v8f X) {
         const qt_v8f r = v8f_of(1.0f) / (X * dec);
         return r < v8f_of(kFltMax) ? r : v8f_of(kFltMax);
       };
-      const qt_v8f inv6 = inv_of(X6), inv4 = four ? inv_of(X4) : v8f_of(0.0f);
+      B.inv6 = inv_of(B.X6);
+      B.inv4 = four ? inv_of(B.X4) : v8f_of(0.0f);
+    };
+    Batch Bs[2];
+    scales(c0, xf[0], Bs[0]);
+    for (int64_t c = c0; c < c1; ++c) {
+      // the next batch's scales first: their divisions overlap this batch's elements
+      if (c + 1 < c1) scales(c + 1, xf[(c + 1 - c0) & 1], Bs[(c + 1 - c0) & 1]);
+      const Batch& B = Bs[(c - c0) & 1];
+      const int64_t b0 = c * 8, n = std::min<int64_t>(8, nb - b0);
+      const uint64_t o0 = (uint64_t)b0 * 16;  // (a batch's 128 indices share their high half)
+      const float* xb = B.xb;
+      const qt_v8i bad = B.bad;
+      const qt_v8f X6 = B.X6, X4 = B.X4, inv6 = B.inv6, inv4 = B.inv4;
       // lowbias32's first step v ^ (v >> 16) of the words' inputs (o0 + 16 k + j) ^ ikey, j < 16,
       // o0 + 16 k a multiple of 16: (o0 + 16 k) ^ (j ^ ikey), so the step is the xor of the same
       // step of each part, the latter's once a batch
@@ -2134,6 +2209,23 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
       const qt_v16u iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       const qt_v16u jk = iota ^ ikey, jk1 = jk ^ (jk >> 16);
       const qt_v16f nan = (qt_v16f)(qt_v16u{} + kNaNBits);
+      if constexpr (!four) {
+#pragma GCC unroll 1
+        for (int k = 0; k < n; ++k) {
+          qt_v16u xv;
+          std::memcpy(&xv, xb + k * 16, 64);
+          qt_v16u w = qt_v16u{};
+          if (MODE == kStochastic) {
+            const uint32_t o = (uint32_t)(o0 + k * 16);
+            w = lowbias32_rest_v(jk1 ^ (o ^ (o >> 16))) | sr_or;
+          }
+          const qt_v16f p = tl_fp4_payload_v<MODE, 16>(xv, w, inv6[k], X6[k], dec);
+          tl_store16<T>(yp + o0 + k * 16, bad[k] ? nan : p * dec);
+        }
+        if (Xs != nullptr)
+          for (int k = 0; k < n; ++k) Xs[b0 + k] = bad[k] ? 0.0f : X6[k];
+        continue;
+      }
       qt_v16f p6[8], p4[8], d6[8], d4[8];
       for (int k = 0; k < 8; ++k) {
         qt_v16u xv;
@@ -2141,29 +2233,37 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
         qt_v16u w = qt_v16u{};
         if (MODE == kStochastic) {
           const uint32_t o = (uint32_t)(o0 + k * 16);
-          w = lowbias32_rest_v(jk1 ^ (o ^ (o >> 16))) | a.sr_or;
+          w = lowbias32_rest_v(jk1 ^ (o ^ (o >> 16))) | sr_or;
         }
         p6[k] = tl_fp4_payload_v<MODE, 16>(xv, w, inv6[k], X6[k], dec);
-        if (!four) {
-          if (k < n) tl_store16<T>(y + o0 + k * 16, bad[k] ? nan : p6[k] * dec);
-          continue;
-        }
         p4[k] = tl_fp4_payload_v<MODE, 16>(xv, w, inv4[k], X4[k], dec);
-        // TE's error terms |fl32(fl32(p * amax) / M) - x|
+        // terms close to TE's (tl_pick4_near; p has x's sign)
         const qt_v16f xs = (qt_v16f)xv;
-        d6[k] = (qt_v16f)((qt_v16u)((p6[k] * a.a32) / a.denom - xs) & kAbsMask);
-        d4[k] = (qt_v16f)((qt_v16u)((p4[k] * a.a32) / a.denom - xs) & kAbsMask);
+        d6[k] = (qt_v16f)((qt_v16u)(p6[k] * cq - xs) & kAbsMask);
+        d4[k] = (qt_v16f)((qt_v16u)(p4[k] * cq - xs) & kAbsMask);
       }
-      if (!four) {
-        if (Xs != nullptr)
-          for (int k = 0; k < n; ++k) Xs[b0 + k] = bad[k] ? 0.0f : X6[k];
-        continue;
+      qt_v8i pick4;
+      if (!(close && tl_pick4_near(d4, d6, X4, X6, X4 * cq, X6 * cq, bad, a32, &pick4))) {
+        // TE's error terms |fl32(fl32(p * amax) / M) - x|, added in element order
+        for (int k = 0; k < 8; ++k) {
+          qt_v16f xs;
+          std::memcpy(&xs, xb + k * 16, 64);
+          d6[k] = (qt_v16f)((qt_v16u)((p6[k] * a32) / denom - xs) & kAbsMask);
+          d4[k] = (qt_v16f)((qt_v16u)((p4[k] * a32) / denom - xs) & kAbsMask);
+        }
+        pick4 = tl_sums8(d4) < tl_sums8(d6);
       }
-      const auto pick4 = tl_sums8(d4) < tl_sums8(d6);
-      const qt_v8f X = pick4 ? X4 : X6;
+      if (Xs != nullptr) {
+        const qt_v8f X = bad ? v8f_of(0.0f) : (pick4 ? X4 : X6);
+        for (int k = 0; k < n; ++k) Xs[b0 + k] = X[k];
+      }
+      // each block's pick, and whether it is all NaN, as all-ones or all-zeros masks: selects
+      // without a branch (the picks are as good as random)
+      const qt_v8u m4 = (qt_v8u)pick4, mb = (qt_v8u)bad;
       for (int k = 0; k < n; ++k) {
-        if (Xs != nullptr) Xs[b0 + k] = bad[k] ? 0.0f : X[k];
-        tl_store16<T>(y + o0 + k * 16, bad[k] ? nan : (pick4[k] ? p4[k] : p6[k]) * dec);
+        const qt_v16u m = qt_v16u{} + m4[k], mn = qt_v16u{} + mb[k];
+        const qt_v16f q = (qt_v16f)(((qt_v16u)p4[k] & m) | ((qt_v16u)p6[k] & ~m)) * dec;
+        tl_store16<T>(yp + o0 + k * 16, (qt_v16f)(((qt_v16u)nan & mn) | ((qt_v16u)q & ~mn)));
       }
     }
   });
@@ -2180,7 +2280,11 @@ void two_level_kernel(const T* x, T* y, const TwoLevelGeom& G, const TwoLevelArg
   if (a.elem_kind == kTlFp4 && (a.scale_rule == kRuleAmax || a.scale_rule == kRule4over6) &&
       !a.settle && G.tr == 1 && G.tc == 16 && G.cols % 16 == 0 && tl_fast_grid(a, f)) {
     const int64_t nb = G.groups * G.rows * G.cols / 16;
-    QT_MODE_SWITCH(mode, tl_rows16<M, T>(x, y, nb, a, f, key, Xs));
+    if (a.scale_rule == kRule4over6) {
+      QT_MODE_SWITCH(mode, (tl_rows16<M, true, T>(x, y, nb, a, f, key, Xs)));
+    } else {
+      QT_MODE_SWITCH(mode, (tl_rows16<M, false, T>(x, y, nb, a, f, key, Xs)));
+    }
   } else if (a.elem_kind == kTlFp4) {
     QT_MODE_SWITCH(mode, tl_blocks<M, kTlFp4, T>(x, y, G, a, key, Xs));
   } else if (a.elem_kind == kTlFixed) {

@@ -91,6 +91,45 @@ def test_rows_of_whole_blocks(name, rounding):
                 raise AssertionError(f"{key} {dtype}") from err
 
 
+def _near_ties(seed):
+    """Blocks of 16 on which 4over6's two error sums tie or nearly tie: values on the e2m1 grid
+    times a power of two, or 1.5 times one (exact, or nearly, under both candidate scales), some
+    moved by an ulp; among ordinary blocks, zero blocks and blocks whose candidates saturate."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    rows = []
+    for k in range(512):
+        kind = k % 8
+        if kind < 5:
+            a = 2.0 ** int(torch.randint(-12, 12, (), generator=g)) * (1.5 if kind % 2 else 1.0)
+            b = grid[torch.randint(0, 8, (16,), generator=g)] * a
+            if kind >= 3:  # an ulp off the grid
+                j = torch.randint(0, 16, (3,), generator=g)
+                b[j] = torch.nextafter(b[j], torch.full((3,), float("inf")))
+        elif kind == 5:
+            b = torch.zeros(16)
+        elif kind == 6:
+            b = torch.randn(16, generator=g) * 1e6  # past the tensor's amax: saturated scales
+        else:
+            b = torch.randn(16, generator=g)
+        rows.append(b * torch.where(torch.rand(16, generator=g) < 0.5, -1.0, 1.0))
+    return torch.stack(rows).reshape(64, 128)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic"])
+def test_4over6_near_ties(rounding):
+    """The register path decides 4over6 from error sums added in any order where they prove TE's
+    element-order pick, else from TE's own sums: near ties take the latter, and give the
+    reference's bits (with the tensor's own scale and given ones, so also tiny and huge
+    intermediates)."""
+    fmt = FORMATS["4over6"]
+    for seed in (1, 2, 3):
+        x = _near_ties(seed)
+        _check(x, fmt, rounding, seed=seed)
+        for s in (2.0 ** -120, float(torch.tensor(1e-3)), 2.0 ** 100):
+            _check(x, fmt, rounding, seed=seed, tensor_scale=s)
+
+
 @pytest.mark.parametrize("rounding", ["stochastic", "stochastic5"])
 @pytest.mark.parametrize("name", ["nvfp4", "4over6"])
 def test_stochastic_elements_past_the_grid_max(name, rounding):
