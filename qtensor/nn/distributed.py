@@ -44,6 +44,10 @@ model as a whole:
   DCP loads into (:func:`_commit_scale`) get the whole parameter's scale (the wrappers of those
   private torch functions are in qtensor.tensor.shims).
 
+- Norms (clip_grad_norm_'s) of sharded DTensors of QTensors are one process's: taken of the
+  gathered whole tensor (:func:`_norm_of_whole`, :func:`_stack_of_norms`: DTensor op handlers,
+  registered through qtensor.tensor.shims).
+
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
 from __future__ import annotations

@@ -1383,9 +1383,9 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
             assert init[k][0] == _scale(params[k]), (rank, k, "init's scale")
             _assert_bits_equal(init[k][1], qt_plain(params[k]), f"rank {rank} {k} init")
     for rank, (_init, (total_values, total_scale), clipped, _alone) in enumerate(res):
-        # the sharded run's total norm (made of the shards' norms, where one process takes
-        # the whole gradients' norms: other bits), so the same clip coefficient: then every
-        # clipped shard must be one process's clipped gradient, sliced
+        # the sharded run's total norm (one process's: the test of clip_grad_norm_ below), so
+        # the same clip coefficient: then every clipped shard must be one process's clipped
+        # gradient, sliced
         total = qt.QTensor(total_values, qt.nvfp4, tensor_scale=total_scale)
         for k, p in params.items():
             p.grad = reduced[k].clone()
@@ -1921,7 +1921,8 @@ def test_the_torch_internals_distributed_wraps_are_still_there():
     from torch.distributed.fsdp._fully_shard import _fsdp_param
     from qtensor.tensor import shims
     # each is a shim that names the torch version it targets (tests/tensor/test_shims.py)
-    for name in ("wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor"):
+    for name in ("wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor",
+                 "handle_dtensor_ops"):
         assert name in shims.__all__, name
         assert getattr(shims, name).__doc__.startswith(f"torch {shims.TARGET}:"), name
     bc = dist._broadcast_coalesced
@@ -1947,6 +1948,13 @@ def test_the_torch_internals_distributed_wraps_are_still_there():
                  and list(inspect.signature(commit.__wrapped__).parameters)
                  == ["self", "read_item", "tensor"],
                  "DefaultLoadPlanner.commit_tensor(self, read_item, tensor)")
+    from torch.distributed.tensor import DTensor
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    aten = torch.ops.aten
+    _wraps_still(all(getattr(handlers.get(op), "_qtensor_handler", False)
+                     for op in (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar,
+                                aten.stack.default)),
+                 "DTensor._op_dispatcher._custom_op_handlers (the norms of sharded QTensors)")
     from torch.distributed.checkpoint import default_planner
     from torch.distributed.checkpoint.metadata import MetadataIndex
     _wraps_still("self.state_dict" in inspect.getsource(default_planner.DefaultLoadPlanner)
