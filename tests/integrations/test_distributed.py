@@ -1324,6 +1324,22 @@ def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks, spec):
             assert scales[n] == ref_scales[n], (rank, n, "tensor scale", scales[n])
 
 
+def _reduced_grads(model, world=WORLD):
+    """One process: each parameter's gradient by the reduction rule for _data(1)'s batch."""
+    params = dict(model.named_parameters())
+    x, y = _data(1)[0]
+    n = len(x) // world
+    grads = []
+    for r in range(world):
+        model.zero_grad()
+        F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
+        grads.append({k: qt_plain(p.grad) for k, p in params.items()})
+    with torch.no_grad():
+        for k, p in params.items():
+            p.grad.copy_(_fp32_sum(g[k] for g in grads) / world)  # the rule
+    return params
+
+
 def _sc_fsdp_shard_ops(rank, world):
     """Ops on two-level shards outside the optimizer step: an in-place init after fully_shard,
     then clip_grad_norm_ of the reduced gradients."""
@@ -1362,20 +1378,10 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
     # (such tensors are rounded whole only in the reduced gradient and the optimizer step).
     res = ranks.run("_sc_fsdp_shard_ops")
     model = qt.convert(_mlp(32), qt.nvfp4)
-    params = dict(model.named_parameters())
     with torch.no_grad():
-        for p in params.values():
+        for p in model.parameters():
             p.mul_(0.5)
-    x, y = _data(1)[0]
-    n = len(x) // WORLD
-    grads = []
-    for r in range(WORLD):
-        model.zero_grad()
-        F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
-        grads.append({k: qt_plain(p.grad) for k, p in params.items()})
-    with torch.no_grad():
-        for k, p in params.items():
-            p.grad.copy_(_fp32_sum(g[k] for g in grads) / WORLD)  # the rule
+    params = _reduced_grads(model)
     checked = [k for k in params if k != "2.bias"]
     reduced = {k: p.grad for k, p in params.items()}
     for rank, (init, _total, _clipped, _alone) in enumerate(res):
@@ -1422,22 +1428,6 @@ def _sc_fsdp_clip(rank, world, spec, hidden, norm_type, foreach):
     clipped = {k: (_scale(p.grad), qt_plain(p.grad.full_tensor()))
                for k, p in model.named_parameters()}
     return (_fmt(total), qt_plain(total), _scale(total)), clipped
-
-
-def _reduced_grads(model, world=WORLD):
-    """One process: each parameter's gradient by the reduction rule for _data(1)'s batch."""
-    params = dict(model.named_parameters())
-    x, y = _data(1)[0]
-    n = len(x) // world
-    grads = []
-    for r in range(world):
-        model.zero_grad()
-        F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
-        grads.append({k: qt_plain(p.grad) for k, p in params.items()})
-    with torch.no_grad():
-        for k, p in params.items():
-            p.grad.copy_(_fp32_sum(g[k] for g in grads) / world)  # the rule
-    return params
 
 
 @pytest.mark.parametrize("spec,hidden,norm_type,foreach,cut", [
