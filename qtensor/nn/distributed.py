@@ -44,6 +44,10 @@ model as a whole:
   DCP loads into (:func:`_commit_scale`) get the whole parameter's scale (the wrappers of those
   private torch functions are in qtensor.tensor.shims).
 
+- Norms (clip_grad_norm_'s) of sharded DTensors of QTensors are one process's: taken of the
+  gathered whole tensor (:func:`_norm_of_whole`, :func:`_stack_of_norms`: DTensor op handlers,
+  registered through qtensor.tensor.shims).
+
 The reduction rule, the wrap orders and what is not supported: docs/distributed.md.
 """
 from __future__ import annotations
@@ -523,6 +527,57 @@ def _commit_scale(dest, tensor) -> None:
             == tensor._data.untyped_storage().data_ptr()):
         dest._tscale = scale
 
+
+def _sharded_qtensor(t) -> bool:
+    return (_is_dtensor(t) and isinstance(t._local_tensor, QTensor)
+            and any(pl.is_shard() for pl in t.placements))
+
+
+def _norm_of_whole(op_call, args, kwargs):
+    """A p-norm (``linalg_vector_norm``, ``_foreach_norm``: clip_grad_norm_'s) of a sharded
+    DTensor of QTensors, as one process computes it: torch's norm of the whole tensor, rounded
+    to its format. DTensor would combine the shards' norms (a partial norm: each shard's norm,
+    then its p-th power, their sum and its root, each rounded to the format), and torch's FP32
+    reduction over the whole tensor is not one over its parts: the whole tensor is gathered
+    (DTensor's Replicate, the values and a two-level tensor scale as they are) and the norm,
+    Replicate, computed of it on every rank. Max and min norms (inf, -inf) combine exactly:
+    DTensor's own. Where no input is such a DTensor: NotImplemented."""
+    x = args[0]
+    many = isinstance(x, (list, tuple))
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    if isinstance(ord_, (int, float)) and abs(ord_) == float("inf"):
+        return NotImplemented
+    tensors = list(x) if many else [x]
+    if not any(_sharded_qtensor(t) for t in tensors):
+        return NotImplemented
+    whole = [_replicated(t) if _sharded_qtensor(t) else t for t in tensors]
+    return op_call(whole if many else whole[0], *args[1:], **kwargs)
+
+
+def _replicated(t):
+    from torch.distributed.tensor import Replicate
+    return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+
+
+def _stack_of_norms(op_call, args, kwargs):
+    """A stack (clip_grad_norm_'s, of the norms) of DTensors among which a QTensor one: the
+    partial ones (the norms of sharded plain tensors) are reduced first (DTensor's reduction),
+    where DTensor would make the others partial (a replicated QTensor divided by the world
+    size's root, rounded to its format). Else NotImplemented."""
+    tensors = args[0]
+    if not any(_is_dtensor(t) and isinstance(t._local_tensor, QTensor) for t in tensors):
+        return NotImplemented
+    partial = [_is_dtensor(t) and any(pl.is_partial() for pl in t.placements) for t in tensors]
+    if not any(partial):
+        return NotImplemented
+    return op_call([_replicated(t) if p else t for t, p in zip(tensors, partial)], *args[1:],
+                   **kwargs)
+
+
+# DTensor's norms of sharded QTensors, and their stack (qtensor.tensor.shims)
+shims.handle_dtensor_ops((torch.ops.aten.linalg_vector_norm.default,
+                          torch.ops.aten._foreach_norm.Scalar), _norm_of_whole)
+shims.handle_dtensor_ops((torch.ops.aten.stack.default,), _stack_of_norms)
 
 # torch's private FSDPParam shard builders and DCP's commit_tensor (qtensor.tensor.shims)
 shims.wrap_fsdp_shard_builders(_two_level_scale, _give_scale)

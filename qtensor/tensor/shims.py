@@ -26,7 +26,8 @@ __all__ = ["TARGET", "TARGETS", "TENSOR_DATA", "make_wrapper_subclass", "compile
            "register_dynamo_constants", "accept_zero_tangents",
            "flattening_program_output", "attributes_set_while_tracing", "graph_break",
            "RunningSteps",
-           "wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor"]
+           "wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor",
+           "handle_dtensor_ops"]
 
 TARGET = "2.13"  # the torch version every shim here was written and tested for
 
@@ -368,3 +369,38 @@ def wrap_dcp_commit_tensor(after_commit) -> bool:
         wrapper._qtensor_scales = True
         return wrapper
     return _wrap_once(DefaultLoadPlanner, "commit_tensor", wrap)
+
+
+def handle_dtensor_ops(ops, handle) -> bool:
+    """torch 2.13: ``DTensor._op_dispatcher._custom_op_handlers``, the dict (op overload ->
+    ``handler(op_call, args, kwargs)``) whose handlers DTensor's dispatch calls instead of its
+    sharding propagation (loss_parallel and context parallel put theirs there). Each op of
+    ``ops`` gets a handler that returns ``handle(op_call, args, kwargs)``; where that is
+    NotImplemented, the op runs as without it (a handler that was there before, or DTensor's
+    own propagation, with this handler out of the dict for the call). False without DTensor
+    (nothing registered: the ops are DTensor's own)."""
+    try:
+        from torch.distributed.tensor import DTensor
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+    except (ImportError, AttributeError):
+        return False
+    for op in ops:
+        before = handlers.get(op)
+        if getattr(before, "_qtensor_handler", False):
+            continue
+
+        def handler(op_call, args, kwargs, _before=before):
+            out = handle(op_call, args, kwargs)
+            if out is not NotImplemented:
+                return out
+            if _before is not None:
+                return _before(op_call, args, kwargs)
+            table = DTensor._op_dispatcher._custom_op_handlers
+            mine = table.pop(op_call)
+            try:
+                return op_call(*args, **kwargs)
+            finally:
+                table[op_call] = mine
+        handler._qtensor_handler = True
+        handlers[op] = handler
+    return True

@@ -1324,6 +1324,22 @@ def test_fsdp2_gradient_accumulation_rounds_cut_blocks_whole(ranks, spec):
             assert scales[n] == ref_scales[n], (rank, n, "tensor scale", scales[n])
 
 
+def _reduced_grads(model, world=WORLD):
+    """One process: each parameter's gradient by the reduction rule for _data(1)'s batch."""
+    params = dict(model.named_parameters())
+    x, y = _data(1)[0]
+    n = len(x) // world
+    grads = []
+    for r in range(world):
+        model.zero_grad()
+        F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
+        grads.append({k: qt_plain(p.grad) for k, p in params.items()})
+    with torch.no_grad():
+        for k, p in params.items():
+            p.grad.copy_(_fp32_sum(g[k] for g in grads) / world)  # the rule
+    return params
+
+
 def _sc_fsdp_shard_ops(rank, world):
     """Ops on two-level shards outside the optimizer step: an in-place init after fully_shard,
     then clip_grad_norm_ of the reduced gradients."""
@@ -1362,20 +1378,10 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
     # (such tensors are rounded whole only in the reduced gradient and the optimizer step).
     res = ranks.run("_sc_fsdp_shard_ops")
     model = qt.convert(_mlp(32), qt.nvfp4)
-    params = dict(model.named_parameters())
     with torch.no_grad():
-        for p in params.values():
+        for p in model.parameters():
             p.mul_(0.5)
-    x, y = _data(1)[0]
-    n = len(x) // WORLD
-    grads = []
-    for r in range(WORLD):
-        model.zero_grad()
-        F.mse_loss(qt_plain_grad(model(x[r * n:(r + 1) * n])), y[r * n:(r + 1) * n]).backward()
-        grads.append({k: qt_plain(p.grad) for k, p in params.items()})
-    with torch.no_grad():
-        for k, p in params.items():
-            p.grad.copy_(_fp32_sum(g[k] for g in grads) / WORLD)  # the rule
+    params = _reduced_grads(model)
     checked = [k for k in params if k != "2.bias"]
     reduced = {k: p.grad for k, p in params.items()}
     for rank, (init, _total, _clipped, _alone) in enumerate(res):
@@ -1383,9 +1389,9 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
             assert init[k][0] == _scale(params[k]), (rank, k, "init's scale")
             _assert_bits_equal(init[k][1], qt_plain(params[k]), f"rank {rank} {k} init")
     for rank, (_init, (total_values, total_scale), clipped, _alone) in enumerate(res):
-        # the sharded run's total norm (made of the shards' norms, where one process takes
-        # the whole gradients' norms: other bits), so the same clip coefficient: then every
-        # clipped shard must be one process's clipped gradient, sliced
+        # the sharded run's total norm (one process's: the test of clip_grad_norm_ below), so
+        # the same clip coefficient: then every clipped shard must be one process's clipped
+        # gradient, sliced
         total = qt.QTensor(total_values, qt.nvfp4, tensor_scale=total_scale)
         for k, p in params.items():
             p.grad = reduced[k].clone()
@@ -1401,6 +1407,59 @@ def test_fsdp2_ops_on_two_level_shards_use_the_whole_tensors_scale(ranks):
     want = qt.as_qtensor(local * 3, qt.nvfp4)
     assert scale == _scale(want)
     _assert_bits_equal(tripled, qt_plain(want), "rank 0's local weight * 3")
+
+
+def _sc_fsdp_clip(rank, world, spec, hidden, norm_type, foreach):
+    """clip_grad_norm_ of the reduced gradients of a sharded model: its total norm (values and
+    tensor scale, as every rank holds it) and the clipped gradients."""
+    from torch.distributed.fsdp import fully_shard
+    model = qt.convert(_mlp(hidden), _spec(spec))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    x, y = _data(1)[0]
+    n = len(x) // world
+    F.mse_loss(qt_plain_grad(model(x[rank * n:(rank + 1) * n])),
+               y[rank * n:(rank + 1) * n]).backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1, norm_type=norm_type,
+                                           foreach=foreach)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    clipped = {k: (_scale(p.grad), qt_plain(p.grad.full_tensor()))
+               for k, p in model.named_parameters()}
+    return (_fmt(total), qt_plain(total), _scale(total)), clipped
+
+
+@pytest.mark.parametrize("spec,hidden,norm_type,foreach,cut", [
+    ("nvfp4", 32, 2.0, None, {"2.bias"}), ("nvfp4", 15, 2.0, None, {"0.bias", "2.bias"}),
+    ("nvfp4", 32, 2.0, True, {"2.bias"}), ("nvfp4", 32, 1.0, None, {"2.bias"}),
+    ("nvfp4_grad", 32, 2.0, None, set()), ("nvfp4", 32, float("inf"), None, {"2.bias"})])
+def test_fsdp2_clip_grad_norm_of_two_level_gradients_is_one_process_norm(
+        ranks, spec, hidden, norm_type, foreach, cut):
+    # clip_grad_norm_ on the sharded model: the total norm (bits, format, tensor scale) is the
+    # one one process computes from the whole gradients (each gradient's norm, rounded to its
+    # format; their stack and its norm), on every rank; the gradients are then clipped by it to
+    # one process's bits. hidden=15: uneven shards, which FSDP2 pads (the padding must not
+    # count). nvfp4_grad: plain biases beside two-level weight gradients, whose norms are
+    # stacked in NVFP4. The gradients whose shards cut a block (``cut``: 2.bias, 4 values in
+    # one block of 16; with hidden=15, 0.bias too) count in the norm; their clipped values are
+    # not checked (a computing op on a shard that cuts blocks: docs/distributed.md).
+    res = ranks.run("_sc_fsdp_clip", spec, hidden, norm_type, foreach, timeout=120)
+    model = qt.convert(_mlp(hidden), _spec(spec))
+    params = _reduced_grads(model)
+    want = torch.nn.utils.clip_grad_norm_(params.values(), max_norm=0.1, norm_type=norm_type,
+                                          foreach=foreach)
+    assert isinstance(want, qt.QTensor) and want.fmt.is_two_level  # a two-level norm
+    assert float(qt_plain(want)) > 0.1  # (so the gradients are clipped)
+    for rank, ((fmt, total, scale), clipped) in enumerate(res):
+        assert fmt == _fmt(want), (rank, fmt, _fmt(want))
+        assert scale == _scale(want), (rank, "the total norm's tensor scale", scale, _scale(want))
+        _assert_bits_equal(total, qt_plain(want), f"rank {rank} total norm")
+        for k, p in params.items():
+            if k in cut:
+                continue
+            assert clipped[k][0] == _scale(p.grad), (rank, k, "clipped gradient's scale")
+            _assert_bits_equal(clipped[k][1], qt_plain(p.grad), f"rank {rank} {k}.grad clipped")
 
 
 def _sc_fsdp_failed_step(rank, world):
@@ -1852,7 +1911,8 @@ def test_the_torch_internals_distributed_wraps_are_still_there():
     from torch.distributed.fsdp._fully_shard import _fsdp_param
     from qtensor.tensor import shims
     # each is a shim that names the torch version it targets (tests/tensor/test_shims.py)
-    for name in ("wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor"):
+    for name in ("wrap_broadcast_coalesced", "wrap_fsdp_shard_builders", "wrap_dcp_commit_tensor",
+                 "handle_dtensor_ops"):
         assert name in shims.__all__, name
         assert getattr(shims, name).__doc__.startswith(f"torch {shims.TARGET}:"), name
     bc = dist._broadcast_coalesced
@@ -1878,6 +1938,13 @@ def test_the_torch_internals_distributed_wraps_are_still_there():
                  and list(inspect.signature(commit.__wrapped__).parameters)
                  == ["self", "read_item", "tensor"],
                  "DefaultLoadPlanner.commit_tensor(self, read_item, tensor)")
+    from torch.distributed.tensor import DTensor
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    aten = torch.ops.aten
+    _wraps_still(all(getattr(handlers.get(op), "_qtensor_handler", False)
+                     for op in (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar,
+                                aten.stack.default)),
+                 "DTensor._op_dispatcher._custom_op_handlers (the norms of sharded QTensors)")
     from torch.distributed.checkpoint import default_planner
     from torch.distributed.checkpoint.metadata import MetadataIndex
     _wraps_still("self.state_dict" in inspect.getsource(default_planner.DefaultLoadPlanner)
