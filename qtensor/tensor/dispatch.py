@@ -37,7 +37,7 @@ from ..kernels.backend import eager_cpu_kernel as _eager_cpu_kernel, fit_format,
 from ..kernels.checks import FLOAT_DTYPES
 from ..formats.base import is_stochastic
 from .payloads import (quantize, round_fresh as _round_fresh, round_inplace as _round_inplace,
-                       unwrap as _unwrap)
+                       unwrap as _unwrap, whole_of as _whole_of)
 
 aten = torch.ops.aten
 _compiler = torch.compiler  # (its _is_exporting_flag is what is_exporting() returns)
@@ -788,6 +788,8 @@ def dispatch(func, args, kwargs, cls):
         out._shard = shard
     else:
         out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
+    if rule.is_view and fmt.is_two_level:
+        _share_scale(out, src._group, cls)
     if rule.kind != CONTRACT_KIND:
         acc = _accum_of(qs, cls)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
@@ -877,6 +879,15 @@ def _pads_after(func, uargs) -> bool:
     return all(p == 0 for p in pad[0::2]) and all(p >= 0 for p in pad[1::2])
 
 
+def _share_scale(out, group, cls):
+    """Views of a two-level QTensor hold its scale group: one scale for all of them."""
+    if isinstance(out, cls):
+        out._group = group
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            _share_scale(o, group, cls)
+
+
 def _set_accum(out, acc, cls):
     if isinstance(out, cls):
         out._accum = acc
@@ -909,6 +920,9 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls):
     if rule.inplace_view:
         if isinstance(args[0], cls):  # t_, unsqueeze_, ...: the block axis moves
             args[0].fmt = fmt
+            g = args[0]._group
+            if g is not None and g.root is args[0]._data:  # (the whole tensor's own payload)
+                g.fmt = fmt
         return return_and_correct_aliasing(func, args, kwargs, out)
     if rule.returns_void:
         return None
@@ -924,18 +938,26 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls):
 
 def _scale_into(d, func, args, kwargs, cls) -> None:
     """Values of d's format moved into the two-level QTensor d: under d's tensor scale they
-    stay; a copy_ over all of d brings its source's scale; other writes under another scale
-    round d again under a fresh one."""
+    stay; a copy_ brings its source's scale where that scale holds all the values of the whole
+    tensor d is (a view of): always where d is all of it (its old values are overwritten), and
+    where its other values are in format under it too (zeros are under any scale); other
+    writes under another scale round the whole tensor again under a fresh one."""
     srcs = [t for a in list(args) + list((kwargs or {}).values())
             for t in (a if isinstance(a, (list, tuple)) else (a,))
             if isinstance(t, cls) and t is not d]
     ds = d.tensor_scale
     if all(bool(torch.equal(t.tensor_scale, ds)) for t in srcs):
         return
-    if (func.overloadpacket.__name__ == "copy_" and len(srcs) == 1
-            and tuple(srcs[0].shape) == tuple(d.shape)):
-        d._tscale = srcs[0].tensor_scale
-        return
+    if func.overloadpacket.__name__ == "copy_" and len(srcs) == 1:
+        s = srcs[0].tensor_scale
+        whole, wfmt = _whole_of(d)
+        if whole is d._data and tuple(srcs[0].shape) == tuple(d.shape):
+            d._tscale = s
+            return
+        if type(whole) is torch.Tensor and bool(torch.equal(
+                _backend.round_with_scale(whole, wfmt, tensor_scale=s)[0], whole)):
+            d._tscale = s
+            return
     _round_inplace(d, func)
 
 
