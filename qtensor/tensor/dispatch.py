@@ -938,25 +938,22 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls):
 
 def _scale_into(d, func, args, kwargs, cls) -> None:
     """Values of d's format moved into the two-level QTensor d: under d's tensor scale they
-    stay; a copy_ brings its source's scale where that scale holds all the values of the whole
-    tensor d is (a view of): always where d is all of it (its old values are overwritten), and
-    where its other values are in format under it too (zeros are under any scale); other
-    writes under another scale round the whole tensor again under a fresh one."""
+    stay; a copy_ brings its source's scale where d is all of the tensor it is a view of (its
+    old values are overwritten), or the rest of that tensor is zeros (FSDP2 builds its shards
+    so: zeros, then a chunk copied into a view of them; a zero padding keeps values and scale);
+    other writes under another scale round the whole tensor again under a fresh one."""
     srcs = [t for a in list(args) + list((kwargs or {}).values())
             for t in (a if isinstance(a, (list, tuple)) else (a,))
             if isinstance(t, cls) and t is not d]
     ds = d.tensor_scale
     if all(bool(torch.equal(t.tensor_scale, ds)) for t in srcs):
         return
-    if func.overloadpacket.__name__ == "copy_" and len(srcs) == 1:
-        s = srcs[0].tensor_scale
-        whole, wfmt = _whole_of(d)
-        if whole is d._data and tuple(srcs[0].shape) == tuple(d.shape):
-            d._tscale = s
-            return
-        if type(whole) is torch.Tensor and bool(torch.equal(
-                _backend.round_with_scale(whole, wfmt, tensor_scale=s)[0], whole)):
-            d._tscale = s
+    if (func.overloadpacket.__name__ == "copy_" and len(srcs) == 1
+            and tuple(srcs[0].shape) == tuple(d.shape)):
+        whole, _fmt = _whole_of(d)
+        if (whole is d._data or whole.numel() == d.numel()
+                or int(torch.count_nonzero(whole)) == int(torch.count_nonzero(d._data))):
+            d._tscale = srcs[0].tensor_scale
             return
     _round_inplace(d, func)
 
