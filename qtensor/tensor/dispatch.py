@@ -727,8 +727,8 @@ def dispatch(func, args, kwargs, cls):
         # eager payloads only (traced ones take the general path), not while torch.export
         # traces (QTensor._wrap records the constructions)
         if (type(data) is torch.Tensor and type(a) is cls
-                and not _compiler._is_exporting_flag and a._tscale is None
-                and not a.fmt.is_two_level):
+                and not _compiler._is_exporting_flag and not a.fmt.is_two_level
+                and a._tscale is None):
             return _single_move(rule.single, func, rule, a, data, args, kwargs, cls)
     if rule.kind >= FOREACH:
         if rule.kind == FOREACH:
