@@ -153,6 +153,11 @@ def test_data_copy_and_init_functions_keep_the_scale_with_the_values():
     torch.manual_seed(1)
     ref = torch.empty(4, 64).normal_()
     _check(q, views, qt.as_qtensor(ref, qt.nvfp4))
+    torch.manual_seed(2)
+    nn.init.normal_(q, std=0.01)
+    torch.manual_seed(2)
+    ref = torch.empty(4, 64).normal_(std=0.01)
+    _check(q, views, qt.as_qtensor(ref, qt.nvfp4))
 
 
 def test_a_converted_models_weight_under_no_grad_and_an_optimizer_step():
