@@ -789,11 +789,11 @@ def dispatch(func, args, kwargs, cls):
     else:
         out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
     if rule.is_view and fmt.is_two_level:
-        _share_scale(out, src._group, cls)
+        _set_on(out, "_group", src._group, cls)  # views: one scale group, their base's
     if rule.kind != CONTRACT_KIND:
         acc = _accum_of(qs, cls)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
-        _set_accum(out, acc, cls)
+        _set_on(out, "_accum", acc, cls)
     if rule.is_view and _has_q(out, cls):
         return return_and_correct_aliasing(func, args, kwargs, out)
     return out
@@ -879,21 +879,13 @@ def _pads_after(func, uargs) -> bool:
     return all(p == 0 for p in pad[0::2]) and all(p >= 0 for p in pad[1::2])
 
 
-def _share_scale(out, group, cls):
-    """Views of a two-level QTensor hold its scale group: one scale for all of them."""
+def _set_on(out, name, value, cls):
+    """Each QTensor of out (one, or a tuple/list of them) takes value as its attribute name."""
     if isinstance(out, cls):
-        out._group = group
+        setattr(out, name, value)
     elif isinstance(out, (tuple, list)):
         for o in out:
-            _share_scale(o, group, cls)
-
-
-def _set_accum(out, acc, cls):
-    if isinstance(out, cls):
-        out._accum = acc
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            _set_accum(o, acc, cls)
+            _set_on(o, name, value, cls)
 
 
 def _has_q(out, cls):
