@@ -37,7 +37,7 @@ from ..kernels.backend import eager_cpu_kernel as _eager_cpu_kernel, fit_format,
 from ..kernels.checks import FLOAT_DTYPES
 from ..formats.base import is_stochastic
 from .payloads import (quantize, round_fresh as _round_fresh, round_inplace as _round_inplace,
-                       unwrap as _unwrap)
+                       unwrap as _unwrap, whole_of as _whole_of)
 
 aten = torch.ops.aten
 _compiler = torch.compiler  # (its _is_exporting_flag is what is_exporting() returns)
@@ -727,8 +727,8 @@ def dispatch(func, args, kwargs, cls):
         # eager payloads only (traced ones take the general path), not while torch.export
         # traces (QTensor._wrap records the constructions)
         if (type(data) is torch.Tensor and type(a) is cls
-                and not _compiler._is_exporting_flag and a._tscale is None
-                and not a.fmt.is_two_level):
+                and not _compiler._is_exporting_flag and not a.fmt.is_two_level
+                and a._tscale is None):
             return _single_move(rule.single, func, rule, a, data, args, kwargs, cls)
     if rule.kind >= FOREACH:
         if rule.kind == FOREACH:
@@ -788,10 +788,12 @@ def dispatch(func, args, kwargs, cls):
         out._shard = shard
     else:
         out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
+    if rule.is_view and fmt.is_two_level:
+        _set_on(out, "_group", src._group, cls)  # views: one scale group, their base's
     if rule.kind != CONTRACT_KIND:
         acc = _accum_of(qs, cls)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
-        _set_accum(out, acc, cls)
+        _set_on(out, "_accum", acc, cls)
     if rule.is_view and _has_q(out, cls):
         return return_and_correct_aliasing(func, args, kwargs, out)
     return out
@@ -877,12 +879,13 @@ def _pads_after(func, uargs) -> bool:
     return all(p == 0 for p in pad[0::2]) and all(p >= 0 for p in pad[1::2])
 
 
-def _set_accum(out, acc, cls):
+def _set_on(out, name, value, cls):
+    """Each QTensor of out (one, or a tuple/list of them) takes value as its attribute name."""
     if isinstance(out, cls):
-        out._accum = acc
+        setattr(out, name, value)
     elif isinstance(out, (tuple, list)):
         for o in out:
-            _set_accum(o, acc, cls)
+            _set_on(o, name, value, cls)
 
 
 def _has_q(out, cls):
@@ -909,6 +912,9 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls):
     if rule.inplace_view:
         if isinstance(args[0], cls):  # t_, unsqueeze_, ...: the block axis moves
             args[0].fmt = fmt
+            g = args[0]._group
+            if g is not None and g.root is args[0]._data:  # (the whole tensor's own payload)
+                g.fmt = fmt
         return return_and_correct_aliasing(func, args, kwargs, out)
     if rule.returns_void:
         return None
@@ -924,8 +930,10 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls):
 
 def _scale_into(d, func, args, kwargs, cls) -> None:
     """Values of d's format moved into the two-level QTensor d: under d's tensor scale they
-    stay; a copy_ over all of d brings its source's scale; other writes under another scale
-    round d again under a fresh one."""
+    stay; a copy_ brings its source's scale where d is all of the tensor it is a view of (its
+    old values are overwritten), or the rest of that tensor is zeros (FSDP2 builds its shards
+    so: zeros, then a chunk copied into a view of them; a zero padding keeps values and scale);
+    other writes under another scale round the whole tensor again under a fresh one."""
     srcs = [t for a in list(args) + list((kwargs or {}).values())
             for t in (a if isinstance(a, (list, tuple)) else (a,))
             if isinstance(t, cls) and t is not d]
@@ -934,8 +942,11 @@ def _scale_into(d, func, args, kwargs, cls) -> None:
         return
     if (func.overloadpacket.__name__ == "copy_" and len(srcs) == 1
             and tuple(srcs[0].shape) == tuple(d.shape)):
-        d._tscale = srcs[0].tensor_scale
-        return
+        whole, _fmt = _whole_of(d)
+        if (whole is d._data or whole.numel() == d.numel()
+                or int(torch.count_nonzero(whole)) == int(torch.count_nonzero(d._data))):
+            d._tscale = srcs[0].tensor_scale
+            return
     _round_inplace(d, func)
 
 

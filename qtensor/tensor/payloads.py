@@ -12,7 +12,7 @@ from ..kernels.backend import fit_format
 from ..kernels.checks import FLOAT_DTYPES
 from ..formats.base import Format, is_stochastic
 
-__all__ = ["quantize", "round_fresh", "round_inplace", "unwrap", "unwrap_list"]
+__all__ = ["quantize", "round_fresh", "round_inplace", "unwrap", "unwrap_list", "whole_of"]
 
 
 def quantize(x: torch.Tensor, fmt: Format, keep_layout: bool = True,
@@ -48,6 +48,17 @@ def round_fresh(out, fmt, func):
     return out
 
 
+def whole_of(q):
+    """(the payload of the whole tensor that the two-level QTensor q is a view of, its format
+    fitted to it): q's own where q is that tensor (or no eager payload: traced ones alias
+    nothing that dispatch sees)."""
+    g, data = q._group, q._data
+    if (g is None or g.root is data or type(data) is not torch.Tensor
+            or type(g.root) is not torch.Tensor):
+        return data, fit_format(q.fmt, data.dim())
+    return g.root, fit_format(g.fmt, g.root.dim())
+
+
 def round_inplace(q, func=None) -> None:
     """Round a QTensor's payload in place to its own format (after an in-place op)."""
     data = q._data
@@ -57,6 +68,9 @@ def round_inplace(q, func=None) -> None:
         if shard is not None:
             v, q._tscale = _shards.round_shard(data, fmt, shard)
         else:
+            # one scale for the whole tensor a view is part of: its blocks and amax are the
+            # whole's, and the new scale is every alias's (q._tscale is their group's)
+            data, fmt = whole_of(q)
             v, q._tscale = _backend.round_with_scale(data, fmt)
         data.copy_(v)
         return

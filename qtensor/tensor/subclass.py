@@ -309,6 +309,18 @@ def _describe_sizes(sizes) -> str:
                            else str(v) for v in (sizes or ())) + ")"
 
 
+class ScaleGroup:
+    """The one tensor scale of a two-level QTensor and of every view of it (slices, ``.data``,
+    ``detach()``, transposes: wrappers of the same values). ``root``: the payload of the whole
+    tensor (the QTensor the scale was first given to) and ``fmt`` its format, which an in-place
+    op through any view rounds as a whole (qtensor.tensor.payloads.round_inplace)."""
+
+    __slots__ = ("s", "root", "fmt")
+
+    def __init__(self, s, root, fmt):
+        self.s, self.root, self.fmt = s, root, fmt
+
+
 class QTensor(torch.Tensor):
     """A tensor whose values are in ``fmt``; contractions see them in ``mm_fmt`` (optional).
 
@@ -322,8 +334,23 @@ class QTensor(torch.Tensor):
     fmt: Format
     mm_fmt: Optional[Format]
     _accum = None  # see accum; internal code sets _accum (no export recording)
-    _tscale = None  # two-level formats (nvfp4): the FP32 decode tensor scale, 0-dim float32
+    _group = None  # two-level formats (nvfp4): the ScaleGroup of its payload, shared by views
     _shard = None  # a shard of a whole two-level tensor: its ShardOf (qtensor.tensor.shards)
+
+    @property
+    def _tscale(self):
+        """The FP32 decode tensor scale (0-dim float32) of a two-level format, or None (not
+        derived yet): its group's, so that a QTensor and its views always read one scale."""
+        g = self._group
+        return None if g is None else g.s
+
+    @_tscale.setter
+    def _tscale(self, s):
+        g = self._group
+        if g is not None:
+            g.s = s
+        elif s is not None:  # the first scale of these values: a group whose root they are
+            self._group = ScaleGroup(s, self._data, self.fmt)
 
     @property
     def tensor_scale(self) -> Optional[torch.Tensor]:
@@ -517,8 +544,9 @@ class QTensor(torch.Tensor):
             new = as_qtensor(new.detach(), _dispatch.fit_format(self.fmt, new.dim()),
                              mm_fmt=self.mm_fmt)
         _TENSOR_DATA.__set__(self, new)  # sizes, strides, dtype, device of the wrapper
+        new.tensor_scale  # (a two-level one's group exists: self now aliases new's values)
         self._data, self.fmt, self.mm_fmt = new._data, new.fmt, new.mm_fmt
-        self._tscale = new._tscale
+        self._group = new._group  # (self's old views keep the old values' group)
 
     def untyped_storage(self):
         """The payload's storage: ``share_memory_()``, ``is_shared()``, ``storage()`` and
