@@ -2210,7 +2210,7 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
       const qt_v16u jk = iota ^ ikey, jk1 = jk ^ (jk >> 16);
       const qt_v16f nan = (qt_v16f)(qt_v16u{} + kNaNBits);
       if constexpr (!four) {
-        // (a rolled loop: unrolled, gcc re-broadcast its constants for every block, 15% slower)
+        // (rolled: gcc re-broadcast the unrolled loop's constants for every block, slower)
 #pragma GCC unroll 1
         for (int k = 0; k < n; ++k) {
           qt_v16u xv;
