@@ -2131,6 +2131,15 @@ QT_BLOCK_FN bool tl_pick4_near(const qt_v16f d4[8], const qt_v16f d6[8], qt_v8f 
   return true;
 }
 
+// The random words of the block of 16 at index o (a multiple of 16) from jk1 (tl_rows16: the
+// first hash step of the batch's part of each word's input)
+template <int MODE>
+QT_BLOCK_FN qt_v16u tl_words16(qt_v16u jk1, uint64_t o, uint32_t sr_or) {
+  if (MODE != kStochastic) return qt_v16u{};
+  const uint32_t lo = (uint32_t)o;
+  return lowbias32_rest_v(jk1 ^ (lo ^ (lo >> 16))) | sr_or;
+}
+
 template <typename T>
 QT_BLOCK_FN void tl_store16(T* y, qt_v16f q) {
   if constexpr (std::is_same<T, float>::value) {
@@ -2215,11 +2224,7 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
         for (int k = 0; k < n; ++k) {
           qt_v16u xv;
           std::memcpy(&xv, xb + k * 16, 64);
-          qt_v16u w = qt_v16u{};
-          if (MODE == kStochastic) {
-            const uint32_t o = (uint32_t)(o0 + k * 16);
-            w = lowbias32_rest_v(jk1 ^ (o ^ (o >> 16))) | sr_or;
-          }
+          const qt_v16u w = tl_words16<MODE>(jk1, o0 + k * 16, sr_or);
           const qt_v16f p = tl_fp4_payload_v<MODE, 16>(xv, w, inv6[k], X6[k], dec);
           tl_store16<T>(yp + o0 + k * 16, bad[k] ? nan : p * dec);
         }
@@ -2231,11 +2236,7 @@ void tl_rows16(const T* x, T* y, int64_t nb, const TwoLevelArgs& a, const TlFast
       for (int k = 0; k < 8; ++k) {
         qt_v16u xv;
         std::memcpy(&xv, xb + k * 16, 64);
-        qt_v16u w = qt_v16u{};
-        if (MODE == kStochastic) {
-          const uint32_t o = (uint32_t)(o0 + k * 16);
-          w = lowbias32_rest_v(jk1 ^ (o ^ (o >> 16))) | sr_or;
-        }
+        const qt_v16u w = tl_words16<MODE>(jk1, o0 + k * 16, sr_or);
         p6[k] = tl_fp4_payload_v<MODE, 16>(xv, w, inv6[k], X6[k], dec);
         p4[k] = tl_fp4_payload_v<MODE, 16>(xv, w, inv4[k], X4[k], dec);
         // terms close to TE's (tl_pick4_near; p has x's sign)
