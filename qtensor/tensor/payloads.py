@@ -160,7 +160,10 @@ def round_inplace(q, func=None, moved=False) -> None:
     fmt = fit_format(q.fmt, data.dim())
     if fmt.is_block and not fmt.is_two_level and q._group is not None:
         root, rfmt = whole_of(q)
-        part = None if root is data else _touched_blocks(data, fmt, root, rfmt)
+        part = None if root is data or (  # (.data, detach(): all of root, as it lies)
+            data.shape == root.shape and data.stride() == root.stride()
+            and data.storage_offset() == root.storage_offset()) else _touched_blocks(
+                data, fmt, root, rfmt)
         if part is None:
             if moved:
                 return
