@@ -14,6 +14,7 @@ from torch import nn
 import qtensor as qt
 from qtensor.formats.block import BlockFormat
 from qtensor.tensor import payloads
+from test_two_level_views import OPS, _bits, _src
 
 SHAPE = (32, 64)
 
@@ -58,24 +59,6 @@ VIEWS = {
 }
 
 
-def _src(shape, seed=7):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 5
-
-
-OPS = {
-    "mul_": lambda v: v.mul_(9),
-    "add_": lambda v: v.add_(1),
-    "zero_": lambda v: v.zero_(),
-    "copy_": lambda v: v.copy_(_src(v.shape)),
-    "clamp_": lambda v: v.clamp_(-1, 1),
-}
-
-
-def _bits(t):
-    t = t.dequantize() if isinstance(t, qt.QTensor) else t
-    return t.detach().float().contiguous().view(torch.int32)
-
-
 def _base(fmt, seed=0):
     g = torch.Generator().manual_seed(seed)
     return qt.as_qtensor(torch.randn(SHAPE, generator=g) * torch.rand(SHAPE, generator=g) * 4,
@@ -96,6 +79,16 @@ def _want(name, before, ref, make):
     return torch.where(_touched(name, make), qt.quantize(ref, FORMATS[name]), before)
 
 
+def _write(name, q, views, write, region):
+    """write(t) done to q and to a plain copy of its values, where region(t) is what it writes:
+    q and its views checked against the rule."""
+    before = q.dequantize().clone()
+    ref = before.clone()
+    write(ref)
+    write(q)
+    _check(name, q, views, _want(name, before, ref, region))
+
+
 def _check(name, q, views, want):
     assert torch.equal(_bits(q), _bits(want)), "base values"
     again = qt.quantize(q.dequantize(), FORMATS[name])
@@ -114,15 +107,11 @@ def _all_views(q):
 def test_an_inplace_op_through_a_view_rounds_the_blocks_it_touches(name, view, op):
     q = _base(FORMATS[name])
     views = _all_views(q)
-    before = q.dequantize().clone()
-    ref = before.clone()
-    OPS[op](VIEWS[view](ref))
-    OPS[op](VIEWS[view](q))
-    _check(name, q, views, _want(name, before, ref, VIEWS[view]))
+    _write(name, q, views, lambda t: OPS[op](VIEWS[view](t)), VIEWS[view])
     # a later op on the base alone: every view reads it
+    want = qt.quantize(q.dequantize() * 0.25, FORMATS[name])
     q.mul_(0.25)
-    _check(name, q, views, qt.quantize(_want(name, before, ref, VIEWS[view]) * 0.25,
-                                       FORMATS[name]))
+    _check(name, q, views, want)
 
 
 # (format, view) pairs whose view holds whole blocks of the base, in the blocks' own order
@@ -161,11 +150,8 @@ def test_views_that_hold_whole_blocks_round_only_themselves(name, view, op, monk
 def test_setitem_of_plain_values_into_part(name):
     q = _base(FORMATS[name], 2)
     views = _all_views(q)
-    before = q.dequantize().clone()
-    ref = before.clone()
-    ref[3:7, 5:40] = _src((4, 35)) * 10
-    q[3:7, 5:40] = _src((4, 35)) * 10
-    _check(name, q, views, _want(name, before, ref, lambda t: t[3:7, 5:40]))
+    _write(name, q, views, lambda t: t.__setitem__((slice(3, 7), slice(5, 40)),
+                                                   _src((4, 35)) * 10), lambda t: t[3:7, 5:40])
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -175,16 +161,13 @@ def test_copy_of_a_qtensor_into_part_that_cuts_blocks(name):
     q = _base(fmt, 4)
     views = _all_views(q)
     other = qt.as_qtensor(_src((4, 20)) * 30, fmt)
-    before = q.dequantize().clone()
-    ref = before.clone()
-    ref[3:7, 10:30] = other.dequantize()
-    q[3:7, 10:30].copy_(other)
-    _check(name, q, views, _want(name, before, ref, lambda t: t[3:7, 10:30]))
-    before = q.dequantize().clone()
-    ref = before.clone()
-    ref[3:7, 10:30] = ref[20:24, 40:60]
-    q[3:7, 10:30] = q[20:24, 40:60].clone()  # (setitem of a QTensor: copy_ into the view)
-    _check(name, q, views, _want(name, before, ref, lambda t: t[3:7, 10:30]))
+    part = lambda t: t[3:7, 10:30]  # noqa: E731
+    _write(name, q, views,
+           lambda t: part(t).copy_(other if isinstance(t, qt.QTensor) else other.dequantize()),
+           part)
+    # (setitem of a QTensor: copy_ into the view)
+    _write(name, q, views, lambda t: t.__setitem__((slice(3, 7), slice(10, 30)),
+                                                   t[20:24, 40:60].clone()), part)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -196,13 +179,11 @@ def test_data_copy_and_init_functions(name):
     new = _src(SHAPE) * 100
     q.data.copy_(new)
     _check(name, q, views, qt.quantize(new, fmt))
-    torch.manual_seed(0)
-    nn.init.normal_(q[1:3, 8:20], std=50.0)
-    torch.manual_seed(0)
-    before = q.dequantize().clone()
-    ref = before.clone()
-    nn.init.normal_(ref[1:3, 8:20], std=50.0)
-    _check(name, q, views, _want(name, before, ref, lambda t: t[1:3, 8:20]))
+    def init(t):
+        torch.manual_seed(0)
+        nn.init.normal_(t[1:3, 8:20], std=50.0)
+
+    _write(name, q, views, init, lambda t: t[1:3, 8:20])
     torch.manual_seed(1)
     nn.init.normal_(q.data)
     torch.manual_seed(1)
@@ -215,12 +196,8 @@ def test_a_converted_models_weight_under_no_grad_and_an_optimizer_step():
     w = model.weight
     assert isinstance(w, qt.QTensor) and w.fmt.is_block
     views = [("data", w.data, lambda t: t.data), ("cols", w[:, :24], lambda t: t[:, :24])]
-    before = w.dequantize().clone()
-    ref = before.clone()
     with torch.no_grad():
-        w[:, :24].mul_(40)
-    ref[:, :24] *= 40
-    _check("mxfp4_e2m1", w, views, _want("mxfp4_e2m1", before, ref, lambda t: t[:, :24]))
+        _write("mxfp4_e2m1", w, views, lambda t: t[:, :24].mul_(40), lambda t: t[:, :24])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(8, 64)).sum().backward()
     opt.step()
