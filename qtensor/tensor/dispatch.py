@@ -711,6 +711,8 @@ def _single_move(call, func, rule, a, data, args, kwargs, cls):
         out = cls._wrap_eager(out, fmt, a.mm_fmt)
     if a._accum is not None:
         out._accum = a._accum
+    if rule.is_view and fmt.is_block:  # (views of one-level block formats: their root's group)
+        out._group = a._views_group()
     if rule.aliases_self:
         torch._functionalize_unsafe_set(out, a)  # (return_and_correct_aliasing's one step)
     return out
@@ -788,8 +790,8 @@ def dispatch(func, args, kwargs, cls):
         out._shard = shard
     else:
         out = _wrap_out(cls, out, fmt, mm_fmt, rnd, func, fresh, tscale)
-    if rule.is_view and fmt.is_two_level:
-        _set_on(out, "_group", src._group, cls)  # views: one scale group, their base's
+    if rule.is_view and fmt.is_block:  # views: one scale group, their base's
+        _set_on(out, "_group", src._group if fmt.is_two_level else src._views_group(), cls)
     if rule.kind != CONTRACT_KIND:
         acc = _accum_of(qs, cls)
     if acc is not None:  # results carry the accumulator on (activations, gradients)
@@ -909,6 +911,10 @@ def _finish_mutation(func, rule, args, kwargs, out, rnd, fmt, mm_fmt, cls):
                     _round_inplace(d, func)
                 elif d.fmt.is_two_level and not rule.inplace_view:
                     _scale_into(d, func, args, kwargs, cls)
+                elif d._group is not None and not rule.inplace_view:
+                    # values of d's format, as blocks of their own, moved into a view of a
+                    # one-level block format: the blocks of the whole that it cuts round again
+                    _round_inplace(d, func, moved=True)
     if rule.inplace_view:
         if isinstance(args[0], cls):  # t_, unsqueeze_, ...: the block axis moves
             args[0].fmt = fmt

@@ -313,7 +313,9 @@ class ScaleGroup:
     """The one tensor scale of a two-level QTensor and of every view of it (slices, ``.data``,
     ``detach()``, transposes: wrappers of the same values). ``root``: the payload of the whole
     tensor (the QTensor the scale was first given to) and ``fmt`` its format, which an in-place
-    op through any view rounds as a whole (qtensor.tensor.payloads.round_inplace)."""
+    op through any view rounds as a whole (qtensor.tensor.payloads.round_inplace). A one-level
+    block format's views share one too (``s`` None, from the first view on: views_group): an
+    in-place op through a view rounds the root's blocks it touches."""
 
     __slots__ = ("s", "root", "fmt")
 
@@ -334,7 +336,7 @@ class QTensor(torch.Tensor):
     fmt: Format
     mm_fmt: Optional[Format]
     _accum = None  # see accum; internal code sets _accum (no export recording)
-    _group = None  # two-level formats (nvfp4): the ScaleGroup of its payload, shared by views
+    _group = None  # block formats: the ScaleGroup of its payload, shared by views
     _shard = None  # a shard of a whole two-level tensor: its ShardOf (qtensor.tensor.shards)
 
     @property
@@ -351,6 +353,14 @@ class QTensor(torch.Tensor):
             g.s = s
         elif s is not None:  # the first scale of these values: a group whose root they are
             self._group = ScaleGroup(s, self._data, self.fmt)
+
+    def _views_group(self):
+        """The ScaleGroup that views of self share (made on the first view of a one-level
+        block format, whose root self's payload is)."""
+        g = self._group
+        if g is None:
+            g = self._group = ScaleGroup(None, self._data, self.fmt)
+        return g
 
     @property
     def tensor_scale(self) -> Optional[torch.Tensor]:
