@@ -104,16 +104,7 @@ def _box_of(data, root):
 
 def _block_extents(fmt, shape):
     """The elements a block of the (fitted) block format fmt spans along each dim of shape."""
-    nd = len(shape)
-    if fmt.axis is None:  # one block: the whole tensor
-        return list(shape)
-    ax = fmt.axis % nd
-    ext = [1] * nd
-    if fmt.block_shape is not None:  # tiles of the last two dims, c along the axis
-        ext[nd - 2 if ax == nd - 1 else nd - 1], ext[ax] = fmt.block_shape
-    else:
-        ext[ax] = fmt.block_size or shape[ax]
-    return ext
+    return [fmt.block_extent(len(shape), d, n) for d, n in enumerate(shape)]
 
 
 def _touched_blocks(data, fmt, root, rfmt):
